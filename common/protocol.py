@@ -1,0 +1,212 @@
+"""The contract between the control plane (scheduler) and the data plane (workers).
+
+Every message that crosses a process boundary is a dataclass defined here and encoded with
+msgpack by `encode`/`decode`; nothing is pickled. A dataclass travels as a msgpack extension
+holding `[type_tag, field values in declaration order]`, so nested messages need no schema.
+
+Step plans are diffs: a sequence the worker has not seen (or has dropped) comes in full as a
+`NewSequence`; afterwards it comes as a `CachedSequence` carrying only its new block ids, the
+number of tokens scheduled and its last token.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+_EXT_MESSAGE = 1
+
+
+class ProtocolError(ValueError):
+    """A message that could not be decoded or that breaks the contract."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What a request asks of the sampler and of the stop checks. Defaults follow OpenAI/vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        _require(self.n == 1, "n", "only n=1 is supported so far")
+        _require(self.temperature >= 0.0, "temperature", "temperature must be >= 0")
+        _require(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+        _require(self.top_k >= 0 or self.top_k == -1, "top_k", "top_k must be >= 0 (0 or -1: off)")
+        _require(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
+        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
+        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        _require(self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be > 0")
+        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1")
+        _require(self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0")
+        _require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens", "min_tokens must be <= max_tokens",
+        )
+        _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]")
+
+
+class InvalidParamError(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParamError(param, message)
+
+
+# ----------------------------------------------------------------------------- step plan
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """A sequence in full: first scheduled, or rescheduled after the worker dropped it."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class CachedSequence:
+    """A sequence the worker already holds: only what changed since the last plan."""
+
+    seq_id: int
+    new_block_ids: list[int]  # replace the held table from block_table_offset on
+    block_table_offset: int  # the held length, or one less after a copy-on-write of the last block
+    num_scheduled_tokens: int
+    last_token_id: int  # the scheduler's view of the newest token, appended if the worker lacks it
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step: int
+    epoch: int
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    cached_seqs: list[CachedSequence] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # drop state, blocks already freed
+    preempted_seq_ids: list[int] = field(default_factory=list)  # drop state, will come back new
+    blocks_to_copy: list[list[int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    blocks_to_swap_in: list[list[int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_swap_out: list[list[int]] = field(default_factory=list)  # (gpu, cpu)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.new_seqs) + sum(
+            s.num_scheduled_tokens for s in self.cached_seqs
+        )
+
+
+@dataclass(slots=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float
+    top_logprobs: list[list] = field(default_factory=list)  # [[token_id, logprob], ...], best first
+
+
+@dataclass(slots=True)
+class StepResult:
+    step: int
+    epoch: int
+    sampled: list[SampledToken] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class WorkerHello:
+    """A worker's capacity, sent once it has loaded the model and sized its KV pool."""
+
+    rank: int
+    world_size: int
+    device: str
+    model: str
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    kv_bytes_per_block: int
+    host_bandwidth: float  # bytes/s between device and swap pool, measured
+    prefill_tokens_per_s: float  # measured
+
+
+# ----------------------------------------------------------------------------- codec
+
+_MESSAGE_TYPES: list[type] = [
+    SamplingParams, NewSequence, CachedSequence, StepPlan, SampledToken, StepResult, WorkerHello,
+]
+_TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
+_FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    cls = type(obj)
+    tag = _TAG_OF.get(cls)
+    if tag is None:
+        raise TypeError(f"cannot encode {cls.__name__}: not a protocol message")
+    values = [tag] + [getattr(obj, name) for name in _FIELDS_OF[cls]]
+    return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb(values, default=_default, use_bin_type=True))
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != _EXT_MESSAGE:
+        raise ProtocolError(f"unknown msgpack extension {code}")
+    tag, *values = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, use_list=True, strict_map_key=False)
+    if not isinstance(tag, int) or not 0 <= tag < len(_MESSAGE_TYPES):
+        raise ProtocolError(f"unknown message tag {tag!r}")
+    cls = _MESSAGE_TYPES[tag]
+    names = _FIELDS_OF[cls]
+    if len(values) != len(names):
+        raise ProtocolError(f"{cls.__name__} expects {len(names)} fields, got {len(values)}")
+    try:
+        return cls(**dict(zip(names, values)))
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"invalid {cls.__name__}: {exc}") from exc
+
+
+def encode(message: Any) -> bytes:
+    """Encode a protocol message (with the protocol version) to bytes."""
+    return msgpack.packb([PROTOCOL_VERSION, message], default=_default, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """Decode bytes from `encode`; raises ProtocolError on anything malformed."""
+    try:
+        version, message = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several types for garbage input
+        raise ProtocolError(f"undecodable message: {exc}") from exc
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} is not {PROTOCOL_VERSION}")
+    return message

@@ -1,0 +1,1 @@
+"""The API plane: tokenizer and detokenizer now; the OpenAI-compatible server with [serving]."""

@@ -1,0 +1,79 @@
+"""Pure-PyTorch references for the paged-attention kernels (the CPU path and the test oracle)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each token's K and V head rows into its slot; slot -1 is padding and is skipped.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
+    """
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = key[valid].to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = value[valid].to(kv_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged KV.
+
+    query: [num_tokens, num_heads, head_dim], sequence i's queries are its last
+    `cu_seqlens_q[i+1] - cu_seqlens_q[i]` positions; seq_lens[i] counts its KV including them;
+    block_tables: [num_seqs, max_blocks] int32 padded with the null block 0.
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    out = torch.empty_like(query)
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if decodes:
+        _decode(query, kv_cache, block_tables, lens, starts, decodes, scale, out)
+    for i in range(len(lens)):
+        q_len = starts[i + 1] - starts[i]
+        if q_len > 1:
+            _prefill(query, kv_cache, block_tables[i], lens[i], starts[i], q_len, scale, out)
+    return out
+
+
+def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a table's first blocks: [..., num_blocks * block_size, num_kv_heads, head_dim]."""
+    kv = kv_cache[block_table[..., :num_blocks].long()]  # [..., num_blocks, 2, block_size, kvh, hd]
+    k, v = kv.select(-4, 0), kv.select(-4, 1)
+    shape = (*k.shape[:-4], -1, *k.shape[-2:])
+    return k.reshape(shape), v.reshape(shape)
+
+
+def _decode(query, kv_cache, block_tables, lens, starts, rows, scale, out) -> None:
+    """All single-query sequences in one batched call, padded to the longest context."""
+    block_size = kv_cache.shape[2]
+    idx = torch.tensor(rows, device=query.device)
+    ctx = torch.tensor([lens[i] for i in rows], device=query.device)
+    k, v = _gather(kv_cache, block_tables[idx], -(-int(ctx.max()) // block_size))  # [b, L, kvh, hd]
+    q = query[[starts[i] for i in rows]].unsqueeze(2)  # [b, h, 1, hd]
+    mask = (torch.arange(k.shape[1], device=query.device) < ctx[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
+        enable_gqa=True,
+    )
+    out[[starts[i] for i in rows]] = o.squeeze(2)
+
+
+def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out) -> None:
+    block_size = kv_cache.shape[2]
+    k, v = _gather(kv_cache, block_table, -(-seq_len // block_size))
+    k, v = k[:seq_len].transpose(0, 1).to(query.dtype), v[:seq_len].transpose(0, 1).to(query.dtype)
+    q = query[start:start + q_len].transpose(0, 1)  # [h, q_len, hd]
+    if q_len == seq_len:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # queries after a cached prefix: query i sees keys [0, seq_len - q_len + i]
+        rows = torch.arange(q_len, device=query.device)[:, None] + (seq_len - q_len)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out[start:start + q_len] = o.transpose(0, 1)

@@ -1,0 +1,98 @@
+"""The offline Python API: `LLM(model).generate(prompts, SamplingParams)`."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from common.config import EngineConfig
+from common.protocol import SamplingParams
+from scheduler.engine import LLMEngine
+from worker.executor import Executor
+
+Prompt = str | list[int] | dict
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    prompt_token_ids: list[int]
+    text: str | None  # None for a model without a tokenizer (dummy weights)
+    token_ids: list[int]
+    finish_reason: str
+    cumulative_logprob: float
+    logprobs: list | None = None
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
+
+
+class LLM:
+    """The whole engine in one process: the Scheduler driving the worker's Executor directly.
+
+    Plans and results still go through the msgpack codec, as they would cross ZeroMQ.
+    """
+
+    def __init__(self, model: str = "default", **config) -> None:
+        self.config = EngineConfig(model=model, **config)
+        self.executor = Executor(self.config)
+        hello = self.executor.hello()
+        self.config = self.config.replace(max_model_len=hello.max_model_len)
+        self.engine = LLMEngine.from_hello(self.config, hello, self.executor, wire=True)
+        self.encoder = None
+        if self.executor.runner.source.kind != "dummy":
+            from gateway.tokenizer import PromptEncoder, load_tokenizer
+
+            self.encoder = PromptEncoder(load_tokenizer(self.executor.runner.source))
+        self._ids = itertools.count()
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if self.encoder is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        if isinstance(prompt, str):
+            return self.encoder.encode_text(prompt)
+        if "messages" in prompt:
+            return self.encoder.encode_chat(prompt["messages"])
+        return self.encoder.encode_text(prompt["prompt"])
+
+    def generate(
+        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Generate for every prompt in one continuous batch; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        request_ids = {}
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
+            request_id = f"offline-{next(self._ids)}"
+            request_ids[request_id] = index
+            self.engine.add_request(request_id, self.encode(prompt), p)
+        results: list[CompletionOutput | None] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc="Generating", unit="prompt", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in request_ids:
+                        index = request_ids[out.request_id]
+                        results[index] = self._completion(index, out)
+                        bar.update(1)
+        return results
+
+    def _completion(self, index: int, out) -> CompletionOutput:
+        seq = out.outputs[0]
+        token_ids = list(seq.token_ids)
+        text = self.encoder.decode(token_ids) if self.encoder else None
+        return CompletionOutput(
+            index, list(out.prompt_token_ids), text, token_ids, seq.finish_reason, seq.cumulative_logprob,
+            list(seq.logprobs) if seq.logprobs is not None else None,
+        )

@@ -1,0 +1,111 @@
+"""Sequences (one stream of tokens with a block table) and sequence groups (one request)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from common.protocol import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One stream of tokens.
+
+        [0, num_computed_tokens)           KV is in the cache and may be read
+        [num_computed_tokens, num_tokens)  not yet computed; a step schedules a prefix of it
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[tuple[float, list[list]]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_sent_blocks: int = 0  # block ids the workers already hold (plan diffs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int, logprob: float, top_logprobs: list[list] | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.output_logprobs.append((logprob, top_logprobs))
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed_tokens = 0
+        self.num_sent_blocks = 0
+        self.status = SequenceStatus.WAITING
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """The sequences of one request, scheduled, preempted and resumed as one unit."""
+
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def seqs_with(self, status: SequenceStatus) -> list[Sequence]:
+        return [seq for seq in self.seqs if seq.status is status]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.status.finished for seq in self.seqs)
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    index: int
+    token_ids: list[int]  # every output token so far (a view: copy it to keep it)
+    num_new_tokens: int  # how many of them this step added
+    cumulative_logprob: float
+    logprobs: list[tuple[float, list[list]]] | None
+    finish_reason: str | None
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_new_tokens:]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens, and whether it ended."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[SequenceOutput]
+    finished: bool

@@ -1,0 +1,33 @@
+"""The per-step attention metadata, set once by the model runner and read by every attention layer."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block 0
+    seq_lens: torch.Tensor  # [num_seqs] int32, KV length including this step's tokens
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+
+
+_context: AttentionContext | None = None
+
+
+def get_context() -> AttentionContext:
+    assert _context is not None, "attention ran outside a step"
+    return _context
+
+
+@contextmanager
+def attention_context(context: AttentionContext):
+    global _context
+    _context = context
+    try:
+        yield context
+    finally:
+        _context = None

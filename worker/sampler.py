@@ -1,0 +1,132 @@
+"""Turns the logits of the sampling positions into tokens, logprobs and top logprobs.
+
+Per row, in order: penalties (repetition over prompt and output, presence and frequency over
+output), EOS and stop tokens masked until min_tokens, then greedy argmax, or temperature,
+top-k, top-p and min-p followed by a draw. Logprobs are those of the model's raw distribution.
+A seeded request draws from a generator seeded by (seed, output length), so its tokens do not
+depend on what else is in the batch or on preemption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.protocol import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[list]]  # per row: [[token_id, logprob], ...] best first
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int]) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [num_rows, vocab_size] float32."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, rows)
+        logits = self._mask_stops_before_min_tokens(logits, rows)
+        token_ids = self._choose(logits, rows)
+        chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+        top = self._top_logprobs(raw_logprobs, rows)
+        return SamplerOutput(token_ids.tolist(), chosen.tolist(), top)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        penalized = [
+            i for i, r in enumerate(rows)
+            if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+        ]
+        if not penalized:
+            return logits
+        logits = logits.clone()
+        for i in penalized:
+            p, row = rows[i].params, logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(rows[i].prompt_token_ids + rows[i].output_token_ids, device=logits.device).unique()
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and rows[i].output_token_ids:
+                counts = torch.bincount(
+                    torch.tensor(rows[i].output_token_ids, device=logits.device), minlength=row.shape[0]
+                ).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        masked = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        if not masked:
+            return logits
+        logits = logits.clone()
+        for i in masked:
+            stops = rows[i].params.stop_token_ids + ([] if rows[i].params.ignore_eos else self.eos_token_ids)
+            logits[i, stops] = float("-inf")
+        return logits
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random_rows:
+            return token_ids
+        idx = torch.tensor(random_rows, device=logits.device)
+        probs = self._filtered_probs(logits[idx], [rows[i].params for i in random_rows])
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            seed = rows[i].params.seed
+            if seed is None:
+                noise[j].exponential_()
+            else:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed((seed * 1_000_003 + len(rows[i].output_token_ids)) % (2**63))
+                noise[j].exponential_(generator=gen)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+        token_ids[idx] = (probs / noise).argmax(dim=-1)
+        return token_ids
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+        logits = logits / temperature
+        top_k = [p.top_k for p in params]
+        if any(k > 0 for k in top_k):
+            k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None].clamp(max=logits.shape[1] - 1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        if (top_p < 1.0).any():
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        if (min_p > 0).any():
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    @staticmethod
+    def _top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[list[list]]:
+        k = max((r.params.logprobs or 0 for r in rows), default=0)
+        if k == 0:
+            return [[] for _ in rows]
+        values, ids = raw_logprobs.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        return [
+            [[t, v] for t, v in zip(ids[i][: r.params.logprobs or 0], values[i][: r.params.logprobs or 0])]
+            for i, r in enumerate(rows)
+        ]
