@@ -57,7 +57,12 @@ def _decode(query, kv_cache, block_tables, lens, starts, rows, scale, out) -> No
     ctx = torch.tensor([lens[i] for i in rows], device=query.device)
     k, v = _gather(kv_cache, block_tables[idx], -(-int(ctx.max()) // block_size))  # [b, L, kvh, hd]
     q = query[[starts[i] for i in rows]].unsqueeze(2)  # [b, h, 1, hd]
-    mask = (torch.arange(k.shape[1], device=query.device) < ctx[:, None])[:, None, None, :]
+    valid = torch.arange(k.shape[1], device=query.device) < ctx[:, None]  # [b, L]
+    # Slots past a row's context (null-block padding, partial-block tails) hold whatever the pool
+    # held, possibly NaN/inf, which a mask alone does not stop (0 * NaN): zero them.
+    k = k.masked_fill(~valid[:, :, None, None], 0)
+    v = v.masked_fill(~valid[:, :, None, None], 0)
+    mask = valid[:, None, None, :]
     o = F.scaled_dot_product_attention(
         q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
         enable_gqa=True,

@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 from common.config import ConfigError
 from common.protocol import InvalidParamError
@@ -85,11 +86,20 @@ def _generate(args) -> int:
         min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
     )
     llm = LLM(args.model, **_engine_config(args))
-    for out in llm.generate(prompts, params, use_tqdm=not args.json):
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
         if args.json:
             print(json.dumps(out.to_json(), ensure_ascii=False), flush=True)
         else:
             print(f"--- [{out.index}] ({out.finish_reason})\n{out.text}", flush=True)
+    tokens = sum(len(out.token_ids) for out in outputs)
+    print(
+        f"pagoda: {llm.engine.num_steps} steps, {llm.scheduler.num_preemptions} preemptions, "
+        f"{tokens} output tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s)",
+        file=sys.stderr,
+    )
     return 0
 
 

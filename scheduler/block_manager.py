@@ -70,7 +70,7 @@ class BlockManager:
 
     # ---------------------------------------------------------------- append
     def can_append(self, seq_id: int, num_new_tokens: int = 1) -> bool:
-        return self._blocks_to_append(seq_id, num_new_tokens) <= self.num_free_blocks
+        return self.blocks_to_append(seq_id, num_new_tokens) <= self.num_free_blocks
 
     def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> list[list[int]]:
         """Extend the table by `num_new_tokens` slots; returns the copy-on-write copies [src, dst].
@@ -81,7 +81,7 @@ class BlockManager:
             raise NoFreeBlocksError(f"sequence {seq_id} cannot grow by {num_new_tokens} slots")
         table = self.block_tables[seq_id]
         copies = []
-        if self._last_block_is_shared_and_partial(seq_id):
+        if num_new_tokens and self._last_block_is_shared_and_partial(seq_id):
             src = table[-1]
             dst = self._take()
             self.ref_counts[src] -= 1
@@ -93,7 +93,7 @@ class BlockManager:
         self.num_slots[seq_id] = new_slots
         return copies
 
-    def _blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int:
+    def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int:
         table = self.block_tables[seq_id]
         grow = self.blocks_for(self.num_slots[seq_id] + num_new_tokens) - len(table)
         return grow + (1 if num_new_tokens and self._last_block_is_shared_and_partial(seq_id) else 0)

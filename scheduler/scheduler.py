@@ -78,10 +78,12 @@ class Scheduler:
                 f"context length of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
             )
         final_len = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if self.block_manager.blocks_for(final_len) > self.block_manager.num_total_blocks:
+        bm = self.block_manager  # can_allocate keeps the watermark free even in an empty pool
+        usable_blocks = bm.num_total_blocks - bm.watermark_blocks
+        if bm.blocks_for(final_len) > usable_blocks:
             raise RequestRejected(
                 f"the request needs up to {final_len} tokens of KV cache, more than the whole pool "
-                f"({self.block_manager.num_total_blocks * self.block_manager.block_size} tokens)"
+                f"({usable_blocks * bm.block_size} tokens)"
             )
 
     def abort_request(self, request_id: str) -> bool:
@@ -172,7 +174,7 @@ class Scheduler:
         for seq, n in zip(seqs, num_new):
             extra = seq.num_computed_tokens + n - self.block_manager.num_slots[seq.seq_id]
             if extra > 0:
-                needed += self.block_manager._blocks_to_append(seq.seq_id, extra)
+                needed += self.block_manager.blocks_to_append(seq.seq_id, extra)
         return needed <= self.block_manager.num_free_blocks
 
     def _grow(self, seqs: list[Sequence], num_new: list[int], plan: StepPlan) -> None:

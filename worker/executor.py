@@ -88,9 +88,10 @@ class Executor:
             held = self.seqs[cached.seq_id]
             del held.block_table[cached.block_table_offset:]
             held.block_table += cached.new_block_ids
+            # Negative while a prompt is still being prefilled in chunks; 1 when a sampled token is new.
             missing = held.num_computed_tokens + cached.num_scheduled_tokens - len(held.token_ids)
-            assert missing in (0, 1), f"sequence {cached.seq_id} is {missing} tokens behind the plan"
-            if missing:
+            assert missing <= 1, f"sequence {cached.seq_id} is {missing} tokens behind the plan"
+            if missing == 1:
                 held.token_ids.append(cached.last_token_id)
             scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
         return scheduled

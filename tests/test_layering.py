@@ -1,0 +1,36 @@
+"""The control plane never imports torch or a networking package at module level (DESIGN.md)."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN = {"torch", "transformers", "zmq", "redis", "starlette", "uvicorn"}
+
+
+def test_scheduler_and_common_import_no_torch_and_no_networking():
+    code = (
+        "import scheduler, scheduler.engine, common.protocol, common.config; import sys; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'torch','transformers','zmq','redis','starlette','uvicorn'}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_no_module_of_scheduler_or_common_names_a_forbidden_package():
+    """Catches an import inside a function too, which the subprocess check cannot see."""
+    offenders = []
+    for package in ("scheduler", "common"):
+        for path in sorted((ROOT / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in {"torch", "transformers"}]
+    assert offenders == []

@@ -1,0 +1,91 @@
+"""Greedy output equals transformers' generate(do_sample=False) token for token on SmolLM2.
+
+The reference model is transformers' own LlamaForCausalLM loaded from the Hugging Face directory
+that transformers itself produced from the GGUF file (see worker/loader.py).
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.prompts import PARITY_PROMPTS
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from pagoda.offline import LLM
+
+    return LLM("default", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm):
+    return [llm.encode(p) for p in PARITY_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(llm, prompt_ids):
+    from transformers import AutoModelForCausalLM
+
+    from worker.loader import hf_directory
+
+    model = AutoModelForCausalLM.from_pretrained(hf_directory(llm.executor.runner.source), dtype=torch.float32)
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def test_prompts_cover_chat_plain_short_and_long(prompt_ids):
+    assert len(prompt_ids) >= 8
+    assert max(len(ids) for ids in prompt_ids) > 300 and min(len(ids) for ids in prompt_ids) < 20
+
+
+def test_cli_greedy_matches_transformers(tmp_path, hf_outputs, prompt_ids):
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PARITY_PROMPTS))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "generate", "--json", "--temperature", "0", "--max-tokens",
+         str(MAX_TOKENS), "--prompts-file", str(prompts_file), "--device", "cpu"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["index"] for r in results] == list(range(len(PARITY_PROMPTS)))
+    for result, expected in zip(results, hf_outputs):
+        assert result["token_ids"] == expected
+        assert result["finish_reason"] == ("stop" if expected[-1] == 2 else "length")
+
+
+@pytest.mark.parametrize(
+    "num_gpu_blocks, max_num_batched_tokens",
+    [(48, 2048), (64, 64)],  # a pool too small for the batch; and chunked prefill as well
+)
+def test_greedy_matches_transformers_under_preemption(hf_outputs, prompt_ids, num_gpu_blocks, max_num_batched_tokens):
+    from common.protocol import SamplingParams
+    from pagoda.offline import LLM
+
+    llm = LLM("default", device="cpu", num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=max_num_batched_tokens)
+    outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == hf_outputs
+    bm = llm.scheduler.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_chat_answer_names_paris():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "generate", "--chat", "--prompt", "What is the capital of France?",
+         "--device", "cpu", "--max-tokens", "32"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

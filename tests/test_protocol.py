@@ -1,0 +1,232 @@
+"""common/protocol.py and common/config.py: the codec round-trips, refuses what breaks the contract,
+and invalid parameters or settings fail with errors that name what was wrong."""
+import dataclasses
+
+import msgpack
+import pytest
+
+from common import protocol
+from common.config import ConfigError, EngineConfig
+from common.protocol import (
+    PROTOCOL_VERSION, CachedSequence, InvalidParamError, NewSequence, ProtocolError, SampledToken,
+    SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode,
+)
+
+FULL_PARAMS = SamplingParams(
+    n=1, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=1234, presence_penalty=0.5,
+    frequency_penalty=-0.5, repetition_penalty=1.1, max_tokens=None, min_tokens=3,
+    stop_token_ids=[7, 8], ignore_eos=True, logprobs=5,
+)
+NEW_SEQ = NewSequence(
+    seq_id=3, prompt_token_ids=[1, 2, 3, 4], output_token_ids=[9], block_ids=[5, 6],
+    num_computed_tokens=0, num_scheduled_tokens=5, sampling_params=FULL_PARAMS,
+)
+CACHED_SEQ = CachedSequence(seq_id=4, new_block_ids=[11], block_table_offset=2, num_scheduled_tokens=1, last_token_id=42)
+PLAN = StepPlan(
+    step=17, epoch=2, new_seqs=[NEW_SEQ], cached_seqs=[CACHED_SEQ, CachedSequence(5, [], 3, 16, 0)],
+    finished_seq_ids=[1, 2], preempted_seq_ids=[9], blocks_to_copy=[[3, 12]],
+    blocks_to_swap_in=[[0, 13]], blocks_to_swap_out=[[14, 1]],
+)
+SAMPLED = SampledToken(seq_id=4, token_id=77, logprob=-0.125, top_logprobs=[[77, -0.125], [78, -2.5]])
+RESULT = StepResult(step=17, epoch=2, sampled=[SAMPLED, SampledToken(3, 5, -1.0)], error=None)
+HELLO = WorkerHello(
+    rank=0, world_size=2, device="cuda:0", model="SmolLM2-135M-Instruct", num_gpu_blocks=4096,
+    num_cpu_blocks=512, block_size=16, max_model_len=8192, vocab_size=49152, eos_token_ids=[0, 2],
+    kv_bytes_per_block=1 << 20, host_bandwidth=2.5e10, prefill_tokens_per_s=12345.5,
+)
+MESSAGES = [
+    SamplingParams(), FULL_PARAMS, NEW_SEQ, CACHED_SEQ, StepPlan(1, 0), PLAN, SAMPLED, RESULT,
+    StepResult(3, 0, error="CUDA out of memory"), HELLO,
+]
+
+
+def test_every_message_type_is_covered():
+    assert {type(m) for m in MESSAGES} == set(protocol._MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_messages_round_trip_equal(message):
+    data = encode(message)
+    assert isinstance(data, bytes)
+    decoded = decode(data)
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+def test_nested_messages_come_back_as_their_types():
+    plan = decode(encode(PLAN))
+    assert type(plan.new_seqs[0]) is NewSequence
+    assert type(plan.new_seqs[0].sampling_params) is SamplingParams
+    assert type(plan.cached_seqs[1]) is CachedSequence
+    assert plan.num_scheduled_tokens == 5 + 1 + 16
+    result = decode(encode(RESULT))
+    assert [type(s) for s in result.sampled] == [SampledToken, SampledToken]
+
+
+def test_plain_values_and_containers_round_trip():
+    value = {"step": 1, "ids": [1, 2, 3], "params": SamplingParams(temperature=0.0)}
+    assert decode(encode(value)) == value
+
+
+def test_encoding_a_non_protocol_object_fails():
+    @dataclasses.dataclass
+    class NotAMessage:
+        x: int = 1
+
+    with pytest.raises(TypeError, match="not a protocol message"):
+        encode(NotAMessage())
+
+
+# ----------------------------------------------------------------------------- malformed input
+
+
+def _ext(tag, *values) -> msgpack.ExtType:
+    return msgpack.ExtType(protocol._EXT_MESSAGE, msgpack.packb([tag, *values], use_bin_type=True))
+
+
+def _tag(cls) -> int:
+    return protocol._MESSAGE_TYPES.index(cls)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\xc1", b"\xff\xfe\xfd", b"garbage bytes that are not msgpack", b"\x92\x01",
+    msgpack.packb(5), msgpack.packb([PROTOCOL_VERSION]), msgpack.packb([1, 2, 3]),
+], ids=["empty", "reserved-byte", "random", "text", "truncated", "not-a-list", "one-item", "three-items"])
+def test_garbage_is_a_protocol_error(data):
+    with pytest.raises(ProtocolError):
+        decode(data)
+
+
+def test_a_wrong_protocol_version_is_a_protocol_error():
+    data = msgpack.packb([PROTOCOL_VERSION + 1, _ext(_tag(SampledToken), 1, 2, -0.5, [])], use_bin_type=True)
+    with pytest.raises(ProtocolError, match="version"):
+        decode(data)
+    good = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SampledToken), 1, 2, -0.5, [])], use_bin_type=True)
+    assert decode(good) == SampledToken(1, 2, -0.5, [])
+
+
+@pytest.mark.parametrize("tag", [len(protocol._MESSAGE_TYPES), 99, -1, "StepPlan", None])
+def test_an_unknown_tag_is_a_protocol_error(tag):
+    data = msgpack.packb([PROTOCOL_VERSION, _ext(tag, 1, 2)], use_bin_type=True)
+    with pytest.raises(ProtocolError, match="tag"):
+        decode(data)
+
+
+def test_an_unknown_extension_code_is_a_protocol_error():
+    data = msgpack.packb([PROTOCOL_VERSION, msgpack.ExtType(7, b"\x90")], use_bin_type=True)
+    with pytest.raises(ProtocolError, match="extension"):
+        decode(data)
+
+
+@pytest.mark.parametrize("values", [[1, 2, -0.5], [1, 2, -0.5, [], "extra"], []])
+def test_a_wrong_field_count_is_a_protocol_error(values):
+    data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SampledToken), *values)], use_bin_type=True)
+    with pytest.raises(ProtocolError, match="expects 4 fields"):
+        decode(data)
+
+
+def test_a_wrong_field_count_deep_inside_a_plan_is_a_protocol_error():
+    bad_seq = _ext(_tag(CachedSequence), 1, [], 0, 1)  # 4 of 5 fields
+    plan = _ext(_tag(StepPlan), 1, 0, [], [bad_seq], [], [], [], [], [])
+    with pytest.raises(ProtocolError, match="CachedSequence"):
+        decode(msgpack.packb([PROTOCOL_VERSION, plan], use_bin_type=True))
+
+
+def test_invalid_sampling_params_on_the_wire_are_a_protocol_error():
+    fields = [getattr(SamplingParams(), f.name) for f in dataclasses.fields(SamplingParams)]
+    fields[1] = -1.0  # temperature
+    data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SamplingParams), *fields)], use_bin_type=True)
+    with pytest.raises(ProtocolError, match="temperature"):
+        decode(data)
+
+
+# ----------------------------------------------------------------------------- sampling params
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"temperature": -0.01}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": -2.01}, "presence_penalty"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"frequency_penalty": 2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+])
+def test_invalid_sampling_params_name_the_parameter(kwargs, param):
+    with pytest.raises(InvalidParamError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert param in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_validate_catches_a_value_changed_after_construction():
+    params = SamplingParams()
+    params.top_p = 2.0
+    with pytest.raises(InvalidParamError) as info:
+        params.validate()
+    assert info.value.param == "top_p"
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 0.0}, {"top_p": 1.0}, {"top_k": -1}, {"top_k": 0}, {"min_p": 1.0},
+    {"presence_penalty": -2.0}, {"frequency_penalty": 2.0}, {"max_tokens": None, "min_tokens": 1000},
+    {"max_tokens": 4, "min_tokens": 4}, {"logprobs": 0}, {"logprobs": 20}, {"max_tokens": 1},
+])
+def test_boundary_sampling_params_are_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
+def test_greedy_means_temperature_zero():
+    assert SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=0.1).greedy
+
+
+# ----------------------------------------------------------------------------- engine config
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"block_size": 12}, "block_size"),
+    ({"block_size": 0}, "block_size"),
+    ({"num_gpu_blocks": 1}, "num_gpu_blocks"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 512, "max_model_len": 1024}, "chunked prefill"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"cpu_kv_cache_gb": 0}, "cpu_kv_cache_gb"),
+])
+def test_bad_engine_config_values_are_refused(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        EngineConfig(**kwargs)
+
+
+def test_good_engine_configs_are_accepted_and_frozen():
+    config = EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_model_len=1024)
+    assert config.max_model_len == 1024
+    EngineConfig(block_size=8, num_gpu_blocks=2, gpu_memory_utilization=1.0, dtype="bfloat16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_size = 32
+
+
+def test_replace_validates_the_new_config():
+    config = EngineConfig()
+    assert config.replace(block_size=32).block_size == 32
+    assert config.block_size == 16
+    with pytest.raises(ConfigError, match="block_size"):
+        config.replace(block_size=3)

@@ -1,0 +1,584 @@
+"""Scheduler: continuous batching, chunked prefill, budgets, FCFS preemption, stops, aborts.
+
+The scheduler drives a fake executor that applies each plan's diffs exactly as
+worker/executor.py does and samples a deterministic token, so no model and no torch are needed.
+"""
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from common.config import EngineConfig
+from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult, decode, encode
+from scheduler.block_manager import NULL_BLOCK
+from scheduler.engine import LLMEngine
+from scheduler.scheduler import RequestRejected, Scheduler
+
+EOS = 2
+
+
+def token_for(seq_id: int, num_tokens: int) -> int:
+    """The fake model's next token after `num_tokens` tokens; never EOS."""
+    return (seq_id * 7 + num_tokens) % 1000 + 3
+
+
+def expected_output(seq_id: int, num_prompt_tokens: int, max_tokens: int) -> list[int]:
+    return [token_for(seq_id, num_prompt_tokens + i) for i in range(max_tokens)]
+
+
+@dataclass
+class _Held:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_table: list[int]
+    sampling_params: SamplingParams
+
+
+class FakeExecutor:
+    """worker/executor.py's bookkeeping of plan diffs, with a deterministic sampler and checks."""
+
+    def __init__(self, block_size: int, token_fn=None) -> None:
+        self.block_size = block_size
+        self.seqs: dict[int, _Held] = {}
+        self.plans: list[StepPlan] = []
+        # token_fn(seq_id, token_ids so far, num_prompt_tokens) -> next token
+        self.token_fn = token_fn or (lambda seq_id, tokens, num_prompt: token_for(seq_id, len(tokens)))
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
+            self.seqs.pop(seq_id, None)
+        scheduled = self._apply_diffs(plan)
+        result = StepResult(plan.step, plan.epoch)
+        for seq_id, n in scheduled:
+            held = self.seqs[seq_id]
+            end = held.num_computed_tokens + n
+            assert n >= 1 and end <= len(held.token_ids), f"seq {seq_id}: {n} tokens past its end"
+            assert len(held.block_table) * self.block_size >= end, f"seq {seq_id}: no slot for its KV"
+            assert NULL_BLOCK not in held.block_table
+            held.num_computed_tokens = end
+            if end == len(held.token_ids):
+                token = self.token_fn(seq_id, held.token_ids, held.num_prompt_tokens)
+                result.sampled.append(SampledToken(seq_id, token, -0.25, [[token, -0.25]]))
+        all_blocks = [b for held in self.seqs.values() for b in held.block_table]
+        assert len(all_blocks) == len(set(all_blocks)), "two sequences hold one block (no forks here)"
+        return result
+
+    def _apply_diffs(self, plan: StepPlan) -> list[tuple[int, int]]:
+        scheduled = []
+        for new in plan.new_seqs:
+            self.seqs[new.seq_id] = _Held(
+                new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
+                new.num_computed_tokens, list(new.block_ids), new.sampling_params,
+            )
+            scheduled.append((new.seq_id, new.num_scheduled_tokens))
+        for cached in plan.cached_seqs:
+            held = self.seqs[cached.seq_id]
+            del held.block_table[cached.block_table_offset:]
+            held.block_table += cached.new_block_ids
+            # negative while a prompt is prefilled in chunks; stricter than worker/executor.py:
+            # a sequence that computed all it holds lacks its last sampled token, else it lacks none
+            missing = held.num_computed_tokens + cached.num_scheduled_tokens - len(held.token_ids)
+            if held.num_computed_tokens == len(held.token_ids):
+                assert missing == 1, f"sequence {cached.seq_id}: {missing} tokens missing, expected 1"
+                held.token_ids.append(cached.last_token_id)
+            else:
+                assert missing <= 0, f"sequence {cached.seq_id} scheduled past its tokens"
+            scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
+        return scheduled
+
+
+def make_engine(
+    num_gpu_blocks: int = 64, max_model_len: int = 1024, wire: bool = False, token_fn=None, **config
+) -> LLMEngine:
+    config = EngineConfig(**{"block_size": 16, **config})
+    scheduler = Scheduler(config, num_gpu_blocks, max_model_len, eos_token_ids=[EOS])
+    return LLMEngine(scheduler, FakeExecutor(config.block_size, token_fn), wire=wire)
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def params(**kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, **kwargs})
+
+
+def seq_id_of(engine: LLMEngine, request_id: str) -> int:
+    return engine.scheduler.groups[request_id].seqs[0].seq_id
+
+
+def step(engine: LLMEngine, done: dict) -> list:
+    """One engine step; records each request that ended as id -> (output tokens, finish reason)."""
+    outputs = engine.step()
+    for out in outputs:
+        if out.finished:
+            assert out.request_id not in done
+            done[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
+    engine.scheduler.block_manager.check_integrity()
+    return outputs
+
+
+def run(engine: LLMEngine, done: dict | None = None, max_steps: int = 10_000) -> dict[str, tuple[list[int], str]]:
+    """Step until every request ends; returns what `step` recorded."""
+    done = {} if done is None else done
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        step(engine, done)
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def last_plan(engine: LLMEngine) -> StepPlan:
+    return engine.executor.plans[-1]
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def test_a_new_request_joins_the_running_batch_at_the_next_step():
+    engine = make_engine(wire=True)
+    engine.add_request("a", prompt(10), params(max_tokens=20))
+    engine.add_request("b", prompt(12), params(max_tokens=20))
+    engine.step()
+    plan = last_plan(engine)
+    assert [(s.seq_id, s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in plan.new_seqs] == [
+        (0, 0, 10, [1]), (1, 0, 12, [2]),
+    ]
+    engine.step()
+    assert [(s.seq_id, s.num_scheduled_tokens) for s in last_plan(engine).cached_seqs] == [(0, 1), (1, 1)]
+
+    engine.add_request("c", prompt(5, start=300), params(max_tokens=20))
+    engine.step()
+    plan = last_plan(engine)
+    assert len(plan.new_seqs) == 1
+    new = plan.new_seqs[0]
+    assert (new.seq_id, new.prompt_token_ids, new.output_token_ids) == (2, prompt(5, start=300), [])
+    assert (new.num_computed_tokens, new.num_scheduled_tokens, new.block_ids) == (0, 5, [3])
+    assert [(s.seq_id, s.num_scheduled_tokens, s.new_block_ids) for s in plan.cached_seqs] == [
+        (0, 1, []), (1, 1, []),
+    ]
+    assert plan.num_scheduled_tokens == 7
+
+    done = run(engine)
+    assert done == {
+        "a": (expected_output(0, 10, 20), "length"),
+        "b": (expected_output(1, 12, 20), "length"),
+        "c": (expected_output(2, 5, 20), "length"),
+    }
+
+
+def test_step_outputs_carry_only_the_new_tokens():
+    engine = make_engine(wire=True)
+    engine.add_request("a", prompt(3), params(max_tokens=3))
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append((list(out.outputs[0].new_token_ids), out.finished))
+    assert seen == [([t], f) for t, f in zip(expected_output(0, 3, 3), [False, False, True])]
+
+
+def test_decode_adds_a_block_when_the_last_one_fills():
+    engine = make_engine(wire=True)
+    engine.add_request("a", prompt(16), params(max_tokens=3))
+    engine.step()
+    assert last_plan(engine).new_seqs[0].block_ids == [1]
+    engine.step()  # the first output token goes to slot 16: a second block
+    cached = last_plan(engine).cached_seqs[0]
+    assert (cached.new_block_ids, cached.block_table_offset, cached.last_token_id) == ([2], 1, token_for(0, 16))
+    engine.step()
+    cached = last_plan(engine).cached_seqs[0]
+    assert (cached.new_block_ids, cached.block_table_offset) == ([], 2)
+
+
+def test_chunked_prefill_splits_a_long_prompt_to_the_token_budget():
+    engine = make_engine(wire=True, max_num_batched_tokens=32)
+    engine.add_request("a", prompt(100), params(max_tokens=4))
+    outputs_per_step = [engine.step() for _ in range(4)]
+    plans = engine.executor.plans
+    assert plans[0].new_seqs[0].num_scheduled_tokens == 32
+    assert plans[0].new_seqs[0].num_computed_tokens == 0
+    assert plans[0].new_seqs[0].block_ids == [1, 2, 3, 4, 5, 6, 7]  # the whole prompt at admission
+    assert [p.cached_seqs[0].num_scheduled_tokens for p in plans[1:4]] == [32, 32, 4]
+    assert [p.num_scheduled_tokens for p in plans] == [32, 32, 32, 4]
+    assert outputs_per_step[:3] == [[], [], []]  # nothing sampled until the last chunk
+    assert outputs_per_step[3][0].outputs[0].token_ids == [token_for(0, 100)]
+    seq = engine.scheduler.groups["a"].seqs[0]
+    assert seq.num_computed_tokens == 100
+    engine.step()
+    assert last_plan(engine).cached_seqs[0].num_scheduled_tokens == 1
+    assert run(engine) == {"a": (expected_output(0, 100, 4), "length")}
+    assert [p.num_scheduled_tokens for p in engine.executor.plans[4:7]] == [1, 1, 1]
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes():
+    engine = make_engine(max_num_batched_tokens=32)
+    engine.add_request("a", prompt(8), params(max_tokens=10))
+    engine.step()  # a prefilled
+    engine.add_request("b", prompt(60), params(max_tokens=2))
+    engine.step()
+    plan = last_plan(engine)
+    assert [(s.seq_id, s.num_scheduled_tokens) for s in plan.cached_seqs] == [(0, 1)]
+    assert [(s.seq_id, s.num_scheduled_tokens) for s in plan.new_seqs] == [(1, 31)]
+    engine.step()
+    assert [(s.seq_id, s.num_scheduled_tokens) for s in last_plan(engine).cached_seqs] == [(0, 1), (1, 29)]
+    assert run(engine) == {
+        "a": (expected_output(0, 8, 10), "length"), "b": (expected_output(1, 60, 2), "length"),
+    }
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_the_whole_budget():
+    engine = make_engine(max_num_batched_tokens=32, enable_chunked_prefill=False, max_model_len=40)
+    done = {}
+    engine.add_request("a", prompt(8), params(max_tokens=4))
+    step(engine, done)
+    engine.add_request("b", prompt(31), params(max_tokens=1))
+    engine.add_request("c", prompt(32), params(max_tokens=1))
+    step(engine, done)  # 1 decode + 31 = 32: b fits, c does not
+    assert [(s.seq_id, s.num_scheduled_tokens) for s in last_plan(engine).new_seqs] == [(1, 31)]
+    run(engine, done)
+    assert done == {
+        "a": (expected_output(0, 8, 4), "length"), "b": (expected_output(1, 31, 1), "length"),
+        "c": (expected_output(2, 32, 1), "length"),
+    }
+    c_plans = [p for p in engine.executor.plans if any(s.seq_id == 2 for s in p.new_seqs)]
+    assert len(c_plans) == 1 and c_plans[0].new_seqs[0].num_scheduled_tokens == 32
+    assert c_plans[0].num_scheduled_tokens == 32  # alone: a's decodes had to end first
+
+
+def test_max_num_seqs_and_the_token_budget_are_never_exceeded():
+    engine = make_engine(wire=True, max_num_seqs=3, max_num_batched_tokens=40)
+    lengths = [5, 50, 7, 33, 1, 64, 12, 40]
+    for i, n in enumerate(lengths):
+        engine.add_request(f"r{i}", prompt(n), params(max_tokens=6))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        plan = last_plan(engine)
+        assert len(plan.new_seqs) + len(plan.cached_seqs) <= 3
+        assert engine.scheduler.num_running_seqs <= 3
+        assert 0 < plan.num_scheduled_tokens <= 40
+    assert done == {f"r{i}": expected_output(i, n, 6) for i, n in enumerate(lengths)}
+    assert max(len(p.new_seqs) + len(p.cached_seqs) for p in engine.executor.plans) == 3
+    assert max(p.num_scheduled_tokens for p in engine.executor.plans) == 40
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+def test_preemption_picks_the_latest_arrival_and_recomputes_it():
+    # 6 blocks of 8 slots; three requests that each end at 8 + 16 = 24 tokens (3 blocks)
+    engine = make_engine(num_gpu_blocks=7, wire=True, block_size=8)
+    for i, rid in enumerate("abc"):
+        engine.add_request(rid, prompt(8, start=100 * (i + 1)), params(max_tokens=16))
+    done = {}
+    preempted_at = None
+    output_at_preemption = None
+    while engine.has_unfinished_requests():
+        before = engine.scheduler.num_preemptions
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
+        plan = last_plan(engine)
+        engine.scheduler.block_manager.check_integrity()
+        if plan.preempted_seq_ids and preempted_at is None:
+            preempted_at = plan.step
+            assert plan.preempted_seq_ids == [2]  # "c", the latest arrival
+            assert engine.scheduler.num_preemptions == before + 1
+            assert [s.seq_id for s in plan.cached_seqs] == [0, 1]  # the others keep decoding
+            assert plan.new_seqs == []
+            seq_c = engine.scheduler.groups["c"].seqs[0]
+            assert seq_c.num_computed_tokens == 0 and seq_c.status.value == "waiting"
+            output_at_preemption = list(seq_c.output_token_ids)
+    assert preempted_at is not None and engine.scheduler.num_preemptions >= 1
+    resent = [s for p in engine.executor.plans if p.step > preempted_at for s in p.new_seqs]
+    assert len(resent) == 1
+    assert resent[0].seq_id == 2
+    assert resent[0].num_computed_tokens == 0
+    assert resent[0].prompt_token_ids == prompt(8, start=300)
+    assert resent[0].output_token_ids == output_at_preemption == expected_output(2, 8, len(output_at_preemption))
+    assert resent[0].num_scheduled_tokens == 8 + len(output_at_preemption)
+    assert done == {
+        rid: (expected_output(i, 8, 16), "length") for i, rid in enumerate("abc")
+    }
+    assert list(done) == ["a", "b", "c"]  # first come, first served
+    assert engine.scheduler.block_manager.num_free_blocks == 6
+
+
+def test_a_prefilling_request_can_be_preempted_and_restarts_from_scratch():
+    # 3 blocks of 8 slots, 8 tokens a step
+    engine = make_engine(num_gpu_blocks=4, block_size=8, max_num_batched_tokens=8, wire=True)
+    engine.add_request("a", prompt(7), params(max_tokens=9))  # 16 tokens: 2 blocks
+    engine.add_request("b", prompt(9), params(max_tokens=1))  # 2 blocks, prefilled in chunks
+    engine.step()  # a: 7, b: 1
+    engine.step()  # a: 1 (slot 7), b: 7
+    plans = engine.executor.plans
+    assert [(s.seq_id, s.num_scheduled_tokens) for s in plans[0].new_seqs] == [(0, 7), (1, 1)]
+    assert [(s.seq_id, s.num_scheduled_tokens) for s in plans[1].cached_seqs] == [(0, 1), (1, 7)]
+    engine.step()  # a needs a block for slot 8: b, one token short of its prompt, is the victim
+    assert plans[2].preempted_seq_ids == [1]
+    assert [(s.seq_id, s.num_scheduled_tokens, s.new_block_ids) for s in plans[2].cached_seqs] == [(0, 1, [3])]
+    assert engine.scheduler.num_preemptions == 1
+    done = run(engine)
+    assert done == {"a": (expected_output(0, 7, 9), "length"), "b": (expected_output(1, 9, 1), "length")}
+    resent = [s for p in plans[3:] for s in p.new_seqs]
+    assert [(s.seq_id, s.num_computed_tokens, s.output_token_ids, s.num_scheduled_tokens) for s in resent] == [
+        (1, 0, [], 8),
+    ]
+    assert engine.scheduler.block_manager.num_free_blocks == 3
+
+
+# ----------------------------------------------------------------------------- stop conditions
+
+
+def eos_after(num_output: int):
+    """A model that says EOS from its `num_output`-th output token on (1-based)."""
+    def token_fn(seq_id, tokens, num_prompt):
+        return EOS if len(tokens) - num_prompt + 1 >= num_output else token_for(seq_id, len(tokens))
+    return token_fn
+
+
+def test_eos_stops_with_reason_stop_and_frees_the_blocks():
+    engine = make_engine(wire=True, token_fn=eos_after(3))
+    engine.add_request("a", prompt(4), params(max_tokens=10))
+    assert run(engine) == {"a": (expected_output(0, 4, 2) + [EOS], "stop")}
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_total_blocks
+    engine.step()
+    assert last_plan(engine).finished_seq_ids == [0]
+    assert engine.executor.seqs == {}
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    engine = make_engine(token_fn=eos_after(3))
+    engine.add_request("a", prompt(4), params(max_tokens=6, ignore_eos=True))
+    assert run(engine) == {"a": (expected_output(0, 4, 2) + [EOS] * 4, "length")}
+
+
+def test_max_tokens_stops_with_reason_length():
+    engine = make_engine()
+    engine.add_request("a", prompt(4), params(max_tokens=1))
+    engine.add_request("b", prompt(4), params(max_tokens=7))
+    assert run(engine) == {
+        "a": (expected_output(0, 4, 1), "length"), "b": (expected_output(1, 4, 7), "length"),
+    }
+
+
+def test_max_tokens_none_runs_to_the_context_length():
+    engine = make_engine(max_model_len=40)
+    engine.add_request("a", prompt(30), params(max_tokens=None))
+    assert run(engine) == {"a": (expected_output(0, 30, 10), "length")}
+
+
+def test_stop_token_ids_stop_with_reason_stop():
+    engine = make_engine()
+    stop = token_for(0, 6)  # the third output token of a 4-token prompt
+    engine.add_request("a", prompt(4), params(max_tokens=10, stop_token_ids=[stop]))
+    assert run(engine) == {"a": (expected_output(0, 4, 3), "stop")}
+
+
+def test_eos_is_ignored_until_min_tokens():
+    engine = make_engine(token_fn=eos_after(1))
+    engine.add_request("a", prompt(4), params(max_tokens=10, min_tokens=3))
+    engine.add_request("b", prompt(4), params(max_tokens=10))
+    assert run(engine) == {"a": ([EOS] * 3, "stop"), "b": ([EOS], "stop")}
+
+
+def test_stop_token_ids_are_ignored_until_min_tokens():
+    engine = make_engine()
+    stop = token_for(0, 5)  # the second output token
+    engine.add_request("a", prompt(4), params(max_tokens=10, min_tokens=4, stop_token_ids=[stop]))
+    assert run(engine) == {"a": (expected_output(0, 4, 10), "length")}
+
+
+def test_a_stop_token_after_min_tokens_stops():
+    engine = make_engine()
+    stop = token_for(0, 9)  # the sixth output token
+    engine.add_request("a", prompt(4), params(max_tokens=10, min_tokens=4, stop_token_ids=[stop]))
+    assert run(engine) == {"a": (expected_output(0, 4, 6), "stop")}
+
+
+def test_logprobs_are_kept_only_when_asked_for():
+    engine = make_engine()
+    engine.add_request("a", prompt(4), params(max_tokens=2, logprobs=1))
+    engine.add_request("b", prompt(4), params(max_tokens=2))
+    last = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last[out.request_id] = out.outputs[0]
+    t0, t1 = expected_output(0, 4, 2)
+    assert last["a"].logprobs == [(-0.25, [[t0, -0.25]]), (-0.25, [[t1, -0.25]])]
+    assert last["a"].cumulative_logprob == -0.5
+    assert last["b"].logprobs is None
+
+
+# ----------------------------------------------------------------------------- abort
+
+
+def test_abort_of_a_running_request_frees_its_blocks_and_tells_the_workers():
+    engine = make_engine(wire=True)
+    done = {}
+    engine.add_request("a", prompt(40), params(max_tokens=50))
+    engine.add_request("b", prompt(5), params(max_tokens=4))
+    step(engine, done)
+    step(engine, done)
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks - 4
+    assert engine.abort_request("a")
+    assert bm.num_free_blocks == bm.num_total_blocks - 1
+    bm.check_integrity()
+    assert not engine.abort_request("a")
+    step(engine, done)
+    plan = last_plan(engine)
+    assert plan.finished_seq_ids == [0]
+    assert [s.seq_id for s in plan.cached_seqs] == [1]
+    assert 0 not in engine.executor.seqs
+    assert run(engine, done) == {"b": (expected_output(1, 5, 4), "length")}
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def test_abort_of_a_waiting_request_sends_nothing_to_the_workers():
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request("a", prompt(5), params(max_tokens=3))
+    engine.add_request("b", prompt(5), params(max_tokens=3))
+    engine.step()
+    assert engine.abort_request("b")
+    assert run(engine) == {"a": (expected_output(0, 5, 3), "length")}
+    assert all(1 not in p.finished_seq_ids and all(s.seq_id != 1 for s in p.new_seqs) for p in engine.executor.plans)
+
+
+def test_abort_while_a_step_is_in_flight_drops_its_token():
+    engine = make_engine()
+    scheduler, executor = engine.scheduler, engine.executor
+    scheduler.add_request("a", prompt(5), params(max_tokens=3))
+    scheduler.add_request("b", prompt(5), params(max_tokens=3))
+    scheduler.update(executor.execute(scheduler.schedule()))
+    plan = scheduler.schedule()
+    assert scheduler.abort_request("a")
+    outputs = scheduler.update(executor.execute(plan))
+    assert [o.request_id for o in outputs] == ["b"]
+    assert scheduler.schedule().finished_seq_ids == [0]
+
+
+def test_a_result_for_another_step_is_refused():
+    engine = make_engine()
+    engine.add_request("a", prompt(5), params(max_tokens=3))
+    plan = engine.scheduler.schedule()
+    with pytest.raises(ValueError, match="expected"):
+        engine.scheduler.update(StepResult(plan.step + 1, plan.epoch))
+
+
+# ----------------------------------------------------------------------------- rejection
+
+
+def test_a_request_longer_than_the_context_is_rejected():
+    engine = make_engine(max_model_len=64)
+    with pytest.raises(RequestRejected, match=r"prompt \(60 tokens\) plus max_tokens \(5\) exceeds the context length of 64"):
+        engine.add_request("a", prompt(60), params(max_tokens=5))
+    with pytest.raises(RequestRejected, match="context length"):
+        engine.add_request("a", prompt(64), params(max_tokens=None))
+    engine.add_request("a", prompt(60), params(max_tokens=4))  # exactly fits
+    assert run(engine) == {"a": (expected_output(0, 60, 4), "length")}
+
+
+def test_a_request_larger_than_the_whole_pool_is_rejected():
+    engine = make_engine(num_gpu_blocks=5)  # 4 blocks of 16: 64 tokens
+    with pytest.raises(RequestRejected, match="more than the whole pool"):
+        engine.add_request("a", prompt(50), params(max_tokens=20))
+    with pytest.raises(RequestRejected, match="more than the whole pool"):
+        engine.add_request("a", prompt(50), params(max_tokens=None))
+    engine.add_request("a", prompt(50), params(max_tokens=14))
+    assert run(engine) == {"a": (expected_output(0, 50, 14), "length")}
+
+
+def test_a_request_that_only_fits_inside_the_watermark_is_rejected_not_queued_forever():
+    # 200 blocks with a watermark of 2: a new sequence may take at most 198 of them
+    engine = make_engine(num_gpu_blocks=201, block_size=8, max_model_len=4096)
+    assert engine.scheduler.block_manager.watermark_blocks == 2
+    with pytest.raises(RequestRejected):
+        engine.add_request("a", prompt(1599), params(max_tokens=1))  # 200 blocks
+    engine.add_request("a", prompt(1583), params(max_tokens=1))  # 198 blocks
+    assert run(engine, max_steps=100) == {"a": (expected_output(0, 1583, 1), "length")}
+
+
+def test_duplicate_and_empty_requests_are_rejected():
+    engine = make_engine()
+    engine.add_request("a", prompt(5), params())
+    with pytest.raises(RequestRejected, match="already in use"):
+        engine.add_request("a", prompt(5), params())
+    with pytest.raises(RequestRejected, match="empty"):
+        engine.add_request("b", [], params())
+    assert list(engine.scheduler.groups) == ["a"]
+    assert len(engine.scheduler.waiting) == 1
+
+
+# ----------------------------------------------------------------------------- random workload
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workload_keeps_every_invariant(seed):
+    rng = random.Random(seed)
+    block_size, max_num_seqs, budget = 8, 12, 96
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    scheduler = Scheduler(config, num_gpu_blocks=49, max_model_len=512, eos_token_ids=[EOS])  # 384 slots
+    executor = FakeExecutor(block_size)
+    bm = scheduler.block_manager
+    meta: dict[str, tuple[int, int, int]] = {}  # request id -> (seq id, prompt length, max_tokens)
+    live: set[str] = set()
+    done: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    next_request = 0
+
+    def step() -> None:
+        plan = scheduler.schedule()
+        assert plan.num_scheduled_tokens <= budget
+        assert len(plan.new_seqs) + len(plan.cached_seqs) <= max_num_seqs
+        if live and rng.random() < 0.02:  # abort while the step is in flight
+            rid = rng.choice(sorted(live))
+            assert scheduler.abort_request(rid)
+            aborted.add(rid)
+            live.remove(rid)
+        plan = decode(encode(plan))
+        outputs = scheduler.update(decode(encode(executor.execute(plan))))
+        for out in outputs:
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+                live.remove(out.request_id)
+        for seq_id, held in executor.seqs.items():
+            if seq_id in bm.block_tables and seq_id not in plan.finished_seq_ids:
+                assert held.block_table == bm.block_table(seq_id)
+        bm.check_integrity()
+
+    for _ in range(2_000):
+        if rng.random() < 0.08:  # about as fast as 48 blocks can serve: queues, and preemptions
+            rid = f"r{next_request}"
+            next_request += 1
+            n, max_tokens = rng.randint(1, 200), rng.randint(1, 64)
+            group = scheduler.add_request(rid, [rng.randrange(3, 1000) for _ in range(n)], params(max_tokens=max_tokens))
+            meta[rid] = (group.seqs[0].seq_id, n, max_tokens)
+            live.add(rid)
+        if live and rng.random() < 0.01:  # abort between steps
+            rid = rng.choice(sorted(live))
+            assert scheduler.abort_request(rid)
+            aborted.add(rid)
+            live.remove(rid)
+        step()
+    for _ in range(5_000):
+        if not scheduler.has_unfinished_requests():
+            break
+        step()
+    step()  # sends the last finished ids so the workers drop them
+
+    assert scheduler.num_preemptions > 0
+    assert not scheduler.has_unfinished_requests() and not live
+    assert not scheduler.waiting and not scheduler.running
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert bm.block_tables == {}
+    assert executor.seqs == {}
+    assert len(done) + len(aborted) == next_request
+    assert len(done) > 100
+    for rid, tokens in done.items():  # recomputed requests too: same tokens, exactly max_tokens
+        assert tokens == expected_output(*meta[rid])
