@@ -43,31 +43,34 @@ def paged_attention(
 
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a table's first blocks: [..., num_blocks * block_size, num_kv_heads, head_dim]."""
-    kv = kv_cache[block_table[..., :num_blocks].long()]  # [..., num_blocks, 2, block_size, kvh, hd]
-    k, v = kv.select(-4, 0), kv.select(-4, 1)
-    shape = (*k.shape[:-4], -1, *k.shape[-2:])
-    return k.reshape(shape), v.reshape(shape)
+    """K and V of a table's first blocks, each a fresh [..., num_blocks * block_size, num_kv_heads, head_dim]."""
+    index = block_table[..., :num_blocks].long()
+    k, v = kv_cache[:, 0][index], kv_cache[:, 1][index]  # [..., num_blocks, block_size, kvh, hd]
+    shape = (*index.shape[:-1], -1, *kv_cache.shape[-2:])
+    return k.view(shape), v.view(shape)
 
 
 def _decode(query, kv_cache, block_tables, lens, starts, rows, scale, out) -> None:
-    """All single-query sequences in one batched call, padded to the longest context."""
-    block_size = kv_cache.shape[2]
+    """All single-query sequences in one batched call, padded to the longest context.
+
+    Slots past a row's context (null-block padding, the tail of a partial block) may hold
+    anything, NaN included: their scores are masked to -inf and their V rows zeroed, since a
+    zero attention weight times NaN is still NaN.
+    """
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     idx = torch.tensor(rows, device=query.device)
     ctx = torch.tensor([lens[i] for i in rows], device=query.device)
     k, v = _gather(kv_cache, block_tables[idx], -(-int(ctx.max()) // block_size))  # [b, L, kvh, hd]
-    q = query[[starts[i] for i in rows]].unsqueeze(2)  # [b, h, 1, hd]
     valid = torch.arange(k.shape[1], device=query.device) < ctx[:, None]  # [b, L]
-    # Slots past a row's context (null-block padding, partial-block tails) hold whatever the pool
-    # held, possibly NaN/inf, which a mask alone does not stop (0 * NaN): zero them.
-    k = k.masked_fill(~valid[:, :, None, None], 0)
-    v = v.masked_fill(~valid[:, :, None, None], 0)
-    mask = valid[:, None, None, :]
-    o = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
-        enable_gqa=True,
-    )
-    out[[starts[i] for i in rows]] = o.squeeze(2)
+    v.masked_fill_(~valid[:, :, None, None], 0)
+    q_rows = [starts[i] for i in rows]
+    q = (query[q_rows].float() * scale).view(len(rows), num_kv_heads, -1, head_dim)  # [b, kvh, group, hd]
+    o = torch.empty_like(q)
+    for h in range(num_kv_heads):  # strided per-head views go to bmm without a copy
+        scores = torch.bmm(q[:, h], k[:, :, h].float().transpose(1, 2))  # [b, group, L]
+        scores.masked_fill_(~valid[:, None, :], float("-inf"))
+        o[:, h] = torch.bmm(scores.softmax(dim=-1), v[:, :, h].float())
+    out[q_rows] = o.view(len(rows), -1, head_dim).to(out.dtype)
 
 
 def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out) -> None:
