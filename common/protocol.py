@@ -160,10 +160,60 @@ class WorkerHello:
     prefill_tokens_per_s: float  # measured
 
 
+# ----------------------------------------------------------------------------- requests (Redis)
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A tokenized, validated request, put on the requests stream by a gateway."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    reply_stream: str  # the gateway process's reply stream
+    arrival_time: float  # time.time() at the gateway
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """What a request gained in one step, written by a scheduler to the request's reply stream.
+
+    `finish_reason` is None while the request runs, else "stop", "length", "abort" or "error"
+    (with `error` saying what went wrong); it is the request's last event.
+    """
+
+    request_id: str
+    token_ids: list[int]  # the new tokens
+    logprobs: list[list] | None  # per new token: [logprob, [[token_id, logprob], ...]]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStatus:
+    """A scheduler's heartbeat and gauges, refreshed about once a second under a short TTL."""
+
+    scheduler_id: str
+    model: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    workers_ready: bool
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float  # 0..1
+    num_preemptions_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    updated_at: float
+
+
 # ----------------------------------------------------------------------------- codec
 
-_MESSAGE_TYPES: list[type] = [
+_MESSAGE_TYPES: list[type] = [  # append only: a message's tag is its index
     SamplingParams, NewSequence, CachedSequence, StepPlan, SampledToken, StepResult, WorkerHello,
+    GenerateRequest, RequestEvent, SchedulerStatus,
 ]
 _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}

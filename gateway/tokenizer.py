@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def load_tokenizer(model: str | ModelSource) -> PreTrainedTokenizerBase:
     try:
         os.replace(tmp, cached)
     except OSError:  # another process cached it first
-        pass
+        shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
 
 

@@ -34,14 +34,14 @@ class LLM:
     Plans and results still go through the msgpack codec, as they would cross ZeroMQ.
     """
 
-    def __init__(self, model: str = "default", **config) -> None:
+    def __init__(self, model: str = "default", skip_tokenizer_init: bool = False, **config) -> None:
         self.config = EngineConfig(model=model, **config)
         self.executor = Executor(self.config)
         hello = self.executor.hello()
         self.config = self.config.replace(max_model_len=hello.max_model_len)
         self.engine = LLMEngine.from_hello(self.config, hello, self.executor, wire=True)
         self.encoder = None
-        if self.executor.runner.source.kind != "dummy":
+        if not skip_tokenizer_init and self.executor.runner.source.kind != "dummy":
             from gateway.tokenizer import PromptEncoder, load_tokenizer
 
             self.encoder = PromptEncoder(load_tokenizer(self.executor.runner.source))
@@ -73,11 +73,19 @@ class LLM:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        encoded = [self.encode(prompt) for prompt in prompts]
         request_ids = {}
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
-            request_id = f"offline-{next(self._ids)}"
-            request_ids[request_id] = index
-            self.engine.add_request(request_id, self.encode(prompt), p)
+        try:
+            for index, (ids, p) in enumerate(zip(encoded, params)):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, ids, p)
+                request_ids[request_id] = index
+        except ValueError:  # a rejected prompt: none of this batch runs
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
         results: list[CompletionOutput | None] = [None] * len(prompts)
         with tqdm(total=len(prompts), desc="Generating", unit="prompt", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():

@@ -2,8 +2,9 @@
 
 Block 0 is the null block: never allocated, it pads block tables. Each physical block has a
 reference count equal to the number of block tables holding it; a block whose count drops to
-zero goes back to the free queue. Allocation takes from the front of the free queue and `free`
-returns a table's blocks tail first, so the tail of a finished sequence is reused first.
+zero goes back to the free queue. Allocation takes from the front of the free queue; `free`
+appends a table's blocks to its back tail first, so of one sequence's blocks the tail is reused
+(and, with prefix caching, evicted) first.
 
 A sequence's `num_slots` is the number of token slots its table covers and that are written or
 about to be written this step:

@@ -77,6 +77,11 @@ class Scheduler:
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                 f"context length of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
             )
+        if not self.config.enable_chunked_prefill and len(prompt) > self.config.max_num_batched_tokens:
+            raise RequestRejected(
+                f"the prompt ({len(prompt)} tokens) exceeds max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) and chunked prefill is off"
+            )
         final_len = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)
         bm = self.block_manager  # can_allocate keeps the watermark free even in an empty pool
         usable_blocks = bm.num_total_blocks - bm.watermark_blocks
@@ -224,6 +229,8 @@ class Scheduler:
         """Apply a step's sampled tokens; returns what each touched request gained."""
         if result.step != self.step or result.epoch != self.epoch:
             raise ValueError(f"result for step {result.step}/{result.epoch}, expected {self.step}/{self.epoch}")
+        if result.error:
+            raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
         for seq_id, n in self._scheduled.items():
             seq = self._seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
@@ -235,6 +242,8 @@ class Scheduler:
             seq = self._seqs.get(sampled.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
+            if seq.num_computed_tokens != seq.num_tokens:
+                raise ValueError(f"step {result.step} sampled for sequence {seq.seq_id}, which was not due to sample")
             group = self._group_of_seq[seq.seq_id]
             top = sampled.top_logprobs if group.sampling_params.logprobs is not None else None
             seq.append_token(sampled.token_id, sampled.logprob, top)

@@ -8,8 +8,8 @@ import pytest
 from common import protocol
 from common.config import ConfigError, EngineConfig
 from common.protocol import (
-    PROTOCOL_VERSION, CachedSequence, InvalidParamError, NewSequence, ProtocolError, SampledToken,
-    SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode,
+    PROTOCOL_VERSION, CachedSequence, GenerateRequest, InvalidParamError, NewSequence, ProtocolError, RequestEvent,
+    SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult, WorkerHello, decode, encode,
 )
 
 FULL_PARAMS = SamplingParams(
@@ -34,9 +34,17 @@ HELLO = WorkerHello(
     num_cpu_blocks=512, block_size=16, max_model_len=8192, vocab_size=49152, eos_token_ids=[0, 2],
     kv_bytes_per_block=1 << 20, host_bandwidth=2.5e10, prefill_tokens_per_s=12345.5,
 )
+REQUEST = GenerateRequest("cmpl-1", [1, 2, 3], FULL_PARAMS, "pagoda:replies:gw1", 1.7e9)
+EVENT = RequestEvent("cmpl-1", [5, 6], [[-0.5, [[5, -0.5]]], [-1.0, [[6, -1.0]]]], "length")
+STATUS = SchedulerStatus(
+    scheduler_id="host-1", model="SmolLM2-135M-Instruct", max_model_len=8192, block_size=16, num_gpu_blocks=100,
+    workers_ready=True, num_running=2, num_waiting=1, num_swapped=0, kv_cache_usage=0.25, num_preemptions_total=3,
+    prefix_cache_queries_total=10, prefix_cache_hits_total=4, updated_at=1.7e9,
+)
 MESSAGES = [
     SamplingParams(), FULL_PARAMS, NEW_SEQ, CACHED_SEQ, StepPlan(1, 0), PLAN, SAMPLED, RESULT,
-    StepResult(3, 0, error="CUDA out of memory"), HELLO,
+    StepResult(3, 0, error="CUDA out of memory"), HELLO, REQUEST, EVENT,
+    RequestEvent("cmpl-2", [], None, "error", "the worker failed"), STATUS,
 ]
 
 

@@ -29,7 +29,7 @@ def sampler() -> Sampler:
 
 
 def row(prompt=(1, 2, 3), output=(), **params) -> SamplingRow:
-    return SamplingRow(params=SamplingParams(**params), prompt_token_ids=list(prompt), output_token_ids=list(output))
+    return SamplingRow(params=SamplingParams(**params), token_ids=[*prompt, *output], num_prompt_tokens=len(prompt))
 
 
 def logits_of(*values: float, vocab: int = VOCAB, fill: float = -10.0) -> torch.Tensor:

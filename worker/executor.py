@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import EngineConfig
-from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello
+from common.protocol import ProtocolError, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello
 from worker.model_runner import ModelRunner, ScheduledRow
 from worker.sampler import Sampler, SamplingRow
 
@@ -24,10 +24,6 @@ class _HeldSequence:
     num_computed_tokens: int
     block_table: list[int]
     sampling_params: SamplingParams
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 class Executor:
@@ -51,6 +47,10 @@ class Executor:
             prefill_tokens_per_s=runner.prefill_tokens_per_s,
         )
 
+    def reset(self) -> None:
+        """Forget every sequence (a new epoch: the scheduler's state was lost)."""
+        self.seqs.clear()
+
     def execute(self, plan: StepPlan) -> StepResult:
         for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
             self.seqs.pop(seq_id, None)
@@ -66,8 +66,7 @@ class Executor:
         logits = self.runner.forward(self.runner.prepare(rows, samples))
         sampling = [(seq_id, self.seqs[seq_id]) for (seq_id, _), s in zip(scheduled, samples) if s]
         out = self.sampler(logits, [
-            SamplingRow(held.sampling_params, held.token_ids[:held.num_prompt_tokens], held.output_token_ids)
-            for _, held in sampling
+            SamplingRow(held.sampling_params, held.token_ids, held.num_prompt_tokens) for _, held in sampling
         ]) if sampling else None
         for seq_id, n in scheduled:
             self.seqs[seq_id].num_computed_tokens += n
@@ -85,14 +84,15 @@ class Executor:
             )
             scheduled.append((new.seq_id, new.num_scheduled_tokens))
         for cached in plan.cached_seqs:
-            held = self.seqs[cached.seq_id]
+            held = self.seqs.get(cached.seq_id)
+            if held is None:
+                raise ProtocolError(f"plan step {plan.step} continues sequence {cached.seq_id}, which this worker does not hold")
             del held.block_table[cached.block_table_offset:]
             held.block_table += cached.new_block_ids
-            # Negative while a prompt is still being prefilled in chunks; 1 when a sampled token is new.
-            missing = held.num_computed_tokens + cached.num_scheduled_tokens - len(held.token_ids)
-            assert missing <= 1, f"sequence {cached.seq_id} is {missing} tokens behind the plan"
-            if missing == 1:
+            if held.num_computed_tokens == len(held.token_ids):  # it sampled last step: add that token
                 held.token_ids.append(cached.last_token_id)
+            if held.num_computed_tokens + cached.num_scheduled_tokens > len(held.token_ids):
+                raise ProtocolError(f"plan step {plan.step} schedules tokens sequence {cached.seq_id} does not have")
             scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
         return scheduled
 

@@ -84,6 +84,9 @@ def load_model(
     """Returns (model, hf_config): weights loaded, a rope cache of the context length, on `device` in `dtype`."""
     config = load_config(source)
     model_len = int(getattr(config, "max_position_embeddings", 2048))
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window and config.model_type == "mistral":  # no sliding-window attention: stay inside the window
+        model_len = min(model_len, int(window))
     max_positions = min(max_model_len or model_len, model_len)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {config.model_type!r} is not supported (only {SUPPORTED_MODEL_TYPES})")

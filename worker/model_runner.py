@@ -83,14 +83,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_prefill(self) -> float:
-        """Run one prefill at the token budget through a scratch cache: peak memory and prefill rate."""
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len, 512)
+        """Prefill through a scratch cache: on CUDA at the full token budget with logits for
+        max_num_seqs rows (the peak the KV pool is sized against); returns the prefill rate."""
+        budget = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_tokens = budget if self.device.type == "cuda" else min(budget, 256)  # CPU: just the rate
         blocks = -(-num_tokens // self.block_size) + 1
         for attn in self.model.attention_layers():
             attn.kv_cache = torch.zeros((blocks, *self.kv_shape), dtype=self.dtype, device=self.device)
         row = ScheduledRow([0] * num_tokens, 0, num_tokens, list(range(1, blocks)))
+        step = self.prepare([row], [True])
+        if self.device.type == "cuda":
+            step.logits_indices = torch.full((self.config.max_num_seqs,), num_tokens - 1, device=self.device)
+        self.forward(step)  # warm up, and the memory peak
+        self._sync()
         start = time.perf_counter()
-        self.forward(self.prepare([row], [True]))
+        self.forward(step)
         self._sync()
         elapsed = time.perf_counter() - start
         for attn in self.model.attention_layers():

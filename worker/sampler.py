@@ -18,8 +18,16 @@ from common.protocol import SamplingParams
 @dataclass(slots=True)
 class SamplingRow:
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # prompt then output, the sequence's own list (not copied each step)
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass(slots=True)
@@ -55,10 +63,10 @@ class Sampler:
         for i in penalized:
             p, row = rows[i].params, logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(rows[i].prompt_token_ids + rows[i].output_token_ids, device=logits.device).unique()
+                seen = torch.tensor(rows[i].token_ids, device=logits.device).unique()
                 values = row[seen]
                 row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and rows[i].output_token_ids:
+            if (p.presence_penalty or p.frequency_penalty) and rows[i].num_output_tokens:
                 counts = torch.bincount(
                     torch.tensor(rows[i].output_token_ids, device=logits.device), minlength=row.shape[0]
                 ).to(row.dtype)
@@ -66,7 +74,7 @@ class Sampler:
         return logits
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        masked = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        masked = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
         if not masked:
             return logits
         logits = logits.clone()
@@ -89,7 +97,7 @@ class Sampler:
                 noise[j].exponential_()
             else:
                 gen = torch.Generator(device=probs.device)
-                gen.manual_seed((seed * 1_000_003 + len(rows[i].output_token_ids)) % (2**63))
+                gen.manual_seed((seed * 1_000_003 + rows[i].num_output_tokens) % (2**63))
                 noise[j].exponential_(generator=gen)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         token_ids[idx] = (probs / noise).argmax(dim=-1)

@@ -1,0 +1,28 @@
+"""Redis keys shared by the gateway and the schedulers, and the one field a stream entry carries.
+
+    pagoda:requests              stream, consumer group "schedulers"; entry {m: GenerateRequest}
+    pagoda:aborts                stream every scheduler reads in full; entry {id: request_id}
+    pagoda:replies:<gateway_id>  stream per gateway process; entries {m: RequestEvent}
+    pagoda:scheduler:<id>        string, a SchedulerStatus, expires unless refreshed (heartbeat)
+"""
+from __future__ import annotations
+
+REQUESTS = "pagoda:requests"
+SCHEDULER_GROUP = "schedulers"
+ABORTS = "pagoda:aborts"
+REPLIES_PREFIX = "pagoda:replies:"
+STATUS_PREFIX = "pagoda:scheduler:"
+FIELD = b"m"  # the msgpack-encoded protocol message of a stream entry
+ABORT_FIELD = b"id"
+
+STATUS_TTL_S = 3.0  # a scheduler silent this long is dead
+REPLY_STREAM_TTL_S = 600  # a reply stream no one writes to expires
+ABORTS_MAXLEN = 10_000
+
+
+def reply_stream(gateway_id: str) -> str:
+    return REPLIES_PREFIX + gateway_id
+
+
+def status_key(scheduler_id: str) -> str:
+    return STATUS_PREFIX + scheduler_id
