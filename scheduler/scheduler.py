@@ -83,13 +83,17 @@ class Scheduler:
                 f"({self.config.max_num_batched_tokens}) and chunked prefill is off"
             )
         final_len = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        bm = self.block_manager  # can_allocate keeps the watermark free even in an empty pool
-        usable_blocks = bm.num_total_blocks - bm.watermark_blocks
-        if bm.blocks_for(final_len) > usable_blocks:
+        if final_len > self.max_request_tokens:
             raise RequestRejected(
                 f"the request needs up to {final_len} tokens of KV cache, more than the whole pool "
-                f"({usable_blocks * bm.block_size} tokens)"
+                f"({self.max_request_tokens} tokens)"
             )
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request may hold: the pool less the watermark `can_allocate` keeps."""
+        bm = self.block_manager
+        return (bm.num_total_blocks - bm.watermark_blocks) * bm.block_size
 
     def abort_request(self, request_id: str) -> bool:
         group = self.groups.get(request_id)

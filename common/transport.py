@@ -1,0 +1,134 @@
+"""ZeroMQ between a scheduler (ROUTER, binds) and its worker ranks (DEALER, connect).
+
+A worker announces itself with `[b"hello", WorkerHello]`; every plan goes to every rank as one
+frame, and every rank answers with one StepResult frame (rank 0's carries the sampled tokens).
+ROUTER/DEALER queue rather than drop, and nothing is pickled: frames are common.protocol bytes.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from common.protocol import ProtocolError, StepPlan, StepResult, WorkerHello, decode, encode
+
+HELLO = b"hello"
+RESULT = b"result"
+log = logging.getLogger(__name__)
+
+
+class WorkerLink:
+    """The scheduler's end: who the ranks are, send a plan to all, gather their results."""
+
+    def __init__(self, address: str, world_size: int, context: zmq.Context | None = None) -> None:
+        self.context = context or zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
+        self.socket.bind(address)
+        self.world_size = world_size
+        self.ranks: dict[int, bytes] = {}  # rank -> ZeroMQ identity
+        self.hellos: dict[int, WorkerHello] = {}
+
+    @property
+    def ready(self) -> bool:
+        return len(self.ranks) == self.world_size
+
+    def poll_hello(self, timeout_ms: int) -> WorkerHello | None:
+        """Take one pending frame; returns the hello if it was one (anything else is stale)."""
+        if not self.socket.poll(timeout_ms):
+            return None
+        identity, kind, payload = self._recv()
+        return self._register(identity, payload) if kind == HELLO else None
+
+    def _register(self, identity: bytes, payload: bytes) -> WorkerHello | None:
+        try:
+            hello = decode(payload)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed hello: %s", exc)
+            return None
+        if not isinstance(hello, WorkerHello) or not 0 <= hello.rank < self.world_size:
+            log.warning("dropped a hello for a rank outside the group: %r", hello)
+            return None
+        self.ranks[hello.rank] = identity
+        self.hellos[hello.rank] = hello
+        return hello
+
+    def drain(self) -> None:
+        """Take every pending frame while idle: keep-alive hellos, stale results."""
+        while self.poll_hello(timeout_ms=0) is not None or self.socket.poll(0):
+            pass
+
+    def forget_workers(self) -> None:
+        self.ranks.clear()
+        self.hellos.clear()
+
+    def send_plan(self, plan: StepPlan) -> None:
+        frame = encode(plan)
+        for identity in self.ranks.values():
+            self.socket.send_multipart([identity, frame])
+
+    def gather(self, plan: StepPlan, timeout_s: float) -> StepResult | None:
+        """Rank 0's result for `plan` once every rank answered; None when the deadline passes."""
+        deadline = time.monotonic() + timeout_s
+        waiting = set(self.ranks.values())
+        result = None
+        while waiting:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self.socket.poll(left_ms):
+                return None
+            identity, kind, payload = self._recv()
+            if kind == HELLO:
+                known = identity in self.ranks.values()
+                self._register(identity, payload)
+                if known:
+                    continue  # a keep-alive from a rank we know
+                return None  # a rank restarted mid-step: its state is gone
+            try:
+                message = decode(payload)
+            except ProtocolError as exc:
+                log.warning("dropped a malformed result: %s", exc)
+                continue
+            if not isinstance(message, StepResult) or (message.step, message.epoch) != (plan.step, plan.epoch):
+                continue  # stale
+            waiting.discard(identity)
+            if identity == self.ranks.get(0):
+                result = message
+        return result
+
+    def _recv(self) -> tuple[bytes, bytes, bytes]:
+        frames = self.socket.recv_multipart()
+        if len(frames) != 3:
+            return frames[0], b"", b""
+        return frames[0], frames[1], frames[2]
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class SchedulerLink:
+    """A worker rank's end: say hello, receive plans, answer with results."""
+
+    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+        self.context = context or zmq.Context.instance()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+
+    def hello(self, hello: WorkerHello) -> None:
+        self.socket.send_multipart([HELLO, encode(hello)])
+
+    def recv_plan(self, timeout_ms: int | None = None) -> StepPlan | None:
+        if timeout_ms is not None and not self.socket.poll(timeout_ms):
+            return None
+        message = decode(self.socket.recv())
+        if not isinstance(message, StepPlan):
+            raise ProtocolError(f"expected a StepPlan, got {type(message).__name__}")
+        return message
+
+    def send_result(self, result: StepResult) -> None:
+        self.socket.send_multipart([RESULT, encode(result)])
+
+    def close(self) -> None:
+        self.socket.close(0)

@@ -1,0 +1,388 @@
+"""The OpenAI-compatible HTTP API: validate, tokenize, admit, submit to Redis, answer (whole or SSE).
+
+    POST /v1/completions        POST /v1/chat/completions        GET /v1/models
+    GET  /health                GET  /metrics
+
+Every check happens before the first byte of a response; an error after it (a stream whose
+scheduler fails) is an SSE error event followed by `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from common.config import GatewayConfig
+from common.models import resolve_model
+from common.protocol import GenerateRequest, SchedulerStatus
+from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
+from gateway.engine_client import EngineClient, Generation
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
+from gateway.serving import SSE_DONE, ChoiceState, EngineError, ResponseShape, sse, usage
+from gateway.tokenizer import PromptEncoder, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_QUEUE_FULL_S = 1
+RETRY_AFTER_UNAVAILABLE_S = 5
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
+    """The gateway app; its lifespan connects to Redis and starts the reply reader.
+
+    `tokenizer` overrides loading the model's (tests share one).
+    """
+    gateway = Gateway(config, tokenizer)
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", gateway.completions, methods=["POST"]),
+            Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+            Route("/v1/models", gateway.models, methods=["GET"]),
+            Route("/health", gateway.health, methods=["GET"]),
+            Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
+        ],
+        middleware=[Middleware(CountResponses, metrics=gateway.metrics)],
+        exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
+        lifespan=gateway.lifespan,
+    )
+    app.state.gateway = gateway
+    return app
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer=None) -> None:
+        self.config = config
+        source = resolve_model(config.model)
+        self.served_model_name = config.served_model_name or source.name
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
+        self.encoder = PromptEncoder(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+        self.token_text = token_text_cache(self.tokenizer)
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
+        self.metrics = GatewayMetrics()
+        self.engine: EngineClient | None = None
+        self.created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette):
+        self.engine = EngineClient(self.config.redis_url, self.config.gateway_id)
+        await self.engine.start()
+        log.info("gateway %s serving %s", self.config.gateway_id, self.served_model_name)
+        try:
+            yield
+        finally:
+            await self.engine.close()
+
+    # ------------------------------------------------------------------ simple routes
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as exc:
+            return error_response(exc)
+        card = {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            self._ready(await self._statuses(fresh=True))
+        except APIError as exc:
+            return error_response(exc)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        try:
+            statuses = await self.engine.statuses(fresh=True)
+        except Exception:  # Redis down: this gateway's own metrics still help
+            statuses = []
+        return Response(self.metrics.render(statuses), media_type=CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        arrival_time, arrival = time.time(), time.monotonic()
+        try:
+            self._authorize(request)
+            body = parse_json(await self._read_body(request))
+            self._check_model(body)
+            parse = parse_completion if kind == "completion" else parse_chat
+            parsed = parse(body, self.encoder, self.vocab_size)
+            statuses = await self._statuses()
+            self._fit_context(parsed, self._ready(statuses))
+            self._admit(statuses)
+            shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text, uuid.uuid4().hex)
+            requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival)
+            generation = await self._submit(requests)
+        except APIError as exc:
+            return error_response(exc)
+        except ClientDisconnect:  # left while sending the body: nothing was submitted
+            return Response(status_code=499)
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in parsed.prompts))
+        deadline = arrival + self.config.request_timeout_s
+        if parsed.stream:
+            async def close() -> None:  # also when the client leaves before the stream's first step
+                generation.close()
+
+            stream = self._stream(shape, parsed, generation, choices, deadline)
+            return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(close),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._complete(request, shape, parsed, generation, choices, deadline)
+
+    def _sub_requests(
+        self, response_id: str, parsed: ParsedRequest, arrival_time: float, arrival: float,
+    ) -> tuple[list[GenerateRequest], list[ChoiceState]]:
+        """n samples of each prompt, as independent requests `<response id>-<choice index>`."""
+        hidden = self.eos_token_ids | frozenset(parsed.params.stop_token_ids)
+        requests, choices = [], []
+        for p, prompt in enumerate(parsed.prompts):
+            for i in range(parsed.n):
+                index = p * parsed.n + i
+                request_id = f"{response_id}-{index}"
+                params = parsed.params
+                if params.seed is not None and i > 0:
+                    params = dataclasses.replace(params, seed=params.seed + i)
+                requests.append(GenerateRequest(request_id, prompt, params, self.engine.reply_stream, arrival_time))
+                detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
+                choices.append(ChoiceState(index, request_id, detokenizer, parsed.stop, hidden, arrival))
+        return requests, choices
+
+    async def _complete(
+        self, request: Request, shape: ResponseShape, parsed: ParsedRequest, generation: Generation,
+        choices: list[ChoiceState], deadline: float,
+    ) -> Response:
+        """A whole body, unless the client leaves first (then the requests are aborted)."""
+        collect = asyncio.ensure_future(self._drain(generation, choices, deadline))
+        disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                return Response(status_code=499)  # nobody reads it
+            collect.result()
+        except EngineError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        finally:
+            for task in (collect, disconnect):
+                task.cancel()
+            generation.close()
+        return JSONResponse(shape.body(choices, usage(parsed.prompts, choices)))
+
+    async def _drain(self, generation: Generation, choices: list[ChoiceState], deadline: float) -> None:
+        async for _ in self._events(generation, choices, deadline):
+            pass
+
+    async def _stream(
+        self, shape: ResponseShape, parsed: ParsedRequest, generation: Generation, choices: list[ChoiceState],
+        deadline: float,
+    ):
+        include_usage = parsed.include_usage
+        try:
+            if shape.kind == "chat":
+                for c in choices:
+                    yield shape.chunk(shape.choice_delta(c.index, "", [], None, role=True), include_usage)
+            async for choice in self._events(generation, choices, deadline):
+                text, entries = choice.take_delta()
+                if text or entries or choice.finished:
+                    delta = shape.choice_delta(choice.index, text, entries, choice.finish_reason)
+                    yield shape.chunk(delta, include_usage)
+            if include_usage:
+                yield shape.chunk(None, True, usage(parsed.prompts, choices))
+        except EngineError as exc:
+            yield sse(exc.body())
+        finally:  # also on a disconnect, which cancels this generator at its await
+            generation.close()
+        yield SSE_DONE
+
+    async def _events(self, generation: Generation, choices: list[ChoiceState], deadline: float):
+        """Each choice as an event changes it, until every choice has finished."""
+        by_id = {c.request_id: c for c in choices}
+        while generation.unfinished:
+            try:
+                event = await generation.next_event(deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                raise EngineError(
+                    f"the request did not finish within request_timeout_s={self.config.request_timeout_s:g} s",
+                    504, "timeout") from None
+            choice = by_id.get(event.request_id)
+            if choice is None or choice.finished:
+                continue
+            self._observe_tokens(choice, event)
+            choice.add(event)
+            if choice.finished:
+                generation.finish(choice.request_id, abort=choice.stopped_by_string)
+                self._observe_finish(choice)
+                if choice.finish_reason == "error":
+                    raise EngineError(f"generation failed: {choice.error or 'unknown error'}")
+                if choice.finish_reason == "abort":
+                    raise EngineError("the request was aborted by the scheduler", code="aborted")
+            yield choice
+
+    def _observe_tokens(self, choice: ChoiceState, event) -> None:
+        if not event.token_ids:
+            return
+        now, m = time.monotonic(), self.metrics
+        if choice.first_token_at is None:
+            choice.first_token_at = now
+            m.time_to_first_token.observe(now - choice.arrival)
+        else:
+            gap = (now - choice.last_token_at) / len(event.token_ids)
+            for _ in event.token_ids:
+                m.inter_token_latency.observe(gap)
+        choice.last_token_at = now
+
+    def _observe_finish(self, choice: ChoiceState) -> None:
+        self.metrics.e2e_request_latency.observe(time.monotonic() - choice.arrival)
+        self.metrics.request_success.labels(choice.finish_reason).inc()
+        self.metrics.generation_tokens.inc(choice.num_tokens)
+
+    # ------------------------------------------------------------------ checks, in order
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise bad_request("Content-Length must be a number of bytes")
+            if int(length) > limit:
+                raise too_large
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise bad_request(f"Content-Type must be application/json, got {media_type or 'none'!r}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def _statuses(self, fresh: bool = False) -> list[SchedulerStatus]:
+        try:
+            return await self.engine.statuses(fresh=fresh)
+        except Exception as exc:
+            raise unavailable(f"Redis is unreachable ({exc}); the gateway cannot queue requests") from exc
+
+    @staticmethod
+    def _ready(statuses: list[SchedulerStatus]) -> list[SchedulerStatus]:
+        ready = [s for s in statuses if s.workers_ready]
+        if not ready:
+            what = "no scheduler is running" if not statuses else "no scheduler has its workers ready yet"
+            raise unavailable(f"{what}: start one with its workers (`pagoda up`), or wait while the model loads")
+        return ready
+
+    @staticmethod
+    def _fit_context(parsed: ParsedRequest, ready: list[SchedulerStatus]) -> None:
+        max_model_len = min(s.max_model_len for s in ready)
+        max_tokens = parsed.params.max_tokens
+        where = "messages" if parsed.kind == "chat" else "prompt"
+        capacity = min(s.max_request_tokens for s in ready)
+        for prompt in parsed.prompts:
+            final_len = min(len(prompt) + (max_tokens or max_model_len), max_model_len)
+            if final_len > capacity:
+                raise bad_request(
+                    f"the request needs up to {final_len} tokens of KV cache, more than the server's whole pool "
+                    f"({capacity} tokens); shorten the {where} or lower max_tokens", where, "kv_cache_exceeded")
+            if len(prompt) + (max_tokens or 1) > max_model_len:
+                asked = f"{len(prompt)} in the {where}" + (f", {max_tokens} for the completion" if max_tokens else "")
+                raise bad_request(
+                    f"this model's maximum context length is {max_model_len} tokens, but the request needs "
+                    f"{len(prompt) + (max_tokens or 1)} ({asked}); shorten the {where} or lower max_tokens",
+                    where, "context_length_exceeded")
+
+    def _admit(self, statuses: list[SchedulerStatus]) -> None:
+        """429 when the queue is full. A scheduler counts only what it has read from the stream, and
+        this gateway's submitted-but-unstarted requests also cover what still sits in Redis."""
+        engine = self.engine
+        pending = max(sum(s.num_waiting for s in statuses), engine.num_unstarted) + engine.num_unsubmitted
+        if pending >= self.config.max_pending_requests:
+            raise APIError(
+                429, f"the server is busy: {pending} requests are already waiting; retry shortly",
+                "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
+
+    async def _submit(self, requests: list[GenerateRequest]) -> Generation:
+        try:
+            return await self.engine.submit(requests)
+        except Exception as exc:
+            raise unavailable(f"could not queue the request in Redis ({exc})") from exc
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "server_error", code="service_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    body = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)), kind).body()
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s", request.url.path)
+    body = APIError(500, f"internal error: {exc}", "server_error", code="internal_error").body()
+    return JSONResponse(body, status_code=500)
+
+
+class CountResponses:
+    """ASGI middleware: count responses by route and status (`pagoda:http_requests_total`)."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

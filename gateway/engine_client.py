@@ -1,0 +1,183 @@
+"""This gateway process's side of Redis: submit requests, read its reply stream, abort, read status.
+
+One reader task per process XREADs the reply stream and fans events out to per-request queues:
+
+    XADD pagoda:requests {m: GenerateRequest}   ──▶ schedulers
+    XREAD pagoda:replies:<gateway_id>           ◀── RequestEvents ──▶ queue of the request's HTTP handler
+    XADD pagoda:aborts {id: request_id}         ──▶ every scheduler (disconnect, stop string)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from common import streams
+from common.protocol import GenerateRequest, ProtocolError, RequestEvent, SchedulerStatus, decode, encode
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK_MS = 1000
+READ_COUNT = 512
+TRIM_INTERVAL_S = 1.0
+MAX_BACKOFF_S = 2.0
+
+
+class Generation:
+    """The sub-requests of one HTTP request, from submission until each has finished or been aborted."""
+
+    def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
+        self.client = client
+        self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self.unfinished = set(request_ids)
+        self.started: set[str] = set()  # sub-requests that have had an event
+
+    async def next_event(self, timeout: float) -> RequestEvent:
+        """The next event of any sub-request; raises TimeoutError after `timeout` seconds."""
+        event = await asyncio.wait_for(self.queue.get(), timeout)
+        if event.request_id not in self.started and event.request_id in self.unfinished:
+            self.started.add(event.request_id)
+            self.client.num_unstarted -= 1
+        return event
+
+    def finish(self, request_id: str, abort: bool = False) -> None:
+        """The sub-request is over for this gateway; `abort` tells the schedulers to stop it too."""
+        if request_id in self.unfinished:
+            self.unfinished.discard(request_id)
+            self.client._release(request_id, started=request_id in self.started, abort=abort)
+
+    def close(self) -> None:
+        """Abort whatever has not finished (a disconnect, an error, a timeout)."""
+        for request_id in list(self.unfinished):
+            self.finish(request_id, abort=True)
+
+
+class EngineClient:
+    def __init__(self, redis_url: str, gateway_id: str) -> None:
+        self.redis = aioredis.from_url(redis_url, socket_connect_timeout=2.0, health_check_interval=30)
+        self.reply_stream = streams.reply_stream(gateway_id)
+        self._queues: dict[str, asyncio.Queue[RequestEvent]] = {}
+        self._reader: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        self.num_unsubmitted = 0  # admitted here, XADD not yet done
+        self.num_unstarted = 0  # submitted, no event back yet (queued in Redis or in a scheduler)
+        self.status_ttl_s = 0.1  # admission reads scheduler status at most this often
+        self._status_cache: tuple[float, list[SchedulerStatus]] = (0.0, [])
+        self.redis_ok = True
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._reader = asyncio.create_task(self._read_replies(), name="pagoda-reply-reader")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._background:
+            await asyncio.wait(self._background, timeout=1.0)
+        await self.redis.aclose()
+
+    # ------------------------------------------------------------------ requests
+    async def submit(self, requests: list[GenerateRequest]) -> Generation:
+        """Register the requests' queue, then XADD them (so no event can arrive unregistered)."""
+        generation = Generation(self, [r.request_id for r in requests])
+        for r in requests:
+            self._queues[r.request_id] = generation.queue
+        self.num_unsubmitted += len(requests)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for r in requests:
+                pipe.xadd(streams.REQUESTS, {streams.FIELD: encode(r)})
+            await pipe.execute()
+        except BaseException:
+            for r in requests:  # some may have reached Redis before the failure: stop those
+                self._queues.pop(r.request_id, None)
+                self.abort(r.request_id)
+            raise
+        finally:
+            self.num_unsubmitted -= len(requests)
+        self.num_unstarted += len(requests)
+        return generation
+
+    def _release(self, request_id: str, started: bool, abort: bool) -> None:
+        self._queues.pop(request_id, None)
+        if not started:
+            self.num_unstarted -= 1
+        if abort:
+            self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Fire and forget: safe to call from a cancelled task or a generator's finally."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.redis.xadd(
+                streams.ABORTS, {streams.ABORT_FIELD: request_id.encode()},
+                maxlen=streams.ABORTS_MAXLEN, approximate=True,
+            )
+        except Exception as exc:  # Redis down: the request ends by itself (max_tokens or its deadline)
+            log.warning("could not abort %s: %s", request_id, exc)
+
+    # ------------------------------------------------------------------ status
+    async def statuses(self, fresh: bool = False) -> list[SchedulerStatus]:
+        """The live schedulers' status (their keys expire when they stop refreshing them)."""
+        cached_at, cached = self._status_cache
+        if not fresh and time.monotonic() - cached_at < self.status_ttl_s:
+            return cached
+        keys = [key async for key in self.redis.scan_iter(match=streams.STATUS_PREFIX + "*", count=1000)]
+        result = []
+        for raw in await self.redis.mget(keys) if keys else []:
+            if raw is None:
+                continue  # expired between SCAN and MGET
+            try:
+                status = decode(raw)
+            except ProtocolError as exc:
+                log.warning("ignoring an undecodable scheduler status: %s", exc)
+                continue
+            if isinstance(status, SchedulerStatus):
+                result.append(status)
+        self._status_cache = (time.monotonic(), result)
+        return result
+
+    # ------------------------------------------------------------------ the reader
+    async def _read_replies(self) -> None:
+        last_id = b"0-0"  # the stream is this process's own: everything on it is for us
+        last_trim = time.monotonic()
+        backoff = 0.1
+        while True:
+            try:
+                replies = await self.redis.xread({self.reply_stream: last_id}, count=READ_COUNT, block=READ_BLOCK_MS)
+                for _, entries in replies or []:
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        self._dispatch(fields)
+                if time.monotonic() - last_trim > TRIM_INTERVAL_S and last_id != b"0-0":
+                    await self.redis.xtrim(self.reply_stream, minid=last_id)  # drop what we have read
+                    last_trim = time.monotonic()
+                self.redis_ok, backoff = True, 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis went away: keep trying, never take the app down
+                if self.redis_ok:
+                    log.warning("reply reader lost Redis (%s); retrying", exc)
+                self.redis_ok = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _dispatch(self, fields: dict) -> None:
+        try:
+            event = decode(fields.get(streams.FIELD, b""))
+        except ProtocolError as exc:
+            log.warning("dropped a malformed reply: %s", exc)
+            return
+        if not isinstance(event, RequestEvent):
+            log.warning("dropped a reply that is a %s, not a RequestEvent", type(event).__name__)
+            return
+        queue = self._queues.get(event.request_id)
+        if queue is not None:  # else: a request that has been finished or aborted here
+            queue.put_nowait(event)

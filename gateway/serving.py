@@ -1,0 +1,187 @@
+"""From RequestEvents to OpenAI responses: per-choice text (detokenizer, stop strings), logprobs,
+usage, and the two shapes of body (completion, chat), whole or as Server-Sent Events."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from common.protocol import RequestEvent
+from gateway.detokenizer import IncrementalDetokenizer
+
+
+class EngineError(Exception):
+    """A generation that failed after admission (a scheduler's error event, or the deadline)."""
+
+    def __init__(self, message: str, status: int = 500, code: str = "engine_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": "server_error", "param": None, "code": self.code}}
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list  # [[token_id, logprob], ...], best first
+    text_offset: int  # characters of the choice's text before this token
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice (one sub-request): its text so far, what has been sent, and how it ended.
+
+        text[:sent]          sent to the client
+        text[sent:released]  may be sent
+        text[released:]      held back: it could be the start of a stop string
+    """
+
+    index: int
+    request_id: str
+    detokenizer: IncrementalDetokenizer
+    stop: list[str]
+    hidden_token_ids: frozenset[int]  # eos and stop tokens: counted, never shown
+    arrival: float  # time.monotonic() at the gateway
+    text: str = ""
+    sent: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    stopped_by_string: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs_sent: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, event: RequestEvent) -> None:
+        for i, token_id in enumerate(event.token_ids):
+            if self.finished:
+                break  # tokens the scheduler made before it saw our abort
+            self.num_tokens += 1
+            if event.logprobs is not None and i < len(event.logprobs):
+                logprob, top = event.logprobs[i]
+                self.logprobs.append(TokenLogprob(token_id, logprob, top, len(self.text)))
+            last_of_stop = event.finish_reason == "stop" and i == len(event.token_ids) - 1
+            if not (last_of_stop and token_id in self.hidden_token_ids):
+                self._append(self.detokenizer.add(token_id))
+        if event.finish_reason is not None and not self.finished:
+            self._append(self.detokenizer.flush())
+            if not self.finished:
+                self.finish_reason, self.error = event.finish_reason, event.error
+
+    def _append(self, piece: str) -> None:
+        if not piece:
+            return
+        start = max(0, len(self.text) - max(map(len, self.stop), default=0) + 1)
+        self.text += piece
+        hits = [pos for pos in (self.text.find(s, start) for s in self.stop) if pos >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.finish_reason, self.stopped_by_string = "stop", True
+
+    def take_delta(self) -> tuple[str, list[TokenLogprob]]:
+        """What may be sent now: released text and the logprobs of the tokens since the last take."""
+        hold = 0 if self.finished else max(map(len, self.stop), default=1) - 1
+        released = max(self.sent, len(self.text) - hold)
+        text, self.sent = self.text[self.sent:released], released
+        logprobs, self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
+        return text, logprobs
+
+
+# ----------------------------------------------------------------------------- logprobs shapes
+
+def completion_logprobs(entries: list[TokenLogprob], token_text, k: int) -> dict:
+    """The legacy completions shape: parallel lists."""
+    return {
+        "tokens": [token_text(e.token_id) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in e.top[:k]} for e in entries],
+        "text_offset": [e.text_offset for e in entries],
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text, k: int) -> dict:
+    def one(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top[:k]]}
+                        for e in entries]}
+
+
+# ----------------------------------------------------------------------------- bodies
+
+@dataclass(slots=True)
+class ResponseShape:
+    """What every body and chunk of one response shares."""
+
+    kind: str  # "completion" | "chat"
+    id: str
+    created: int
+    model: str
+    logprobs: int | None
+    token_text: object  # token_id -> str
+
+    @staticmethod
+    def new(kind: str, model: str, logprobs: int | None, token_text, request_uid: str) -> ResponseShape:
+        prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+        return ResponseShape(kind, prefix + request_uid, int(time.time()), model, logprobs, token_text)
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if self.logprobs is None:
+            return None
+        shape = completion_logprobs if self.kind == "completion" else chat_logprobs
+        return shape(entries, self.token_text, self.logprobs)
+
+    def body(self, choices: list[ChoiceState], usage: dict) -> dict:
+        out = []
+        for c in choices:
+            entry = {"index": c.index}
+            if self.kind == "completion":
+                entry["text"] = c.text
+            else:
+                entry["message"] = {"role": "assistant", "content": c.text}
+            entry["logprobs"] = self._logprobs(c.logprobs)
+            entry["finish_reason"] = c.finish_reason
+            out.append(entry)
+        obj = "text_completion" if self.kind == "completion" else "chat.completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": out,
+                "usage": usage}
+
+    def chunk(self, choice: dict | None, include_usage: bool, usage: dict | None = None) -> str:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice] if choice is not None else []}
+        if include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    def choice_delta(self, index: int, text: str, entries: list[TokenLogprob], finish_reason: str | None,
+                     role: bool = False) -> dict:
+        if self.kind == "completion":
+            return {"index": index, "text": text, "logprobs": self._logprobs(entries) if entries else None,
+                    "finish_reason": finish_reason}
+        delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+        return {"index": index, "delta": delta, "logprobs": self._logprobs(entries) if entries else None,
+                "finish_reason": finish_reason}
+
+
+def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(c.num_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,62 @@
+"""Start the real stack (`pagoda up`: redis-server, scheduler, worker, gateway processes) for tests."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from common.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Stack:
+    def __init__(self, *flags: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "pagoda.cli", "up", "--port", str(self.port), "--device", "cpu", *flags]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = {k: v for k, v in os.environ.items() if k != "PAGODA_REDIS_URL"}
+        self.log = open(ROOT / ".pytest_cache" / f"stack-{self.port}.log", "w") if (ROOT / ".pytest_cache").is_dir() else subprocess.DEVNULL
+        self.process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300) -> Stack:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagoda up exited with {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the stack did not become healthy")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name.split("{")[0]] = float(value)
+        return values
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        if hasattr(self.log, "close"):
+            self.log.close()
+        return self.process.returncode

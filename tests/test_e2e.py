@@ -1,0 +1,161 @@
+"""The real stack, as separate processes, driven with the official openai client."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.stack import Stack
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    stack = Stack().wait_ready()
+    yield stack
+    assert stack.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def offline_texts(prompts: list[dict], max_tokens: int, tmp_path) -> list[str]:
+    """`pagoda generate --json` on the same prompts: the reference the stack must equal."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "generate", "--json", "--device", "cpu", "--temperature", "0",
+         "--max-tokens", str(max_tokens), "--prompts-file", str(path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line)["text"] for line in proc.stdout.splitlines()]
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_answers_paris(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32,
+        temperature=0,
+    )
+    choice = response.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop" and choice.message.role == "assistant"
+    assert response.usage.completion_tokens > 0
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_completion_max_tokens_and_usage(client):
+    response = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0)
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 5
+    assert response.usage.prompt_tokens == 4
+
+
+def test_streaming_equals_non_streaming_and_reports_usage(client):
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        whole.choices[0].finish_reason
+    ]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_2_returns_two_choices(client):
+    response = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=2, seed=7,
+    )
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.usage.completion_tokens == sum(8 for _ in response.choices) or all(
+        c.finish_reason in ("stop", "length") for c in response.choices
+    )
+
+
+def test_stop_string_truncates(client):
+    reference = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32,
+        temperature=0,
+    ).choices[0].message.content
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32,
+        temperature=0, stop=["Paris"],
+    )
+    assert response.choices[0].message.content == reference[: reference.index("Paris")]
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client):
+    response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                         temperature=0, logprobs=2)
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    assert all(max(top.values()) == pytest.approx(l) for top, l in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+
+
+def test_32_concurrent_streams_match_pagoda_generate(client, tmp_path):
+    prompts = [{"prompt": f"Here is fact number {i} about the ocean:"} for i in range(32)]
+    expected = offline_texts(prompts, 16, tmp_path)
+
+    def stream(i: int) -> str:
+        chunks = client.completions.create(model=MODEL, prompt=prompts[i]["prompt"], max_tokens=16, temperature=0,
+                                           stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(stream, range(32)))
+    assert texts == expected
+
+
+def test_errors_keep_the_server_serving(stack, client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert err.value.body["type"] == "invalid_request_error" or err.value.status_code == 404
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi " * 9000, max_tokens=2)
+    assert "context" in err.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices[0].text
+
+
+def test_disconnect_mid_stream_frees_blocks(stack):
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", stack.url + "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert stack.metrics()["pagoda:kv_cache_usage_perc"] > 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        metrics = stack.metrics()
+        if metrics["pagoda:kv_cache_usage_perc"] == 0 and metrics["pagoda:num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert metrics["pagoda:kv_cache_usage_perc"] == 0
+    assert metrics["pagoda:num_requests_running"] == 0

@@ -1,0 +1,682 @@
+"""The gateway over a real redis-server, with a scripted scheduler standing in for the real one.
+
+The fake scheduler reads `pagoda:requests` as the consumer group does and answers on the
+request's reply stream: by default it echoes the prompt's tokens back one per event (so the
+expected text is the prompt's), or it plays a script chosen by a marker in the prompt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import threading
+import time
+
+import pytest
+import redis
+import uvicorn
+from starlette.testclient import TestClient
+
+try:  # the client the openai package and starlette's TestClient use now; httpx before it
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover
+    import httpx
+
+from common import streams
+from common.config import GatewayConfig
+from common.protocol import GenerateRequest, RequestEvent, SchedulerStatus, decode, encode
+from common.redis_server import RedisServer, free_port
+from gateway.app import create_app
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.tokenizer import PromptEncoder, load_tokenizer
+
+API_KEY = "sk-test"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 256
+MAX_PENDING = 64
+TIMEOUT_S = 3.0
+HELLO = "Hello world, this is a test"  # tokens: Hello| world|,| this| is| a| test
+EMOJI_TEXT = "I like 😀 a lot"  # 😀 is split across two tokens
+
+
+def status(**changes) -> SchedulerStatus:
+    fields = dict(
+        scheduler_id="fake", model="default", max_model_len=MAX_MODEL_LEN, block_size=16, num_gpu_blocks=64,
+        max_request_tokens=1000,
+        workers_ready=True, num_running=1, num_waiting=2, num_swapped=0, kv_cache_usage=0.25,
+        num_preemptions_total=3, prefix_cache_queries_total=10, prefix_cache_hits_total=4, updated_at=time.time(),
+    )
+    fields.update(changes)
+    return SchedulerStatus(**fields)
+
+
+class FakeScheduler:
+    def __init__(self, url: str, tokenizer) -> None:
+        self.redis = redis.Redis.from_url(url)
+        self.tokenizer = tokenizer
+        self.requests: dict[str, GenerateRequest] = {}
+        self.scripts: dict[str, list[RequestEvent] | str] = {}  # marker in the prompt -> events or a mode
+        self.stopping = threading.Event()
+        self.redis.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="$", mkstream=True)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def publish(self, scheduler_id: str = "fake", **changes) -> None:
+        key = streams.status_key(scheduler_id)
+        self.redis.set(key, encode(status(scheduler_id=scheduler_id, **changes)), px=600_000)
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            replies = self.redis.xreadgroup(streams.SCHEDULER_GROUP, "fake", {streams.REQUESTS: ">"}, block=100)
+            for _, entries in replies or []:
+                for entry_id, fields in entries:
+                    request = decode(fields[streams.FIELD])
+                    self.requests[request.request_id] = request
+                    threading.Thread(target=self._answer, args=(request, entry_id), daemon=True).start()
+
+    def aborted(self, request_id: str) -> bool:
+        return any(f[streams.ABORT_FIELD].decode() == request_id for _, f in self.redis.xrange(streams.ABORTS))
+
+    def _send(self, request: GenerateRequest, event: RequestEvent) -> None:
+        self.redis.xadd(request.reply_stream, {streams.FIELD: encode(event)})
+
+    def _answer(self, request: GenerateRequest, entry_id: bytes) -> None:
+        prompt_text = self.tokenizer.decode(request.prompt_token_ids)
+        script = next((s for marker, s in self.scripts.items() if marker in prompt_text), "echo")
+        rid = request.request_id
+        if script == "silent":  # nothing until aborted
+            while not self.aborted(rid) and not self.stopping.is_set():
+                time.sleep(0.02)
+        elif script == "slow":  # a token every 20 ms until aborted
+            for _ in range(250):
+                if self.aborted(rid) or self.stopping.is_set():
+                    break
+                self._send(request, RequestEvent(rid, [28], None))
+                time.sleep(0.02)
+        elif script == "echo":
+            self._echo(request)
+        else:
+            for event in script:
+                self._send(request, dataclasses.replace(event, request_id=rid))
+        self.redis.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, entry_id)
+
+    def _echo(self, request: GenerateRequest) -> None:
+        """The prompt's tokens back, one per event, each with logprob -0.25 * position when asked."""
+        params, prompt = request.sampling_params, request.prompt_token_ids
+        count = min(params.max_tokens or len(prompt), len(prompt))
+        for i, token in enumerate(prompt[:count]):
+            logprobs = None
+            if params.logprobs is not None:
+                top = [[token, -0.25 * (i + 1)]] + [[token + j, -3.0 - j] for j in range(1, params.logprobs)]
+                logprobs = [[-0.25 * (i + 1), top[:params.logprobs]]]
+            finish = None
+            if i == count - 1:
+                finish = "length" if params.max_tokens == count else "stop"
+            self._send(request, RequestEvent(request.request_id, [token], logprobs, finish))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("default")
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def fake(redis_url, tokenizer):
+    scheduler = FakeScheduler(redis_url, tokenizer)
+    scheduler.publish()
+    scheduler.thread.start()
+    yield scheduler
+    scheduler.stopping.set()
+    scheduler.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_url, tokenizer, fake):
+    """The app under uvicorn on a free local port, as `pagoda gateway` runs it."""
+    config = GatewayConfig(redis_url=redis_url, port=free_port(), api_key=API_KEY,
+                           max_pending_requests=MAX_PENDING, request_timeout_s=TIMEOUT_S)
+    app = create_app(config, tokenizer=tokenizer)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    app.state.gateway.engine.status_ttl_s = 0.0  # every request sees the status the test just wrote
+    yield app.state.gateway
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def base_url(gateway):
+    return f"http://127.0.0.1:{gateway.config.port}"
+
+
+@pytest.fixture()
+def client(base_url):
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10) as c:
+        yield c
+
+
+def sse_events(response) -> list:
+    """The data payloads of an SSE response, parsed; '[DONE]' stays a string."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events
+
+
+def stream(client, path: str, body: dict) -> list:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return sse_events(response)
+
+
+def without_id(body: dict) -> dict:
+    assert isinstance(body.pop("created"), int)
+    return {k: v for k, v in body.items() if k != "id"}
+
+
+def wait_for(predicate, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ----------------------------------------------------------------------------- bodies
+
+
+def test_completion_returns_the_full_openai_body(client, fake):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": HELLO, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["id"].startswith("cmpl-")
+    assert without_id(body) == {
+        "object": "text_completion", "model": MODEL,
+        "choices": [{"index": 0, "text": "Hello world,", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+    }
+    sent = fake.requests[body["id"] + "-0"]
+    assert sent.sampling_params.temperature == 0.0 and sent.sampling_params.max_tokens == 3
+    assert sent.reply_stream.startswith(streams.REPLIES_PREFIX)
+
+
+def test_chat_returns_the_full_openai_body_and_defaults_max_tokens_to_the_context(client, fake, tokenizer):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4})
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-")
+    prompt = PromptEncoder(tokenizer).encode_chat([{"role": "user", "content": "Hi"}])
+    assert without_id(body) == {
+        "object": "chat.completion", "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "system\nYou"}, "logprobs": None,
+                     "finish_reason": "length"}],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": 4, "total_tokens": len(prompt) + 4},
+    }
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+    body = r.json()
+    assert fake.requests[body["id"] + "-0"].sampling_params.max_tokens is None  # the rest of the context
+    assert body["choices"][0]["message"]["content"] == tokenizer.decode(prompt, skip_special_tokens=True)
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_models_lists_the_served_model(client):
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [(MODEL, "model", "pagoda")]
+
+
+def test_n2_submits_two_requests_with_consecutive_seeds(client, fake):
+    r = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 2, "n": 2, "seed": 7})
+    body = r.json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "Hello world"), (1, "Hello world")]
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    seeds = [fake.requests[f"{body['id']}-{i}"].sampling_params.seed for i in range(2)]
+    assert seeds == [7, 8]
+
+
+def test_a_list_of_prompts_gives_one_choice_per_prompt_in_order(client):
+    r = client.post("/v1/completions", json={"prompt": ["Hello world", "One two three"], "max_tokens": 5})
+    body = r.json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "Hello world", "stop"), (1, "One two three", "stop")]
+    assert body["usage"]["prompt_tokens"] == 2 + 3
+
+
+def test_token_id_prompts_are_accepted(client, tokenizer):
+    ids = tokenizer.encode(HELLO)
+    body = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2}).json()
+    assert body["choices"][0]["text"] == "Hello world"
+    body = client.post("/v1/completions", json={"prompt": [ids[:2], ids[2:4]], "max_tokens": 2}).json()
+    assert [c["text"] for c in body["choices"]] == ["Hello world", ", this"]
+
+
+def test_completion_logprobs_have_the_legacy_shape(client, tokenizer):
+    body = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 2, "logprobs": 2}).json()
+    hello, world = tokenizer.encode("Hello world")
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": ["Hello", " world"],
+        "token_logprobs": [-0.25, -0.5],
+        "top_logprobs": [{"Hello": -0.25, tokenizer.decode([hello + 1]): -4.0},
+                         {" world": -0.5, tokenizer.decode([world + 1]): -4.0}],
+        "text_offset": [0, 5],
+    }
+
+
+def test_chat_logprobs_have_the_content_shape(client):
+    body = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 1}).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert content == [
+        {"token": "<|im_start|>", "logprob": -0.25, "bytes": list(b"<|im_start|>"),
+         "top_logprobs": [{"token": "<|im_start|>", "logprob": -0.25, "bytes": list(b"<|im_start|>")}]},
+        {"token": "system", "logprob": -0.5, "bytes": list(b"system"),
+         "top_logprobs": [{"token": "system", "logprob": -0.5, "bytes": list(b"system")}]},
+    ]
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def test_completion_stream_is_openai_chunks_ending_in_done(client):
+    events = stream(client, "/v1/completions", {"prompt": HELLO, "max_tokens": 3})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL and "usage" not in c for c in chunks)
+    assert [c["choices"] for c in chunks] == [
+        [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "text": " world", "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "text": ",", "logprobs": None, "finish_reason": "length"}],
+    ]
+
+
+def test_chat_stream_starts_with_the_role_and_ends_with_a_usage_chunk(client):
+    events = stream(client, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-2]
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    assert [c["choices"] for c in chunks] == [
+        [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "delta": {"content": "system"}, "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "delta": {"content": "\n"}, "logprobs": None, "finish_reason": "length"}],
+    ]  # the first token, <|im_start|>, is special: a chunk with no text is not sent
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["object"] == "chat.completion.chunk"
+    assert usage_chunk["usage"]["completion_tokens"] == 3
+    assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + 3
+
+
+def test_stream_with_n2_interleaves_both_choices(client):
+    events = stream(client, "/v1/completions", {"prompt": HELLO, "max_tokens": 2, "n": 2})
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in events[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "Hello world", 1: "Hello world"} and finishes == {0: "length", 1: "length"}
+
+
+def test_32_concurrent_streams_each_get_their_own_text(base_url, tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> str:
+        with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10) as c:
+            events = stream(c, "/v1/completions", {"prompt": prompt(i), "max_tokens": 5})
+        return "".join(e["choices"][0]["text"] for e in events[:-1])
+
+    def prompt(i: int) -> str:
+        return f"Request number {i} says hello"
+
+    with ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(one, range(32)))
+    assert texts == [tokenizer.decode(tokenizer.encode(prompt(i))[:5]) for i in range(32)]
+    assert len(set(texts)) == 32
+
+
+def test_a_character_split_across_two_tokens_is_emitted_whole(client, fake, tokenizer):
+    ids = tokenizer.encode(EMOJI_TEXT)
+    assert "\ufffd" in tokenizer.decode(ids[2:3])  # the premise: a token holding half of 😀
+    fake.scripts["@emoji@"] = [RequestEvent("", [t], None) for t in ids] + [RequestEvent("", [], None, "stop")]
+    events = stream(client, "/v1/completions", {"prompt": "@emoji@", "max_tokens": 50})
+    texts = [c["choices"][0]["text"] for c in events[:-1]]
+    assert "".join(texts) == EMOJI_TEXT
+    assert " 😀" in texts and not any("\ufffd" in t for t in texts)
+
+
+def test_a_stop_string_truncates_the_text_and_aborts_the_request(client, fake):
+    body = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 7, "stop": [" this", "zzz"]}).json()
+    assert body["choices"][0]["text"] == "Hello world,"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 4  # the token that completed the stop string counts
+    assert wait_for(lambda: fake.aborted(body["id"] + "-0"))
+
+
+def test_a_streamed_stop_string_never_leaks_its_start(client, fake):
+    events = stream(client, "/v1/completions", {"prompt": HELLO, "max_tokens": 7, "stop": "is a"})
+    texts = [c["choices"][0]["text"] for c in events[:-1]]
+    assert "".join(texts) == "Hello world, this "
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+    assert wait_for(lambda: fake.aborted(events[0]["id"] + "-0"))
+
+
+def test_eos_is_counted_but_never_shown(client, fake, tokenizer):
+    eos = tokenizer.eos_token_id
+    fake.scripts["@eos@"] = [RequestEvent("", [19556], None), RequestEvent("", [eos], None, "stop")]
+    body = client.post("/v1/completions", json={"prompt": "@eos@", "skip_special_tokens": False}).json()
+    assert body["choices"][0]["text"] == "Hello"
+    assert body["usage"]["completion_tokens"] == 2
+
+
+# ----------------------------------------------------------------------------- engine failures
+
+
+def test_an_engine_error_is_a_500_before_any_byte(client, fake):
+    fake.scripts["@error@"] = [RequestEvent("", [], None, "error", "the worker failed: boom")]
+    r = client.post("/v1/completions", json={"prompt": "@error@"})
+    assert r.status_code == 500
+    assert r.json() == {"error": {"message": "generation failed: the worker failed: boom", "type": "server_error",
+                                  "param": None, "code": "engine_error"}}
+
+
+def test_an_engine_error_mid_stream_is_an_error_event_then_done(client, fake):
+    fake.scripts["@late-error@"] = [RequestEvent("", [19556], None), RequestEvent("", [], None, "error", "boom")]
+    events = stream(client, "/v1/completions", {"prompt": "@late-error@"})
+    assert events[0]["choices"][0]["text"] == "Hello"
+    assert events[1] == {"error": {"message": "generation failed: boom", "type": "server_error", "param": None,
+                                   "code": "engine_error"}}
+    assert events[2:] == ["[DONE]"]
+
+
+def test_a_request_past_its_deadline_is_a_504_and_is_aborted(client, fake):
+    fake.scripts["@timeout@"] = "silent"
+    started = time.monotonic()
+    r = client.post("/v1/completions", json={"prompt": "@timeout@"})
+    assert r.status_code == 504 and time.monotonic() - started >= TIMEOUT_S - 0.5
+    assert r.json()["error"]["code"] == "timeout"
+    (request_id,) = [rid for rid, req in fake.requests.items()
+                     if "@timeout@" in fake.tokenizer.decode(req.prompt_token_ids)]
+    assert wait_for(lambda: fake.aborted(request_id))
+
+
+# ----------------------------------------------------------------------------- disconnects
+
+
+def test_a_client_leaving_a_stream_aborts_its_request(client, fake):
+    fake.scripts["@slow@"] = "slow"
+    with client.stream("POST", "/v1/completions", json={"prompt": "@slow@", "max_tokens": 200, "stream": True}) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    request_id = json.loads(first[len("data: "):])["id"] + "-0"
+    assert wait_for(lambda: fake.aborted(request_id))
+
+
+def test_a_client_leaving_before_a_whole_body_aborts_its_request(base_url, fake):
+    fake.scripts["@silent@"] = "silent"
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.5) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={"prompt": "@silent@"})
+    assert wait_for(lambda: any(
+        "@silent@" in fake.tokenizer.decode(req.prompt_token_ids) and fake.aborted(rid)
+        for rid, req in list(fake.requests.items())))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def error(r, status: int, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert (body["error"]["type"], body["error"]["param"], body["error"]["code"]) == (type, param, code)
+    assert body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sk-test"}])
+def test_a_missing_or_wrong_api_key_is_401(base_url, headers):
+    with httpx.Client(base_url=base_url, headers=headers) as c:
+        error(c.post("/v1/completions", json={"prompt": "x"}), 401, code="invalid_api_key")
+        error(c.get("/v1/models"), 401, code="invalid_api_key")
+        assert c.get("/health").status_code == 200  # probes need no key
+
+
+def test_an_unknown_model_or_route_is_404(client):
+    e = error(client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, param="model",
+              code="model_not_found")
+    assert e["message"] == "the model 'gpt-4' does not exist; this server serves 'SmolLM2-135M-Instruct'"
+    error(client.get("/v1/nothing"), 404)
+    error(client.get("/v1/completions"), 405)
+
+
+def test_a_body_over_the_limit_is_413_by_header_or_by_size(client):
+    big = b'{"prompt": "' + b"a" * (1 << 20) + b'"}'
+    e = error(client.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413,
+              code="request_too_large")
+    assert e["message"] == "the request body is larger than 1048576 bytes"
+
+    def chunked():  # no Content-Length: the size is only known by reading
+        for _ in range(17):
+            yield b"a" * 65536
+
+    error(client.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"}), 413,
+          code="request_too_large")
+
+
+@pytest.mark.parametrize("path, body, param, code", [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n", None),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of", None),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", None),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs", None),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop", None),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens", None),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", None),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo", None),
+    ("/v1/completions", {"prompt": [1, 49152]}, "prompt", None),
+    ("/v1/completions", {"prompt": []}, "prompt", None),
+    ("/v1/completions", {"prompt": "", "max_tokens": 1}, "prompt", None),
+    ("/v1/completions", {"prompt": "word " * 250, "max_tokens": 16}, "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": []}, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 250}]}, "messages",
+     "context_length_exceeded"),
+])
+def test_invalid_values_are_400_naming_the_param(client, path, body, param, code):
+    error(client.post(path, json=body), 400, param=param, code=code)
+
+
+def test_the_context_length_error_says_what_to_do(client):
+    e = error(client.post("/v1/completions", json={"prompt": [19556] * 250, "max_tokens": 16}), 400, param="prompt",
+              code="context_length_exceeded")
+    assert e["message"] == ("this model's maximum context length is 256 tokens, but the request needs 266 (250 in "
+                            "the prompt, 16 for the completion); shorten the prompt or lower max_tokens")
+
+
+def test_a_request_larger_than_the_kv_pool_is_400(client, fake):
+    fake.publish(max_request_tokens=100)
+    try:
+        e = error(client.post("/v1/completions", json={"prompt": [19556] * 90, "max_tokens": 16}), 400,
+                  param="prompt", code="kv_cache_exceeded")
+        assert e["message"] == ("the request needs up to 106 tokens of KV cache, more than the server's whole pool "
+                                "(100 tokens); shorten the prompt or lower max_tokens")
+    finally:
+        fake.publish()
+    assert client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1}).status_code == 200
+
+
+def test_bad_json_and_wrong_content_type_are_400(client):
+    headers = {"Content-Type": "application/json"}
+    assert error(client.post("/v1/completions", content=b"{nope", headers=headers), 400)["message"].startswith(
+        "the request body is not valid JSON")
+    error(client.post("/v1/completions", content=b"[1, 2]", headers=headers), 400)
+    error(client.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}', headers=headers), 400)
+    e = error(client.post("/v1/completions", content=b'{"prompt": "x"}', headers={"Content-Type": "text/plain"}), 400)
+    assert e["message"] == "Content-Type must be application/json, got 'text/plain'"
+
+
+def test_unknown_fields_are_ignored(client):
+    r = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1, "frobnicate": {"x": 1}, "user": "u1"})
+    assert r.json()["choices"][0]["text"] == "Hello"
+
+
+def test_a_full_queue_is_429_with_retry_after(client, fake):
+    fake.publish("fake-busy", workers_ready=False, num_waiting=MAX_PENDING)
+    try:
+        r = client.post("/v1/completions", json={"prompt": "x"})
+        error(r, 429, type="rate_limit_error", code="queue_full")
+        assert r.headers["retry-after"] == "1"
+    finally:
+        fake.redis.delete(streams.status_key("fake-busy"))
+    assert client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1}).status_code == 200
+
+
+def test_no_ready_scheduler_is_503_with_retry_after_and_health_follows(client, fake):
+    assert client.get("/health").json() == {"status": "ok"}
+    fake.publish(workers_ready=False)
+    try:
+        r = client.post("/v1/completions", json={"prompt": "x"})
+        e = error(r, 503, type="server_error", code="service_unavailable")
+        assert r.headers["retry-after"] == "5"
+        assert e["message"].startswith("no scheduler has its workers ready yet")
+        error(client.get("/health"), 503, type="server_error", code="service_unavailable")
+        fake.redis.delete(streams.status_key("fake"))
+        e = error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 503,
+                  type="server_error", code="service_unavailable")
+        assert e["message"].startswith("no scheduler is running")
+    finally:
+        fake.publish()
+    assert client.get("/health").status_code == 200
+    assert client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1}).status_code == 200
+
+
+def test_without_redis_the_gateway_answers_503_and_recovers_when_redis_comes_back(tokenizer):
+    port = free_port()
+    with TestClient(create_app(GatewayConfig(redis_url=f"redis://127.0.0.1:{port}/0"), tokenizer=tokenizer)) as c:
+        for _ in range(2):
+            e = error(c.get("/health"), 503, type="server_error", code="service_unavailable")
+            assert e["message"].startswith("Redis is unreachable")
+            error(c.post("/v1/completions", json={"prompt": "x"}), 503, type="server_error", code="service_unavailable")
+        assert c.get("/metrics").status_code == 200
+        server = RedisServer(port=port).start()
+        scheduler = FakeScheduler(server.url, tokenizer)
+        try:
+            scheduler.publish()
+            scheduler.thread.start()
+            assert c.get("/health").json() == {"status": "ok"}
+            r = c.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 2})  # the reader reconnected
+            assert r.json()["choices"][0]["text"] == "Hello world"
+        finally:
+            scheduler.stopping.set()
+            scheduler.thread.join(5)
+            server.stop()
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metrics_expose_the_schedulers_gauges_and_gateway_histograms(client, fake):
+    fake.publish("fake-2", num_running=4, num_waiting=1, num_gpu_blocks=192, kv_cache_usage=0.5,
+                 num_preemptions_total=2, prefix_cache_queries_total=5, prefix_cache_hits_total=1)
+    try:
+        client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 3})
+        r = client.get("/metrics")
+    finally:
+        fake.redis.delete(streams.status_key("fake-2"))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values["pagoda:num_schedulers"] == 2
+    assert values["pagoda:num_requests_running"] == 1 + 4
+    assert values["pagoda:num_requests_waiting"] == 2 + 1
+    assert values["pagoda:num_requests_swapped"] == 0
+    assert values["pagoda:kv_cache_usage_perc"] == (0.25 * 64 + 0.5 * 192) / (64 + 192)
+    assert values["pagoda:num_preemptions_total"] == 5
+    assert values["pagoda:prefix_cache_queries_total"] == 15
+    assert values["pagoda:prefix_cache_hits_total"] == 5
+    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert values[f"pagoda:{histogram}_count"] >= 1
+    assert values['pagoda:http_requests_total{route="/v1/completions",status="200"}'] >= 1
+    assert values['pagoda:request_success_total{finished_reason="length"}'] >= 1
+    assert values["pagoda:generation_tokens_total"] >= 3
+
+
+# ----------------------------------------------------------------------------- detokenizer and layering
+
+
+def test_no_gateway_module_names_torch():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    offenders = []
+    for path in sorted((root / "gateway").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in {"torch", "triton", "zmq"}]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_incremental_detokenizer_reproduces_decode(tokenizer, skip_special_tokens):
+    rng = random.Random(1234)
+    vocab = len(tokenizer)
+    byte_tokens = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])][:400]  # partial characters
+    for _ in range(150):
+        ids = [rng.choice(byte_tokens) if rng.random() < 0.4 else rng.randrange(vocab)
+               for _ in range(rng.randint(1, 40))]
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        pieces = [detokenizer.add(t) for t in ids] + [detokenizer.flush()]
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), ids
+        assert not any(p.endswith("\ufffd") for p in pieces[:-1])  # a partial character waits for the rest
+
+
+def test_finished_and_aborted_requests_leave_no_state_behind(gateway, client):
+    client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1})
+    engine = gateway.engine
+    assert wait_for(lambda: not engine._queues and engine.num_unstarted == 0 and engine.num_unsubmitted == 0)
+
+
+def test_gateway_config_validates_and_names_itself():
+    from common.config import ConfigError
+
+    config = GatewayConfig()
+    assert len(config.gateway_id) == 16 and config.host == "127.0.0.1" and config.port == 8000
+    assert config.replace(port=9000).gateway_id == config.gateway_id
+    for bad in ({"max_pending_requests": 0}, {"api_key": ""}, {"gateway_id": "a b"}, {"redis_url": "localhost:6379"},
+                {"request_timeout_s": 0}, {"max_body_bytes": 10}, {"port": 70000}):
+        with pytest.raises(ConfigError):
+            GatewayConfig(**bad)

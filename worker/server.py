@@ -1,0 +1,53 @@
+"""The worker process: the offline engine's Executor behind a ZeroMQ link to its scheduler."""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+from common.config import EngineConfig, ServingConfig
+from common.protocol import StepResult
+from common.transport import SchedulerLink
+from worker.executor import Executor
+
+log = logging.getLogger(__name__)
+
+REHELLO_IDLE_S = 2.0  # say hello again when idle, so a restarted scheduler learns of this rank
+
+
+def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0) -> None:
+    executor = Executor(engine_config, rank, serving.world_size)
+    hello = executor.hello()
+    link = SchedulerLink(serving.zmq_address)
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    link.hello(hello)
+    log.info("worker %d ready: %d KV blocks on %s; scheduler at %s", rank, hello.num_gpu_blocks, hello.device,
+             serving.zmq_address)
+    epoch, idle_since = None, time.monotonic()
+    try:
+        while not stopping:
+            plan = link.recv_plan(timeout_ms=200)
+            if plan is None:
+                if time.monotonic() - idle_since > REHELLO_IDLE_S:
+                    link.hello(hello)
+                    idle_since = time.monotonic()
+                continue
+            if plan.epoch != epoch:  # a new scheduler or a failed step: start clean
+                executor.reset()
+                epoch = plan.epoch
+            try:
+                result = executor.execute(plan)
+            except Exception as exc:  # reported to the scheduler, which fails the group's requests
+                log.exception("step %d failed", plan.step)
+                executor.reset()
+                result = StepResult(plan.step, plan.epoch, error=f"{type(exc).__name__}: {exc}")
+            link.send_result(result)
+            idle_since = time.monotonic()
+    finally:
+        link.close()
