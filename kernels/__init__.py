@@ -1,8 +1,111 @@
-"""Attention kernels over the paged KV cache.
+"""Attention and cache kernels over the paged KV cache, dispatched by device.
 
 `kv_cache` is `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (K and V of a block side by
-side). The pure-PyTorch references here are the CPU path and the oracle for the Triton kernels.
+side). CUDA tensors run the Triton kernels (`triton_attention.py`, `triton_cache.py`), CPU tensors
+the pure-PyTorch references (`reference.py`), which are also the Triton kernels' test oracle.
+`impl="triton"` or `impl="torch"` overrides the choice. triton is imported only when a Triton
+kernel runs, so this package imports on a machine without it. Triton on CPU tensors runs in its
+interpreter, which needs TRITON_INTERPRET=1 in the environment before triton is first imported;
+with it set, the default is the references on every device (the interpreter is for tests).
 """
-from kernels.reference import paged_attention, write_kv
+from __future__ import annotations
 
-__all__ = ["paged_attention", "write_kv"]
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from kernels import reference
+from kernels.triton_common import interpreting  # no triton import
+
+Impl = Literal["triton", "torch"] | None
+
+__all__ = ["copy_blocks", "paged_attention", "swap_blocks", "write_kv"]
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, impl: Impl = None,
+) -> None:
+    """Write each token's K and V head rows into its slot; slot -1 is padding and is skipped.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
+    """
+    if _use_triton(kv_cache, impl):
+        from kernels import triton_cache
+
+        return triton_cache.write_kv(key, value, kv_cache, slot_mapping)
+    return reference.write_kv(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, impl: Impl = None,
+    max_seqlen_k: int | None = None, kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged KV: prefill, queries after a
+    cached prefix, and decode, mixed in one batch (semantics: `reference.paged_attention`).
+
+    query: [num_tokens, num_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32;
+    seq_lens: [num_seqs] int32; cu_seqlens_q: [num_seqs + 1] int32. Returns [num_tokens, num_heads,
+    head_dim] (`out` when given). Triton only: `max_seqlen_k` (an upper bound on seq_lens, for the
+    split-KV choice; default the block table's width) and `kv_splits` (force a split count).
+    """
+    if _use_triton(query, impl):
+        from kernels import triton_attention
+
+        return triton_attention.paged_attention(
+            query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
+            max_seqlen_k=max_seqlen_k, kv_splits=kv_splits,
+        )
+    return reference.paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out)
+
+
+def copy_blocks(
+    kv_caches: Sequence[torch.Tensor], src_to_dst: torch.Tensor | Sequence[Sequence[int]], *, impl: Impl = None,
+) -> None:
+    """Copy whole blocks src -> dst in every layer's cache (copy-on-write); each dst is a fresh block.
+
+    src_to_dst: [(src, dst), ...] or a [num_pairs, 2] tensor.
+    """
+    if not kv_caches or len(src_to_dst) == 0:
+        return
+    device = kv_caches[0].device
+    pairs = torch.as_tensor(src_to_dst, dtype=torch.int64).reshape(-1, 2).to(device, non_blocking=True)
+    if _use_triton(kv_caches[0], impl):
+        from kernels import triton_cache
+
+        return triton_cache.copy_blocks(list(kv_caches), pairs)
+    return reference.copy_blocks(list(kv_caches), pairs)
+
+
+def swap_blocks(
+    src_cache: torch.Tensor | Sequence[torch.Tensor], dst_cache: torch.Tensor | Sequence[torch.Tensor],
+    src_to_dst: torch.Tensor | Sequence[Sequence[int]], *, impl: Impl = None,
+) -> None:
+    """Copy blocks src -> dst between pools on two devices (GPU pool <-> pinned CPU pool), for one
+    layer's cache or for per-layer lists. Both impls queue block-wise asynchronous copies: a swap
+    is a DMA by the copy engine, there is no kernel to choose (see `reference.swap_blocks`).
+    """
+    _check_impl(impl)
+    pairs = [(int(s), int(d)) for s, d in (src_to_dst.tolist() if isinstance(src_to_dst, torch.Tensor) else src_to_dst)]
+    if isinstance(src_cache, torch.Tensor):
+        src_cache, dst_cache = [src_cache], [dst_cache]
+    for src, dst in zip(src_cache, dst_cache, strict=True):
+        reference.swap_blocks(src, dst, pairs)
+
+
+def _check_impl(impl: Impl) -> None:
+    if impl not in (None, "triton", "torch"):
+        raise ValueError(f"impl must be 'triton', 'torch' or None (by device), not {impl!r}")
+
+
+def _use_triton(tensor: torch.Tensor, impl: Impl) -> bool:
+    _check_impl(impl)
+    if impl is None:  # under the interpreter, Triton runs only when asked for
+        return tensor.is_cuda and not interpreting()
+    if impl == "triton" and not tensor.is_cuda and not interpreting():
+        raise RuntimeError(
+            "impl='triton' on CPU tensors runs in Triton's interpreter: set TRITON_INTERPRET=1 "
+            "in the environment before triton is imported, or use impl='torch'"
+        )
+    return impl == "triton"

@@ -20,16 +20,16 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor, scale: float,
+    cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV.
 
     query: [num_tokens, num_heads, head_dim], sequence i's queries are its last
     `cu_seqlens_q[i+1] - cu_seqlens_q[i]` positions; seq_lens[i] counts its KV including them;
     block_tables: [num_seqs, max_blocks] int32 padded with the null block 0.
-    Returns [num_tokens, num_heads, head_dim].
+    Returns [num_tokens, num_heads, head_dim], written into `out` when one is given.
     """
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
@@ -85,3 +85,38 @@ def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out) ->
         mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[start:start + q_len] = o.transpose(0, 1)
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
+    """Copy whole blocks (K and V) src -> dst in every layer's cache: copy-on-write.
+
+    src_to_dst: [num_pairs, 2] int64 on the caches' device; every dst is a fresh block (no dst is a src).
+    """
+    if src_to_dst.numel() == 0:
+        return
+    src, dst = src_to_dst[:, 0], src_to_dst[:, 1]
+    for cache in kv_caches:
+        cache[dst] = cache[src]
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: list[tuple[int, int]]) -> None:
+    """Copy blocks between pools on two devices (GPU pool <-> pinned CPU pool), block-wise.
+
+    The copies are queued on the current stream (`non_blocking`, truly asynchronous when the host
+    pool is pinned): later kernels that overwrite swapped-out GPU blocks run after them, but the
+    host must synchronize before it reads a swapped-out block itself. Runs of consecutive src and
+    dst ids go as one copy. This is the CUDA path as well: a swap is a DMA, not a kernel.
+    """
+    for src, dst, n in _runs(src_to_dst):
+        dst_cache[dst:dst + n].copy_(src_cache[src:src + n], non_blocking=True)
+
+
+def _runs(src_to_dst: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst, length) runs where both ids go up by one: [(4, 9), (5, 10), (7, 2)] -> [(4, 9, 2), (7, 2, 1)]."""
+    runs: list[list[int]] = []
+    for src, dst in src_to_dst:
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [tuple(r) for r in runs]

@@ -37,7 +37,8 @@ def up(args, engine_flags: list[str]) -> int:
     # Own sessions: Ctrl-C reaches `pagoda up` alone, which then stops the children in order.
     children = {name: subprocess.Popen(cmd, start_new_session=True) for name, cmd in commands.items()}
     stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # explicit: a shell may start us with SIGINT ignored
+        signal.signal(sig, lambda *_: stop.update(now=True))
     try:
         code = _supervise(children, args, stop)
     except KeyboardInterrupt:
@@ -76,7 +77,8 @@ def _healthy(url: str) -> bool:
 
 def _banner(url: str, args) -> None:
     auth = f" \\\n  -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
+    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32, "temperature": 0})
     print(
         f"\nPagoda is serving at {url}  (OpenAI-compatible: {url}/v1)\n\n"
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n  -d '{body}'\n\n"

@@ -17,6 +17,19 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="where the model tests (tests/test_parity.py) run: cpu or cuda")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    """The --device option; a CUDA device without one is a visible skip."""
+    name = request.config.getoption("--device")
+    if name.startswith("cuda") and not _has_cuda():
+        pytest.skip(f"--device {name}: needs a CUDA GPU (none here)")
+    return name
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or _has_cuda():  # import torch only when a GPU test was collected

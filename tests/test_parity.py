@@ -1,7 +1,8 @@
 """Greedy output equals transformers' generate(do_sample=False) token for token on SmolLM2.
 
 The reference model is transformers' own LlamaForCausalLM loaded from the Hugging Face directory
-that transformers itself produced from the GGUF file (see worker/loader.py).
+that transformers itself produced from the GGUF file (see worker/loader.py). Pagoda runs on
+`--device` (default cpu; `make test-gpu` passes cuda) in float32, the reference on CPU.
 """
 import json
 import subprocess
@@ -17,10 +18,10 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(device):
     from pagoda.offline import LLM
 
-    return LLM("default", device="cpu")
+    return LLM("default", device=device, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +49,12 @@ def test_prompts_cover_chat_plain_short_and_long(prompt_ids):
     assert max(len(ids) for ids in prompt_ids) > 300 and min(len(ids) for ids in prompt_ids) < 20
 
 
-def test_cli_greedy_matches_transformers(tmp_path, hf_outputs, prompt_ids):
+def test_cli_greedy_matches_transformers(tmp_path, hf_outputs, prompt_ids, device):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PARITY_PROMPTS))
     proc = subprocess.run(
         [sys.executable, "-m", "pagoda.cli", "generate", "--json", "--temperature", "0", "--max-tokens",
-         str(MAX_TOKENS), "--prompts-file", str(prompts_file), "--device", "cpu"],
+         str(MAX_TOKENS), "--prompts-file", str(prompts_file), "--device", device, "--dtype", "float32"],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
@@ -68,11 +69,12 @@ def test_cli_greedy_matches_transformers(tmp_path, hf_outputs, prompt_ids):
     "num_gpu_blocks, max_num_batched_tokens",
     [(56, 2048), (56, 48)],  # a pool too small for the batch; and chunked prefill as well
 )
-def test_greedy_matches_transformers_under_preemption(hf_outputs, prompt_ids, num_gpu_blocks, max_num_batched_tokens):
+def test_greedy_matches_transformers_under_preemption(hf_outputs, prompt_ids, num_gpu_blocks, max_num_batched_tokens, device):
     from common.protocol import SamplingParams
     from pagoda.offline import LLM
 
-    llm = LLM("default", device="cpu", num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=max_num_batched_tokens)
+    llm = LLM("default", device=device, dtype="float32", num_gpu_blocks=num_gpu_blocks,
+              max_num_batched_tokens=max_num_batched_tokens)
     outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     print("preemptions:", llm.scheduler.num_preemptions, "steps:", llm.engine.num_steps)
     assert llm.scheduler.num_preemptions > 0
@@ -82,10 +84,10 @@ def test_greedy_matches_transformers_under_preemption(hf_outputs, prompt_ids, nu
     assert bm.num_free_blocks == bm.num_total_blocks
 
 
-def test_chat_answer_names_paris():
+def test_chat_answer_names_paris(device):
     proc = subprocess.run(
         [sys.executable, "-m", "pagoda.cli", "generate", "--chat", "--prompt", "What is the capital of France?",
-         "--device", "cpu", "--max-tokens", "32"],
+         "--device", device, "--max-tokens", "32"],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr

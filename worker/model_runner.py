@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from common.config import EngineConfig
 from common.models import resolve_model
 from worker.context import AttentionContext, attention_context
@@ -148,9 +149,4 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, src_to_dst: list[list[int]]) -> None:
-        if not src_to_dst:
-            return
-        src = torch.tensor([s for s, _ in src_to_dst], device=self.device)
-        dst = torch.tensor([d for _, d in src_to_dst], device=self.device)
-        for cache in self.kv_caches:
-            cache[dst] = cache[src]
+        kernels.copy_blocks(self.kv_caches, src_to_dst)

@@ -1,0 +1,98 @@
+"""What the serving planes add: time to first token through the stack (gateway, Redis, scheduler,
+ZeroMQ, worker) minus the offline engine's for the same short request, and the size of a decode
+step's plan per running sequence at short and long contexts.
+
+    python benchmarks/serving_overhead.py --requests 30 --output out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.engine_vs_transformers import device_description  # noqa: E402
+from common.protocol import SamplingParams, encode  # noqa: E402
+from pagoda.offline import LLM  # noqa: E402
+from tests.stack import Stack  # noqa: E402
+
+PROMPT = "The capital of France is"
+
+
+def offline_ttft(llm: LLM, n: int) -> list[float]:
+    ids = llm.encode(PROMPT)
+    times = []
+    for i in range(n + 2):
+        llm.engine.add_request(f"ttft-{i}", ids, SamplingParams(temperature=0, max_tokens=1))
+        start = time.perf_counter()
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        times.append(time.perf_counter() - start)
+    return times[2:]  # warm-up
+
+
+def stack_ttft(url: str, n: int) -> list[float]:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
+    times = []
+    with httpx.Client(timeout=60) as client:
+        for _ in range(n + 2):
+            start = time.perf_counter()
+            with client.stream("POST", url + "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
+                        times.append(time.perf_counter() - start)
+                        break
+    return times[2:]
+
+
+def plan_bytes_per_seq(llm: LLM, context: int, num_seqs: int = 8) -> float:
+    """Mean encoded size of the decode plans, per scheduled sequence, at a given context length."""
+    sizes = []
+    engine = llm.engine
+    for i in range(num_seqs):
+        engine.add_request(f"plan-{context}-{i}", [100 + i] * context, SamplingParams(temperature=0, max_tokens=6,
+                                                                                      ignore_eos=True))
+    while engine.has_unfinished_requests():
+        plan = engine.scheduler.schedule()
+        if plan.cached_seqs and not plan.new_seqs:
+            sizes.append(len(encode(plan)) / len(plan.cached_seqs))
+        engine.scheduler.update(engine.executor.execute(plan))
+    return statistics.mean(sizes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--output")
+    args = parser.parse_args()
+
+    llm = LLM("default", device="cpu")
+    offline = offline_ttft(llm, args.requests)
+    plan_sizes = {str(c): plan_bytes_per_seq(llm, c) for c in (64, 1024)}
+    del llm
+    stack = Stack().wait_ready()
+    try:
+        served = stack_ttft(stack.url, args.requests)
+    finally:
+        stack.stop()
+    result = {
+        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": device_description(),
+        "ttft_offline_ms": {"median": statistics.median(offline) * 1e3, "mean": statistics.mean(offline) * 1e3},
+        "ttft_stack_ms": {"median": statistics.median(served) * 1e3, "mean": statistics.mean(served) * 1e3},
+        "overhead_median_ms": (statistics.median(served) - statistics.median(offline)) * 1e3,
+        "decode_plan_bytes_per_seq": plan_sizes,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

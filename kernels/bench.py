@@ -1,0 +1,220 @@
+"""`pagoda bench kernels`: Triton PagedAttention decode against the roofline and against SDPA (CUDA only).
+
+For each model's attention shape, batch size and context length, one decode step: one query per
+sequence, every sequence `context` tokens long, its blocks scattered over a shuffled pool.
+
+- Achieved bandwidth: (KV + Q + O bytes) / time, beside a large device-to-device copy measured in
+  the same process, (read + write bytes) / time: what a memory-bound kernel can reach.
+- Time beside torch.nn.functional.scaled_dot_product_attention (the FlashAttention backend when it
+  takes the shape) over a contiguous [batch, kv_heads, context, head_dim] cache of the same values.
+
+Timing: a CUDA graph of several calls (launch overhead out, as in a CUDA-graph decode step) that
+cycle through enough copies of the inputs to overflow L2, so every call reads HBM; the median of
+a few replays, per call.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# (num_heads, num_kv_heads, head_dim), as in worker/configs/*.json
+ATTENTION_SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+GOAL = {"model": "llama-3.1-8b", "batch": 64, "context": 2048, "min_fraction_of_copy": 0.80, "max_time_vs_sdpa": 1.05}
+MAX_INPUT_COPIES = 512
+CALLS_PER_GRAPH = 10
+REPLAYS = 7
+
+
+@dataclass
+class DecodeInputs:
+    query: torch.Tensor  # [batch, num_heads, head_dim]
+    kv_cache: torch.Tensor  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # [batch, context / block_size] int32, shuffled
+    seq_lens: torch.Tensor  # [batch] int32, all `context`
+    cu_seqlens_q: torch.Tensor  # [batch + 1] int32
+    out: torch.Tensor
+
+    def contiguous(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """SDPA's layout of the same values: q [batch, heads, 1, hd], k and v [batch, kv_heads, context, hd]."""
+        blocks = self.kv_cache[self.block_tables.long()]  # [batch, nblk, 2, block_size, kvh, hd]
+        batch, nblk, _, block_size, kvh, hd = blocks.shape
+        kv = blocks.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, kvh, nblk * block_size, hd)
+        context = int(self.seq_lens[0])
+        return self.query[:, :, None], kv[0, :, :, :context].contiguous(), kv[1, :, :, :context].contiguous()
+
+
+def decode_inputs(batch: int, context: int, shape: tuple[int, int, int], block_size: int, dtype: torch.dtype,
+                  device: torch.device, gen: torch.Generator) -> DecodeInputs:
+    num_heads, num_kv_heads, head_dim = shape
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq + 1  # block 0 is the null block
+    ids = torch.randperm(num_blocks - 1, generator=gen)[: batch * blocks_per_seq] + 1
+    kv_cache = torch.randn((num_blocks, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    query = torch.randn((batch, num_heads, head_dim), dtype=dtype, device=device)
+    return DecodeInputs(
+        query, kv_cache, ids.view(batch, blocks_per_seq).to(device, torch.int32),
+        torch.full((batch,), context, dtype=torch.int32, device=device),
+        torch.arange(batch + 1, dtype=torch.int32, device=device), torch.empty_like(query),
+    )
+
+
+def decode_bytes(batch: int, context: int, shape: tuple[int, int, int], dtype: torch.dtype) -> int:
+    """KV read + Q read + O written."""
+    num_heads, num_kv_heads, head_dim = shape
+    size = torch.finfo(dtype).bits // 8
+    return batch * head_dim * size * (2 * context * num_kv_heads + 2 * num_heads)
+
+
+def time_per_call(calls: list) -> float:
+    """Seconds per call: a CUDA graph of calls cycling through `calls` (each on its own inputs)."""
+    for call in calls:
+        call()  # compile, size workspaces
+    torch.cuda.synchronize()
+    per_graph = len(calls) * math.ceil(CALLS_PER_GRAPH / len(calls))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            calls[i % len(calls)]()
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / per_graph)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> dict:
+    """(read + write bytes) / time of a device-to-device copy of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    seconds = time_per_call([lambda: dst.copy_(src)])
+    return {"bytes": nbytes, "time_us": seconds * 1e6, "bandwidth_GBps": 2 * nbytes / seconds / 1e9}
+
+
+def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """SDPA on the FlashAttention backend if it takes the shape, else on torch's choice; and its name."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+    try:
+        flash()
+        return flash, "flash"
+    except RuntimeError:
+        return (lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)), "default"
+
+
+def bench_shape(model: str, batch: int, context: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                copy_GBps: float) -> dict:
+    import kernels
+    from kernels.triton_attention import launch_plan
+
+    shape = ATTENTION_SHAPES[model]
+    num_heads, num_kv_heads, head_dim = shape
+    scale = head_dim**-0.5
+    nbytes = decode_bytes(batch, context, shape, dtype)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    copies = min(max(math.ceil(4 * l2 / nbytes), 1), MAX_INPUT_COPIES)
+    gen = torch.Generator().manual_seed(batch * 100_003 + context)
+    inputs = [decode_inputs(batch, context, shape, block_size, dtype, device, gen) for _ in range(copies)]
+
+    def paged(x: DecodeInputs):
+        return lambda: kernels.paged_attention(x.query, x.kv_cache, x.block_tables, x.seq_lens, x.cu_seqlens_q,
+                                               scale, out=x.out, impl="triton", max_seqlen_k=context)
+
+    sdpa = [sdpa_call(*x.contiguous(), scale) for x in inputs]
+    paged_s = time_per_call([paged(x) for x in inputs])
+    sdpa_s = time_per_call([call for call, _ in sdpa])
+    diff = (paged(inputs[0])().float() - sdpa[0][0]()[:, :, 0].float()).abs().max().item()
+    _, kv_splits = launch_plan(batch, batch, num_kv_heads, num_heads // num_kv_heads, head_dim, context, device)
+    return {
+        "model": model, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+        "batch": batch, "context": context, "block_size": block_size, "kv_splits": kv_splits, "bytes": nbytes,
+        "pagoda": {"time_us": paged_s * 1e6, "bandwidth_GBps": nbytes / paged_s / 1e9,
+                   "fraction_of_copy_bandwidth": nbytes / paged_s / 1e9 / copy_GBps},
+        "baseline": {"name": "torch SDPA over a contiguous KV cache", "backend": sdpa[0][1], "time_us": sdpa_s * 1e6,
+                     "bandwidth_GBps": nbytes / sdpa_s / 1e9},
+        "time_ratio_vs_sdpa": paged_s / sdpa_s, "max_abs_diff_vs_sdpa": diff, "input_copies": copies,
+    }
+
+
+def goal_check(rows: list[dict]) -> dict | None:
+    goal = (GOAL["model"], GOAL["batch"], GOAL["context"])
+    row = next((r for r in rows if (r["model"], r["batch"], r["context"]) == goal), None)
+    if row is None:
+        return None
+    fraction, ratio = row["pagoda"]["fraction_of_copy_bandwidth"], row["time_ratio_vs_sdpa"]
+    return {**GOAL, "fraction_of_copy": fraction, "time_vs_sdpa": ratio,
+            "met": fraction >= GOAL["min_fraction_of_copy"] and ratio <= GOAL["max_time_vs_sdpa"]}
+
+
+def _commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent)
+    return proc.stdout.strip() or "unknown"
+
+
+def _device_description(device: torch.device) -> str:
+    props = torch.cuda.get_device_properties(device)
+    return f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / (1 << 30):.0f} GiB)"
+
+
+def run(args) -> int:
+    """The `pagoda bench kernels` handler: the JSON result on stdout (and in --output), a table on stderr."""
+    if not torch.cuda.is_available():
+        raise ValueError("bench kernels times the Triton kernels on a CUDA GPU, and torch sees none here; "
+                         "run it on a GPU host (the kernels' CPU tests are `make test`)")
+    from kernels.triton_common import interpreting
+
+    if interpreting():
+        raise ValueError("TRITON_INTERPRET=1 is set: the kernels would run in Triton's interpreter; unset it")
+    import triton
+
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    copy = copy_bandwidth(device)
+    rows = []
+    for model in args.models.split(","):
+        if model not in ATTENTION_SHAPES:
+            raise ValueError(f"unknown model {model!r}: choose from {', '.join(ATTENTION_SHAPES)}")
+        for batch in map(int, args.batch_sizes.split(",")):
+            for context in map(int, args.context_lens.split(",")):
+                rows.append(bench_shape(model, batch, context, args.block_size, dtype, device, copy["bandwidth_GBps"]))
+                _print_row(rows[-1])
+                torch.cuda.empty_cache()
+    result = {
+        "command": " ".join(["pagoda", *sys.argv[1:]]), "commit": _commit(), "date": datetime.date.today().isoformat(),
+        "device": _device_description(device), "torch": torch.__version__, "triton": triton.__version__,
+        "benchmark": "kernels: paged decode attention", "dtype": args.dtype,
+        "timer": "CUDA graph of repeated calls over inputs cycled past L2; median of replays, per call",
+        "copy": copy, "results": rows, "goal": goal_check(rows),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0
+
+
+def _print_row(row: dict) -> None:
+    print(
+        f"{row['model']:>13} batch {row['batch']:>3} x {row['context']:>5}: paged {row['pagoda']['time_us']:8.1f} us "
+        f"{row['pagoda']['bandwidth_GBps']:7.0f} GB/s ({row['pagoda']['fraction_of_copy_bandwidth']:.0%} of copy), "
+        f"sdpa {row['baseline']['time_us']:8.1f} us -> {row['time_ratio_vs_sdpa']:.2f}x, splits {row['kv_splits']}",
+        file=sys.stderr, flush=True,
+    )

@@ -1,0 +1,264 @@
+"""Triton PagedAttention: one kernel for prefill, chunked prefill and decode over the paged KV cache.
+
+A program owns one query tile of one sequence for one KV head (and, with split-KV, one slice
+of that sequence's keys). Its BLOCK_M rows pack BLOCK_Q query tokens x GROUP query heads, the
+heads that share the KV head, so every K/V tile is read once for the whole group:
+
+    row r  ->  query token q_block * BLOCK_Q + r // GROUP,  query head kv_head * GROUP + r % GROUP
+
+Query tiles are laid out over the flattened batch: sequence i owns the tiles
+[cu_seqlens_q[i] // BLOCK_Q + i, cu_seqlens_q[i+1] // BLOCK_Q + i + 1), so the grid size needs
+only host-known shapes (num_tokens // BLOCK_Q + num_seqs) and a program finds its sequence by
+counting the sequences that start before it. No host sync, no data-dependent grid: the launch
+can be captured in a CUDA graph. A sequence's spare last tile, if any, exits at once.
+
+    keys [0, context_len)            the cached prefix (context_len = seq_len - q_len)
+    keys [context_len, seq_len)      this step's tokens; query j sees keys [0, context_len + j]
+
+A tile walks keys up to its causal frontier (its last query's position) and no further.
+Offsets into the cache are int64 (block id * block stride passes 2**31 in large pools).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import dot_precision, num_sms, workspace
+
+MAX_KV_SPLITS = 32
+MIN_TILES_PER_SPLIT = 2  # a split reads at least this many BLOCK_N tiles, or splitting is not worth a reduce
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    block_m: int  # rows of a query tile: block_q tokens x group heads (padded to a power of two)
+    block_q: int  # query tokens per tile
+    block_n: int  # keys per KV tile
+    num_warps: int
+    num_stages: int
+
+
+def tile_config(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> TileConfig:
+    """Small tiles for decode-only batches (every q_len is 1 exactly when num_tokens == num_seqs),
+    taller ones when a prefill is present; BLOCK_M >= 16 for tl.dot."""
+    decode_only = num_tokens <= num_seqs
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
+    block_n = 64 if head_dim <= 128 else 32
+    return TileConfig(block_m, block_m // group, block_n, num_warps=4, num_stages=2)
+
+
+def num_kv_splits(num_programs: int, max_seqlen_k: int, block_n: int, sms: int) -> int:
+    """Split each sequence's keys when the (query tile, KV head) programs leave SMs idle.
+
+    Enough splits to fill every SM about twice, but no split shorter than MIN_TILES_PER_SPLIT
+    tiles of the longest context: short contexts gain nothing from a reduce.
+    """
+    if num_programs >= sms:
+        return 1
+    by_occupancy = triton.cdiv(2 * sms, num_programs)
+    by_length = max(triton.cdiv(max_seqlen_k, block_n) // MIN_TILES_PER_SPLIT, 1)
+    return min(by_occupancy, by_length, MAX_KV_SPLITS)
+
+
+def launch_plan(
+    num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
+    device: torch.device,
+) -> tuple[TileConfig, int]:
+    """The tile shape and KV split count of a launch, from host-known sizes only."""
+    cfg = tile_config(num_tokens, num_seqs, group, head_dim)
+    busy_tiles = num_seqs + (num_tokens - num_seqs) // cfg.block_q  # the grid's tiles that hold queries, about
+    return cfg, num_kv_splits(busy_tiles * num_kv_heads, max_seqlen_k, cfg.block_n, num_sms(device))
+
+
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None, kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged KV (see kernels.reference).
+
+    query: [num_tokens, num_heads, head_dim]; kv_cache: [num_blocks, 2, block_size, num_kv_heads,
+    head_dim]; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
+    cu_seqlens_q: [num_seqs + 1] int32. `max_seqlen_k` bounds the context lengths for the split
+    heuristic (default: the block table's width, no device read); `kv_splits` forces a split count.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    assert num_heads == group * num_kv_heads, "query heads must be a multiple of KV heads"
+    assert query.stride(-1) == 1 and kv_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    out = torch.empty_like(query) if out is None else out
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cfg, planned_splits = launch_plan(num_tokens, num_seqs, num_kv_heads, group, head_dim,
+                                      max_seqlen_k or block_tables.shape[1] * block_size, query.device)
+    kv_splits = kv_splits or planned_splits
+    o_partial, lse_partial = _split_scratch(query, kv_splits, cfg.block_m)
+    num_q_tiles = num_tokens // cfg.block_q + num_seqs
+    _attention_kernel[(num_q_tiles, num_kv_heads, kv_splits)](
+        out, o_partial, lse_partial, query, kv_cache, block_tables, seq_lens, cu_seqlens_q,
+        scale * math.log2(math.e), num_seqs, num_tokens, num_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, SPLIT_KV=kv_splits > 1,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if kv_splits > 1:
+        _reduce_splits(out, o_partial, lse_partial, cu_seqlens_q, group)
+    return out
+
+
+def _reduce_splits(out, o_partial, lse_partial, cu_seqlens_q, group) -> None:
+    """One program per (token, KV head) merges the splits of the group's query heads into `out`."""
+    kv_splits, num_tokens, num_heads, head_dim = o_partial.shape
+    _reduce_splits_kernel[(num_tokens, num_heads // group)](
+        out, o_partial, lse_partial, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, num_tokens, num_heads, kv_splits,
+        out.stride(0), out.stride(1), GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim), SPLITS_P2=triton.next_power_of_2(kv_splits), num_warps=4,
+    )
+
+
+def _split_scratch(query: torch.Tensor, kv_splits: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs [kv_splits, num_tokens, num_heads, head_dim] and their log2-sum-exp
+    [kv_splits, num_tokens, num_heads], fp32, views of a per-device workspace that is reused.
+
+    The heuristic splits only while programs (q tiles x KV heads) number fewer than the SMs, and
+    then to about 2 x SMs, so kv_splits x num_tokens x num_heads stays under about 5 x SMs x BLOCK_M
+    rows whatever the batch: the first split launch reserves that much and later ones reuse it
+    (a forced `kv_splits` may need more, and grows it).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    if kv_splits == 1:
+        dummy = workspace(query.device, 1)
+        return dummy, dummy
+    rows = kv_splits * num_tokens * num_heads
+    bound = 5 * num_sms(query.device) * block_m * (head_dim + 1)
+    buf = workspace(query.device, rows * (head_dim + 1), reserve=bound)
+    return buf[: rows * head_dim].view(kv_splits, num_tokens, num_heads, head_dim), buf[rows * head_dim:].view(
+        kv_splits, num_tokens, num_heads)
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr, CHUNK: tl.constexpr = 128):
+    """The last sequence i whose first query tile, cu_seqlens_q[i] // BLOCK_Q + i, is <= tile.
+
+    First tiles increase with i, so this counts the sequences starting at or before `tile`,
+    CHUNK at a time: one vector load for most batches, not a chain of dependent scalar loads.
+    """
+    count = tl.zeros([], tl.int32)
+    for chunk in range(0, num_seqs, CHUNK):
+        i = chunk + tl.arange(0, CHUNK)
+        first_tile = tl.load(cu_seqlens_q_ptr + i, mask=i < num_seqs, other=0) // BLOCK_Q + i
+        count += tl.sum(((first_tile <= tile) & (i < num_seqs)).to(tl.int32), 0)
+    return count - 1
+
+
+@triton.jit
+def _attention_kernel(
+    out_ptr, o_partial_ptr, lse_partial_ptr,
+    query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    scale_log2, num_seqs, num_tokens, num_heads,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_block, stride_kv, stride_slot, stride_head, stride_table,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    q_block = tile - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:  # the spare tile at the end of a sequence
+        return
+    context_len = tl.load(seq_lens_ptr + seq) - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_block * BLOCK_Q + rows // GROUP  # [BLOCK_M] query index within the sequence
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_local < q_len)
+    q_pos = context_len + q_local  # [BLOCK_M] position: sees keys [0, q_pos]
+    token = (q_start + q_local).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_valid = dims < HEAD_DIM
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(query_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+                mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
+
+    # This split's share of the KV tiles below the tile's causal frontier.
+    kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last query's position + 1
+    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_kv_tiles, tl.num_programs(2))
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_table
+    kv_base = kv_cache_ptr + kv_head.to(tl.int64) * stride_head
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scaled scores (log2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+    for kv_tile in range(tile_lo, tile_hi):
+        keys = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
+        key_valid = keys < kv_end
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot = block * stride_block + (keys % BLOCK_SIZE) * stride_slot  # [BLOCK_N] int64 offsets
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(kv_base + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
+        v = tl.load(kv_base + stride_kv + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = tl.where(key_valid[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays all-zero
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT_KV:
+        row = (split * num_tokens + token) * num_heads + head  # [BLOCK_M] int64 row of the partials
+        tl.store(o_partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], o, mask=out_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_partial_ptr + row, lse, mask=row_valid)
+    else:
+        out = out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, o_partial_ptr, lse_partial_ptr, cu_seqlens_q_ptr, num_seqs, num_tokens, num_heads, num_splits,
+    stride_o_tok, stride_o_head,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    """For one token and the query heads of one KV head:
+    out = sum_s 2^(lse_s - lse_max) o_s / sum_s 2^(lse_s - lse_max)."""
+    token = tl.program_id(0).to(tl.int64)
+    if token >= tl.load(cu_seqlens_q_ptr + num_seqs):  # rows past the batch are nobody's output
+        return
+    in_group = tl.arange(0, GROUP_P2)[:, None]  # [GROUP_P2, 1]
+    heads = tl.program_id(1) * GROUP + in_group
+    splits = tl.arange(0, SPLITS_P2)[None, :]  # [1, SPLITS_P2]
+    valid = (in_group < GROUP) & (splits < num_splits)  # [GROUP_P2, SPLITS_P2]
+    row = (splits * num_tokens + token) * num_heads + heads  # [GROUP_P2, SPLITS_P2] int64
+    lse = tl.load(lse_partial_ptr + row, mask=valid, other=float("-inf"))
+    lse_max = tl.max(lse, 1)  # split 0 always holds key 0, so this is finite on valid heads
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])  # [GROUP_P2, SPLITS_P2]
+    dims = tl.arange(0, HEAD_DIM_P2)[None, :]  # [1, HEAD_DIM_P2]
+    mask = valid[:, :, None] & (dims < HEAD_DIM)[:, None, :]
+    # [GROUP_P2, SPLITS_P2, HEAD_DIM_P2] -> [GROUP_P2, HEAD_DIM_P2]
+    o = tl.load(o_partial_ptr + row[:, :, None] * HEAD_DIM + dims[:, None, :], mask=mask, other=0.0)
+    o = tl.sum(o * weight[:, :, None], 1) / tl.maximum(tl.sum(weight, 1), 1e-30)[:, None]
+    out = out_ptr + token * stride_o_tok + heads * stride_o_head + dims
+    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=(in_group < GROUP) & (dims < HEAD_DIM))

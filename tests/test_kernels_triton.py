@@ -1,0 +1,451 @@
+"""The Triton kernels against their pure-PyTorch references.
+
+Where they run: with TRITON_INTERPRET=1 in the environment (`make test` sets it before triton is
+imported) on CPU tensors through Triton's interpreter, float32 and float16 (the interpreter has no
+bfloat16); without it they are `gpu` tests that run the compiled kernels on CUDA (`make
+test-gpu`), bfloat16 included, and are reported as skipped on a machine with neither.
+
+The cases are the reference tests' own (`tests/test_kernels_reference._build`): shuffled,
+non-contiguous block tables, partial last blocks, padding rows, a NaN-poisoned cache. Every
+output is NaN-poisoned before a run too, so an element the kernel never writes fails.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from tests.test_kernels_reference import PAD_VALUE, Case, Seq, _build, _mixed_specs
+
+ROOT = Path(__file__).resolve().parent.parent
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(
+        not INTERPRET and not torch.cuda.is_available(),
+        reason="Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before triton is imported "
+               "to run in its CPU interpreter (`make test` sets it)",
+    ),
+    *([] if INTERPRET else [pytest.mark.gpu]),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Interpreted tiles are tiny: intra-op threads only add overhead."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {
+        torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+        torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+        torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+    }[dtype]
+
+
+def _case(specs, *, group: int, head_dim: int = 64, block_size: int = 16, dtype=torch.float32, seed: int = 0,
+          spare_blocks: int = 3) -> Case:
+    """A reference-built case (built on CPU, in float32 for bfloat16) moved to DEVICE."""
+    case = _build(specs, group=group, head_dim=head_dim, block_size=block_size,
+                  dtype=torch.float32 if dtype == torch.bfloat16 else dtype, seed=seed, spare_blocks=spare_blocks)
+    move = lambda t: t.to(DEVICE, dtype) if t.is_floating_point() else t.to(DEVICE)  # noqa: E731
+    return Case(case.seqs, move(case.kv_cache), move(case.block_tables), move(case.seq_lens),
+                move(case.cu_seqlens_q), move(case.query), move(case.expected_cache), block_size)
+
+
+def _attend(case: Case, scale: float, **kwargs) -> torch.Tensor:
+    """The Triton kernel into a NaN-poisoned output; every row must come back finite."""
+    out = torch.full_like(case.query, float("nan"))
+    result = kernels.paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens,
+                                     case.cu_seqlens_q, scale, out=out, impl="triton", **kwargs)
+    assert result is out
+    assert not torch.isnan(out).any(), "an output element was never written, or a NaN slot was read"
+    return out
+
+
+def _expected(case: Case, scale: float) -> torch.Tensor:
+    """The reference over the same cache, upcast to float32 so that only the kernel rounds."""
+    return reference.paged_attention(case.query.float(), case.kv_cache.float(), case.block_tables,
+                                     case.seq_lens, case.cu_seqlens_q, scale)
+
+
+def _check(case: Case, scale: float, dtype: torch.dtype, **kwargs) -> None:
+    cache_before = case.kv_cache.clone()
+    out = _attend(case, scale, **kwargs)
+    assert out.dtype == dtype and out.shape == case.query.shape
+    torch.testing.assert_close(out.float(), _expected(case, scale), **_tol(dtype))
+    torch.testing.assert_close(case.kv_cache, cache_before, rtol=0, atol=0, equal_nan=True)  # attention only reads
+
+
+# ----------------------------------------------------------------------------- write_kv
+
+
+def _tokens_with_padding(seqs: list[Seq], block_size: int, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every token of every sequence, a padding row (slot -1) after every third; K and V as strided
+    views of one fused [num_tokens, 2 * kvh, head_dim] tensor, as a QKV projection produces them."""
+    rows, slots = [], []
+    for s in seqs:
+        for p, slot in enumerate(s.slots(block_size, range(s.seq_len))):
+            rows.append(torch.cat([s.k[p], s.v[p]]))
+            slots.append(slot)
+            if p % 3 == 2:
+                rows.append(torch.cat([torch.full_like(s.k[p], PAD_VALUE), torch.full_like(s.v[p], -PAD_VALUE)]))
+                slots.append(-1)
+    fused = torch.stack(rows).to(DEVICE, dtype)
+    kvh = seqs[0].k.shape[1]
+    return fused[:, :kvh], fused[:, kvh:], torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_writes_owned_slots_skips_padding_and_matches_reference(dtype, block_size):
+    case = _case(_mixed_specs(block_size), group=1, block_size=block_size, dtype=dtype, seed=11)
+    key, value, slots = _tokens_with_padding(case.seqs, block_size, dtype)
+    assert not key.is_contiguous()
+    cache = torch.full_like(case.kv_cache, float("nan"))
+    kernels.write_kv(key, value, cache, slots, impl="triton")
+    expected = torch.full_like(cache, float("nan"))
+    reference.write_kv(key, value, expected, slots)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(cache, case.expected_cache, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(cache[0]).all(), "the null block must never be written"
+
+
+def test_write_kv_converts_to_the_cache_dtype_and_all_padding_is_a_no_op():
+    cache = torch.full((4, 2, 16, 2, 64), float("nan"), dtype=torch.float16, device=DEVICE)
+    key, value = torch.randn(3, 2, 64, device=DEVICE), torch.randn(3, 2, 64, device=DEVICE)
+    slots = torch.tensor([16 * 3 + 15, -1, 16 * 2], dtype=torch.int64, device=DEVICE)
+    kernels.write_kv(key, value, cache, slots, impl="triton")
+    assert torch.equal(cache[3, 0, 15], key[0].half()) and torch.equal(cache[3, 1, 15], value[0].half())
+    assert torch.equal(cache[2, 0, 0], key[2].half()) and torch.equal(cache[2, 1, 0], value[2].half())
+    assert int(torch.isnan(cache).sum()) == cache.numel() - 4 * 2 * 64
+    before = cache.clone()
+    kernels.write_kv(key, value, cache, torch.full((3,), -1, dtype=torch.int64, device=DEVICE), impl="triton")
+    torch.testing.assert_close(cache, before, rtol=0, atol=0, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- paged_attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 7])
+def test_paged_attention_mixed_batch_matches_reference(group, head_dim, block_size, dtype):
+    """Prefills, decodes and queries after a cached prefix in one launch, GQA packed per KV head."""
+    case = _case(_mixed_specs(block_size), group=group, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                 seed=group * 1000 + head_dim + block_size)
+    _check(case, 1.0 / math.sqrt(head_dim), dtype)
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        pytest.param([(1, 1)], id="one-token-decode"),
+        pytest.param([(40, 1), (3, 1), (17, 1), (16, 1), (33, 1)], id="decodes-only"),
+        pytest.param([(40, 40), (3, 3), (17, 17)], id="prefills-only"),
+        pytest.param([(50, 7), (33, 32), (17, 2)], id="cached-prefix-only"),
+        pytest.param([(16 * 6 + 3, 16 * 6 + 3)], id="long-prefill"),
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_homogeneous_batches_match_reference(specs, dtype):
+    _check(_case(specs, group=4, dtype=dtype, seed=len(specs)), 0.125, dtype)
+
+
+@pytest.mark.parametrize("group, head_dim", [(5, 80), (20, 64)])
+def test_head_dims_off_powers_of_two_and_groups_past_sixteen(group, head_dim):
+    """Padded head dims are masked; a group wider than a 16-row tile gets a taller tile."""
+    specs = [(2 * 16 + 5, 2 * 16 + 5), (1, 1), (40, 3), (17, 1)]
+    _check(_case(specs, group=group, head_dim=head_dim, seed=group), head_dim**-0.5, torch.float32)
+    _check(_case([(40, 1), (9, 1)], group=group, head_dim=head_dim, seed=group), head_dim**-0.5, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "specs, group",
+    [
+        pytest.param([(300, 1)], 4, id="one-long-decode"),
+        pytest.param([(230, 1), (17, 1)], 7, id="two-decodes"),
+    ],
+)
+def test_split_kv_decode_chosen_by_the_heuristic_matches_reference(specs, group, dtype):
+    """Few programs against the SM count (8 under the interpreter): the keys are split and reduced."""
+    from kernels.triton_attention import launch_plan
+
+    case = _case(specs, group=group, dtype=dtype, seed=3)
+    _, kv_splits = launch_plan(len(specs), len(specs), 2, group, 64, case.block_tables.shape[1] * 16, case.query.device)
+    assert kv_splits > 1
+    _check(case, 0.125, dtype)
+
+
+@pytest.mark.parametrize("kv_splits", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_forced_kv_splits_on_a_mixed_batch_match_reference(kv_splits, dtype):
+    """Splits of a prefill tile that end before a row's first key, and more splits than tiles."""
+    specs = [(150, 20), (3, 1), (130, 1), (40, 40)]
+    _check(_case(specs, group=3, dtype=dtype, seed=kv_splits), 0.125, dtype, kv_splits=kv_splits)
+
+
+def test_a_batch_of_more_sequences_than_one_search_chunk_finds_every_sequence():
+    """Programs find their sequence 128 cu_seqlens_q entries at a time: 131 sequences take two chunks."""
+    specs = [(1 + i % 5, 1) for i in range(130)] + [(20, 20)]
+    _check(_case(specs, group=1, seed=5), 0.125, torch.float32)
+
+
+def test_num_kv_splits_fills_idle_sms_and_keeps_splits_long():
+    from kernels.triton_attention import MAX_KV_SPLITS, num_kv_splits
+
+    # Llama-3.1-8B decode on 132 SMs: (sequences x 8 KV heads) programs, 64-key tiles.
+    assert num_kv_splits(64 * 8, 2048, 64, 132) == 1  # enough programs already
+    assert num_kv_splits(16 * 8, 2048, 64, 132) == 3  # ~2 programs per SM
+    assert num_kv_splits(1 * 8, 8192, 64, 132) == MAX_KV_SPLITS
+    assert num_kv_splits(1 * 8, 512, 64, 132) == 4  # no split under 2 tiles
+    assert num_kv_splits(1 * 8, 64, 64, 132) == 1
+
+
+def test_paged_attention_uses_the_scale_and_ignores_placement():
+    specs = [(37, 1), (29, 29), (45, 6)]
+    a = _case(specs, group=3, seed=1)
+    for scale in (0.01, 0.3):
+        torch.testing.assert_close(_attend(a, scale), _expected(a, scale), atol=2e-5, rtol=2e-5)
+    b = _case(specs, group=3, seed=1, spare_blocks=9)
+    assert [s.blocks for s in a.seqs] != [s.blocks for s in b.seqs]
+    torch.testing.assert_close(_attend(a, 0.125), _attend(b, 0.125), atol=0, rtol=0)
+
+
+def test_write_then_attend_step_by_step_with_triton_only():
+    """Prefill, then decode token by token as the worker does, both kernels in Triton."""
+    gen = torch.Generator().manual_seed(0)
+    bs, kvh, group, hd, n_prompt, total = 16, 2, 4, 64, 13, 21
+    k, v = torch.randn(total, kvh, hd, generator=gen), torch.randn(total, kvh, hd, generator=gen)
+    q = torch.randn(total, kvh * group, hd, generator=gen)
+    blocks = [5, 2]
+    cache = torch.full((8, 2, bs, kvh, hd), float("nan"), device=DEVICE)
+    table = torch.tensor([blocks + [0]], dtype=torch.int32, device=DEVICE)
+    for lo, hi in [(0, n_prompt)] + [(p, p + 1) for p in range(n_prompt, total)]:
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(lo, hi)], device=DEVICE)
+        kernels.write_kv(k[lo:hi].to(DEVICE), v[lo:hi].to(DEVICE), cache, slots, impl="triton")
+        case = Case([], cache, table, torch.tensor([hi], dtype=torch.int32, device=DEVICE),
+                    torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), q[lo:hi].to(DEVICE), cache, bs)
+        torch.testing.assert_close(_attend(case, 0.125), _expected(case, 0.125), atol=2e-5, rtol=2e-5)
+
+
+# ----------------------------------------------------------------------------- a pool past int32 offsets
+
+
+def _random_seqs(specs, tables, kvh: int, group: int, hd: int, block_size: int) -> list[Seq]:
+    gen = torch.Generator().manual_seed(7)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).half()  # noqa: E731
+    return [Seq(n, q, rand(n, kvh, hd), rand(n, kvh, hd), rand(q, kvh * group, hd), table[: -(-n // block_size)])
+            for (n, q), table in zip(specs, tables)]
+
+
+def _paged_case(seqs: list[Seq], pool: torch.Tensor, tables: list[list[int]]) -> Case:
+    width = max(len(t) for t in tables)
+    cu = torch.tensor([0] + [s.q_len for s in seqs]).cumsum(0)
+    return Case(
+        seqs, pool, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
+        torch.tensor([s.seq_len for s in seqs], dtype=torch.int32, device=DEVICE), cu.to(DEVICE, torch.int32),
+        torch.cat([s.q for s in seqs]).to(DEVICE), pool, pool.shape[2],
+    )
+
+
+def test_pool_past_int32_element_offsets_writes_reads_and_copies_high_blocks():
+    """524,352 blocks of [2, 16, 2, 64] float16: block ids past 2**19 put element offsets past
+    2**31, so any int32 product of block id and block stride would land elsewhere. The pool is
+    4 GiB of address space, but only the touched blocks get memory (on CPU, pages are mapped on
+    first touch), so only those are poisoned."""
+    bs, kvh, hd, group = 16, 2, 64, 4
+    num_blocks = (1 << 31) // (2 * bs * kvh * hd) + 64
+    pool = torch.empty((num_blocks, 2, bs, kvh, hd), dtype=torch.float16, device=DEVICE)
+    assert pool.numel() > 2**31 and num_blocks >= 32768
+    high = num_blocks - 40  # blocks from here on start past element 2**31
+    tables = [[high + 3, 7, high + 30, high + 1, high + 2], [high + 10, high + 39, high + 11],
+              [3, high + 20, high + 21, high + 22]]
+    touched = sorted({0, high + 36, high + 37} | {b for t in tables for b in t})
+    pool[touched] = float("nan")
+
+    seqs = _random_seqs([(70, 1), (40, 40), (50, 10)], tables, kvh, group, hd, bs)
+    key, value, slots = _tokens_with_padding(seqs, bs, torch.float16)
+    kernels.write_kv(key, value, pool, slots, impl="triton")
+    for s in seqs:
+        for p in range(s.seq_len):
+            b, o = s.blocks[p // bs], p % bs
+            assert torch.equal(pool[b, 0, o].cpu(), s.k[p]) and torch.equal(pool[b, 1, o].cpu(), s.v[p])
+
+    # The reference reads a compact copy of the touched blocks (upcasting the pool would touch it all).
+    compact_id = {b: i for i, b in enumerate(touched)}
+    expected = _expected(_paged_case(seqs, pool[touched], [[compact_id[b] for b in t] for t in tables]), 0.125)
+    for kv_splits in (None, 3):
+        out = _attend(_paged_case(seqs, pool, tables), 0.125, kv_splits=kv_splits)
+        torch.testing.assert_close(out.float(), expected, **_tol(torch.float16))
+
+    kernels.copy_blocks([pool], [(high + 3, high + 36), (7, high + 37)], impl="triton")
+    assert torch.equal(pool[high + 36], pool[high + 3]) and torch.equal(pool[high + 37], pool[7])
+
+
+# ----------------------------------------------------------------------------- copy_blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_copies_every_layer_like_the_reference(dtype):
+    gen = torch.Generator().manual_seed(2)
+    caches = [torch.randn(9, 2, 16, 2, 64, generator=gen).to(DEVICE, dtype) for _ in range(3)]
+    expected = [c.clone() for c in caches]
+    pairs = [(1, 4), (8, 2), (3, 7)]
+    kernels.copy_blocks(caches, pairs, impl="triton")
+    kernels.copy_blocks(expected, pairs, impl="torch")
+    for got, want in zip(caches, expected):
+        assert torch.equal(got, want)
+    assert torch.equal(caches[2][2], caches[2][8]) and not torch.equal(caches[2][2], caches[1][2])
+
+
+# ----------------------------------------------------------------------------- compiled for Hopper, without a GPU
+
+
+def _compile_for_sm90() -> list[str]:
+    """Compile every kernel variant the wrappers launch for sm_90 (Triton's own ptxas), with the
+    16-divisibility the JIT gives pointers and strides. Run with TRITON_INTERPRET unset."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_attention as ta
+    from kernels import triton_cache as tc
+
+    def compile_(fn, types: dict, consts: dict, num_warps=4, num_stages=2) -> str:
+        sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                   if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_table")}
+        kernel = triton.compile(ASTSource(fn, sig, consts, aligned), target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": num_warps, "num_stages": num_stages})
+        assert kernel.metadata.shared <= 227 * 1024, f"{fn.__name__} needs {kernel.metadata.shared} B of shared memory"
+        return f"{fn.__name__} {sorted(consts.items())}"
+
+    done = []
+    for dtype, group, head_dim, decode, split in [("bf16", 4, 128, True, False), ("bf16", 4, 128, True, True),
+                                                  ("bf16", 4, 128, False, False), ("fp16", 3, 64, False, True),
+                                                  ("fp32", 7, 80, True, True), ("bf16", 20, 64, True, False)]:
+        cfg = ta.tile_config(1 if decode else 2, 1, group, head_dim)
+        ptr = f"*{dtype}"
+        types = {"out_ptr": ptr, "query_ptr": ptr, "kv_cache_ptr": ptr, "o_partial_ptr": "*fp32",
+                 "lse_partial_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                 "cu_seqlens_q_ptr": "*i32", "scale_log2": "fp32"}
+        p2 = triton.next_power_of_2
+        done.append(compile_(ta._attention_kernel, types, dict(
+            GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim), BLOCK_SIZE=16, BLOCK_M=cfg.block_m,
+            BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, SPLIT_KV=split, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+        ), cfg.num_warps, cfg.num_stages))
+        if split:
+            done.append(compile_(ta._reduce_splits_kernel, types, dict(
+                GROUP=group, GROUP_P2=p2(group), HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim), SPLITS_P2=32)))
+        done.append(compile_(tc._write_kv_kernel, {"key_ptr": ptr, "value_ptr": ptr, "kv_cache_ptr": ptr,
+                                                    "slot_mapping_ptr": "*i64"},
+                             dict(NUM_KV_HEADS=8, HEAD_DIM=head_dim, HEADS_P2=8, HEAD_DIM_P2=p2(head_dim), BLOCK_SIZE=16)))
+        tl_dtype = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
+        done.append(compile_(tc._copy_blocks_kernel, {"layer_ptrs": "*i64", "src_to_dst_ptr": "*i64"},
+                             dict(DTYPE=tl_dtype, CHUNK=tc.COPY_CHUNK)))
+    return done
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the kernels are compiled for the device itself")
+def test_every_kernel_compiles_for_hopper_without_a_gpu():
+    """The interpreter runs Python, not the compiler: this catches what only compiling would."""
+    nvidia = importlib.util.find_spec("triton.backends.nvidia")
+    if nvidia is None or not (Path(nvidia.submodule_search_locations[0]) / "bin" / "ptxas").exists():
+        pytest.skip("triton's NVIDIA backend (with its ptxas) is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.test_kernels_triton import _compile_for_sm90; print(len(_compile_for_sm90()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "21"  # 6 attention variants, 3 reduces, 6 write_kv, 6 copy_blocks
+
+
+# ----------------------------------------------------------------------------- CUDA only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="runs the compiled kernels on CUDA; TRITON_INTERPRET=1 is set")
+def test_cuda_tensors_dispatch_to_triton_by_default(monkeypatch):
+    from kernels import triton_attention
+
+    calls = []
+    real = triton_attention.paged_attention
+    monkeypatch.setattr(triton_attention, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    case = _case([(20, 20), (9, 1)], group=3)
+    out = kernels.paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q, 0.125)
+    assert calls == [1]
+    torch.testing.assert_close(out, _expected(case, 0.125), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need the compiled kernels; TRITON_INTERPRET=1 is set")
+@pytest.mark.parametrize("kv_splits", [None, 1])  # None: the heuristic splits (6 programs, 1,024-key bound)
+def test_paged_attention_replays_in_a_cuda_graph_with_new_lengths(kv_splits):
+    """Static shapes, new contents: the same captured launch serves other context lengths."""
+    first = _case([(40, 1), (70, 1), (5, 1)], group=4, seed=1)
+    second = _case([(33, 1), (90, 1), (17, 1)], group=4, seed=2)
+    width = max(first.block_tables.shape[1], second.block_tables.shape[1])
+    blocks = max(first.kv_cache.shape[0], second.kv_cache.shape[0])
+    static = {
+        "cache": torch.zeros((blocks, *first.kv_cache.shape[1:]), device=DEVICE),
+        "tables": torch.zeros((3, width), dtype=torch.int32, device=DEVICE),
+        "lens": torch.zeros(3, dtype=torch.int32, device=DEVICE),
+        "query": torch.zeros_like(first.query), "out": torch.zeros_like(first.query),
+    }
+    cu = torch.arange(4, dtype=torch.int32, device=DEVICE)
+
+    def load(case: Case) -> Case:
+        static["cache"][: case.kv_cache.shape[0]] = case.kv_cache
+        static["tables"].zero_()[:, : case.block_tables.shape[1]] = case.block_tables
+        static["lens"].copy_(case.seq_lens)
+        static["query"].copy_(case.query)
+        return Case(case.seqs, static["cache"], static["tables"], static["lens"], cu, static["query"], None, 16)
+
+    def launch():
+        kernels.paged_attention(static["query"], static["cache"], static["tables"], static["lens"], cu, 0.125,
+                                out=static["out"], max_seqlen_k=1024, kv_splits=kv_splits)
+
+    load(first)
+    launch()  # warm-up: compiles, and sizes the split workspace before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for case in (first, second):
+        view = load(case)
+        static["out"].fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(static["out"], _expected(view, 0.125), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="pinned host memory needs CUDA; TRITON_INTERPRET=1 is set")
+def test_swap_blocks_round_trip_through_a_pinned_cpu_pool():
+    gpu = [torch.randn(10, 2, 16, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    cpu = [torch.zeros(6, 2, 16, 2, 64, dtype=torch.bfloat16).pin_memory() for _ in range(2)]
+    original = [g.clone() for g in gpu]
+    kernels.swap_blocks(gpu, cpu, [(3, 0), (4, 1), (9, 5)])  # swap out
+    for g in gpu:
+        g[[3, 4, 9]] = 0  # the GPU blocks are reused
+    kernels.swap_blocks(cpu, gpu, [(0, 6), (1, 7), (5, 2)])  # swap in, elsewhere
+    torch.cuda.synchronize()
+    for g, o in zip(gpu, original):
+        assert torch.equal(g[[6, 7, 2]], o[[3, 4, 9]])
