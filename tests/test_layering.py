@@ -5,20 +5,27 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = {"torch", "transformers", "zmq", "redis", "starlette", "uvicorn"}
+NETWORKING = {"zmq", "redis", "starlette", "uvicorn"}
+
+
+def imported_after(statement: str, packages: set[str]) -> list[str]:
+    """The modules of `packages` a fresh interpreter holds after running `statement`."""
+    code = f"{statement}; import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in {packages!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return eval(proc.stdout.strip().splitlines()[-1])
 
 
 def test_scheduler_and_common_import_no_torch_and_no_networking():
-    code = (
-        "import scheduler, scheduler.engine, common.protocol, common.config; import sys; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "{'torch','transformers','zmq','redis','starlette','uvicorn'}))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
+    statement = "import scheduler, scheduler.engine, common.protocol, common.config, common.models"
+    assert imported_after(statement, NETWORKING | {"torch", "transformers"}) == []
+
+
+def test_offline_path_imports_no_networking_package():
+    """pagoda generate, the LLM API, the worker's executor and the kernels run on a host without
+    redis, pyzmq, starlette or uvicorn."""
+    statement = "import pagoda.offline, pagoda.cli, worker.executor, worker.model_runner, kernels, scheduler.engine"
+    assert imported_after(statement, NETWORKING) == []
 
 
 def test_no_module_of_scheduler_or_common_names_a_forbidden_package():
