@@ -54,18 +54,24 @@ class SamplingParams:
         _require(self.n == 1, "n", "only n=1 is supported so far")
         _require(self.temperature >= 0.0, "temperature", "temperature must be >= 0")
         _require(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        _require(self.top_k >= 0 or self.top_k == -1, "top_k", "top_k must be >= 0 (0 or -1: off)")
+        _require(-1 <= self.top_k <= MAX_INT_PARAM, "top_k", f"top_k must be in [-1, {MAX_INT_PARAM}] (0 or -1: off)")
         _require(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
         _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
         _require(self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be > 0")
-        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1")
-        _require(self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0")
+        _require(self.max_tokens is None or 1 <= self.max_tokens <= MAX_INT_PARAM, "max_tokens",
+                 f"max_tokens must be in [1, {MAX_INT_PARAM}]")
+        _require(0 <= self.min_tokens <= MAX_INT_PARAM, "min_tokens", f"min_tokens must be in [0, {MAX_INT_PARAM}]")
+        _require(self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "seed must fit in 64 bits")
+        _require(all(0 <= t < 2**31 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be token ids")
         _require(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens", "min_tokens must be <= max_tokens",
         )
         _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]")
+
+
+MAX_INT_PARAM = 1 << 24  # bounds every count a request names, so none overflows a tensor
 
 
 class InvalidParamError(ValueError):

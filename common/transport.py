@@ -30,6 +30,8 @@ class WorkerLink:
         self.world_size = world_size
         self.ranks: dict[int, bytes] = {}  # rank -> ZeroMQ identity
         self.hellos: dict[int, WorkerHello] = {}
+        self.last_seen = time.monotonic()  # any frame from any rank
+        self.generation = 0  # advances whenever the group of ranks is forgotten
 
     @property
     def ready(self) -> bool:
@@ -42,7 +44,12 @@ class WorkerLink:
         identity, kind, payload = self._recv()
         return self._register(identity, payload) if kind == HELLO else None
 
+    def silent_for(self) -> float:
+        """Seconds since any rank was last heard from (idle ranks say hello every few seconds)."""
+        return time.monotonic() - self.last_seen
+
     def _register(self, identity: bytes, payload: bytes) -> WorkerHello | None:
+        self.last_seen = time.monotonic()
         try:
             hello = decode(payload)
         except ProtocolError as exc:
@@ -51,6 +58,10 @@ class WorkerLink:
         if not isinstance(hello, WorkerHello) or not 0 <= hello.rank < self.world_size:
             log.warning("dropped a hello for a rank outside the group: %r", hello)
             return None
+        known = self.hellos.get(hello.rank)
+        if self.ready and known is not None and (self.ranks[hello.rank], known) != (identity, hello):
+            log.warning("rank %d changed (restarted or replaced): the group starts over", hello.rank)
+            self.forget_workers()
         self.ranks[hello.rank] = identity
         self.hellos[hello.rank] = hello
         return hello
@@ -63,22 +74,29 @@ class WorkerLink:
     def forget_workers(self) -> None:
         self.ranks.clear()
         self.hellos.clear()
+        self.generation += 1
 
     def send_plan(self, plan: StepPlan) -> None:
         frame = encode(plan)
         for identity in self.ranks.values():
             self.socket.send_multipart([identity, frame])
 
-    def gather(self, plan: StepPlan, timeout_s: float) -> StepResult | None:
-        """Rank 0's result for `plan` once every rank answered; None when the deadline passes."""
+    def gather(self, plan: StepPlan, timeout_s: float, on_wait=None) -> StepResult | None:
+        """Rank 0's result for `plan` once every rank answered; None when the deadline passes or
+        a rank fails. `on_wait` runs about twice a second meanwhile (the scheduler's heartbeat)."""
         deadline = time.monotonic() + timeout_s
         waiting = set(self.ranks.values())
         result = None
         while waiting:
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self.socket.poll(left_ms):
+            if left_ms <= 0:
                 return None
+            if not self.socket.poll(min(left_ms, 500)):
+                if on_wait is not None:
+                    on_wait()
+                continue
             identity, kind, payload = self._recv()
+            self.last_seen = time.monotonic()
             if kind == HELLO:
                 known = identity in self.ranks.values()
                 self._register(identity, payload)
@@ -93,6 +111,8 @@ class WorkerLink:
             if not isinstance(message, StepResult) or (message.step, message.epoch) != (plan.step, plan.epoch):
                 continue  # stale
             waiting.discard(identity)
+            if message.error:
+                return message  # any rank's failure fails the step
             if identity == self.ranks.get(0):
                 result = message
         return result

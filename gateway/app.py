@@ -125,7 +125,7 @@ class Gateway:
             body = parse_json(await self._read_body(request))
             self._check_model(body)
             parse = parse_completion if kind == "completion" else parse_chat
-            parsed = parse(body, self.encoder, self.vocab_size)
+            parsed = await asyncio.to_thread(parse, body, self.encoder, self.vocab_size)  # a long prompt must not stall streams
             statuses = await self._statuses()
             self._fit_context(parsed, self._ready(statuses))
             self._admit(statuses)

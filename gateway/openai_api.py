@@ -84,7 +84,7 @@ def _number(body: dict, name: str, default: float | None) -> float | None:
     return float(value)
 
 
-def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = 2**63 - 1) -> int | None:
     value = body.get(name)
     if value is None:
         return default

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import redis
 from common import streams
 from common.config import EngineConfig, ServingConfig
 from common.protocol import (
-    GenerateRequest, ProtocolError, RequestEvent, SchedulerStatus, StepResult, WorkerHello, decode, encode,
+    GenerateRequest, ProtocolError, RequestEvent, SamplingParams, SchedulerStatus, WorkerHello, decode, encode,
 )
 from common.transport import WorkerLink
 from scheduler.scheduler import RequestRejected, Scheduler
@@ -30,6 +31,7 @@ from scheduler.sequence import RequestOutput
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5
+WORKER_SILENCE_S = 10.0  # an idle worker says hello every 2 s; silence this long means it is gone
 IDLE_BLOCK_MS = 50
 READ_BATCH = 64
 
@@ -55,30 +57,55 @@ class SchedulerServer:
         self.epoch = int(time.time() * 1000) % (1 << 31)  # a restarted scheduler starts a new epoch
         self.aborts_cursor = b"0-0"
         self.stopping = False
+        self.group_generation = -1
         self._last_status = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def serve_forever(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        if threading.current_thread() is threading.main_thread():  # signal.signal works only there
+            signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         self._ensure_group()
         self.aborts_cursor = self._latest_abort_id()
         log.info("scheduler %s waiting for %d worker(s) on %s", self.id, self.serving.world_size, self.serving.zmq_address)
         try:
             while not self.stopping:
-                self._publish_status()
-                if not self.link.ready:
-                    self._await_workers()
-                    continue
-                self._read_aborts()
-                busy = self.scheduler.has_unfinished_requests()
-                if not busy:
-                    self.link.drain()
-                self._read_requests(block=not busy)
-                if self.scheduler.has_unfinished_requests():
-                    self._step()
+                try:
+                    self._iterate()
+                except redis.RedisError as exc:  # Redis restarting: keep the workers, retry
+                    log.warning("redis: %s; retrying", exc)
+                    time.sleep(1.0)
         finally:
+            self._shutdown()
+
+    def _iterate(self) -> None:
+        self._publish_status()
+        if self.scheduler is not None and self.link.generation != self.group_generation:
+            self._fail_group("a worker restarted")
+        if self.scheduler is None:
+            self.link.poll_hello(timeout_ms=200)
+            if self.link.ready:
+                self._start_group()
+            return
+        self._read_aborts()
+        busy = self.scheduler.has_unfinished_requests()
+        if not busy:
+            self.link.drain()
+            if self.link.silent_for() > WORKER_SILENCE_S:
+                self._fail_group(f"no word from the workers for {WORKER_SILENCE_S:g} s")
+                return
+        self._read_requests(block=not busy)
+        if self.scheduler.has_unfinished_requests():
+            self._step()
+
+    def _shutdown(self) -> None:
+        """Requests still held end with an error (their clients would otherwise wait for nothing)."""
+        try:
+            for request_id, tracked in list(self.tracked.items()):
+                self._finish_untracked(request_id, tracked, "error", "the scheduler is shutting down")
             self.redis.delete(streams.status_key(self.id))
-            self.link.close()
+        except redis.RedisError as exc:
+            log.warning("redis unavailable at shutdown: %s", exc)
+        self.link.close()
 
     def _ensure_group(self) -> None:
         try:
@@ -91,15 +118,15 @@ class SchedulerServer:
         last = self.redis.xrevrange(streams.ABORTS, count=1)
         return last[0][0] if last else b"0-0"
 
-    def _await_workers(self) -> None:
-        hello = self.link.poll_hello(timeout_ms=200)
-        if hello is None or not self.link.ready:
-            return
+    def _start_group(self) -> None:
+        """Every rank said hello: size the scheduler from their capacity (the smallest pool)."""
         self.hello = self.link.hellos[0]
-        if hello.block_size != self.engine_config.block_size:
-            log.warning("workers use block size %d; the scheduler follows", hello.block_size)
+        self.group_generation = self.link.generation
+        num_gpu_blocks = min(h.num_gpu_blocks for h in self.link.hellos.values())
+        if self.hello.block_size != self.engine_config.block_size:
+            log.warning("workers use block size %d; the scheduler follows", self.hello.block_size)
         config = self.engine_config.replace(block_size=self.hello.block_size, max_model_len=self.hello.max_model_len)
-        self.scheduler = Scheduler(config, self.hello.num_gpu_blocks, self.hello.max_model_len, self.hello.eos_token_ids)
+        self.scheduler = Scheduler(config, num_gpu_blocks, self.hello.max_model_len, self.hello.eos_token_ids)
         self.scheduler.epoch = self.epoch
         log.info("workers ready: %s, %d KV blocks of %d tokens, context %d",
                  self.hello.model, self.hello.num_gpu_blocks, self.hello.block_size, self.hello.max_model_len)
@@ -109,10 +136,17 @@ class SchedulerServer:
         room = self.engine_config.max_num_seqs - len(self.scheduler.waiting)
         if room <= 0:
             return
-        replies = self.redis.xreadgroup(
-            streams.SCHEDULER_GROUP, self.id, {streams.REQUESTS: ">"}, count=min(room, READ_BATCH),
-            block=IDLE_BLOCK_MS if block else None,
-        )
+        try:
+            replies = self.redis.xreadgroup(
+                streams.SCHEDULER_GROUP, self.id, {streams.REQUESTS: ">"}, count=min(room, READ_BATCH),
+                block=IDLE_BLOCK_MS if block else None,
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("the requests stream has no consumer group (Redis restarted empty?): recreating it")
+            self._ensure_group()
+            return
         for _, entries in replies or []:
             for entry_id, fields in entries:
                 self._admit(entry_id, fields)
@@ -122,16 +156,24 @@ class SchedulerServer:
             request = decode(fields.get(streams.FIELD, b""))
             if not isinstance(request, GenerateRequest):
                 raise ProtocolError(f"expected a GenerateRequest, got {type(request).__name__}")
+            if not (isinstance(request.request_id, str) and isinstance(request.reply_stream, str)):
+                raise ProtocolError("request_id and reply_stream must be strings")
         except ProtocolError as exc:
             log.warning("dropped malformed request %s: %s", entry_id, exc)
-            self.redis.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, entry_id)
+            self._ack(self.redis, entry_id)
             return
         if request.request_id in self.tracked:
-            self.redis.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, entry_id)  # a duplicate
+            self._ack(self.redis, entry_id)  # a duplicate
             return
-        tracked = _Tracked(request.reply_stream, entry_id, request.sampling_params.logprobs is not None)
+        params = request.sampling_params
+        logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
+        tracked = _Tracked(request.reply_stream, entry_id, logprobs)
         if self.early_aborts.pop(request.request_id, None) is not None:
             self._finish_untracked(request.request_id, tracked, "abort", None)
+            return
+        invalid = _invalid_request(request, self.hello.vocab_size)
+        if invalid is not None:  # the gateway validates; an entry from elsewhere must not reach a worker
+            self._finish_untracked(request.request_id, tracked, "error", invalid)
             return
         try:
             self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.sampling_params)
@@ -161,17 +203,25 @@ class SchedulerServer:
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
         plan = self.scheduler.schedule()
-        if not (plan.new_seqs or plan.cached_seqs):
-            self.scheduler.update(StepResult(plan.step, plan.epoch))  # nothing fits yet
-            time.sleep(0.001)
-            return
-        self.link.send_plan(plan)
-        result = self.link.gather(plan, self.serving.step_timeout_s)
+        self.link.send_plan(plan)  # even an empty plan: it carries the ids workers must drop
+        result = self.link.gather(plan, self.serving.step_timeout_s, on_wait=self._publish_status)
         if result is None or result.error:
-            reason = result.error if result is not None else f"no result within {self.serving.step_timeout_s:g} s"
+            if result is not None:
+                reason = result.error
+            elif self.link.generation != self.group_generation:  # gather saw a rank's new hello
+                reason = "a worker restarted mid-step"
+            else:
+                reason = f"no result within {self.serving.step_timeout_s:g} s"
             self._fail_group(f"the worker failed: {reason}")
             return
-        self._emit(self.scheduler.update(result))
+        try:
+            outputs = self.scheduler.update(result)
+        except (ValueError, RuntimeError) as exc:  # the result breaks the contract: the state is unsure
+            self._fail_group(f"the worker's result was invalid: {exc}")
+            return
+        self._emit(outputs)
+        if not (plan.new_seqs or plan.cached_seqs):
+            time.sleep(0.001)  # nothing fits yet
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -186,15 +236,21 @@ class SchedulerServer:
             event = RequestEvent(out.request_id, seq.new_token_ids, logprobs, seq.finish_reason)
             self._add_event(pipe, tracked, event)
             if out.finished:
-                pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, tracked.entry_id)
+                self._ack(pipe, tracked.entry_id)
                 del self.tracked[out.request_id]
         pipe.execute()
 
     def _finish_untracked(self, request_id: str, tracked: _Tracked, reason: str, error: str | None) -> None:
         pipe = self.redis.pipeline(transaction=False)
         self._add_event(pipe, tracked, RequestEvent(request_id, [], None, reason, error))
-        pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, tracked.entry_id)
+        self._ack(pipe, tracked.entry_id)
         pipe.execute()
+
+    @staticmethod
+    def _ack(pipe, entry_id: bytes) -> None:
+        """The request ended: acknowledge it and drop it from the stream, which would grow forever."""
+        pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, entry_id)
+        pipe.xdel(streams.REQUESTS, entry_id)
 
     @staticmethod
     def _add_event(pipe, tracked: _Tracked, event: RequestEvent) -> None:
@@ -208,7 +264,8 @@ class SchedulerServer:
             self._finish_untracked(request_id, tracked, "error", message)
         self.tracked.clear()
         self.scheduler = None
-        self.link.forget_workers()
+        if self.link.generation == self.group_generation:  # else the link already took on new ranks
+            self.link.forget_workers()
         self.epoch = (self.epoch + 1) % (1 << 31)
 
     # ------------------------------------------------------------------ status
@@ -231,6 +288,16 @@ class SchedulerServer:
             self.redis.set(streams.status_key(self.id), encode(status), px=int(streams.STATUS_TTL_S * 1000))
         except redis.RedisError as exc:
             log.warning("could not publish status: %s", exc)
+
+
+def _invalid_request(request: GenerateRequest, vocab_size: int) -> str | None:
+    """Why a decoded request cannot be served, or None (a badly typed one would break the loop)."""
+    if not isinstance(request.sampling_params, SamplingParams):
+        return "invalid request: sampling_params is not a SamplingParams"
+    ids = request.prompt_token_ids
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        return f"invalid request: prompt_token_ids must be a list of token ids in [0, {vocab_size})"
+    return None
 
 
 def serve(engine_config: EngineConfig, serving: ServingConfig) -> None:

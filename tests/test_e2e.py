@@ -85,9 +85,11 @@ def test_n_2_returns_two_choices(client):
         model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=2, seed=7,
     )
     assert [c.index for c in response.choices] == [0, 1]
-    assert response.usage.completion_tokens == sum(8 for _ in response.choices) or all(
-        c.finish_reason in ("stop", "length") for c in response.choices
-    )
+    assert all(c.finish_reason in ("stop", "length") and c.text for c in response.choices)
+    assert 2 <= response.usage.completion_tokens <= 16
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=2,
+                                      seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in response.choices]  # seeded: reproducible
 
 
 def test_stop_string_truncates(client):
@@ -133,7 +135,9 @@ def test_32_concurrent_streams_match_pagoda_generate(client, tmp_path):
 def test_errors_keep_the_server_serving(stack, client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
-    assert err.value.body["type"] == "invalid_request_error" or err.value.status_code == 404
+    assert err.value.status_code == 404
+    assert (err.value.body["type"], err.value.body["param"], err.value.body["code"]) == (
+        "invalid_request_error", "model", "model_not_found")
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hi " * 9000, max_tokens=2)
     assert "context" in err.value.message
@@ -142,16 +146,26 @@ def test_errors_keep_the_server_serving(stack, client):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices[0].text
 
 
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_disconnect_mid_stream_frees_blocks(stack):
-    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 400, "stream": True,
+    # 4,000 tokens would take minutes on CPU: only the abort can free the blocks within seconds.
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 4000, "stream": True,
             "ignore_eos": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", stack.url + "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             for _ in range(6):
                 next(lines)
-            assert stack.metrics()["pagoda:kv_cache_usage_perc"] > 0
-    deadline = time.monotonic() + 20
+            assert wait_for(lambda: stack.metrics()["pagoda:kv_cache_usage_perc"] > 0, 5)
+    deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         metrics = stack.metrics()
         if metrics["pagoda:kv_cache_usage_perc"] == 0 and metrics["pagoda:num_requests_running"] == 0:

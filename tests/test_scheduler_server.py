@@ -1,0 +1,673 @@
+"""The scheduler process on its real edges: a real redis-server, real ZeroMQ, a fake worker rank.
+
+The SchedulerServer runs `serve_forever()` in a thread. The fake worker speaks the worker's side
+of common/transport.py like worker/server.py (hello, a result per plan, hello again when idle),
+applies each plan's diffs the way worker/executor.py does (strictly checked) and samples a
+deterministic token, so no model and no torch are needed. It can be told to hang, to fail a step
+or to exit.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+import scheduler.server as server_module
+from common import streams
+from common.config import EngineConfig, ServingConfig
+from common.protocol import (
+    GenerateRequest, RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult,
+    WorkerHello, decode, encode,
+)
+from common.redis_server import RedisServer, free_port
+from common.transport import SchedulerLink
+from scheduler.block_manager import NULL_BLOCK
+from scheduler.server import SchedulerServer
+
+EOS = 2
+NUM_BLOCKS = 64
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 512
+SCHEDULER_ID = "test-scheduler"
+REPLIES = streams.reply_stream("test-gateway")
+
+
+def token_for(seq_id: int, num_tokens: int) -> int:
+    """The fake model's next token after `num_tokens` tokens; never EOS."""
+    return (seq_id * 7 + num_tokens) % 1000 + 3
+
+
+def expected_output(seq_id: int, num_prompt_tokens: int, max_tokens: int) -> list[int]:
+    return [token_for(seq_id, num_prompt_tokens + i) for i in range(max_tokens)]
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+# ----------------------------------------------------------------------------- fake worker
+
+
+@dataclass
+class _Held:
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+
+
+class FakeExecutor:
+    """worker/executor.py's bookkeeping of plan diffs, with a deterministic sampler and checks."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.seqs: dict[int, _Held] = {}
+
+    def reset(self) -> None:
+        self.seqs.clear()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
+            self.seqs.pop(seq_id, None)
+        scheduled = []
+        for new in plan.new_seqs:
+            assert new.seq_id not in self.seqs, f"sequence {new.seq_id} sent in full twice"
+            self.seqs[new.seq_id] = _Held(
+                new.prompt_token_ids + new.output_token_ids, new.num_computed_tokens, list(new.block_ids)
+            )
+            scheduled.append((new.seq_id, new.num_scheduled_tokens))
+        for cached in plan.cached_seqs:
+            held = self.seqs[cached.seq_id]
+            del held.block_table[cached.block_table_offset:]
+            held.block_table += cached.new_block_ids
+            if held.num_computed_tokens == len(held.token_ids):
+                held.token_ids.append(cached.last_token_id)
+            assert held.num_computed_tokens + cached.num_scheduled_tokens <= len(held.token_ids)
+            scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
+        result = StepResult(plan.step, plan.epoch)
+        for seq_id, n in scheduled:
+            held = self.seqs[seq_id]
+            end = held.num_computed_tokens + n
+            assert len(held.block_table) * self.block_size >= end, f"seq {seq_id}: no slot for its KV"
+            assert NULL_BLOCK not in held.block_table
+            held.num_computed_tokens = end
+            if end == len(held.token_ids):
+                token = token_for(seq_id, len(held.token_ids))
+                result.sampled.append(SampledToken(seq_id, token, -0.25, [[token, -0.25]]))
+        all_blocks = [b for held in self.seqs.values() for b in held.block_table]
+        assert len(all_blocks) == len(set(all_blocks)), "two sequences hold one block"
+        return result
+
+
+class FakeWorker:
+    """One worker rank in a thread. `mode`: "serve", "hang" (no answers, no hellos), "boom" (fail
+    the next step with error="boom", then serve again), "exit" (close the socket and end)."""
+
+    def __init__(self, address: str, block_size: int = BLOCK_SIZE, step_delay_s: float = 0.0,
+                 rehello_s: float = 2.0) -> None:
+        self.address = address
+        self.hello = WorkerHello(
+            rank=0, world_size=1, device="fake", model="fake-model", num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
+            block_size=block_size, max_model_len=MAX_MODEL_LEN, vocab_size=1024, eos_token_ids=[EOS],
+            kv_bytes_per_block=1024, host_bandwidth=1e9, prefill_tokens_per_s=1e5,
+        )
+        self.executor = FakeExecutor(block_size)
+        self.step_delay_s = step_delay_s
+        self.rehello_s = rehello_s
+        self.mode = "serve"
+        self.plans: list[StepPlan] = []
+        self.failures: list[str] = []  # broken contract, seen by the fake executor
+        self.num_hellos = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        link = SchedulerLink(self.address)
+        try:
+            self._say_hello(link)
+            epoch, idle_since = None, time.monotonic()
+            while not self._stop and self.mode != "exit":
+                if self.mode == "hang":
+                    time.sleep(0.01)
+                    continue
+                plan = link.recv_plan(timeout_ms=20)
+                if plan is None:
+                    if time.monotonic() - idle_since > self.rehello_s:
+                        self._say_hello(link)
+                        idle_since = time.monotonic()
+                    continue
+                if self.mode == "hang":  # hung while a plan was on its way
+                    continue
+                self.plans.append(plan)
+                if plan.epoch != epoch:
+                    self.executor.reset()
+                    epoch = plan.epoch
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
+                if self.mode == "boom":
+                    self.mode = "serve"
+                    self.executor.reset()
+                    result = StepResult(plan.step, plan.epoch, error="boom")
+                else:
+                    try:
+                        result = self.executor.execute(plan)
+                    except Exception as exc:  # noqa: BLE001 - reported to the test and the scheduler
+                        self.failures.append(f"step {plan.step}: {type(exc).__name__}: {exc}")
+                        self.executor.reset()
+                        result = StepResult(plan.step, plan.epoch, error=f"fake executor: {exc}")
+                link.send_result(result)
+                idle_since = time.monotonic()
+        finally:
+            link.close()
+
+    def _say_hello(self, link: SchedulerLink) -> None:
+        link.hello(self.hello)
+        self.num_hellos += 1
+
+    def stop(self) -> None:
+        self._stop = True
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def r(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+class Harness:
+    def __init__(self, redis_url: str, r: redis.Redis) -> None:
+        self.r = r
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.serving = ServingConfig(redis_url=redis_url, zmq_address=self.address, step_timeout_s=1.0,
+                                     scheduler_id=SCHEDULER_ID)
+        self.server = SchedulerServer(EngineConfig(block_size=BLOCK_SIZE), self.serving)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        self.workers: list[FakeWorker] = []
+        self.cursor = b"0-0"
+        self.events: dict[str, list[RequestEvent]] = {}
+
+    def _serve(self) -> None:
+        try:
+            self.server.serve_forever()
+        except BaseException as exc:  # reported by the waits and at teardown
+            self.error = exc
+            raise
+
+    def worker(self, **kwargs) -> FakeWorker:
+        worker = FakeWorker(self.address, **kwargs)
+        self.workers.append(worker)
+        return worker
+
+    def stop_server(self) -> None:
+        self.server.stopping = True
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.stop_server()
+        for worker in self.workers:
+            worker.stop()
+        assert self.error is None, f"serve_forever raised {self.error!r}"
+        for worker in self.workers:
+            assert worker.failures == []
+
+    # -------------------------------------------------------------- requests and events
+    def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int = 8, **params) -> bytes:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+        request = GenerateRequest(request_id, prompt_ids, params, REPLIES, time.time())
+        return self.r.xadd(streams.REQUESTS, {streams.FIELD: encode(request)})
+
+    def abort(self, request_id: str) -> None:
+        self.r.xadd(streams.ABORTS, {streams.ABORT_FIELD: request_id})
+
+    def poll_events(self, block_ms: int = 50) -> None:
+        replies = self.r.xread({REPLIES: self.cursor}, block=block_ms)
+        for _, entries in replies or []:
+            for entry_id, fields in entries:
+                self.cursor = entry_id
+                event = decode(fields[streams.FIELD])
+                assert isinstance(event, RequestEvent)
+                events = self.events.setdefault(event.request_id, [])
+                assert not events or events[-1].finish_reason is None, f"an event after {event.request_id}'s last"
+                events.append(event)
+
+    def finished(self, request_id: str) -> bool:
+        events = self.events.get(request_id)
+        return bool(events) and events[-1].finish_reason is not None
+
+    def wait_until(self, condition, timeout: float = 5.0, what: str = "condition") -> float:
+        """Poll the reply stream until `condition()`; returns the seconds it took."""
+        start = time.monotonic()
+        while not condition():
+            if self.error is not None:
+                raise AssertionError(f"serve_forever raised {self.error!r}") from self.error
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            self.poll_events()
+        return time.monotonic() - start
+
+    def wait_finished(self, *request_ids: str, timeout: float = 5.0) -> dict[str, list[RequestEvent]]:
+        self.wait_until(lambda: all(self.finished(i) for i in request_ids), timeout, f"{request_ids} to finish")
+        return {i: self.events[i] for i in request_ids}
+
+    def wait_ready(self, timeout: float = 5.0) -> None:
+        self.wait_until(lambda: self.server.scheduler is not None, timeout, "the workers to be ready")
+
+    # -------------------------------------------------------------- redis state
+    def num_pending(self) -> int:
+        return self.r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"]
+
+    def status(self) -> SchedulerStatus | None:
+        raw = self.r.get(streams.status_key(SCHEDULER_ID))
+        return None if raw is None else decode(raw)
+
+    def assert_nothing_held(self) -> None:
+        """Every request ended: acknowledged and deleted from the requests stream."""
+        self.wait_until(lambda: self.num_pending() == 0 and self.r.xlen(streams.REQUESTS) == 0, 2.0,
+                        "the requests to be acknowledged and deleted")
+
+
+@pytest.fixture
+def harness(redis_url, r):
+    h = Harness(redis_url, r)
+    yield h
+    h.close()
+
+
+def tokens(events: list[RequestEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def test_a_request_streams_exactly_max_tokens_then_is_acked_and_deleted(harness):
+    harness.worker()
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=12)
+    harness.submit("b", prompt(20, start=500), max_tokens=5, logprobs=1)
+    done = harness.wait_finished("a", "b")
+
+    assert tokens(done["a"]) == expected_output(0, 10, 12)
+    assert tokens(done["b"]) == expected_output(1, 20, 5)
+    for events in done.values():
+        assert [e.finish_reason for e in events] == [None] * (len(events) - 1) + ["length"]
+        assert all(len(e.token_ids) == 1 for e in events)  # one token per step, streamed as it comes
+        assert all(e.error is None for e in events)
+    assert [e.logprobs for e in done["a"]] == [None] * 12
+    assert [e.logprobs for e in done["b"]] == [[[-0.25, [[t, -0.25]]]] for t in expected_output(1, 20, 5)]
+    harness.assert_nothing_held()
+
+    def idle_status():
+        s = harness.status()
+        return s is not None and s.workers_ready and s.num_running == 0 and s.num_waiting == 0 \
+            and s.kv_cache_usage == 0.0
+
+    harness.wait_until(idle_status, 3.0, "an idle status")
+    status = harness.status()
+    assert (status.scheduler_id, status.model, status.max_model_len, status.block_size, status.num_gpu_blocks) == (
+        SCHEDULER_ID, "fake-model", MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS,
+    )
+    assert harness.server.scheduler.block_manager.num_free_blocks == NUM_BLOCKS - 1
+
+
+def test_the_scheduler_follows_the_workers_block_size(harness):
+    worker = harness.worker(block_size=32)
+    harness.wait_ready()
+    harness.submit("a", prompt(40), max_tokens=30)
+    done = harness.wait_finished("a")
+    assert tokens(done["a"]) == expected_output(0, 40, 30)
+    assert done["a"][-1].finish_reason == "length"
+    assert len(worker.plans[0].new_seqs[0].block_ids) == 2  # 40 tokens in blocks of 32
+    harness.wait_until(lambda: harness.status().block_size == 32, 2.0, "the status to show blocks of 32")
+    harness.assert_nothing_held()
+
+
+# ----------------------------------------------------------------------------- aborts
+
+
+def test_an_abort_while_running_ends_the_request_and_frees_its_blocks(harness):
+    worker = harness.worker(step_delay_s=0.01)
+    harness.wait_ready()
+    harness.submit("a", prompt(30), max_tokens=300)
+    harness.wait_until(lambda: len(tokens(harness.events.get("a", []))) >= 3, 5.0, "a's first tokens")
+    harness.abort("a")
+    events = harness.wait_finished("a")["a"]
+
+    assert events[-1].finish_reason == "abort" and events[-1].token_ids == [] and events[-1].error is None
+    got = tokens(events)
+    assert 3 <= len(got) < 300
+    assert got == expected_output(0, 30, len(got))
+    harness.assert_nothing_held()
+    bm = harness.server.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks == NUM_BLOCKS - 1
+    assert not harness.server.scheduler.has_unfinished_requests()
+
+    # the next plan tells the worker to drop the aborted sequence (its blocks are reused)
+    harness.submit("b", prompt(30), max_tokens=4)
+    done = harness.wait_finished("b")
+    assert tokens(done["b"]) == expected_output(1, 30, 4)
+    first_plan_of_b = next(p for p in worker.plans if any(s.seq_id == 1 for s in p.new_seqs))
+    assert first_plan_of_b.finished_seq_ids == [0]
+    harness.assert_nothing_held()
+
+
+def test_an_abort_that_arrives_before_its_request_ends_it_unrun(harness):
+    worker = harness.worker()
+    harness.wait_ready()
+    harness.abort("early")
+    harness.wait_until(lambda: "early" in harness.server.early_aborts, 3.0, "the abort to be read")
+    harness.submit("early", prompt(10), max_tokens=5)
+    events = harness.wait_finished("early")["early"]
+
+    assert [(e.token_ids, e.finish_reason, e.error) for e in events] == [([], "abort", None)]
+    harness.assert_nothing_held()
+    assert worker.plans == []  # it never ran
+    assert "early" not in harness.server.early_aborts
+
+    harness.submit("next", prompt(10), max_tokens=3)  # the scheduler serves on
+    assert tokens(harness.wait_finished("next")["next"]) == expected_output(0, 10, 3)
+
+
+def test_an_abort_for_an_unknown_or_finished_request_changes_nothing(harness):
+    harness.worker()
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=3)
+    harness.wait_finished("a")
+    harness.abort("a")  # already ended
+    harness.abort("never-seen")
+    harness.submit("b", prompt(10), max_tokens=3)
+    done = harness.wait_finished("b")
+    assert tokens(done["b"]) == expected_output(1, 10, 3)
+    assert len(harness.events["a"]) == 3  # nothing after its last event
+    harness.assert_nothing_held()
+
+
+# ----------------------------------------------------------------------------- bad requests
+
+
+def test_a_request_too_long_for_the_context_gets_one_error_event(harness):
+    worker = harness.worker()
+    harness.wait_ready()
+    harness.submit("long", prompt(500), max_tokens=100)
+    events = harness.wait_finished("long")["long"]
+
+    assert len(events) == 1
+    event = events[0]
+    assert (event.token_ids, event.finish_reason) == ([], "error")
+    assert "context length of 512 tokens" in event.error
+    harness.assert_nothing_held()
+    assert worker.plans == []
+
+    harness.submit("fits", prompt(500), max_tokens=12)  # exactly the context
+    done = harness.wait_finished("fits")
+    assert tokens(done["fits"]) == expected_output(0, 500, 12)
+    assert done["fits"][-1].finish_reason == "length"
+
+
+def test_malformed_entries_are_dropped_and_acked_and_serving_goes_on(harness):
+    harness.worker()
+    harness.wait_ready()
+    r = harness.r
+    r.xadd(streams.REQUESTS, {streams.FIELD: b"\xc1\x00garbage"})
+    r.xadd(streams.REQUESTS, {streams.FIELD: encode(SamplingParams())})  # a message, not a request
+    r.xadd(streams.REQUESTS, {streams.FIELD: encode(RequestEvent("x", [1], None))})
+    r.xadd(streams.REQUESTS, {b"other": b"no message field"})
+    r.xadd(streams.REQUESTS, {streams.FIELD: b"\x92\x07\xc0"})  # msgpack [7, nil]: an unknown version
+    harness.submit("ok", prompt(10), max_tokens=4)
+    done = harness.wait_finished("ok")
+
+    assert tokens(done["ok"]) == expected_output(0, 10, 4)
+    assert list(harness.events) == ["ok"]  # the dropped entries had no reply stream to answer on
+    harness.assert_nothing_held()
+
+
+def test_a_request_with_fields_of_the_wrong_type_gets_an_error_or_is_dropped(harness):
+    """Badly typed fields must not reach the scheduler or a worker: with an address to answer on,
+    one error event; without, dropped. Either way acked, and serving goes on."""
+    worker = harness.worker()
+    harness.wait_ready()
+    params = SamplingParams(max_tokens=3)
+    answered = {
+        "bad-params": GenerateRequest("bad-params", prompt(10), None, REPLIES, time.time()),
+        "bad-prompt": GenerateRequest("bad-prompt", 5, params, REPLIES, time.time()),
+        "bad-tokens": GenerateRequest("bad-tokens", ["x", None], params, REPLIES, time.time()),
+        "bad-floats": GenerateRequest("bad-floats", [1.0, 2.0], params, REPLIES, time.time()),
+        "bad-vocab": GenerateRequest("bad-vocab", [5, 1024], params, REPLIES, time.time()),  # vocab_size 1024
+    }
+    dropped = [
+        GenerateRequest(7, prompt(10), params, REPLIES, time.time()),
+        GenerateRequest(["unhashable"], prompt(10), params, REPLIES, time.time()),
+        GenerateRequest("bad-reply", prompt(10), params, None, time.time()),
+    ]
+    for request in [*answered.values(), *dropped]:
+        harness.r.xadd(streams.REQUESTS, {streams.FIELD: encode(request)})
+    harness.submit("ok", prompt(10), max_tokens=4)
+    done = harness.wait_finished("ok", *answered)
+
+    assert tokens(done["ok"]) == expected_output(0, 10, 4)
+    assert set(harness.events) == {"ok", *answered}
+    for request_id in answered:
+        [event] = done[request_id]
+        assert (event.token_ids, event.finish_reason) == ([], "error")
+        assert event.error.startswith("invalid request: ")
+    assert "[0, 1024)" in done["bad-vocab"][0].error
+    assert [s.prompt_token_ids for p in worker.plans for s in p.new_seqs] == [prompt(10)]
+    harness.assert_nothing_held()
+
+
+def test_a_duplicate_request_id_in_flight_is_dropped(harness):
+    harness.worker(step_delay_s=0.005)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=100)
+    harness.wait_until(lambda: "a" in harness.events, 3.0, "a to start")
+    harness.submit("a", prompt(10, start=300), max_tokens=100)
+    done = harness.wait_finished("a")
+    assert tokens(done["a"]) == expected_output(0, 10, 100)
+    harness.poll_events(block_ms=200)
+    assert len(harness.events["a"]) == 100  # no second run, no second last event
+    harness.assert_nothing_held()
+
+
+# ----------------------------------------------------------------------------- worker failures
+
+
+def test_a_hung_worker_fails_the_requests_in_flight_and_a_new_worker_takes_over(harness):
+    old = harness.worker(step_delay_s=0.005)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=400)
+    harness.submit("b", prompt(20), max_tokens=400)
+    harness.wait_until(lambda: "a" in harness.events and "b" in harness.events, 3.0, "a and b to start")
+    old.mode = "hang"
+    took = harness.wait_until(lambda: harness.finished("a") and harness.finished("b"), 4.0, "a and b to fail")
+    assert took < 2.0  # the step timeout is 1 s
+
+    for request_id in ("a", "b"):
+        last = harness.events[request_id][-1]
+        assert (last.token_ids, last.finish_reason) == ([], "error")
+        assert "no result within 1 s" in last.error
+        assert len(tokens(harness.events[request_id])) < 400
+    harness.assert_nothing_held()
+    harness.wait_until(lambda: not harness.status().workers_ready, 2.0, "the status to say no workers")
+
+    new = harness.worker()
+    harness.wait_ready()
+    harness.wait_until(lambda: harness.status().workers_ready, 2.0, "the status to say workers ready")
+    harness.submit("c", prompt(10), max_tokens=5)
+    done = harness.wait_finished("c")
+    assert tokens(done["c"]) == expected_output(0, 10, 5)  # a new scheduler: sequence ids start over
+    assert done["c"][-1].finish_reason == "length"
+    assert {p.epoch for p in new.plans}.isdisjoint({p.epoch for p in old.plans})
+    assert len({p.epoch for p in new.plans}) == 1
+    harness.assert_nothing_held()
+
+
+def test_a_worker_error_fails_the_requests_in_flight_and_service_resumes_after_its_hello(harness):
+    worker = harness.worker(step_delay_s=0.005)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=400)
+    harness.submit("b", prompt(20), max_tokens=400)
+    harness.wait_until(lambda: "a" in harness.events and "b" in harness.events, 3.0, "a and b to start")
+    hellos = worker.num_hellos
+    worker.mode = "boom"
+    harness.wait_finished("a", "b", timeout=2.0)
+
+    for request_id in ("a", "b"):
+        last = harness.events[request_id][-1]
+        assert (last.token_ids, last.finish_reason) == ([], "error")
+        assert "boom" in last.error
+    harness.assert_nothing_held()
+    old_epochs = {p.epoch for p in worker.plans}
+
+    harness.submit("c", prompt(10), max_tokens=5)  # waits in Redis until the worker says hello again
+    done = harness.wait_finished("c", timeout=5.0)
+    assert worker.num_hellos > hellos
+    assert tokens(done["c"]) == expected_output(0, 10, 5)
+    new_epochs = {p.epoch for p in worker.plans} - old_epochs
+    assert len(new_epochs) == 1
+    harness.assert_nothing_held()
+
+
+def test_a_worker_that_exits_mid_step_and_restarts_takes_over(harness):
+    old = harness.worker(step_delay_s=0.005)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=400)
+    harness.wait_until(lambda: "a" in harness.events, 3.0, "a to start")
+    old.mode = "exit"
+    old.thread.join(2)
+    group = harness.server.scheduler
+    new = harness.worker()  # the restarted rank: a new connection, the same hello
+    events = harness.wait_finished("a", timeout=3.0)["a"]
+    assert (events[-1].finish_reason, events[-1].token_ids) == ("error", [])
+    assert events[-1].error == "the worker failed: a worker restarted mid-step"
+    harness.assert_nothing_held()
+    took = harness.wait_until(lambda: harness.server.scheduler not in (None, group), 5.0, "a new group")
+    assert took < 1.0 and new.num_hellos == 1  # on its first hello, not on a keep-alive 2 s later
+
+    harness.submit("b", prompt(10), max_tokens=5)
+    done = harness.wait_finished("b", timeout=5.0)
+    assert tokens(done["b"]) == expected_output(0, 10, 5)
+    harness.assert_nothing_held()
+
+
+def test_a_worker_restarted_while_idle_is_taken_on(harness):
+    old = harness.worker()
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=3)
+    harness.wait_finished("a")
+    group = harness.server.scheduler
+    old.mode = "exit"
+    old.thread.join(2)
+    new = harness.worker()  # a new connection, the same hello
+    took = harness.wait_until(lambda: harness.server.scheduler not in (None, group), 5.0, "a new group")
+    assert took < 1.0  # on its first hello, not on a keep-alive 2 s later
+    harness.submit("b", prompt(10), max_tokens=5)
+    done = harness.wait_finished("b", timeout=5.0)
+    assert tokens(done["b"]) == expected_output(0, 10, 5)  # a new group: a new scheduler
+    assert new.plans and {p.epoch for p in new.plans}.isdisjoint({p.epoch for p in old.plans})
+    harness.assert_nothing_held()
+
+
+def test_a_worker_silent_while_idle_is_given_up(harness, monkeypatch):
+    monkeypatch.setattr(server_module, "WORKER_SILENCE_S", 1.5)
+    worker = harness.worker(rehello_s=0.3)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=3)
+    harness.wait_finished("a")
+    time.sleep(2.0)  # longer than the silence limit: its hellos keep it on
+    assert harness.status().workers_ready and harness.server.scheduler is not None
+
+    worker.mode = "hang"
+    took = harness.wait_until(lambda: not harness.status().workers_ready, 4.0, "the status to say no workers")
+    assert took < 3.0
+    assert harness.server.scheduler is None
+
+    worker.mode = "serve"  # it speaks again: its next hello brings the group back
+    harness.wait_until(lambda: harness.status().workers_ready, 3.0, "the status to say workers ready")
+    harness.submit("b", prompt(10), max_tokens=3)
+    assert tokens(harness.wait_finished("b")["b"]) == expected_output(0, 10, 3)
+
+
+# ----------------------------------------------------------------------------- shutdown
+
+
+def test_stopping_the_server_ends_the_requests_in_flight_and_removes_its_status(harness):
+    harness.worker(step_delay_s=0.01)
+    harness.wait_ready()
+    harness.wait_until(lambda: harness.status() is not None, 2.0, "a status")
+    harness.submit("a", prompt(10), max_tokens=400)
+    harness.submit("b", prompt(20), max_tokens=400)
+    harness.wait_until(lambda: "a" in harness.events and "b" in harness.events, 3.0, "a and b to start")
+    harness.stop_server()
+    done = harness.wait_finished("a", "b", timeout=1.0)
+
+    for events in done.values():
+        assert (events[-1].token_ids, events[-1].finish_reason) == ([], "error")
+        assert "shutting down" in events[-1].error
+        assert len(tokens(events)) < 400
+    assert harness.r.exists(streams.status_key(SCHEDULER_ID)) == 0
+    harness.assert_nothing_held()
+
+
+# ----------------------------------------------------------------------------- redis
+
+
+def test_the_scheduler_recreates_its_group_when_redis_lost_it(harness):
+    """A redis-server restarted without persistence (as `pagoda up` runs it) has no consumer group."""
+    harness.worker()
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=3)
+    harness.wait_finished("a")
+    harness.r.flushdb()
+    harness.cursor = b"0-0"
+    harness.submit("b", prompt(10), max_tokens=3)
+    done = harness.wait_finished("b", timeout=5.0)
+    assert tokens(done["b"]) == expected_output(1, 10, 3)
+    harness.assert_nothing_held()
+
+
+def test_the_scheduler_rides_out_a_redis_restart_and_keeps_its_workers():
+    port = free_port()
+    redis_server = RedisServer(port=port).start()
+    client = redis.Redis.from_url(redis_server.url)
+    h = Harness(redis_server.url, client)
+    try:
+        h.worker()
+        h.wait_ready()
+        h.submit("a", prompt(10), max_tokens=3)
+        h.wait_finished("a")
+        group = h.server.scheduler
+        redis_server.stop()
+        time.sleep(1.5)
+        redis_server = RedisServer(port=port).start()  # empty: no stream, no group, no status
+        h.cursor = b"0-0"
+        h.submit("b", prompt(10), max_tokens=3)
+        done = h.wait_finished("b", timeout=8.0)
+        assert tokens(done["b"]) == expected_output(1, 10, 3)
+        assert h.server.scheduler is group  # the workers were kept
+        h.assert_nothing_held()
+        h.wait_until(lambda: h.status() is not None and h.status().workers_ready, 2.0, "the status again")
+    finally:
+        h.close()
+        client.close()
+        redis_server.stop()
