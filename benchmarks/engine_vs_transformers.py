@@ -102,10 +102,14 @@ def main() -> None:
         "baseline": {"name": "transformers generate, padded static batches", **baseline},
         "ratio": pagoda["output_tokens_per_s"] / baseline["output_tokens_per_s"],
     }
+    write_result(result, args.output)
+
+
+def write_result(result: dict, output: str | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    if output:
+        Path(output).write_text(text + "\n")
 
 
 if __name__ == "__main__":

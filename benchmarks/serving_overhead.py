@@ -7,7 +7,6 @@ step's plan per running sequence at short and long contexts.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -17,7 +16,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.engine_vs_transformers import device_description  # noqa: E402
+from benchmarks.engine_vs_transformers import device_description, write_result  # noqa: E402
 from common.protocol import SamplingParams, encode  # noqa: E402
 from pagoda.offline import LLM  # noqa: E402
 from tests.stack import Stack  # noqa: E402
@@ -88,10 +87,7 @@ def main() -> None:
         "overhead_median_ms": (statistics.median(served) - statistics.median(offline)) * 1e3,
         "decode_plan_bytes_per_seq": plan_sizes,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    write_result(result, args.output)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,17 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny tensors: intra-op threads only add overhead (100x on a loaded host)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="where the model tests (tests/test_parity.py) run: cpu or cuda")
 

@@ -24,12 +24,8 @@ PAD_VALUE = 7777.0  # what padding rows (slot -1) carry; must never reach the ca
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (100x on a loaded host)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+def _one_thread(one_torch_thread):
+    """Tiny tensors: intra-op threads only add overhead."""
 
 
 @dataclass

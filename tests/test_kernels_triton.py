@@ -42,12 +42,8 @@ pytestmark = [
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Interpreted tiles are tiny: intra-op threads only add overhead."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+def _one_thread(one_torch_thread):
+    """Tiny tensors: intra-op threads only add overhead."""
 
 
 def _tol(dtype: torch.dtype) -> dict:

@@ -15,12 +15,8 @@ VOCAB = 12
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (a lot on a loaded host)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+def _one_thread(one_torch_thread):
+    """Tiny tensors: intra-op threads only add overhead."""
 
 
 @pytest.fixture
