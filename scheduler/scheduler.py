@@ -207,7 +207,7 @@ class Scheduler:
         for seq, n in zip(seqs, num_new):
             table = self.block_manager.block_table(seq.seq_id)
             if seq.seq_id in self._held_by_workers:
-                first_new = min(seq.num_sent_blocks, self._first_changed_block(seq, plan))
+                first_new = self._first_changed_block(seq, plan) if plan.blocks_to_copy else seq.num_sent_blocks
                 plan.cached_seqs.append(
                     CachedSequence(seq.seq_id, table[first_new:], first_new, n, seq.last_token_id)
                 )

@@ -189,8 +189,9 @@ class SchedulerServer:
                 self.aborts_cursor = entry_id
                 request_id = fields.get(streams.ABORT_FIELD, b"").decode(errors="replace")
                 self._abort(request_id)
-        cutoff = time.monotonic() - 60
-        self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > cutoff}
+        if self.early_aborts:  # runs every step: prune only when there is something to prune
+            cutoff = time.monotonic() - 60
+            self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > cutoff}
 
     def _abort(self, request_id: str) -> None:
         tracked = self.tracked.pop(request_id, None)
