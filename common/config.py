@@ -21,6 +21,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 1.0  # KV pool size when running on the CPU
+    swap_space_gb: float = 4.0  # the CPU swap pool, per worker
+    num_cpu_blocks: int | None = None  # override the swap pool's size (blocks)
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "auto"  # auto (cheaper by the worker's measured rates) | swap | recompute
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -38,6 +42,9 @@ class EngineConfig:
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
+        _check(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")
+        _check(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0")
+        _check(self.preemption_mode in ("auto", "swap", "recompute"), "preemption_mode must be auto, swap or recompute")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

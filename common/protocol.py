@@ -11,12 +11,13 @@ number of tokens scheduled and its last token.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _EXT_MESSAGE = 1
 
 
@@ -42,6 +43,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k
+    best_of: int | None = None  # sample this many, return the n of highest cumulative logprob
+    beam_width: int = 0  # > 0: beam search (deterministic; the n best beams are returned)
+    length_penalty: float = 1.0  # beam score = sum of logprobs / generated length ** length_penalty
+    early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
 
     def __post_init__(self) -> None:
         self.validate()
@@ -51,7 +56,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        _require(self.n == 1, "n", "only n=1 is supported so far")
+        _require(1 <= self.n <= MAX_SAMPLES, "n", f"n must be in [1, {MAX_SAMPLES}]")
+        _require(self.best_of is None or self.n <= self.best_of <= MAX_SAMPLES, "best_of",
+                 f"best_of must be in [n, {MAX_SAMPLES}]")
+        _require(0 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width", f"beam_width must be in [0, {MAX_BEAM_WIDTH}]")
+        if self.beam_width:
+            _require(self.n <= self.beam_width, "n", "with beam search, n must be <= beam_width")
+            _require(self.best_of is None, "best_of", "best_of does not apply to beam search")
+        _require(math.isfinite(self.length_penalty), "length_penalty", "length_penalty must be a finite number")
+        _require(self.early_stopping in (True, False, "never"), "early_stopping",
+                 "early_stopping must be true, false or \"never\"")
         _require(self.temperature >= 0.0, "temperature", "temperature must be >= 0")
         _require(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
         _require(-1 <= self.top_k <= MAX_INT_PARAM, "top_k", f"top_k must be in [-1, {MAX_INT_PARAM}] (0 or -1: off)")
@@ -72,6 +86,21 @@ class SamplingParams:
 
 
 MAX_INT_PARAM = 1 << 24  # bounds every count a request names, so none overflows a tensor
+MAX_SAMPLES = 128  # n and best_of
+MAX_BEAM_WIDTH = 32
+
+
+def num_beam_candidates(beam_width: int, num_eos_tokens: int) -> int:
+    """Continuations kept per beam search step (transformers' rule): enough that `beam_width`
+    of them go on even when the best ones all end in an EOS token."""
+    return max(2, 1 + num_eos_tokens) * beam_width
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of a seeded request (sample 0 keeps the request's seed)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
 class InvalidParamError(ValueError):
@@ -182,10 +211,12 @@ class GenerateRequest:
 
 @dataclass(slots=True)
 class RequestEvent:
-    """What a request gained in one step, written by a scheduler to the request's reply stream.
+    """What one output of a request gained in one step, written by a scheduler to the request's
+    reply stream.
 
-    `finish_reason` is None while the request runs, else "stop", "length", "abort" or "error"
-    (with `error` saying what went wrong); it is the request's last event.
+    `finish_reason` is None while the output runs, else "stop", "length", "abort" or "error"
+    (with `error` saying what went wrong); it is that output's last event. A request with
+    best_of > n or beam search sends its n outputs whole, in one step, best first.
     """
 
     request_id: str
@@ -193,6 +224,7 @@ class RequestEvent:
     logprobs: list[list] | None  # per new token: [logprob, [[token_id, logprob], ...]]
     finish_reason: str | None = None
     error: str | None = None
+    index: int = 0  # which output of the request (n > 1); "error" and "abort" end them all
 
 
 @dataclass(slots=True)

@@ -42,6 +42,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU memory per worker for swapped-out KV")
+    p.add_argument("--num-cpu-blocks", type=int, default=None, help="override the swap pool size (blocks)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
+                   help="how a group is preempted when blocks run out (auto: the cheaper by measured rates)")
 
 
 def _engine_flags(args) -> list[str]:
@@ -52,6 +57,11 @@ def _engine_flags(args) -> list[str]:
         flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
     if args.max_model_len is not None:
         flags += ["--max-model-len", str(args.max_model_len)]
+    flags += ["--swap-space", str(args.swap_space), "--preemption-mode", args.preemption_mode]
+    if args.num_cpu_blocks is not None:
+        flags += ["--num-cpu-blocks", str(args.num_cpu_blocks)]
+    if args.no_prefix_caching:
+        flags.append("--no-prefix-caching")
     return flags
 
 
@@ -59,7 +69,8 @@ def _engine_config(args) -> dict:
     return dict(
         device=args.device, dtype=args.dtype, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, swap_space_gb=args.swap_space, num_cpu_blocks=args.num_cpu_blocks,
+        enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
     )
 
 
@@ -75,6 +86,12 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--n", type=int, default=1, help="outputs per prompt")
+    p.add_argument("--best-of", type=int, default=None, help="sample this many, keep the n most likely (default n)")
+    p.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (0: off)")
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score / length ** this")
+    p.add_argument("--early-stopping", default="false", choices=["true", "false", "never"],
+                   help="beam search: when to stop (transformers' semantics)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, in input order")
     p.set_defaults(handler=_generate)
 
@@ -102,7 +119,9 @@ def _generate(args) -> int:
     prompts = _read_prompts(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
+        min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, n=args.n, best_of=args.best_of,
+        beam_width=args.beam_width, length_penalty=args.length_penalty,
+        early_stopping={"true": True, "false": False}.get(args.early_stopping, args.early_stopping),
     )
     llm = LLM(args.model, **_engine_config(args))
     start = time.perf_counter()
@@ -112,10 +131,15 @@ def _generate(args) -> int:
         if args.json:
             print(json.dumps(out.to_json(), ensure_ascii=False), flush=True)
         else:
-            print(f"--- [{out.index}] ({out.finish_reason})\n{out.text}", flush=True)
-    tokens = sum(len(out.token_ids) for out in outputs)
+            for i, sample in enumerate(out.outputs):
+                label = f"{out.index}" if len(out.outputs) == 1 else f"{out.index}.{i}"
+                print(f"--- [{label}] ({sample.finish_reason})\n{sample.text}", flush=True)
+    tokens = sum(len(sample.token_ids) for out in outputs for sample in out.outputs)
+    s = llm.scheduler
     print(
-        f"pagoda: {llm.engine.num_steps} steps, {llm.scheduler.num_preemptions} preemptions, "
+        f"pagoda: {llm.engine.num_steps} steps, {s.num_preemptions} preemptions "
+        f"({s.num_swap_preemptions} swap, {s.num_recompute_preemptions} recompute), "
+        f"prefix cache {s.prefix_cache_hits}/{s.prefix_cache_queries} tokens hit, "
         f"{tokens} output tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s)",
         file=sys.stderr,
     )

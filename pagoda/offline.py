@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -15,17 +15,37 @@ Prompt = str | list[int] | dict
 
 
 @dataclass(slots=True)
+class Sample:
+    """One output of a prompt: a sample (n, best_of) or a beam."""
+
+    text: str | None  # None for a model without a tokenizer (dummy weights)
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: str
+    logprobs: list | None = None
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "cumulative_logprob": self.cumulative_logprob,
+                "finish_reason": self.finish_reason}
+
+
+@dataclass(slots=True)
 class CompletionOutput:
+    """A prompt's outputs; the first one's fields repeated at the top for the common n=1 case.
+    With best_of > n or beam search the outputs are best first, else in sample order."""
+
     index: int
     prompt_token_ids: list[int]
-    text: str | None  # None for a model without a tokenizer (dummy weights)
+    text: str | None
     token_ids: list[int]
     finish_reason: str
     cumulative_logprob: float
     logprobs: list | None = None
+    outputs: list[Sample] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"index": self.index, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "outputs": [sample.to_json() for sample in self.outputs]}
 
 
 class LLM:
@@ -97,10 +117,13 @@ class LLM:
         return results
 
     def _completion(self, index: int, out) -> CompletionOutput:
-        seq = out.outputs[0]
-        token_ids = list(seq.token_ids)
-        text = self.encoder.decode(token_ids) if self.encoder else None
+        samples = [
+            Sample(self.encoder.decode(list(seq.token_ids)) if self.encoder else None, list(seq.token_ids),
+                   seq.cumulative_logprob, seq.finish_reason, list(seq.logprobs) if seq.logprobs is not None else None)
+            for seq in sorted(out.outputs, key=lambda seq: seq.index)
+        ]
+        first = samples[0]
         return CompletionOutput(
-            index, list(out.prompt_token_ids), text, token_ids, seq.finish_reason, seq.cumulative_logprob,
-            list(seq.logprobs) if seq.logprobs is not None else None,
+            index, list(out.prompt_token_ids), first.text, first.token_ids, first.finish_reason,
+            first.cumulative_logprob, first.logprobs, samples,
         )

@@ -1,20 +1,27 @@
-"""Physical KV blocks of the device pool and every sequence's block table.
+"""Physical KV blocks of the device pool and the CPU swap pool, and every sequence's block table.
 
 Block 0 is the null block: never allocated, it pads block tables. Each physical block has a
-reference count equal to the number of block tables holding it; a block whose count drops to
-zero goes back to the free queue. Allocation takes from the front of the free queue; `free`
-appends a table's blocks to its back tail first, so of one sequence's blocks the tail is reused
-(and, with prefix caching, evicted) first.
+reference count equal to the number of block tables holding it. A device block whose count
+drops to zero is either free or, when it holds a registered full block of the prefix cache,
+cached: still valid KV that a later prompt with the same prefix can take back (a hit), and
+evictable in LRU order when a block is needed and none is free. Allocation takes free blocks
+first, then evicts; `free` releases a table tail first, so of one sequence's blocks the tail is
+reused (and evicted) first.
 
 A sequence's `num_slots` is the number of token slots its table covers and that are written or
 about to be written this step:
 
     [0, num_slots)                        slots in the table, KV written or scheduled
     [num_slots, len(table) * block_size)  spare room in the last block
+
+Prefix registry: a full block is keyed by `hash((parent key, its token ids))`, chained from the
+first block; a hit compares the token ids too. A block is registered (`register_computed`) only
+once the worker has confirmed the step that wrote its KV.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 NULL_BLOCK = 0
 
@@ -24,7 +31,10 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = False,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError("a pool needs the null block and at least one more")
         self.num_blocks = num_blocks  # including the null block
@@ -32,8 +42,20 @@ class BlockManager:
         self.watermark_blocks = int(watermark * (num_blocks - 1))
         self.ref_counts = [0] * num_blocks
         self.free_queue: deque[int] = deque(range(1, num_blocks))
-        self.block_tables: dict[int, list[int]] = {}
-        self.num_slots: dict[int, int] = {}
+        self.block_tables: dict[int, list[int]] = {}  # device tables of running sequences
+        self.num_slots: dict[int, int] = {}  # running and swapped sequences
+        # swap pool
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_ref_counts = [0] * num_cpu_blocks
+        self.cpu_free_queue: deque[int] = deque(range(num_cpu_blocks))
+        self.cpu_tables: dict[int, list[int]] = {}  # tables of swapped-out sequences
+        # prefix registry
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cached_blocks: dict[int, int] = {}  # key -> device block
+        self.block_key: list[int | None] = [None] * num_blocks
+        self.block_tokens: dict[int, tuple[int, ...]] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, ref 0; oldest first
+        self.seq_keys: dict[int, list[int]] = {}  # keys of each sequence's leading full blocks
 
     # ---------------------------------------------------------------- queries
     @property
@@ -42,11 +64,25 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        """Blocks an allocation can take: free ones and evictable cached ones."""
+        return len(self.free_queue) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.evictable)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.cpu_free_queue)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    @property
+    def num_allocated_slots(self) -> int:
+        """Token slots of the device blocks held by tables."""
+        return (self.num_total_blocks - self.num_free_blocks) * self.block_size
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -55,19 +91,37 @@ class BlockManager:
         return self.block_tables[seq_id]
 
     # ---------------------------------------------------------------- allocate
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a new sequence of `num_tokens` fits, keeping the watermark free for decodes."""
-        return self.blocks_for(num_tokens) <= self.num_free_blocks - self.watermark_blocks
+    def can_allocate(
+        self, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
+    ) -> bool:
+        """Whether a new sequence of `num_tokens` fits, keeping the watermark free for decodes.
 
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
+        `token_ids` lets prefix-cache hits count; `final_tokens` is for reserving allocators.
+        """
+        hits = self._lookup(token_ids, num_tokens) if token_ids is not None else []
+        num_evictable_hits = sum(1 for block in hits if self.ref_counts[block] == 0)
+        needed = self.blocks_for(num_tokens) - len(hits)
+        return needed <= self.num_free_blocks - num_evictable_hits - self.watermark_blocks
+
+    def allocate(
+        self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
+    ) -> int:
+        """Give `seq_id` a table of `num_tokens` slots; returns how many leading tokens were
+        prefix-cache hits (their KV is already there)."""
         assert seq_id not in self.block_tables, f"sequence {seq_id} already has a block table"
-        needed = self.blocks_for(num_tokens)
-        if needed > self.num_free_blocks:
-            raise NoFreeBlocksError(f"{needed} blocks needed, {self.num_free_blocks} free")
-        table = [self._take() for _ in range(needed)]
+        hits = self._lookup(token_ids, num_tokens) if token_ids is not None else []
+        num_evictable_hits = sum(1 for block in hits if self.ref_counts[block] == 0)
+        needed = self.blocks_for(num_tokens) - len(hits)
+        if needed > self.num_free_blocks - num_evictable_hits:
+            raise NoFreeBlocksError(f"{needed} blocks needed, {self.num_free_blocks - num_evictable_hits} free")
+        for block in hits:
+            self._hold(block)
+        table = hits + [self._take() for _ in range(needed)]
         self.block_tables[seq_id] = table
         self.num_slots[seq_id] = num_tokens
-        return table
+        if self.enable_prefix_caching:
+            self.seq_keys[seq_id] = [self.block_key[block] for block in hits]
+        return len(hits) * self.block_size
 
     # ---------------------------------------------------------------- append
     def can_append(self, seq_id: int, num_new_tokens: int = 1) -> bool:
@@ -112,21 +166,142 @@ class BlockManager:
             self.ref_counts[block] += 1
         self.block_tables[child_id] = table
         self.num_slots[child_id] = self.num_slots[parent_id]
+        if parent_id in self.seq_keys:
+            self.seq_keys[child_id] = list(self.seq_keys[parent_id])
 
     def free(self, seq_id: int) -> None:
-        """Release a sequence's table, tail block first."""
-        table = self.block_tables.pop(seq_id)
+        """Release a sequence's table (device or swap pool), tail block first."""
         del self.num_slots[seq_id]
-        for block in reversed(table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
+        self.seq_keys.pop(seq_id, None)
+        if seq_id in self.cpu_tables:
+            for block in reversed(self.cpu_tables.pop(seq_id)):
+                self.cpu_ref_counts[block] -= 1
+                if self.cpu_ref_counts[block] == 0:
+                    self.cpu_free_queue.append(block)
+            return
+        for block in reversed(self.block_tables.pop(seq_id)):
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.block_key[block] is not None:
+                self.evictable[block] = None
+            else:
                 self.free_queue.append(block)
 
     def _take(self) -> int:
-        block = self.free_queue.popleft()
+        if self.free_queue:
+            block = self.free_queue.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            self._unregister(block)
         assert self.ref_counts[block] == 0
         self.ref_counts[block] = 1
         return block
+
+    def _hold(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+        self.ref_counts[block] += 1
+
+    # ---------------------------------------------------------------- prefix cache
+    def _lookup(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+        """The cached blocks holding the leading full blocks of `token_ids`, never the block of
+        the last token (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, key, bs = [], None, self.block_size
+        for i in range((min(num_tokens, len(token_ids)) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = hash((key, tokens))
+            block = self.cached_blocks.get(key)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            hits.append(block)
+        return hits
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], num_tokens: int) -> int:
+        """How many leading tokens `allocate` would find cached."""
+        return len(self._lookup(token_ids, num_tokens)) * self.block_size
+
+    def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Key the sequence's full blocks whose KV the worker has confirmed; a key seen for the
+        first time makes its block a cache entry."""
+        keys = self.seq_keys.get(seq_id)
+        if keys is None:
+            return
+        bs, table = self.block_size, self.block_tables[seq_id]
+        for i in range(len(keys), num_computed_tokens // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = hash((keys[-1] if keys else None, tokens))
+            keys.append(key)
+            block = table[i]
+            if key not in self.cached_blocks and self.block_key[block] is None:
+                self.cached_blocks[key] = block
+                self.block_key[block] = key
+                self.block_tokens[block] = tokens
+
+    def _unregister(self, block: int) -> None:
+        del self.cached_blocks[self.block_key[block]]
+        del self.block_tokens[block]
+        self.block_key[block] = None
+
+    # ---------------------------------------------------------------- swap
+    def _distinct_blocks(self, tables: list[list[int]]) -> int:
+        return len({block for table in tables for block in table})
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return self._distinct_blocks([self.block_tables[s] for s in seq_ids]) <= self.num_free_cpu_blocks
+
+    def swap_out(self, seq_ids: list[int]) -> list[list[int]]:
+        """Move the sequences' tables to the swap pool as one unit; returns the copies [device, cpu].
+        A block shared between them is copied once and stays shared."""
+        if not self.can_swap_out(seq_ids):
+            raise NoFreeBlocksError("the swap pool cannot hold these sequences")
+        mapping: dict[int, int] = {}
+        for seq_id in seq_ids:
+            table = self.block_tables.pop(seq_id)
+            cpu_table = []
+            for block in table:
+                if block not in mapping:
+                    mapping[block] = self.cpu_free_queue.popleft()
+                cpu = mapping[block]
+                self.cpu_ref_counts[cpu] += 1
+                cpu_table.append(cpu)
+                self._release(block)
+            self.cpu_tables[seq_id] = cpu_table
+        return [[block, cpu] for block, cpu in mapping.items()]
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool:
+        needed = self._distinct_blocks([self.cpu_tables[s] for s in seq_ids])
+        return needed <= self.num_free_blocks - self.watermark_blocks
+
+    def swap_in(self, seq_ids: list[int]) -> list[list[int]]:
+        """Bring swapped sequences back to device blocks; returns the copies [cpu, device]."""
+        if not self.can_swap_in(seq_ids):
+            raise NoFreeBlocksError("the device pool cannot hold these sequences")
+        mapping: dict[int, int] = {}
+        for seq_id in seq_ids:
+            cpu_table = self.cpu_tables.pop(seq_id)
+            table = []
+            for cpu in cpu_table:
+                if cpu in mapping:
+                    self.ref_counts[mapping[cpu]] += 1
+                else:
+                    mapping[cpu] = self._take()
+                table.append(mapping[cpu])
+                self.cpu_ref_counts[cpu] -= 1
+                if self.cpu_ref_counts[cpu] == 0:
+                    self.cpu_free_queue.append(cpu)
+            self.block_tables[seq_id] = table
+        return [[cpu, block] for cpu, block in mapping.items()]
+
+    # ---------------------------------------------------------------- sharing
+    def sharing_stats(self) -> tuple[int, int]:
+        """(logical, physical): device blocks summed over tables, and distinct blocks held."""
+        logical = sum(len(table) for table in self.block_tables.values())
+        return logical, self.num_total_blocks - self.num_free_blocks
 
     # ---------------------------------------------------------------- invariants
     def check_integrity(self) -> None:
@@ -139,7 +314,23 @@ class BlockManager:
         assert holders == self.ref_counts, "a ref count differs from the number of tables holding it"
         free = set(self.free_queue)
         assert len(free) == len(self.free_queue), "a block is twice in the free queue"
+        assert all(self.ref_counts[b] == 0 and self.block_key[b] is None for b in free), "a free block is in use"
+        cached = set(self.evictable)
+        assert not cached & free, "a block is both free and cached"
+        assert all(self.ref_counts[b] == 0 and self.block_key[b] is not None for b in cached), "bad cached block"
         used = sum(1 for count in self.ref_counts if count > 0)
-        cached = 0  # evictable prefix-cache blocks: none until prefix caching lands
-        assert all(self.ref_counts[b] == 0 for b in free), "a free block is referenced"
-        assert len(free) + cached + used == self.num_total_blocks, "free + cached + used != total"
+        assert len(free) + len(cached) + used == self.num_total_blocks, "free + cached + used != total"
+        for key, block in self.cached_blocks.items():
+            assert self.block_key[block] == key, "the registry and a block disagree on its key"
+        assert sum(key is not None for key in self.block_key) == len(self.cached_blocks), "an unindexed key"
+        assert set(self.block_tables).isdisjoint(self.cpu_tables), "a sequence in both pools"
+        assert set(self.num_slots) == set(self.block_tables) | set(self.cpu_tables), "num_slots out of step"
+        cpu_holders = [0] * self.num_cpu_blocks
+        for seq_id, table in self.cpu_tables.items():
+            assert self.blocks_for(self.num_slots[seq_id]) == len(table), f"swapped seq {seq_id}: table size"
+            for block in table:
+                cpu_holders[block] += 1
+        assert cpu_holders == self.cpu_ref_counts, "a swap-pool ref count is wrong"
+        cpu_free = set(self.cpu_free_queue)
+        assert len(cpu_free) == len(self.cpu_free_queue), "a swap block is twice in the free queue"
+        assert len(cpu_free) + sum(1 for c in self.cpu_ref_counts if c > 0) == self.num_cpu_blocks, "swap pool leak"

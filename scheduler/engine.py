@@ -28,8 +28,7 @@ class LLMEngine:
 
     @classmethod
     def from_hello(cls, config, hello: WorkerHello, executor: StepExecutor, wire: bool = False) -> LLMEngine:
-        scheduler = Scheduler(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids)
-        return cls(scheduler, executor, wire)
+        return cls(Scheduler.from_hello(config, hello), executor, wire)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.scheduler.add_request(request_id, prompt_token_ids, params)

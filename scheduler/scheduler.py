@@ -3,21 +3,33 @@
 Every step, under `max_num_seqs` and `max_num_batched_tokens`:
   1. running groups, oldest first: one token per decoding sequence, the next chunk of a prompt
      still being prefilled; when a block cannot be found the latest-arrived running group is
-     preempted (recompute: its blocks are freed and it goes back to the front of the queue);
-  2. if nothing was preempted, waiting groups in arrival order, admitted only when their whole
-     prompt fits, their first chunk cut to the token budget (chunked prefill).
+     preempted as one unit, swapped to the CPU pool or freed for recomputation (the cheaper of
+     the two by the worker's measured rates, or as `preemption_mode` forces);
+  2. if nothing was preempted, swapped groups back in, oldest first, all-or-nothing;
+  3. if none is left swapped, waiting groups in arrival order, admitted only when their whole
+     prompt fits (counting prefix-cache hits), their first chunk cut to the token budget.
 The plan sent to the workers is a diff against what they already hold (common/protocol.py).
+
+A request's sequences form one group: `best_of` samples forked from the prompt's sequence after
+its first token (sharing every prompt block copy-on-write), or the beams of a beam search,
+forked and freed each step as transformers' `generate(num_beams=...)` does.
 """
 from __future__ import annotations
 
 import itertools
-from collections import deque
-from dataclasses import dataclass
+import math
+import struct
+from dataclasses import dataclass, replace
 
 from common.config import EngineConfig
-from common.protocol import CachedSequence, NewSequence, SamplingParams, StepPlan, StepResult
+from common.protocol import (
+    CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
+    num_beam_candidates, sample_seed,
+)
 from scheduler.block_manager import BlockManager
-from scheduler.sequence import RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus
+from scheduler.sequence import (
+    BeamHypothesis, BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
+)
 
 
 class RequestRejected(ValueError):
@@ -29,16 +41,44 @@ class _Budget:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class PreemptionCosts:
+    """The worker's measured rates, which price the two ways to preempt a group."""
+
+    kv_bytes_per_block: int = 0
+    host_bandwidth: float = 0.0  # bytes/s between the device pool and the swap pool
+    prefill_tokens_per_s: float = 0.0
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        """Out and back in."""
+        return 2 * num_blocks * self.kv_bytes_per_block / self.host_bandwidth if self.host_bandwidth > 0 else math.inf
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s > 0 else math.inf
+
+
+def _f32(x: float) -> float:
+    """Round to float32, as transformers' beam scores are."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int]
+        self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
+        num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        self.block_manager = BlockManager(num_gpu_blocks, config.block_size)
-        self.waiting: deque[SequenceGroup] = deque()
+        self.num_eos_token_ids = len(eos_token_ids)
+        self.costs = costs
+        self.block_manager = BlockManager(
+            num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
         self.running: list[SequenceGroup] = []  # arrival order
+        self.swapped: list[SequenceGroup] = []  # arrival order
         self.groups: dict[str, SequenceGroup] = {}
         self._seqs: dict[int, Sequence] = {}
         self._group_of_seq: dict[int, SequenceGroup] = {}
@@ -49,6 +89,15 @@ class Scheduler:
         self.step = 0
         self.epoch = 0
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of them, tokens whose KV was there
+
+    @classmethod
+    def from_hello(cls, config: EngineConfig, hello: WorkerHello) -> Scheduler:
+        costs = PreemptionCosts(hello.kv_bytes_per_block, hello.host_bandwidth, hello.prefill_tokens_per_s)
+        return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -56,8 +105,13 @@ class Scheduler:
         arrival_time: float | None = None,
     ) -> SequenceGroup:
         self._check_admissible(request_id, prompt_token_ids, sampling_params)
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids))
+        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), sampling_params)
         group = SequenceGroup(request_id, [seq], sampling_params)
+        if sampling_params.beam_width:
+            group.beam = BeamState(
+                sampling_params.beam_width, sampling_params.length_penalty, sampling_params.early_stopping,
+                self._max_new_tokens(len(prompt_token_ids), sampling_params),
+            )
         if arrival_time is not None:
             group.arrival_time = arrival_time
         self.groups[request_id] = group
@@ -65,6 +119,10 @@ class Scheduler:
         self._group_of_seq[seq.seq_id] = group
         self.waiting.append(group)
         return group
+
+    def _max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def _check_admissible(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.groups:
@@ -82,10 +140,20 @@ class Scheduler:
                 f"the prompt ({len(prompt)} tokens) exceeds max_num_batched_tokens "
                 f"({self.config.max_num_batched_tokens}) and chunked prefill is off"
             )
-        final_len = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if final_len > self.max_request_tokens:
+        num_seqs = params.beam_width or params.best_of or params.n
+        if num_seqs > self.config.max_num_seqs:
             raise RequestRejected(
-                f"the request needs up to {final_len} tokens of KV cache, more than the whole pool "
+                f"the request runs {num_seqs} sequences at once, more than max_num_seqs ({self.config.max_num_seqs})"
+            )
+        bm = self.block_manager
+        final_len = len(prompt) + self._max_new_tokens(len(prompt), params)
+        # the prompt's blocks are shared; each sequence's own tail block and output blocks are not
+        needed = bm.blocks_for(len(prompt)) + num_seqs * (bm.blocks_for(final_len - len(prompt)) + 1) - 1
+        if num_seqs == 1:
+            needed = bm.blocks_for(final_len)
+        if needed > bm.num_total_blocks - bm.watermark_blocks:
+            raise RequestRejected(
+                f"the request needs up to {needed * bm.block_size} tokens of KV cache, more than the whole pool "
                 f"({self.max_request_tokens} tokens)"
             )
 
@@ -112,6 +180,13 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(g.seqs_with(SequenceStatus.RUNNING)) for g in self.running)
 
+    @property
+    def num_swapped_seqs(self) -> int:
+        return sum(len(g.seqs_with(SequenceStatus.SWAPPED)) for g in self.swapped)
+
+    def _num_seq_slots_in_use(self) -> int:
+        return sum(max(g.max_seqs, len(g.seqs_with(SequenceStatus.RUNNING))) for g in self.running)
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> StepPlan:
         assert not self._scheduled, "schedule() called before the last step's update()"
@@ -121,15 +196,17 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens)
         preempted = self._schedule_running(plan, budget)
         if not preempted:
-            self._schedule_waiting(plan, budget)
+            self._schedule_swapped(plan, budget)
+            if not self.swapped:
+                self._schedule_waiting(plan, budget)
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> bool:
-        queue = deque(self.running)
+        queue = list(self.running)
         self.running = []
         preempted = False
         while queue:
-            group = queue.popleft()
+            group = queue.pop(0)
             seqs = group.seqs_with(SequenceStatus.RUNNING)
             num_new = self._chunk_sizes(seqs, budget)
             if num_new is None:  # out of budget this step; stays running, unscheduled
@@ -147,36 +224,80 @@ class Scheduler:
                 self.running.append(group)
         return preempted
 
+    def _schedule_swapped(self, plan: StepPlan, budget: _Budget) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.seqs_with(SequenceStatus.SWAPPED)
+            if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
+                return
+            num_new = self._chunk_sizes(seqs, budget)
+            seq_ids = [seq.seq_id for seq in seqs]
+            if num_new is None or not self.block_manager.can_swap_in(seq_ids):
+                return
+            self.swapped.pop(0)
+            plan.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_ids))
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self._insert_running(group)
+            if self._can_grow(seqs, num_new):  # the watermark all but guarantees it
+                self._grow(seqs, num_new, plan)
+                self._add_to_plan(seqs, num_new, plan, budget)
+
     def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
+        bm = self.block_manager
         while self.waiting:
             group = self.waiting[0]
             seqs = group.seqs_with(SequenceStatus.WAITING)
-            if self.num_running_seqs + len(seqs) > self.config.max_num_seqs:
+            if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
                 return
-            num_new = self._chunk_sizes(seqs, budget)
+            tokens = [TokenView(seq) for seq in seqs]
+            final_tokens = self._final_tokens(group)
+            if len(seqs) == 1:
+                hits = [bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens)]
+                fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], final_tokens)
+            else:  # a preempted group recomputing: hits are a bonus, not counted on
+                hits = [0] * len(seqs)
+                fits = bm.can_allocate(sum(seq.num_tokens for seq in seqs), None, final_tokens)
+            num_new = self._chunk_sizes(seqs, budget, hits)
             if num_new is None or not self.config.enable_chunked_prefill and any(
-                n < s.num_tokens for s, n in zip(seqs, num_new)
+                n + hit < s.num_tokens for s, n, hit in zip(seqs, num_new, hits)
             ):
                 return
-            if not self.block_manager.can_allocate(sum(s.num_tokens for s in seqs)):
+            if not fits:
                 return
-            self.waiting.popleft()
-            for seq in seqs:
-                self.block_manager.allocate(seq.seq_id, seq.num_tokens)
+            self.waiting.pop(0)
+            for seq, view in zip(seqs, tokens):
+                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens)
                 seq.status = SequenceStatus.RUNNING
-            self._add_to_plan(seqs, num_new, plan, budget)
-            self.running.append(group)
+                if bm.enable_prefix_caching:
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += seq.num_computed_tokens
+            self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
+            self._insert_running(group)
 
-    def _chunk_sizes(self, seqs: list[Sequence], budget: _Budget) -> list[int] | None:
-        """Tokens to schedule per sequence, or None when the group does not fit this step."""
+    def _final_tokens(self, group: SequenceGroup) -> int:
+        prompt_len = len(group.prompt_token_ids)
+        return prompt_len + self._max_new_tokens(prompt_len, group.sampling_params)
+
+    def _insert_running(self, group: SequenceGroup) -> None:
+        self.running.append(group)
+        if len(self.running) > 1 and self.running[-2].arrival_time > group.arrival_time:
+            self.running.sort(key=lambda g: g.arrival_time)
+
+    def _chunk_sizes(self, seqs: list[Sequence], budget: _Budget, hits: list[int] | None = None) -> list[int] | None:
+        """Tokens to schedule per sequence, or None when the group does not fit this step.
+
+        A beam that already sampled waits (0 tokens) for the others of its group to catch up.
+        """
         num_new, tokens_left = [], budget.tokens
-        for seq in seqs:
-            n = min(seq.num_tokens - seq.num_computed_tokens, tokens_left)
-            if n <= 0:
+        for i, seq in enumerate(seqs):
+            remaining = seq.num_tokens - max(seq.num_computed_tokens, hits[i] if hits else 0)
+            n = min(remaining, tokens_left)
+            if remaining > 0 and n <= 0:
                 return None
             num_new.append(n)
             tokens_left -= n
-        return num_new
+        return num_new if any(num_new) else None
 
     def _can_grow(self, seqs: list[Sequence], num_new: list[int]) -> bool:
         needed = 0
@@ -192,19 +313,47 @@ class Scheduler:
             if extra > 0:
                 plan.blocks_to_copy.extend(self.block_manager.append_slot(seq.seq_id, extra))
 
+    # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
-        """Preempt by recompute: free the group's blocks and queue it first in line."""
-        for seq in group.seqs_with(SequenceStatus.RUNNING):
-            self.block_manager.free(seq.seq_id)
-            seq.reset_for_recompute()
-            if seq.seq_id in self._held_by_workers:
+        seqs = group.seqs_with(SequenceStatus.RUNNING)
+        for seq in seqs:
+            if seq.seq_id in self._held_by_workers:  # its table changes: the workers drop it
                 self._held_by_workers.discard(seq.seq_id)
                 plan.preempted_seq_ids.append(seq.seq_id)
-        self.waiting.appendleft(group)
+            seq.num_sent_blocks = 0
+        if self._preemption_mode(seqs) == "swap":
+            plan.blocks_to_swap_out.extend(self.block_manager.swap_out([seq.seq_id for seq in seqs]))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            self.swapped.sort(key=lambda g: g.arrival_time)
+            self.num_swap_preemptions += 1
+        else:
+            for seq in seqs:
+                self.block_manager.free(seq.seq_id)
+                seq.reset_for_recompute()
+            if group.beam is not None:
+                group.beam.pending.clear()  # those beams sample again after recomputing
+            self.waiting.insert(0, group)
+            self.num_recompute_preemptions += 1
         self.num_preemptions += 1
 
+    def _preemption_mode(self, seqs: list[Sequence]) -> str:
+        mode = self.config.preemption_mode
+        seq_ids = [seq.seq_id for seq in seqs]
+        if mode == "recompute" or not self.block_manager.can_swap_out(seq_ids):
+            return "recompute"
+        if mode == "swap":
+            return "swap"
+        num_blocks = len({b for s in seq_ids for b in self.block_manager.block_table(s)})
+        num_tokens = sum(seq.num_computed_tokens for seq in seqs)
+        return "swap" if self.costs.swap_seconds(num_blocks) < self.costs.recompute_seconds(num_tokens) else "recompute"
+
+    # ------------------------------------------------------------------ plan
     def _add_to_plan(self, seqs: list[Sequence], num_new: list[int], plan: StepPlan, budget: _Budget) -> None:
         for seq, n in zip(seqs, num_new):
+            if n == 0:
+                continue
             table = self.block_manager.block_table(seq.seq_id)
             if seq.seq_id in self._held_by_workers:
                 first_new = self._first_changed_block(seq, plan) if plan.blocks_to_copy else seq.num_sent_blocks
@@ -214,7 +363,7 @@ class Scheduler:
             else:
                 plan.new_seqs.append(NewSequence(
                     seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
-                    seq.num_computed_tokens, n, self._group_of_seq[seq.seq_id].sampling_params,
+                    seq.num_computed_tokens, n, seq.sampling_params,
                 ))
                 self._held_by_workers.add(seq.seq_id)
             seq.num_sent_blocks = len(table)
@@ -235,30 +384,68 @@ class Scheduler:
             raise ValueError(f"result for step {result.step}/{result.epoch}, expected {self.step}/{self.epoch}")
         if result.error:
             raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
+        bm = self.block_manager
         for seq_id, n in self._scheduled.items():
             seq = self._seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += n
+                bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
         self._scheduled = {}
+        samples: dict[int, list[SampledToken]] = {}
+        for sampled in result.sampled:
+            samples.setdefault(sampled.seq_id, []).append(sampled)
         touched: dict[str, SequenceGroup] = {}
         new_counts: dict[int, int] = {}
-        for sampled in result.sampled:
-            seq = self._seqs.get(sampled.seq_id)
+        for seq_id, sampled in samples.items():
+            seq = self._seqs.get(seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            if seq.num_computed_tokens != seq.num_tokens:
-                raise ValueError(f"step {result.step} sampled for sequence {seq.seq_id}, which was not due to sample")
-            group = self._group_of_seq[seq.seq_id]
-            top = sampled.top_logprobs if group.sampling_params.logprobs is not None else None
-            seq.append_token(sampled.token_id, sampled.logprob, top)
-            new_counts[seq.seq_id] = new_counts.get(seq.seq_id, 0) + 1
-            self._check_stop(seq, group.sampling_params)
+            group = self._group_of_seq[seq_id]
+            self._check_due(result.step, seq, group, len(sampled))
             touched[group.request_id] = group
-        outputs = [self._output(group, new_counts) for group in touched.values()]
+            if group.beam is not None:
+                group.beam.pending[seq_id] = sampled[0]
+                continue
+            for index, extra in enumerate(sampled[1:], start=1):
+                self._append(group, self._fork(group, seq, index), extra, new_counts)
+            self._append(group, seq, sampled[0], new_counts)
+        for group in touched.values():
+            if group.beam is not None and len(group.beam.pending) == len(group.seqs):
+                self._beam_step(group)
+        outputs = [out for group in touched.values() if (out := self._output(group, new_counts)) is not None]
         for group in touched.values():
             if group.is_finished:
                 self._retire(group)
         return outputs
+
+    def _check_due(self, step: int, seq: Sequence, group: SequenceGroup, num_samples: int) -> None:
+        if seq.num_computed_tokens != seq.num_tokens:
+            raise ValueError(f"step {step} sampled for sequence {seq.seq_id}, which was not due to sample")
+        first_of_many = group.beam is None and not seq.output_token_ids and len(group.seqs) == 1
+        if num_samples != 1 and not (first_of_many and num_samples == group.best_of):
+            raise ValueError(f"step {step} sampled {num_samples} tokens for sequence {seq.seq_id}")
+
+    def _fork(self, group: SequenceGroup, parent: Sequence, index: int) -> Sequence:
+        """A new sequence of the group sharing every block (and token) of `parent`."""
+        params = group.sampling_params
+        if params.seed is not None and index:
+            params = replace(params, seed=sample_seed(params.seed, index))
+        child = Sequence(
+            next(self._seq_ids), parent.prompt_token_ids, params, index, list(parent.output_token_ids),
+            list(parent.output_logprobs), parent.cumulative_logprob, parent.num_computed_tokens,
+            SequenceStatus.RUNNING,
+        )
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self._seqs[child.seq_id] = child
+        self._group_of_seq[child.seq_id] = group
+        group.seqs.append(child)
+        return child
+
+    def _append(self, group: SequenceGroup, seq: Sequence, sampled: SampledToken, new_counts: dict[int, int]) -> None:
+        top = sampled.top_logprobs if group.sampling_params.logprobs is not None else None
+        seq.append_token(sampled.token_id, sampled.logprob, top)
+        new_counts[seq.seq_id] = new_counts.get(seq.seq_id, 0) + 1
+        self._check_stop(seq, group.sampling_params)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         num_output = len(seq.output_token_ids)
@@ -271,7 +458,7 @@ class Scheduler:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        if seq.seq_id in self.block_manager.block_tables:
+        if seq.seq_id in self.block_manager.num_slots:
             self.block_manager.free(seq.seq_id)
         if seq.seq_id in self._held_by_workers:
             self._held_by_workers.discard(seq.seq_id)
@@ -283,19 +470,103 @@ class Scheduler:
         for seq in group.seqs:
             self._seqs.pop(seq.seq_id, None)
             self._group_of_seq.pop(seq.seq_id, None)
-        if group in self.running:
-            self.running.remove(group)
-        if group in self.waiting:
-            self.waiting.remove(group)
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+
+    # ------------------------------------------------------------------ beam search
+    def _beam_step(self, group: SequenceGroup) -> None:
+        """One step of transformers' beam search (GenerationMixin._beam_search) for one request:
+        keep the best 2 * width continuations of all beams, file those among the first `width`
+        that end (EOS, or the length limit) as finished hypotheses, go on with the best `width`
+        that do not. Scores are float32 sums, as there."""
+        beam = group.beam
+        beams = group.seqs
+        pending, beam.pending = beam.pending, {}
+        k = num_beam_candidates(beam.width, self.num_eos_token_ids)
+        candidates = []  # (score, beam index, token, logprob)
+        for b, seq in enumerate(beams):
+            for token, logprob in pending[seq.seq_id].top_logprobs[:k]:
+                candidates.append((_f32(seq.cumulative_logprob + logprob), b, token, logprob))
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        candidates = candidates[:k]
+        generated = len(beams[0].output_token_ids) + 1
+        at_max = generated >= beam.max_new_tokens
+        ends = [at_max or c[2] in self.eos_token_ids for c in candidates]
+        penalty = _f32(generated ** beam.length_penalty)
+        for (score, b, token, _), ended in zip(candidates[: beam.width], ends):
+            if ended:
+                reason = "stop" if token in self.eos_token_ids else "length"
+                self._file_hypothesis(beam, BeamHypothesis(
+                    _f32(score / penalty), beams[b].output_token_ids + [token], score, reason,
+                ))
+        going_on = [c for c, ended in zip(candidates, ends) if not ended][: beam.width]
+        if not going_on:
+            beam.done = True
+        else:
+            if len(beam.finished) == beam.width:
+                length = beam.max_new_tokens if beam.early_stopping == "never" and beam.length_penalty > 0 else generated
+                best_possible = _f32(going_on[0][0] / _f32(length ** beam.length_penalty))
+                beam.improvable = best_possible > beam.finished[-1].score
+            beam.done = not beam.improvable or (beam.early_stopping is True and len(beam.finished) == beam.width)
+        if beam.done:
+            for seq in beams:
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+            return
+        self._advance_beams(group, going_on)
 
     @staticmethod
-    def _output(group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput:
-        outputs = [
-            SequenceOutput(  # views of the sequence's lists, not copies: this runs every step
-                i, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
-                seq.output_logprobs if group.sampling_params.logprobs is not None else None,
-                seq.finish_reason,
-            )
-            for i, seq in enumerate(group.seqs)
-        ]
-        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.is_finished)
+    def _file_hypothesis(beam: BeamState, hypothesis: BeamHypothesis) -> None:
+        finished = beam.finished
+        at = len(finished)
+        while at > 0 and finished[at - 1].score < hypothesis.score:
+            at -= 1
+        finished.insert(at, hypothesis)
+        del finished[beam.width:]
+
+    def _advance_beams(self, group: SequenceGroup, going_on: list[tuple]) -> None:
+        """The next beams: a parent chosen once goes on as itself, chosen again it is forked
+        (sharing its blocks), not chosen it is freed."""
+        parents = list(group.seqs)
+        chosen: set[int] = set()
+        next_beams = []
+        for score, b, token, _ in going_on:
+            parent = parents[b]
+            seq = self._fork(group, parent, 0) if parent.seq_id in chosen else parent
+            chosen.add(parent.seq_id)
+            next_beams.append((seq, score, token))
+        for parent in parents:
+            if parent.seq_id not in chosen:
+                self._finish(parent, SequenceStatus.FINISHED_ABORTED)
+                self._seqs.pop(parent.seq_id, None)
+                self._group_of_seq.pop(parent.seq_id, None)
+        for seq, score, token in next_beams:
+            seq.output_token_ids.append(token)
+            seq.cumulative_logprob = score
+        group.seqs = [seq for seq, _, _ in next_beams]
+
+    # ------------------------------------------------------------------ outputs
+    def _output(self, group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput | None:
+        if not group.selects_at_end:
+            outputs = [
+                SequenceOutput(  # views of the sequence's lists, not copies: this runs every step
+                    seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
+                    seq.output_logprobs if group.sampling_params.logprobs is not None else None,
+                    seq.finish_reason,
+                )
+                for seq in group.seqs
+            ]
+            return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.is_finished)
+        if not group.is_finished:
+            return None
+        n = group.sampling_params.n
+        if group.beam is not None:
+            best = [(h.token_ids, h.cumulative_logprob, None, h.finish_reason) for h in group.beam.finished[:n]]
+        else:
+            seqs = sorted(group.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
+            logprobs = group.sampling_params.logprobs is not None
+            best = [(s.output_token_ids, s.cumulative_logprob, s.output_logprobs if logprobs else None, s.finish_reason)
+                    for s in seqs]
+        outputs = [SequenceOutput(i, tokens, len(tokens), cum, lps, reason)
+                   for i, (tokens, cum, lps, reason) in enumerate(best)]
+        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True)

@@ -31,6 +31,8 @@ class Sequence:
 
     seq_id: int
     prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # the group's, with this sample's own seed
+    index: int = 0  # the sample's index in its request
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[tuple[float, list[list]]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -60,10 +62,35 @@ class Sequence:
         if top_logprobs is not None:
             self.output_logprobs.append((logprob, top_logprobs))
 
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0
         self.num_sent_blocks = 0
         self.status = SequenceStatus.WAITING
+
+
+class TokenView:
+    """A sequence's prompt and output as one sliceable list, without concatenating them."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+
+    def __len__(self) -> int:
+        return self.seq.num_tokens
+
+    def __getitem__(self, index: slice) -> list[int]:
+        prompt, output = self.seq.prompt_token_ids, self.seq.output_token_ids
+        start, stop = index.start or 0, len(self) if index.stop is None else index.stop
+        n = len(prompt)
+        if stop <= n:
+            return prompt[start:stop]
+        if start >= n:
+            return output[start - n:stop - n]
+        return prompt[start:] + output[:stop - n]
 
 
 @dataclass(slots=True, eq=False)
@@ -71,9 +98,25 @@ class SequenceGroup:
     """The sequences of one request, scheduled, preempted and resumed as one unit."""
 
     request_id: str
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # live ones; for beam search, the running beams best first
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    beam: BeamState | None = None
+    finished_seqs: list[Sequence] = field(default_factory=list)  # samples that ended, for best_of
+
+    @property
+    def best_of(self) -> int:
+        return self.sampling_params.best_of or self.sampling_params.n
+
+    @property
+    def max_seqs(self) -> int:
+        """The most sequences this group runs at once (what max_num_seqs admits it against)."""
+        return self.beam.width if self.beam is not None else self.best_of
+
+    @property
+    def selects_at_end(self) -> bool:
+        """Whether the outputs are chosen only when the request ends (nothing streams before)."""
+        return self.beam is not None or self.best_of > self.sampling_params.n
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -84,7 +127,32 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(seq.status.finished for seq in self.seqs)
+
+
+@dataclass(slots=True)
+class BeamHypothesis:
+    score: float  # float32: sum of logprobs / generated length ** length_penalty
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: str
+
+
+@dataclass(slots=True)
+class BeamState:
+    """transformers' beam search bookkeeping for one request: the best finished hypotheses and
+    whether the running beams can still beat them."""
+
+    width: int
+    length_penalty: float
+    early_stopping: bool | str
+    max_new_tokens: int
+    finished: list[BeamHypothesis] = field(default_factory=list)  # best first, at most `width`
+    improvable: bool = True
+    done: bool = False
+    pending: dict = field(default_factory=dict)  # seq_id -> SampledToken: beams that sampled, waiting for the rest
 
 
 @dataclass(slots=True)

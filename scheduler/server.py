@@ -15,7 +15,8 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import redis
 
@@ -41,6 +42,7 @@ class _Tracked:
     reply_stream: str
     entry_id: bytes  # in the requests stream, acknowledged when the request ends
     logprobs: bool
+    ended: set[int] = field(default_factory=set)  # outputs whose last event went out
 
 
 class SchedulerServer:
@@ -123,10 +125,13 @@ class SchedulerServer:
         self.hello = self.link.hellos[0]
         self.group_generation = self.link.generation
         num_gpu_blocks = min(h.num_gpu_blocks for h in self.link.hellos.values())
+        num_cpu_blocks = min(h.num_cpu_blocks for h in self.link.hellos.values())
         if self.hello.block_size != self.engine_config.block_size:
             log.warning("workers use block size %d; the scheduler follows", self.hello.block_size)
         config = self.engine_config.replace(block_size=self.hello.block_size, max_model_len=self.hello.max_model_len)
-        self.scheduler = Scheduler(config, num_gpu_blocks, self.hello.max_model_len, self.hello.eos_token_ids)
+        self.scheduler = Scheduler.from_hello(
+            config, dataclasses.replace(self.hello, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+        )
         self.scheduler.epoch = self.epoch
         log.info("workers ready: %s, %d KV blocks of %d tokens, context %d",
                  self.hello.model, self.hello.num_gpu_blocks, self.hello.block_size, self.hello.max_model_len)
@@ -230,12 +235,18 @@ class SchedulerServer:
             tracked = self.tracked.get(out.request_id)
             if tracked is None:
                 continue
-            seq = out.outputs[0]
-            logprobs = None
-            if tracked.logprobs and seq.logprobs is not None and seq.num_new_tokens:
-                logprobs = [[lp, top] for lp, top in seq.logprobs[-seq.num_new_tokens:]]
-            event = RequestEvent(out.request_id, seq.new_token_ids, logprobs, seq.finish_reason)
-            self._add_event(pipe, tracked, event)
+            for seq in out.outputs:
+                if not seq.num_new_tokens and seq.finish_reason is None:
+                    continue
+                if seq.finish_reason is not None and seq.index in tracked.ended:
+                    continue
+                logprobs = None
+                if tracked.logprobs and seq.logprobs is not None and seq.num_new_tokens:
+                    logprobs = [[lp, top] for lp, top in seq.logprobs[-seq.num_new_tokens:]]
+                event = RequestEvent(out.request_id, seq.new_token_ids, logprobs, seq.finish_reason, None, seq.index)
+                self._add_event(pipe, tracked, event)
+                if seq.finish_reason is not None:
+                    tracked.ended.add(seq.index)
             if out.finished:
                 self._ack(pipe, tracked.entry_id)
                 del self.tracked[out.request_id]
@@ -281,9 +292,11 @@ class SchedulerServer:
             block_size=hello.block_size if hello else self.engine_config.block_size,
             num_gpu_blocks=hello.num_gpu_blocks if hello else 0, max_request_tokens=s.max_request_tokens if s else 0,
             workers_ready=s is not None and self.link.ready,
-            num_running=s.num_running_seqs if s else 0, num_waiting=len(s.waiting) if s else 0, num_swapped=0,
+            num_running=s.num_running_seqs if s else 0, num_waiting=len(s.waiting) if s else 0,
+            num_swapped=s.num_swapped_seqs if s else 0,
             kv_cache_usage=s.block_manager.usage if s else 0.0, num_preemptions_total=s.num_preemptions if s else 0,
-            prefix_cache_queries_total=0, prefix_cache_hits_total=0, updated_at=now,
+            prefix_cache_queries_total=s.prefix_cache_queries if s else 0,
+            prefix_cache_hits_total=s.prefix_cache_hits if s else 0, updated_at=now,
         )
         try:
             self.redis.set(streams.status_key(self.id), encode(status), px=int(streams.STATUS_TTL_S * 1000))

@@ -6,6 +6,11 @@ from hypothesis import strategies as st
 from scheduler.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
 
 
+def alloc(bm: BlockManager, seq_id: int, num_tokens: int) -> list[int]:
+    assert bm.allocate(seq_id, num_tokens) == 0  # no prefix cache hits
+    return bm.block_table(seq_id)
+
+
 def snapshot(bm: BlockManager):
     return (
         {k: list(v) for k, v in bm.block_tables.items()}, dict(bm.num_slots),
@@ -19,10 +24,10 @@ def snapshot(bm: BlockManager):
 def test_allocate_hands_out_ids_in_order_from_1_and_never_the_null_block():
     bm = BlockManager(num_blocks=9, block_size=4)
     assert bm.num_total_blocks == 8
-    assert bm.allocate(0, 5) == [1, 2]
-    assert bm.allocate(1, 4) == [3]
-    assert bm.allocate(2, 1) == [4]
-    assert bm.allocate(3, 16) == [5, 6, 7, 8]
+    assert alloc(bm, 0, 5) == [1, 2]
+    assert alloc(bm, 1, 4) == [3]
+    assert alloc(bm, 2, 1) == [4]
+    assert alloc(bm, 3, 16) == [5, 6, 7, 8]
     assert bm.ref_counts == [0, 1, 1, 1, 1, 1, 1, 1, 1]
     assert bm.num_free_blocks == 0
     assert bm.usage == 1.0
@@ -31,7 +36,7 @@ def test_allocate_hands_out_ids_in_order_from_1_and_never_the_null_block():
 
 def test_allocate_zero_tokens_gives_an_empty_table():
     bm = BlockManager(5, 4)
-    assert bm.allocate(0, 0) == []
+    assert alloc(bm, 0, 0) == []
     assert bm.num_free_blocks == 4
     bm.check_integrity()
 
@@ -60,25 +65,25 @@ def test_pool_needs_a_block_besides_the_null_block():
 
 def test_free_returns_blocks_tail_first_and_they_are_reused_in_that_order():
     bm = BlockManager(9, 4)
-    assert bm.allocate(0, 12) == [1, 2, 3]
-    assert bm.allocate(1, 20) == [4, 5, 6, 7, 8]
+    assert alloc(bm, 0, 12) == [1, 2, 3]
+    assert alloc(bm, 1, 20) == [4, 5, 6, 7, 8]
     bm.free(0)
     assert list(bm.free_queue) == [3, 2, 1]
     assert bm.ref_counts[1:4] == [0, 0, 0]
-    assert bm.allocate(2, 4) == [3]
-    assert bm.allocate(3, 8) == [2, 1]
+    assert alloc(bm, 2, 4) == [3]
+    assert alloc(bm, 3, 8) == [2, 1]
     bm.free(1)
     assert list(bm.free_queue) == [8, 7, 6, 5, 4]
-    assert bm.allocate(4, 12) == [8, 7, 6]
+    assert alloc(bm, 4, 12) == [8, 7, 6]
     bm.check_integrity()
 
 
 def test_freed_blocks_queue_behind_never_used_ones():
     bm = BlockManager(9, 4)
-    assert bm.allocate(0, 8) == [1, 2]
+    assert alloc(bm, 0, 8) == [1, 2]
     bm.free(0)
     assert list(bm.free_queue) == [3, 4, 5, 6, 7, 8, 2, 1]
-    assert bm.allocate(1, 32) == [3, 4, 5, 6, 7, 8, 2, 1]
+    assert alloc(bm, 1, 32) == [3, 4, 5, 6, 7, 8, 2, 1]
     bm.check_integrity()
 
 
@@ -111,7 +116,7 @@ def test_default_watermark_is_one_percent_rounded_down():
 
 def test_append_slot_grows_the_table_only_at_block_boundaries():
     bm = BlockManager(9, 4)
-    assert bm.allocate(0, 3) == [1]
+    assert alloc(bm, 0, 3) == [1]
     assert bm.append_slot(0, 1) == []  # slot 4 of block 1
     assert bm.block_table(0) == [1]
     assert bm.append_slot(0, 1) == []  # slot 5: a new block
@@ -158,7 +163,7 @@ def test_append_slot_that_does_not_fit_raises_and_changes_nothing():
 
 def test_fork_shares_every_block_and_free_releases_only_at_zero():
     bm = BlockManager(9, 4)
-    assert bm.allocate(0, 6) == [1, 2]
+    assert alloc(bm, 0, 6) == [1, 2]
     bm.fork(0, 1)
     assert bm.block_table(1) == [1, 2]
     assert bm.block_table(1) is not bm.block_table(0)
@@ -189,7 +194,7 @@ def test_fork_into_an_existing_table_is_a_bug():
 
 def test_append_into_a_shared_partial_last_block_copies_it_first():
     bm = BlockManager(9, 4)
-    assert bm.allocate(0, 6) == [1, 2]  # block 2 holds slots 4, 5 of 4..7
+    assert alloc(bm, 0, 6) == [1, 2]  # block 2 holds slots 4, 5 of 4..7
     bm.fork(0, 1)
     assert bm.can_append(1, 1)
     assert bm.append_slot(1, 1) == [[2, 3]]
@@ -208,7 +213,7 @@ def test_append_into_a_shared_partial_last_block_copies_it_first():
 
 def test_copy_on_write_and_growth_in_one_append():
     bm = BlockManager(9, 4)
-    assert bm.allocate(0, 7) == [1, 2]
+    assert alloc(bm, 0, 7) == [1, 2]
     bm.fork(0, 1)
     assert bm.append_slot(1, 3) == [[2, 3]]  # slot 8 in the copy, 9..10 in a new block
     assert bm.block_table(1) == [1, 3, 4]
@@ -218,7 +223,7 @@ def test_copy_on_write_and_growth_in_one_append():
 
 def test_append_after_a_shared_full_last_block_does_not_copy():
     bm = BlockManager(9, 4)
-    assert bm.allocate(0, 8) == [1, 2]
+    assert alloc(bm, 0, 8) == [1, 2]
     bm.fork(0, 1)
     assert bm.append_slot(1, 1) == []
     assert bm.block_table(1) == [1, 2, 3]
@@ -229,9 +234,9 @@ def test_append_after_a_shared_full_last_block_does_not_copy():
 
 def test_copy_on_write_needs_a_free_block_and_changes_nothing_without_one():
     bm = BlockManager(4, 4)
-    assert bm.allocate(0, 6) == [1, 2]
+    assert alloc(bm, 0, 6) == [1, 2]
     bm.fork(0, 1)
-    assert bm.allocate(2, 1) == [3]
+    assert alloc(bm, 2, 1) == [3]
     assert not bm.can_append(1, 1)  # room in the slot, but the copy needs a block
     before = snapshot(bm)
     with pytest.raises(NoFreeBlocksError):
@@ -244,9 +249,9 @@ def test_copy_on_write_needs_a_free_block_and_changes_nothing_without_one():
 
 def test_appending_zero_slots_to_a_shared_partial_block_copies_nothing():
     bm = BlockManager(4, 4)
-    assert bm.allocate(0, 6) == [1, 2]
+    assert alloc(bm, 0, 6) == [1, 2]
     bm.fork(0, 1)
-    assert bm.allocate(2, 1) == [3]
+    assert alloc(bm, 2, 1) == [3]
     assert bm.can_append(1, 0)
     before = snapshot(bm)
     assert bm.append_slot(1, 0) == []
@@ -329,7 +334,8 @@ def test_random_operations_keep_the_invariants(ops, num_blocks, block_size):
     for op, pick, n in ops:
         if op == "allocate" or not live:
             if bm.blocks_for(n) <= bm.num_free_blocks:
-                table = bm.allocate(next_id, n)
+                assert bm.allocate(next_id, n) == 0
+                table = bm.block_table(next_id)
                 assert len(table) == bm.blocks_for(n)
                 assert NULL_BLOCK not in table
                 assert all(bm.ref_counts[b] == 1 for b in table)
@@ -379,3 +385,277 @@ def test_random_operations_keep_the_invariants(ops, num_blocks, block_size):
     assert bm.num_free_blocks == bm.num_total_blocks
     assert sorted(bm.free_queue) == list(range(1, num_blocks))
     assert not any(bm.ref_counts)
+
+
+# ----------------------------------------------------------------------------- swap
+
+
+def test_swap_out_moves_a_group_and_copies_a_shared_block_once():
+    bm = BlockManager(9, 4, num_cpu_blocks=4)
+    alloc(bm, 0, 6)  # [1, 2]
+    bm.fork(0, 1)
+    assert bm.append_slot(1, 1) == [[2, 3]]  # CoW: seq 1 is [1, 3]
+    assert bm.swap_out([0, 1]) == [[1, 0], [2, 1], [3, 2]]
+    assert bm.cpu_tables == {0: [0, 1], 1: [0, 2]}
+    assert bm.cpu_ref_counts == [2, 1, 1, 0]
+    assert bm.block_tables == {} and bm.num_free_blocks == 8
+    assert list(bm.free_queue) == [4, 5, 6, 7, 8, 2, 1, 3]
+    bm.check_integrity()
+    assert bm.swap_in([0, 1]) == [[0, 4], [1, 5], [2, 6]]
+    assert bm.block_tables == {0: [4, 5], 1: [4, 6]}
+    assert bm.ref_counts[4:7] == [2, 1, 1]
+    assert bm.num_free_cpu_blocks == 4 and bm.cpu_ref_counts == [0, 0, 0, 0]
+    assert bm.num_slots == {0: 6, 1: 7}
+    bm.check_integrity()
+
+
+def test_swap_needs_room_in_the_other_pool_and_changes_nothing_without_it():
+    bm = BlockManager(9, 4, num_cpu_blocks=1)
+    alloc(bm, 0, 6)
+    assert not bm.can_swap_out([0])
+    before = snapshot(bm)
+    with pytest.raises(NoFreeBlocksError):
+        bm.swap_out([0])
+    assert snapshot(bm) == before
+    bm = BlockManager(4, 4, num_cpu_blocks=4)
+    alloc(bm, 0, 8)
+    bm.swap_out([0])
+    alloc(bm, 1, 8)  # two of the three device blocks
+    assert not bm.can_swap_in([0])
+    with pytest.raises(NoFreeBlocksError):
+        bm.swap_in([0])
+    bm.check_integrity()
+
+
+def test_freeing_a_swapped_sequence_returns_its_swap_blocks():
+    bm = BlockManager(9, 4, num_cpu_blocks=4)
+    alloc(bm, 0, 6)
+    bm.swap_out([0])
+    bm.free(0)
+    assert bm.num_free_cpu_blocks == 4 and bm.cpu_tables == {} and bm.num_slots == {}
+    bm.check_integrity()
+
+
+# ----------------------------------------------------------------------------- prefix cache
+
+PROMPT = list(range(100, 111))  # 11 tokens: blocks of 4 [100..103] [104..107] [108..110]
+
+
+def computed(bm: BlockManager, seq_id: int, tokens: list[int]) -> None:
+    bm.register_computed(seq_id, tokens, len(tokens))
+
+
+def test_a_prompt_hits_the_full_blocks_another_computed_but_never_its_last_token():
+    bm = BlockManager(9, 4, enable_prefix_caching=True)
+    assert bm.allocate(0, 11, PROMPT) == 0
+    assert bm.block_table(0) == [1, 2, 3]
+    computed(bm, 0, PROMPT)
+    assert len(bm.cached_blocks) == 2 and bm.block_tokens == {1: tuple(PROMPT[:4]), 2: tuple(PROMPT[4:8])}
+    assert bm.allocate(1, 11, PROMPT) == 8  # two full blocks hit, the partial third is new
+    assert bm.block_table(1) == [1, 2, 4]
+    assert bm.ref_counts[1:5] == [2, 2, 1, 1]
+    assert bm.allocate(2, 8, PROMPT[:8]) == 4  # 8 tokens: the block of the last one is computed
+    assert bm.block_table(2) == [1, 5]
+    bm.check_integrity()
+
+
+def test_a_hit_checks_the_token_ids_and_stops_at_the_first_miss():
+    bm = BlockManager(9, 4, enable_prefix_caching=True)
+    bm.allocate(0, 11, PROMPT)
+    computed(bm, 0, PROMPT)
+    other = PROMPT[:4] + [0, 0, 0, 0] + PROMPT[8:]
+    assert bm.allocate(1, 11, other) == 4
+    assert bm.block_table(1) == [1, 4, 5]
+    different_first = [7] + PROMPT[1:]
+    assert bm.allocate(2, 11, different_first) == 0
+
+
+def test_freed_registered_blocks_stay_cached_and_are_evicted_last_and_lru():
+    bm = BlockManager(5, 4, enable_prefix_caching=True)
+    bm.allocate(0, 11, PROMPT)  # [1, 2, 3]
+    computed(bm, 0, PROMPT)
+    bm.free(0)
+    assert list(bm.free_queue) == [4, 3]  # the unregistered partial block is plain free
+    assert list(bm.evictable) == [2, 1]  # tail first: evicted before the head
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
+    bm.check_integrity()
+    assert bm.allocate(1, 11, PROMPT) == 8  # both come back from the cache
+    assert bm.block_table(1) == [1, 2, 4]
+    assert list(bm.evictable) == []
+    bm.free(1)
+    alloc(bm, 2, 12)  # free 3, 4 first, then evicts 2 (the tail, least recently freed first)
+    assert bm.block_table(2) == [3, 4, 2]
+    assert list(bm.evictable) == [1] and bm.block_key[2] is None and len(bm.cached_blocks) == 1
+    bm.check_integrity()
+
+
+def test_can_allocate_counts_hits_on_blocks_in_use_as_free_of_charge():
+    bm = BlockManager(4, 4, enable_prefix_caching=True)  # 3 blocks
+    bm.allocate(0, 11, PROMPT)
+    computed(bm, 0, PROMPT)
+    assert not bm.can_allocate(11)  # no room for three more
+    assert bm.can_allocate(11, PROMPT) is False  # two shared, one new: none free
+    bm.free(0)
+    assert bm.can_allocate(11, PROMPT)
+
+
+def test_blocks_are_registered_only_up_to_the_confirmed_tokens():
+    bm = BlockManager(9, 4, enable_prefix_caching=True)
+    bm.allocate(0, 11, PROMPT)
+    bm.register_computed(0, PROMPT, 7)  # one full block confirmed
+    assert bm.block_tokens == {1: tuple(PROMPT[:4])}
+    assert bm.allocate(1, 11, PROMPT) == 4
+
+
+def test_a_key_already_cached_leaves_a_duplicate_block_unregistered():
+    bm = BlockManager(9, 4, enable_prefix_caching=True)
+    bm.allocate(0, 11, PROMPT)
+    bm.allocate(1, 11, PROMPT)  # same prompt in the same step: nothing cached yet
+    computed(bm, 0, PROMPT)
+    computed(bm, 1, PROMPT)
+    assert bm.block_tables == {0: [1, 2, 3], 1: [4, 5, 6]}
+    assert sorted(bm.cached_blocks.values()) == [1, 2]
+    bm.free(1)
+    assert list(bm.free_queue)[-3:] == [6, 5, 4]
+    bm.check_integrity()
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(9, 4)
+    bm.allocate(0, 11, PROMPT)
+    computed(bm, 0, PROMPT)
+    assert bm.allocate(1, 11, PROMPT) == 0 and bm.cached_blocks == {}
+
+
+def test_sharing_stats_counts_shared_blocks_once():
+    bm = BlockManager(9, 4)
+    alloc(bm, 0, 6)
+    bm.fork(0, 1)
+    bm.fork(0, 2)
+    assert bm.sharing_stats() == (6, 2)
+
+
+# ----------------------------------------------------------------------------- model-based property
+# A model of the KV each block holds (the token whose state sits in each slot) checks what the
+# block manager promises the worker: after any sequence of allocate (with prefix hits), append
+# (with copy-on-write), fork, free, swap-out and swap-in, every computed slot of every sequence
+# holds the state of its own token after its own prefix, and no write lands in a block another table reads.
+
+SHARED_PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
+
+KV_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["allocate", "append", "fork", "free", "swap_out", "swap_in"]),
+        st.integers(min_value=0, max_value=1_000),  # picks a sequence, a prefix
+        st.lists(st.integers(min_value=0, max_value=3), max_size=14),  # new tokens
+    ),
+    max_size=50,
+)
+
+
+def state(tokens: list[int], pos: int) -> tuple[int, ...]:
+    """A token's KV depends on every token before it."""
+    return tuple(tokens[: pos + 1])
+
+
+class KVModel:
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.kv = {b: [None] * bm.block_size for b in range(bm.num_blocks)}
+        self.cpu_kv = {b: [None] * bm.block_size for b in range(bm.num_cpu_blocks)}
+        self.tokens: dict[int, list[int]] = {}
+
+    def write(self, seq_id: int, start: int) -> None:
+        """The worker computes the slots [start, len(tokens)) of a running sequence."""
+        bs, table, tokens = self.bm.block_size, self.bm.block_table(seq_id), self.tokens[seq_id]
+        for pos in range(start, len(tokens)):
+            block = table[pos // bs]
+            assert self.bm.ref_counts[block] == 1, "a write into a block another table holds"
+            self.kv[block][pos % bs] = state(tokens, pos)
+        self.bm.register_computed(seq_id, tokens, len(tokens))
+
+    def copy(self, copies, src_kv, dst_kv) -> None:
+        for src, dst in copies:
+            dst_kv[dst] = list(src_kv[src])
+
+    def check(self) -> None:
+        bs = self.bm.block_size
+        for seq_id, tokens in self.tokens.items():
+            on_device = seq_id in self.bm.block_tables
+            table = self.bm.block_tables[seq_id] if on_device else self.bm.cpu_tables[seq_id]
+            kv = self.kv if on_device else self.cpu_kv
+            assert [kv[table[p // bs]][p % bs] for p in range(len(tokens))] == [
+                state(tokens, p) for p in range(len(tokens))
+            ], f"seq {seq_id} KV"
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=KV_OPS, num_blocks=st.integers(min_value=2, max_value=20), num_cpu_blocks=st.integers(0, 12),
+       block_size=st.sampled_from([1, 2, 4]), prefix_caching=st.booleans())
+def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_cpu_blocks, block_size, prefix_caching):
+    bm = BlockManager(num_blocks, block_size, watermark=0.0, num_cpu_blocks=num_cpu_blocks,
+                      enable_prefix_caching=prefix_caching)
+    model = KVModel(bm)
+    next_id = 0
+    for op, pick, new_tokens in ops:
+        running, swapped = sorted(bm.block_tables), sorted(bm.cpu_tables)
+        if op == "allocate" or not model.tokens:
+            tokens = SHARED_PREFIXES[pick % 3][: pick % 13] + new_tokens
+            fits = bm.can_allocate(len(tokens), tokens)
+            if fits:
+                hit = bm.allocate(next_id, len(tokens), tokens)
+                assert hit % block_size == 0 and hit <= max(len(tokens) - 1, 0)
+                assert prefix_caching or hit == 0
+                table = bm.block_table(next_id)  # the hit blocks already hold this prompt's prefix
+                assert [model.kv[table[p // block_size]][p % block_size] for p in range(hit)] == [
+                    state(tokens, p) for p in range(hit)
+                ]
+                model.tokens[next_id] = tokens
+                model.write(next_id, hit)
+                next_id += 1
+            else:
+                before = snapshot(bm)
+                with pytest.raises(NoFreeBlocksError):
+                    bm.allocate(next_id, len(tokens), tokens)
+                assert snapshot(bm) == before
+        elif op == "append" and running:
+            seq = running[pick % len(running)]
+            if bm.can_append(seq, len(new_tokens)):
+                model.copy(bm.append_slot(seq, len(new_tokens)), model.kv, model.kv)
+                start = len(model.tokens[seq])
+                model.tokens[seq] = model.tokens[seq] + new_tokens
+                model.write(seq, start)
+            else:
+                before = snapshot(bm)
+                with pytest.raises(NoFreeBlocksError):
+                    bm.append_slot(seq, len(new_tokens))
+                assert snapshot(bm) == before
+        elif op == "fork" and running:
+            seq = running[pick % len(running)]
+            bm.fork(seq, next_id)
+            model.tokens[next_id] = list(model.tokens[seq])
+            next_id += 1
+        elif op == "free":
+            seq = sorted(model.tokens)[pick % len(model.tokens)]
+            bm.free(seq)
+            del model.tokens[seq]
+        elif op == "swap_out" and running:
+            group = running[pick % len(running):][: 1 + pick % 3]
+            if bm.can_swap_out(group):
+                model.copy(bm.swap_out(group), model.kv, model.cpu_kv)
+            else:
+                with pytest.raises(NoFreeBlocksError):
+                    bm.swap_out(group)
+        elif op == "swap_in" and swapped:
+            group = swapped[pick % len(swapped):][: 1 + pick % 3]
+            if bm.can_swap_in(group):
+                model.copy(bm.swap_in(group), model.cpu_kv, model.kv)
+            else:
+                with pytest.raises(NoFreeBlocksError):
+                    bm.swap_in(group)
+        bm.check_integrity()
+        model.check()
+    for seq in list(model.tokens):
+        bm.free(seq)
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_total_blocks and bm.num_free_cpu_blocks == num_cpu_blocks

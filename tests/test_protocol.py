@@ -153,8 +153,16 @@ def test_invalid_sampling_params_on_the_wire_are_a_protocol_error():
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"n": 2}, "n"),
+    ({"n": 129}, "n"),
     ({"n": 0}, "n"),
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 129}, "best_of"),
+    ({"beam_width": -1}, "beam_width"),
+    ({"beam_width": 33}, "beam_width"),
+    ({"beam_width": 2, "n": 3}, "n"),
+    ({"beam_width": 2, "best_of": 2}, "best_of"),
+    ({"length_penalty": float("nan")}, "length_penalty"),
+    ({"early_stopping": "sometimes"}, "early_stopping"),
     ({"temperature": -0.01}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.01}, "top_p"),

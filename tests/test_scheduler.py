@@ -12,7 +12,7 @@ from common.config import EngineConfig
 from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult, decode, encode
 from scheduler.block_manager import NULL_BLOCK
 from scheduler.engine import LLMEngine
-from scheduler.scheduler import RequestRejected, Scheduler
+from scheduler.scheduler import PreemptionCosts, RequestRejected, Scheduler
 
 EOS = 2
 
@@ -90,10 +90,12 @@ class FakeExecutor:
 
 
 def make_engine(
-    num_gpu_blocks: int = 64, max_model_len: int = 1024, wire: bool = False, token_fn=None, **config
+    num_gpu_blocks: int = 64, max_model_len: int = 1024, wire: bool = False, token_fn=None, num_cpu_blocks: int = 0,
+    costs: PreemptionCosts = PreemptionCosts(), **config
 ) -> LLMEngine:
-    config = EngineConfig(**{"block_size": 16, **config})
-    scheduler = Scheduler(config, num_gpu_blocks, max_model_len, eos_token_ids=[EOS])
+    """Prefix caching is off unless asked for: these prompts share prefixes by construction."""
+    config = EngineConfig(**{"block_size": 16, "enable_prefix_caching": False, **config})
+    scheduler = Scheduler(config, num_gpu_blocks, max_model_len, [EOS], num_cpu_blocks, costs)
     return LLMEngine(scheduler, FakeExecutor(config.block_size, token_fn), wire=wire)
 
 

@@ -40,7 +40,7 @@ class Executor:
         runner = self.runner
         return WorkerHello(
             rank=self.rank, world_size=self.world_size, device=str(runner.device), model=runner.source.name,
-            num_gpu_blocks=runner.num_gpu_blocks, num_cpu_blocks=0, block_size=runner.block_size,
+            num_gpu_blocks=runner.num_gpu_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_size=runner.block_size,
             max_model_len=runner.max_model_len, vocab_size=int(runner.hf_config.vocab_size),
             eos_token_ids=self.eos_token_ids, kv_bytes_per_block=runner.kv_bytes_per_block,
             host_bandwidth=_measure_host_bandwidth(runner.device),
@@ -55,6 +55,9 @@ class Executor:
         for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
             self.seqs.pop(seq_id, None)
         scheduled = self._apply_diffs(plan)
+        # swap-out first: a block leaving for the swap pool may be reused by this very step
+        self.runner.swap_out(plan.blocks_to_swap_out)
+        self.runner.swap_in(plan.blocks_to_swap_in)
         self.runner.copy_blocks(plan.blocks_to_copy)
         if not scheduled:
             return StepResult(plan.step, plan.epoch)
@@ -65,14 +68,19 @@ class Executor:
             samples.append(held.num_computed_tokens + n == len(held.token_ids))
         logits = self.runner.forward(self.runner.prepare(rows, samples))
         sampling = [(seq_id, self.seqs[seq_id]) for (seq_id, _), s in zip(scheduled, samples) if s]
-        out = self.sampler(logits, [
-            SamplingRow(held.sampling_params, held.token_ids, held.num_prompt_tokens) for _, held in sampling
-        ]) if sampling else None
+        rows = [
+            SamplingRow(held.sampling_params, held.token_ids, held.num_prompt_tokens, _num_samples(held))
+            for _, held in sampling
+        ]
+        out = self.sampler(logits, rows) if sampling else None
         for seq_id, n in scheduled:
             self.seqs[seq_id].num_computed_tokens += n
         result = StepResult(plan.step, plan.epoch)
-        for i, (seq_id, _) in enumerate(sampling):
-            result.sampled.append(SampledToken(seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
+        i = 0
+        for (seq_id, _), row in zip(sampling, rows):
+            for _ in range(row.num_samples):
+                result.sampled.append(SampledToken(seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
+                i += 1
         return result
 
     def _apply_diffs(self, plan: StepPlan) -> list[tuple[int, int]]:
@@ -95,6 +103,14 @@ class Executor:
                 raise ProtocolError(f"plan step {plan.step} schedules tokens sequence {cached.seq_id} does not have")
             scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
         return scheduled
+
+
+def _num_samples(held: _HeldSequence) -> int:
+    """A request's first token is drawn best_of times; the scheduler forks the samples."""
+    params = held.sampling_params
+    if params.beam_width or len(held.token_ids) > held.num_prompt_tokens:
+        return 1
+    return params.best_of or params.n
 
 
 def _eos_token_ids(hf_config) -> list[int]:

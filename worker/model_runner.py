@@ -64,6 +64,11 @@ class ModelRunner:
         self.prefill_tokens_per_s = self._profile_prefill()
         self.num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_that_fit()
         self.kv_caches = self._allocate_kv_cache(self.num_gpu_blocks)
+        self.num_cpu_blocks = (
+            config.num_cpu_blocks if config.num_cpu_blocks is not None
+            else int(config.swap_space_gb * (1 << 30) // self.kv_bytes_per_block)
+        )
+        self.swap_caches = self._allocate_swap_pool(self.num_cpu_blocks)
 
     # ------------------------------------------------------------------ memory
     def _num_blocks_that_fit(self) -> int:
@@ -81,6 +86,15 @@ class ModelRunner:
             attn.kv_cache = torch.zeros((num_blocks, *self.kv_shape), dtype=self.dtype, device=self.device)
             caches.append(attn.kv_cache)
         return caches
+
+    def _allocate_swap_pool(self, num_blocks: int) -> list[torch.Tensor]:
+        """The CPU swap pool, same layout as the device pool; pinned on CUDA so swaps are DMA.
+        Untouched pages of a CPU tensor cost no memory until a swap writes them."""
+        pin = self.device.type == "cuda"
+        return [
+            torch.empty((num_blocks, *self.kv_shape), dtype=self.dtype, device="cpu", pin_memory=pin)
+            for _ in self.model.attention_layers()
+        ] if num_blocks else []
 
     @torch.inference_mode()
     def _profile_prefill(self) -> float:
@@ -150,3 +164,14 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, src_to_dst: list[list[int]]) -> None:
         kernels.copy_blocks(self.kv_caches, src_to_dst)
+
+    @torch.inference_mode()
+    def swap_out(self, device_to_cpu: list[list[int]]) -> None:
+        if device_to_cpu:
+            # queued on the stream: the forward pass that reuses these blocks runs after the copy
+            kernels.swap_blocks(self.kv_caches, self.swap_caches, device_to_cpu)
+
+    @torch.inference_mode()
+    def swap_in(self, cpu_to_device: list[list[int]]) -> None:
+        if cpu_to_device:
+            kernels.swap_blocks(self.swap_caches, self.kv_caches, cpu_to_device)

@@ -5,14 +5,19 @@ output), EOS and stop tokens masked until min_tokens, then greedy argmax, or tem
 top-k, top-p and min-p followed by a draw. Logprobs are those of the model's raw distribution.
 A seeded request draws from a generator seeded by (seed, output length), so its tokens do not
 depend on what else is in the batch or on preemption.
+
+A row with `num_samples > 1` (the first token of a request with best_of > 1) draws that many
+tokens from the one distribution, sample i with the seed `sample_seed(seed, i)` its sequence
+keeps afterwards. A beam search row returns its top `num_beam_candidates` logprobs.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, num_beam_candidates, sample_seed
 
 
 @dataclass(slots=True)
@@ -20,6 +25,8 @@ class SamplingRow:
     params: SamplingParams
     token_ids: list[int]  # prompt then output, the sequence's own list (not copied each step)
     num_prompt_tokens: int
+    num_samples: int = 1
+    sample_index: int = 0  # which sample of a fanned-out row (its seed)
 
     @property
     def num_output_tokens(self) -> int:
@@ -43,7 +50,9 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [num_rows, vocab_size] float32."""
+        """logits: [num_rows, vocab_size] float32. A row of `num_samples` k gives k outputs in a row."""
+        if any(r.num_samples > 1 for r in rows):
+            logits, rows = self._fan_out(logits, rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, rows)
         logits = self._mask_stops_before_min_tokens(logits, rows)
@@ -51,6 +60,16 @@ class Sampler:
         chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
         top = self._top_logprobs(raw_logprobs, rows)
         return SamplerOutput(token_ids.tolist(), chosen.tolist(), top)
+
+    @staticmethod
+    def _fan_out(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, list[SamplingRow]]:
+        counts = torch.tensor([r.num_samples for r in rows], device=logits.device)
+        expanded = [
+            SamplingRow(r.params if i == 0 else _with_seed(r.params, sample_seed(r.params.seed, i)),
+                        r.token_ids, r.num_prompt_tokens, 1, i)
+            for r in rows for i in range(r.num_samples)
+        ]
+        return logits.repeat_interleave(counts, dim=0), expanded
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         penalized = [
@@ -127,14 +146,22 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
 
-    @staticmethod
-    def _top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[list[list]]:
-        k = max((r.params.logprobs or 0 for r in rows), default=0)
+    def _num_top(self, params: SamplingParams) -> int:
+        if params.beam_width:
+            return max(params.logprobs or 0, num_beam_candidates(params.beam_width, len(self.eos_token_ids)))
+        return params.logprobs or 0
+
+    def _top_logprobs(self, raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[list[list]]:
+        wanted = [self._num_top(r.params) for r in rows]
+        k = min(max(wanted, default=0), raw_logprobs.shape[-1])
         if k == 0:
             return [[] for _ in rows]
         values, ids = raw_logprobs.topk(k, dim=-1)
         values, ids = values.tolist(), ids.tolist()
-        return [
-            [[t, v] for t, v in zip(ids[i][: r.params.logprobs or 0], values[i][: r.params.logprobs or 0])]
-            for i, r in enumerate(rows)
-        ]
+        return [[[t, v] for t, v in zip(ids[i][:w], values[i][:w])] for i, w in enumerate(wanted)]
+
+
+def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+    if seed == params.seed:
+        return params
+    return dataclasses.replace(params, seed=seed)
