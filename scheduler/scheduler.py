@@ -20,6 +20,15 @@ from scheduler.block_manager import BlockManager
 from scheduler.sequence import RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus
 
 
+def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int):
+    """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py)."""
+    if config.allocator == "paged":
+        return BlockManager(num_gpu_blocks, config.block_size)
+    from scheduler.contiguous import ContiguousAllocator
+
+    return ContiguousAllocator(num_gpu_blocks, config.block_size, config.allocator.removeprefix("orca-"), max_model_len)
+
+
 class RequestRejected(ValueError):
     """A request that can never be served (too long for the context or for the whole pool)."""
 
@@ -36,7 +45,7 @@ class Scheduler:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        self.block_manager = BlockManager(num_gpu_blocks, config.block_size)
+        self.block_manager = _make_allocator(config, num_gpu_blocks, max_model_len)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # arrival order
         self.groups: dict[str, SequenceGroup] = {}
@@ -158,14 +167,20 @@ class Scheduler:
                 n < s.num_tokens for s, n in zip(seqs, num_new)
             ):
                 return
-            if not self.block_manager.can_allocate(sum(s.num_tokens for s in seqs)):
+            final = self._final_tokens(group)
+            if not self.block_manager.can_allocate(sum(s.num_tokens for s in seqs), final_tokens=final):
                 return
             self.waiting.popleft()
             for seq in seqs:
-                self.block_manager.allocate(seq.seq_id, seq.num_tokens)
+                self.block_manager.allocate(seq.seq_id, seq.num_tokens, final_tokens=final)
                 seq.status = SequenceStatus.RUNNING
             self._add_to_plan(seqs, num_new, plan, budget)
             self.running.append(group)
+
+    def _final_tokens(self, group: SequenceGroup) -> int:
+        """The most tokens the request may reach: prompt + max_tokens, capped at the context."""
+        return min(len(group.prompt_token_ids) + (group.sampling_params.max_tokens or self.max_model_len),
+                   self.max_model_len)
 
     def _chunk_sizes(self, seqs: list[Sequence], budget: _Budget) -> list[int] | None:
         """Tokens to schedule per sequence, or None when the group does not fit this step."""
