@@ -159,12 +159,39 @@ class ContiguousAllocator:
         self.num_slots[seq_id] = new_slots
         return []
 
-    # ---------------------------------------------------------------- fork / swap / free
+    # ---------------------------------------------------------------- no sharing, no swapping
+    enable_prefix_caching = False
+    num_cached_blocks = 0
+    num_cpu_blocks = 0
+    num_free_cpu_blocks = 0
+
+    def cached_prefix_tokens(self, token_ids, num_tokens: int) -> int:
+        return 0
+
+    def register_computed(self, seq_id: int, token_ids, num_computed_tokens: int) -> None:
+        pass  # no prefix cache
+
     def fork(self, parent_id: int, child_id: int) -> None:
         raise NotImplementedError("contiguous reservation shares no blocks: fork is not supported")
 
+    def sharing_stats(self) -> tuple[int, int]:
+        """(logical, physical) blocks held: the same, nothing is shared."""
+        held = self.num_total_blocks - self._num_free
+        return held, held
+
     def can_swap_out(self, seq_ids) -> bool:
         return False  # no CPU pool: the Scheduler preempts by recompute
+
+    def can_swap_in(self, seq_ids) -> bool:
+        return False
+
+    def swap_out(self, seq_ids) -> list[list[int]]:
+        raise NotImplementedError("contiguous reservation has no swap pool")
+
+    def swap_in(self, seq_ids) -> list[list[int]]:
+        raise NotImplementedError("contiguous reservation has no swap pool")
+
+    # ---------------------------------------------------------------- free
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's whole region, coalescing it with the free neighbours."""

@@ -160,7 +160,12 @@ def test_no_sharing_and_no_swapping():
     a.allocate(0, 4, final_tokens=4)
     with pytest.raises(NotImplementedError):
         a.fork(0, 1)
-    assert a.can_swap_out([0]) is False
+    assert a.can_swap_out([0]) is False and a.can_swap_in([0]) is False
+    with pytest.raises(NotImplementedError):
+        a.swap_out([0])
+    assert a.cached_prefix_tokens([1, 2, 3, 4, 5], 5) == 0 and not a.enable_prefix_caching
+    a.register_computed(0, [1, 2, 3, 4], 4)  # a no-op
+    assert a.sharing_stats() == (1, 1)
 
 
 def test_allocate_twice_for_one_sequence_is_a_bug():
