@@ -183,7 +183,7 @@ def replay(
     output_lens: dict[str, int] = {}
     utilization_sum = 0.0
     shares = {"all": _Shares(), "queued": _Shares()}
-    measured_steps = batch_sum = max_batch = max_resident = 0
+    batch_sum = max_batch = max_resident = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -196,7 +196,6 @@ def replay(
         allocated = bm.num_allocated_slots
         if allocated:
             used = sum(bm.num_slots[s] for s in bm.block_tables)  # on the device
-            measured_steps += 1
             utilization_sum += used / allocated
             if contiguous:
                 reserved = sum(min(bm.final_tokens[s], length * block_size) for s, (_, length) in bm.regions.items())
@@ -210,7 +209,7 @@ def replay(
     seconds = time.perf_counter() - start
     steps = engine.num_steps
     return {
-        "kv_utilization": utilization_sum / measured_steps,
+        "kv_utilization": utilization_sum / shares["all"].steps,
         "mean_batch": batch_sum / steps,
         "max_batch": max_batch,
         "max_resident_seqs": max_resident,
@@ -273,6 +272,16 @@ def git_commit() -> str:
     return proc.stdout.strip() or "unknown"
 
 
+def command_line(args) -> str:
+    """The command that repeats this run, every option spelled out."""
+    words = ["pagoda", "bench", "memory"]
+    for name in ("num_prompts", "num_blocks", "block_size", "max_model_len", "max_num_seqs",
+                 "max_num_batched_tokens", "allocators", "seed", "source", "output"):
+        if getattr(args, name) is not None:
+            words += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return shlex.join(words)
+
+
 def table(result: dict) -> str:
     rows = [f"{'allocator':<12} {'kv util':>8} {'paper':>6} {'mean batch':>11} {'max batch':>10} "
             f"{'steps':>7} {'preempt':>8}  pool while queued: tokens/reserved/int.frag/free"]
@@ -303,7 +312,7 @@ def run(args) -> int:
     )
     result = {
         "benchmark": "memory",
-        "command": "pagoda " + shlex.join(sys.argv[1:]) if Path(sys.argv[0]).name == "pagoda" else shlex.join(sys.argv),
+        "command": command_line(args),
         "commit": git_commit(),
         "date": datetime.date.today().isoformat(),
         "device": device_description(),

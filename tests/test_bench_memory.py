@@ -69,6 +69,7 @@ def test_cli_writes_the_result_file(tmp_path, capsys):
     assert result["workload"]["num_prompts"] == 12 and result["workload"]["source"] == "trace"
     assert result["config"]["num_blocks"] == NUM_BLOCKS
     assert {"command", "commit", "date", "device"} <= result.keys()
+    assert result["command"].startswith("pagoda bench memory --num-prompts 12 --num-blocks 300 ")
     assert "sharing" not in result
     assert "paged" in capsys.readouterr().out  # the table
 
