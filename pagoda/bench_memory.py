@@ -338,10 +338,9 @@ def run(args) -> int:
         **measured,
         "reference": {"paper_figure_2_token_states": PAPER_TOKEN_STATES},
     }
-    print(table(result))
-    text = json.dumps(result, indent=2)
-    if args.output:
+    if args.output:  # before printing: a closed stdout must not lose the result
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.output}", file=sys.stderr)
+    print(table(result))
     return 0
