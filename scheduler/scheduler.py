@@ -32,6 +32,16 @@ from scheduler.sequence import (
 )
 
 
+def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int):
+    """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py)."""
+    if config.allocator == "paged":
+        return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
+                            enable_prefix_caching=config.enable_prefix_caching)
+    from scheduler.contiguous import ContiguousAllocator
+
+    return ContiguousAllocator(num_gpu_blocks, config.block_size, config.allocator.removeprefix("orca-"), max_model_len)
+
+
 class RequestRejected(ValueError):
     """A request that can never be served (too long for the context or for the whole pool)."""
 
@@ -72,10 +82,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.num_eos_token_ids = len(eos_token_ids)
         self.costs = costs
-        self.block_manager = BlockManager(
-            num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
+        self.block_manager = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks)
         self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
         self.running: list[SequenceGroup] = []  # arrival order
         self.swapped: list[SequenceGroup] = []  # arrival order

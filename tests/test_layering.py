@@ -41,3 +41,9 @@ def test_no_module_of_scheduler_or_common_names_a_forbidden_package():
                     names = [node.module]
                 offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in {"torch", "transformers"}]
     assert offenders == []
+
+
+def test_memory_benchmark_and_workloads_import_no_torch_and_no_networking():
+    """`pagoda bench memory` runs on a CPU host with neither torch nor a networking package."""
+    statement = "import pagoda.bench_memory, pagoda.workloads"
+    assert imported_after(statement, NETWORKING | {"torch", "transformers"}) == []

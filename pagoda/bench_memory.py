@@ -1,0 +1,347 @@
+"""`pagoda bench memory`: KV memory use of paged allocation against Orca-style contiguous reservation.
+
+Runs on CPU, with no model: the real Scheduler and its allocator (EngineConfig.allocator: the
+paged BlockManager, or scheduler/contiguous.py's Max, Pow2 and Oracle baselines of the
+PagedAttention paper's section 6) replay ShareGPT requests (pagoda/workloads.py) through
+LLMEngine with a trace-driven executor. The executor keeps each sequence's state as a worker
+would (plan diffs, dropped and preempted ids) and, for every sequence that completes its tokens
+in a step, samples token TOKEN_ID, which is never EOS; each request asks for exactly its
+recorded output length (`max_tokens`, `ignore_eos`), so it runs as long as it did in ShareGPT.
+
+Every allocator gets the same requests and the same fixed KV pool (`num_blocks` blocks including
+the null block). All requests arrive at step 0 (request rate inf): memory is what limits the
+batch. Prompts are synthetic token ids of the recorded lengths whose first token differs per
+request, so no two requests share a prefix block.
+
+Measured after every step (once its tokens are computed), averaged over the steps in which any
+KV slot is allocated:
+  kv_utilization  slots holding a token's KV state / allocated slots (the paper's "token states"
+                  share of the memory in use; paged loses only the spare slots of last blocks)
+  breakdown       the pool's usable slots split into token states, reservation (reserved for a
+                  request's later tokens, up to its final length), internal fragmentation
+                  (allocated past the final length, block rounding included) and free (which
+                  holds the contiguous allocators' external fragmentation and the watermark)
+  breakdown_while_queued  the same, over the steps in which requests wait (memory is the limit):
+                  the steady state, whose token_states share is what the paper's figure 2 shows
+and, per step, the batch: the sequences the step schedules (mean_batch, max_batch).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import ALLOCATORS, EngineConfig
+from common.protocol import ProtocolError, SampledToken, SamplingParams, StepPlan, StepResult
+from scheduler.engine import LLMEngine
+from scheduler.scheduler import Scheduler
+
+TOKEN_ID = 1000  # "()" in SmolLM2's vocabulary: not an EOS token
+EOS_TOKEN_IDS = [0, 2]  # SmolLM2's <|endoftext|> and <|im_end|> (ignored: requests set ignore_eos)
+ROOT = Path(__file__).resolve().parent.parent
+
+# The PagedAttention paper (Kwon et al., SOSP 2023), figure 2: share of KV memory holding token states.
+PAPER_TOKEN_STATES = {"orca-max": 0.204, "orca-pow2": 0.268, "orca-oracle": 0.382, "paged": 0.963}
+
+
+# ----------------------------------------------------------------------------- the executor
+
+
+@dataclass(slots=True)
+class _Held:
+    num_tokens: int
+    num_computed_tokens: int
+    block_table: list[int]
+
+
+@dataclass
+class TraceExecutor:
+    """A worker without a model: follows the plans' diffs and samples TOKEN_ID when a sequence is due.
+
+    It checks what a real worker relies on: a continued sequence is one it holds, scheduled tokens
+    exist, the block table covers every slot written, no block is null or held by two sequences
+    (nothing is shared in this benchmark).
+    """
+
+    block_size: int
+    token_id: int = TOKEN_ID
+    seqs: dict[int, _Held] = field(default_factory=dict)
+    last_batch: int = 0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
+            self.seqs.pop(seq_id, None)
+        scheduled = []
+        for new in plan.new_seqs:
+            self.seqs[new.seq_id] = _Held(
+                len(new.prompt_token_ids) + len(new.output_token_ids), new.num_computed_tokens, list(new.block_ids))
+            scheduled.append((new.seq_id, new.num_scheduled_tokens))
+        for cached in plan.cached_seqs:
+            held = self.seqs.get(cached.seq_id)
+            if held is None:
+                raise ProtocolError(f"step {plan.step} continues sequence {cached.seq_id}, which is not held")
+            del held.block_table[cached.block_table_offset:]
+            held.block_table += cached.new_block_ids
+            if held.num_computed_tokens == held.num_tokens:  # it sampled last step
+                held.num_tokens += 1
+            scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
+        result = StepResult(plan.step, plan.epoch)
+        for seq_id, n in scheduled:
+            held = self.seqs[seq_id]
+            end = held.num_computed_tokens + n
+            if n <= 0 or end > held.num_tokens:
+                raise ProtocolError(f"step {plan.step} schedules {n} tokens sequence {seq_id} does not have")
+            if end > len(held.block_table) * self.block_size:
+                raise ProtocolError(f"step {plan.step}: sequence {seq_id}'s block table does not cover slot {end - 1}")
+            held.num_computed_tokens = end
+            if end == held.num_tokens:
+                result.sampled.append(SampledToken(seq_id, self.token_id, 0.0))
+        blocks = [b for held in self.seqs.values() for b in held.block_table]
+        if 0 in blocks or len(set(blocks)) != len(blocks):
+            raise ProtocolError(f"step {plan.step}: a null block or a block held by two sequences")
+        self.last_batch = len(scheduled)
+        return result
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+@dataclass
+class _Shares:
+    """Sums over steps of the pool's usable slots split four ways."""
+
+    steps: int = 0
+    sums: dict = field(default_factory=lambda: dict.fromkeys(
+        ("token_states", "reservation", "internal_fragmentation", "free"), 0.0))
+
+    def add(self, used: int, reserved: int, allocated: int, usable: int) -> None:
+        self.steps += 1
+        self.sums["token_states"] += used / usable
+        self.sums["reservation"] += (reserved - used) / usable
+        self.sums["internal_fragmentation"] += (allocated - reserved) / usable
+        self.sums["free"] += (usable - allocated) / usable
+
+    def mean(self) -> dict:
+        return {"steps": self.steps, **{k: v / self.steps if self.steps else 0.0 for k, v in self.sums.items()}}
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    prompt_len: int
+    output_len: int
+
+
+def synthetic_prompt(index: int, length: int) -> list[int]:
+    """`length` token ids; the first differs per request (index < 40,000), so no prefix is shared."""
+    return [3 + index % 40_000] + [TOKEN_ID] * (length - 1)
+
+
+def run_allocator(
+    allocator: str, requests: list[Request], num_blocks: int, block_size: int = 16, max_model_len: int = 2048,
+    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, check_every: int = 0,
+) -> dict:
+    """Replay `requests` on one allocator; returns its metrics. `check_every` > 0 checks the
+    allocator's integrity every that many steps (and always at the end). Raises RuntimeError
+    unless every request ends with exactly its recorded output length and every block is free."""
+    metrics, scheduler, output_lens = replay(allocator, requests, num_blocks, block_size, max_model_len,
+                                             max_num_seqs, max_num_batched_tokens, check_every)
+    bm = scheduler.block_manager
+    bm.check_integrity()
+    wrong = [rid for i, r in enumerate(requests) if output_lens.get(rid := f"r{i}") != r.output_len]
+    if wrong:
+        raise RuntimeError(f"{allocator}: {len(wrong)} requests did not end with their recorded output length")
+    if bm.num_free_blocks != bm.num_total_blocks or bm.block_tables:
+        raise RuntimeError(f"{allocator}: blocks still held after every request finished")
+    return metrics
+
+
+def replay(
+    allocator: str, requests: list[Request], num_blocks: int, block_size: int = 16, max_model_len: int = 2048,
+    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, check_every: int = 0,
+) -> tuple[dict, Scheduler, dict[str, int]]:
+    """The run itself: (metrics, the scheduler at the end, request id -> output length)."""
+    config = EngineConfig(
+        block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, allocator=allocator,
+        enable_prefix_caching=False,  # as in the paper: the allocators alone
+    )
+    scheduler = Scheduler(config, num_blocks, max_model_len, EOS_TOKEN_IDS)
+    executor = TraceExecutor(block_size)
+    engine = LLMEngine(scheduler, executor)
+    for i, r in enumerate(requests):
+        engine.add_request(f"r{i}", synthetic_prompt(i, r.prompt_len),
+                           SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0))
+    bm = scheduler.block_manager
+    usable_slots = bm.num_total_blocks * block_size
+    contiguous = allocator != "paged"
+    output_lens: dict[str, int] = {}
+    utilization_sum = 0.0
+    shares = {"all": _Shares(), "queued": _Shares()}
+    batch_sum = max_batch = max_resident = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                output_lens[out.request_id] = len(out.outputs[0].token_ids)
+        batch = executor.last_batch
+        batch_sum += batch
+        max_batch = max(max_batch, batch)
+        max_resident = max(max_resident, len(bm.block_tables))
+        allocated = bm.num_allocated_slots
+        if allocated:
+            used = sum(bm.num_slots[s] for s in bm.block_tables)  # on the device
+            utilization_sum += used / allocated
+            if contiguous:
+                reserved = sum(min(bm.final_tokens[s], length * block_size) for s, (_, length) in bm.regions.items())
+            else:
+                reserved = used
+            shares["all"].add(used, reserved, allocated, usable_slots)
+            if scheduler.waiting:
+                shares["queued"].add(used, reserved, allocated, usable_slots)
+        if check_every and engine.num_steps % check_every == 0:
+            bm.check_integrity()
+    seconds = time.perf_counter() - start
+    steps = engine.num_steps
+    return {
+        "kv_utilization": utilization_sum / shares["all"].steps,
+        "mean_batch": batch_sum / steps,
+        "max_batch": max_batch,
+        "max_resident_seqs": max_resident,
+        "steps": steps,
+        "preemptions": scheduler.num_preemptions,
+        "scheduled_tokens": engine.num_scheduled_tokens,
+        "breakdown": shares["all"].mean(),
+        "breakdown_while_queued": shares["queued"].mean(),
+        "seconds": seconds,
+    }, scheduler, output_lens
+
+
+def measure_sharing(*args, **kwargs) -> dict:
+    """`sharing.<case>.saved_fraction` for parallel-2/4/6, beam-2/4/6 and prefix: the share of KV
+    blocks that sharing saves. Needs parallel sampling, beam search and prefix caching in the
+    Scheduler (not there yet); until then `pagoda bench memory` leaves `sharing` out."""
+    raise NotImplementedError("block sharing (n > 1, beam search, prefix caching) is not in the scheduler yet")
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def bench_memory(
+    requests: list[Request], num_blocks: int, block_size: int = 16, max_model_len: int = 2048,
+    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, allocators: tuple[str, ...] = ALLOCATORS,
+    check_every: int = 0, log=None,
+) -> dict:
+    """Every allocator on the same requests and pool: {"allocators": {name: metrics}, "ratios": ...}."""
+    results = {}
+    for allocator in allocators:
+        results[allocator] = run_allocator(allocator, requests, num_blocks, block_size, max_model_len,
+                                           max_num_seqs, max_num_batched_tokens, check_every)
+        if log:
+            r = results[allocator]
+            log(f"{allocator}: kv_utilization {r['kv_utilization']:.3f}, mean batch {r['mean_batch']:.1f}, "
+                f"{r['steps']} steps ({r['seconds']:.1f} s)")
+    out = {"allocators": results}
+    if "paged" in results:
+        paged = results["paged"]
+        out["ratios"] = {  # paged / baseline
+            name: {k: paged[k] / r[k] for k in ("kv_utilization", "mean_batch", "max_batch")}
+            for name, r in results.items() if name != "paged"
+        }
+    return out
+
+
+def device_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu} ({os.cpu_count()} cores)"
+
+
+def git_commit() -> str:
+    proc = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=ROOT,
+                          capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+def command_line(args) -> str:
+    """The command that repeats this run, every option spelled out."""
+    words = ["pagoda", "bench", "memory"]
+    for name in ("num_prompts", "num_blocks", "block_size", "max_model_len", "max_num_seqs",
+                 "max_num_batched_tokens", "allocators", "seed", "source", "output"):
+        if getattr(args, name) is not None:
+            words += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return shlex.join(words)
+
+
+def table(result: dict) -> str:
+    rows = [f"{'allocator':<12} {'kv util':>8} {'paper':>6} {'mean batch':>11} {'max batch':>10} "
+            f"{'steps':>7} {'preempt':>8}  pool while queued: tokens/reserved/int.frag/free"]
+    for name, r in result["allocators"].items():
+        b = r["breakdown_while_queued"]
+        rows.append(
+            f"{name:<12} {r['kv_utilization']:>8.3f} {PAPER_TOKEN_STATES.get(name, float('nan')):>6.3f} "
+            f"{r['mean_batch']:>11.1f} {r['max_batch']:>10d} {r['steps']:>7d} {r['preemptions']:>8d}  "
+            f"{b['token_states']:.2f}/{b['reservation']:.2f}/{b['internal_fragmentation']:.2f}/{b['free']:.2f}"
+        )
+    return "\n".join(rows)
+
+
+def run(args) -> int:
+    """The `pagoda bench memory` command."""
+    from pagoda.workloads import describe, sample_sharegpt, sharegpt_installed
+
+    source = args.source if args.source != "auto" else ("package" if sharegpt_installed() else "trace")
+    pairs = sample_sharegpt(args.num_prompts, args.seed, source)
+    requests = [Request(p.prompt_len, p.output_len) for p in pairs]
+    allocators = tuple(a.strip() for a in args.allocators.split(",") if a.strip())
+    for a in allocators:
+        if a not in ALLOCATORS:
+            raise ValueError(f"unknown allocator {a!r}: expected some of {', '.join(ALLOCATORS)}")
+    measured = bench_memory(
+        requests, args.num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
+        args.max_num_batched_tokens, allocators, log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    result = {
+        "benchmark": "memory",
+        "command": command_line(args),
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+        "device": device_description(),
+        "model": "none (trace-driven executor); lengths from SmolLM2-135M-Instruct's tokenizer",
+        "workload": {
+            "name": "ShareGPT", "source": source, "seed": args.seed, **describe(pairs),
+            "arrivals": "all at step 0 (request rate inf)",
+            "prompts": "synthetic token ids of the recorded prompt lengths, no shared prefix",
+        },
+        "config": {
+            "num_blocks": args.num_blocks, "block_size": args.block_size, "kv_slots": (args.num_blocks - 1) * args.block_size,
+            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "watermark": 0.01,
+        },
+        "metrics_doc": {
+            "kv_utilization": "slots holding token states / allocated slots, measured after every step, mean over steps",
+            "mean_batch": "sequences scheduled per step, mean over steps", "max_batch": "most sequences in one step",
+            "breakdown": "shares of the pool's usable slots, mean over steps",
+            "breakdown_while_queued": "the same over the steps with requests waiting (memory is full: the "
+                                      "steady state; its token_states is the paper's figure 2 measure)",
+            "ratios": "paged / baseline",
+        },
+        **measured,
+        "reference": {"paper_figure_2_token_states": PAPER_TOKEN_STATES},
+    }
+    if args.output:  # before printing: a closed stdout must not lose the result
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.output}", file=sys.stderr)
+    print(table(result))
+    return 0
