@@ -150,19 +150,30 @@ class Gateway:
     def _sub_requests(
         self, response_id: str, parsed: ParsedRequest, arrival_time: float, arrival: float,
     ) -> tuple[list[GenerateRequest], list[ChoiceState]]:
-        """n samples of each prompt, as independent requests `<response id>-<choice index>`."""
+        """n samples of each prompt, as independent requests `<response id>-<choice index>`; or, when
+        the outputs are chosen at the end (best_of > n, beam search), one request per prompt,
+        `<response id>-<prompt index>`, whose n outputs are the prompt's choices, best first."""
         hidden = self.eos_token_ids | frozenset(parsed.params.stop_token_ids)
         requests, choices = [], []
         for p, prompt in enumerate(parsed.prompts):
-            for i in range(parsed.n):
-                index = p * parsed.n + i
-                request_id = f"{response_id}-{index}"
-                params = parsed.params
-                if params.seed is not None and i > 0:
-                    params = dataclasses.replace(params, seed=params.seed + i)
-                requests.append(GenerateRequest(request_id, prompt, params, self.engine.reply_stream, arrival_time))
+            outputs = []  # (request id, output index) of each of the prompt's choices
+            if parsed.chosen_at_end:
+                request_id = f"{response_id}-{p}"
+                requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream,
+                                                arrival_time))
+                outputs = [(request_id, i) for i in range(parsed.n)]
+            else:
+                for i in range(parsed.n):
+                    request_id = f"{response_id}-{p * parsed.n + i}"
+                    params = parsed.params
+                    if params.seed is not None and i > 0:
+                        params = dataclasses.replace(params, seed=params.seed + i)
+                    requests.append(GenerateRequest(request_id, prompt, params, self.engine.reply_stream, arrival_time))
+                    outputs.append((request_id, 0))
+            for i, (request_id, output_index) in enumerate(outputs):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
-                choices.append(ChoiceState(index, request_id, detokenizer, parsed.stop, hidden, arrival))
+                choices.append(ChoiceState(p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival,
+                                           output_index, parsed.chosen_at_end))
         return requests, choices
 
     async def _complete(
@@ -212,8 +223,12 @@ class Gateway:
         yield SSE_DONE
 
     async def _events(self, generation: Generation, choices: list[ChoiceState], deadline: float):
-        """Each choice as an event changes it, until every choice has finished."""
-        by_id = {c.request_id: c for c in choices}
+        """Each choice as an event changes it, until every choice has finished. An event goes to the
+        choice of its (request id, output index); an "error" or "abort" event ends the whole request."""
+        by_output = {(c.request_id, c.output_index): c for c in choices}
+        by_request: dict[str, list[ChoiceState]] = {}
+        for c in choices:
+            by_request.setdefault(c.request_id, []).append(c)
         while generation.unfinished:
             try:
                 event = await generation.next_event(deadline - time.monotonic())
@@ -221,13 +236,19 @@ class Gateway:
                 raise EngineError(
                     f"the request did not finish within request_timeout_s={self.config.request_timeout_s:g} s",
                     504, "timeout") from None
-            choice = by_id.get(event.request_id)
+            if event.finish_reason in ("error", "abort"):
+                choice = next((c for c in by_request.get(event.request_id, ()) if not c.finished), None)
+            else:
+                choice = by_output.get((event.request_id, event.index))
             if choice is None or choice.finished:
                 continue
             self._observe_tokens(choice, event)
             choice.add(event)
             if choice.finished:
-                generation.finish(choice.request_id, abort=choice.stopped_by_string)
+                failed = choice.finish_reason in ("error", "abort")
+                if failed or all(c.finished for c in by_request[choice.request_id]):
+                    # a stop string ends a streamed output early; an output chosen at the end came whole
+                    generation.finish(choice.request_id, abort=choice.stopped_by_string and not choice.chosen_at_end)
                 self._observe_finish(choice)
                 if choice.finish_reason == "error":
                     raise EngineError(f"generation failed: {choice.error or 'unknown error'}")
@@ -311,12 +332,21 @@ class Gateway:
         max_tokens = parsed.params.max_tokens
         where = "messages" if parsed.kind == "chat" else "prompt"
         capacity = min(s.max_request_tokens for s in ready)
+        num_seqs, block_size = parsed.num_seqs, max(s.block_size for s in ready)
         for prompt in parsed.prompts:
             final_len = min(len(prompt) + (max_tokens or max_model_len), max_model_len)
-            if final_len > capacity:
+            if num_seqs == 1 and final_len > capacity:
                 raise bad_request(
                     f"the request needs up to {final_len} tokens of KV cache, more than the server's whole pool "
                     f"({capacity} tokens); shorten the {where} or lower max_tokens", where, "kv_cache_exceeded")
+            if num_seqs > 1:  # the scheduler's reckoning: shared prompt blocks, each sequence's own tail and output
+                blocks = _ceil_div(len(prompt), block_size) + num_seqs * (
+                    _ceil_div(final_len - len(prompt), block_size) + 1) - 1
+                if blocks * block_size > capacity:
+                    raise bad_request(
+                        f"the request's {num_seqs} sequences need up to {blocks * block_size} tokens of KV cache, "
+                        f"more than the server's whole pool ({capacity} tokens); shorten the {where}, lower "
+                        f"max_tokens or lower best_of", where, "kv_cache_exceeded")
             if len(prompt) + (max_tokens or 1) > max_model_len:
                 asked = f"{len(prompt)} in the {where}" + (f", {max_tokens} for the completion" if max_tokens else "")
                 raise bad_request(
@@ -339,6 +369,10 @@ class Gateway:
             return await self.engine.submit(requests)
         except Exception as exc:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def unavailable(message: str) -> APIError:

@@ -9,9 +9,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from common.protocol import InvalidParamError, SamplingParams
+from common.protocol import MAX_BEAM_WIDTH, InvalidParamError, SamplingParams
 
-MAX_N = 128  # choices per request (n times the number of prompts)
+MAX_N = 128  # sequences per request: n (or best_of, or the beam width) times the number of prompts
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -46,7 +46,10 @@ class ParsedRequest:
     kind: str  # "completion" | "chat"
     model: str | None
     prompts: list[list[int]]  # token ids, one list per prompt
-    params: SamplingParams  # n=1; max_tokens None here means "the rest of the context"
+    # n=1 (each choice is its own request), or, when `chosen_at_end`, n, best_of or beam_width
+    # (each prompt is one request whose n outputs are its choices); max_tokens None here means
+    # "the rest of the context"
+    params: SamplingParams
     n: int
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -58,6 +61,16 @@ class ParsedRequest:
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+    @property
+    def chosen_at_end(self) -> bool:
+        """best_of > n or beam search: the scheduler picks the n outputs when the request ends."""
+        return self.params.beam_width > 0 or self.params.best_of is not None
+
+    @property
+    def num_seqs(self) -> int:
+        """The sequences each request to a scheduler runs at once."""
+        return self.params.beam_width or self.params.best_of or self.params.n
 
 
 def parse_json(raw: bytes) -> dict:
@@ -222,13 +235,32 @@ def _common(
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")
     n = _int(body, "n", 1, 1, MAX_N)
-    if len(prompts) * n > MAX_N:
-        raise bad_request(f"n times the number of prompts must be <= {MAX_N}, got {len(prompts) * n}", "n")
-    best_of = _int(body, "best_of", None, 1)
-    if best_of is not None and best_of != n:
-        raise bad_request("best_of other than n is not supported yet", "best_of")
-    if _bool(body, "use_beam_search", False):
-        raise bad_request("beam search is not supported yet", "use_beam_search")
+    best_of = _int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of < n:
+        raise bad_request(f"best_of must be >= n, got best_of={best_of}, n={n}", "best_of")
+    beam_search = _bool(body, "use_beam_search", False)
+    width = best_of or n  # samples per prompt, or beams (vLLM's rule: best_of, else n)
+    width_param = "n" if best_of is None else "best_of"
+    if len(prompts) * width > MAX_N:
+        raise bad_request(
+            f"{width_param} times the number of prompts must be <= {MAX_N}, got {len(prompts) * width}", width_param)
+    length_penalty = _number(body, "length_penalty", 1.0)
+    early_stopping = body.get("early_stopping", False)
+    if early_stopping is None:
+        early_stopping = False
+    if not (isinstance(early_stopping, bool) or early_stopping == "never"):
+        raise bad_request(f"early_stopping must be true, false or \"never\", got {json.dumps(early_stopping)}",
+                          "early_stopping")
+    if beam_search:
+        if width > MAX_BEAM_WIDTH:
+            raise bad_request(f"beam search runs at most {MAX_BEAM_WIDTH} beams: the beam width ({width_param}) must "
+                              f"be <= {MAX_BEAM_WIDTH}, got {width}", width_param)
+    else:
+        if length_penalty != 1.0:
+            raise bad_request("length_penalty applies only to beam search (use_beam_search: true)", "length_penalty")
+        if early_stopping is not False:
+            raise bad_request("early_stopping applies only to beam search (use_beam_search: true)", "early_stopping")
+    chosen_at_end = beam_search or width > n
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
     include_usage = False
@@ -238,6 +270,11 @@ def _common(
         if not isinstance(stream_options, dict):
             raise bad_request("stream_options must be an object", "stream_options")
         include_usage = _bool(stream_options, "include_usage", False)
+    if stream and chosen_at_end:
+        what = "use_beam_search" if beam_search else "best_of > n"
+        raise bad_request(f"stream is not supported with {what}: the outputs are chosen only when the request ends",
+                          "stream")
+    temperature = _number(body, "temperature", 0.0 if beam_search else 1.0)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("user must be a string", "user")
@@ -247,8 +284,12 @@ def _common(
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1 - MAX_N)
     try:
         params = SamplingParams(
-            n=1,
-            temperature=_number(body, "temperature", 1.0),
+            n=n if chosen_at_end else 1,
+            best_of=width if chosen_at_end and not beam_search else None,
+            beam_width=width if beam_search else 0,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            temperature=temperature,
             top_p=_number(body, "top_p", 1.0),
             top_k=_int(body, "top_k", 0),
             min_p=_number(body, "min_p", 0.0),
@@ -267,8 +308,32 @@ def _common(
         if exc.param == "logprobs" and kind == "chat":
             param = "top_logprobs"
         raise bad_request(str(exc), param) from exc
+    if beam_search:
+        _check_beam_search(params)
     return ParsedRequest(
         kind=kind, model=model, prompts=prompts, params=params, n=n, stop=_stop(body), stream=stream,
         include_usage=include_usage, logprobs=logprobs,
         skip_special_tokens=_bool(body, "skip_special_tokens", True), user=user,
     )
+
+
+def _check_beam_search(params: SamplingParams) -> None:
+    """Beam search is deterministic and ranks beams by the model's own logprobs: what would change
+    the draw (vLLM's rule: temperature 0, top_p 1, top_k off) or what the beams do not honour is a 400."""
+    if params.temperature != 0.0:
+        raise bad_request("temperature must be 0 with use_beam_search (beam search is deterministic); "
+                          "leave it out or set it to 0", "temperature")
+    if params.top_p != 1.0:
+        raise bad_request("top_p must be 1 with use_beam_search", "top_p")
+    if params.top_k not in (0, -1):
+        raise bad_request("top_k must be off (0 or -1) with use_beam_search", "top_k")
+    unsupported = [
+        ("min_p", params.min_p != 0.0), ("presence_penalty", params.presence_penalty != 0.0),
+        ("frequency_penalty", params.frequency_penalty != 0.0),
+        ("repetition_penalty", params.repetition_penalty != 1.0),
+        ("min_tokens", params.min_tokens != 0), ("stop_token_ids", bool(params.stop_token_ids)),
+        ("ignore_eos", params.ignore_eos), ("logprobs", params.logprobs is not None),
+    ]
+    for name, given in unsupported:
+        if given:
+            raise bad_request(f"{name} is not supported with use_beam_search", name)

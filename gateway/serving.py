@@ -32,7 +32,9 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class ChoiceState:
-    """One choice (one sub-request): its text so far, what has been sent, and how it ended.
+    """One choice (output `output_index` of a sub-request): its text so far, what has been sent,
+    and how it ended. A choice `chosen_at_end` (best_of > n, beam search) gets its output whole,
+    in one event, once the scheduler has finished the request.
 
         text[:sent]          sent to the client
         text[sent:released]  may be sent
@@ -45,6 +47,8 @@ class ChoiceState:
     stop: list[str]
     hidden_token_ids: frozenset[int]  # eos and stop tokens: counted, never shown
     arrival: float  # time.monotonic() at the gateway
+    output_index: int = 0  # the RequestEvent.index this choice takes
+    chosen_at_end: bool = False
     text: str = ""
     sent: int = 0
     num_tokens: int = 0

@@ -29,17 +29,21 @@ def client(stack):
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def offline_texts(prompts: list[dict], max_tokens: int, tmp_path) -> list[str]:
+def offline_outputs(prompts: list[dict], max_tokens: int, tmp_path, *flags: str) -> list[dict]:
     """`pagoda generate --json` on the same prompts: the reference the stack must equal."""
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     proc = subprocess.run(
         [sys.executable, "-m", "pagoda.cli", "generate", "--json", "--device", "cpu", "--temperature", "0",
-         "--max-tokens", str(max_tokens), "--prompts-file", str(path)],
+         "--max-tokens", str(max_tokens), "--prompts-file", str(path), *flags],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    return [json.loads(line)["text"] for line in proc.stdout.splitlines()]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def offline_texts(prompts: list[dict], max_tokens: int, tmp_path) -> list[str]:
+    return [out["text"] for out in offline_outputs(prompts, max_tokens, tmp_path)]
 
 
 def test_models_lists_the_served_model(client):
@@ -90,6 +94,19 @@ def test_n_2_returns_two_choices(client):
     again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, n=2,
                                       seed=7)
     assert [c.text for c in again.choices] == [c.text for c in response.choices]  # seeded: reproducible
+
+
+def test_beam_search_returns_the_offline_engines_beams_best_first(client, tmp_path):
+    prompt = "The best way to learn a language is"
+    (expected,) = offline_outputs([{"prompt": prompt}], 8, tmp_path, "--beam-width", "2", "--n", "2")
+    assert len(expected["outputs"]) == 2
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=2,
+                                         extra_body={"use_beam_search": True, "best_of": 2})
+    assert [c.index for c in response.choices] == [0, 1]
+    assert [(c.text, c.finish_reason) for c in response.choices] == [
+        (beam["text"], beam["finish_reason"]) for beam in expected["outputs"]]
+    assert response.usage.completion_tokens == sum(len(beam["token_ids"]) for beam in expected["outputs"])
+    assert response.choices[0].text != response.choices[1].text
 
 
 def test_stop_string_truncates(client):

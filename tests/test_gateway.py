@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover
 
 from common import streams
 from common.config import GatewayConfig
-from common.protocol import GenerateRequest, RequestEvent, SchedulerStatus, decode, encode
+from common.protocol import GenerateRequest, RequestEvent, SamplingParams, SchedulerStatus, decode, encode
 from common.redis_server import RedisServer, free_port
 from gateway.app import create_app
 from gateway.detokenizer import IncrementalDetokenizer
@@ -387,6 +387,183 @@ def test_eos_is_counted_but_never_shown(client, fake, tokenizer):
     assert body["usage"]["completion_tokens"] == 2
 
 
+# ----------------------------------------------------------------------------- best_of and beam search
+# Such a request is one GenerateRequest per prompt; the scheduler sends its n outputs whole, in one
+# step at the end, best first, each an event with its index, all its token ids and its finish_reason.
+
+HELLO_IDS = [19556, 905, 28, 451, 314, 253, 1028]  # Hello| world|,| this| is| a| test
+ONE_TWO_THREE = [2705, 827, 1296]  # One| two| three
+
+
+def sent_requests(fake, response_id: str) -> dict[str, GenerateRequest]:
+    return {rid: r for rid, r in list(fake.requests.items()) if rid.startswith(response_id + "-")}
+
+
+def test_best_of_is_one_request_whose_n_outputs_are_the_choices(client, fake, tokenizer):
+    eos = tokenizer.eos_token_id
+    fake.scripts["@best-of@"] = [  # index 1 first: choices follow the index, not the arrival order
+        RequestEvent("", ONE_TWO_THREE + [eos], None, "stop", index=1),
+        RequestEvent("", HELLO_IDS[:5], None, "length", index=0),
+    ]
+    r = client.post("/v1/completions", json={"prompt": "@best-of@", "n": 2, "best_of": 4, "max_tokens": 5,
+                                             "temperature": 0.8, "seed": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    (request,) = sent_requests(fake, body["id"]).values()
+    assert request.request_id == body["id"] + "-0"
+    assert request.sampling_params == SamplingParams(n=2, best_of=4, temperature=0.8, seed=3, max_tokens=5)
+    prompt_tokens = len(tokenizer.encode("@best-of@"))
+    assert without_id(body) == {
+        "object": "text_completion", "model": MODEL,
+        "choices": [{"index": 0, "text": "Hello world, this is", "logprobs": None, "finish_reason": "length"},
+                    {"index": 1, "text": "One two three", "logprobs": None, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 5 + 4, "total_tokens": prompt_tokens + 9},
+    }  # every choice's tokens count, the hidden eos included
+
+
+def test_best_of_with_logprobs_and_a_list_of_prompts(client, fake, tokenizer):
+    fake.scripts["@best-of-lp@"] = [
+        RequestEvent("", HELLO_IDS[:2], [[-0.5, [[19556, -0.5]]], [-1.0, [[905, -1.0]]]], "length", index=0),
+        RequestEvent("", ONE_TWO_THREE[:2], [[-2.0, [[2705, -2.0]]], [-3.0, [[827, -3.0]]]], "length", index=1),
+    ]
+    r = client.post("/v1/completions", json={"prompt": ["@best-of-lp@ first", "@best-of-lp@ second"], "n": 2,
+                                             "best_of": 3, "max_tokens": 2, "logprobs": 1})
+    body = r.json()
+    requests = sent_requests(fake, body["id"])
+    assert sorted(requests) == [body["id"] + "-0", body["id"] + "-1"]  # one request per prompt
+    assert [tokenizer.decode(requests[body["id"] + f"-{p}"].prompt_token_ids) for p in range(2)] == [
+        "@best-of-lp@ first", "@best-of-lp@ second"]
+    assert all(r.sampling_params.n == 2 and r.sampling_params.best_of == 3 and r.sampling_params.logprobs == 1
+               for r in requests.values())
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "Hello world", "length"), (1, "One two", "length"), (2, "Hello world", "length"), (3, "One two", "length")]
+    assert body["choices"][1]["logprobs"] == {"tokens": ["One", " two"], "token_logprobs": [-2.0, -3.0],
+                                              "top_logprobs": [{"One": -2.0}, {" two": -3.0}], "text_offset": [0, 3]}
+    assert body["usage"]["completion_tokens"] == 8
+
+
+def test_best_of_equal_to_n_keeps_one_request_per_choice(client, fake):
+    body = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 2, "n": 2, "best_of": 2}).json()
+    requests = sent_requests(fake, body["id"])
+    assert sorted(requests) == [body["id"] + "-0", body["id"] + "-1"]
+    assert all(r.sampling_params.n == 1 and r.sampling_params.best_of is None for r in requests.values())
+    assert [c["text"] for c in body["choices"]] == ["Hello world", "Hello world"]
+
+
+def test_beam_search_params_reach_the_scheduler_and_chat_gets_the_beams_best_first(client, fake, tokenizer):
+    fake.scripts["@beam@"] = [RequestEvent("", HELLO_IDS[:3], None, "length", index=0),
+                              RequestEvent("", ONE_TWO_THREE, None, "length", index=1)]
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "@beam@"}], "n": 2, "best_of": 3, "max_tokens": 3,
+        "use_beam_search": True, "length_penalty": 0.5, "early_stopping": "never"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    (request,) = sent_requests(fake, body["id"]).values()
+    assert request.sampling_params == SamplingParams(
+        n=2, beam_width=3, length_penalty=0.5, early_stopping="never", temperature=0.0, max_tokens=3)
+    prompt_tokens = len(request.prompt_token_ids)
+    assert without_id(body) == {
+        "object": "chat.completion", "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello world,"}, "logprobs": None,
+                     "finish_reason": "length"},
+                    {"index": 1, "message": {"role": "assistant", "content": "One two three"}, "logprobs": None,
+                     "finish_reason": "length"}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 6, "total_tokens": prompt_tokens + 6},
+    }
+
+
+def test_the_beam_width_is_n_without_best_of(client, fake):
+    fake.scripts["@beam-n@"] = [RequestEvent("", [330], None, "length", index=0),
+                                RequestEvent("", [389], None, "length", index=1)]
+    body = client.post("/v1/completions", json={"prompt": "@beam-n@", "n": 2, "max_tokens": 1, "temperature": 0,
+                                                "use_beam_search": True, "early_stopping": True}).json()
+    (request,) = sent_requests(fake, body["id"]).values()
+    assert request.sampling_params == SamplingParams(n=2, beam_width=2, early_stopping=True, temperature=0.0,
+                                                     max_tokens=1)
+    assert [c["text"] for c in body["choices"]] == [" A", " B"]
+
+
+def test_a_stop_string_truncates_each_whole_output_without_an_abort(client, fake):
+    fake.scripts["@beam-stop@"] = [RequestEvent("", HELLO_IDS, None, "length", index=0),
+                                   RequestEvent("", ONE_TWO_THREE, None, "length", index=1)]
+    body = client.post("/v1/completions", json={"prompt": "@beam-stop@", "n": 2, "max_tokens": 7,
+                                                "use_beam_search": True, "stop": [" this", " four"]}).json()
+    assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        ("Hello world,", "stop"), ("One two three", "length")]
+    assert body["usage"]["completion_tokens"] == 4 + 3  # up to the token that completed the stop string
+    time.sleep(0.2)
+    assert not fake.aborted(body["id"] + "-0")  # the request was already over
+
+
+@pytest.mark.parametrize("reason, status, message, code", [
+    ("error", 500, "generation failed: boom", "engine_error"),
+    ("abort", 500, "the request was aborted by the scheduler", "aborted"),
+])
+def test_an_error_or_abort_event_ends_every_output_of_the_request(client, fake, reason, status, message, code):
+    fake.scripts[f"@best-of-{reason}@"] = [RequestEvent("", [], None, reason, "boom" if reason == "error" else None)]
+    r = client.post("/v1/completions", json={"prompt": f"@best-of-{reason}@", "n": 3, "best_of": 4})
+    assert r.status_code == status
+    assert r.json() == {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+
+
+def test_a_group_larger_than_the_kv_pool_is_400(client, fake):
+    fake.publish(max_request_tokens=100)
+    try:  # 2 prompt blocks + 4 * (1 output block + 1 own tail) - 1 shared = 9 blocks of 16
+        e = error(client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "best_of": 4}), 400,
+                  param="prompt", code="kv_cache_exceeded")
+        assert e["message"] == ("the request's 4 sequences need up to 144 tokens of KV cache, more than the server's "
+                                "whole pool (100 tokens); shorten the prompt, lower max_tokens or lower best_of")
+        r = client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "n": 4})
+        assert r.status_code == 200  # four independent requests of 36 tokens each
+    finally:
+        fake.publish()
+
+
+BEAM = {"prompt": "x", "use_beam_search": True}
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, "best_of", "best_of must be >= n, got best_of=1, n=2"),
+    ("/v1/completions", {"prompt": "x", "best_of": 129}, "best_of", "best_of must be in [1, 128], got 129"),
+    ("/v1/completions", {"prompt": ["x", "y"], "best_of": 65}, "best_of",
+     "best_of times the number of prompts must be <= 128, got 130"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "stream",
+     "stream is not supported with best_of > n: the outputs are chosen only when the request ends"),
+    ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "stream": True}, "stream",
+     "stream is not supported with use_beam_search: the outputs are chosen only when the request ends"),
+    ("/v1/completions", {**BEAM, "logprobs": 1}, "logprobs", "logprobs is not supported with use_beam_search"),
+    ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "logprobs": True}, "logprobs",
+     "logprobs is not supported with use_beam_search"),
+    ("/v1/completions", {**BEAM, "temperature": 0.7}, "temperature",
+     "temperature must be 0 with use_beam_search (beam search is deterministic); leave it out or set it to 0"),
+    ("/v1/completions", {**BEAM, "top_p": 0.9}, "top_p", "top_p must be 1 with use_beam_search"),
+    ("/v1/completions", {**BEAM, "top_k": 5}, "top_k", "top_k must be off (0 or -1) with use_beam_search"),
+    ("/v1/completions", {**BEAM, "repetition_penalty": 1.2}, "repetition_penalty",
+     "repetition_penalty is not supported with use_beam_search"),
+    ("/v1/completions", {**BEAM, "min_tokens": 2}, "min_tokens", "min_tokens is not supported with use_beam_search"),
+    ("/v1/completions", {**BEAM, "ignore_eos": True}, "ignore_eos", "ignore_eos is not supported with use_beam_search"),
+    ("/v1/completions", {**BEAM, "best_of": 33}, "best_of",
+     "beam search runs at most 32 beams: the beam width (best_of) must be <= 32, got 33"),
+    ("/v1/completions", {**BEAM, "n": 33}, "n",
+     "beam search runs at most 32 beams: the beam width (n) must be <= 32, got 33"),
+    ("/v1/completions", {**BEAM, "early_stopping": "sometimes"}, "early_stopping",
+     'early_stopping must be true, false or "never", got "sometimes"'),
+    ("/v1/completions", {**BEAM, "length_penalty": "long"}, "length_penalty",
+     'length_penalty must be a number, got "long"'),
+    ("/v1/completions", {"prompt": "x", "length_penalty": 2.0}, "length_penalty",
+     "length_penalty applies only to beam search (use_beam_search: true)"),
+    ("/v1/chat/completions", {**CHAT, "early_stopping": True}, "early_stopping",
+     "early_stopping applies only to beam search (use_beam_search: true)"),
+])
+def test_best_of_and_beam_search_errors_are_400_naming_the_param(client, fake, path, body, param, message):
+    before = len(fake.requests)
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+    assert len(fake.requests) == before  # nothing was submitted
+
+
 # ----------------------------------------------------------------------------- engine failures
 
 
@@ -487,8 +664,7 @@ def test_a_body_over_the_limit_is_413_by_header_or_by_size(client):
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", None),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n", None),
-    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of", None),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", None),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": "yes"}, "use_beam_search", None),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs", None),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, "stop", None),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop", None),
