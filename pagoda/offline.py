@@ -1,6 +1,7 @@
 """The offline Python API: `LLM(model).generate(prompts, SamplingParams)`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -66,6 +67,17 @@ class LLM:
 
             self.encoder = PromptEncoder(load_tokenizer(self.executor.runner.source))
         self._ids = itertools.count()
+
+    def reset(self, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None, **config_changes) -> None:
+        """A fresh scheduler over the loaded worker, forgetting every request: a smaller KV or
+        swap pool (at most the worker's), another preemption mode, prefix caching on or off."""
+        hello = self.executor.hello()
+        if num_gpu_blocks is not None:
+            hello = dataclasses.replace(hello, num_gpu_blocks=min(num_gpu_blocks, hello.num_gpu_blocks))
+        if num_cpu_blocks is not None:
+            hello = dataclasses.replace(hello, num_cpu_blocks=min(num_cpu_blocks, hello.num_cpu_blocks))
+        self.executor.reset()
+        self.engine = LLMEngine.from_hello(self.config.replace(**config_changes), hello, self.executor, wire=True)
 
     @property
     def scheduler(self):

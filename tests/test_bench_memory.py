@@ -1,5 +1,7 @@
 """`pagoda bench memory` through the real path: the Scheduler, every allocator and the trace executor."""
 import json
+import random
+from pathlib import Path
 
 import pytest
 
@@ -7,7 +9,7 @@ from common.config import ALLOCATORS
 from common.protocol import CachedSequence, NewSequence, ProtocolError, SamplingParams, StepPlan
 from pagoda.bench_memory import TOKEN_ID, Request, TraceExecutor, bench_memory, measure_sharing, replay
 from pagoda.cli import main
-from pagoda.workloads import sample_sharegpt
+from pagoda.workloads import RequestPair, sample_sharegpt
 
 NUM_BLOCKS = 300  # 299 usable: two 2048-token regions (128 blocks each) at a time for orca-max
 
@@ -61,6 +63,7 @@ def test_paged_beats_every_baseline_and_values_are_shares(requests):
 def test_cli_writes_the_result_file(tmp_path, capsys):
     out = tmp_path / "memory.json"
     assert main(["bench", "memory", "--num-prompts", "12", "--num-blocks", str(NUM_BLOCKS), "--source", "trace",
+                 "--sharing-prompts", "0",
                  "--allocators", "paged,orca-oracle", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["allocators"]) == {"paged", "orca-oracle"}
@@ -78,9 +81,43 @@ def test_unknown_allocator_is_an_error(capsys):
     assert main(["bench", "memory", "--num-prompts", "2", "--source", "trace", "--allocators", "buddy"]) == 2
 
 
-def test_sharing_is_not_measured_yet():
-    with pytest.raises(NotImplementedError):
-        measure_sharing()
+TINY = Path(__file__).parent / "data" / "tiny-llama.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    from pagoda.offline import LLM
+
+    return LLM(f"dummy:{TINY}", device="cpu", num_gpu_blocks=256)
+
+
+def pairs_of(prompts: list[list[int]], output_len: int) -> list[RequestPair]:
+    return [RequestPair(i, len(p), output_len, tuple(p)) for i, p in enumerate(prompts)]
+
+
+def test_sharing_counts_a_forked_prompt_once(tiny_llm):
+    # one 32-token prompt (2 full blocks), n=2, 2 tokens: after step 1 both samples hold the
+    # prompt's 2 blocks (4 logical, 2 physical); after step 2 both ended and hold nothing
+    prefix_pairs = pairs_of([[7] * 4] * 8, 1)
+    pairs = prefix_pairs + pairs_of([list(range(3, 35))], 2)
+    result = measure_sharing(tiny_llm, pairs, max_tokens=2, cases=("parallel-2",))
+    r = result["parallel-2"]
+    assert (r["logical_block_steps"], r["physical_block_steps"], r["steps"]) == (4, 2, 2)
+    assert r["saved_fraction"] == 0.5
+
+
+def test_sharing_savings_grow_with_the_number_of_samples_and_beams(tiny_llm):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in [20] * 8 + [40, 70, 25]]
+    result = measure_sharing(tiny_llm, pairs_of(prompts, 12), max_tokens=12)
+    saved = {case: r["saved_fraction"] for case, r in result.items()}
+    assert set(saved) == {"parallel-2", "parallel-4", "parallel-6", "beam-2", "beam-4", "beam-6", "prefix"}
+    assert 0 < saved["parallel-2"] < saved["parallel-4"] < saved["parallel-6"] < 1
+    assert 0 < saved["beam-2"] < saved["beam-6"] < 1
+    assert 0 < saved["prefix"] < 1
+    bm = tiny_llm.scheduler.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_total_blocks
 
 
 def test_trace_executor_samples_a_non_eos_token_when_a_sequence_is_due_and_checks_the_plan():
