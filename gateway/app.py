@@ -339,9 +339,8 @@ class Gateway:
                 raise bad_request(
                     f"the request needs up to {final_len} tokens of KV cache, more than the server's whole pool "
                     f"({capacity} tokens); shorten the {where} or lower max_tokens", where, "kv_cache_exceeded")
-            if num_seqs > 1:  # the scheduler's reckoning: shared prompt blocks, each sequence's own tail and output
-                blocks = _ceil_div(len(prompt), block_size) + num_seqs * (
-                    _ceil_div(final_len - len(prompt), block_size) + 1) - 1
+            if num_seqs > 1:  # the scheduler's reckoning: each sequence whole (after a recompute nothing is shared)
+                blocks = num_seqs * _ceil_div(final_len, block_size)
                 if blocks * block_size > capacity:
                     raise bad_request(
                         f"the request's {num_seqs} sequences need up to {blocks * block_size} tokens of KV cache, "

@@ -14,12 +14,15 @@ about to be written this step:
     [0, num_slots)                        slots in the table, KV written or scheduled
     [num_slots, len(table) * block_size)  spare room in the last block
 
-Prefix registry: a full block is keyed by `hash((parent key, its token ids))`, chained from the
-first block; a hit compares the token ids too. A block is registered (`register_computed`) only
+Prefix registry: a full block is keyed by a SHA-256 digest of (its parent's key, its token ids),
+chained from the first block, so a crafted collision cannot make one prompt read another's KV;
+a hit compares the token ids too. A block is registered (`register_computed`) only
 once the worker has confirmed the step that wrote its KV.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -28,6 +31,12 @@ NULL_BLOCK = 0
 
 class NoFreeBlocksError(RuntimeError):
     pass
+
+
+def block_key(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -51,11 +60,11 @@ class BlockManager:
         self.cpu_tables: dict[int, list[int]] = {}  # tables of swapped-out sequences
         # prefix registry
         self.enable_prefix_caching = enable_prefix_caching
-        self.cached_blocks: dict[int, int] = {}  # key -> device block
-        self.block_key: list[int | None] = [None] * num_blocks
+        self.cached_blocks: dict[bytes, int] = {}  # key -> device block
+        self.block_key: list[bytes | None] = [None] * num_blocks
         self.block_tokens: dict[int, tuple[int, ...]] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, ref 0; oldest first
-        self.seq_keys: dict[int, list[int]] = {}  # keys of each sequence's leading full blocks
+        self.seq_keys: dict[int, list[bytes]] = {}  # keys of each sequence's leading full blocks
 
     # ---------------------------------------------------------------- queries
     @property
@@ -214,7 +223,7 @@ class BlockManager:
         hits, key, bs = [], None, self.block_size
         for i in range((min(num_tokens, len(token_ids)) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            key = hash((key, tokens))
+            key = block_key(key, tokens)
             block = self.cached_blocks.get(key)
             if block is None or self.block_tokens[block] != tokens:
                 break
@@ -234,7 +243,7 @@ class BlockManager:
         bs, table = self.block_size, self.block_tables[seq_id]
         for i in range(len(keys), num_computed_tokens // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            key = hash((keys[-1] if keys else None, tokens))
+            key = block_key(keys[-1] if keys else None, tokens)
             keys.append(key)
             block = table[i]
             if key not in self.cached_blocks and self.block_key[block] is None:

@@ -152,12 +152,15 @@ class Scheduler:
             raise RequestRejected(
                 f"the request runs {num_seqs} sequences at once, more than max_num_seqs ({self.config.max_num_seqs})"
             )
+        if num_seqs > self.config.max_num_batched_tokens:
+            raise RequestRejected(
+                f"the request runs {num_seqs} sequences at once, more than max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) can decode in one step"
+            )
         bm = self.block_manager
         final_len = len(prompt) + self._max_new_tokens(len(prompt), params)
-        # the prompt's blocks are shared; each sequence's own tail block and output blocks are not
-        needed = bm.blocks_for(len(prompt)) + num_seqs * (bm.blocks_for(final_len - len(prompt)) + 1) - 1
-        if num_seqs == 1:
-            needed = bm.blocks_for(final_len)
+        # each sequence whole: a group preempted by recompute comes back with nothing shared
+        needed = num_seqs * bm.blocks_for(final_len)
         if needed > bm.num_total_blocks - bm.watermark_blocks:
             raise RequestRejected(
                 f"the request needs up to {needed * bm.block_size} tokens of KV cache, more than the whole pool "
@@ -264,7 +267,8 @@ class Scheduler:
                 fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], final_tokens)
             else:  # a preempted group recomputing: hits are a bonus, not counted on
                 hits = [0] * len(seqs)
-                fits = bm.can_allocate(sum(seq.num_tokens for seq in seqs), None, final_tokens)
+                needed = sum(bm.blocks_for(seq.num_tokens) for seq in seqs)
+                fits = needed <= bm.num_free_blocks - bm.watermark_blocks
             num_new = self._chunk_sizes(seqs, budget, hits)
             if num_new is None or not self.config.enable_chunked_prefill and any(
                 n + hit < s.num_tokens for s, n, hit in zip(seqs, num_new, hits)
@@ -292,16 +296,15 @@ class Scheduler:
             self.running.sort(key=lambda g: g.arrival_time)
 
     def _chunk_sizes(self, seqs: list[Sequence], budget: _Budget, hits: list[int] | None = None) -> list[int] | None:
-        """Tokens to schedule per sequence, or None when the group does not fit this step.
+        """Tokens to schedule per sequence, or None when none of the group fits this step.
 
-        A beam that already sampled waits (0 tokens) for the others of its group to catch up.
+        A sequence may get 0: out of budget (it goes on next step; the samples of a group are
+        independent) or a beam that already sampled, waiting for the others to catch up.
         """
         num_new, tokens_left = [], budget.tokens
         for i, seq in enumerate(seqs):
             remaining = seq.num_tokens - max(seq.num_computed_tokens, hits[i] if hits else 0)
-            n = min(remaining, tokens_left)
-            if remaining > 0 and n <= 0:
-                return None
+            n = max(min(remaining, tokens_left), 0)
             num_new.append(n)
             tokens_left -= n
         return num_new if any(num_new) else None

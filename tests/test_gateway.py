@@ -508,10 +508,10 @@ def test_an_error_or_abort_event_ends_every_output_of_the_request(client, fake, 
 
 def test_a_group_larger_than_the_kv_pool_is_400(client, fake):
     fake.publish(max_request_tokens=100)
-    try:  # 2 prompt blocks + 4 * (1 output block + 1 own tail) - 1 shared = 9 blocks of 16
+    try:  # 4 sequences of 36 tokens, each whole (a recomputed group shares nothing): 12 blocks of 16
         e = error(client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "best_of": 4}), 400,
                   param="prompt", code="kv_cache_exceeded")
-        assert e["message"] == ("the request's 4 sequences need up to 144 tokens of KV cache, more than the server's "
+        assert e["message"] == ("the request's 4 sequences need up to 192 tokens of KV cache, more than the server's "
                                 "whole pool (100 tokens); shorten the prompt, lower max_tokens or lower best_of")
         r = client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "n": 4})
         assert r.status_code == 200  # four independent requests of 36 tokens each

@@ -88,8 +88,8 @@ class ModelRunner:
         return caches
 
     def _allocate_swap_pool(self, num_blocks: int) -> list[torch.Tensor]:
-        """The CPU swap pool, same layout as the device pool; pinned on CUDA so swaps are DMA.
-        Untouched pages of a CPU tensor cost no memory until a swap writes them."""
+        """The CPU swap pool, same layout as the device pool; pinned on CUDA so swaps are DMA (and
+        then locked up front; on CPU untouched pages cost nothing until a swap writes them)."""
         pin = self.device.type == "cuda"
         return [
             torch.empty((num_blocks, *self.kv_shape), dtype=self.dtype, device="cpu", pin_memory=pin)
