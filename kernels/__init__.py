@@ -40,7 +40,7 @@ def write_kv(
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, impl: Impl = None,
-    max_seqlen_k: int | None = None, kv_splits: int | None = None,
+    max_seqlen_k: int | None = None, kv_splits: int | None = None, step_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV: prefill, queries after a
     cached prefix, and decode, mixed in one batch (semantics: `reference.paged_attention`).
@@ -49,6 +49,8 @@ def paged_attention(
     seq_lens: [num_seqs] int32; cu_seqlens_q: [num_seqs + 1] int32. Returns [num_tokens, num_heads,
     head_dim] (`out` when given). Triton only: `max_seqlen_k` (an upper bound on seq_lens, for the
     split-KV choice; default the block table's width) and `kv_splits` (force a split count).
+    `step_cache`: a dict that lives for one step, where the torch path keeps its bucketing of the
+    step's sequences for every layer.
     """
     if _use_triton(query, impl):
         from kernels import triton_attention
@@ -57,7 +59,13 @@ def paged_attention(
             query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
             max_seqlen_k=max_seqlen_k, kv_splits=kv_splits,
         )
-    return reference.paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out)
+    plan = None
+    if step_cache is not None:
+        plan = step_cache.get("reference_plan")
+        if plan is None:
+            plan = step_cache["reference_plan"] = reference.plan_attention(
+                block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2])
+    return reference.paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out, plan=plan)
 
 
 def copy_blocks(

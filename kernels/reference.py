@@ -1,6 +1,8 @@
 """Pure-PyTorch references for the paged-attention kernels (the CPU path and the test oracle)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -20,71 +22,115 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV.
 
     query: [num_tokens, num_heads, head_dim], sequence i's queries are its last
     `cu_seqlens_q[i+1] - cu_seqlens_q[i]` positions; seq_lens[i] counts its KV including them;
     block_tables: [num_seqs, max_blocks] int32 padded with the null block 0.
-    Returns [num_tokens, num_heads, head_dim], written into `out` when one is given.
+    Returns [num_tokens, num_heads, head_dim], written into `out` when one is given. `plan` (from
+    `plan_attention` on the same metadata) saves every layer of a step from redoing the bucketing.
     """
     out = torch.empty_like(query) if out is None else out
-    starts = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    if decodes:
-        _decode(query, kv_cache, block_tables, lens, starts, decodes, scale, out)
-    for i in range(len(lens)):
-        q_len = starts[i + 1] - starts[i]
-        if q_len > 1:
-            _prefill(query, kv_cache, block_tables[i], lens[i], starts[i], q_len, scale, out)
+    plan = plan or plan_attention(block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2])
+    for bucket in plan.decode_buckets:
+        _decode(query, kv_cache, bucket, scale, out)
+    for i, start, q_len, seq_len in plan.prefills:
+        _prefill(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out)
     return out
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Single-query sequences of similar context length, attended in one batched call."""
+
+    q_rows: torch.Tensor  # [b] int64: their query rows
+    blocks: torch.Tensor  # [b, num_blocks] int64: their block tables, cut to the longest context
+    lo: int  # the shortest context: only slots past it can lie beyond a row's context
+    beyond: torch.Tensor  # [b, L - lo] bool: slot lo + j lies beyond the row's context
+    mask: torch.Tensor  # [b, 1, 1, L] bool: the slots each row attends to
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    decode_buckets: list[DecodeBucket]
+    prefills: list[tuple[int, int, int, int]]  # (sequence, first query row, query length, KV length)
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   block_size: int) -> AttentionPlan:
+    """Group a step's decodes by context length (padding each group to its own longest context,
+    not the batch's: on CPU the gather of the paged KV is a decode step's largest cost)."""
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    decodes = sorted((i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1), key=lambda i: lens[i])
+    groups: list[list[int]] = []
+    for i in decodes:
+        if not groups or lens[i] > 1.25 * lens[groups[-1][0]] + block_size:
+            groups.append([])
+        groups[-1].append(i)
+    device = block_tables.device
+    buckets = []
+    for rows in groups:
+        ctx = torch.tensor([lens[i] for i in rows], device=device)
+        num_blocks = -(-lens[rows[-1]] // block_size)
+        lo, width = lens[rows[0]], num_blocks * block_size
+        valid = torch.arange(width, device=device) < ctx[:, None]
+        buckets.append(DecodeBucket(
+            torch.tensor([starts[i] for i in rows], device=device),
+            block_tables[torch.tensor(rows, device=device), :num_blocks].long(),
+            lo, ~valid[:, lo:], valid[:, None, None, :],
+        ))
+    prefills = [(i, starts[i], starts[i + 1] - starts[i], lens[i]) for i in range(len(lens))
+                if starts[i + 1] - starts[i] > 1]
+    return AttentionPlan(buckets, prefills)
 
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a table's first blocks, each a fresh [..., num_blocks * block_size, num_kv_heads, head_dim]."""
     index = block_table[..., :num_blocks].long()
-    k, v = kv_cache[:, 0][index], kv_cache[:, 1][index]  # [..., num_blocks, block_size, kvh, hd]
     shape = (*index.shape[:-1], -1, *kv_cache.shape[-2:])
-    return k.view(shape), v.view(shape)
+    # index_select copies a block's rows with one memcpy (indexing the strided view does not)
+    k, v = (torch.index_select(kv_cache[:, i], 0, index.flatten()).view(shape) for i in (0, 1))
+    return k, v
 
 
-def _decode(query, kv_cache, block_tables, lens, starts, rows, scale, out) -> None:
-    """All single-query sequences in one batched call, padded to the longest context.
+def _decode(query, kv_cache, bucket: DecodeBucket, scale, out) -> None:
+    """One bucket's single queries, each KV head's query group taken as a query length.
 
     Slots past a row's context (null-block padding, the tail of a partial block) may hold
-    anything, NaN included: their scores are masked to -inf and their V rows zeroed, since a
-    zero attention weight times NaN is still NaN.
+    anything, NaN included: they are masked out and their K and V rows zeroed, since NaN survives
+    a mask and a zero attention weight.
     """
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-    idx = torch.tensor(rows, device=query.device)
-    ctx = torch.tensor([lens[i] for i in rows], device=query.device)
-    k, v = _gather(kv_cache, block_tables[idx], -(-int(ctx.max()) // block_size))  # [b, L, kvh, hd]
-    valid = torch.arange(k.shape[1], device=query.device) < ctx[:, None]  # [b, L]
-    v.masked_fill_(~valid[:, :, None, None], 0)
-    q_rows = [starts[i] for i in rows]
-    q = (query[q_rows].float() * scale).view(len(rows), num_kv_heads, -1, head_dim)  # [b, kvh, group, hd]
-    o = torch.empty_like(q)
-    for h in range(num_kv_heads):  # strided per-head views go to bmm without a copy
-        scores = torch.bmm(q[:, h], k[:, :, h].float().transpose(1, 2))  # [b, group, L]
-        scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        o[:, h] = torch.bmm(scores.softmax(dim=-1), v[:, :, h].float())
-    out[q_rows] = o.view(len(rows), -1, head_dim).to(out.dtype)
+    num_blocks, block_size, num_kv_heads, head_dim = bucket.blocks.shape[1], *kv_cache.shape[2:]
+    b, lo = len(bucket.q_rows), bucket.lo
+    # index_select copies each block's K (then V) rows with one memcpy; the result views as
+    # [b, L, kvh, hd], and attention takes it permuted to [b, kvh, L, hd] without another copy
+    flat = bucket.blocks.flatten()
+    k, v = (torch.index_select(kv_cache[:, i], 0, flat).view(b, num_blocks * block_size, num_kv_heads, head_dim)
+            for i in (0, 1))
+    k[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
+    v[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
+    k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    q = query[bucket.q_rows].float().view(b, num_kv_heads, -1, head_dim)  # [b, kvh, group, hd]
+    o = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=bucket.mask, scale=scale)
+    out[bucket.q_rows] = o.reshape(b, -1, head_dim).to(out.dtype)
 
 
 def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out) -> None:
     block_size = kv_cache.shape[2]
     k, v = _gather(kv_cache, block_table, -(-seq_len // block_size))
     k, v = k[:seq_len].transpose(0, 1).to(query.dtype), v[:seq_len].transpose(0, 1).to(query.dtype)
-    q = query[start:start + q_len].transpose(0, 1)  # [h, q_len, hd]
+    # 4-D [1, heads, len, hd]: PyTorch's fused CPU attention takes those; 3-D falls back to the math path
+    q = query[start:start + q_len].transpose(0, 1)[None]
+    k, v = k[None], v[None]
     if q_len == seq_len:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # queries after a cached prefix: query i sees keys [0, seq_len - q_len + i]
         rows = torch.arange(q_len, device=query.device)[:, None] + (seq_len - q_len)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out[start:start + q_len] = o.transpose(0, 1)
+    out[start:start + q_len] = o[0].transpose(0, 1)
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:

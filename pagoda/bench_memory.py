@@ -315,15 +315,19 @@ def git_commit() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def command_line(args) -> str:
+def command_words(bench: str, args) -> str:
     """The command that repeats this run, every option spelled out."""
-    words = ["pagoda", "bench", "memory"]
-    for name in ("num_prompts", "num_blocks", "block_size", "max_model_len", "max_num_seqs",
-                 "max_num_batched_tokens", "allocators", "seed", "source", "sharing_prompts", "sharing_max_tokens",
-                 "model", "device", "output"):
-        if getattr(args, name) is not None:
-            words += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    words = ["pagoda", "bench", bench]
+    for name, value in vars(args).items():
+        if name in ("command", "bench", "handler") or value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        words += [flag] if value is True else [flag, str(value)]
     return shlex.join(words)
+
+
+def command_line(args) -> str:
+    return command_words("memory", args)
 
 
 def table(result: dict) -> str:

@@ -45,6 +45,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU memory per worker for swapped-out KV")
     p.add_argument("--num-cpu-blocks", type=int, default=None, help="override the swap pool size (blocks)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    p.add_argument("--allocator", default="paged", choices=["paged", "orca-max", "orca-pow2", "orca-oracle"],
+                   help="KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)")
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
                    help="how a group is preempted when blocks run out (auto: the cheaper by measured rates)")
 
@@ -57,7 +59,8 @@ def _engine_flags(args) -> list[str]:
         flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
     if args.max_model_len is not None:
         flags += ["--max-model-len", str(args.max_model_len)]
-    flags += ["--swap-space", str(args.swap_space), "--preemption-mode", args.preemption_mode]
+    flags += ["--swap-space", str(args.swap_space), "--preemption-mode", args.preemption_mode,
+              "--allocator", args.allocator]
     if args.num_cpu_blocks is not None:
         flags += ["--num-cpu-blocks", str(args.num_cpu_blocks)]
     if args.no_prefix_caching:
@@ -71,6 +74,7 @@ def _engine_config(args) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, swap_space_gb=args.swap_space, num_cpu_blocks=args.num_cpu_blocks,
         enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
+        allocator=args.allocator,
     )
 
 
@@ -251,6 +255,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     k.add_argument("--output", help="write the result JSON here")
     k.set_defaults(handler=_bench_kernels)
     _add_bench_memory(benches.add_parser("memory", help="KV memory use: paged vs Orca-style contiguous (CPU, no model)"))
+    _add_bench_throughput(benches.add_parser(
+        "throughput", help="offline engine vs transformers generate on ShareGPT, in one run"))
+    _add_bench_serve(benches.add_parser("serve", help="online latency and throughput against the gateway"))
 
 
 def _bench_kernels(args) -> int:
@@ -277,6 +284,58 @@ def _add_bench_memory(m: argparse.ArgumentParser) -> None:
     m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the sharing runs)")
     m.add_argument("--output", help="write the result JSON here")
     m.set_defaults(handler=_bench_memory)
+
+
+def _add_bench_throughput(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    t.add_argument("--num-prompts", type=int, default=64, help="ShareGPT requests")
+    t.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
+    t.add_argument("--ignore-eos", action="store_true", help="every request produces exactly its (capped) length")
+    t.add_argument("--hf-batch-size", type=int, default=8, help="transformers' static batch size")
+    t.add_argument("--allocator", default="paged", choices=["paged", "orca-max", "orca-pow2", "orca-oracle"])
+    t.add_argument("--max-num-seqs", type=int, default=256)
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    t.add_argument("--num-gpu-blocks", type=int, default=None)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
+    t.add_argument("--skip-baseline", action="store_true", help="Pagoda only")
+    t.add_argument("--output", help="write the result JSON here")
+    t.set_defaults(handler=_bench_throughput)
+
+
+def _add_bench_serve(v: argparse.ArgumentParser) -> None:
+    v.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running gateway (without --launch)")
+    v.add_argument("--label", default="pagoda", help="the name of that gateway's run in the result")
+    v.add_argument("--launch", action="store_true", help="start `pagoda up` once per --allocators entry")
+    v.add_argument("--allocators", default="paged,orca-oracle", help="with --launch")
+    v.add_argument("--port", type=int, default=8100, help="with --launch: the port to serve on")
+    v.add_argument("--model", default="default", help="with --launch: the model to serve")
+    v.add_argument("--served-model", default=None, help="the model name to send (default: none, the served one)")
+    v.add_argument("--device", default="auto", help="with --launch")
+    v.add_argument("--num-gpu-blocks", type=int, default=None, help="with --launch: the KV pool, in blocks")
+    v.add_argument("--num-prompts", type=int, default=50, help="ShareGPT requests per rate")
+    v.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
+    v.add_argument("--request-rate", default="1,2,4", help="requests/s, comma-separated; inf sends all at once")
+    v.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
+    v.add_argument("--goodput", default=None, help="SLOs in ms, e.g. ttft:2000,tpot:500,e2e:30000")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
+    v.add_argument("--output", help="write the result JSON here (and with --launch a PNG plot beside it)")
+    v.set_defaults(handler=_bench_serve)
+
+
+def _bench_serve(args) -> int:
+    from pagoda.bench_serve import run
+
+    return run(args)
+
+
+def _bench_throughput(args) -> int:
+    from pagoda.bench_throughput import run
+
+    return run(args)
 
 
 def _bench_memory(args) -> int:

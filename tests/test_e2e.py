@@ -190,3 +190,20 @@ def test_disconnect_mid_stream_frees_blocks(stack):
         time.sleep(0.2)
     assert metrics["pagoda:kv_cache_usage_perc"] == 0
     assert metrics["pagoda:num_requests_running"] == 0
+
+
+def test_bench_serve_measures_the_real_stack(stack):
+    import asyncio
+
+    from pagoda.bench_serve import run_rate, summarize
+
+    requests = [([504, 1218, 281, 253, 1345], 6), ([1780, 3346, 314], 4), ([2078] * 20, 5)]
+    results, duration = asyncio.run(run_rate(stack.url, None, requests, rate=10.0, seed=1))
+    assert [r.error for r in results] == [None, None, None]
+    assert [r.output_len for r in results] == [6, 4, 5]  # ignore_eos: exactly max_tokens each
+    for r in results:
+        assert 0 < r.ttft <= r.e2e and 0 < len(r.itl) <= r.output_len - 1
+    metrics = summarize(results, duration, {"e2e": 600.0})
+    assert (metrics["completed"], metrics["failed"]) == (3, 0)
+    assert metrics["output_token_throughput"] == pytest.approx(15 / duration)
+    assert metrics["goodput"] == pytest.approx(3 / duration)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +13,7 @@ class AttentionContext:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block 0
     seq_lens: torch.Tensor  # [num_seqs] int32, KV length including this step's tokens
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    kernel_cache: dict = field(default_factory=dict)  # what a kernel derives once per step for every layer
 
 
 _context: AttentionContext | None = None

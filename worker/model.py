@@ -59,7 +59,8 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         ctx = get_context()
         kernels.write_kv(k, v, self.kv_cache, ctx.slot_mapping)
-        o = kernels.paged_attention(q, self.kv_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale)
+        o = kernels.paged_attention(q, self.kv_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale,
+                                    step_cache=ctx.kernel_cache)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

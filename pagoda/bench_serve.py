@@ -1,0 +1,276 @@
+"""`pagoda bench serve`: online serving against the OpenAI-compatible gateway (BENCHMARKS.md).
+
+ShareGPT requests (token-id prompts, each asking for its recorded output length capped at
+`--max-output-len`, EOS ignored) are sent to `/v1/completions` as streams, arriving as a Poisson
+process (or gamma with `--burstiness`; `inf` sends all at t=0) at each `--request-rate`. Per rate:
+request and token throughput, TTFT, TPOT, ITL and E2E (mean, median, p99), goodput under the
+`--goodput` SLOs, and the paper's normalized latency (mean of E2E / output tokens).
+
+With `--launch` it starts `pagoda up` itself once per `--allocators` entry (the paged allocator
+and the Orca-style contiguous baselines inside the same scheduler) and writes a PNG of normalized
+latency against request rate beside the JSON (the paper's figure 12); else it measures the
+gateway at `--base-url`.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagoda.bench_memory import command_words, device_description, git_commit
+
+
+@dataclass(slots=True)
+class RequestResult:
+    prompt_len: int
+    output_len: int = 0  # completion tokens, from the usage chunk
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.e2e is None or self.ttft is None or self.output_len < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_len - 1)
+
+
+# ----------------------------------------------------------------------------- arrivals and metrics
+
+
+def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times from t=0: gamma-distributed gaps of mean 1/rate (shape `burstiness`; 1 is Poisson)."""
+    if rate == float("inf"):
+        return [0.0] * num
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(num):
+        times.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return times
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, max(0, int(round(0.99 * len(ordered) + 0.5)) - 1))]
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p99": p99}
+
+
+def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:
+    """The metrics of one run (times in seconds; SLOs in seconds, keys ttft, tpot, e2e)."""
+    done = [r for r in results if r.error is None]
+    output_tokens = sum(r.output_len for r in done)
+
+    def good(r: RequestResult) -> bool:
+        values = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2e": r.e2e}
+        return all(values[k] <= limit for k, limit in slos.items())
+
+    return {
+        "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
+        "request_throughput": len(done) / duration, "output_token_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + sum(r.prompt_len for r in done)) / duration,
+        "goodput": sum(good(r) for r in done) / duration if slos else None,
+        "ttft_s": _stats([r.ttft for r in done]),
+        "tpot_s": _stats([r.tpot for r in done if r.tpot is not None]),
+        "itl_s": _stats([gap for r in done for gap in r.itl]),
+        "e2e_s": _stats([r.e2e for r in done]),
+        "normalized_latency_s_per_token": statistics.fmean(r.e2e / r.output_len for r in done if r.output_len)
+        if done else None,
+    }
+
+
+# ----------------------------------------------------------------------------- the client
+
+
+async def send(client, url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
+    result = RequestResult(len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                if chunk.get("usage"):
+                    result.output_len = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if result.ttft is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        if result.ttft is None:
+            result.ttft = result.e2e
+    except Exception as exc:  # a benchmark reports failures, it does not stop on them
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_rate(base_url: str, model: str, requests: list[tuple[list[int], int]], rate: float,
+                   burstiness: float = 1.0, seed: int = 0) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def later(at: float, prompt: list[int], max_tokens: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await send(client, url, model, prompt, max_tokens)
+
+        times = arrival_times(len(requests), rate, burstiness, seed)
+        results = await asyncio.gather(*(later(t, p, n) for t, (p, n) in zip(times, requests)))
+        return list(results), time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- launching stacks
+
+
+def _wait_healthy(base_url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagoda up exited with {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{base_url} not healthy after {timeout:.0f} s")
+
+
+def launch(args, allocator: str, port: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "pagoda.cli", "up", "--model", args.model, "--device", args.device,
+               "--port", str(port), "--allocator", allocator, "--no-prefix-caching"]
+    if args.num_gpu_blocks:
+        command += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+    env = {k: v for k, v in os.environ.items() if k != "PAGODA_REDIS_URL"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    _wait_healthy(f"http://127.0.0.1:{port}", proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def parse_rates(text: str) -> list[float]:
+    return [float("inf") if r.strip() == "inf" else float(r) for r in text.split(",") if r.strip()]
+
+
+def parse_slos(text: str | None) -> dict[str, float]:
+    """'ttft:2000,tpot:500' (milliseconds) -> {'ttft': 2.0, 'tpot': 0.5}."""
+    slos = {}
+    for item in (text or "").split(","):
+        if item.strip():
+            name, _, ms = item.partition(":")
+            if name not in ("ttft", "tpot", "e2e"):
+                raise ValueError(f"unknown SLO {name!r}: ttft, tpot or e2e")
+            slos[name] = float(ms) / 1000.0
+    return slos
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=120)
+    for name, runs in result["runs"].items():
+        rates = [r["request_rate"] for r in runs]
+        ax.plot(rates, [r["normalized_latency_s_per_token"] for r in runs], marker="o", label=name)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title(f"{result['model']}, {result['workload']['name']} ({result['device'].split(' (')[0]})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    """The `pagoda bench serve` command."""
+    from pagoda.bench_throughput import load_requests
+
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    requests = load_requests(args, vocab_size=1 << 31)
+    rates, slos = parse_rates(args.request_rate), parse_slos(args.goodput)
+    targets = [(a.strip(), None) for a in args.allocators.split(",")] if args.launch else [(args.label, args.base_url)]
+    runs: dict[str, list[dict]] = {}
+    for name, base_url in targets:
+        proc = None
+        if base_url is None:
+            log(f"starting pagoda up with the {name} allocator")
+            proc = launch(args, name, args.port)
+            base_url = f"http://127.0.0.1:{args.port}"
+        try:
+            asyncio.run(run_rate(base_url, args.served_model, requests[:2], float("inf")))  # warm up
+            for rate in rates:
+                results, duration = asyncio.run(run_rate(base_url, args.served_model, requests, rate,
+                                                         args.burstiness, args.seed))
+                metrics = {"request_rate": rate if rate != float("inf") else "inf",
+                           **summarize(results, duration, slos)}
+                errors = sorted({r.error for r in results if r.error})
+                if errors:
+                    metrics["errors"] = errors[:5]
+                runs.setdefault(name, []).append(metrics)
+                log(f"{name} at {rate} req/s: {metrics['completed']} done, "
+                    f"{metrics['output_token_throughput']:.1f} tok/s, TTFT median {metrics['ttft_s']['median']}, "
+                    f"normalized latency {metrics['normalized_latency_s_per_token']}")
+        finally:
+            if proc is not None:
+                stop(proc)
+    result = {
+        "benchmark": "serve", "command": command_words("serve", args), "commit": git_commit(),
+        "date": datetime.date.today().isoformat(), "device": device_description(), "model": args.model,
+        "workload": {"name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed,
+                     "max_output_len": args.max_output_len, "burstiness": args.burstiness,
+                     "mean_prompt_tokens": sum(len(p) for p, _ in requests) / len(requests),
+                     "mean_output_tokens": sum(n for _, n in requests) / len(requests)},
+        "slos_s": slos, "num_gpu_blocks": args.num_gpu_blocks, "runs": runs,
+    }
+    if args.output:
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=2) + "\n")
+        if len(runs) and all(isinstance(r["request_rate"], float) for rs in runs.values() for r in rs):
+            plot(result, output.with_suffix(".png"))
+        log(f"wrote {output}")
+    print(json.dumps(runs, indent=2))
+    return 0

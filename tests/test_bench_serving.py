@@ -1,0 +1,85 @@
+"""`pagoda bench throughput` and `pagoda bench serve`: their metrics exactly, and runs through the
+real engine (tiny random Llama) and the real stack (tests/test_e2e.py drives `run_rate`)."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pagoda.bench_serve import RequestResult, arrival_times, parse_rates, parse_slos, plot, summarize
+from pagoda.cli import main
+
+TINY = Path(__file__).parent / "data" / "tiny-llama.json"
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_inf_sends_all_at_once():
+    times = arrival_times(4000, rate=4.0, seed=1)
+    assert times[0] == 0.0 and times == sorted(times)
+    assert 4000 / times[-1] == pytest.approx(4.0, rel=0.05)
+    assert arrival_times(3, float("inf")) == [0.0, 0.0, 0.0]
+    assert arrival_times(5, 2.0, seed=7) == arrival_times(5, 2.0, seed=7)
+    bursty = arrival_times(4000, rate=4.0, burstiness=0.25, seed=1)
+    gaps = [b - a for a, b in zip(bursty, bursty[1:])]
+    assert 4000 / bursty[-1] == pytest.approx(4.0, rel=0.15)
+    assert max(gaps) > 2 * max(b - a for a, b in zip(times, times[1:]))  # burstier: longer lulls
+
+
+def test_summarize_computes_each_metric_as_vllm_defines_it():
+    results = [
+        RequestResult(10, output_len=5, ttft=0.5, e2e=2.5, itl=[0.5, 0.5, 0.5, 0.5]),  # tpot 0.5
+        RequestResult(20, output_len=3, ttft=1.0, e2e=2.0, itl=[0.5, 0.5]),  # tpot 0.5
+        RequestResult(30, error="HTTP 500"),
+    ]
+    m = summarize(results, duration=4.0, slos={"ttft": 0.6})
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert m["request_throughput"] == 0.5 and m["output_token_throughput"] == 2.0
+    assert m["total_token_throughput"] == (8 + 30) / 4.0
+    assert m["goodput"] == 0.25  # only the first meets the TTFT SLO
+    assert m["ttft_s"] == {"mean": 0.75, "median": 0.75, "p99": 1.0}
+    assert m["tpot_s"]["mean"] == 0.5 and m["itl_s"]["median"] == 0.5
+    assert m["e2e_s"]["mean"] == 2.25
+    assert m["normalized_latency_s_per_token"] == pytest.approx((2.5 / 5 + 2.0 / 3) / 2)
+
+
+def test_rates_and_slos_parse_and_bad_slos_are_errors():
+    assert parse_rates("0.5, 2,inf") == [0.5, 2.0, math.inf]
+    assert parse_slos("ttft:2000,tpot:500") == {"ttft": 2.0, "tpot": 0.5}
+    with pytest.raises(ValueError, match="unknown SLO"):
+        parse_slos("latency:3")
+
+
+def test_plot_draws_normalized_latency_per_allocator(tmp_path):
+    result = {"model": "m", "workload": {"name": "ShareGPT"}, "device": "cpu (2 cores)", "runs": {
+        "paged": [{"request_rate": 1.0, "normalized_latency_s_per_token": 0.1},
+                  {"request_rate": 2.0, "normalized_latency_s_per_token": 0.2}],
+        "orca-oracle": [{"request_rate": 1.0, "normalized_latency_s_per_token": 0.3}],
+    }}
+    plot(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_throughput_runs_both_sides_on_the_same_requests(tmp_path):
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", f"dummy:{TINY}", "--device", "cpu", "--num-prompts", "6",
+                 "--max-output-len", "8", "--ignore-eos", "--hf-batch-size", "4", "--source", "trace",
+                 "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    from pagoda.workloads import sample_sharegpt
+
+    expected_tokens = sum(min(p.output_len, 8) for p in sample_sharegpt(6, 0, "trace"))
+    assert result["pagoda"]["output_tokens"] == result["baseline"]["output_tokens"] == expected_tokens
+    assert result["ratio"] == pytest.approx(
+        result["pagoda"]["output_tokens_per_s"] / result["baseline"]["output_tokens_per_s"])
+    assert result["workload"]["num_prompts"] == 6 and result["allocator"] == "paged"
+    assert result["command"].startswith("pagoda bench throughput --model dummy:")
+    assert {"commit", "date", "device"} <= result.keys()
+
+
+def test_bench_throughput_runs_an_orca_baseline_allocator(tmp_path):
+    out = tmp_path / "oracle.json"
+    assert main(["bench", "throughput", "--model", f"dummy:{TINY}", "--device", "cpu", "--num-prompts", "4",
+                 "--max-output-len", "4", "--ignore-eos", "--allocator", "orca-oracle", "--skip-baseline",
+                 "--source", "trace", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["allocator"] == "orca-oracle" and "baseline" not in result
+    assert result["pagoda"]["output_tokens"] > 0
