@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import logging
 import os
 import random
 import signal
@@ -229,6 +230,7 @@ def run(args) -> int:
     from pagoda.bench_throughput import load_requests
 
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     requests = load_requests(args, vocab_size=1 << 31)
     rates, slos = parse_rates(args.request_rate), parse_slos(args.goodput)
     targets = [(a.strip(), None) for a in args.allocators.split(",")] if args.launch else [(args.label, args.base_url)]

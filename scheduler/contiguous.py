@@ -47,7 +47,7 @@ class ContiguousAllocator:
         self.policy = policy
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * (num_blocks - 1))
-        if self.blocks_for(max_model_len) > self.num_total_blocks - self.watermark_blocks:
+        if policy == "max" and self.blocks_for(max_model_len) > self.num_total_blocks - self.watermark_blocks:
             raise ValueError(
                 f"a {max_model_len}-token region ({self.blocks_for(max_model_len)} blocks) does not fit a pool of "
                 f"{self.num_total_blocks} blocks less its watermark of {self.watermark_blocks}"
