@@ -44,7 +44,6 @@ def run_pagoda(llm, requests: list[tuple[list[int], int]], ignore_eos: bool) -> 
 
 def hf_model(llm):
     """transformers' model of the same weights (or, for dummy weights, of the same shapes)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     runner = llm.executor.runner

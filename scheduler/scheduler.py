@@ -395,11 +395,14 @@ class Scheduler:
         if result.error:
             raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
         bm = self.block_manager
+        block_size = bm.block_size
         for seq_id, n in self._scheduled.items():
             seq = self._seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += n
-                bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
+                filled_a_block = seq.num_computed_tokens // block_size > (seq.num_computed_tokens - n) // block_size
+                if bm.enable_prefix_caching and filled_a_block:
+                    bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
         self._scheduled = {}
         samples: dict[int, list[SampledToken]] = {}
         for sampled in result.sampled:

@@ -102,7 +102,6 @@ class SequenceGroup:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     beam: BeamState | None = None
-    finished_seqs: list[Sequence] = field(default_factory=list)  # samples that ended, for best_of
 
     @property
     def best_of(self) -> int:
