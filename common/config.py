@@ -71,10 +71,13 @@ class ServingConfig:
     world_size: int = 1  # worker ranks in the group
     step_timeout_s: float = 60.0  # a step whose result is later than this fails its requests
     scheduler_id: str | None = None  # None: hostname-pid
+    drain_timeout_s: float = 30.0  # after SIGTERM, running requests may finish this long
+    heartbeat_file: str | None = None  # a worker touches it while alive and not stuck (for a supervisor)
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, "world_size must be >= 1")
         _check(self.step_timeout_s > 0, "step_timeout_s must be > 0")
+        _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
         _check(self.zmq_address.startswith(("tcp://", "ipc://")), "zmq_address must be tcp://HOST:PORT or ipc://PATH")
 
 
@@ -92,6 +95,7 @@ class GatewayConfig:
     max_pending_requests: int = 1024  # waiting in the schedulers plus not yet submitted: beyond, 429
     request_timeout_s: float = 600.0  # a request not finished this long after arrival fails
     gateway_id: str | None = None  # names the reply stream; None: random hex
+    drain_timeout_s: float = 30.0  # after SIGTERM, requests in flight may finish this long
 
     def __post_init__(self) -> None:
         _check(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -101,6 +105,7 @@ class GatewayConfig:
         _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
         _check(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
         if self.gateway_id is None:
             object.__setattr__(self, "gateway_id", secrets.token_hex(8))
         _check(

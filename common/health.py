@@ -1,11 +1,15 @@
-"""Container health checks: `python -m common.health --redis-url URL [--workers]`.
+"""Container health checks: `python -m common.health --redis-url URL [--workers]`, or for a worker
+`python -m common.health --heartbeat-file PATH [--max-age S]`.
 
-Exits 0 when Redis answers (and, with --workers, when some scheduler reports ready workers).
+Exits 0 when Redis answers (and, with --workers, when some scheduler reports ready workers), or
+when the worker's heartbeat file was touched within --max-age seconds.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 import redis
 
@@ -28,9 +32,23 @@ def live_schedulers(client: redis.Redis) -> list[SchedulerStatus]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--redis-url")
     parser.add_argument("--workers", action="store_true", help="also require a scheduler with ready workers")
+    parser.add_argument("--heartbeat-file", help="a worker's (`pagoda worker --heartbeat-file`)")
+    parser.add_argument("--max-age", type=float, default=15.0, help="seconds the heartbeat may be stale")
     args = parser.parse_args(argv)
+    if args.heartbeat_file:
+        try:
+            age = time.time() - os.stat(args.heartbeat_file).st_mtime
+        except FileNotFoundError:
+            print("no heartbeat yet", file=sys.stderr)
+            return 1
+        if age > args.max_age:
+            print(f"heartbeat {age:.0f} s old: the worker is stopped, hung or stuck in a step", file=sys.stderr)
+            return 1
+        return 0
+    if not args.redis_url:
+        parser.error("give --redis-url or --heartbeat-file")
     try:
         client = redis.Redis.from_url(args.redis_url, socket_timeout=2)
         client.ping()

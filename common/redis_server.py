@@ -45,6 +45,7 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self.dir, "--protected-mode", "yes"]
+        os.makedirs(self.dir, exist_ok=True)  # a restart after stop()
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -4,12 +4,14 @@
     pagoda:aborts                stream every scheduler reads in full; entry {id: request_id}
     pagoda:replies:<gateway_id>  stream per gateway process; entries {m: RequestEvent}
     pagoda:scheduler:<id>        string, a SchedulerStatus, expires unless refreshed (heartbeat)
+    pagoda:started               hash request_id -> scheduler id: requests that have streamed a token
 """
 from __future__ import annotations
 
 REQUESTS = "pagoda:requests"
 SCHEDULER_GROUP = "schedulers"
 ABORTS = "pagoda:aborts"
+STARTED = "pagoda:started"
 REPLIES_PREFIX = "pagoda:replies:"
 STATUS_PREFIX = "pagoda:scheduler:"
 FIELD = b"m"  # the msgpack-encoded protocol message of a stream entry

@@ -3,6 +3,11 @@
 A worker announces itself with `[b"hello", WorkerHello]`; every plan goes to every rank as one
 frame, and every rank answers with one StepResult frame (rank 0's carries the sampled tokens).
 ROUTER/DEALER queue rather than drop, and nothing is pickled: frames are common.protocol bytes.
+
+A lost rank is noticed without waiting for a step deadline: the ROUTER pings every connection
+(ZMTP heartbeats, answered by libzmq's I/O thread even while a rank computes a long step) and a
+socket monitor reports each closed connection. A killed rank's connection closes at once; a
+stopped one's after HEARTBEAT_TIMEOUT_MS.
 """
 from __future__ import annotations
 
@@ -10,11 +15,14 @@ import logging
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common.protocol import ProtocolError, StepPlan, StepResult, WorkerHello, decode, encode
 
 HELLO = b"hello"
 RESULT = b"result"
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 4000
 log = logging.getLogger(__name__)
 
 
@@ -26,10 +34,15 @@ class WorkerLink:
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.socket.bind(address)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.world_size = world_size
         self.ranks: dict[int, bytes] = {}  # rank -> ZeroMQ identity
         self.hellos: dict[int, WorkerHello] = {}
+        self.fds: dict[int, int] = {}  # rank -> file descriptor of its connection (names it in monitor events)
+        self.lost: int | None = None  # a rank of the group whose connection closed
         self.last_seen = time.monotonic()  # any frame from any rank
         self.generation = 0  # advances whenever the group of ranks is forgotten
 
@@ -41,14 +54,32 @@ class WorkerLink:
         """Take one pending frame; returns the hello if it was one (anything else is stale)."""
         if not self.socket.poll(timeout_ms):
             return None
-        identity, kind, payload = self._recv()
-        return self._register(identity, payload) if kind == HELLO else None
+        identity, kind, payload, fd = self._recv()
+        return self._register(identity, payload, fd) if kind == HELLO else None
 
     def silent_for(self) -> float:
         """Seconds since any rank was last heard from (idle ranks say hello every few seconds)."""
         return time.monotonic() - self.last_seen
 
-    def _register(self, identity: bytes, payload: bytes) -> WorkerHello | None:
+    def check_connections(self) -> int | None:
+        """Take the monitor's events; returns the rank of the group whose connection closed, if any."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            rank = next((r for r, fd in self.fds.items() if fd == event["value"]), None)
+            if rank is None:
+                continue  # not a rank's connection (a stray peer, or one already forgotten)
+            del self.fds[rank]
+            if self.ready:
+                self.lost = rank
+                log.warning("worker rank %d disconnected", rank)
+            else:  # the group is still forming: wait for the rank to come back
+                self.ranks.pop(rank, None)
+                self.hellos.pop(rank, None)
+        return self.lost
+
+    def _register(self, identity: bytes, payload: bytes, fd: int) -> WorkerHello | None:
         self.last_seen = time.monotonic()
         try:
             hello = decode(payload)
@@ -64,6 +95,7 @@ class WorkerLink:
             self.forget_workers()
         self.ranks[hello.rank] = identity
         self.hellos[hello.rank] = hello
+        self.fds[hello.rank] = fd
         return hello
 
     def drain(self) -> None:
@@ -74,6 +106,8 @@ class WorkerLink:
     def forget_workers(self) -> None:
         self.ranks.clear()
         self.hellos.clear()
+        self.fds.clear()
+        self.lost = None
         self.generation += 1
 
     def send_plan(self, plan: StepPlan) -> None:
@@ -83,23 +117,30 @@ class WorkerLink:
 
     def gather(self, plan: StepPlan, timeout_s: float, on_wait=None) -> StepResult | None:
         """Rank 0's result for `plan` once every rank answered; None when the deadline passes or
-        a rank fails. `on_wait` runs about twice a second meanwhile (the scheduler's heartbeat)."""
+        a rank fails or disconnects. `on_wait` runs about twice a second meanwhile (the scheduler's
+        heartbeats)."""
         deadline = time.monotonic() + timeout_s
         waiting = set(self.ranks.values())
         result = None
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while waiting:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 return None
-            if not self.socket.poll(min(left_ms, 500)):
+            ready = dict(poller.poll(min(left_ms, 500)))
+            if self.monitor in ready and self.check_connections() is not None:
+                return None
+            if self.socket not in ready:
                 if on_wait is not None:
                     on_wait()
                 continue
-            identity, kind, payload = self._recv()
+            identity, kind, payload, fd = self._recv()
             self.last_seen = time.monotonic()
             if kind == HELLO:
                 known = identity in self.ranks.values()
-                self._register(identity, payload)
+                self._register(identity, payload, fd)
                 if known:
                     continue  # a keep-alive from a rank we know
                 return None  # a rank restarted mid-step: its state is gone
@@ -117,13 +158,17 @@ class WorkerLink:
                 result = message
         return result
 
-    def _recv(self) -> tuple[bytes, bytes, bytes]:
-        frames = self.socket.recv_multipart()
+    def _recv(self) -> tuple[bytes, bytes, bytes, int]:
+        """identity, kind, payload, and the file descriptor of the connection it came on."""
+        frames = self.socket.recv_multipart(copy=False)
+        fd = frames[-1].get(zmq.SRCFD)
         if len(frames) != 3:
-            return frames[0], b"", b""
-        return frames[0], frames[1], frames[2]
+            return frames[0].bytes, b"", b"", fd
+        return frames[0].bytes, frames[1].bytes, frames[2].bytes, fd
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(0)
         self.socket.close(0)
 
 
@@ -140,11 +185,18 @@ class SchedulerLink:
         self.socket.send_multipart([HELLO, encode(hello)])
 
     def recv_plan(self, timeout_ms: int | None = None) -> StepPlan | None:
+        """The next plan, or None after `timeout_ms`. A malformed frame is logged and dropped."""
         if timeout_ms is not None and not self.socket.poll(timeout_ms):
             return None
-        message = decode(self.socket.recv())
+        frame = self.socket.recv()
+        try:
+            message = decode(frame)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed plan (%d bytes): %s", len(frame), exc)
+            return None
         if not isinstance(message, StepPlan):
-            raise ProtocolError(f"expected a StepPlan, got {type(message).__name__}")
+            log.warning("dropped a %s sent as a plan", type(message).__name__)
+            return None
         return message
 
     def send_result(self, result: StepResult) -> None:

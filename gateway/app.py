@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_QUEUE_FULL_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
+SHUTTING_DOWN = "the server is shutting down"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -77,9 +78,12 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.engine: EngineClient | None = None
         self.created = int(time.time())
+        self.draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
+        self._loop = asyncio.get_running_loop()
         self.engine = EngineClient(self.config.redis_url, self.config.gateway_id)
         await self.engine.start()
         log.info("gateway %s serving %s", self.config.gateway_id, self.served_model_name)
@@ -87,6 +91,20 @@ class Gateway:
             yield
         finally:
             await self.engine.close()
+
+    def drain(self) -> None:
+        """Shutting down: admit nothing more; fail what is still in flight after drain_timeout_s.
+        Safe to call from a signal handler."""
+        if self.draining or self._loop is None:
+            return
+        self.draining = True
+        log.info("draining: requests in flight have %g s to finish", self.config.drain_timeout_s)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._fail_after_drain()))
+
+    async def _fail_after_drain(self) -> None:
+        await asyncio.sleep(self.config.drain_timeout_s)
+        if self.engine is not None:
+            self.engine.fail_all(SHUTTING_DOWN)
 
     # ------------------------------------------------------------------ simple routes
     async def models(self, request: Request) -> Response:
@@ -99,6 +117,7 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         try:
+            self._check_open()
             self._ready(await self._statuses(fresh=True))
         except APIError as exc:
             return error_response(exc)
@@ -121,6 +140,7 @@ class Gateway:
     async def _generate(self, request: Request, kind: str) -> Response:
         arrival_time, arrival = time.time(), time.monotonic()
         try:
+            self._check_open()
             self._authorize(request)
             body = parse_json(await self._read_body(request))
             self._check_model(body)
@@ -250,6 +270,8 @@ class Gateway:
                     # a stop string ends a streamed output early; an output chosen at the end came whole
                     generation.finish(choice.request_id, abort=choice.stopped_by_string and not choice.chosen_at_end)
                 self._observe_finish(choice)
+                if choice.finish_reason == "error" and self.draining and choice.error == SHUTTING_DOWN:
+                    raise EngineError(f"{SHUTTING_DOWN}; retry the request", 503, "service_unavailable")
                 if choice.finish_reason == "error":
                     raise EngineError(f"generation failed: {choice.error or 'unknown error'}")
                 if choice.finish_reason == "abort":
@@ -275,6 +297,10 @@ class Gateway:
         self.metrics.generation_tokens.inc(choice.num_tokens)
 
     # ------------------------------------------------------------------ checks, in order
+    def _check_open(self) -> None:
+        if self.draining:
+            raise unavailable(SHUTTING_DOWN)
+
     def _authorize(self, request: Request) -> None:
         key = self.config.api_key
         if key is None:

@@ -159,6 +159,8 @@ def _add_serving_args(p: argparse.ArgumentParser, redis: bool = True) -> None:
     p.add_argument("--zmq-address", default="tcp://127.0.0.1:5557", help="the scheduler's ZeroMQ address")
     p.add_argument("--world-size", type=int, default=1, help="worker ranks in the group")
     p.add_argument("--step-timeout", type=float, default=60.0, help="seconds a step may take before it fails")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="after SIGTERM, seconds running requests may take to finish")
 
 
 def _serving_config(args):
@@ -166,7 +168,8 @@ def _serving_config(args):
 
     return ServingConfig(
         redis_url=getattr(args, "redis_url", None) or "redis://127.0.0.1:6379/0", zmq_address=args.zmq_address,
-        world_size=args.world_size, step_timeout_s=args.step_timeout,
+        world_size=args.world_size, step_timeout_s=args.step_timeout, drain_timeout_s=args.drain_timeout,
+        heartbeat_file=getattr(args, "heartbeat_file", None),
     )
 
 
@@ -188,14 +191,21 @@ def _add_worker(p: argparse.ArgumentParser) -> None:
     _add_engine_args(p)
     _add_serving_args(p, redis=False)
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--heartbeat-file", default=None,
+                   help="touch this file every second while alive and no step is past --step-timeout "
+                        "(a supervisor restarts the worker when it goes stale)")
     p.set_defaults(handler=_worker)
 
 
 def _worker(args) -> int:
     from common.config import EngineConfig
-    from worker.server import serve
+    from worker.heartbeat import Heartbeat
 
-    serve(EngineConfig(model=args.model, **_engine_config(args)), _serving_config(args), rank=args.rank)
+    serving = _serving_config(args)
+    heartbeat = Heartbeat(serving.heartbeat_file, serving.step_timeout_s) if serving.heartbeat_file else None
+    from worker.server import serve  # torch: seconds to import
+
+    serve(EngineConfig(model=args.model, **_engine_config(args)), serving, rank=args.rank, heartbeat=heartbeat)
     return 0
 
 
@@ -211,9 +221,16 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="the model whose tokenizer to use")
     p.add_argument("--redis-url", default=os.environ.get("PAGODA_REDIS_URL"))
     _add_http_args(p)
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-pending-requests", type=int, default=1024, help="queue limit before 429")
+    _add_gateway_limits(p)
     p.set_defaults(handler=_gateway)
+
+
+def _add_gateway_limits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-pending-requests", type=int, default=1024, help="queue limit before 429")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (then 504)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="after SIGTERM, seconds requests in flight may take to finish")
 
 
 def _gateway(args) -> int:
@@ -224,6 +241,7 @@ def _gateway(args) -> int:
         redis_url=args.redis_url or "redis://127.0.0.1:6379/0", model=args.model,
         served_model_name=args.served_model_name, host=args.host, port=args.port, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, max_pending_requests=args.max_pending_requests,
+        request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout,
     ))
     return 0
 
@@ -233,6 +251,11 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     _add_http_args(p)
     p.add_argument("--redis-url", default=os.environ.get("PAGODA_REDIS_URL"),
                    help="use this Redis instead of starting a private one (default: $PAGODA_REDIS_URL)")
+    _add_gateway_limits(p)
+    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds a step may take before it fails")
+    p.add_argument("--worker-timeout", type=float, default=15.0,
+                   help="restart a worker whose heartbeat is this many seconds stale (stopped, hung, or stuck "
+                        "past --step-timeout)")
     p.set_defaults(handler=_up)
 
 

@@ -1,18 +1,86 @@
-"""`pagoda up`: the whole stack on one machine, as separate processes, stopped cleanly on Ctrl-C.
+"""`pagoda up`: the whole stack on one machine, as separate processes, supervised.
 
     private redis-server (unless a Redis URL is given) ─ scheduler ─ worker ─ gateway
+
+A child that exits, or a worker whose heartbeat file goes stale (stopped, hung, or stuck in a step
+past --step-timeout), is restarted; the private Redis too, on its port. A child restarted more than
+MAX_RESTARTS times in RESTART_WINDOW_S is crash-looping: the stack stops and `pagoda up` exits 1.
+SIGINT or SIGTERM drains: the gateway first (requests in flight get --drain-timeout to finish),
+then the scheduler, then the worker; then it exits 0.
 """
 from __future__ import annotations
 
+import collections
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.redis_server import RedisServer, free_port
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+POLL_S = 0.5
+STARTUP_S = 60.0  # a worker's first heartbeat may take this long
+
+
+@dataclass
+class Child:
+    name: str
+    command: list[str]
+    heartbeat: Path | None = None  # a worker's: restarted when older than the worker timeout
+    process: subprocess.Popen | None = None
+    restarts: collections.deque = field(default_factory=collections.deque)
+    started_at: float = 0.0
+
+    def start(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.unlink(missing_ok=True)
+        # Own session: Ctrl-C reaches `pagoda up` alone, which then stops the children in order.
+        self.process = subprocess.Popen(self.command, start_new_session=True)
+        self.started_at = time.monotonic()
+
+    def failure(self, worker_timeout_s: float) -> str | None:
+        """Why this child must be restarted, or None."""
+        code = self.process.poll()
+        if code is not None:
+            return f"exited with code {code}"
+        if self.heartbeat is not None:
+            try:
+                age = time.time() - self.heartbeat.stat().st_mtime
+            except FileNotFoundError:  # not yet written (the interpreter starting): allow longer
+                age = (time.monotonic() - self.started_at) * worker_timeout_s / max(worker_timeout_s, STARTUP_S)
+            if age > worker_timeout_s:
+                return f"has not shown a heartbeat for {age:.0f} s (stopped, hung, or stuck in a step)"
+        return None
+
+    def crash_looping(self) -> bool:
+        now = time.monotonic()
+        self.restarts.append(now)
+        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
+            self.restarts.popleft()
+        return len(self.restarts) > MAX_RESTARTS
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def stop(self, timeout_s: float) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                print(f"pagoda: the {self.name} did not stop within {timeout_s:g} s; killing it", file=sys.stderr)
+                self.kill()
 
 
 def up(args, engine_flags: list[str]) -> int:
@@ -22,48 +90,81 @@ def up(args, engine_flags: list[str]) -> int:
         redis_server = RedisServer().start()
         redis_url = redis_server.url
         print(f"pagoda: private Redis at {redis_url}", file=sys.stderr)
-    zmq_address = f"tcp://127.0.0.1:{free_port()}"
-    cli = [sys.executable, "-m", "pagoda.cli"]
-    http = ["--host", args.host, "--port", str(args.port)]
-    if args.api_key:
-        http += ["--api-key", args.api_key]
-    if args.served_model_name:
-        http += ["--served-model-name", args.served_model_name]
-    commands = {
-        "scheduler": cli + ["scheduler", "--redis-url", redis_url, "--zmq-address", zmq_address, *engine_flags],
-        "worker": cli + ["worker", "--zmq-address", zmq_address, *engine_flags],
-        "gateway": cli + ["gateway", "--redis-url", redis_url, "--model", args.model, *http],
-    }
-    # Own sessions: Ctrl-C reaches `pagoda up` alone, which then stops the children in order.
-    children = {name: subprocess.Popen(cmd, start_new_session=True) for name, cmd in commands.items()}
+    run_dir = Path(tempfile.mkdtemp(prefix="pagoda-up-"))
+    children = _children(args, engine_flags, redis_url, run_dir)
+    for child in children:
+        child.start()
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):  # explicit: a shell may start us with SIGINT ignored
         signal.signal(sig, lambda *_: stop.update(now=True))
     try:
-        code = _supervise(children, args, stop)
+        code = _supervise(children, redis_server, args, stop)
     except KeyboardInterrupt:
         code = 0
     print("\npagoda: stopping", file=sys.stderr)
-    _stop(children)
+    by_name = {c.name: c for c in children}
+    by_name["gateway"].stop(args.drain_timeout + 10)  # it drains first: nothing new reaches the scheduler
+    by_name["scheduler"].stop(args.drain_timeout + 10)
+    by_name["worker"].stop(10)
     if redis_server:
         redis_server.stop()
+    shutil.rmtree(run_dir, ignore_errors=True)
     return code
 
 
-def _supervise(children: dict[str, subprocess.Popen], args, stop: dict) -> int:
+def _children(args, engine_flags: list[str], redis_url: str, run_dir: Path) -> list[Child]:
+    zmq_address = f"tcp://127.0.0.1:{free_port()}"
+    cli = [sys.executable, "-m", "pagoda.cli"]
+    http = ["--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes),
+            "--max-pending-requests", str(args.max_pending_requests), "--request-timeout", str(args.request_timeout),
+            "--drain-timeout", str(args.drain_timeout)]
+    if args.api_key:
+        http += ["--api-key", args.api_key]
+    if args.served_model_name:
+        http += ["--served-model-name", args.served_model_name]
+    serving = ["--zmq-address", zmq_address, "--step-timeout", str(args.step_timeout),
+               "--drain-timeout", str(args.drain_timeout)]
+    heartbeat = run_dir / "worker-0.alive"
+    return [
+        Child("scheduler", cli + ["scheduler", "--redis-url", redis_url, *serving, *engine_flags]),
+        Child("worker", cli + ["worker", *serving, "--heartbeat-file", str(heartbeat), *engine_flags], heartbeat),
+        Child("gateway", cli + ["gateway", "--redis-url", redis_url, "--model", args.model, *http]),
+    ]
+
+
+def _supervise(children: list[Child], redis_server: RedisServer | None, args, stop: dict) -> int:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}"
     ready = False
     print("pagoda: loading the model and starting the gateway...", file=sys.stderr)
+    redis_restarts = collections.deque()
     while not stop["now"]:
-        for name, child in children.items():
-            if child.poll() is not None:
-                print(f"pagoda: the {name} exited with code {child.returncode}", file=sys.stderr)
+        if redis_server and redis_server.process.poll() is not None:
+            print(f"pagoda: redis-server exited with code {redis_server.process.returncode}; restarting it",
+                  file=sys.stderr)
+            redis_restarts.append(time.monotonic())
+            if len([t for t in redis_restarts if time.monotonic() - t < RESTART_WINDOW_S]) > MAX_RESTARTS:
+                print("pagoda: redis-server keeps exiting; giving up", file=sys.stderr)
                 return 1
+            try:
+                redis_server.start()
+            except (RuntimeError, TimeoutError) as exc:
+                print(f"pagoda: redis-server did not start: {exc}", file=sys.stderr)
+        for child in children:
+            reason = child.failure(args.worker_timeout)
+            if reason is None:
+                continue
+            print(f"pagoda: the {child.name} {reason}; restarting it", file=sys.stderr)
+            if child.crash_looping():
+                print(f"pagoda: the {child.name} restarted {MAX_RESTARTS} times in {RESTART_WINDOW_S:g} s; giving up",
+                      file=sys.stderr)
+                return 1
+            child.kill()
+            child.start()
         if not ready and _healthy(url):
             ready = True
             _banner(url, args)
-        time.sleep(0.5)
+        time.sleep(POLL_S)
     return 0
 
 
@@ -85,17 +186,3 @@ def _banner(url: str, args) -> None:
         "Press Ctrl-C to stop.\n",
         flush=True,
     )
-
-
-def _stop(children: dict[str, subprocess.Popen]) -> None:
-    for name in ("gateway", "worker", "scheduler"):
-        child = children[name]
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for child in children.values():
-        try:
-            child.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()

@@ -4,8 +4,18 @@
           ─▶ update ─▶ XADD events to each request's reply stream ─▶ XACK the requests that ended
 
 A request is acknowledged in the requests stream only when it ends, so a request held by a
-scheduler that dies stays pending in Redis. A step whose result misses its deadline fails every
-request the group holds; the epoch advances so workers drop their state.
+scheduler that dies stays pending in Redis: a live scheduler re-claims its own entries every
+second (XCLAIM, which resets their idle time) and takes over entries idle longer than CLAIM_IDLE_MS
+(XAUTOCLAIM). A taken-over request that had not streamed a token runs from the start; one that had
+(marked in the `pagoda:started` hash) ends with an error, never with its text repeated.
+
+A step whose result misses its deadline, or a worker whose connection closes, fails every request
+the group holds; the epoch advances so workers drop their state. Events go out through an outbox
+that survives a Redis outage (sent, in order, once Redis is back).
+
+SIGTERM drains: no new requests are read, requests that have not started are handed back to the
+stream for another (or the restarted) scheduler, running ones finish within `drain_timeout_s`,
+the rest end with an error; then the process exits 0.
 """
 from __future__ import annotations
 
@@ -32,6 +42,8 @@ from scheduler.sequence import RequestOutput
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5
+CLAIM_INTERVAL_S = 1.0  # how often a scheduler renews its claims and looks for orphaned requests
+CLAIM_IDLE_MS = 10_000  # a pending entry unclaimed this long belongs to a dead scheduler
 WORKER_SILENCE_S = 10.0  # an idle worker says hello every 2 s; silence this long means it is gone
 IDLE_BLOCK_MS = 50
 READ_BATCH = 64
@@ -43,6 +55,7 @@ class _Tracked:
     entry_id: bytes  # in the requests stream, acknowledged when the request ends
     logprobs: bool
     ended: set[int] = field(default_factory=set)  # outputs whose last event went out
+    started: bool = False  # a token went out: the request can no longer be run again from the start
 
 
 class SchedulerServer:
@@ -50,7 +63,7 @@ class SchedulerServer:
         self.engine_config = engine_config
         self.serving = serving
         self.id = serving.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.redis = redis.Redis.from_url(serving.redis_url)
+        self.redis = redis.Redis.from_url(serving.redis_url, socket_timeout=10, socket_connect_timeout=2)
         self.link = WorkerLink(serving.zmq_address, serving.world_size)
         self.scheduler: Scheduler | None = None
         self.hello: WorkerHello | None = None
@@ -59,15 +72,18 @@ class SchedulerServer:
         self.epoch = int(time.time() * 1000) % (1 << 31)  # a restarted scheduler starts a new epoch
         self.aborts_cursor = b"0-0"
         self.stopping = False
+        self.drain_deadline: float | None = None  # set by SIGTERM
         self.group_generation = -1
+        self.outbox: list[tuple] = []  # Redis writes not yet done: ("event", stream, event) | ("ack", entry, id)
         self._last_status = 0.0
+        self._last_claim = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def serve_forever(self) -> None:
         if threading.current_thread() is threading.main_thread():  # signal.signal works only there
-            signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+            signal.signal(signal.SIGTERM, lambda *_: self.drain())
         self._ensure_group()
-        self.aborts_cursor = self._latest_abort_id()
+        self.aborts_cursor = self._recent_aborts_id()
         log.info("scheduler %s waiting for %d worker(s) on %s", self.id, self.serving.world_size, self.serving.zmq_address)
         try:
             while not self.stopping:
@@ -79,31 +95,58 @@ class SchedulerServer:
         finally:
             self._shutdown()
 
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Stop taking requests; hand back those not started; finish the rest within the timeout."""
+        if self.drain_deadline is None:
+            timeout_s = self.serving.drain_timeout_s if timeout_s is None else timeout_s
+            log.info("draining: %d request(s) held, %g s to finish", len(self.tracked), timeout_s)
+            self.drain_deadline = time.monotonic() + timeout_s
+
     def _iterate(self) -> None:
+        self._flush()
         self._publish_status()
+        if self.drain_deadline is not None and self._drained():
+            self.stopping = True
+            return
         if self.scheduler is not None and self.link.generation != self.group_generation:
             self._fail_group("a worker restarted")
+        if self.scheduler is not None and self.link.check_connections() is not None:
+            self._fail_group(f"the worker failed: {_lost(self.link.lost)}")
         if self.scheduler is None:
             self.link.poll_hello(timeout_ms=200)
             if self.link.ready:
                 self._start_group()
             return
         self._read_aborts()
+        self._claim()
         busy = self.scheduler.has_unfinished_requests()
         if not busy:
             self.link.drain()
             if self.link.silent_for() > WORKER_SILENCE_S:
                 self._fail_group(f"no word from the workers for {WORKER_SILENCE_S:g} s")
                 return
-        self._read_requests(block=not busy)
+        if self.drain_deadline is None:
+            self._read_requests(block=not busy)
+        elif not busy:
+            time.sleep(IDLE_BLOCK_MS / 1000)
         if self.scheduler.has_unfinished_requests():
             self._step()
+
+    def _drained(self) -> bool:
+        """While draining: hand back what has not started; True once nothing runs or time is up."""
+        for request_id, tracked in list(self.tracked.items()):
+            if not tracked.started:  # left pending in the stream: another scheduler will claim it
+                del self.tracked[request_id]
+                if self.scheduler is not None:
+                    self.scheduler.abort_request(request_id)
+        return not self.tracked or time.monotonic() > self.drain_deadline
 
     def _shutdown(self) -> None:
         """Requests still held end with an error (their clients would otherwise wait for nothing)."""
         try:
             for request_id, tracked in list(self.tracked.items()):
                 self._finish_untracked(request_id, tracked, "error", "the scheduler is shutting down")
+            self._flush()
             self.redis.delete(streams.status_key(self.id))
         except redis.RedisError as exc:
             log.warning("redis unavailable at shutdown: %s", exc)
@@ -116,9 +159,10 @@ class SchedulerServer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def _latest_abort_id(self) -> bytes:
-        last = self.redis.xrevrange(streams.ABORTS, count=1)
-        return last[0][0] if last else b"0-0"
+    @staticmethod
+    def _recent_aborts_id() -> bytes:
+        """Read aborts from a minute back: those for requests this scheduler may take over from a dead one."""
+        return f"{int((time.time() - 60) * 1000)}-0".encode()
 
     def _start_group(self) -> None:
         """Every rank said hello: size the scheduler from their capacity (the smallest pool)."""
@@ -156,6 +200,63 @@ class SchedulerServer:
             for entry_id, fields in entries:
                 self._admit(entry_id, fields)
 
+    def _claim(self) -> None:
+        """Renew this scheduler's claims on its requests; take over requests of dead schedulers."""
+        now = time.monotonic()
+        if now - self._last_claim < CLAIM_INTERVAL_S:
+            return
+        self._last_claim = now
+        room = self.engine_config.max_num_seqs - len(self.scheduler.waiting)
+        try:
+            self._renew_claims()
+            if self.drain_deadline is not None or room <= 0:
+                return
+            entries = self.redis.xautoclaim(  # [next id, entries] (Redis 6.2), + deleted ids (7.0)
+                streams.REQUESTS, streams.SCHEDULER_GROUP, self.id, CLAIM_IDLE_MS, start_id="0-0",
+                count=min(room, READ_BATCH),
+            )[1]
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            return  # Redis restarted empty: _read_requests recreates the group
+        if not entries:
+            return
+        started = self.redis.hmget(streams.STARTED, [self._request_id(fields) or "" for _, fields in entries])
+        for (entry_id, fields), owner in zip(entries, started):
+            if fields is None:
+                continue  # deleted meanwhile
+            request_id = self._request_id(fields)
+            if request_id in self.tracked:
+                continue  # ours all along (a claim renewed late)
+            log.warning("took over request %s from a scheduler that stopped", request_id)
+            if owner is not None and request_id is not None:  # it streamed: running it again would repeat its text
+                self._interrupt(entry_id, fields, request_id)
+            else:
+                self._admit(entry_id, fields)
+
+    def _renew_claims(self) -> None:
+        """XCLAIM with JUSTID resets an entry's idle time (and not its delivery count)."""
+        ids = [t.entry_id for t in self.tracked.values()]
+        for i in range(0, len(ids), 1000):
+            self.redis.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, self.id, 0, ids[i:i + 1000], justid=True)
+
+    @staticmethod
+    def _request_id(fields: dict) -> str | None:
+        try:
+            request = decode(fields.get(streams.FIELD, b""))
+        except ProtocolError:
+            return None
+        return request.request_id if isinstance(request, GenerateRequest) and isinstance(request.request_id, str) else None
+
+    def _interrupt(self, entry_id: bytes, fields: dict, request_id: str) -> None:
+        request = decode(fields[streams.FIELD])
+        if not isinstance(request.reply_stream, str):
+            self.outbox.append(("ack", entry_id, request_id))
+            return
+        tracked = _Tracked(request.reply_stream, entry_id, False)
+        self._finish_untracked(request_id, tracked, "error",
+                               "the scheduler serving this request stopped after it had started streaming")
+
     def _admit(self, entry_id: bytes, fields: dict) -> None:
         try:
             request = decode(fields.get(streams.FIELD, b""))
@@ -165,10 +266,10 @@ class SchedulerServer:
                 raise ProtocolError("request_id and reply_stream must be strings")
         except ProtocolError as exc:
             log.warning("dropped malformed request %s: %s", entry_id, exc)
-            self._ack(self.redis, entry_id)
+            self.outbox.append(("ack", entry_id, None))
             return
         if request.request_id in self.tracked:
-            self._ack(self.redis, entry_id)  # a duplicate
+            self.outbox.append(("ack", entry_id, None))  # a duplicate
             return
         params = request.sampling_params
         logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
@@ -210,10 +311,12 @@ class SchedulerServer:
     def _step(self) -> None:
         plan = self.scheduler.schedule()
         self.link.send_plan(plan)  # even an empty plan: it carries the ids workers must drop
-        result = self.link.gather(plan, self.serving.step_timeout_s, on_wait=self._publish_status)
+        result = self.link.gather(plan, self.serving.step_timeout_s, on_wait=self._heartbeats)
         if result is None or result.error:
             if result is not None:
                 reason = result.error
+            elif self.link.lost is not None:
+                reason = _lost(self.link.lost)
             elif self.link.generation != self.group_generation:  # gather saw a rank's new hello
                 reason = "a worker restarted mid-step"
             else:
@@ -229,8 +332,17 @@ class SchedulerServer:
         if not (plan.new_seqs or plan.cached_seqs):
             time.sleep(0.001)  # nothing fits yet
 
+    def _heartbeats(self) -> None:
+        """While a step runs: keep the status and this scheduler's claims fresh."""
+        self._publish_status()
+        if time.monotonic() - self._last_claim >= CLAIM_INTERVAL_S:
+            self._last_claim = time.monotonic()
+            try:
+                self._renew_claims()
+            except redis.RedisError as exc:
+                log.warning("could not renew claims: %s", exc)
+
     def _emit(self, outputs: list[RequestOutput]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
         for out in outputs:
             tracked = self.tracked.get(out.request_id)
             if tracked is None:
@@ -244,30 +356,44 @@ class SchedulerServer:
                 if tracked.logprobs and seq.logprobs is not None and seq.num_new_tokens:
                     logprobs = [[lp, top] for lp, top in seq.logprobs[-seq.num_new_tokens:]]
                 event = RequestEvent(out.request_id, seq.new_token_ids, logprobs, seq.finish_reason, None, seq.index)
-                self._add_event(pipe, tracked, event)
+                if event.token_ids and not tracked.started:
+                    tracked.started = True
+                    self.outbox.append(("started", out.request_id, None))
+                self.outbox.append(("event", tracked.reply_stream, event))
                 if seq.finish_reason is not None:
                     tracked.ended.add(seq.index)
             if out.finished:
-                self._ack(pipe, tracked.entry_id)
+                self.outbox.append(("ack", tracked.entry_id, out.request_id))
                 del self.tracked[out.request_id]
-        pipe.execute()
+        self._flush()
 
     def _finish_untracked(self, request_id: str, tracked: _Tracked, reason: str, error: str | None) -> None:
+        self.outbox.append(("event", tracked.reply_stream, RequestEvent(request_id, [], None, reason, error)))
+        self.outbox.append(("ack", tracked.entry_id, request_id))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send the outbox in one pipeline. On a connection error it is kept, in order, for the next
+        try; a command Redis refuses (XACK after Redis restarted empty: no group) is logged, not retried."""
+        if not self.outbox:
+            return
         pipe = self.redis.pipeline(transaction=False)
-        self._add_event(pipe, tracked, RequestEvent(request_id, [], None, reason, error))
-        self._ack(pipe, tracked.entry_id)
-        pipe.execute()
-
-    @staticmethod
-    def _ack(pipe, entry_id: bytes) -> None:
-        """The request ended: acknowledge it and drop it from the stream, which would grow forever."""
-        pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, entry_id)
-        pipe.xdel(streams.REQUESTS, entry_id)
-
-    @staticmethod
-    def _add_event(pipe, tracked: _Tracked, event: RequestEvent) -> None:
-        pipe.xadd(tracked.reply_stream, {streams.FIELD: encode(event)}, maxlen=100_000, approximate=True)
-        pipe.expire(tracked.reply_stream, streams.REPLY_STREAM_TTL_S)
+        for kind, a, b in self.outbox:
+            if kind == "event":
+                pipe.xadd(a, {streams.FIELD: encode(b)}, maxlen=100_000, approximate=True)
+                pipe.expire(a, streams.REPLY_STREAM_TTL_S)
+            elif kind == "started":
+                pipe.hset(streams.STARTED, a, self.id)
+            else:  # the request ended: acknowledge it and drop it from the stream, which would grow forever
+                pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, a)
+                pipe.xdel(streams.REQUESTS, a)
+                if b is not None:
+                    pipe.hdel(streams.STARTED, b)
+        results = pipe.execute(raise_on_error=False)
+        self.outbox.clear()
+        refused = [r for r in results if isinstance(r, redis.ResponseError)]
+        if refused:
+            log.warning("redis refused %d command(s), e.g. %s", len(refused), refused[0])
 
     def _fail_group(self, message: str) -> None:
         """The workers' KV state is lost: every request this group holds ends with an error."""
@@ -302,6 +428,10 @@ class SchedulerServer:
             self.redis.set(streams.status_key(self.id), encode(status), px=int(streams.STATUS_TTL_S * 1000))
         except redis.RedisError as exc:
             log.warning("could not publish status: %s", exc)
+
+
+def _lost(rank: int) -> str:
+    return f"worker rank {rank} disconnected (exited, was killed or stopped answering)"
 
 
 def _invalid_request(request: GenerateRequest, vocab_size: int) -> str | None:

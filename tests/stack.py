@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -39,6 +40,32 @@ class Stack:
                 pass
             time.sleep(0.5)
         raise TimeoutError("the stack did not become healthy")
+
+    def children(self) -> dict[str, int]:
+        """The pids of `pagoda up`'s children by role: scheduler, worker, gateway, redis."""
+        pids = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        roles = {}
+        for pid in pids:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue  # exited meanwhile
+            names = [a.decode() for a in argv]
+            if "redis-server" in Path(names[0]).name:
+                roles["redis"] = int(pid)
+            for role in ("scheduler", "worker", "gateway"):
+                if len(names) > 3 and names[1:4] == ["-m", "pagoda.cli", role]:
+                    roles[role] = int(pid)
+        return roles
+
+    def health(self) -> int:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return 0  # not listening
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as response:

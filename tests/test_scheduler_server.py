@@ -192,12 +192,13 @@ def r(redis_url):
 
 
 class Harness:
-    def __init__(self, redis_url: str, r: redis.Redis) -> None:
+    def __init__(self, redis_url: str, r: redis.Redis, scheduler_id: str = SCHEDULER_ID, **engine) -> None:
         self.r = r
+        self.scheduler_id = scheduler_id
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.serving = ServingConfig(redis_url=redis_url, zmq_address=self.address, step_timeout_s=1.0,
-                                     scheduler_id=SCHEDULER_ID)
-        self.server = SchedulerServer(EngineConfig(block_size=BLOCK_SIZE), self.serving)
+                                     scheduler_id=scheduler_id)
+        self.server = SchedulerServer(EngineConfig(block_size=BLOCK_SIZE, **engine), self.serving)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -278,7 +279,7 @@ class Harness:
         return self.r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"]
 
     def status(self) -> SchedulerStatus | None:
-        raw = self.r.get(streams.status_key(SCHEDULER_ID))
+        raw = self.r.get(streams.status_key(self.scheduler_id))
         return None if raw is None else decode(raw)
 
     def assert_nothing_held(self) -> None:
@@ -559,7 +560,8 @@ def test_a_worker_that_exits_mid_step_and_restarts_takes_over(harness):
     new = harness.worker()  # the restarted rank: a new connection, the same hello
     events = harness.wait_finished("a", timeout=3.0)["a"]
     assert (events[-1].finish_reason, events[-1].token_ids) == ("error", [])
-    assert events[-1].error == "the worker failed: a worker restarted mid-step"
+    # its connection closed: noticed at once, before the new rank's hello
+    assert events[-1].error == "the worker failed: worker rank 0 disconnected (exited, was killed or stopped answering)"
     harness.assert_nothing_held()
     took = harness.wait_until(lambda: harness.server.scheduler not in (None, group), 5.0, "a new group")
     assert took < 1.0 and new.num_hellos == 1  # on its first hello, not on a keep-alive 2 s later
@@ -626,6 +628,100 @@ def test_stopping_the_server_ends_the_requests_in_flight_and_removes_its_status(
         assert "shutting down" in events[-1].error
         assert len(tokens(events)) < 400
     assert harness.r.exists(streams.status_key(SCHEDULER_ID)) == 0
+    harness.assert_nothing_held()
+
+
+# ----------------------------------------------------------------------------- takeover and drain
+
+
+def read_as_dead_scheduler(r: redis.Redis, count: int) -> list[bytes]:
+    """A scheduler that read `count` requests and died: they stay pending under its name."""
+    replies = r.xreadgroup(streams.SCHEDULER_GROUP, "dead-scheduler", {streams.REQUESTS: ">"}, count=count)
+    return [entry_id for _, entries in replies for entry_id, _ in entries]
+
+
+def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repeated(redis_url, r, monkeypatch):
+    monkeypatch.setattr(server_module, "CLAIM_IDLE_MS", 300)
+    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
+    r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
+    h = Harness(redis_url, r)
+    try:
+        h.submit("fresh", prompt(10), max_tokens=4)
+        h.submit("streamed", prompt(12), max_tokens=4)
+        assert len(read_as_dead_scheduler(r, 2)) == 2
+        r.hset(streams.STARTED, "streamed", "dead-scheduler")  # it had sent tokens before dying
+        h.worker()
+        done = h.wait_finished("fresh", "streamed", timeout=5.0)
+        assert tokens(done["fresh"]) == expected_output(0, 10, 4)
+        assert done["fresh"][-1].finish_reason == "length"
+        assert [(e.token_ids, e.finish_reason, e.error) for e in done["streamed"]] == [
+            ([], "error", "the scheduler serving this request stopped after it had started streaming")]
+        h.assert_nothing_held()
+        assert r.hlen(streams.STARTED) == 0
+        consumers = {c["name"]: c["pending"] for c in r.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP)}
+        assert consumers == {b"dead-scheduler": 0, SCHEDULER_ID.encode(): 0}
+    finally:
+        h.close()
+
+
+def test_a_live_scheduler_renews_its_claims_so_no_one_takes_its_requests(harness, monkeypatch):
+    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
+    harness.worker(step_delay_s=0.01)
+    harness.wait_ready()
+    harness.submit("long", prompt(10), max_tokens=300)
+    harness.wait_until(lambda: "long" in harness.events, 3.0, "long to start")
+    assert harness.r.hget(streams.STARTED, "long") == SCHEDULER_ID.encode()
+    idle = []
+    for _ in range(10):
+        time.sleep(0.2)
+        idle += [e["time_since_delivered"] for e in harness.r.xpending_range(
+            streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", 10)]
+    assert idle and max(idle) < 1000  # XAUTOCLAIM by another scheduler takes entries idle >= CLAIM_IDLE_MS
+    harness.wait_finished("long", timeout=10.0)
+    assert harness.r.hlen(streams.STARTED) == 0
+
+
+def test_drain_finishes_running_requests_and_hands_back_those_not_started(redis_url, r, monkeypatch):
+    monkeypatch.setattr(server_module, "CLAIM_IDLE_MS", 300)
+    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
+    h = Harness(redis_url, r, max_num_seqs=1)
+    h.worker(step_delay_s=0.01)
+    h.wait_ready()
+    h.submit("running", prompt(10), max_tokens=30)
+    h.wait_until(lambda: "running" in h.events, 3.0, "running to start")
+    h.submit("queued", prompt(12), max_tokens=5)
+    h.wait_until(lambda: h.num_pending() == 2, 2.0, "queued to be read")
+    h.server.drain(timeout_s=10.0)
+    h.thread.join(5)
+    assert not h.thread.is_alive(), "the drained server did not stop"
+    done = h.wait_finished("running")
+    assert tokens(done["running"]) == expected_output(0, 10, 30)  # finished, not cut short
+    assert "queued" not in h.events and h.num_pending() == 1  # handed back: pending, unanswered
+    assert r.exists(streams.status_key(SCHEDULER_ID)) == 0
+    h.close()
+
+    successor = Harness(redis_url, r, scheduler_id="successor")
+    try:
+        successor.worker()
+        successor.cursor = h.cursor
+        done = successor.wait_finished("queued", timeout=5.0)
+        assert tokens(done["queued"]) == expected_output(0, 12, 5)
+        successor.assert_nothing_held()
+    finally:
+        successor.close()
+
+
+def test_drain_ends_what_cannot_finish_in_time_with_an_error(harness):
+    harness.worker(step_delay_s=0.01)
+    harness.wait_ready()
+    harness.submit("long", prompt(10), max_tokens=400)
+    harness.wait_until(lambda: "long" in harness.events, 3.0, "long to start")
+    harness.server.drain(timeout_s=0.5)
+    harness.thread.join(5)
+    assert not harness.thread.is_alive()
+    events = harness.wait_finished("long")["long"]
+    assert (events[-1].finish_reason, events[-1].error) == ("error", "the scheduler is shutting down")
+    assert 0 < len(tokens(events)) < 400
     harness.assert_nothing_held()
 
 

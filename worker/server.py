@@ -9,14 +9,18 @@ from common.config import EngineConfig, ServingConfig
 from common.protocol import StepResult
 from common.transport import SchedulerLink
 from worker.executor import Executor
+from worker.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
 REHELLO_IDLE_S = 2.0  # say hello again when idle, so a restarted scheduler learns of this rank
 
 
-def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0) -> None:
-    executor = Executor(engine_config, rank, serving.world_size)
+def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, heartbeat: Heartbeat | None = None) -> None:
+    """`heartbeat`: started by the caller before the heavy imports (`pagoda worker --heartbeat-file`)."""
+    if heartbeat is None and serving.heartbeat_file:
+        heartbeat = Heartbeat(serving.heartbeat_file, serving.step_timeout_s)
+    executor = Executor(engine_config, rank, serving.world_size)  # loads the model: the heartbeat runs meanwhile
     hello = executor.hello()
     link = SchedulerLink(serving.zmq_address)
     stopping = False
@@ -32,12 +36,14 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0) ->
     epoch, idle_since = None, time.monotonic()
     try:
         while not stopping:
-            plan = link.recv_plan(timeout_ms=200)
+            plan = link.recv_plan(timeout_ms=200)  # None also for a malformed frame (logged, dropped)
             if plan is None:
                 if time.monotonic() - idle_since > REHELLO_IDLE_S:
                     link.hello(hello)
                     idle_since = time.monotonic()
                 continue
+            if heartbeat:
+                heartbeat.step_started = time.monotonic()
             if plan.epoch != epoch:  # a new scheduler or a failed step: start clean
                 executor.reset()
                 epoch = plan.epoch
@@ -47,6 +53,8 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0) ->
                 log.exception("step %d failed", plan.step)
                 executor.reset()
                 result = StepResult(plan.step, plan.epoch, error=f"{type(exc).__name__}: {exc}")
+            if heartbeat:
+                heartbeat.step_started = None
             link.send_result(result)
             idle_since = time.monotonic()
     finally:

@@ -1,0 +1,239 @@
+"""Faults on the real stack (`pagoda up`: redis-server, scheduler, worker and gateway processes).
+
+A worker killed (SIGKILL) or stopped (SIGSTOP) mid-stream, the scheduler killed, Redis restarted,
+and SIGTERM: each test checks what clients see, that the supervisor brought the stack back, and
+that no KV block, Redis entry or running request is left behind.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import redis
+
+from common import streams
+from common.redis_server import RedisServer
+from tests.stack import Stack
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+LONG = {"model": MODEL, "prompt": "Tell me a very long story about a dragon.", "max_tokens": 2000,
+        "ignore_eos": True, "temperature": 0, "stream": True}
+SHORT_PROMPTS = ["The capital of France is", "One, two, three,", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server):
+    # --max-num-seqs 2: with two streams running, later requests queue (in the scheduler and in Redis)
+    stack = Stack("--redis-url", redis_server.url, "--max-num-seqs", "2", "--worker-timeout", "5",
+                  "--step-timeout", "30", "--drain-timeout", "5").wait_ready()
+    yield stack
+    assert stack.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def r(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def references(stack):
+    """Greedy outputs taken before any fault: what every later answer must equal."""
+    with httpx.Client(timeout=120) as http:
+        short = {p: complete(http, stack, p, 8) for p in SHORT_PROMPTS}
+        long_start = complete(http, stack, LONG["prompt"], 40, text=False)
+    return short, long_start
+
+
+def complete(http: httpx.Client, stack: Stack, prompt: str, max_tokens: int, text: bool = True):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    response = http.post(stack.url + "/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["text"] if text else choice["logprobs"]["tokens"]
+
+
+def stream(url: str, body: dict, started: concurrent.futures.Future) -> dict:
+    """Read one SSE stream to its end: the token strings, the error object if any, [DONE] or not."""
+    tokens, error, done = [], None, False
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url + "/v1/completions", json={**body, "logprobs": 0}) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"]
+                    continue
+                tokens += chunk["choices"][0]["logprobs"]["tokens"]
+                if len(tokens) >= 3 and not started.done():
+                    started.set_result(True)
+    if not started.done():
+        started.set_result(False)
+    return {"tokens": tokens, "error": error, "done": done, "ended": time.monotonic()}
+
+
+def start_streams(pool, stack: Stack, count: int) -> list[concurrent.futures.Future]:
+    futures = []
+    for _ in range(count):
+        started = concurrent.futures.Future()
+        futures.append(pool.submit(stream, stack.url, LONG, started))
+        assert started.result(timeout=120), "the stream ended before its third token"
+    return futures
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def assert_nothing_leaked(stack: Stack, r: redis.Redis) -> None:
+    def clean() -> bool:
+        m = stack.metrics()
+        pending = r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"]
+        return (m["pagoda:kv_cache_usage_perc"], m["pagoda:num_requests_running"], m["pagoda:num_requests_waiting"],
+                pending, r.xlen(streams.REQUESTS), r.hlen(streams.STARTED)) == (0, 0, 0, 0, 0, 0)
+    wait_for(clean, 10, "no KV block used, no request running or pending")
+
+
+def assert_serves(stack: Stack, references) -> None:
+    short, _ = references
+    with httpx.Client(timeout=120) as http:
+        for prompt, text in short.items():
+            assert complete(http, stack, prompt, 8) == text
+
+
+def assert_interrupted(result: dict, long_start: list[str]) -> None:
+    """Ended by an error event then [DONE]; the text so far is the greedy text, never repeated."""
+    assert result["done"] and result["error"] is not None
+    assert result["error"]["type"] == "server_error"
+    n = len(result["tokens"])
+    assert 3 <= n <= len(long_start), n
+    assert result["tokens"] == long_start[:n]
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_worker_killed_or_stopped_mid_stream_fails_its_streams_and_is_restarted(stack, r, references, sig):
+    _, long_start = references
+    worker = stack.children()["worker"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = start_streams(pool, stack, 2)
+        os.kill(worker, sig)
+        struck = time.monotonic()
+        results = [f.result(timeout=30) for f in futures]
+    # killed: its connection closes at once; stopped: the ZeroMQ heartbeat times out (4 s)
+    limit = 5 if sig == signal.SIGKILL else 8
+    for result in results:
+        assert result["ended"] - struck < limit, result["ended"] - struck
+        assert_interrupted(result, long_start)
+        assert "worker rank 0 disconnected" in result["error"]["message"]
+    wait_for(lambda: stack.health() == 503, 2, "/health to say 503")
+    # the supervisor restarts it: on its exit, or when its heartbeat goes stale (--worker-timeout 5)
+    wait_for(lambda: stack.children().get("worker") not in (None, worker), 30, "a new worker process")
+    assert not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split()[2] == "Z"
+    wait_for(lambda: stack.health() == 200, 120, "the stack to be healthy again")
+    assert_serves(stack, references)
+    assert_nothing_leaked(stack, r)
+
+
+# ----------------------------------------------------------------------------- scheduler
+
+
+def test_a_killed_scheduler_is_restarted_and_takes_over_the_requests_it_held(stack, r, references):
+    short, long_start = references
+    scheduler = stack.children()["scheduler"]
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        streams_ = start_streams(pool, stack, 2)  # both sequences the scheduler runs at once
+        queued = [pool.submit(lambda p=p: complete(httpx.Client(timeout=120), stack, p, 8)) for p in SHORT_PROMPTS]
+        wait_for(lambda: r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"] >= 4, 10,
+                 "queued requests to be read by the scheduler")
+        os.kill(scheduler, signal.SIGKILL)
+        for result in (f.result(timeout=120) for f in streams_):
+            assert_interrupted(result, long_start)  # streamed before: an error, no repeated text
+            assert result["error"]["message"] == (
+                "generation failed: the scheduler serving this request stopped after it had started streaming")
+        assert [f.result(timeout=120) for f in queued] == [short[p] for p in SHORT_PROMPTS]  # not started: complete
+    assert stack.children()["scheduler"] != scheduler
+    assert_serves(stack, references)
+    assert_nothing_leaked(stack, r)
+
+
+# ----------------------------------------------------------------------------- redis
+
+
+def test_while_redis_restarts_the_gateway_answers_503_and_service_resumes(stack, r, redis_server, references):
+    pids = stack.children()
+    redis_server.stop()
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # Redis down for 3 s
+            with httpx.Client(timeout=10) as http:
+                response = http.post(stack.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "service_unavailable"
+            assert response.headers["retry-after"] == "5"
+            assert stack.health() == 503
+            time.sleep(0.3)
+    finally:
+        redis_server.start()  # the same port, empty: no stream, no group, no status
+    wait_for(lambda: stack.health() == 200, 30, "the stack to be healthy again")
+    assert stack.children() == pids  # no process crashed or was restarted
+    assert_serves(stack, references)
+    assert_nothing_leaked(stack, r)
+
+
+# ----------------------------------------------------------------------------- shutdown
+
+
+def test_sigterm_drains_then_exits_0_and_the_supervisor_restarts_a_private_redis(references):
+    stack = Stack("--drain-timeout", "12").wait_ready()
+    try:
+        old_redis = stack.children()["redis"]
+        os.kill(old_redis, signal.SIGKILL)
+        wait_for(lambda: stack.children().get("redis") not in (None, old_redis), 10, "redis-server restarted")
+        wait_for(lambda: stack.health() == 200, 30, "the stack to be healthy again")
+        assert_serves(stack, references)
+
+        short = {**LONG, "max_tokens": 10}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            finishing_started, cut_started = concurrent.futures.Future(), concurrent.futures.Future()
+            finishing = pool.submit(stream, stack.url, short, finishing_started)
+            cut = pool.submit(stream, stack.url, LONG, cut_started)
+            assert finishing_started.result(timeout=60) and cut_started.result(timeout=60)
+            processes = list(stack.children().values())
+            stack.process.send_signal(signal.SIGTERM)
+            wait_for(lambda: stack.health() == 0, 5, "the gateway to stop accepting connections")
+            finished, failed = finishing.result(timeout=30), cut.result(timeout=30)
+        assert (len(finished["tokens"]), finished["error"], finished["done"]) == (10, None, True)
+        assert failed["done"] and failed["error"]["code"] == "service_unavailable"
+        assert failed["error"]["message"] == "the server is shutting down; retry the request"
+        assert stack.process.wait(30) == 0
+        assert [pid for pid in processes if os.path.exists(f"/proc/{pid}")] == []
+    finally:
+        stack.stop()
