@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 
+import redis
 import redis.asyncio as aioredis
 
 from common import streams
@@ -56,7 +57,9 @@ class Generation:
 
 class EngineClient:
     def __init__(self, redis_url: str, gateway_id: str) -> None:
-        self.redis = aioredis.from_url(redis_url, socket_connect_timeout=2.0, health_check_interval=30)
+        # retry_on_error: after a Redis restart each pooled connection fails once; reconnect and retry
+        self.redis = aioredis.from_url(redis_url, socket_connect_timeout=2.0, health_check_interval=30,
+                                       retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self.reply_stream = streams.reply_stream(gateway_id)
         self._queues: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._reader: asyncio.Task | None = None

@@ -63,7 +63,8 @@ class SchedulerServer:
         self.engine_config = engine_config
         self.serving = serving
         self.id = serving.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.redis = redis.Redis.from_url(serving.redis_url, socket_timeout=10, socket_connect_timeout=2)
+        self.redis = redis.Redis.from_url(serving.redis_url, socket_timeout=10, socket_connect_timeout=2,
+                                          retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self.link = WorkerLink(serving.zmq_address, serving.world_size)
         self.scheduler: Scheduler | None = None
         self.hello: WorkerHello | None = None
