@@ -46,7 +46,8 @@ class RedisServer:
         args = [redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self.dir, "--protected-mode", "yes"]
         os.makedirs(self.dir, exist_ok=True)  # a restart after stop()
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # own session: a Ctrl-C to the terminal reaches `pagoda up`, which stops Redis last
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
