@@ -54,6 +54,7 @@ class WorkerLink:
         """Take one pending frame; returns the hello if it was one (anything else is stale)."""
         if not self.socket.poll(timeout_ms):
             return None
+        self.check_connections()  # first: a closed connection's descriptor may be reused by this hello's
         identity, kind, payload, fd = self._recv()
         return self._register(identity, payload, fd) if kind == HELLO else None
 
