@@ -87,3 +87,17 @@ class Stack:
         if hasattr(self.log, "close"):
             self.log.close()
         return self.process.returncode
+
+
+class Gateway(Stack):
+    """One more gateway process (`pagoda gateway`) on a running stack's Redis: for gateway flags
+    that `pagoda up` does not pass on (--max-pending-requests, --max-body-bytes)."""
+
+    def __init__(self, redis_url: str, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = None
+        cmd = [sys.executable, "-m", "pagoda.cli", "gateway", "--redis-url", redis_url, "--port", str(self.port), *flags]
+        env = {k: v for k, v in os.environ.items() if k != "PAGODA_REDIS_URL"}
+        self.log = open(ROOT / ".pytest_cache" / f"gateway-{self.port}.log", "w") if (ROOT / ".pytest_cache").is_dir() else subprocess.DEVNULL
+        self.process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)

@@ -1,0 +1,339 @@
+"""Aborts and load on the real stack (`pagoda up`: redis-server, scheduler, worker, gateway processes).
+
+- 500 streams, each abandoned at a seeded random point (before its headers, after k events, or
+  read to the end), leak nothing: no KV block, no running or waiting request, no pending or
+  leftover entry in the requests stream; and every stream read to its end was right.
+- Admission control: beyond --max-pending-requests a request gets exactly 429 with Retry-After
+  and the OpenAI error object; every request is answered 200 or 429, and the 200s are right.
+- A short soak (`python -m pagoda.soak`) passes its verdict.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from common.redis_server import RedisServer
+from pagoda.soak import Load, StreamState, body_for, choice_text, path_for, read_stream, wait_drained
+from tests.stack import ROOT, Gateway, Stack
+
+pytestmark = pytest.mark.slow
+
+# (prompt, max_tokens), short: 500 streams must run in well under 90 s on 2 cores
+COMPLETIONS = [("The capital of France is", 10), ("Here is a short list of fruits:", 12),
+               ("def fibonacci(n):", 12), ("The weather today is", 8)]
+CHATS = [("What is the capital of France?", 12), ("Name three colors.", 10), ("Say hello in Spanish.", 8),
+         ("What is 2 + 2?", 8)]
+PROMPTS = {"completion": COMPLETIONS, "chat": CHATS}
+LONG = 400  # max_tokens (EOS ignored) of a stream that is abandoned: minutes of work on CPU
+ZERO = {"pagoda:kv_cache_usage_perc": 0.0, "pagoda:num_requests_running": 0.0, "pagoda:num_requests_waiting": 0.0,
+        "pagoda:num_requests_swapped": 0.0, "xlen": 0, "xpending": 0}
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    finish_reason: str
+    completion_tokens: int
+
+
+async def references(base_url: str) -> dict[tuple[str, int], Answer]:
+    """The stack's greedy answer to every prompt, whole (one concurrent batch)."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        async def one(api: str, i: int) -> tuple[tuple[str, int], Answer]:
+            prompt, max_tokens = PROMPTS[api][i]
+            r = await client.post(base_url + path_for(api), json=body_for(api, prompt, max_tokens))
+            assert r.status_code == 200, r.text
+            data = r.json()
+            choice = data["choices"][0]
+            return (api, i), Answer(choice_text(choice), choice["finish_reason"], data["usage"]["completion_tokens"])
+
+        return dict(await asyncio.gather(*[one(api, i) for api in PROMPTS for i in range(len(PROMPTS[api]))]))
+
+
+def check_whole_stream(state: StreamState, expected: Answer, n: int) -> str | None:
+    """What is wrong with a stream read to its end, or None."""
+    if state.status != 200 or state.error is not None or not state.done:
+        return f"status {state.status}, error {state.error}, [DONE] {state.done}, body {state.body[:200]!r}"
+    got = {i: (state.texts[i], state.finish.get(i)) for i in state.texts}
+    if got != {i: (expected.text, expected.finish_reason) for i in range(n)}:
+        return f"{got!r} != {n} x {expected!r}"
+    if state.usage is not None and state.usage["completion_tokens"] != n * expected.completion_tokens:
+        return f"usage {state.usage!r}, expected {n} x {expected.completion_tokens} tokens"
+    return None
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_worker():
+    """The stacks here run with OMP_NUM_THREADS=1. On a 2-core host shared with other processes, the
+    worker's default two intra-op threads wait on each other whenever another process holds a core:
+    200 streams took 110 s (75 s of worker CPU) with two, 21 s (12 s) with one."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    if saved is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = saved
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server):
+    stack = Stack("--redis-url", redis_server.url).wait_ready()
+    yield stack
+    assert stack.stop() == 0
+
+
+# ----------------------------------------------------------------------------- 500 cancelled streams
+
+@dataclass
+class Storm:
+    stages: collections.Counter = field(default_factory=collections.Counter)  # before headers / after k / finished
+    planned: collections.Counter = field(default_factory=collections.Counter)
+    by_api: collections.Counter = field(default_factory=collections.Counter)
+    failures: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+async def cancel_storm(base_url: str, refs: dict, num: int, concurrency: int, seed: int) -> Storm:
+    storm = Storm()
+    semaphore = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async def one(client: httpx.AsyncClient, number: int) -> None:
+        rng = random.Random(f"{seed}-{number}")
+        api = rng.choice(["completion", "chat"])
+        i = rng.randrange(len(PROMPTS[api]))
+        prompt, max_tokens = PROMPTS[api][i]
+        n = 2 if rng.random() < 0.25 else 1
+        include_usage = rng.random() < 0.5
+        draw = rng.random()
+        plan = ("timer", rng.uniform(0.0, 0.02)) if draw < 0.15 else (
+            ("events", rng.randint(0, 8)) if draw < 0.7 else ("finish", None))
+        if plan[0] == "finish":
+            body = body_for(api, prompt, max_tokens, stream=True, n=n)
+        else:  # long: only the abort can free its blocks within seconds
+            body = body_for(api, prompt, LONG, stream=True, n=n, ignore_eos=True)
+        if include_usage:
+            body["stream_options"] = {"include_usage": True}
+        storm.planned[plan[0]] += 1
+        storm.by_api[f"{api} n={n}"] += 1
+        state = StreamState()
+        async with semaphore:
+            stop_after = plan[1] if plan[0] == "events" else None
+            task = asyncio.ensure_future(read_stream(client, base_url + path_for(api), body, state, stop_after))
+            timeout = plan[1] if plan[0] == "timer" else 120.0
+            await asyncio.wait({task}, timeout=timeout)
+            if not task.done():
+                task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                if plan[0] != "timer":
+                    storm.failures.append(f"#{number}: no answer within 120 s")
+                    return
+            except Exception as exc:
+                storm.failures.append(f"#{number}: {type(exc).__name__}: {exc}")
+                return
+        if not state.headers:
+            storm.stages["before headers"] += 1
+            return
+        if state.status != 200:
+            storm.failures.append(f"#{number}: HTTP {state.status}: {state.body[:200]!r}")
+        elif state.error is not None:
+            storm.failures.append(f"#{number}: error event {state.error!r}")
+        elif plan[0] == "finish":
+            storm.stages["read to the end"] += 1
+            wrong = check_whole_stream(state, refs[(api, i)], n)
+            if wrong:
+                storm.failures.append(f"#{number} {api} {prompt!r} n={n}: {wrong}")
+        elif state.done:  # 400 tokens cannot end within 20 ms or 8 events
+            storm.failures.append(f"#{number}: a stream planned to be left ({plan}) ended first")
+        elif plan[0] == "events" and state.events != plan[1]:
+            storm.failures.append(f"#{number}: closed after {state.events} events, not {plan[1]}")
+        else:
+            storm.stages[f"after {state.events} events"] += 1
+            if plan[0] == "timer":
+                storm.stages["timer after headers"] += 1
+
+    start = time.monotonic()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
+        await asyncio.gather(*[one(client, k) for k in range(num)])
+    storm.seconds = time.monotonic() - start
+    return storm
+
+
+def test_500_streams_cancelled_at_random_points_leak_nothing(stack, redis_server):
+    refs = asyncio.run(references(stack.url))
+    storm = asyncio.run(cancel_storm(stack.url, refs, num=500, concurrency=48, seed=20261122))
+    drained, state, waited = wait_drained(stack.url, redis_server.url, timeout=10)
+    after = {k: v for k, v in storm.stages.items() if k.startswith("after ")}
+    print(f"\n500 streams in {storm.seconds:.1f} s: planned {dict(storm.planned)}; by API {dict(storm.by_api)}; "
+          f"left before the headers {storm.stages['before headers']}, mid-stream {sum(after.values())} "
+          f"({dict(sorted(after.items(), key=lambda kv: int(kv[0].split()[1])))}; by the timer "
+          f"{storm.stages['timer after headers']}), read to the end {storm.stages['read to the end']}; "
+          f"drained in {waited:.2f} s: {state}")
+    assert storm.failures == []
+    assert storm.stages["read to the end"] == storm.planned["finish"] == 147  # the seed's plan
+    assert storm.stages["before headers"] + storm.stages["timer after headers"] == storm.planned["timer"] == 74
+    assert sum(after.values()) - storm.stages["timer after headers"] == storm.planned["events"] == 279
+    assert storm.stages["before headers"] > 0
+    assert drained, state
+    assert state == ZERO
+    # the stack still answers, and the same as before the storm
+    prompt, max_tokens = CHATS[0]
+    r = httpx.post(stack.url + "/v1/chat/completions", json=body_for("chat", prompt, max_tokens), timeout=60)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["content"] == refs[("chat", 0)].text
+    assert "Paris" in refs[("chat", 0)].text
+    assert wait_drained(stack.url, redis_server.url, timeout=10)[1] == ZERO
+
+
+# ----------------------------------------------------------------------------- admission control
+
+MAX_PENDING = 4
+
+
+@pytest.fixture(scope="module")
+def small_stack():
+    """A stack running 2 sequences at a time, and a second gateway on its Redis that admits 4 pending
+    requests (`pagoda up` does not pass --max-pending-requests on to its gateway)."""
+    server = RedisServer().start()
+    stack = Stack("--redis-url", server.url, "--max-num-seqs", "2")
+    gateway = Gateway(server.url, "--max-pending-requests", str(MAX_PENDING))  # starts while the model loads
+    stack.wait_ready(), gateway.wait_ready()
+    yield stack, gateway, server
+    assert gateway.stop() == 0
+    assert stack.stop() == 0
+    server.stop()
+
+
+async def send_all(base_url: str, requests: list[tuple[str, int, bool]]) -> list[tuple[int, dict, object]]:
+    """All at once: (status, headers, answer) each; an answer is a StreamState (a 200 stream) or a JSON body."""
+    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
+        async def one(api: str, i: int, stream: bool):
+            prompt, max_tokens = PROMPTS[api][i]
+            body = body_for(api, prompt, max_tokens, stream=stream)
+            if stream:
+                state = StreamState()
+                await read_stream(client, base_url + path_for(api), body, state)
+                return state.status, state.response_headers, state if state.status == 200 else json.loads(state.body)
+            r = await client.post(base_url + path_for(api), json=body)
+            return r.status_code, dict(r.headers), r.json()
+
+        return await asyncio.gather(*[asyncio.wait_for(one(*request), 120) for request in requests])
+
+
+def check_answer(request: tuple[str, int, bool], answer, refs: dict) -> str | None:
+    api, i, stream = request
+    expected = refs[(api, i)]
+    if stream:
+        return check_whole_stream(answer, expected, 1)
+    choice = answer["choices"][0]
+    got = Answer(choice_text(choice), choice["finish_reason"], answer["usage"]["completion_tokens"])
+    return None if got == expected else f"{got!r} != {expected!r}"
+
+
+def check_queue_full(status: int, headers: dict, body: dict) -> None:
+    assert status == 429
+    assert headers["retry-after"] == "1"
+    assert headers["content-type"] == "application/json"
+    assert body == {"error": {"message": body["error"]["message"], "type": "rate_limit_error", "param": None,
+                              "code": "queue_full"}}
+    assert body["error"]["message"].startswith("the server is busy: ")
+
+
+def test_admission_control_answers_429_beyond_max_pending_requests(small_stack):
+    stack, gateway, server = small_stack
+    refs = asyncio.run(references(stack.url))  # through the stack's own gateway (no small limit)
+    requests = [(("completion", "chat")[k % 2], (k // 2) % 4, k % 4 >= 2) for k in range(16)]
+    start = time.monotonic()
+    results = asyncio.run(send_all(gateway.url, requests))
+    burst_s = time.monotonic() - start
+    statuses = collections.Counter(status for status, _, _ in results)
+    assert set(statuses) <= {200, 429}, statuses
+    # nothing waits when the burst starts: the first MAX_PENDING are admitted, then the queue is full
+    assert statuses[200] >= MAX_PENDING and statuses[429] > 0, statuses
+    rejected = []
+    for request, (status, headers, answer) in zip(requests, results):
+        if status == 429:
+            check_queue_full(status, headers, answer)
+            rejected.append(request)
+        else:
+            assert check_answer(request, answer, refs) is None
+
+    async def retry_until_admitted() -> tuple[list, int]:
+        """Each rejected request again, after its Retry-After, until it is admitted."""
+        answers, attempts = [], 0
+        todo = list(rejected)
+        while todo:
+            await asyncio.sleep(1)
+            attempts += 1
+            assert attempts <= 60, f"{len(todo)} requests still rejected after 60 retries"
+            results = await send_all(gateway.url, todo)
+            for request, (status, headers, answer) in zip(todo, results):
+                if status == 429:
+                    check_queue_full(status, headers, answer)
+                else:
+                    assert status == 200
+                    answers.append((request, answer))
+            todo = [r for r, (status, _, _) in zip(todo, results) if status == 429]
+        return answers, attempts
+
+    start = time.monotonic()
+    answers, attempts = asyncio.run(retry_until_admitted())
+    assert len(answers) == len(rejected)
+    assert [check_answer(request, answer, refs) for request, answer in answers] == [None] * len(answers)
+    print(f"\nburst of {len(requests)} at --max-pending-requests {MAX_PENDING} --max-num-seqs 2: "
+          f"{statuses[200]} x 200, {statuses[429]} x 429 in {burst_s:.1f} s; the 429s all admitted after "
+          f"{attempts} rounds of retries in {time.monotonic() - start:.1f} s")
+    drained, state, _ = wait_drained(gateway.url, server.url, timeout=10)
+    assert state == ZERO
+
+
+# ----------------------------------------------------------------------------- the soak, short
+
+def test_short_soak_passes(tmp_path):
+    output = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.soak", "--duration", "20", "--warmup", "6", "--concurrency", "16",
+         "--output", str(output), "--log", str(tmp_path / "stack.log"), "--device", "cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    result = json.loads(output.read_text())
+    requests = result["requests"]
+    assert result["verdict"] == "pass" and result["reasons"] == []
+    assert requests["failed"] == 0 and result["failures"] == []
+    assert requests["sent"] == requests["answered"] + requests["cancelled"] >= 40
+    # request k's kind is fixed by the seed: each kind was sent, and answered or cancelled, as often as drawn
+    drawn = collections.Counter(Load("", 0, 1).kind_of(k)[0] for k in range(requests["sent"]))
+    assert {kind: sum(counts.values()) for kind, counts in requests["by_kind"].items()} == dict(drawn)
+    cancelling = {"stream_cancel", "whole_cancel", "early_cancel"}
+    assert all(set(counts) == ({"cancelled"} if kind in cancelling else {"answered"})
+               for kind, counts in requests["by_kind"].items())
+    assert set(requests["by_status"]) <= {"200", "400", "404"}
+    assert set(result["rss"]) == {"up", "redis-server", "scheduler", "worker", "gateway"}
+    assert all(m["ok"] and m["growth_mib"] <= m["allowed_mib"] for m in result["rss"].values())
+    assert result["final_state"] == {**ZERO, "drained": True, "drain_s": result["final_state"]["drain_s"]}
+    assert result["stack_exit_code"] == 0
