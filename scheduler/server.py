@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 0.5
 CLAIM_INTERVAL_S = 1.0  # how often a scheduler renews its claims and looks for orphaned requests
 CLAIM_IDLE_MS = 10_000  # a pending entry unclaimed this long belongs to a dead scheduler
+# An abort can come long before its request is read (queued behind others in Redis): it is kept
+# longer than a gateway waits for a request (request_timeout_s, 600 s by default).
+EARLY_ABORT_TTL_S = 900.0
 WORKER_SILENCE_S = 10.0  # an idle worker says hello every 2 s; silence this long means it is gone
 IDLE_BLOCK_MS = 50
 READ_BATCH = 64
@@ -78,6 +81,7 @@ class SchedulerServer:
         self.outbox: list[tuple] = []  # Redis writes not yet done: ("event", stream, event) | ("ack", entry, id)
         self._last_status = 0.0
         self._last_claim = 0.0
+        self._last_prune = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def serve_forever(self) -> None:
@@ -162,8 +166,8 @@ class SchedulerServer:
 
     @staticmethod
     def _recent_aborts_id() -> bytes:
-        """Read aborts from a minute back: those for requests this scheduler may take over from a dead one."""
-        return f"{int((time.time() - 60) * 1000)}-0".encode()
+        """Read recent aborts too: those for requests this scheduler may take over from a dead one."""
+        return f"{int((time.time() - EARLY_ABORT_TTL_S) * 1000)}-0".encode()
 
     def _start_group(self) -> None:
         """Every rank said hello: size the scheduler from their capacity (the smallest pool)."""
@@ -296,9 +300,10 @@ class SchedulerServer:
                 self.aborts_cursor = entry_id
                 request_id = fields.get(streams.ABORT_FIELD, b"").decode(errors="replace")
                 self._abort(request_id)
-        if self.early_aborts:  # runs every step: prune only when there is something to prune
-            cutoff = time.monotonic() - 60
-            self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > cutoff}
+        now = time.monotonic()
+        if self.early_aborts and now - self._last_prune > 10:  # not every step: the dict can be large
+            self._last_prune = now
+            self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > now - EARLY_ABORT_TTL_S}
 
     def _abort(self, request_id: str) -> None:
         tracked = self.tracked.pop(request_id, None)

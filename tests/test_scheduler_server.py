@@ -390,6 +390,13 @@ def test_an_abort_that_arrives_before_its_request_ends_it_unrun(harness):
     assert tokens(harness.wait_finished("next")["next"]) == expected_output(0, 10, 3)
 
 
+def test_an_early_abort_outlives_the_gateways_wait_for_its_request():
+    from common.config import GatewayConfig
+
+    # else a request queued in Redis longer than the abort is kept would run for nobody
+    assert server_module.EARLY_ABORT_TTL_S > GatewayConfig().request_timeout_s
+
+
 def test_an_abort_for_an_unknown_or_finished_request_changes_nothing(harness):
     harness.worker()
     harness.wait_ready()
