@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 0.5
 CLAIM_INTERVAL_S = 1.0  # how often a scheduler renews its claims and looks for orphaned requests
 CLAIM_IDLE_MS = 10_000  # a pending entry unclaimed this long belongs to a dead scheduler
+MAX_DELIVERIES = 3  # a request whose schedulers keep dying is not given to another one
 # An abort can come long before its request is read (queued behind others in Redis): it is kept
 # longer than a gateway waits for a request (request_timeout_s, 600 s by default).
 EARLY_ABORT_TTL_S = 900.0
@@ -227,6 +228,7 @@ class SchedulerServer:
         if not entries:
             return
         started = self.redis.hmget(streams.STARTED, [self._request_id(fields) or "" for _, fields in entries])
+        deliveries = self._deliveries([entry_id for entry_id, _ in entries])
         for (entry_id, fields), owner in zip(entries, started):
             if fields is None:
                 continue  # deleted meanwhile
@@ -234,8 +236,14 @@ class SchedulerServer:
             if request_id in self.tracked:
                 continue  # ours all along (a claim renewed late)
             log.warning("took over request %s from a scheduler that stopped", request_id)
-            if owner is not None and request_id is not None:  # it streamed: running it again would repeat its text
-                self._interrupt(entry_id, fields, request_id)
+            if request_id is None:
+                self._admit(entry_id, fields)  # malformed: dropped there
+            elif owner is not None:  # it streamed: running it again would repeat its text
+                self._interrupt(entry_id, fields, request_id, "the scheduler serving this request stopped after it "
+                                                              "had started streaming")
+            elif deliveries.get(entry_id, 0) > MAX_DELIVERIES:
+                self._interrupt(entry_id, fields, request_id, f"the request was taken by {MAX_DELIVERIES} schedulers "
+                                                              "that each stopped; it is not tried again")
             else:
                 self._admit(entry_id, fields)
 
@@ -253,14 +261,18 @@ class SchedulerServer:
             return None
         return request.request_id if isinstance(request, GenerateRequest) and isinstance(request.request_id, str) else None
 
-    def _interrupt(self, entry_id: bytes, fields: dict, request_id: str) -> None:
+    def _deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
+        """How many times each of this scheduler's pending entries has been delivered (claims count)."""
+        pending = self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, min(entry_ids),
+                                            max(entry_ids), len(entry_ids) + len(self.tracked), consumername=self.id)
+        return {p["message_id"]: p["times_delivered"] for p in pending}
+
+    def _interrupt(self, entry_id: bytes, fields: dict, request_id: str, message: str) -> None:
         request = decode(fields[streams.FIELD])
         if not isinstance(request.reply_stream, str):
             self.outbox.append(("ack", entry_id, request_id))
             return
-        tracked = _Tracked(request.reply_stream, entry_id, False)
-        self._finish_untracked(request_id, tracked, "error",
-                               "the scheduler serving this request stopped after it had started streaming")
+        self._finish_untracked(request_id, _Tracked(request.reply_stream, entry_id, False), "error", message)
 
     def _admit(self, entry_id: bytes, fields: dict) -> None:
         try:

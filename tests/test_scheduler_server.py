@@ -671,6 +671,28 @@ def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repe
         h.close()
 
 
+def test_a_request_whose_schedulers_keep_dying_is_not_tried_again(redis_url, r, monkeypatch):
+    monkeypatch.setattr(server_module, "CLAIM_IDLE_MS", 0)
+    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
+    r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
+    h = Harness(redis_url, r)
+    try:
+        h.submit("poison", prompt(10), max_tokens=4)
+        h.submit("fine", prompt(12), max_tokens=4)
+        entry_ids = read_as_dead_scheduler(r, 2)
+        for n in range(server_module.MAX_DELIVERIES):  # taken over, and dying, again and again
+            r.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, f"dead-{n}", 0, entry_ids[:1])
+        h.worker()
+        done = h.wait_finished("poison", "fine", timeout=5.0)
+        assert [(e.token_ids, e.finish_reason) for e in done["poison"]] == [([], "error")]
+        assert done["poison"][0].error == (
+            f"the request was taken by {server_module.MAX_DELIVERIES} schedulers that each stopped; it is not tried again")
+        assert tokens(done["fine"]) == expected_output(0, 12, 4)
+        h.assert_nothing_held()
+    finally:
+        h.close()
+
+
 def test_a_live_scheduler_renews_its_claims_so_no_one_takes_its_requests(harness, monkeypatch):
     monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
     harness.worker(step_delay_s=0.01)

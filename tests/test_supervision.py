@@ -164,6 +164,35 @@ def test_a_child_with_a_stale_heartbeat_is_killed_and_restarted(tmp_path, monkey
         capsys.readouterr().err)
 
 
+def test_a_private_redis_that_dies_is_restarted_on_its_port(monkeypatch, capsys):
+    import redis
+
+    from common.redis_server import RedisServer
+
+    monkeypatch.setattr(up_module, "POLL_S", 0.05)
+    server = RedisServer().start()
+    stop = {"now": False}
+    supervisor = threading.Thread(target=_supervise, args=([], server, args(), stop), daemon=True)
+    supervisor.start()
+    try:
+        first = server.process
+        first.kill()
+        wait_for(lambda: server.process is not first and server.process.poll() is None)
+        assert wait_for(lambda: _pings(redis.Redis.from_url(server.url)))
+    finally:
+        stop["now"] = True
+        supervisor.join(5)
+        server.stop()
+    assert "pagoda: redis-server exited with code -9; restarting it" in capsys.readouterr().err
+
+
+def _pings(client) -> bool:
+    try:
+        return client.ping()
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
 # ----------------------------------------------------------------------------- fatal errors
 
 
