@@ -11,7 +11,6 @@ number of tokens scheduled and its last token.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +62,8 @@ class SamplingParams:
         if self.beam_width:
             _require(self.n <= self.beam_width, "n", "with beam search, n must be <= beam_width")
             _require(self.best_of is None, "best_of", "best_of does not apply to beam search")
-        _require(math.isfinite(self.length_penalty), "length_penalty", "length_penalty must be a finite number")
+        _require(abs(self.length_penalty) <= MAX_LENGTH_PENALTY, "length_penalty",
+                 f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
         _require(self.early_stopping in (True, False, "never"), "early_stopping",
                  "early_stopping must be true, false or \"never\"")
         _require(self.temperature >= 0.0, "temperature", "temperature must be >= 0")
@@ -88,6 +88,10 @@ class SamplingParams:
 MAX_INT_PARAM = 1 << 24  # bounds every count a request names, so none overflows a tensor
 MAX_SAMPLES = 128  # n and best_of
 MAX_BEAM_WIDTH = 32
+# Beam scores are divided by length ** length_penalty in float32; for every length up to
+# MAX_INT_PARAM this bound keeps that divisor finite and nonzero (a larger |length_penalty|
+# overflowed it, or divided by zero, and took the scheduler down).
+MAX_LENGTH_PENALTY = 5.0
 
 
 def num_beam_candidates(beam_width: int, num_eos_tokens: int) -> int:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: validate, tokenize, admit, submit to Redis, answer (whole or SSE).
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
-    GET  /health                GET  /metrics
+    GET  /health                GET  /metrics                    GET /openapi.json
 
 Every check happens before the first byte of a response; an error after it (a stream whose
 scheduler fails) is an SSE error event followed by `data: [DONE]`.
@@ -30,6 +30,7 @@ from common.protocol import GenerateRequest, SchedulerStatus
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import EngineClient, Generation
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
 from gateway.serving import SSE_DONE, ChoiceState, EngineError, ResponseShape, sse, usage
 from gateway.tokenizer import PromptEncoder, load_tokenizer
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_QUEUE_FULL_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
 SHUTTING_DOWN = "the server is shutting down"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 
 
 def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
@@ -55,6 +56,7 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
             Route("/v1/models", gateway.models, methods=["GET"]),
             Route("/health", gateway.health, methods=["GET"]),
             Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
+            Route("/openapi.json", openapi_endpoint, methods=["GET"]),
         ],
         middleware=[Middleware(CountResponses, metrics=gateway.metrics)],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},

@@ -81,6 +81,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:  # e.g. 100,000 nested '['
+        raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
@@ -92,9 +94,15 @@ def _number(body: dict, name: str, default: float | None) -> float | None:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"{name} must be a number, got {json.dumps(value)}", name)
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad_request(f"{name} must be a finite number, got {json.dumps(value)[:64]}", name)
+    return number
 
 
 def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = 2**63 - 1) -> int | None:
@@ -176,9 +184,10 @@ def parse_chat(body: dict, encoder, vocab_size: int) -> ParsedRequest:
 
 
 def _max_tokens(body: dict, default: int | None) -> int | None:
+    max_tokens = _int(body, "max_tokens", default, 1)  # checked even when max_completion_tokens overrides it
     if body.get("max_completion_tokens") is not None:
         return _int(body, "max_completion_tokens", None, 1)
-    return _int(body, "max_tokens", default, 1)
+    return max_tokens
 
 
 def _reject_unsupported(body: dict, names: tuple[str, ...]) -> None:
@@ -192,7 +201,7 @@ def _messages(messages) -> list[dict]:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in CHAT_ROLES:
             raise bad_request(
                 f"messages[{i}] must be an object whose role is one of {sorted(CHAT_ROLES)}", f"messages[{i}].role")
         role, content = m["role"], m.get("content")
@@ -278,7 +287,9 @@ def _common(
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("user must be a string", "user")
-    stop_token_ids = body.get("stop_token_ids") or []
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is None:
+        stop_token_ids = []
     if not isinstance(stop_token_ids, list) or len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise bad_request(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1 - MAX_N)

@@ -162,6 +162,8 @@ def test_invalid_sampling_params_on_the_wire_are_a_protocol_error():
     ({"beam_width": 2, "n": 3}, "n"),
     ({"beam_width": 2, "best_of": 2}, "best_of"),
     ({"length_penalty": float("nan")}, "length_penalty"),
+    ({"length_penalty": -5.01}, "length_penalty"),  # was a division by zero in the scheduler's beam step
+    ({"length_penalty": 1000.0}, "length_penalty"),  # was an OverflowError there
     ({"early_stopping": "sometimes"}, "early_stopping"),
     ({"temperature": -0.01}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
