@@ -199,46 +199,68 @@ CHAT_LOGPROBS = {
 }
 
 
-def _completion_body(kind: str, obj: str, choice: dict) -> dict:
+def _completion_body(kind: str, obj: str, choice: dict, chunk: bool = False) -> dict:
+    """A whole answer, or (`chunk`) one streamed event's: its choices carry what is new since the
+    last event, and with stream_options.include_usage a last chunk has no choices and the usage."""
     return {
         "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "required": ["id", "object", "created", "model", "choices"] + ([] if chunk else ["usage"]),
         "properties": {
             "id": {"type": "string", "pattern": f"^{kind}-"},
             "object": {"const": obj},
             "created": {"type": "integer"},
             "model": {"type": "string"},
-            "choices": {"type": "array", "minItems": 1, "items": choice},
-            "usage": _ref("Usage"),
+            "choices": {"type": "array", "minItems": 0 if chunk else 1, "items": choice},
+            "usage": {"anyOf": [_ref("Usage"), {"type": "null"}]} if chunk else _ref("Usage"),
         },
     }
 
 
-COMPLETION_RESPONSE = _completion_body("cmpl", "text_completion", {
-    "type": "object",
-    "required": ["index", "text", "logprobs", "finish_reason"],
-    "properties": {
-        "index": {"type": "integer", "minimum": 0},
-        "text": {"type": "string"},
-        "logprobs": {"anyOf": [_ref("CompletionLogprobs"), {"type": "null"}]},
-        "finish_reason": FINISH_REASON,
-    },
-})
-
-CHAT_RESPONSE = _completion_body("chatcmpl", "chat.completion", {
-    "type": "object",
-    "required": ["index", "message", "logprobs", "finish_reason"],
-    "properties": {
-        "index": {"type": "integer", "minimum": 0},
-        "message": {
-            "type": "object",
-            "required": ["role", "content"],
-            "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+def _choice(content: dict, chunk: bool = False) -> dict:
+    (name, schema), = content.items()
+    logprobs = "CompletionLogprobs" if name == "text" else "ChatLogprobs"
+    return {
+        "type": "object",
+        "required": ["index", name, "logprobs", "finish_reason"],
+        "properties": {
+            "index": {"type": "integer", "minimum": 0},
+            name: schema,
+            "logprobs": {"anyOf": [_ref(logprobs), {"type": "null"}]},
+            "finish_reason": {"enum": ["stop", "length", None]} if chunk else FINISH_REASON,
         },
-        "logprobs": {"anyOf": [_ref("ChatLogprobs"), {"type": "null"}]},
-        "finish_reason": FINISH_REASON,
-    },
-})
+    }
+
+
+COMPLETION_RESPONSE = _completion_body("cmpl", "text_completion", _choice({"text": {"type": "string"}}))
+COMPLETION_CHUNK = _completion_body("cmpl", "text_completion", _choice({"text": {"type": "string"}}, True), True)
+CHAT_RESPONSE = _completion_body("chatcmpl", "chat.completion", _choice({"message": {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+}}))
+CHAT_CHUNK = _completion_body("chatcmpl", "chat.completion.chunk", _choice({"delta": {
+    "type": "object",
+    "description": "The first chunk of each choice holds its role and an empty content; later ones the new "
+                   "text, if any.",
+    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+}}, True), True)
+
+
+def _sse_event(chunk: str) -> dict:
+    """One Server-Sent Event of a stream (OpenAPI 3.1: the schema of text/event-stream is per event)."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"const": "message"},
+            "data": {"anyOf": [
+                {"const": "[DONE]"},
+                {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [_ref(chunk), _ref("Error")]}},
+            ]},
+        },
+    }
+
 
 ERROR = {
     "type": "object",
@@ -271,7 +293,7 @@ def _error(description: str, headers: dict | None = None) -> dict:
 UNAUTHORIZED = _error("The API key is missing or wrong (only when the server has one).")
 
 
-def _generation(summary: str, request: str, response: str, stream_chunk: str) -> dict:
+def _generation(summary: str, request: str, response: str, chunk: str) -> dict:
     return {
         "post": {
             "summary": summary,
@@ -283,12 +305,12 @@ def _generation(summary: str, request: str, response: str, stream_chunk: str) ->
             },
             "responses": {
                 "200": {
-                    "description": "The whole answer, or with stream: true, Server-Sent Events: one `data: {...}` "
-                                   f"{stream_chunk} per event, ending with `data: [DONE]`. An error after the "
+                    "description": f"The whole answer, or with stream: true, Server-Sent Events: one {chunk} "
+                                   "per event (`data: {...}`), ending with `data: [DONE]`. An error after the "
                                    "stream has started is an event holding the error object, then `data: [DONE]`.",
                     "content": {
                         "application/json": {"schema": _ref(response)},
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": _sse_event(chunk)},
                     },
                 },
                 "400": _error("A malformed body, a field out of its range, or a prompt that does not fit the "
@@ -317,11 +339,9 @@ DOCUMENT = {
     },
     "paths": {
         "/v1/completions": _generation(
-            "Complete one or more prompts", "CompletionRequest", "CompletionResponse",
-            "chunk shaped like the whole answer (object text_completion), with the text since the last chunk"),
+            "Complete one or more prompts", "CompletionRequest", "CompletionResponse", "CompletionChunk"),
         "/v1/chat/completions": _generation(
-            "Answer a conversation", "ChatCompletionRequest", "ChatCompletionResponse",
-            "chunk (object chat.completion.chunk) whose choices hold a `delta`"),
+            "Answer a conversation", "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk"),
         "/v1/models": {"get": {
             "summary": "The served model",
             "security": [{}, {"bearerAuth": []}],
@@ -361,6 +381,8 @@ DOCUMENT = {
             "ChatMessage": MESSAGE,
             "CompletionResponse": COMPLETION_RESPONSE,
             "ChatCompletionResponse": CHAT_RESPONSE,
+            "CompletionChunk": COMPLETION_CHUNK,
+            "ChatCompletionChunk": CHAT_CHUNK,
             "CompletionLogprobs": COMPLETION_LOGPROBS,
             "ChatLogprobs": CHAT_LOGPROBS,
             "Usage": USAGE,

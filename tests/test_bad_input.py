@@ -298,6 +298,33 @@ def test_openapi_document_describes_every_route(http):
     assert request["prompt"]["anyOf"][2]["items"]["maximum"] == VOCAB_SIZE - 1
 
 
+STREAMED = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("path, body", [
+    (C, completion(n=2, max_tokens=2, logprobs=2)),
+    (C, completion(n=2, max_tokens=2, logprobs=2, **STREAMED)),
+    (C, completion(prompt=[[TOKEN], [TOKEN, TOKEN]], max_tokens=2, stop=["\n"], **STREAMED)),
+    (C, completion(n=2, best_of=3, max_tokens=2)),
+    (C, completion(temperature=-1)),
+    (CHAT, chat(n=2, max_tokens=2, logprobs=True, top_logprobs=2)),
+    (CHAT, chat(n=2, max_tokens=2, logprobs=True, top_logprobs=2, **STREAMED)),
+    (CHAT, chat(messages=[{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                          {"role": "user", "content": "hi"}, {"role": "assistant"}], max_tokens=2, stream=True)),
+    (CHAT, chat(model="nope")),
+], ids=["completion", "completion-stream", "completion-two-prompts-stream", "completion-best-of",
+        "completion-400", "chat", "chat-stream", "chat-parts-stream", "chat-404"])
+def test_real_answers_match_the_documented_schemas(stack, path, body):
+    """Each answer, whole or each streamed event, against /openapi.json (schemathesis validates it)."""
+    import schemathesis  # the test extra
+    operation = schemathesis.openapi.from_url(stack.url + "/openapi.json")[path]["POST"]
+    case = operation.Case(body=body)
+    response = case.call(timeout=120)
+    expected = "text/event-stream" if body.get("stream") else "application/json"
+    assert response.headers["content-type"][0].startswith(expected), response.text
+    case.validate_response(response)  # raises on a status, content type, header or body the document denies
+
+
 # The CI run: the fuzzing phase only, 25 examples per operation, a fixed seed, and the hook that
 # caps max_tokens at 2 (tests/schemathesis_hooks.py). scripts/fuzz.sh runs every phase, without the hook.
 SCHEMATHESIS_CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
