@@ -28,6 +28,16 @@ def one_torch_thread():
     torch.set_num_threads(saved)
 
 
+@pytest.fixture(scope="module")
+def redis_server():
+    """A private redis-server for a module's stack (`pagoda up --redis-url`), inspectable by its tests."""
+    from common.redis_server import RedisServer
+
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="where the model tests (tests/test_parity.py) run: cpu or cuda")
 

@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from common.redis_server import free_port
+from pagoda.soak import GAUGES, parse_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,13 +70,17 @@ class Stack:
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as response:
-            text = response.read().decode()
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name.split("{")[0]] = float(value)
-        return values
+            return parse_metrics(response.read().decode())
+
+    def wait_drained(self, timeout: float) -> dict[str, float]:
+        """The metrics once no KV block is used and no request runs or waits, or at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = self.metrics()
+            idle = [metrics[g] for g in GAUGES] == [0, 0, 0, 0]
+            if idle or time.monotonic() > deadline:
+                return metrics
+            time.sleep(0.2)
 
     def stop(self) -> int:
         if self.process.poll() is None:

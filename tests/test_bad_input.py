@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,12 +263,7 @@ def test_after_the_table_the_server_serves_and_holds_no_kv_block(stack, http):
     response = http.post(C, json=completion(prompt="The capital of France is", max_tokens=2, temperature=0))
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 2
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        metrics = stack.metrics()
-        if metrics["pagoda:kv_cache_usage_perc"] == 0 and metrics["pagoda:num_requests_running"] == 0:
-            break
-        time.sleep(0.2)
+    metrics = stack.wait_drained(10)
     assert metrics["pagoda:kv_cache_usage_perc"] == 0
     assert metrics["pagoda:num_requests_running"] == 0
     assert metrics["pagoda:num_requests_waiting"] == 0

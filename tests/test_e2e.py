@@ -182,12 +182,7 @@ def test_disconnect_mid_stream_frees_blocks(stack):
             for _ in range(6):
                 next(lines)
             assert wait_for(lambda: stack.metrics()["pagoda:kv_cache_usage_perc"] > 0, 5)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        metrics = stack.metrics()
-        if metrics["pagoda:kv_cache_usage_perc"] == 0 and metrics["pagoda:num_requests_running"] == 0:
-            break
-        time.sleep(0.2)
+    metrics = stack.wait_drained(5)
     assert metrics["pagoda:kv_cache_usage_perc"] == 0
     assert metrics["pagoda:num_requests_running"] == 0
 

@@ -17,7 +17,6 @@ import pytest
 import redis
 
 from common import streams
-from common.redis_server import RedisServer
 from tests.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -25,13 +24,6 @@ MODEL = "SmolLM2-135M-Instruct"
 LONG = {"model": MODEL, "prompt": "Tell me a very long story about a dragon.", "max_tokens": 2000,
         "ignore_eos": True, "temperature": 0, "stream": True}
 SHORT_PROMPTS = ["The capital of France is", "One, two, three,", "def fibonacci(n):"]
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -89,13 +89,6 @@ def one_thread_per_worker():
 
 
 @pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def stack(redis_server):
     stack = Stack("--redis-url", redis_server.url).wait_ready()
     yield stack

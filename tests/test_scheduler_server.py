@@ -647,11 +647,16 @@ def read_as_dead_scheduler(r: redis.Redis, count: int) -> list[bytes]:
     return [entry_id for _, entries in replies for entry_id, _ in entries]
 
 
-def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repeated(redis_url, r, monkeypatch):
-    monkeypatch.setattr(server_module, "CLAIM_IDLE_MS", 300)
+def successor(redis_url: str, r: redis.Redis, monkeypatch, claim_idle_ms: int) -> Harness:
+    """A scheduler that takes over entries idle `claim_idle_ms`, started on a group that exists."""
+    monkeypatch.setattr(server_module, "CLAIM_IDLE_MS", claim_idle_ms)
     monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
     r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
-    h = Harness(redis_url, r)
+    return Harness(redis_url, r)
+
+
+def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repeated(redis_url, r, monkeypatch):
+    h = successor(redis_url, r, monkeypatch, claim_idle_ms=300)
     try:
         h.submit("fresh", prompt(10), max_tokens=4)
         h.submit("streamed", prompt(12), max_tokens=4)
@@ -672,10 +677,7 @@ def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repe
 
 
 def test_a_request_whose_schedulers_keep_dying_is_not_tried_again(redis_url, r, monkeypatch):
-    monkeypatch.setattr(server_module, "CLAIM_IDLE_MS", 0)
-    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
-    r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
-    h = Harness(redis_url, r)
+    h = successor(redis_url, r, monkeypatch, claim_idle_ms=0)
     try:
         h.submit("poison", prompt(10), max_tokens=4)
         h.submit("fine", prompt(12), max_tokens=4)
@@ -729,15 +731,15 @@ def test_drain_finishes_running_requests_and_hands_back_those_not_started(redis_
     assert r.exists(streams.status_key(SCHEDULER_ID)) == 0
     h.close()
 
-    successor = Harness(redis_url, r, scheduler_id="successor")
+    next_scheduler = Harness(redis_url, r, scheduler_id="successor")
     try:
-        successor.worker()
-        successor.cursor = h.cursor
-        done = successor.wait_finished("queued", timeout=5.0)
+        next_scheduler.worker()
+        next_scheduler.cursor = h.cursor
+        done = next_scheduler.wait_finished("queued", timeout=5.0)
         assert tokens(done["queued"]) == expected_output(0, 12, 5)
-        successor.assert_nothing_held()
+        next_scheduler.assert_nothing_held()
     finally:
-        successor.close()
+        next_scheduler.close()
 
 
 def test_drain_ends_what_cannot_finish_in_time_with_an_error(harness):

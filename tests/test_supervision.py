@@ -10,7 +10,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import pytest
 import zmq
 
 import pagoda.up as up_module
