@@ -99,11 +99,11 @@ class Gateway:
         Safe to call from a signal handler."""
         if self.draining or self._loop is None:
             return
-        self.draining = True
-        log.info("draining: requests in flight have %g s to finish", self.config.drain_timeout_s)
+        self.draining = True  # a signal handler may call this: the rest runs on the loop
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._fail_after_drain()))
 
     async def _fail_after_drain(self) -> None:
+        log.info("draining: requests in flight have %g s to finish", self.config.drain_timeout_s)
         await asyncio.sleep(self.config.drain_timeout_s)
         if self.engine is not None:
             self.engine.fail_all(SHUTTING_DOWN)

@@ -112,9 +112,11 @@ class EngineClient:
             self.abort(request_id)
 
     def fail_all(self, message: str) -> None:
-        """End every request in flight here with an error event (the gateway is shutting down)."""
+        """End every request in flight here with an error event and abort it in the schedulers (the
+        gateway is shutting down)."""
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(RequestEvent(request_id, [], None, "error", message))
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Fire and forget: safe to call from a cancelled task or a generator's finally."""

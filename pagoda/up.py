@@ -84,31 +84,33 @@ class Child:
 
 
 def up(args, engine_flags: list[str]) -> int:
-    redis_server = None
-    redis_url = args.redis_url
-    if not redis_url:
-        redis_server = RedisServer().start()
-        redis_url = redis_server.url
-        print(f"pagoda: private Redis at {redis_url}", file=sys.stderr)
-    run_dir = Path(tempfile.mkdtemp(prefix="pagoda-up-"))
-    children = _children(args, engine_flags, redis_url, run_dir)
-    for child in children:
-        child.start()
     stop = {"now": False}
-    for sig in (signal.SIGINT, signal.SIGTERM):  # explicit: a shell may start us with SIGINT ignored
+    for sig in (signal.SIGINT, signal.SIGTERM):  # first, and explicit: a shell may start us with SIGINT ignored
         signal.signal(sig, lambda *_: stop.update(now=True))
-    try:
+    redis_server, children = None, []
+    run_dir = Path(tempfile.mkdtemp(prefix="pagoda-up-"))
+    code = 1
+    try:  # whatever happens, the children (in sessions of their own) and Redis are stopped
+        redis_url = args.redis_url
+        if not redis_url:
+            redis_server = RedisServer().start()
+            redis_url = redis_server.url
+            print(f"pagoda: private Redis at {redis_url}", file=sys.stderr)
+        children = _children(args, engine_flags, redis_url, run_dir)
+        for child in children:
+            if not stop["now"]:
+                child.start()
         code = _supervise(children, redis_server, args, stop)
-    except KeyboardInterrupt:
-        code = 0
-    print("\npagoda: stopping", file=sys.stderr)
-    by_name = {c.name: c for c in children}
-    by_name["gateway"].stop(args.drain_timeout + 10)  # it drains first: nothing new reaches the scheduler
-    by_name["scheduler"].stop(args.drain_timeout + 10)
-    by_name["worker"].stop(10)
-    if redis_server:
-        redis_server.stop()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    finally:
+        print("\npagoda: stopping", file=sys.stderr)
+        timeouts = {"gateway": args.drain_timeout + 10, "scheduler": args.drain_timeout + 10, "worker": 10}
+        for name in ("gateway", "scheduler", "worker"):  # the gateway drains first: nothing new reaches the scheduler
+            for child in children:
+                if child.name == name and child.process is not None:
+                    child.stop(timeouts[name])
+        if redis_server:
+            redis_server.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
     return code
 
 

@@ -78,6 +78,7 @@ class SchedulerServer:
         self.aborts_cursor = b"0-0"
         self.stopping = False
         self.drain_deadline: float | None = None  # set by SIGTERM
+        self._drain_logged = False
         self.group_generation = -1
         self.outbox: list[tuple] = []  # Redis writes not yet done: ("event", stream, event) | ("ack", entry, id)
         self._last_status = 0.0
@@ -103,14 +104,17 @@ class SchedulerServer:
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Stop taking requests; hand back those not started; finish the rest within the timeout."""
-        if self.drain_deadline is None:
+        if self.drain_deadline is None:  # runs in a signal handler: no logging here
             timeout_s = self.serving.drain_timeout_s if timeout_s is None else timeout_s
-            log.info("draining: %d request(s) held, %g s to finish", len(self.tracked), timeout_s)
             self.drain_deadline = time.monotonic() + timeout_s
 
     def _iterate(self) -> None:
         self._flush()
         self._publish_status()
+        if self.drain_deadline is not None and not self._drain_logged:
+            self._drain_logged = True
+            log.info("draining: %d request(s) held, %.0f s to finish", len(self.tracked),
+                     self.drain_deadline - time.monotonic())
         if self.drain_deadline is not None and self._drained():
             self.stopping = True
             return
@@ -225,13 +229,14 @@ class SchedulerServer:
             if "NOGROUP" not in str(exc):
                 raise
             return  # Redis restarted empty: _read_requests recreates the group
+        if any(fields is None for _, fields in entries):  # deleted from the stream while pending
+            self._ack_deleted()
+        entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
         if not entries:
             return
         started = self.redis.hmget(streams.STARTED, [self._request_id(fields) or "" for _, fields in entries])
         deliveries = self._deliveries([entry_id for entry_id, _ in entries])
         for (entry_id, fields), owner in zip(entries, started):
-            if fields is None:
-                continue  # deleted meanwhile
             request_id = self._request_id(fields)
             if request_id in self.tracked:
                 continue  # ours all along (a claim renewed late)
@@ -261,11 +266,22 @@ class SchedulerServer:
             return None
         return request.request_id if isinstance(request, GenerateRequest) and isinstance(request.request_id, str) else None
 
+    def _ack_deleted(self) -> None:
+        """Acknowledge this scheduler's pending entries that are gone from the stream (Redis 6.2's
+        XAUTOCLAIM returns them as nils and keeps them pending; 7.0 drops them itself)."""
+        tracked = {t.entry_id for t in self.tracked.values()}
+        for p in self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", 1000,
+                                           consumername=self.id):
+            if p["message_id"] not in tracked and not self.redis.xrange(streams.REQUESTS, p["message_id"],
+                                                                        p["message_id"]):
+                self.outbox.append(("ack", p["message_id"], None))
+
     def _deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
         """How many times each of this scheduler's pending entries has been delivered (claims count)."""
-        pending = self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, min(entry_ids),
-                                            max(entry_ids), len(entry_ids) + len(self.tracked), consumername=self.id)
-        return {p["message_id"]: p["times_delivered"] for p in pending}
+        pending = self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+",
+                                            len(entry_ids) + len(self.tracked) + 1000, consumername=self.id)
+        wanted = set(entry_ids)
+        return {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] in wanted}
 
     def _interrupt(self, entry_id: bytes, fields: dict, request_id: str, message: str) -> None:
         request = decode(fields[streams.FIELD])
@@ -416,13 +432,15 @@ class SchedulerServer:
     def _fail_group(self, message: str) -> None:
         """The workers' KV state is lost: every request this group holds ends with an error."""
         log.error("%s; failing %d request(s) and waiting for workers", message, len(self.tracked))
-        for request_id, tracked in list(self.tracked.items()):
-            self._finish_untracked(request_id, tracked, "error", message)
-        self.tracked.clear()
+        failed, self.tracked = self.tracked, {}
         self.scheduler = None
         if self.link.generation == self.group_generation:  # else the link already took on new ranks
             self.link.forget_workers()
         self.epoch = (self.epoch + 1) % (1 << 31)
+        for request_id, tracked in failed.items():  # last: the flush may raise while Redis is down
+            self.outbox.append(("event", tracked.reply_stream, RequestEvent(request_id, [], None, "error", message)))
+            self.outbox.append(("ack", tracked.entry_id, request_id))
+        self._flush()
 
     # ------------------------------------------------------------------ status
     def _publish_status(self) -> None:

@@ -122,9 +122,9 @@ def assert_interrupted(result: dict, long_start: list[str]) -> None:
     """Ended by an error event then [DONE]; the text so far is the greedy text, never repeated."""
     assert result["done"] and result["error"] is not None
     assert result["error"]["type"] == "server_error"
-    n = len(result["tokens"])
-    assert 3 <= n <= len(long_start), n
-    assert result["tokens"] == long_start[:n]
+    n = min(len(result["tokens"]), len(long_start))  # a fast host may stream past the reference
+    assert n >= 3
+    assert result["tokens"][:n] == long_start[:n]
 
 
 # ----------------------------------------------------------------------------- workers
@@ -213,8 +213,10 @@ def test_sigterm_drains_then_exits_0(stack, references):
         assert finishing_started.result(timeout=60) and cut_started.result(timeout=60)
         processes = list(stack.children().values())
         stack.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         wait_for(lambda: stack.health() == 0, 5, "the gateway to stop accepting connections")
         finished, failed = finishing.result(timeout=30), cut.result(timeout=30)
+    assert failed["ended"] - signalled > 9  # it ran on until --drain-timeout 10
     assert (len(finished["tokens"]), finished["error"], finished["done"]) == (10, None, True)  # ran to its end
     assert failed["done"] and failed["error"]["code"] == "service_unavailable"  # cut at --drain-timeout
     assert failed["error"]["message"] == "the server is shutting down; retry the request"

@@ -660,7 +660,9 @@ def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repe
     try:
         h.submit("fresh", prompt(10), max_tokens=4)
         h.submit("streamed", prompt(12), max_tokens=4)
-        assert len(read_as_dead_scheduler(r, 2)) == 2
+        deleted = h.submit("deleted", prompt(14), max_tokens=4)
+        assert len(read_as_dead_scheduler(r, 3)) == 3
+        r.xdel(streams.REQUESTS, deleted)  # pending, but gone from the stream: acknowledged, not a crash
         r.hset(streams.STARTED, "streamed", "dead-scheduler")  # it had sent tokens before dying
         h.worker()
         done = h.wait_finished("fresh", "streamed", timeout=5.0)
