@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _EXT_MESSAGE = 1
 
 
@@ -229,6 +229,9 @@ class RequestEvent:
     finish_reason: str | None = None
     error: str | None = None
     index: int = 0  # which output of the request (n > 1); "error" and "abort" end them all
+    # The request's token-bearing events, numbered from 1 by its scheduler; 0 on events without
+    # tokens. A gateway drops one it has already seen (a Redis write retried after a timeout).
+    seq: int = 0
 
 
 @dataclass(slots=True)

@@ -62,6 +62,7 @@ class EngineClient:
                                        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self.reply_stream = streams.reply_stream(gateway_id)
         self._queues: dict[str, asyncio.Queue[RequestEvent]] = {}
+        self._last_seq: dict[str, int] = {}  # per request: the last token-bearing event passed on
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.num_unsubmitted = 0  # admitted here, XADD not yet done
@@ -106,6 +107,7 @@ class EngineClient:
 
     def _release(self, request_id: str, started: bool, abort: bool) -> None:
         self._queues.pop(request_id, None)
+        self._last_seq.pop(request_id, None)
         if not started:
             self.num_unstarted -= 1
         if abort:
@@ -189,5 +191,11 @@ class EngineClient:
             log.warning("dropped a reply that is a %s, not a RequestEvent", type(event).__name__)
             return
         queue = self._queues.get(event.request_id)
-        if queue is not None:  # else: a request that has been finished or aborted here
-            queue.put_nowait(event)
+        if queue is None:  # a request that has been finished or aborted here
+            return
+        if event.seq:
+            if event.seq <= self._last_seq.get(event.request_id, 0):
+                log.warning("dropped event %d of %s: already seen (a retried write)", event.seq, event.request_id)
+                return
+            self._last_seq[event.request_id] = event.seq
+        queue.put_nowait(event)

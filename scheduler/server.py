@@ -60,6 +60,7 @@ class _Tracked:
     logprobs: bool
     ended: set[int] = field(default_factory=set)  # outputs whose last event went out
     started: bool = False  # a token went out: the request can no longer be run again from the start
+    num_sent: int = 0  # token-bearing events sent (RequestEvent.seq)
 
 
 class SchedulerServer:
@@ -390,6 +391,9 @@ class SchedulerServer:
                 if tracked.logprobs and seq.logprobs is not None and seq.num_new_tokens:
                     logprobs = [[lp, top] for lp, top in seq.logprobs[-seq.num_new_tokens:]]
                 event = RequestEvent(out.request_id, seq.new_token_ids, logprobs, seq.finish_reason, None, seq.index)
+                if event.token_ids:
+                    tracked.num_sent += 1
+                    event.seq = tracked.num_sent
                 if event.token_ids and not tracked.started:
                     tracked.started = True
                     self.outbox.append(("started", out.request_id, None))

@@ -363,6 +363,15 @@ def test_a_character_split_across_two_tokens_is_emitted_whole(client, fake, toke
     assert " 😀" in texts and not any("\ufffd" in t for t in texts)
 
 
+def test_an_event_sent_twice_is_taken_once(client, fake):
+    """A scheduler's Redis write retried after a timeout can land twice: its seq gives it away."""
+    fake.scripts["@twice@"] = [RequestEvent("", [19556], None, seq=1), RequestEvent("", [905], None, seq=2),
+                               RequestEvent("", [905], None, seq=2), RequestEvent("", [28], None, "length", seq=3)]
+    body = client.post("/v1/completions", json={"prompt": "@twice@", "max_tokens": 3}).json()
+    assert body["choices"][0]["text"] == "Hello world,"
+    assert body["usage"]["completion_tokens"] == 3
+
+
 def test_a_stop_string_truncates_the_text_and_aborts_the_request(client, fake):
     body = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 7, "stop": [" this", "zzz"]}).json()
     assert body["choices"][0]["text"] == "Hello world,"

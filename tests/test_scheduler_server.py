@@ -315,6 +315,7 @@ def test_a_request_streams_exactly_max_tokens_then_is_acked_and_deleted(harness)
         assert [e.finish_reason for e in events] == [None] * (len(events) - 1) + ["length"]
         assert all(len(e.token_ids) == 1 for e in events)  # one token per step, streamed as it comes
         assert all(e.error is None for e in events)
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))  # the gateway drops a repeat
     assert [e.logprobs for e in done["a"]] == [None] * 12
     assert [e.logprobs for e in done["b"]] == [[[-0.25, [[t, -0.25]]]] for t in expected_output(1, 20, 5)]
     harness.assert_nothing_held()
