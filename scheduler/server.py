@@ -61,6 +61,7 @@ class _Tracked:
     ended: set[int] = field(default_factory=set)  # outputs whose last event went out
     started: bool = False  # a token went out: the request can no longer be run again from the start
     num_sent: int = 0  # token-bearing events sent (RequestEvent.seq)
+    entry: bytes = b""  # the encoded request, re-queued as a new entry when handed back on drain
 
 
 class SchedulerServer:
@@ -146,10 +147,13 @@ class SchedulerServer:
     def _drained(self) -> bool:
         """While draining: hand back what has not started; True once nothing runs or time is up."""
         for request_id, tracked in list(self.tracked.items()):
-            if not tracked.started:  # left pending in the stream: another scheduler will claim it
+            if not tracked.started:  # queued again as a new entry: the next scheduler reads it at once
                 del self.tracked[request_id]
                 if self.scheduler is not None:
                     self.scheduler.abort_request(request_id)
+                self.outbox.append(("requeue", tracked.entry, None))
+                self.outbox.append(("ack", tracked.entry_id, request_id))
+        self._flush()
         return not self.tracked or time.monotonic() > self.drain_deadline
 
     def _shutdown(self) -> None:
@@ -219,6 +223,7 @@ class SchedulerServer:
         self._last_claim = now
         room = self.engine_config.max_num_seqs - len(self.scheduler.waiting)
         try:
+            self._drop_taken_over()
             self._renew_claims()
             if self.drain_deadline is not None or room <= 0:
                 return
@@ -252,6 +257,24 @@ class SchedulerServer:
                                                               "that each stopped; it is not tried again")
             else:
                 self._admit(entry_id, fields)
+
+    def _drop_taken_over(self) -> None:
+        """A request another scheduler took over (this one was stopped or stalled past CLAIM_IDLE_MS)
+        is dropped here without a word: it is the other's now. Between steps only."""
+        if not self.tracked:
+            return
+        own = {p["message_id"] for p in self.redis.xpending_range(
+            streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", len(self.tracked) + 1000, consumername=self.id)}
+        for request_id, tracked in list(self.tracked.items()):
+            if tracked.entry_id in own:
+                continue
+            holder = self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, tracked.entry_id,
+                                               tracked.entry_id, 1)
+            if holder and holder[0]["consumer"].decode() != self.id:  # (none: Redis restarted empty; keep it)
+                log.warning("request %s was taken over by %s; dropping it here", request_id,
+                            holder[0]["consumer"].decode())
+                del self.tracked[request_id]
+                self.scheduler.abort_request(request_id)
 
     def _renew_claims(self) -> None:
         """XCLAIM with JUSTID resets an entry's idle time (and not its delivery count)."""
@@ -307,7 +330,7 @@ class SchedulerServer:
             return
         params = request.sampling_params
         logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
-        tracked = _Tracked(request.reply_stream, entry_id, logprobs)
+        tracked = _Tracked(request.reply_stream, entry_id, logprobs, entry=fields[streams.FIELD])
         if self.early_aborts.pop(request.request_id, None) is not None:
             self._finish_untracked(request.request_id, tracked, "abort", None)
             return
@@ -422,6 +445,8 @@ class SchedulerServer:
                 pipe.expire(a, streams.REPLY_STREAM_TTL_S)
             elif kind == "started":
                 pipe.hset(streams.STARTED, a, self.id)
+            elif kind == "requeue":
+                pipe.xadd(streams.REQUESTS, {streams.FIELD: a})
             else:  # the request ended: acknowledge it and drop it from the stream, which would grow forever
                 pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, a)
                 pipe.xdel(streams.REQUESTS, a)
