@@ -28,7 +28,7 @@ from common.config import GatewayConfig
 from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
-from gateway.engine_client import EngineClient, Generation
+from gateway.engine_client import REDIS_RESTARTED, EngineClient, Generation
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
@@ -274,6 +274,8 @@ class Gateway:
                 self._observe_finish(choice)
                 if choice.finish_reason == "error" and self.draining and choice.error == SHUTTING_DOWN:
                     raise EngineError(f"{SHUTTING_DOWN}; retry the request", 503, "service_unavailable")
+                if choice.finish_reason == "error" and choice.error == REDIS_RESTARTED:
+                    raise EngineError(f"{REDIS_RESTARTED}; retry the request", 503, "service_unavailable")
                 if choice.finish_reason == "error":
                     raise EngineError(f"generation failed: {choice.error or 'unknown error'}")
                 if choice.finish_reason == "abort":

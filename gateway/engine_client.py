@@ -24,6 +24,7 @@ READ_BLOCK_MS = 1000
 READ_COUNT = 512
 TRIM_INTERVAL_S = 1.0
 MAX_BACKOFF_S = 2.0
+REDIS_RESTARTED = "Redis restarted and lost the request before a scheduler read it"
 
 
 class Generation:
@@ -63,6 +64,8 @@ class EngineClient:
         self.reply_stream = streams.reply_stream(gateway_id)
         self._queues: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._last_seq: dict[str, int] = {}  # per request: the last token-bearing event passed on
+        self._started: set[str] = set()  # requests with an event: a scheduler holds them
+        self._redis_run_id: str | None = None
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.num_unsubmitted = 0  # admitted here, XADD not yet done
@@ -108,6 +111,7 @@ class EngineClient:
     def _release(self, request_id: str, started: bool, abort: bool) -> None:
         self._queues.pop(request_id, None)
         self._last_seq.pop(request_id, None)
+        self._started.discard(request_id)
         if not started:
             self.num_unstarted -= 1
         if abort:
@@ -168,8 +172,10 @@ class EngineClient:
                     for entry_id, fields in entries:
                         last_id = entry_id
                         self._dispatch(fields)
-                if time.monotonic() - last_trim > TRIM_INTERVAL_S and last_id != b"0-0":
-                    await self.redis.xtrim(self.reply_stream, minid=last_id)  # drop what we have read
+                if time.monotonic() - last_trim > TRIM_INTERVAL_S:
+                    if last_id != b"0-0":
+                        await self.redis.xtrim(self.reply_stream, minid=last_id)  # drop what we have read
+                    await self._check_redis_restart()
                     last_trim = time.monotonic()
                 self.redis_ok, backoff = True, 0.1
             except asyncio.CancelledError:
@@ -180,6 +186,17 @@ class EngineClient:
                 self.redis_ok = False
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def _check_redis_restart(self) -> None:
+        """A Redis that restarted (run_id changed) without persistence lost the requests it queued:
+        those no scheduler has answered yet end with an error now, not at their deadline."""
+        run_id = (await self.redis.info("server")).get("run_id")
+        if self._redis_run_id is not None and run_id != self._redis_run_id:
+            unstarted = [r for r in self._queues if r not in self._started]
+            log.warning("Redis restarted: failing %d request(s) no scheduler had answered", len(unstarted))
+            for request_id in unstarted:
+                self._queues[request_id].put_nowait(RequestEvent(request_id, [], None, "error", REDIS_RESTARTED))
+        self._redis_run_id = run_id
 
     def _dispatch(self, fields: dict) -> None:
         try:
@@ -193,6 +210,7 @@ class EngineClient:
         queue = self._queues.get(event.request_id)
         if queue is None:  # a request that has been finished or aborted here
             return
+        self._started.add(event.request_id)
         if event.seq:
             if event.seq <= self._last_seq.get(event.request_id, 0):
                 log.warning("dropped event %d of %s: already seen (a retried write)", event.seq, event.request_id)

@@ -786,6 +786,35 @@ def test_without_redis_the_gateway_answers_503_and_recovers_when_redis_comes_bac
             server.stop()
 
 
+def test_a_request_lost_by_a_redis_restart_is_503_at_once_not_at_its_deadline(tokenizer):
+    import concurrent.futures
+
+    server = RedisServer().start()
+    publisher = redis.Redis.from_url(server.url)
+    try:
+        publisher.set(streams.status_key("fake"), encode(status()), px=60_000)  # ready, but reads nothing
+        with TestClient(create_app(GatewayConfig(redis_url=server.url), tokenizer=tokenizer)) as c:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(c.post, "/v1/completions", json={"prompt": HELLO, "max_tokens": 2})
+                deadline = time.monotonic() + 5
+                while not publisher.xlen(streams.REQUESTS) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert publisher.xlen(streams.REQUESTS) == 1  # queued, unread
+                time.sleep(1.5)  # the gateway has seen this Redis's run_id
+                server.stop()
+                server.start()  # empty: the queued request is gone
+                publisher.set(streams.status_key("fake"), encode(status()), px=60_000)
+                restarted = time.monotonic()
+                r = pending.result(timeout=10)
+            assert time.monotonic() - restarted < 5
+            error(r, 503, type="server_error", code="service_unavailable")
+            assert r.json()["error"]["message"] == (
+                "Redis restarted and lost the request before a scheduler read it; retry the request")
+    finally:
+        publisher.close()
+        server.stop()
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
