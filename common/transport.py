@@ -38,6 +38,9 @@ class WorkerLink:
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.socket.bind(address)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()  # results and closed connections, both awaited by gather
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.world_size = world_size
         self.ranks: dict[int, bytes] = {}  # rank -> ZeroMQ identity
         self.hellos: dict[int, WorkerHello] = {}
@@ -123,14 +126,11 @@ class WorkerLink:
         deadline = time.monotonic() + timeout_s
         waiting = set(self.ranks.values())
         result = None
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
         while waiting:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 return None
-            ready = dict(poller.poll(min(left_ms, 500)))
+            ready = dict(self.poller.poll(min(left_ms, 500)))
             if self.monitor in ready and self.check_connections() is not None:
                 return None
             if self.socket not in ready:

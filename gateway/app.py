@@ -272,10 +272,8 @@ class Gateway:
                     # a stop string ends a streamed output early; an output chosen at the end came whole
                     generation.finish(choice.request_id, abort=choice.stopped_by_string and not choice.chosen_at_end)
                 self._observe_finish(choice)
-                if choice.finish_reason == "error" and self.draining and choice.error == SHUTTING_DOWN:
-                    raise EngineError(f"{SHUTTING_DOWN}; retry the request", 503, "service_unavailable")
-                if choice.finish_reason == "error" and choice.error == REDIS_RESTARTED:
-                    raise EngineError(f"{REDIS_RESTARTED}; retry the request", 503, "service_unavailable")
+                if choice.finish_reason == "error" and choice.error in (SHUTTING_DOWN, REDIS_RESTARTED):
+                    raise EngineError(f"{choice.error}; retry the request", 503, "service_unavailable")
                 if choice.finish_reason == "error":
                     raise EngineError(f"generation failed: {choice.error or 'unknown error'}")
                 if choice.finish_reason == "abort":

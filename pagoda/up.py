@@ -54,10 +54,10 @@ class Child:
             return f"exited with code {code}"
         if self.heartbeat is not None:
             try:
-                age = time.time() - self.heartbeat.stat().st_mtime
+                age, limit = time.time() - self.heartbeat.stat().st_mtime, worker_timeout_s
             except FileNotFoundError:  # not yet written (the interpreter starting): allow longer
-                age = (time.monotonic() - self.started_at) * worker_timeout_s / max(worker_timeout_s, STARTUP_S)
-            if age > worker_timeout_s:
+                age, limit = time.monotonic() - self.started_at, max(worker_timeout_s, STARTUP_S)
+            if age > limit:
                 return f"has not shown a heartbeat for {age:.0f} s (stopped, hung, or stuck in a step)"
         return None
 

@@ -61,7 +61,6 @@ class _Tracked:
     ended: set[int] = field(default_factory=set)  # outputs whose last event went out
     started: bool = False  # a token went out: the request can no longer be run again from the start
     num_sent: int = 0  # token-bearing events sent (RequestEvent.seq)
-    entry: bytes = b""  # the encoded request, re-queued as a new entry when handed back on drain
 
 
 class SchedulerServer:
@@ -151,7 +150,8 @@ class SchedulerServer:
                 del self.tracked[request_id]
                 if self.scheduler is not None:
                     self.scheduler.abort_request(request_id)
-                self.outbox.append(("requeue", tracked.entry, None))
+                for _, fields in self.redis.xrange(streams.REQUESTS, tracked.entry_id, tracked.entry_id):
+                    self.outbox.append(("requeue", fields[streams.FIELD], None))
                 self.outbox.append(("ack", tracked.entry_id, request_id))
         self._flush()
         return not self.tracked or time.monotonic() > self.drain_deadline
@@ -237,24 +237,29 @@ class SchedulerServer:
             return  # Redis restarted empty: _read_requests recreates the group
         if any(fields is None for _, fields in entries):  # deleted from the stream while pending
             self._ack_deleted()
-        entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+        self._take_over([(entry_id, fields) for entry_id, fields in entries if fields is not None])
+
+    def _take_over(self, entries: list[tuple[bytes, dict]]) -> None:
+        """Run a dead scheduler's request again, unless it had streamed (its text would repeat) or
+        was delivered to too many schedulers that died (it may be what kills them)."""
         if not entries:
             return
-        started = self.redis.hmget(streams.STARTED, [self._request_id(fields) or "" for _, fields in entries])
+        requests = [_try_decode_request(fields) for _, fields in entries]
+        started = self.redis.hmget(streams.STARTED, [r.request_id if r else "" for r in requests])
         deliveries = self._deliveries([entry_id for entry_id, _ in entries])
-        for (entry_id, fields), owner in zip(entries, started):
-            request_id = self._request_id(fields)
-            if request_id in self.tracked:
-                continue  # ours all along (a claim renewed late)
-            log.warning("took over request %s from a scheduler that stopped", request_id)
-            if request_id is None:
+        for (entry_id, fields), request, owner in zip(entries, requests, started):
+            if request is None:
                 self._admit(entry_id, fields)  # malformed: dropped there
-            elif owner is not None:  # it streamed: running it again would repeat its text
-                self._interrupt(entry_id, fields, request_id, "the scheduler serving this request stopped after it "
-                                                              "had started streaming")
+                continue
+            if request.request_id in self.tracked:
+                continue  # ours all along (a claim renewed late)
+            log.warning("took over request %s from a scheduler that stopped", request.request_id)
+            if owner is not None:
+                self._interrupt(entry_id, request, "the scheduler serving this request stopped after it had started "
+                                                   "streaming")
             elif deliveries.get(entry_id, 0) > MAX_DELIVERIES:
-                self._interrupt(entry_id, fields, request_id, f"the request was taken by {MAX_DELIVERIES} schedulers "
-                                                              "that each stopped; it is not tried again")
+                self._interrupt(entry_id, request, f"the request was taken by {MAX_DELIVERIES} schedulers that each "
+                                                   "stopped; it is not tried again")
             else:
                 self._admit(entry_id, fields)
 
@@ -282,14 +287,6 @@ class SchedulerServer:
         for i in range(0, len(ids), 1000):
             self.redis.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, self.id, 0, ids[i:i + 1000], justid=True)
 
-    @staticmethod
-    def _request_id(fields: dict) -> str | None:
-        try:
-            request = decode(fields.get(streams.FIELD, b""))
-        except ProtocolError:
-            return None
-        return request.request_id if isinstance(request, GenerateRequest) and isinstance(request.request_id, str) else None
-
     def _ack_deleted(self) -> None:
         """Acknowledge this scheduler's pending entries that are gone from the stream (Redis 6.2's
         XAUTOCLAIM returns them as nils and keeps them pending; 7.0 drops them itself)."""
@@ -307,20 +304,12 @@ class SchedulerServer:
         wanted = set(entry_ids)
         return {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] in wanted}
 
-    def _interrupt(self, entry_id: bytes, fields: dict, request_id: str, message: str) -> None:
-        request = decode(fields[streams.FIELD])
-        if not isinstance(request.reply_stream, str):
-            self.outbox.append(("ack", entry_id, request_id))
-            return
-        self._finish_untracked(request_id, _Tracked(request.reply_stream, entry_id, False), "error", message)
+    def _interrupt(self, entry_id: bytes, request: GenerateRequest, message: str) -> None:
+        self._finish_untracked(request.request_id, _Tracked(request.reply_stream, entry_id, False), "error", message)
 
     def _admit(self, entry_id: bytes, fields: dict) -> None:
         try:
-            request = decode(fields.get(streams.FIELD, b""))
-            if not isinstance(request, GenerateRequest):
-                raise ProtocolError(f"expected a GenerateRequest, got {type(request).__name__}")
-            if not (isinstance(request.request_id, str) and isinstance(request.reply_stream, str)):
-                raise ProtocolError("request_id and reply_stream must be strings")
+            request = _decode_request(fields)
         except ProtocolError as exc:
             log.warning("dropped malformed request %s: %s", entry_id, exc)
             self.outbox.append(("ack", entry_id, None))
@@ -330,7 +319,7 @@ class SchedulerServer:
             return
         params = request.sampling_params
         logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
-        tracked = _Tracked(request.reply_stream, entry_id, logprobs, entry=fields[streams.FIELD])
+        tracked = _Tracked(request.reply_stream, entry_id, logprobs)
         if self.early_aborts.pop(request.request_id, None) is not None:
             self._finish_untracked(request.request_id, tracked, "abort", None)
             return
@@ -493,6 +482,23 @@ class SchedulerServer:
             self.redis.set(streams.status_key(self.id), encode(status), px=int(streams.STATUS_TTL_S * 1000))
         except redis.RedisError as exc:
             log.warning("could not publish status: %s", exc)
+
+
+def _decode_request(fields: dict) -> GenerateRequest:
+    """A requests-stream entry's request; ProtocolError when it is not one with string ids."""
+    request = decode(fields.get(streams.FIELD, b""))
+    if not isinstance(request, GenerateRequest):
+        raise ProtocolError(f"expected a GenerateRequest, got {type(request).__name__}")
+    if not (isinstance(request.request_id, str) and isinstance(request.reply_stream, str)):
+        raise ProtocolError("request_id and reply_stream must be strings")
+    return request
+
+
+def _try_decode_request(fields: dict) -> GenerateRequest | None:
+    try:
+        return _decode_request(fields)
+    except ProtocolError:
+        return None
 
 
 def _lost(rank: int) -> str:

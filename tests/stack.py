@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from common.redis_server import free_port
-from pagoda.soak import GAUGES, parse_metrics
+from pagoda.soak import GAUGES, parse_metrics, process_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,21 +43,8 @@ class Stack:
         raise TimeoutError("the stack did not become healthy")
 
     def children(self) -> dict[str, int]:
-        """The pids of `pagoda up`'s children by role: scheduler, worker, gateway, redis."""
-        pids = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
-        roles = {}
-        for pid in pids:
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except FileNotFoundError:
-                continue  # exited meanwhile
-            names = [a.decode() for a in argv]
-            if "redis-server" in Path(names[0]).name:
-                roles["redis"] = int(pid)
-            for role in ("scheduler", "worker", "gateway"):
-                if len(names) > 3 and names[1:4] == ["-m", "pagoda.cli", role]:
-                    roles[role] = int(pid)
-        return roles
+        """The pids of `pagoda up`'s children by role: scheduler, worker, gateway (redis-server if private)."""
+        return {name: pid for name, pid in process_tree(self.process.pid).items() if name != "up"}
 
     def health(self) -> int:
         try:

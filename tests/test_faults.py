@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from common import streams
+from pagoda.soak import wait_drained
 from tests.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -102,13 +103,11 @@ def wait_for(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def assert_nothing_leaked(stack: Stack, r: redis.Redis) -> None:
-    def clean() -> bool:
-        m = stack.metrics()
-        pending = r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"]
-        return (m["pagoda:kv_cache_usage_perc"], m["pagoda:num_requests_running"], m["pagoda:num_requests_waiting"],
-                pending, r.xlen(streams.REQUESTS), r.hlen(streams.STARTED)) == (0, 0, 0, 0, 0, 0)
-    wait_for(clean, 10, "no KV block used, no request running or pending")
+def assert_nothing_leaked(stack: Stack, redis_server, r: redis.Redis) -> None:
+    """No KV block used, no request running, waiting or swapped, nothing pending or left in Redis."""
+    drained, state, _ = wait_drained(stack.url, redis_server.url, timeout=10)
+    assert drained, state
+    assert r.hlen(streams.STARTED) == 0
 
 
 def assert_serves(stack: Stack, references) -> None:
@@ -131,7 +130,8 @@ def assert_interrupted(result: dict, long_start: list[str]) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-def test_a_worker_killed_or_stopped_mid_stream_fails_its_streams_and_is_restarted(stack, r, references, sig):
+def test_a_worker_killed_or_stopped_mid_stream_fails_its_streams_and_is_restarted(stack, redis_server, r, references,
+                                                                                  sig):
     _, long_start = references
     worker = stack.children()["worker"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -151,13 +151,13 @@ def test_a_worker_killed_or_stopped_mid_stream_fails_its_streams_and_is_restarte
     assert not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split()[2] == "Z"
     wait_for(lambda: stack.health() == 200, 120, "the stack to be healthy again")
     assert_serves(stack, references)
-    assert_nothing_leaked(stack, r)
+    assert_nothing_leaked(stack, redis_server, r)
 
 
 # ----------------------------------------------------------------------------- scheduler
 
 
-def test_a_killed_scheduler_is_restarted_and_takes_over_the_requests_it_held(stack, r, references):
+def test_a_killed_scheduler_is_restarted_and_takes_over_the_requests_it_held(stack, redis_server, r, references):
     short, long_start = references
     scheduler = stack.children()["scheduler"]
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
@@ -173,7 +173,7 @@ def test_a_killed_scheduler_is_restarted_and_takes_over_the_requests_it_held(sta
         assert [f.result(timeout=120) for f in queued] == [short[p] for p in SHORT_PROMPTS]  # not started: complete
     assert stack.children()["scheduler"] != scheduler
     assert_serves(stack, references)
-    assert_nothing_leaked(stack, r)
+    assert_nothing_leaked(stack, redis_server, r)
 
 
 # ----------------------------------------------------------------------------- redis
@@ -197,7 +197,7 @@ def test_while_redis_restarts_the_gateway_answers_503_and_service_resumes(stack,
     wait_for(lambda: stack.health() == 200, 30, "the stack to be healthy again")
     assert stack.children() == pids  # no process crashed or was restarted
     assert_serves(stack, references)
-    assert_nothing_leaked(stack, r)
+    assert_nothing_leaked(stack, redis_server, r)
 
 
 # ----------------------------------------------------------------------------- shutdown
