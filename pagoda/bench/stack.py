@@ -31,6 +31,7 @@ from common.redis_server import free_port
 from pagoda.up import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
+USAGE = "usage: python -m pagoda.bench.stack [--log PATH] [PAGODA UP FLAGS] -- COMMAND [ARGS]"
 GAUGES = ("pagoda:kv_cache_usage_perc", "pagoda:num_requests_running", "pagoda:num_requests_waiting",
           "pagoda:num_requests_swapped")
 
@@ -170,12 +171,12 @@ def process_tree(root: int) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv or argv.index("--") == len(argv) - 1:
-        print(__doc__.split("From a shell")[1].strip(), file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     split = argv.index("--")
     flags, command = argv[:split], argv[split + 1:]
     log = None
-    if "--log" in flags:
+    if "--log" in flags[:-1]:
         i = flags.index("--log")
         log, flags = Path(flags[i + 1]), flags[:i] + flags[i + 2:]
     stack = Stack(*flags, log=log)
