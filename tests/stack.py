@@ -28,3 +28,4 @@ class Gateway(launcher.Stack):
     def __init__(self, redis_url: str, *flags: str) -> None:
         port = free_port()
         super().__init__("--redis-url", redis_url, *flags, command="gateway", port=port, log=_log("gateway", port))
+        self.redis_url = redis_url

@@ -22,9 +22,10 @@ def test_scheduler_and_common_import_no_torch_and_no_networking():
 
 
 def test_offline_path_imports_no_networking_package():
-    """pagoda generate, the LLM API, the worker's executor and the kernels run on a host without
-    redis, pyzmq, starlette or uvicorn."""
-    statement = "import pagoda.offline, pagoda.cli, worker.executor, worker.model_runner, kernels, scheduler.engine"
+    """pagoda generate, the LLM API, the worker's executor, the kernels and their benchmarks (bench
+    throughput, bench kernels) run on a host without redis, pyzmq, starlette or uvicorn."""
+    statement = ("import pagoda.offline, pagoda.cli, worker.executor, worker.model_runner, kernels, scheduler.engine, "
+                 "pagoda.bench.throughput, pagoda.bench.kernels")
     assert imported_after(statement, NETWORKING) == []
 
 
