@@ -7,6 +7,7 @@ and the size of a decode step's plan per running sequence at short and long cont
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 
@@ -63,6 +64,7 @@ def plan_bytes_per_seq(llm: LLM, context: int, num_seqs: int = 8) -> float:
 
 def run(args) -> int:
     """The `pagoda bench overhead` command."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     llm = LLM("default", device="cpu")
     offline = offline_ttft(llm, args.requests)
     plan_sizes = {str(c): plan_bytes_per_seq(llm, c) for c in (64, 1024)}

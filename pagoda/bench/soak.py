@@ -2,9 +2,9 @@
 
     python -m pagoda.bench.soak --duration 300 --concurrency 16 --output soak.json [-- PAGODA UP FLAGS]
 
-It starts `pagoda up` through pagoda/bench/stack.py (a private redis-server, scheduler, worker and gateway processes; any
-unknown flag is passed to `pagoda up`, e.g. `--device cpu --max-num-seqs 32`), then runs
-`--concurrency` clients until `--duration` seconds have passed or `--requests` have been sent,
+It starts `pagoda up` with pagoda/bench/stack.py (a private redis-server, scheduler, worker and
+gateway processes; any unknown flag is passed to `pagoda up`, e.g. `--device cpu --max-num-seqs
+32`), then runs `--concurrency` clients until `--duration` seconds have passed or `--requests` have been sent,
 whichever comes first. Each request is drawn (seeded) from a mix: greedy completions and chats,
 whole and streamed (their text must equal the stack's answer to the same request before the
 load), seeded `n=2` samples, streams closed after a few events, whole requests abandoned
@@ -515,8 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         reasons.append(f"not drained after {args.drain_timeout:g} s: {final_state}")
     if exit_code != 0:
         reasons.append(f"pagoda up exited with {exit_code}")
+    command = shlex.join(["python", "-m", "pagoda.bench.soak", *(argv if argv is not None else sys.argv[1:])])
     result = {
-        **header("soak", shlex.join(["python", "-m", "pagoda.bench.soak", *(argv if argv is not None else sys.argv[1:])])),
+        **header("soak", command),
         "up_flags": up_flags, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "startup_s": round(startup_s, 1), "load_s": round(elapsed, 1),
         "warmup_s": args.warmup, "concurrency": args.concurrency, "seed": args.seed,
         "requests": {"sent": t.sent, "answered": t.answered, "cancelled": t.cancelled, "failed": t.failed,
