@@ -256,6 +256,7 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-timeout", type=float, default=15.0,
                    help="restart a worker whose heartbeat is this many seconds stale (stopped, hung, or stuck "
                         "past --step-timeout)")
+    p.add_argument("--addresses-file", help="write the gateway's URL and the Redis URL in use here, as JSON")
     p.set_defaults(handler=_up)
 
 
@@ -281,10 +282,14 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     _add_bench_throughput(benches.add_parser(
         "throughput", help="offline engine vs transformers generate on ShareGPT, in one run"))
     _add_bench_serve(benches.add_parser("serve", help="online latency and throughput against the gateway"))
+    o = benches.add_parser("overhead", help="time to first token through the stack minus the offline engine's (CPU)")
+    o.add_argument("--requests", type=int, default=30, help="requests timed each way (after 2 warm-up ones)")
+    o.add_argument("--output", help="write the result JSON here")
+    o.set_defaults(handler=_bench_overhead)
 
 
 def _bench_kernels(args) -> int:
-    from kernels.bench import run
+    from pagoda.bench.kernels import run
 
     return run(args)
 
@@ -350,19 +355,25 @@ def _add_bench_serve(v: argparse.ArgumentParser) -> None:
 
 
 def _bench_serve(args) -> int:
-    from pagoda.bench_serve import run
+    from pagoda.bench.serve import run
 
     return run(args)
 
 
 def _bench_throughput(args) -> int:
-    from pagoda.bench_throughput import run
+    from pagoda.bench.throughput import run
 
     return run(args)
 
 
 def _bench_memory(args) -> int:
-    from pagoda.bench_memory import run
+    from pagoda.bench.memory import run
+
+    return run(args)
+
+
+def _bench_overhead(args) -> int:
+    from pagoda.bench.serving_overhead import run
 
     return run(args)
 

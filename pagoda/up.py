@@ -96,6 +96,8 @@ def up(args, engine_flags: list[str]) -> int:
             redis_server = RedisServer().start()
             redis_url = redis_server.url
             print(f"pagoda: private Redis at {redis_url}", file=sys.stderr)
+        if args.addresses_file:
+            _write_addresses(Path(args.addresses_file), local_url(args.host, args.port), redis_url)
         children = _children(args, engine_flags, redis_url, run_dir)
         for child in children:
             if not stop["now"]:
@@ -134,9 +136,20 @@ def _children(args, engine_flags: list[str], redis_url: str, run_dir: Path) -> l
     ]
 
 
+def local_url(host: str, port: int) -> str:
+    """The gateway's URL from this machine (a wildcard bind is reached on loopback)."""
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+
+def _write_addresses(path: Path, url: str, redis_url: str) -> None:
+    """{"url", "redis_url"} as JSON, whole or not at all (a launcher may read it at any moment)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"url": url, "redis_url": redis_url}) + "\n")
+    partial.replace(path)
+
+
 def _supervise(children: list[Child], redis_server: RedisServer | None, args, stop: dict) -> int:
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    url = f"http://{host}:{args.port}"
+    url = local_url(args.host, args.port)
     ready = False
     print("pagoda: loading the model and starting the gateway...", file=sys.stderr)
     redis_restarts = collections.deque()
@@ -163,19 +176,32 @@ def _supervise(children: list[Child], redis_server: RedisServer | None, args, st
                 return 1
             child.kill()
             child.start()
-        if not ready and _healthy(url):
+        if not ready and healthy(url):
             ready = True
             _banner(url, args)
         time.sleep(POLL_S)
     return 0
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Whether the gateway at `url` answers /health with 200 (ready to serve)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=1) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Back once `url` is healthy; RuntimeError if `process` (the stack) exits first, TimeoutError
+    at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not healthy(url):
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"exited with {process.returncode} before it was healthy")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} was not healthy within {timeout:g} s")
+        time.sleep(POLL_S)
 
 
 def _banner(url: str, args) -> None:

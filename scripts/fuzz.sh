@@ -32,21 +32,9 @@ CHECKS=$CHECKS,allow_header_conformance
 
 url=${1:-}
 [ $# -gt 0 ] && shift
-stack_pid=
-if [ -z "$url" ]; then
-    port=$("$PYTHON" -c 'from common.redis_server import free_port; print(free_port())')
-    url=http://127.0.0.1:$port
+if [ -z "$url" ]; then  # the launcher starts pagoda up, runs this script again on its URL, then stops it
     log=$(mktemp -t pagoda-fuzz-XXXXXX.log)
-    echo "fuzz: starting pagoda up on $url (log: $log)" >&2
-    "$PYTHON" -m pagoda.cli up --port "$port" --device cpu --max-model-len "$MAX_MODEL_LEN" >"$log" 2>&1 &
-    stack_pid=$!
-    trap 'kill -TERM $stack_pid 2>/dev/null; wait $stack_pid 2>/dev/null || true' EXIT
-    for _ in $(seq 600); do
-        curl -sf "$url/health" >/dev/null 2>&1 && break
-        kill -0 "$stack_pid" 2>/dev/null || { echo "fuzz: pagoda up exited; see $log" >&2; exit 1; }
-        sleep 1
-    done
-    curl -sf "$url/health" >/dev/null || { echo "fuzz: the stack did not become healthy; see $log" >&2; exit 1; }
+    exec "$PYTHON" -m pagoda.bench.stack --log "$log" --device cpu --max-model-len "$MAX_MODEL_LEN" -- scripts/fuzz.sh {url} "$@"
 fi
 
 seed=()

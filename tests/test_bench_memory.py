@@ -7,9 +7,9 @@ import pytest
 
 from common.config import ALLOCATORS
 from common.protocol import CachedSequence, NewSequence, ProtocolError, SamplingParams, StepPlan
-from pagoda.bench_memory import TOKEN_ID, Request, TraceExecutor, bench_memory, measure_sharing, replay
+from pagoda.bench.memory import TOKEN_ID, Request, TraceExecutor, bench_memory, measure_sharing, replay
+from pagoda.bench.workloads import RequestPair, sample_sharegpt
 from pagoda.cli import main
-from pagoda.workloads import RequestPair, sample_sharegpt
 
 NUM_BLOCKS = 300  # 299 usable: two 2048-token regions (128 blocks each) at a time for orca-max
 

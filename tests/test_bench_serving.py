@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.bench_serve import RequestResult, arrival_times, parse_rates, parse_slos, plot, summarize
+from pagoda.bench.serve import RequestResult, arrival_times, parse_rates, parse_slos, plot, summarize
 from pagoda.cli import main
 
 TINY = Path(__file__).parent / "data" / "tiny-llama.json"
@@ -64,7 +64,7 @@ def test_bench_throughput_runs_both_sides_on_the_same_requests(tmp_path):
                  "--max-output-len", "8", "--ignore-eos", "--hf-batch-size", "4", "--source", "trace",
                  "--output", str(out)]) == 0
     result = json.loads(out.read_text())
-    from pagoda.workloads import sample_sharegpt
+    from pagoda.bench.workloads import sample_sharegpt
 
     expected_tokens = sum(min(p.output_len, 8) for p in sample_sharegpt(6, 0, "trace"))
     assert result["pagoda"]["output_tokens"] == result["baseline"]["output_tokens"] == expected_tokens

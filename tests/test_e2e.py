@@ -190,7 +190,7 @@ def test_disconnect_mid_stream_frees_blocks(stack):
 def test_bench_serve_measures_the_real_stack(stack):
     import asyncio
 
-    from pagoda.bench_serve import run_rate, summarize
+    from pagoda.bench.serve import run_rate, summarize
 
     requests = [([504, 1218, 281, 253, 1345], 6), ([1780, 3346, 314], 4), ([2078] * 20, 5)]
     results, duration = asyncio.run(run_rate(stack.url, None, requests, rate=10.0, seed=1))

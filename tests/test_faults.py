@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from common import streams
-from pagoda.soak import wait_drained
+from pagoda.bench.soak import wait_drained
 from tests.stack import Stack
 
 pytestmark = pytest.mark.slow

@@ -101,7 +101,7 @@ def test_bench_decode_inputs_hold_the_same_values_for_paged_and_contiguous_atten
     """What the benchmark times is the same attention in both layouts (checked on CPU, float32)."""
     import torch.nn.functional as F
 
-    from kernels.bench import decode_bytes, decode_inputs
+    from pagoda.bench.kernels import decode_bytes, decode_inputs
 
     shape = (9, 3, 64)
     x = decode_inputs(3, 40, shape, 16, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))

@@ -22,28 +22,47 @@ def test_scheduler_and_common_import_no_torch_and_no_networking():
 
 
 def test_offline_path_imports_no_networking_package():
-    """pagoda generate, the LLM API, the worker's executor and the kernels run on a host without
-    redis, pyzmq, starlette or uvicorn."""
-    statement = "import pagoda.offline, pagoda.cli, worker.executor, worker.model_runner, kernels, scheduler.engine"
+    """pagoda generate, the LLM API, the worker's executor, the kernels and their benchmarks (bench
+    throughput, bench kernels) run on a host without redis, pyzmq, starlette or uvicorn."""
+    statement = ("import pagoda.offline, pagoda.cli, worker.executor, worker.model_runner, kernels, scheduler.engine, "
+                 "pagoda.bench.throughput, pagoda.bench.kernels")
     assert imported_after(statement, NETWORKING) == []
+
+
+def named_imports(paths, packages: set[str]) -> list[str]:
+    """"path: module" for every import of `packages` in `paths`, inside functions too."""
+    offenders = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in packages]
+    return offenders
 
 
 def test_no_module_of_scheduler_or_common_names_a_forbidden_package():
     """Catches an import inside a function too, which the subprocess check cannot see."""
-    offenders = []
-    for package in ("scheduler", "common"):
-        for path in sorted((ROOT / package).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                names = []
-                if isinstance(node, ast.Import):
-                    names = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    names = [node.module]
-                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in {"torch", "transformers"}]
-    assert offenders == []
+    paths = [path for package in ("scheduler", "common") for path in sorted((ROOT / package).glob("*.py"))]
+    assert named_imports(paths, {"torch", "transformers"}) == []
+
+
+def test_no_module_outside_tests_imports_from_tests_and_kernels_import_no_pagoda():
+    outside = [p for p in sorted(ROOT.rglob("*.py"))
+               if p.relative_to(ROOT).parts[0] not in ("tests", ".venv", "build") and "site-packages" not in p.parts]
+    assert named_imports(outside, {"tests"}) == []
+    assert named_imports(sorted((ROOT / "kernels").rglob("*.py")), {"pagoda"}) == []
+
+
+def test_benchmarks_holds_data_and_results_only():
+    """Benchmark code lives in pagoda/bench/."""
+    assert sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py")) == []
 
 
 def test_memory_benchmark_and_workloads_import_no_torch_and_no_networking():
-    """`pagoda bench memory` runs on a CPU host with neither torch nor a networking package."""
-    statement = "import pagoda.bench_memory, pagoda.workloads"
+    """`pagoda bench memory` runs on a CPU host with neither torch nor a networking package; the
+    benchmarks' shared module and the stack launcher need neither either."""
+    statement = "import pagoda.bench.memory, pagoda.bench.workloads, pagoda.bench.common, pagoda.bench.stack"
     assert imported_after(statement, NETWORKING | {"torch", "transformers"}) == []

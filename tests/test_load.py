@@ -5,7 +5,7 @@
   leftover entry in the requests stream; and every stream read to its end was right.
 - Admission control: beyond --max-pending-requests a request gets exactly 429 with Retry-After
   and the OpenAI error object; every request is answered 200 or 429, and the 200s are right.
-- A short soak (`python -m pagoda.soak`) passes its verdict.
+- A short soak (`python -m pagoda.bench.soak`) passes its verdict.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from common.redis_server import RedisServer
-from pagoda.soak import Load, StreamState, body_for, choice_text, path_for, read_stream, wait_drained
+from pagoda.bench.soak import Load, StreamState, body_for, choice_text, path_for, read_stream, wait_drained
 from tests.stack import ROOT, Gateway, Stack
 
 pytestmark = pytest.mark.slow
@@ -308,7 +308,7 @@ def test_admission_control_answers_429_beyond_max_pending_requests(small_stack):
 def test_short_soak_passes(tmp_path):
     output = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pagoda.soak", "--duration", "20", "--warmup", "6", "--concurrency", "16",
+        [sys.executable, "-m", "pagoda.bench.soak", "--duration", "20", "--warmup", "6", "--concurrency", "16",
          "--output", str(output), "--log", str(tmp_path / "stack.log"), "--device", "cpu"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )

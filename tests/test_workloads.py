@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from pagoda import workloads
-from pagoda.workloads import keep, read_records, sample_sharegpt, text_pairs
+from pagoda.bench import workloads
+from pagoda.bench.workloads import keep, read_records, sample_sharegpt, text_pairs
 
 
 def test_read_records_ignores_the_broken_tail(tmp_path):

@@ -14,17 +14,16 @@ a few replays, per call.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from pagoda.bench.common import command_words, header, write_result
 
 # (num_heads, num_kv_heads, head_dim), as in worker/configs/*.json
 ATTENTION_SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -163,17 +162,6 @@ def goal_check(rows: list[dict]) -> dict | None:
             "met": fraction >= GOAL["min_fraction_of_copy"] and ratio <= GOAL["max_time_vs_sdpa"]}
 
 
-def _commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent)
-    return proc.stdout.strip() or "unknown"
-
-
-def _device_description(device: torch.device) -> str:
-    props = torch.cuda.get_device_properties(device)
-    return f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / (1 << 30):.0f} GiB)"
-
-
 def run(args) -> int:
     """The `pagoda bench kernels` handler: the JSON result on stdout (and in --output), a table on stderr."""
     if not torch.cuda.is_available():
@@ -198,16 +186,13 @@ def run(args) -> int:
                 _print_row(rows[-1])
                 torch.cuda.empty_cache()
     result = {
-        "command": " ".join(["pagoda", *sys.argv[1:]]), "commit": _commit(), "date": datetime.date.today().isoformat(),
-        "device": _device_description(device), "torch": torch.__version__, "triton": triton.__version__,
-        "benchmark": "kernels: paged decode attention", "dtype": args.dtype,
+        **header("kernels: paged decode attention", command_words("kernels", args), str(device)),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
         "timer": "CUDA graph of repeated calls over inputs cycled past L2; median of replays, per call",
         "copy": copy, "results": rows, "goal": goal_check(rows),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    write_result(result, args.output)
+    print(json.dumps(result, indent=2))
     return 0
 
 

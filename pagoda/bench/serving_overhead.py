@@ -1,25 +1,20 @@
-"""What the serving planes add: time to first token through the stack (gateway, Redis, scheduler,
-ZeroMQ, worker) minus the offline engine's for the same short request, and the size of a decode
-step's plan per running sequence at short and long contexts.
+"""`pagoda bench overhead`: what the serving planes add. Time to first token through the stack
+(gateway, Redis, scheduler, ZeroMQ, worker) minus the offline engine's for the same short request,
+and the size of a decode step's plan per running sequence at short and long contexts. CPU.
 
-    python benchmarks/serving_overhead.py --requests 30 --output out.json
+    pagoda bench overhead --requests 30 --output out.json
 """
 from __future__ import annotations
 
-import argparse
+import json
+import logging
 import statistics
-import sys
 import time
-from pathlib import Path
 
-import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.engine_vs_transformers import device_description, write_result  # noqa: E402
-from common.protocol import SamplingParams, encode  # noqa: E402
-from pagoda.offline import LLM  # noqa: E402
-from tests.stack import Stack  # noqa: E402
+from common.protocol import SamplingParams, encode
+from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.stack import Stack
+from pagoda.offline import LLM
 
 PROMPT = "The capital of France is"
 
@@ -37,6 +32,8 @@ def offline_ttft(llm: LLM, n: int) -> list[float]:
 
 
 def stack_ttft(url: str, n: int) -> list[float]:
+    import httpx
+
     body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
     times = []
     with httpx.Client(timeout=60) as client:
@@ -65,30 +62,22 @@ def plan_bytes_per_seq(llm: LLM, context: int, num_seqs: int = 8) -> float:
     return statistics.mean(sizes)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=30)
-    parser.add_argument("--output")
-    args = parser.parse_args()
-
+def run(args) -> int:
+    """The `pagoda bench overhead` command."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     llm = LLM("default", device="cpu")
     offline = offline_ttft(llm, args.requests)
     plan_sizes = {str(c): plan_bytes_per_seq(llm, c) for c in (64, 1024)}
     del llm
-    stack = Stack().wait_ready()
-    try:
+    with Stack("--device", "cpu") as stack:
         served = stack_ttft(stack.url, args.requests)
-    finally:
-        stack.stop()
     result = {
-        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": device_description(),
+        **header("overhead", command_words("overhead", args)),
         "ttft_offline_ms": {"median": statistics.median(offline) * 1e3, "mean": statistics.mean(offline) * 1e3},
         "ttft_stack_ms": {"median": statistics.median(served) * 1e3, "mean": statistics.mean(served) * 1e3},
         "overhead_median_ms": (statistics.median(served) - statistics.median(offline)) * 1e3,
         "decode_plan_bytes_per_seq": plan_sizes,
     }
     write_result(result, args.output)
-
-
-if __name__ == "__main__":
-    main()
+    print(json.dumps(result, indent=2))
+    return 0

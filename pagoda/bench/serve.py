@@ -14,20 +14,17 @@ gateway at `--base-url`.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import logging
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagoda.bench_memory import command_words, device_description, git_commit
+from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.stack import Stack
 
 
 @dataclass(slots=True)
@@ -150,40 +147,12 @@ async def run_rate(base_url: str, model: str, requests: list[tuple[list[int], in
 # ----------------------------------------------------------------------------- launching stacks
 
 
-def _wait_healthy(base_url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagoda up exited with {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"{base_url} not healthy after {timeout:.0f} s")
-
-
-def launch(args, allocator: str, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pagoda.cli", "up", "--model", args.model, "--device", args.device,
-               "--port", str(port), "--allocator", allocator, "--no-prefix-caching"]
+def launch(args, allocator: str) -> Stack:
+    """`pagoda up` with `allocator` on --port, healthy."""
+    flags = ["--model", args.model, "--device", args.device, "--allocator", allocator, "--no-prefix-caching"]
     if args.num_gpu_blocks:
-        command += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
-    env = {k: v for k, v in os.environ.items() if k != "PAGODA_REDIS_URL"}
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    _wait_healthy(f"http://127.0.0.1:{port}", proc)
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, signal.SIGKILL)
+        flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+    return Stack(*flags, port=args.port).wait_ready()
 
 
 # ----------------------------------------------------------------------------- the command
@@ -227,7 +196,7 @@ def plot(result: dict, path: Path) -> None:
 
 def run(args) -> int:
     """The `pagoda bench serve` command."""
-    from pagoda.bench_throughput import load_requests
+    from pagoda.bench.throughput import load_requests
 
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
@@ -236,11 +205,11 @@ def run(args) -> int:
     targets = [(a.strip(), None) for a in args.allocators.split(",")] if args.launch else [(args.label, args.base_url)]
     runs: dict[str, list[dict]] = {}
     for name, base_url in targets:
-        proc = None
+        stack = None
         if base_url is None:
             log(f"starting pagoda up with the {name} allocator")
-            proc = launch(args, name, args.port)
-            base_url = f"http://127.0.0.1:{args.port}"
+            stack = launch(args, name)
+            base_url = stack.url
         try:
             asyncio.run(run_rate(base_url, args.served_model, requests[:2], float("inf")))  # warm up
             for rate in rates:
@@ -256,23 +225,18 @@ def run(args) -> int:
                     f"{metrics['output_token_throughput']:.1f} tok/s, TTFT median {metrics['ttft_s']['median']}, "
                     f"normalized latency {metrics['normalized_latency_s_per_token']}")
         finally:
-            if proc is not None:
-                stop(proc)
+            if stack is not None:
+                stack.stop()
     result = {
-        "benchmark": "serve", "command": command_words("serve", args), "commit": git_commit(),
-        "date": datetime.date.today().isoformat(), "device": device_description(), "model": args.model,
+        **header("serve", command_words("serve", args)), "model": args.model,
         "workload": {"name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed,
                      "max_output_len": args.max_output_len, "burstiness": args.burstiness,
                      "mean_prompt_tokens": sum(len(p) for p, _ in requests) / len(requests),
                      "mean_output_tokens": sum(n for _, n in requests) / len(requests)},
         "slos_s": slos, "num_gpu_blocks": args.num_gpu_blocks, "runs": runs,
     }
-    if args.output:
-        output = Path(args.output)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(result, indent=2) + "\n")
-        if len(runs) and all(isinstance(r["request_rate"], float) for rs in runs.values() for r in rs):
-            plot(result, output.with_suffix(".png"))
-        log(f"wrote {output}")
+    write_result(result, args.output)
+    if args.output and len(runs) and all(isinstance(r["request_rate"], float) for rs in runs.values() for r in rs):
+        plot(result, Path(args.output).with_suffix(".png"))
     print(json.dumps(runs, indent=2))
     return 0

@@ -1,6 +1,6 @@
 """`pagoda bench throughput`: the offline engine against transformers' `generate`, in one run.
 
-Both get the same ShareGPT requests (pagoda/workloads.py: prompt token ids, and each request's
+Both get the same ShareGPT requests (pagoda/bench/workloads.py: prompt token ids, and each request's
 recorded output length capped at `--max-output-len`) on the same model and machine. Pagoda runs
 them all through its continuous batch; transformers runs padded static batches of
 `--hf-batch-size` (left padding), each generating the longest output of its batch, which is what
@@ -9,18 +9,16 @@ length; throughput counts the requested output tokens (vLLM's benchmark_throughp
 """
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import time
-from pathlib import Path
 
 from common.protocol import SamplingParams
-from pagoda.bench_memory import command_words, device_description, git_commit
+from pagoda.bench.common import command_words, header, write_result
 
 
 def load_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
-    from pagoda.workloads import sample_sharegpt, sharegpt_installed
+    from pagoda.bench.workloads import sample_sharegpt, sharegpt_installed
 
     source = args.source if args.source != "auto" else ("package" if sharegpt_installed() else "trace")
     pairs = sample_sharegpt(args.num_prompts, args.seed, source)
@@ -93,11 +91,7 @@ def run(args) -> int:
     pagoda = run_pagoda(llm, requests, args.ignore_eos)
     log(f"pagoda: {pagoda['output_tokens_per_s']:.1f} output tokens/s ({pagoda['seconds']:.1f} s)")
     result = {
-        "benchmark": "throughput",
-        "command": command_words("throughput", args),
-        "commit": git_commit(),
-        "date": datetime.date.today().isoformat(),
-        "device": device_description(),
+        **header("throughput", command_words("throughput", args), str(llm.executor.runner.device)),
         "model": llm.executor.runner.source.name,
         "dtype": str(llm.executor.runner.dtype).removeprefix("torch."),
         "workload": {
@@ -116,9 +110,6 @@ def run(args) -> int:
         log(f"transformers: {baseline['output_tokens_per_s']:.1f} output tokens/s ({baseline['seconds']:.1f} s)")
         result["baseline"] = {"name": "transformers generate, padded static batches", **baseline}
         result["ratio"] = pagoda["output_tokens_per_s"] / baseline["output_tokens_per_s"]
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {args.output}")
+    write_result(result, args.output)
     print(json.dumps({k: result[k] for k in ("pagoda", "baseline", "ratio") if k in result}, indent=2))
     return 0

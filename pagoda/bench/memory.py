@@ -2,7 +2,7 @@
 
 Runs on CPU, with no model: the real Scheduler and its allocator (EngineConfig.allocator: the
 paged BlockManager, or scheduler/contiguous.py's Max, Pow2 and Oracle baselines of the
-PagedAttention paper's section 6) replay ShareGPT requests (pagoda/workloads.py) through
+PagedAttention paper's section 6) replay ShareGPT requests (pagoda/bench/workloads.py) through
 LLMEngine with a trace-driven executor. The executor keeps each sequence's state as a worker
 would (plan diffs, dropped and preempted ids) and, for every sequence that completes its tokens
 in a step, samples token TOKEN_ID, which is never EOS; each request asks for exactly its
@@ -27,25 +27,18 @@ and, per step, the batch: the sequences the step schedules (mean_batch, max_batc
 """
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from common.config import ALLOCATORS, EngineConfig
 from common.protocol import ProtocolError, SampledToken, SamplingParams, StepPlan, StepResult
+from pagoda.bench.common import command_words, header, write_result
 from scheduler.engine import LLMEngine
 from scheduler.scheduler import Scheduler
 
 TOKEN_ID = 1000  # "()" in SmolLM2's vocabulary: not an EOS token
 EOS_TOKEN_IDS = [0, 2]  # SmolLM2's <|endoftext|> and <|im_end|> (ignored: requests set ignore_eos)
-ROOT = Path(__file__).resolve().parent.parent
 
 # The PagedAttention paper (Kwon et al., SOSP 2023), figure 2: share of KV memory holding token states.
 PAPER_TOKEN_STATES = {"orca-max": 0.204, "orca-pow2": 0.268, "orca-oracle": 0.382, "paged": 0.963}
@@ -299,37 +292,6 @@ def bench_memory(
     return out
 
 
-def device_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu} ({os.cpu_count()} cores)"
-
-
-def git_commit() -> str:
-    proc = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=ROOT,
-                          capture_output=True, text=True)
-    return proc.stdout.strip() or "unknown"
-
-
-def command_words(bench: str, args) -> str:
-    """The command that repeats this run, every option spelled out."""
-    words = ["pagoda", "bench", bench]
-    for name, value in vars(args).items():
-        if name in ("command", "bench", "handler") or value is None or value is False:
-            continue
-        flag = "--" + name.replace("_", "-")
-        words += [flag] if value is True else [flag, str(value)]
-    return shlex.join(words)
-
-
-def command_line(args) -> str:
-    return command_words("memory", args)
-
-
 def table(result: dict) -> str:
     rows = [f"{'allocator':<12} {'kv util':>8} {'paper':>6} {'mean batch':>11} {'max batch':>10} "
             f"{'steps':>7} {'preempt':>8}  pool while queued: tokens/reserved/int.frag/free"]
@@ -347,7 +309,7 @@ def table(result: dict) -> str:
 
 def run(args) -> int:
     """The `pagoda bench memory` command."""
-    from pagoda.workloads import describe, sample_sharegpt, sharegpt_installed
+    from pagoda.bench.workloads import describe, sample_sharegpt, sharegpt_installed
 
     source = args.source if args.source != "auto" else ("package" if sharegpt_installed() else "trace")
     pairs = sample_sharegpt(args.num_prompts, args.seed, source)
@@ -375,11 +337,7 @@ def run(args) -> int:
             "paper_saved": PAPER_SAVED,
         }
     result = {
-        "benchmark": "memory",
-        "command": command_line(args),
-        "commit": git_commit(),
-        "date": datetime.date.today().isoformat(),
-        "device": device_description(),
+        **header("memory", command_words("memory", args)),
         "model": "none (trace-driven executor); lengths from SmolLM2-135M-Instruct's tokenizer",
         "workload": {
             "name": "ShareGPT", "source": source, "seed": args.seed, **describe(pairs),
@@ -402,9 +360,6 @@ def run(args) -> int:
         **measured,
         "reference": {"paper_figure_2_token_states": PAPER_TOKEN_STATES},
     }
-    if args.output:  # before printing: a closed stdout must not lose the result
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.output}", file=sys.stderr)
+    write_result(result, args.output)  # before printing: a closed stdout must not lose the result
     print(table(result))
     return 0

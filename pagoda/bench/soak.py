@@ -1,10 +1,10 @@
-"""`python -m pagoda.soak`: start the real stack, drive a steady mixed load, watch every process's memory.
+"""`python -m pagoda.bench.soak`: start the real stack, drive a steady mixed load, watch every process's memory.
 
-    python -m pagoda.soak --duration 300 --concurrency 16 --output soak.json [-- PAGODA UP FLAGS]
+    python -m pagoda.bench.soak --duration 300 --concurrency 16 --output soak.json [-- PAGODA UP FLAGS]
 
-It starts `pagoda up` (a private redis-server, scheduler, worker and gateway processes; any
-unknown flag is passed to `pagoda up`, e.g. `--device cpu --max-num-seqs 32`), then runs
-`--concurrency` clients until `--duration` seconds have passed or `--requests` have been sent,
+It starts `pagoda up` with pagoda/bench/stack.py (a private redis-server, scheduler, worker and
+gateway processes; any unknown flag is passed to `pagoda up`, e.g. `--device cpu --max-num-seqs
+32`), then runs `--concurrency` clients until `--duration` seconds have passed or `--requests` have been sent,
 whichever comes first. Each request is drawn (seeded) from a mix: greedy completions and chats,
 whole and streamed (their text must equal the stack's answer to the same request before the
 load), seeded `n=2` samples, streams closed after a few events, whole requests abandoned
@@ -33,22 +33,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import datetime
 import json
 import logging
 import os
 import random
-import re
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from pagoda.bench.common import header, write_result
+from pagoda.bench.stack import GAUGES, Stack, parse_metrics
 
 # (prompt, max_tokens): short prompts and moderate lengths keep a CPU run brisk
 COMPLETION_PROMPTS = [("The capital of France is", 12), ("Here is a short list of fruits:", 16),
@@ -158,19 +155,6 @@ def queue_state(redis_url: str) -> dict:
         client.close()
 
 
-GAUGES = ("pagoda:kv_cache_usage_perc", "pagoda:num_requests_running", "pagoda:num_requests_waiting",
-          "pagoda:num_requests_swapped")
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name.split("{")[0]] = float(value)
-    return values
-
-
 def leak_state(base_url: str, redis_url: str) -> dict:
     """The scheduler gauges and the requests stream: all zero when nothing leaked."""
     import httpx
@@ -191,43 +175,7 @@ def wait_drained(base_url: str, redis_url: str, timeout: float) -> tuple[bool, d
         time.sleep(0.25)
 
 
-# ----------------------------------------------------------------------------- processes and memory
-
-def _ppid_and_cmdline(pid: int) -> tuple[int, str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1]), cmdline
-
-
-def process_tree(root: int) -> dict[str, int]:
-    """`root` and its descendants, named up / gateway / scheduler / worker / redis-server (/proc)."""
-    parents: dict[int, list[tuple[int, str]]] = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _ppid_and_cmdline(int(entry))
-            if info:
-                parents[info[0]].append((int(entry), info[1]))
-    names, todo = {"up": root}, [root]
-    while todo:
-        for pid, cmdline in parents.get(todo.pop(), []):
-            words = cmdline.split()
-            if any("redis-server" in w for w in words[:1]):
-                name = "redis-server"
-            elif "pagoda.cli" in words and words.index("pagoda.cli") + 1 < len(words):
-                name = words[words.index("pagoda.cli") + 1]
-            else:
-                name = os.path.basename(words[0]) if words else str(pid)
-            while name in names:
-                name += "'"
-            names[name] = pid
-            todo.append(pid)
-    return names
-
+# ----------------------------------------------------------------------------- memory
 
 def rss_mib(pid: int) -> float | None:
     try:
@@ -486,54 +434,6 @@ async def drive(base_url: str, pids: dict[str, int], args) -> tuple[Load, list[S
     return load, samples, warm, end, elapsed
 
 
-def start_stack(args, up_flags: list[str], port: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`pagoda up` in its own session; returns it and the Redis URL it uses (its private one, read
-    from its log, unless --redis-url was given)."""
-    command = [sys.executable, "-m", "pagoda.cli", "up", "--port", str(port), *up_flags]
-    if args.redis_url:
-        command += ["--redis-url", args.redis_url]
-    env = {k: v for k, v in os.environ.items() if k != "PAGODA_REDIS_URL"}
-    log = open(log_path, "w")
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    import httpx
-
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"soak: pagoda up exited with {proc.returncode} before it was healthy; see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        stop_stack(proc)
-        raise SystemExit(f"soak: the stack was not healthy within {args.start_timeout:g} s; see {log_path}")
-    redis_url = args.redis_url
-    if not redis_url:
-        found = re.search(r"pagoda: private Redis at (\S+)", log_path.read_text())
-        if not found:
-            stop_stack(proc)
-            raise SystemExit(f"soak: no private Redis URL in {log_path}")
-        redis_url = found.group(1)
-    return proc, redis_url
-
-
-def stop_stack(proc: subprocess.Popen, timeout: float = 60) -> int | None:
-    """SIGINT to `pagoda up` alone (it stops its children in order); None if it had to be killed."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None
-    return proc.returncode
-
-
 def memory_report(pids: dict[str, int], samples: list[Sample], warm: Sample, end: Sample, args) -> dict:
     report = {}
     for name, pid in pids.items():
@@ -554,7 +454,7 @@ def memory_report(pids: dict[str, int], samples: list[Sample], warm: Sample, end
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pagoda.soak", description="Soak the real stack: mixed load, RSS of every process, leaks.",
+        prog="python -m pagoda.bench.soak", description="Soak the real stack: mixed load, RSS of every process, leaks.",
         epilog="Other flags go to `pagoda up` (e.g. --device cpu --max-num-seqs 32).")
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 300)")
     parser.add_argument("--requests", type=int, default=0, help="stop after sending this many (0: no limit)")
@@ -579,23 +479,23 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup = min(60.0, max(5.0, 0.2 * args.duration))
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
-    from common.redis_server import free_port
-
-    port = args.port or free_port()
-    base_url = f"http://127.0.0.1:{port}"
     log_path = Path(args.log) if args.log else Path(tempfile.mkstemp(prefix="pagoda-soak-", suffix=".log")[1])
     started = time.monotonic()
-    proc, redis_url = start_stack(args, up_flags, port, log_path)
+    stack = Stack(*up_flags, *(["--redis-url", args.redis_url] if args.redis_url else []), port=args.port, log=log_path)
+    try:
+        stack.wait_ready(args.start_timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        raise SystemExit(f"soak: {exc}") from None
     startup_s = time.monotonic() - started
-    pids = process_tree(proc.pid)
-    print(f"soak: stack up in {startup_s:.1f} s at {base_url} (Redis {redis_url}); processes "
+    pids = {"up": stack.process.pid, **stack.children()}
+    print(f"soak: stack up in {startup_s:.1f} s at {stack.url} (Redis {stack.redis_url}); processes "
           + ", ".join(f"{n} {p}" for n, p in pids.items()), file=sys.stderr, flush=True)
     try:
-        load, samples, warm, end, elapsed = asyncio.run(drive(base_url, pids, args))
-        drained, final_state, drain_s = wait_drained(base_url, redis_url, args.drain_timeout)
+        load, samples, warm, end, elapsed = asyncio.run(drive(stack.url, pids, args))
+        drained, final_state, drain_s = wait_drained(stack.url, stack.redis_url, args.drain_timeout)
         after = Sample(round(elapsed + drain_s, 2), {name: rss_mib(pid) for name, pid in pids.items()})
     finally:
-        exit_code = stop_stack(proc)
+        exit_code = stack.stop()
     memory = memory_report(pids, samples + [after], warm, end, args)
     for name in memory:
         if after.rss_mib.get(name) is not None:
@@ -615,12 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         reasons.append(f"not drained after {args.drain_timeout:g} s: {final_state}")
     if exit_code != 0:
         reasons.append(f"pagoda up exited with {exit_code}")
-    from pagoda.bench_memory import device_description, git_commit
-
+    command = shlex.join(["python", "-m", "pagoda.bench.soak", *(argv if argv is not None else sys.argv[1:])])
     result = {
-        "benchmark": "soak",
-        "command": shlex.join(["python", "-m", "pagoda.soak", *(argv if argv is not None else sys.argv[1:])]),
-        "commit": git_commit(), "date": datetime.date.today().isoformat(), "device": device_description(),
+        **header("soak", command),
         "up_flags": up_flags, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "startup_s": round(startup_s, 1), "load_s": round(elapsed, 1),
         "warmup_s": args.warmup, "concurrency": args.concurrency, "seed": args.seed,
         "requests": {"sent": t.sent, "answered": t.answered, "cancelled": t.cancelled, "failed": t.failed,
@@ -637,9 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples": [{"t": s.t, "rss_mib": {k: round(v, 1) for k, v in s.rss_mib.items() if v is not None}}
                     for s in samples],
     }
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, args.output)
     print(summary(result))
     return 0 if not reasons else 1
 

@@ -1,0 +1,57 @@
+"""The stack launcher (pagoda/bench/stack.py) and `pagoda up`'s health helpers, without a model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common.redis_server import free_port
+from pagoda.bench.stack import parse_metrics
+from pagoda.up import _write_addresses, wait_healthy
+from tests.stack import ROOT
+
+
+def test_wait_healthy_says_when_the_stack_exits_before_it_is_healthy():
+    process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="^exited with 3 before it was healthy$"):
+        wait_healthy(f"http://127.0.0.1:{free_port()}", 60, process)
+
+
+def test_wait_healthy_gives_up_at_its_deadline():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TimeoutError, match=f"^{url} was not healthy within 0.2 s$"):
+        wait_healthy(url, 0.2)
+
+
+def test_the_addresses_file_holds_both_urls_and_no_partial_file_is_left(tmp_path):
+    path = tmp_path / "addresses.json"
+    _write_addresses(path, "http://127.0.0.1:8000", "redis://127.0.0.1:6379/0")
+    assert json.loads(path.read_text()) == {"url": "http://127.0.0.1:8000", "redis_url": "redis://127.0.0.1:6379/0"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["addresses.json"]
+
+
+def test_the_launcher_cli_exits_1_when_pagoda_up_fails_and_never_runs_the_command(tmp_path):
+    marker = tmp_path / "ran"
+    log = tmp_path / "up.log"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.bench.stack", "--log", str(log), "--no-such-flag", "--",
+         sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"stack: pagoda up: exited with 2 before it was healthy; see {log}" in proc.stderr
+    assert "unrecognized arguments: --no-such-flag" in log.read_text()
+    assert not marker.exists()
+
+
+def test_the_launcher_cli_without_a_command_prints_its_usage_and_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "pagoda.bench.stack", "--device", "cpu"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == "usage: python -m pagoda.bench.stack [--log PATH] [PAGODA UP FLAGS] -- COMMAND [ARGS]\n"
+
+
+def test_parse_metrics_drops_labels_and_comments():
+    text = '# HELP x y\n# TYPE x gauge\npagoda:num_requests_running{model="m"} 2.0\npagoda:kv_cache_usage_perc 0.5\n'
+    assert parse_metrics(text) == {"pagoda:num_requests_running": 2.0, "pagoda:kv_cache_usage_perc": 0.5}
