@@ -6,12 +6,14 @@ import dataclasses
 import typing
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.cli_args import add_config_args, config_from_args, config_to_argv, flag_fields
 from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from pagoda import cli, up
+from tests.conftest import ROOT
 
 CONFIGS = (EngineConfig, ServingConfig, GatewayConfig)
 COMMANDS = {  # command: (its parser builder, the configs it builds)
@@ -223,3 +225,13 @@ def test_help_works_for_every_subcommand(command, capsys):
     assert out.startswith(f"usage: pagoda {command}")
     for flag in FLAGS_BEFORE.get(command, ()):
         assert flag in out
+
+
+def test_the_commands_in_compose_yaml_parse_into_valid_configs():
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    commands = [s["command"] for s in services.values() if s["command"][0] == "pagoda"]
+    assert sorted(c[1] for c in commands) == ["gateway", "scheduler", "worker"]
+    for command in commands:
+        args = parser_of(command[1]).parse_args(command[2:])
+        for cls in COMMANDS[command[1]][1]:
+            config_from_args(cls, args)
