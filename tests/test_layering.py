@@ -1,4 +1,4 @@
-"""The control plane never imports torch or a networking package at module level (DESIGN.md)."""
+"""The control plane never imports torch or a networking package at module level (docs/architecture.md)."""
 import ast
 import subprocess
 import sys

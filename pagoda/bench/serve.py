@@ -1,4 +1,4 @@
-"""`pagoda bench serve`: online serving against the OpenAI-compatible gateway (BENCHMARKS.md).
+"""`pagoda bench serve`: online serving against the OpenAI-compatible gateway (docs/architecture.md).
 
 ShareGPT requests (token-id prompts, each asking for its recorded output length capped at
 `--max-output-len`, EOS ignored) are sent to `/v1/completions` as streams, arriving as a Poisson

