@@ -183,6 +183,22 @@ class Scheduler:
         self._retire(group)
         return True
 
+    def abort_sequence(self, request_id: str, index: int) -> bool:
+        """End sample `index` of a request that streams its samples (a stop string the gateway
+        found in it) and free its blocks; the group's other samples go on. Returns whether that
+        ended the request (its last sample), which then leaves the scheduler."""
+        group = self.groups.get(request_id)
+        if group is None or group.selects_at_end:  # outputs chosen at the end are not its samples
+            return False
+        seq = next((s for s in group.seqs if s.index == index and not s.status.finished), None)
+        if seq is None:
+            return False
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if not group.is_finished:
+            return False
+        self._retire(group)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
