@@ -36,10 +36,10 @@ class Generation:
         self.client = client
         self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.unfinished = set(request_ids)
-        self.started: set[str] = set()  # sub-requests that have had an event
+        self.started: set[str] = set()  # requests that have had an event
 
     async def next_event(self, timeout: float) -> RequestEvent:
-        """The next event of any sub-request; raises TimeoutError after `timeout` seconds."""
+        """The next event of any of the requests; raises TimeoutError after `timeout` seconds."""
         event = await asyncio.wait_for(self.queue.get(), timeout)
         if event.request_id not in self.started and event.request_id in self.unfinished:
             self.started.add(event.request_id)
@@ -47,7 +47,7 @@ class Generation:
         return event
 
     def finish(self, request_id: str, abort: bool = False) -> None:
-        """The sub-request is over for this gateway; `abort` tells the schedulers to stop it too."""
+        """The request is over for this gateway; `abort` tells the schedulers to stop it too."""
         if request_id in self.unfinished:
             self.unfinished.discard(request_id)
             self.client._release(request_id, started=request_id in self.started, abort=abort)

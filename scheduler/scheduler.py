@@ -10,8 +10,9 @@ Every step, under `max_num_seqs` and `max_num_batched_tokens`:
      prompt fits (counting prefix-cache hits), their first chunk cut to the token budget.
 The plan sent to the workers is a diff against what they already hold (common/protocol.py).
 
-A request's sequences form one group: `best_of` samples forked from the prompt's sequence after
-its first token (sharing every prompt block copy-on-write), or the beams of a beam search,
+A request's sequences form one group: its `n` (or `best_of`) samples forked from the prompt's
+sequence after its first token (sharing every prompt block copy-on-write; each streams and
+finishes on its own, and `abort_sequence` ends one alone), or the beams of a beam search,
 forked and freed each step as transformers' `generate(num_beams=...)` does.
 """
 from __future__ import annotations
