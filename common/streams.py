@@ -1,7 +1,8 @@
 """Redis keys shared by the gateway and the schedulers, and the one field a stream entry carries.
 
     pagoda:requests              stream, consumer group "schedulers"; entry {m: GenerateRequest}
-    pagoda:aborts                stream every scheduler reads in full; entry {id: request_id}
+    pagoda:aborts                stream every scheduler reads in full; entry {id: request_id}, or
+                                 {id: request_id, index: i} to end that one output (sample) alone
     pagoda:replies:<gateway_id>  stream per gateway process; entries {m: RequestEvent}
     pagoda:scheduler:<id>        string, a SchedulerStatus, expires unless refreshed (heartbeat)
     pagoda:started               hash request_id -> scheduler id: requests that have streamed a token
@@ -16,6 +17,7 @@ REPLIES_PREFIX = "pagoda:replies:"
 STATUS_PREFIX = "pagoda:scheduler:"
 FIELD = b"m"  # the msgpack-encoded protocol message of a stream entry
 ABORT_FIELD = b"id"
+ABORT_INDEX_FIELD = b"index"
 
 STATUS_TTL_S = 3.0  # a scheduler silent this long is dead
 REPLY_STREAM_TTL_S = 600  # a reply stream no one writes to expires

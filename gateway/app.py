@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
 import time
@@ -172,30 +171,19 @@ class Gateway:
     def _sub_requests(
         self, response_id: str, parsed: ParsedRequest, arrival_time: float, arrival: float,
     ) -> tuple[list[GenerateRequest], list[ChoiceState]]:
-        """n samples of each prompt, as independent requests `<response id>-<choice index>`; or, when
-        the outputs are chosen at the end (best_of > n, beam search), one request per prompt,
-        `<response id>-<prompt index>`, whose n outputs are the prompt's choices, best first."""
+        """One request per prompt, `<response id>-<prompt index>`, whose n outputs are the prompt's
+        choices: one sequence group in the scheduler, its samples forked from the prompt's blocks
+        (each streams and finishes on its own), or, when the outputs are chosen at the end
+        (best_of > n, beam search), the n best, sent whole."""
         hidden = self.eos_token_ids | frozenset(parsed.params.stop_token_ids)
         requests, choices = [], []
         for p, prompt in enumerate(parsed.prompts):
-            outputs = []  # (request id, output index) of each of the prompt's choices
-            if parsed.chosen_at_end:
-                request_id = f"{response_id}-{p}"
-                requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream,
-                                                arrival_time))
-                outputs = [(request_id, i) for i in range(parsed.n)]
-            else:
-                for i in range(parsed.n):
-                    request_id = f"{response_id}-{p * parsed.n + i}"
-                    params = parsed.params
-                    if params.seed is not None and i > 0:
-                        params = dataclasses.replace(params, seed=params.seed + i)
-                    requests.append(GenerateRequest(request_id, prompt, params, self.engine.reply_stream, arrival_time))
-                    outputs.append((request_id, 0))
-            for i, (request_id, output_index) in enumerate(outputs):
+            request_id = f"{response_id}-{p}"
+            requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream, arrival_time))
+            for i in range(parsed.n):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
                 choices.append(ChoiceState(p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival,
-                                           output_index, parsed.chosen_at_end))
+                                           i, parsed.chosen_at_end))
         return requests, choices
 
     async def _complete(
@@ -268,9 +256,12 @@ class Gateway:
             choice.add(event)
             if choice.finished:
                 failed = choice.finish_reason in ("error", "abort")
+                # a stop string ends a streamed output early; an output chosen at the end came whole
+                stopped_early = choice.stopped_by_string and not choice.chosen_at_end
                 if failed or all(c.finished for c in by_request[choice.request_id]):
-                    # a stop string ends a streamed output early; an output chosen at the end came whole
-                    generation.finish(choice.request_id, abort=choice.stopped_by_string and not choice.chosen_at_end)
+                    generation.finish(choice.request_id, abort=stopped_early)
+                elif stopped_early:  # that sample alone: the request's others go on
+                    generation.abort_output(choice.request_id, choice.output_index)
                 self._observe_finish(choice)
                 if choice.finish_reason == "error" and choice.error in (SHUTTING_DOWN, REDIS_RESTARTED):
                     raise EngineError(f"{choice.error}; retry the request", 503, "service_unavailable")

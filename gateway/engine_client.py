@@ -5,6 +5,7 @@ One reader task per process XREADs the reply stream and fans events out to per-r
     XADD pagoda:requests {m: GenerateRequest}   ──▶ schedulers
     XREAD pagoda:replies:<gateway_id>           ◀── RequestEvents ──▶ queue of the request's HTTP handler
     XADD pagoda:aborts {id: request_id}         ──▶ every scheduler (disconnect, stop string)
+    XADD pagoda:aborts {id, index}              ──▶ every scheduler (a stop string in one sample of n)
 """
 from __future__ import annotations
 
@@ -28,16 +29,17 @@ REDIS_RESTARTED = "Redis restarted and lost the request before a scheduler read 
 
 
 class Generation:
-    """The sub-requests of one HTTP request, from submission until each has finished or been aborted."""
+    """The requests of one HTTP request (one per prompt), from submission until each has finished
+    or been aborted."""
 
     def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
         self.client = client
         self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.unfinished = set(request_ids)
-        self.started: set[str] = set()  # sub-requests that have had an event
+        self.started: set[str] = set()  # requests that have had an event
 
     async def next_event(self, timeout: float) -> RequestEvent:
-        """The next event of any sub-request; raises TimeoutError after `timeout` seconds."""
+        """The next event of any of the requests; raises TimeoutError after `timeout` seconds."""
         event = await asyncio.wait_for(self.queue.get(), timeout)
         if event.request_id not in self.started and event.request_id in self.unfinished:
             self.started.add(event.request_id)
@@ -45,10 +47,16 @@ class Generation:
         return event
 
     def finish(self, request_id: str, abort: bool = False) -> None:
-        """The sub-request is over for this gateway; `abort` tells the schedulers to stop it too."""
+        """The request is over for this gateway; `abort` tells the schedulers to stop it too."""
         if request_id in self.unfinished:
             self.unfinished.discard(request_id)
             self.client._release(request_id, started=request_id in self.started, abort=abort)
+
+    def abort_output(self, request_id: str, index: int) -> None:
+        """Output `index` of the request is over for this gateway (a stop string): the schedulers
+        stop that sample alone and the request's other outputs go on."""
+        if request_id in self.unfinished:
+            self.client.abort(request_id, index)
 
     def close(self) -> None:
         """Abort whatever has not finished (a disconnect, an error, a timeout)."""
@@ -124,18 +132,19 @@ class EngineClient:
             queue.put_nowait(RequestEvent(request_id, [], None, "error", message))
             self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        """Fire and forget: safe to call from a cancelled task or a generator's finally."""
-        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop the request in the schedulers, or only its output `index`. Fire and forget: safe to
+        call from a cancelled task or a generator's finally."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_id, index))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, request_id: str) -> None:
+    async def _abort(self, request_id: str, index: int | None) -> None:
+        fields = {streams.ABORT_FIELD: request_id.encode()}
+        if index is not None:
+            fields[streams.ABORT_INDEX_FIELD] = str(index).encode()
         try:
-            await self.redis.xadd(
-                streams.ABORTS, {streams.ABORT_FIELD: request_id.encode()},
-                maxlen=streams.ABORTS_MAXLEN, approximate=True,
-            )
+            await self.redis.xadd(streams.ABORTS, fields, maxlen=streams.ABORTS_MAXLEN, approximate=True)
         except Exception as exc:  # Redis down: the request ends by itself (max_tokens or its deadline)
             log.warning("could not abort %s: %s", request_id, exc)
 

@@ -46,9 +46,8 @@ class ParsedRequest:
     kind: str  # "completion" | "chat"
     model: str | None
     prompts: list[list[int]]  # token ids, one list per prompt
-    # n=1 (each choice is its own request), or, when `chosen_at_end`, n, best_of or beam_width
-    # (each prompt is one request whose n outputs are its choices); max_tokens None here means
-    # "the rest of the context"
+    # n, and best_of or beam_width when `chosen_at_end` (each prompt is one request whose n
+    # outputs are its choices); max_tokens None here means "the rest of the context"
     params: SamplingParams
     n: int
     stop: list[str] = field(default_factory=list)
@@ -292,10 +291,10 @@ def _common(
         stop_token_ids = []
     if not isinstance(stop_token_ids, list) or len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise bad_request(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
-    seed = _int(body, "seed", None, -(2**63), 2**63 - 1 - MAX_N)
+    seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
     try:
         params = SamplingParams(
-            n=n if chosen_at_end else 1,
+            n=n,
             best_of=width if chosen_at_end and not beam_search else None,
             beam_width=width if beam_search else 0,
             length_penalty=length_penalty,

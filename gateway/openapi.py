@@ -22,7 +22,7 @@ from gateway.openai_api import (
 MODEL = "__served_model_name__"  # placeholders, replaced by `openapi_document`
 MAX_TOKEN_ID = "__max_token_id__"
 MAX_BODY = "__max_body_bytes__"
-SEED_MAX = 2**63 - 1 - MAX_N  # a seeded request's samples use seed, seed + 1, ... seed + n - 1
+SEED_MAX = 2**63 - 1  # a seeded request's samples use sample_seed(seed, i) (common/protocol.py)
 
 
 def _nullable(kind: str, **schema) -> dict:

@@ -32,7 +32,7 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class ChoiceState:
-    """One choice (output `output_index` of a sub-request): its text so far, what has been sent,
+    """One choice (output `output_index` of a prompt's request): its text so far, what has been sent,
     and how it ended. A choice `chosen_at_end` (best_of > n, beam search) gets its output whole,
     in one event, once the scheduler has finished the request.
 

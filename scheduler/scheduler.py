@@ -10,8 +10,9 @@ Every step, under `max_num_seqs` and `max_num_batched_tokens`:
      prompt fits (counting prefix-cache hits), their first chunk cut to the token budget.
 The plan sent to the workers is a diff against what they already hold (common/protocol.py).
 
-A request's sequences form one group: `best_of` samples forked from the prompt's sequence after
-its first token (sharing every prompt block copy-on-write), or the beams of a beam search,
+A request's sequences form one group: its `n` (or `best_of`) samples forked from the prompt's
+sequence after its first token (sharing every prompt block copy-on-write; each streams and
+finishes on its own, and `abort_sequence` ends one alone), or the beams of a beam search,
 forked and freed each step as transformers' `generate(num_beams=...)` does.
 """
 from __future__ import annotations
@@ -180,6 +181,22 @@ class Scheduler:
         for seq in group.seqs:
             if not seq.status.finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._retire(group)
+        return True
+
+    def abort_sequence(self, request_id: str, index: int) -> bool:
+        """End sample `index` of a request that streams its samples (a stop string the gateway
+        found in it) and free its blocks; the group's other samples go on. Returns whether that
+        ended the request (its last sample), which then leaves the scheduler."""
+        group = self.groups.get(request_id)
+        if group is None or group.selects_at_end:  # outputs chosen at the end are not its samples
+            return False
+        seq = next((s for s in group.seqs if s.index == index and not s.status.finished), None)
+        if seq is None:
+            return False
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if not group.is_finished:
+            return False
         self._retire(group)
         return True
 

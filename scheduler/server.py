@@ -340,7 +340,11 @@ class SchedulerServer:
             for entry_id, fields in entries:
                 self.aborts_cursor = entry_id
                 request_id = fields.get(streams.ABORT_FIELD, b"").decode(errors="replace")
-                self._abort(request_id)
+                index = fields.get(streams.ABORT_INDEX_FIELD)
+                if index is None:
+                    self._abort(request_id)
+                elif index.isdigit():
+                    self._abort_sequence(request_id, int(index))
         now = time.monotonic()
         if self.early_aborts and now - self._last_prune > 10:  # not every step: the dict can be large
             self._last_prune = now
@@ -353,6 +357,18 @@ class SchedulerServer:
             return
         self.scheduler.abort_request(request_id)
         self._finish_untracked(request_id, tracked, "abort", None)
+
+    def _abort_sequence(self, request_id: str, index: int) -> None:
+        """One sample of a request ends (the gateway found a stop string in it): its blocks are
+        freed, no event is sent for it, the request's other samples go on. Never kept for later:
+        the gateway sends it only once the sample has streamed."""
+        tracked = self.tracked.get(request_id)
+        if tracked is None:
+            return
+        tracked.ended.add(index)
+        if self.scheduler.abort_sequence(request_id, index):  # the others had already finished
+            del self.tracked[request_id]
+            self.outbox.append(("ack", tracked.entry_id, request_id))
 
     # ------------------------------------------------------------------ step
     def _step(self) -> None:

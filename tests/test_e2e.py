@@ -96,6 +96,17 @@ def test_n_2_returns_two_choices(client):
     assert [c.text for c in again.choices] == [c.text for c in response.choices]  # seeded: reproducible
 
 
+def test_seeded_samples_equal_pagoda_generate(client, tmp_path):
+    """One seed rule online and offline: n samples are one group, sample i seeded sample_seed(seed, i)."""
+    prompt = "Once upon a time"
+    (expected,) = offline_outputs([{"prompt": prompt}], 12, tmp_path, "--temperature", "1", "--seed", "7", "--n", "3")
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, n=3, seed=7)
+    assert [(c.index, c.text, c.finish_reason) for c in response.choices] == [
+        (i, sample["text"], sample["finish_reason"]) for i, sample in enumerate(expected["outputs"])]
+    assert len({c.text for c in response.choices}) == 3
+    assert response.usage.completion_tokens == sum(len(sample["token_ids"]) for sample in expected["outputs"])
+
+
 def test_beam_search_returns_the_offline_engines_beams_best_first(client, tmp_path):
     prompt = "The best way to learn a language is"
     (expected,) = offline_outputs([{"prompt": prompt}], 8, tmp_path, "--beam-width", "2", "--n", "2")

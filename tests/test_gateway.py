@@ -1,8 +1,9 @@
 """The gateway over a real redis-server, with a scripted scheduler standing in for the real one.
 
 The fake scheduler reads `pagoda:requests` as the consumer group does and answers on the
-request's reply stream: by default it echoes the prompt's tokens back one per event (so the
-expected text is the prompt's), or it plays a script chosen by a marker in the prompt.
+request's reply stream: by default it echoes the prompt's tokens back one per event, for each of
+the request's n outputs (so the expected text of every choice is the prompt's), or it plays a
+script chosen by a marker in the prompt.
 """
 from __future__ import annotations
 
@@ -73,8 +74,10 @@ class FakeScheduler:
                     self.requests[request.request_id] = request
                     threading.Thread(target=self._answer, args=(request, entry_id), daemon=True).start()
 
-    def aborted(self, request_id: str) -> bool:
-        return any(f[streams.ABORT_FIELD].decode() == request_id for _, f in self.redis.xrange(streams.ABORTS))
+    def aborted(self, request_id: str, index: int | None = None) -> bool:
+        """Whether the gateway aborted the request (index None: as a whole), or only its output `index`."""
+        return any(f[streams.ABORT_FIELD].decode() == request_id and _abort_index(f) == index
+                   for _, f in self.redis.xrange(streams.ABORTS))
 
     def _send(self, request: GenerateRequest, event: RequestEvent) -> None:
         self.redis.xadd(request.reply_stream, {streams.FIELD: encode(event)})
@@ -100,7 +103,8 @@ class FakeScheduler:
         self.redis.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, entry_id)
 
     def _echo(self, request: GenerateRequest) -> None:
-        """The prompt's tokens back, one per event, each with logprob -0.25 * position when asked."""
+        """The prompt's tokens back, one per event and output (a step of the n outputs at a time, as
+        the scheduler steps a group), each with logprob -0.25 * position when asked."""
         params, prompt = request.sampling_params, request.prompt_token_ids
         count = min(params.max_tokens or len(prompt), len(prompt))
         for i, token in enumerate(prompt[:count]):
@@ -111,7 +115,13 @@ class FakeScheduler:
             finish = None
             if i == count - 1:
                 finish = "length" if params.max_tokens == count else "stop"
-            self._send(request, RequestEvent(request.request_id, [token], logprobs, finish))
+            for index in range(params.n):
+                self._send(request, RequestEvent(request.request_id, [token], logprobs, finish, index=index))
+
+
+def _abort_index(fields: dict) -> int | None:
+    index = fields.get(streams.ABORT_INDEX_FIELD)
+    return None if index is None else int(index)
 
 
 @pytest.fixture(scope="module")
@@ -242,13 +252,23 @@ def test_models_lists_the_served_model(client):
     assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [(MODEL, "model", "pagoda")]
 
 
-def test_n2_submits_two_requests_with_consecutive_seeds(client, fake):
+def test_n2_is_one_request_carrying_n_and_the_requests_seed(client, fake):
+    """The samples are one sequence group; the scheduler and worker derive sample i's seed
+    (sample_seed), as offline."""
     r = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 2, "n": 2, "seed": 7})
     body = r.json()
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "Hello world"), (1, "Hello world")]
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
-    seeds = [fake.requests[f"{body['id']}-{i}"].sampling_params.seed for i in range(2)]
-    assert seeds == [7, 8]
+    (request,) = sent_requests(fake, body["id"]).values()
+    assert request.request_id == body["id"] + "-0"
+    assert request.sampling_params == SamplingParams(n=2, seed=7, max_tokens=2)
+
+
+def test_a_seed_may_use_all_64_bits(client, fake):
+    """No room is kept above the seed for its samples any more: sample_seed wraps."""
+    body = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1, "n": 3, "seed": 2**63 - 1}).json()
+    (request,) = sent_requests(fake, body["id"]).values()
+    assert request.sampling_params.seed == 2**63 - 1 and request.sampling_params.n == 3
 
 
 def test_a_list_of_prompts_gives_one_choice_per_prompt_in_order(client):
@@ -388,6 +408,48 @@ def test_a_streamed_stop_string_never_leaks_its_start(client, fake):
     assert wait_for(lambda: fake.aborted(events[0]["id"] + "-0"))
 
 
+# Samples of one prompt (n > 1, no best_of) are one request whose outputs stream side by side, each
+# event carrying its output's index; a stop string found in one ends that output alone.
+SAMPLES = [  # output 0 meets " this" at its 4th token, while output 1 goes on to max_tokens
+    RequestEvent("", [19556], None, index=0), RequestEvent("", [2705], None, index=1),
+    RequestEvent("", [905], None, index=0), RequestEvent("", [827], None, index=1),
+    RequestEvent("", [28], None, index=0), RequestEvent("", [1296], None, index=1),
+    RequestEvent("", [451], None, index=0), RequestEvent("", [28], None, index=1),
+    RequestEvent("", [314], None, index=0), RequestEvent("", [451], None, "length", index=1),
+]
+
+
+def test_a_stop_string_in_one_sample_ends_that_sample_alone(client, fake):
+    fake.scripts["@samples@"] = SAMPLES
+    body = client.post("/v1/completions", json={"prompt": "@samples@", "n": 2, "max_tokens": 5,
+                                                "stop": [" this is"]}).json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "Hello world,", "stop"), (1, "One two three, this", "length")]
+    assert body["usage"]["completion_tokens"] == 5 + 5
+    request_id = body["id"] + "-0"
+    assert wait_for(lambda: fake.aborted(request_id, index=0))
+    assert not fake.aborted(request_id)  # the request as a whole ran to its end
+
+
+def test_a_streamed_stop_string_in_one_sample_ends_that_sample_alone(client, fake):
+    fake.scripts["@samples-stream@"] = SAMPLES
+    events = stream(client, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "@samples-stream@"}], "n": 2, "max_tokens": 5, "stop": " this",
+        "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in events[2:-2]:  # after the two role chunks, before the usage chunk
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "Hello world,", 1: "One two three,"} and finishes == {0: "stop", 1: "stop"}
+    assert events[-2]["usage"]["completion_tokens"] == 4 + 5
+    request_id = events[0]["id"] + "-0"
+    assert wait_for(lambda: fake.aborted(request_id, index=0))
+    assert wait_for(lambda: fake.aborted(request_id))  # output 1 stopped last: the rest of the request goes
+
+
 def test_eos_is_counted_but_never_shown(client, fake, tokenizer):
     eos = tokenizer.eos_token_id
     fake.scripts["@eos@"] = [RequestEvent("", [19556], None), RequestEvent("", [eos], None, "stop")]
@@ -451,11 +513,10 @@ def test_best_of_with_logprobs_and_a_list_of_prompts(client, fake, tokenizer):
     assert body["usage"]["completion_tokens"] == 8
 
 
-def test_best_of_equal_to_n_keeps_one_request_per_choice(client, fake):
+def test_best_of_equal_to_n_is_n_streamed_samples(client, fake):
     body = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 2, "n": 2, "best_of": 2}).json()
-    requests = sent_requests(fake, body["id"])
-    assert sorted(requests) == [body["id"] + "-0", body["id"] + "-1"]
-    assert all(r.sampling_params.n == 1 and r.sampling_params.best_of is None for r in requests.values())
+    (request,) = sent_requests(fake, body["id"]).values()
+    assert request.sampling_params.n == 2 and request.sampling_params.best_of is None
     assert [c["text"] for c in body["choices"]] == ["Hello world", "Hello world"]
 
 
@@ -522,8 +583,11 @@ def test_a_group_larger_than_the_kv_pool_is_400(client, fake):
                   param="prompt", code="kv_cache_exceeded")
         assert e["message"] == ("the request's 4 sequences need up to 192 tokens of KV cache, more than the server's "
                                 "whole pool (100 tokens); shorten the prompt, lower max_tokens or lower best_of")
-        r = client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "n": 4})
-        assert r.status_code == 200  # four independent requests of 36 tokens each
+        # n samples are one group too, reckoned the same way
+        error(client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "n": 4}), 400,
+              param="prompt", code="kv_cache_exceeded")
+        r = client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "n": 2})
+        assert r.status_code == 200  # 2 x 3 blocks of 16
     finally:
         fake.publish()
 
