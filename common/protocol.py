@@ -120,6 +120,8 @@ def _require(ok: bool, param: str, message: str) -> None:
 
 # ----------------------------------------------------------------------------- step plan
 
+NULL_BLOCK = 0  # pads block tables; never allocated to a sequence
+
 
 @dataclass(slots=True)
 class NewSequence:

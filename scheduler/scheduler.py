@@ -26,13 +26,14 @@ from common.protocol import (
     CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
     num_beam_candidates, sample_seed,
 )
+from scheduler.allocator import Allocator
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import (
     BeamHypothesis, BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
 )
 
 
-def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int):
+def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int) -> Allocator:
     """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py)."""
     if config.allocator == "paged":
         return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
@@ -82,7 +83,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.num_eos_token_ids = len(eos_token_ids)
         self.costs = costs
-        self.block_manager = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks)
+        self.block_manager: Allocator = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks)
         self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
         self.running: list[SequenceGroup] = []  # arrival order
         self.swapped: list[SequenceGroup] = []  # arrival order
@@ -321,7 +322,11 @@ class Scheduler:
         for seq, n in zip(seqs, num_new):
             extra = seq.num_computed_tokens + n - self.block_manager.num_slots[seq.seq_id]
             if extra > 0:
-                plan.blocks_to_copy.extend(self.block_manager.append_slot(seq.seq_id, extra))
+                appended = self.block_manager.append_slot(seq.seq_id, extra)
+                if appended.copy_on_write is not None:
+                    plan.blocks_to_copy.append(appended.copy_on_write)
+                # a copy-on-write replaced a block the workers hold: they get it again
+                seq.num_sent_blocks = min(seq.num_sent_blocks, appended.first_changed_block)
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
@@ -355,7 +360,7 @@ class Scheduler:
             return "recompute"
         if mode == "swap":
             return "swap"
-        num_blocks = len({b for s in seq_ids for b in self.block_manager.block_table(s)})
+        num_blocks = self.block_manager.num_distinct_blocks(seq_ids)
         num_tokens = sum(seq.num_computed_tokens for seq in seqs)
         return "swap" if self.costs.swap_seconds(num_blocks) < self.costs.recompute_seconds(num_tokens) else "recompute"
 
@@ -366,7 +371,7 @@ class Scheduler:
                 continue
             table = self.block_manager.block_table(seq.seq_id)
             if seq.seq_id in self._held_by_workers:
-                first_new = self._first_changed_block(seq, plan) if plan.blocks_to_copy else seq.num_sent_blocks
+                first_new = seq.num_sent_blocks
                 plan.cached_seqs.append(
                     CachedSequence(seq.seq_id, table[first_new:], first_new, n, seq.last_token_id)
                 )
@@ -379,13 +384,6 @@ class Scheduler:
             seq.num_sent_blocks = len(table)
             self._scheduled[seq.seq_id] = n
             budget.tokens -= n
-
-    def _first_changed_block(self, seq: Sequence, plan: StepPlan) -> int:
-        """A copy-on-write this step replaced the last block the workers hold."""
-        table = self.block_manager.block_table(seq.seq_id)
-        copied_to = {dst for _, dst in plan.blocks_to_copy}
-        last = seq.num_sent_blocks - 1
-        return last if 0 <= last < len(table) and table[last] in copied_to else seq.num_sent_blocks
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestOutput]:
