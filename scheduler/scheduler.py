@@ -94,6 +94,7 @@ class Scheduler:
         self._held_by_workers: set[int] = set()
         self._to_drop: list[int] = []  # finished or aborted since the last plan
         self._scheduled: dict[int, int] = {}  # seq_id -> tokens scheduled in the step in flight
+        self._num_samples: dict[int, int] = {}  # seq_id -> tokens it draws in that step, if it samples
         self.step = 0
         self.epoch = 0
         self.num_preemptions = 0
@@ -370,20 +371,29 @@ class Scheduler:
             if n == 0:
                 continue
             table = self.block_manager.block_table(seq.seq_id)
+            num_samples = self._num_samples_of(seq)
             if seq.seq_id in self._held_by_workers:
                 first_new = seq.num_sent_blocks
-                plan.cached_seqs.append(
-                    CachedSequence(seq.seq_id, table[first_new:], first_new, n, seq.last_token_id)
-                )
+                plan.cached_seqs.append(CachedSequence(
+                    seq.seq_id, table[first_new:], first_new, n, seq.last_token_id, num_samples,
+                ))
             else:
                 plan.new_seqs.append(NewSequence(
                     seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
-                    seq.num_computed_tokens, n, seq.sampling_params,
+                    seq.num_computed_tokens, n, seq.sampling_params, num_samples,
                 ))
                 self._held_by_workers.add(seq.seq_id)
             seq.num_sent_blocks = len(table)
             self._scheduled[seq.seq_id] = n
+            self._num_samples[seq.seq_id] = num_samples
             budget.tokens -= n
+
+    def _num_samples_of(self, seq: Sequence) -> int:
+        """A request's first token is drawn best_of times, and the samples forked from it
+        (`update`); every other token, and every beam's, once."""
+        group = self._group_of_seq[seq.seq_id]
+        first_of_many = group.beam is None and not seq.output_token_ids and len(group.seqs) == 1
+        return group.best_of if first_of_many else 1
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestOutput]:
@@ -402,6 +412,7 @@ class Scheduler:
                 if bm.enable_prefix_caching and filled_a_block:
                     bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
         self._scheduled = {}
+        num_samples, self._num_samples = self._num_samples, {}
         samples: dict[int, list[SampledToken]] = {}
         for sampled in result.sampled:
             samples.setdefault(sampled.seq_id, []).append(sampled)
@@ -412,7 +423,7 @@ class Scheduler:
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             group = self._group_of_seq[seq_id]
-            self._check_due(result.step, seq, group, len(sampled))
+            self._check_due(result.step, seq, len(sampled), num_samples.get(seq_id, 0))
             touched[group.request_id] = group
             if group.beam is not None:
                 group.beam.pending[seq_id] = sampled[0]
@@ -429,12 +440,11 @@ class Scheduler:
                 self._retire(group)
         return outputs
 
-    def _check_due(self, step: int, seq: Sequence, group: SequenceGroup, num_samples: int) -> None:
+    def _check_due(self, step: int, seq: Sequence, num_sampled: int, num_planned: int) -> None:
         if seq.num_computed_tokens != seq.num_tokens:
             raise ValueError(f"step {step} sampled for sequence {seq.seq_id}, which was not due to sample")
-        first_of_many = group.beam is None and not seq.output_token_ids and len(group.seqs) == 1
-        if num_samples != 1 and not (first_of_many and num_samples == group.best_of):
-            raise ValueError(f"step {step} sampled {num_samples} tokens for sequence {seq.seq_id}")
+        if num_sampled != num_planned:
+            raise ValueError(f"step {step} sampled {num_sampled} tokens for sequence {seq.seq_id}, not {num_planned}")
 
     def _fork(self, group: SequenceGroup, parent: Sequence, index: int) -> Sequence:
         """A new sequence of the group sharing every block (and token) of `parent`."""
