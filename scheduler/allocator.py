@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from common.protocol import NULL_BLOCK
 
@@ -35,6 +35,7 @@ class AppendedSlots:
     copy_on_write: list[int] | None = None  # [src, dst]: the shared last block, copied before the write
 
 
+@runtime_checkable
 class Allocator(Protocol):
     block_size: int
     watermark_blocks: int  # kept free by can_allocate and can_swap_in, for the running sequences to grow

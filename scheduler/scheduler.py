@@ -94,7 +94,7 @@ class Scheduler:
         self._held_by_workers: set[int] = set()
         self._to_drop: list[int] = []  # finished or aborted since the last plan
         self._scheduled: dict[int, int] = {}  # seq_id -> tokens scheduled in the step in flight
-        self._num_samples: dict[int, int] = {}  # seq_id -> tokens it draws in that step, if it samples
+        self._planned_samples: dict[int, int] = {}  # seq_id -> tokens it draws in that step, if it samples
         self.step = 0
         self.epoch = 0
         self.num_preemptions = 0
@@ -385,7 +385,7 @@ class Scheduler:
                 self._held_by_workers.add(seq.seq_id)
             seq.num_sent_blocks = len(table)
             self._scheduled[seq.seq_id] = n
-            self._num_samples[seq.seq_id] = num_samples
+            self._planned_samples[seq.seq_id] = num_samples
             budget.tokens -= n
 
     def _num_samples_of(self, seq: Sequence) -> int:
@@ -412,7 +412,7 @@ class Scheduler:
                 if bm.enable_prefix_caching and filled_a_block:
                     bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
         self._scheduled = {}
-        num_samples, self._num_samples = self._num_samples, {}
+        planned_samples, self._planned_samples = self._planned_samples, {}
         samples: dict[int, list[SampledToken]] = {}
         for sampled in result.sampled:
             samples.setdefault(sampled.seq_id, []).append(sampled)
@@ -423,7 +423,7 @@ class Scheduler:
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             group = self._group_of_seq[seq_id]
-            self._check_due(result.step, seq, len(sampled), num_samples.get(seq_id, 0))
+            self._check_due(result.step, seq, len(sampled), planned_samples.get(seq_id, 0))
             touched[group.request_id] = group
             if group.beam is not None:
                 group.beam.pending[seq_id] = sampled[0]
