@@ -6,7 +6,9 @@ holding `[type_tag, field values in declaration order]`, so nested messages need
 
 Step plans are diffs: a sequence the worker has not seen (or has dropped) comes in full as a
 `NewSequence`; afterwards it comes as a `CachedSequence` carrying only its new block ids, the
-number of tokens scheduled and its last token.
+number of tokens scheduled and its last token. Both say how many tokens the sequence draws when
+the step computes its last token (`num_samples`), so the worker applies no rule of its own;
+common/plan_state.py keeps the worker's side of the diffs.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 _EXT_MESSAGE = 1
 
 
@@ -120,6 +122,8 @@ def _require(ok: bool, param: str, message: str) -> None:
 
 # ----------------------------------------------------------------------------- step plan
 
+NULL_BLOCK = 0  # pads block tables; never allocated to a sequence
+
 
 @dataclass(slots=True)
 class NewSequence:
@@ -132,6 +136,7 @@ class NewSequence:
     num_computed_tokens: int
     num_scheduled_tokens: int
     sampling_params: SamplingParams
+    num_samples: int = 1  # tokens drawn if this step computes its last token (best_of for a first token)
 
 
 @dataclass(slots=True)
@@ -143,6 +148,7 @@ class CachedSequence:
     block_table_offset: int  # the held length, or one less after a copy-on-write of the last block
     num_scheduled_tokens: int
     last_token_id: int  # the scheduler's view of the newest token, appended if the worker lacks it
+    num_samples: int = 1  # tokens drawn if this step computes its last token
 
 
 @dataclass(slots=True)

@@ -9,10 +9,7 @@ first, then evicts; `free` releases a table tail first, so of one sequence's blo
 reused (and evicted) first.
 
 A sequence's `num_slots` is the number of token slots its table covers and that are written or
-about to be written this step:
-
-    [0, num_slots)                        slots in the table, KV written or scheduled
-    [num_slots, len(table) * block_size)  spare room in the last block
+about to be written this step (scheduler/allocator.py, the interface the Scheduler uses).
 
 Prefix registry: a full block is keyed by a SHA-256 digest of (its parent's key, its token ids),
 chained from the first block, so a crafted collision cannot make one prompt read another's KV;
@@ -26,11 +23,9 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-NULL_BLOCK = 0
+from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError
 
-
-class NoFreeBlocksError(RuntimeError):
-    pass
+__all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key"]
 
 
 def block_key(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
@@ -39,20 +34,14 @@ def block_key(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
     return digest.digest()
 
 
-class BlockManager:
+class BlockManager(AllocatorBase):
     def __init__(
         self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = False,
     ) -> None:
-        if num_blocks < 2:
-            raise ValueError("a pool needs the null block and at least one more")
-        self.num_blocks = num_blocks  # including the null block
-        self.block_size = block_size
-        self.watermark_blocks = int(watermark * (num_blocks - 1))
+        super().__init__(num_blocks, block_size, watermark)
         self.ref_counts = [0] * num_blocks
         self.free_queue: deque[int] = deque(range(1, num_blocks))
-        self.block_tables: dict[int, list[int]] = {}  # device tables of running sequences
-        self.num_slots: dict[int, int] = {}  # running and swapped sequences
         # swap pool
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_ref_counts = [0] * num_cpu_blocks
@@ -68,10 +57,6 @@ class BlockManager:
 
     # ---------------------------------------------------------------- queries
     @property
-    def num_total_blocks(self) -> int:
-        return self.num_blocks - 1
-
-    @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take: free ones and evictable cached ones."""
         return len(self.free_queue) + len(self.evictable)
@@ -83,21 +68,6 @@ class BlockManager:
     @property
     def num_free_cpu_blocks(self) -> int:
         return len(self.cpu_free_queue)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
-
-    @property
-    def num_allocated_slots(self) -> int:
-        """Token slots of the device blocks held by tables."""
-        return (self.num_total_blocks - self.num_free_blocks) * self.block_size
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def block_table(self, seq_id: int) -> list[int]:
-        return self.block_tables[seq_id]
 
     # ---------------------------------------------------------------- allocate
     def can_allocate(
@@ -133,29 +103,27 @@ class BlockManager:
         return len(hits) * self.block_size
 
     # ---------------------------------------------------------------- append
-    def can_append(self, seq_id: int, num_new_tokens: int = 1) -> bool:
-        return self.blocks_to_append(seq_id, num_new_tokens) <= self.num_free_blocks
-
-    def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> list[list[int]]:
-        """Extend the table by `num_new_tokens` slots; returns the copy-on-write copies [src, dst].
+    def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> AppendedSlots:
+        """Extend the table by `num_new_tokens` slots, copying a shared, partly filled last block
+        first (copy-on-write); returns where the table changed and the copy made.
 
         Changes nothing and raises NoFreeBlocksError when the blocks are not there.
         """
         if not self.can_append(seq_id, num_new_tokens):
             raise NoFreeBlocksError(f"sequence {seq_id} cannot grow by {num_new_tokens} slots")
         table = self.block_tables[seq_id]
-        copies = []
+        appended = AppendedSlots(len(table))
         if num_new_tokens and self._last_block_is_shared_and_partial(seq_id):
             src = table[-1]
             dst = self._take()
             self.ref_counts[src] -= 1
             table[-1] = dst
-            copies.append([src, dst])
+            appended = AppendedSlots(len(table) - 1, [src, dst])
         new_slots = self.num_slots[seq_id] + num_new_tokens
         for _ in range(self.blocks_for(new_slots) - len(table)):
             table.append(self._take())
         self.num_slots[seq_id] = new_slots
-        return copies
+        return appended
 
     def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int:
         table = self.block_tables[seq_id]
@@ -257,11 +225,8 @@ class BlockManager:
         self.block_key[block] = None
 
     # ---------------------------------------------------------------- swap
-    def _distinct_blocks(self, tables: list[list[int]]) -> int:
-        return len({block for table in tables for block in table})
-
     def can_swap_out(self, seq_ids: list[int]) -> bool:
-        return self._distinct_blocks([self.block_tables[s] for s in seq_ids]) <= self.num_free_cpu_blocks
+        return self.num_distinct_blocks(seq_ids) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: list[int]) -> list[list[int]]:
         """Move the sequences' tables to the swap pool as one unit; returns the copies [device, cpu].
@@ -283,7 +248,7 @@ class BlockManager:
         return [[block, cpu] for block, cpu in mapping.items()]
 
     def can_swap_in(self, seq_ids: list[int]) -> bool:
-        needed = self._distinct_blocks([self.cpu_tables[s] for s in seq_ids])
+        needed = len({block for seq_id in seq_ids for block in self.cpu_tables[seq_id]})
         return needed <= self.num_free_blocks - self.watermark_blocks
 
     def swap_in(self, seq_ids: list[int]) -> list[list[int]]:

@@ -13,8 +13,8 @@ given by the Scheduler to `can_allocate` / `allocate`. Regions are placed first-
 block ids 1..num_blocks-1 (block 0 is the null block, as in BlockManager), so a freed region
 leaves a hole that a later, larger request cannot use: external fragmentation.
 
-The class has the interface of `scheduler.block_manager.BlockManager` that the Scheduler uses,
-so the unchanged Scheduler runs on either. A sequence's block table is the prefix of its region
+The class implements `scheduler.allocator.Allocator`, as the paged BlockManager does, so the
+unchanged Scheduler runs on either. A sequence's block table is the prefix of its region
 covering its `num_slots` (a worker could run on it as is); growing within the region takes no
 new block and growing past it raises NoFreeBlocksError (it cannot happen when `final_tokens` is
 right). There is no sharing (`fork` raises) and no CPU pool (`can_swap_out` is False: the
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 
-from scheduler.block_manager import NULL_BLOCK, NoFreeBlocksError
+from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError
 
 POLICIES = ("max", "pow2", "oracle")
 
@@ -34,19 +34,15 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-class ContiguousAllocator:
+class ContiguousAllocator(AllocatorBase):
     def __init__(
         self, num_blocks: int, block_size: int, policy: str, max_model_len: int, watermark: float = 0.01
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown contiguous policy {policy!r}: expected one of {', '.join(POLICIES)}")
-        if num_blocks < 2:
-            raise ValueError("a pool needs the null block and at least one more")
-        self.num_blocks = num_blocks  # including the null block
-        self.block_size = block_size
+        super().__init__(num_blocks, block_size, watermark)
         self.policy = policy
         self.max_model_len = max_model_len
-        self.watermark_blocks = int(watermark * (num_blocks - 1))
         if policy == "max" and self.blocks_for(max_model_len) > self.num_total_blocks - self.watermark_blocks:
             raise ValueError(
                 f"a {max_model_len}-token region ({self.blocks_for(max_model_len)} blocks) does not fit a pool of "
@@ -58,32 +54,12 @@ class ContiguousAllocator:
         self._num_free = num_blocks - 1
         self.regions: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, number of blocks)
         self.final_tokens: dict[int, int] = {}  # seq_id -> the final length its region was sized for
-        self.block_tables: dict[int, list[int]] = {}
-        self.num_slots: dict[int, int] = {}
 
     # ---------------------------------------------------------------- queries
     @property
-    def num_total_blocks(self) -> int:
-        return self.num_blocks - 1
-
-    @property
     def num_free_blocks(self) -> int:
+        """Blocks outside every region (num_allocated_slots: whole regions, used or not)."""
         return self._num_free
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
-
-    @property
-    def num_allocated_slots(self) -> int:
-        """Slots reserved by the sequences: their whole regions, used or not."""
-        return (self.num_total_blocks - self._num_free) * self.block_size
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def block_table(self, seq_id: int) -> list[int]:
-        return self.block_tables[seq_id]
 
     def region_blocks(self, num_tokens: int, final_tokens: int | None = None) -> int:
         """Blocks of the region a sequence of `num_tokens` now and `final_tokens` at most reserves.
@@ -143,7 +119,7 @@ class ContiguousAllocator:
         _, length = self.regions[seq_id]
         return self.num_slots[seq_id] + num_new_tokens <= length * self.block_size
 
-    def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> list[list[int]]:
+    def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> AppendedSlots:
         """Extend the table within the region; no copies (nothing is shared).
 
         Changes nothing and raises NoFreeBlocksError when the growth does not fit the region.
@@ -155,9 +131,10 @@ class ContiguousAllocator:
         start, _ = self.regions[seq_id]
         new_slots = self.num_slots[seq_id] + num_new_tokens
         table = self.block_tables[seq_id]
+        appended = AppendedSlots(len(table))
         table.extend(range(start + len(table), start + self.blocks_for(new_slots)))
         self.num_slots[seq_id] = new_slots
-        return []
+        return appended
 
     # ---------------------------------------------------------------- no sharing, no swapping
     enable_prefix_caching = False

@@ -27,13 +27,14 @@ from common.protocol import (
     CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
     num_beam_candidates, sample_seed,
 )
+from scheduler.allocator import Allocator
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import (
     BeamHypothesis, BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
 )
 
 
-def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int):
+def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int) -> Allocator:
     """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py)."""
     if config.allocator == "paged":
         return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
@@ -83,7 +84,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.num_eos_token_ids = len(eos_token_ids)
         self.costs = costs
-        self.block_manager = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks)
+        self.block_manager: Allocator = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks)
         self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
         self.running: list[SequenceGroup] = []  # arrival order
         self.swapped: list[SequenceGroup] = []  # arrival order
@@ -94,6 +95,7 @@ class Scheduler:
         self._held_by_workers: set[int] = set()
         self._to_drop: list[int] = []  # finished or aborted since the last plan
         self._scheduled: dict[int, int] = {}  # seq_id -> tokens scheduled in the step in flight
+        self._planned_samples: dict[int, int] = {}  # seq_id -> tokens it draws in that step, if it samples
         self.step = 0
         self.epoch = 0
         self.num_preemptions = 0
@@ -338,7 +340,11 @@ class Scheduler:
         for seq, n in zip(seqs, num_new):
             extra = seq.num_computed_tokens + n - self.block_manager.num_slots[seq.seq_id]
             if extra > 0:
-                plan.blocks_to_copy.extend(self.block_manager.append_slot(seq.seq_id, extra))
+                appended = self.block_manager.append_slot(seq.seq_id, extra)
+                if appended.copy_on_write is not None:
+                    plan.blocks_to_copy.append(appended.copy_on_write)
+                # a copy-on-write replaced a block the workers hold: they get it again
+                seq.num_sent_blocks = min(seq.num_sent_blocks, appended.first_changed_block)
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
@@ -372,7 +378,7 @@ class Scheduler:
             return "recompute"
         if mode == "swap":
             return "swap"
-        num_blocks = len({b for s in seq_ids for b in self.block_manager.block_table(s)})
+        num_blocks = self.block_manager.num_distinct_blocks(seq_ids)
         num_tokens = sum(seq.num_computed_tokens for seq in seqs)
         return "swap" if self.costs.swap_seconds(num_blocks) < self.costs.recompute_seconds(num_tokens) else "recompute"
 
@@ -382,27 +388,29 @@ class Scheduler:
             if n == 0:
                 continue
             table = self.block_manager.block_table(seq.seq_id)
+            num_samples = self._num_samples_of(seq)
             if seq.seq_id in self._held_by_workers:
-                first_new = self._first_changed_block(seq, plan) if plan.blocks_to_copy else seq.num_sent_blocks
-                plan.cached_seqs.append(
-                    CachedSequence(seq.seq_id, table[first_new:], first_new, n, seq.last_token_id)
-                )
+                first_new = seq.num_sent_blocks
+                plan.cached_seqs.append(CachedSequence(
+                    seq.seq_id, table[first_new:], first_new, n, seq.last_token_id, num_samples,
+                ))
             else:
                 plan.new_seqs.append(NewSequence(
                     seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
-                    seq.num_computed_tokens, n, seq.sampling_params,
+                    seq.num_computed_tokens, n, seq.sampling_params, num_samples,
                 ))
                 self._held_by_workers.add(seq.seq_id)
             seq.num_sent_blocks = len(table)
             self._scheduled[seq.seq_id] = n
+            self._planned_samples[seq.seq_id] = num_samples
             budget.tokens -= n
 
-    def _first_changed_block(self, seq: Sequence, plan: StepPlan) -> int:
-        """A copy-on-write this step replaced the last block the workers hold."""
-        table = self.block_manager.block_table(seq.seq_id)
-        copied_to = {dst for _, dst in plan.blocks_to_copy}
-        last = seq.num_sent_blocks - 1
-        return last if 0 <= last < len(table) and table[last] in copied_to else seq.num_sent_blocks
+    def _num_samples_of(self, seq: Sequence) -> int:
+        """A request's first token is drawn best_of times, and the samples forked from it
+        (`update`); every other token, and every beam's, once."""
+        group = self._group_of_seq[seq.seq_id]
+        first_of_many = group.beam is None and not seq.output_token_ids and len(group.seqs) == 1
+        return group.best_of if first_of_many else 1
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestOutput]:
@@ -421,6 +429,7 @@ class Scheduler:
                 if bm.enable_prefix_caching and filled_a_block:
                     bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
         self._scheduled = {}
+        planned_samples, self._planned_samples = self._planned_samples, {}
         samples: dict[int, list[SampledToken]] = {}
         for sampled in result.sampled:
             samples.setdefault(sampled.seq_id, []).append(sampled)
@@ -431,7 +440,7 @@ class Scheduler:
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             group = self._group_of_seq[seq_id]
-            self._check_due(result.step, seq, group, len(sampled))
+            self._check_due(result.step, seq, len(sampled), planned_samples.get(seq_id, 0))
             touched[group.request_id] = group
             if group.beam is not None:
                 group.beam.pending[seq_id] = sampled[0]
@@ -448,12 +457,11 @@ class Scheduler:
                 self._retire(group)
         return outputs
 
-    def _check_due(self, step: int, seq: Sequence, group: SequenceGroup, num_samples: int) -> None:
+    def _check_due(self, step: int, seq: Sequence, num_sampled: int, num_planned: int) -> None:
         if seq.num_computed_tokens != seq.num_tokens:
             raise ValueError(f"step {step} sampled for sequence {seq.seq_id}, which was not due to sample")
-        first_of_many = group.beam is None and not seq.output_token_ids and len(group.seqs) == 1
-        if num_samples != 1 and not (first_of_many and num_samples == group.best_of):
-            raise ValueError(f"step {step} sampled {num_samples} tokens for sequence {seq.seq_id}")
+        if num_sampled != num_planned:
+            raise ValueError(f"step {step} sampled {num_sampled} tokens for sequence {seq.seq_id}, not {num_planned}")
 
     def _fork(self, group: SequenceGroup, parent: Sequence, index: int) -> Sequence:
         """A new sequence of the group sharing every block (and token) of `parent`."""

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler.allocator import AppendedSlots
 from scheduler.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
 
 
@@ -117,14 +118,14 @@ def test_default_watermark_is_one_percent_rounded_down():
 def test_append_slot_grows_the_table_only_at_block_boundaries():
     bm = BlockManager(9, 4)
     assert alloc(bm, 0, 3) == [1]
-    assert bm.append_slot(0, 1) == []  # slot 4 of block 1
+    assert bm.append_slot(0, 1) == AppendedSlots(1)  # slot 4 of block 1
     assert bm.block_table(0) == [1]
-    assert bm.append_slot(0, 1) == []  # slot 5: a new block
+    assert bm.append_slot(0, 1) == AppendedSlots(1)  # slot 5: a new block
     assert bm.block_table(0) == [1, 2]
     assert bm.num_slots[0] == 5
-    assert bm.append_slot(0, 3) == []  # slots 6..8 fill block 2
+    assert bm.append_slot(0, 3) == AppendedSlots(2)  # slots 6..8 fill block 2
     assert bm.block_table(0) == [1, 2]
-    assert bm.append_slot(0, 9) == []  # slots 9..17: three more blocks
+    assert bm.append_slot(0, 9) == AppendedSlots(2)  # slots 9..17: three more blocks
     assert bm.block_table(0) == [1, 2, 3, 4, 5]
     assert bm.num_slots[0] == 17
     assert bm.num_free_blocks == 3
@@ -153,7 +154,7 @@ def test_append_slot_that_does_not_fit_raises_and_changes_nothing():
     with pytest.raises(NoFreeBlocksError):
         bm.append_slot(1, 1)
     assert snapshot(bm) == before
-    assert bm.append_slot(0, 2) == []
+    assert bm.append_slot(0, 2) == AppendedSlots(2)
     assert bm.block_table(0) == [1, 2]
     bm.check_integrity()
 
@@ -197,16 +198,16 @@ def test_append_into_a_shared_partial_last_block_copies_it_first():
     assert alloc(bm, 0, 6) == [1, 2]  # block 2 holds slots 4, 5 of 4..7
     bm.fork(0, 1)
     assert bm.can_append(1, 1)
-    assert bm.append_slot(1, 1) == [[2, 3]]
+    assert bm.append_slot(1, 1) == AppendedSlots(1, [2, 3])  # the last block replaced
     assert bm.block_table(1) == [1, 3]
     assert bm.block_table(0) == [1, 2]
     assert bm.ref_counts[1:4] == [2, 1, 1]
     assert bm.num_slots == {0: 6, 1: 7}
     bm.check_integrity()
     # the parent's last block is no longer shared: no copy for it, nor for the child's new one
-    assert bm.append_slot(0, 1) == []
+    assert bm.append_slot(0, 1) == AppendedSlots(2)
     assert bm.block_table(0) == [1, 2]
-    assert bm.append_slot(1, 1) == []
+    assert bm.append_slot(1, 1) == AppendedSlots(2)
     assert bm.block_table(1) == [1, 3]
     bm.check_integrity()
 
@@ -215,7 +216,7 @@ def test_copy_on_write_and_growth_in_one_append():
     bm = BlockManager(9, 4)
     assert alloc(bm, 0, 7) == [1, 2]
     bm.fork(0, 1)
-    assert bm.append_slot(1, 3) == [[2, 3]]  # slot 8 in the copy, 9..10 in a new block
+    assert bm.append_slot(1, 3) == AppendedSlots(1, [2, 3])  # slot 8 in the copy, 9..10 in a new block
     assert bm.block_table(1) == [1, 3, 4]
     assert bm.ref_counts[1:5] == [2, 1, 1, 1]
     bm.check_integrity()
@@ -225,7 +226,7 @@ def test_append_after_a_shared_full_last_block_does_not_copy():
     bm = BlockManager(9, 4)
     assert alloc(bm, 0, 8) == [1, 2]
     bm.fork(0, 1)
-    assert bm.append_slot(1, 1) == []
+    assert bm.append_slot(1, 1) == AppendedSlots(2)
     assert bm.block_table(1) == [1, 2, 3]
     assert bm.block_table(0) == [1, 2]
     assert bm.ref_counts[1:4] == [2, 2, 1]
@@ -243,7 +244,7 @@ def test_copy_on_write_needs_a_free_block_and_changes_nothing_without_one():
         bm.append_slot(1, 1)
     assert snapshot(bm) == before
     bm.free(2)
-    assert bm.append_slot(1, 1) == [[2, 3]]
+    assert bm.append_slot(1, 1) == AppendedSlots(1, [2, 3])
     bm.check_integrity()
 
 
@@ -254,7 +255,7 @@ def test_appending_zero_slots_to_a_shared_partial_block_copies_nothing():
     assert alloc(bm, 2, 1) == [3]
     assert bm.can_append(1, 0)
     before = snapshot(bm)
-    assert bm.append_slot(1, 0) == []
+    assert bm.append_slot(1, 0) == AppendedSlots(2)
     assert snapshot(bm) == before
     bm.check_integrity()
 
@@ -351,9 +352,16 @@ def test_random_operations_keep_the_invariants(ops, num_blocks, block_size):
             if op == "append":
                 n = n % 10
                 old_slots, free_before = bm.num_slots[seq], bm.num_free_blocks
+                old_table = list(bm.block_table(seq))
                 if bm.can_append(seq, n):
-                    copies = bm.append_slot(seq, n)
+                    appended = bm.append_slot(seq, n)
+                    copies = [appended.copy_on_write] if appended.copy_on_write else []
                     table = bm.block_table(seq)
+                    # the first changed block is reported: the table is unchanged before it, and
+                    # changed at it (a copy) or grown from it
+                    first = appended.first_changed_block
+                    assert table[:first] == old_table[:first]
+                    assert first == len(old_table) - 1 if copies else first == len(old_table)
                     assert bm.num_slots[seq] == old_slots + n
                     # every slot written by this append lies in a block this sequence owns alone
                     for slot in range(old_slots, old_slots + n):
@@ -394,7 +402,7 @@ def test_swap_out_moves_a_group_and_copies_a_shared_block_once():
     bm = BlockManager(9, 4, num_cpu_blocks=4)
     alloc(bm, 0, 6)  # [1, 2]
     bm.fork(0, 1)
-    assert bm.append_slot(1, 1) == [[2, 3]]  # CoW: seq 1 is [1, 3]
+    assert bm.append_slot(1, 1) == AppendedSlots(1, [2, 3])  # CoW: seq 1 is [1, 3]
     assert bm.swap_out([0, 1]) == [[1, 0], [2, 1], [3, 2]]
     assert bm.cpu_tables == {0: [0, 1], 1: [0, 2]}
     assert bm.cpu_ref_counts == [2, 1, 1, 0]
@@ -621,7 +629,8 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
         elif op == "append" and running:
             seq = running[pick % len(running)]
             if bm.can_append(seq, len(new_tokens)):
-                model.copy(bm.append_slot(seq, len(new_tokens)), model.kv, model.kv)
+                copy = bm.append_slot(seq, len(new_tokens)).copy_on_write
+                model.copy([copy] if copy else [], model.kv, model.kv)
                 start = len(model.tokens[seq])
                 model.tokens[seq] = model.tokens[seq] + new_tokens
                 model.write(seq, start)

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from common.config import ConfigError, EngineConfig
 from common.protocol import SampledToken, SamplingParams, StepResult
+from scheduler.allocator import AppendedSlots
 from scheduler.block_manager import BlockManager, NoFreeBlocksError
 from scheduler.contiguous import ContiguousAllocator, next_power_of_two
 from scheduler.scheduler import Scheduler
@@ -94,11 +95,11 @@ def test_append_grows_the_table_within_the_region_without_new_blocks():
     a = alloc("oracle")
     a.allocate(0, 3, final_tokens=10)  # region (1, 3): 12 slots
     assert a.blocks_to_append(0, 5) == 0
-    assert a.append_slot(0, 1) == []
+    assert a.append_slot(0, 1) == AppendedSlots(1)  # no copy: nothing is shared
     assert a.block_table(0) == [1]
-    assert a.append_slot(0, 1) == []
+    assert a.append_slot(0, 1) == AppendedSlots(1)
     assert a.block_table(0) == [1, 2]
-    a.append_slot(0, 7)
+    assert a.append_slot(0, 7) == AppendedSlots(2)
     assert a.block_table(0) == [1, 2, 3] and a.num_slots[0] == 12
     assert not a.can_append(0, 1)
     before = snapshot(a)
@@ -218,7 +219,8 @@ def test_random_allocate_append_free_keeps_integrity(policy, ops):
             seq_id = live[pick % len(live)]
             n = x % 8 + 1
             if a.can_append(seq_id, n):
-                assert a.append_slot(seq_id, n) == []
+                num_blocks = len(a.block_table(seq_id))
+                assert a.append_slot(seq_id, n) == AppendedSlots(num_blocks)
             else:
                 before = snapshot(a)
                 with pytest.raises(NoFreeBlocksError):

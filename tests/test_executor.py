@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.config import EngineConfig
-from common.protocol import CachedSequence, ProtocolError, SamplingParams, StepPlan
+from common.protocol import CachedSequence, NewSequence, ProtocolError, SamplingParams, StepPlan
 from tests.conftest import ROOT
 
 TINY = ROOT / "tests" / "data" / "tiny-llama.json"
@@ -82,3 +82,18 @@ def test_dummy_weights_are_deterministic():
         for _ in range(2)
     ]
     assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
+def test_worker_draws_as_many_samples_as_the_plan_asks():
+    """The number of samples comes from the plan (the scheduler's rule), not from the worker's
+    reading of best_of: the same best_of=3 sequence draws 3 tokens or 1 as the plan says."""
+    from worker.executor import Executor
+
+    executor = Executor(EngineConfig(model=f"dummy:{TINY}", num_gpu_blocks=8, device="cpu"))
+    params = SamplingParams(temperature=1.0, seed=7, best_of=3, max_tokens=4)
+    for seq_id, num_samples in [(0, 3), (1, 1)]:
+        new = NewSequence(seq_id, [5, 6, 7], [], [1 + seq_id], 0, 3, params, num_samples)
+        result = executor.execute(StepPlan(1 + seq_id, 0, new_seqs=[new]))
+        assert [s.seq_id for s in result.sampled] == [seq_id] * num_samples
+    chunk = executor.execute(StepPlan(3, 0, new_seqs=[NewSequence(2, [5, 6, 7], [], [3], 0, 2, params, 3)]))
+    assert chunk.sampled == []  # the prompt's last token is not computed yet: nothing drawn

@@ -19,9 +19,11 @@ FULL_PARAMS = SamplingParams(
 )
 NEW_SEQ = NewSequence(
     seq_id=3, prompt_token_ids=[1, 2, 3, 4], output_token_ids=[9], block_ids=[5, 6],
-    num_computed_tokens=0, num_scheduled_tokens=5, sampling_params=FULL_PARAMS,
+    num_computed_tokens=0, num_scheduled_tokens=5, sampling_params=FULL_PARAMS, num_samples=3,
 )
-CACHED_SEQ = CachedSequence(seq_id=4, new_block_ids=[11], block_table_offset=2, num_scheduled_tokens=1, last_token_id=42)
+CACHED_SEQ = CachedSequence(
+    seq_id=4, new_block_ids=[11], block_table_offset=2, num_scheduled_tokens=1, last_token_id=42, num_samples=2,
+)
 PLAN = StepPlan(
     step=17, epoch=2, new_seqs=[NEW_SEQ], cached_seqs=[CACHED_SEQ, CachedSequence(5, [], 3, 16, 0)],
     finished_seq_ids=[1, 2], preempted_seq_ids=[9], blocks_to_copy=[[3, 12]],
@@ -135,7 +137,7 @@ def test_a_wrong_field_count_is_a_protocol_error(values):
 
 
 def test_a_wrong_field_count_deep_inside_a_plan_is_a_protocol_error():
-    bad_seq = _ext(_tag(CachedSequence), 1, [], 0, 1)  # 4 of 5 fields
+    bad_seq = _ext(_tag(CachedSequence), 1, [], 0, 1)  # 4 of 6 fields
     plan = _ext(_tag(StepPlan), 1, 0, [], [bad_seq], [], [], [], [], [])
     with pytest.raises(ProtocolError, match="CachedSequence"):
         decode(msgpack.packb([PROTOCOL_VERSION, plan], use_bin_type=True))
@@ -249,3 +251,15 @@ def test_replace_validates_the_new_config():
     assert config.block_size == 16
     with pytest.raises(ConfigError, match="block_size"):
         config.replace(block_size=3)
+
+
+def test_a_plan_of_protocol_3_without_num_samples_is_refused():
+    """Version 4 appended `num_samples` to NewSequence and CachedSequence: a version 3 peer is refused
+    by its version, and its 5-field CachedSequence by its field count."""
+    assert PROTOCOL_VERSION == 4
+    v3_seq = _ext(_tag(CachedSequence), 4, [11], 2, 1, 42)
+    with pytest.raises(ProtocolError, match="CachedSequence expects 6 fields, got 5"):
+        decode(msgpack.packb([PROTOCOL_VERSION, _ext(_tag(StepPlan), 1, 0, [], [v3_seq], [], [], [], [], [])],
+                             use_bin_type=True))
+    with pytest.raises(ProtocolError, match="protocol version 3 is not 4"):
+        decode(msgpack.packb([3, _ext(_tag(StepPlan), 1, 0, [], [], [], [], [], [], [])], use_bin_type=True))

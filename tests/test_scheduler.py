@@ -1,92 +1,20 @@
 """Scheduler: continuous batching, chunked prefill, budgets, FCFS preemption, stops, aborts.
 
 The scheduler drives a fake executor that applies each plan's diffs exactly as
-worker/executor.py does and samples a deterministic token, so no model and no torch are needed.
+worker/executor.py does (tests/fakes.py) and samples a deterministic token, so no model and no
+torch are needed.
 """
 import random
-from dataclasses import dataclass
 
 import pytest
 
 from common.config import EngineConfig
-from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult, decode, encode
-from scheduler.block_manager import NULL_BLOCK
+from common.protocol import SamplingParams, StepPlan, StepResult, decode, encode
 from scheduler.engine import LLMEngine
 from scheduler.scheduler import PreemptionCosts, RequestRejected, Scheduler
+from tests.fakes import FakeExecutor, expected_output, token_for
 
 EOS = 2
-
-
-def token_for(seq_id: int, num_tokens: int) -> int:
-    """The fake model's next token after `num_tokens` tokens; never EOS."""
-    return (seq_id * 7 + num_tokens) % 1000 + 3
-
-
-def expected_output(seq_id: int, num_prompt_tokens: int, max_tokens: int) -> list[int]:
-    return [token_for(seq_id, num_prompt_tokens + i) for i in range(max_tokens)]
-
-
-@dataclass
-class _Held:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    block_table: list[int]
-    sampling_params: SamplingParams
-
-
-class FakeExecutor:
-    """worker/executor.py's bookkeeping of plan diffs, with a deterministic sampler and checks."""
-
-    def __init__(self, block_size: int, token_fn=None) -> None:
-        self.block_size = block_size
-        self.seqs: dict[int, _Held] = {}
-        self.plans: list[StepPlan] = []
-        # token_fn(seq_id, token_ids so far, num_prompt_tokens) -> next token
-        self.token_fn = token_fn or (lambda seq_id, tokens, num_prompt: token_for(seq_id, len(tokens)))
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
-        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
-            self.seqs.pop(seq_id, None)
-        scheduled = self._apply_diffs(plan)
-        result = StepResult(plan.step, plan.epoch)
-        for seq_id, n in scheduled:
-            held = self.seqs[seq_id]
-            end = held.num_computed_tokens + n
-            assert n >= 1 and end <= len(held.token_ids), f"seq {seq_id}: {n} tokens past its end"
-            assert len(held.block_table) * self.block_size >= end, f"seq {seq_id}: no slot for its KV"
-            assert NULL_BLOCK not in held.block_table
-            held.num_computed_tokens = end
-            if end == len(held.token_ids):
-                token = self.token_fn(seq_id, held.token_ids, held.num_prompt_tokens)
-                result.sampled.append(SampledToken(seq_id, token, -0.25, [[token, -0.25]]))
-        all_blocks = [b for held in self.seqs.values() for b in held.block_table]
-        assert len(all_blocks) == len(set(all_blocks)), "two sequences hold one block (no forks here)"
-        return result
-
-    def _apply_diffs(self, plan: StepPlan) -> list[tuple[int, int]]:
-        scheduled = []
-        for new in plan.new_seqs:
-            self.seqs[new.seq_id] = _Held(
-                new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
-                new.num_computed_tokens, list(new.block_ids), new.sampling_params,
-            )
-            scheduled.append((new.seq_id, new.num_scheduled_tokens))
-        for cached in plan.cached_seqs:
-            held = self.seqs[cached.seq_id]
-            del held.block_table[cached.block_table_offset:]
-            held.block_table += cached.new_block_ids
-            # negative while a prompt is prefilled in chunks; stricter than worker/executor.py:
-            # a sequence that computed all it holds lacks its last sampled token, else it lacks none
-            missing = held.num_computed_tokens + cached.num_scheduled_tokens - len(held.token_ids)
-            if held.num_computed_tokens == len(held.token_ids):
-                assert missing == 1, f"sequence {cached.seq_id}: {missing} tokens missing, expected 1"
-                held.token_ids.append(cached.last_token_id)
-            else:
-                assert missing <= 0, f"sequence {cached.seq_id} scheduled past its tokens"
-            scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
-        return scheduled
 
 
 def make_engine(

@@ -2,7 +2,7 @@
 
 The SchedulerServer runs `serve_forever()` in a thread. The fake worker speaks the worker's side
 of common/transport.py like worker/server.py (hello, a result per plan, hello again when idle),
-applies each plan's diffs the way worker/executor.py does (strictly checked) and samples a
+applies each plan's diffs the way worker/executor.py does (tests/fakes.py) and samples a
 deterministic token, so no model and no torch are needed. It can be told to hang, to fail a step
 or to exit.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 import redis
@@ -19,13 +18,13 @@ import scheduler.server as server_module
 from common import streams
 from common.config import EngineConfig, ServingConfig
 from common.protocol import (
-    GenerateRequest, RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult,
+    GenerateRequest, RequestEvent, SamplingParams, SchedulerStatus, StepPlan, StepResult,
     WorkerHello, decode, encode,
 )
 from common.redis_server import RedisServer, free_port
 from common.transport import SchedulerLink
-from scheduler.block_manager import NULL_BLOCK
 from scheduler.server import SchedulerServer
+from tests.fakes import FakeExecutor, expected_output
 
 EOS = 2
 NUM_BLOCKS = 64
@@ -35,70 +34,11 @@ SCHEDULER_ID = "test-scheduler"
 REPLIES = streams.reply_stream("test-gateway")
 
 
-def token_for(seq_id: int, num_tokens: int) -> int:
-    """The fake model's next token after `num_tokens` tokens; never EOS."""
-    return (seq_id * 7 + num_tokens) % 1000 + 3
-
-
-def expected_output(seq_id: int, num_prompt_tokens: int, max_tokens: int) -> list[int]:
-    return [token_for(seq_id, num_prompt_tokens + i) for i in range(max_tokens)]
-
-
 def prompt(n: int, start: int = 100) -> list[int]:
     return list(range(start, start + n))
 
 
 # ----------------------------------------------------------------------------- fake worker
-
-
-@dataclass
-class _Held:
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-
-
-class FakeExecutor:
-    """worker/executor.py's bookkeeping of plan diffs, with a deterministic sampler and checks."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.seqs: dict[int, _Held] = {}
-
-    def reset(self) -> None:
-        self.seqs.clear()
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
-            self.seqs.pop(seq_id, None)
-        scheduled = []
-        for new in plan.new_seqs:
-            assert new.seq_id not in self.seqs, f"sequence {new.seq_id} sent in full twice"
-            self.seqs[new.seq_id] = _Held(
-                new.prompt_token_ids + new.output_token_ids, new.num_computed_tokens, list(new.block_ids)
-            )
-            scheduled.append((new.seq_id, new.num_scheduled_tokens))
-        for cached in plan.cached_seqs:
-            held = self.seqs[cached.seq_id]
-            del held.block_table[cached.block_table_offset:]
-            held.block_table += cached.new_block_ids
-            if held.num_computed_tokens == len(held.token_ids):
-                held.token_ids.append(cached.last_token_id)
-            assert held.num_computed_tokens + cached.num_scheduled_tokens <= len(held.token_ids)
-            scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
-        result = StepResult(plan.step, plan.epoch)
-        for seq_id, n in scheduled:
-            held = self.seqs[seq_id]
-            end = held.num_computed_tokens + n
-            assert len(held.block_table) * self.block_size >= end, f"seq {seq_id}: no slot for its KV"
-            assert NULL_BLOCK not in held.block_table
-            held.num_computed_tokens = end
-            if end == len(held.token_ids):
-                token = token_for(seq_id, len(held.token_ids))
-                result.sampled.append(SampledToken(seq_id, token, -0.25, [[token, -0.25]]))
-        all_blocks = [b for held in self.seqs.values() for b in held.block_table]
-        assert len(all_blocks) == len(set(all_blocks)), "two sequences hold one block"
-        return result
 
 
 class FakeWorker:

@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 
 from common.config import ALLOCATORS, EngineConfig
-from common.protocol import ProtocolError, SampledToken, SamplingParams, StepPlan, StepResult
+from common.plan_state import HeldSequence, PlanState
+from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult
 from pagoda.bench.common import command_words, header, write_result
 from scheduler.engine import LLMEngine
 from scheduler.scheduler import Scheduler
@@ -47,60 +48,31 @@ PAPER_TOKEN_STATES = {"orca-max": 0.204, "orca-pow2": 0.268, "orca-oracle": 0.38
 # ----------------------------------------------------------------------------- the executor
 
 
-@dataclass(slots=True)
-class _Held:
-    num_tokens: int
-    num_computed_tokens: int
-    block_table: list[int]
-
-
 @dataclass
 class TraceExecutor:
-    """A worker without a model: follows the plans' diffs and samples TOKEN_ID when a sequence is due.
-
-    It checks what a real worker relies on: a continued sequence is one it holds, scheduled tokens
-    exist, the block table covers every slot written, no block is null or held by two sequences
-    (nothing is shared in this benchmark).
+    """A worker without a model: follows the plans' diffs (common/plan_state.py, as strict as the
+    worker) and samples TOKEN_ID when a sequence is due. Nothing is shared in this benchmark: a
+    block in two tables is a ProtocolError too.
     """
 
     block_size: int
     token_id: int = TOKEN_ID
-    seqs: dict[int, _Held] = field(default_factory=dict)
     last_batch: int = 0
+    state: PlanState = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.state = PlanState(self.block_size)
+
+    @property
+    def seqs(self) -> dict[int, HeldSequence]:
+        return self.state.seqs
 
     def execute(self, plan: StepPlan) -> StepResult:
-        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
-            self.seqs.pop(seq_id, None)
-        scheduled = []
-        for new in plan.new_seqs:
-            self.seqs[new.seq_id] = _Held(
-                len(new.prompt_token_ids) + len(new.output_token_ids), new.num_computed_tokens, list(new.block_ids))
-            scheduled.append((new.seq_id, new.num_scheduled_tokens))
-        for cached in plan.cached_seqs:
-            held = self.seqs.get(cached.seq_id)
-            if held is None:
-                raise ProtocolError(f"step {plan.step} continues sequence {cached.seq_id}, which is not held")
-            del held.block_table[cached.block_table_offset:]
-            held.block_table += cached.new_block_ids
-            if held.num_computed_tokens == held.num_tokens:  # it sampled last step
-                held.num_tokens += 1
-            scheduled.append((cached.seq_id, cached.num_scheduled_tokens))
-        result = StepResult(plan.step, plan.epoch)
-        for seq_id, n in scheduled:
-            held = self.seqs[seq_id]
-            end = held.num_computed_tokens + n
-            if n <= 0 or end > held.num_tokens:
-                raise ProtocolError(f"step {plan.step} schedules {n} tokens sequence {seq_id} does not have")
-            if end > len(held.block_table) * self.block_size:
-                raise ProtocolError(f"step {plan.step}: sequence {seq_id}'s block table does not cover slot {end - 1}")
-            held.num_computed_tokens = end
-            if end == held.num_tokens:
-                result.sampled.append(SampledToken(seq_id, self.token_id, 0.0))
-        blocks = [b for held in self.seqs.values() for b in held.block_table]
-        if 0 in blocks or len(set(blocks)) != len(blocks):
-            raise ProtocolError(f"step {plan.step}: a null block or a block held by two sequences")
+        scheduled = self.state.apply(plan)
+        self.state.check_unshared()
         self.last_batch = len(scheduled)
-        return result
+        sampled = [SampledToken(s.seq_id, self.token_id, 0.0) for s in scheduled for _ in range(s.num_samples)]
+        return StepResult(plan.step, plan.epoch, sampled)
 
 
 # ----------------------------------------------------------------------------- one run

@@ -1,0 +1,104 @@
+"""The sequences a worker holds between step plans, kept up to date from each plan's diffs.
+
+One implementation for every consumer of plans: the worker's Executor, the benchmark's trace
+executor and the test fakes. A plan (common/protocol.py) drops finished and preempted sequences,
+brings new ones in full, and continues held ones with their new block ids from
+`block_table_offset` and, once they sampled, the token the scheduler appended. Per held sequence:
+
+    [0, num_computed_tokens)                 KV in the cache
+    [num_computed_tokens, len(token_ids))    tokens still to compute; the step that computes the
+                                             last of them samples `num_samples` tokens
+
+Anything a worker could not run is a ProtocolError: continuing a sequence it does not hold,
+scheduling tokens it does not have, a block table that does not cover the slots written, the
+null block in a table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.protocol import NULL_BLOCK, ProtocolError, SamplingParams, StepPlan
+
+
+@dataclass(slots=True)
+class HeldSequence:
+    token_ids: list[int]  # prompt then output
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_table: list[int]
+    sampling_params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence of a step, after the plan was applied."""
+
+    seq_id: int
+    held: HeldSequence
+    num_computed_tokens: int  # before this step: the first position it computes
+    num_scheduled_tokens: int
+    num_samples: int  # tokens it draws after this step: 0 unless it computes its last token
+
+
+@dataclass(slots=True)
+class PlanState:
+    block_size: int
+    seqs: dict[int, HeldSequence] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Forget every sequence (a new epoch: the scheduler's state was lost)."""
+        self.seqs.clear()
+
+    def apply(self, plan: StepPlan) -> list[ScheduledSequence]:
+        """Apply the plan's diffs; returns the sequences it schedules, in plan order, with their
+        tokens counted as computed."""
+        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
+            self.seqs.pop(seq_id, None)
+        steps = []
+        for new in plan.new_seqs:
+            if new.seq_id in self.seqs:
+                raise ProtocolError(
+                    f"plan step {plan.step} sends sequence {new.seq_id} in full, which this worker holds")
+            _check_blocks(plan.step, new.seq_id, new.block_ids)
+            held = HeldSequence(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
+                                new.num_computed_tokens, list(new.block_ids), new.sampling_params)
+            self.seqs[new.seq_id] = held
+            steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples))
+        for cached in plan.cached_seqs:
+            held = self.seqs.get(cached.seq_id)
+            if held is None:
+                raise ProtocolError(
+                    f"plan step {plan.step} continues sequence {cached.seq_id}, which this worker does not hold")
+            _check_blocks(plan.step, cached.seq_id, cached.new_block_ids)
+            del held.block_table[cached.block_table_offset:]
+            held.block_table += cached.new_block_ids
+            if held.num_computed_tokens == held.num_tokens:  # it sampled last step: add that token
+                held.token_ids.append(cached.last_token_id)
+            steps.append((cached.seq_id, held, cached.num_scheduled_tokens, cached.num_samples))
+        return [self._schedule(plan.step, *s) for s in steps]
+
+    def _schedule(self, step: int, seq_id: int, held: HeldSequence, n: int, num_samples: int) -> ScheduledSequence:
+        start, end = held.num_computed_tokens, held.num_computed_tokens + n
+        if n < 1 or end > held.num_tokens:
+            raise ProtocolError(f"plan step {step} schedules {n} tokens sequence {seq_id} does not have")
+        if end > len(held.block_table) * self.block_size:
+            raise ProtocolError(f"plan step {step}: sequence {seq_id}'s block table does not cover slot {end - 1}")
+        if num_samples < 1:
+            raise ProtocolError(f"plan step {step} asks sequence {seq_id} for {num_samples} samples")
+        held.num_computed_tokens = end
+        return ScheduledSequence(seq_id, held, start, n, num_samples if end == held.num_tokens else 0)
+
+    def check_unshared(self) -> None:
+        """For plans of requests that never fork: no block is in two tables."""
+        blocks = [block for held in self.seqs.values() for block in held.block_table]
+        if len(set(blocks)) != len(blocks):
+            raise ProtocolError("a block is held by two sequences")
+
+
+def _check_blocks(step: int, seq_id: int, block_ids: list[int]) -> None:
+    if NULL_BLOCK in block_ids:
+        raise ProtocolError(f"plan step {step} gives sequence {seq_id} the null block")

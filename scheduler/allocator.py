@@ -1,0 +1,138 @@
+"""What the Scheduler asks of a KV block allocator, and what every allocator shares.
+
+Two allocators implement `Allocator`: the paged BlockManager (scheduler/block_manager.py) and
+the Orca-style ContiguousAllocator baseline (scheduler/contiguous.py). The Scheduler uses
+nothing else of them. Both keep, per sequence, a block table of device block ids and the
+number of token slots it covers:
+
+    [0, num_slots)                        slots in the table, KV written or scheduled
+    [num_slots, len(table) * block_size)  spare room in the last block
+
+`can_*` queries change nothing; the action they guard raises NoFreeBlocksError, and changes
+nothing, when it does not fit.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from common.protocol import NULL_BLOCK
+
+__all__ = ["NULL_BLOCK", "Allocator", "AllocatorBase", "AppendedSlots", "NoFreeBlocksError"]
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class AppendedSlots:
+    """What `append_slot` changed in a block table: entries before `first_changed_block` are as
+    they were, those from it on were replaced or added (none when it equals the table's length)."""
+
+    first_changed_block: int
+    copy_on_write: list[int] | None = None  # [src, dst]: the shared last block, copied before the write
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    block_size: int
+    watermark_blocks: int  # kept free by can_allocate and can_swap_in, for the running sequences to grow
+    enable_prefix_caching: bool
+    num_slots: Mapping[int, int]  # per running or swapped sequence; read only
+
+    @property
+    def num_total_blocks(self) -> int: ...  # the device pool less the null block
+
+    @property
+    def num_free_blocks(self) -> int: ...  # blocks an allocation can take
+
+    @property
+    def usage(self) -> float: ...
+
+    def blocks_for(self, num_tokens: int) -> int: ...
+
+    def block_table(self, seq_id: int) -> list[int]: ...
+
+    def num_distinct_blocks(self, seq_ids: Sequence[int]) -> int: ...
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], num_tokens: int) -> int: ...
+
+    def can_allocate(
+        self, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
+    ) -> bool: ...
+
+    def allocate(
+        self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
+    ) -> int: ...  # the leading tokens found in the prefix cache
+
+    def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int: ...
+
+    def can_append(self, seq_id: int, num_new_tokens: int = 1) -> bool: ...
+
+    def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> AppendedSlots: ...
+
+    def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
+
+    def fork(self, parent_id: int, child_id: int) -> None: ...
+
+    def free(self, seq_id: int) -> None: ...
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool: ...
+
+    def swap_out(self, seq_ids: list[int]) -> list[list[int]]: ...  # copies [device, cpu]
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool: ...
+
+    def swap_in(self, seq_ids: list[int]) -> list[list[int]]: ...  # copies [cpu, device]
+
+    def sharing_stats(self) -> tuple[int, int]: ...  # (logical, physical) device blocks
+
+    def check_integrity(self) -> None: ...
+
+
+class AllocatorBase:
+    """The device pool's size and the tables' bookkeeping, the same for every allocator."""
+
+    def __init__(self, num_blocks: int, block_size: int, watermark: float) -> None:
+        if num_blocks < 2:
+            raise ValueError("a pool needs the null block and at least one more")
+        self.num_blocks = num_blocks  # including the null block
+        self.block_size = block_size
+        self.watermark_blocks = int(watermark * (num_blocks - 1))
+        self.block_tables: dict[int, list[int]] = {}  # device tables of running sequences
+        self.num_slots: dict[int, int] = {}
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    @property
+    def num_allocated_slots(self) -> int:
+        """Token slots of the device blocks held."""
+        return (self.num_total_blocks - self.num_free_blocks) * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self.block_tables[seq_id]
+
+    def num_distinct_blocks(self, seq_ids: Sequence[int]) -> int:
+        """Device blocks the sequences hold, a shared one once (what swapping them out moves)."""
+        return len({block for seq_id in seq_ids for block in self.block_tables[seq_id]})
+
+    def can_append(self, seq_id: int, num_new_tokens: int = 1) -> bool:
+        return self.blocks_to_append(seq_id, num_new_tokens) <= self.num_free_blocks
+
+    def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int:
+        raise NotImplementedError
