@@ -27,6 +27,7 @@ from common.transport import SchedulerLink
 from gateway.app import create_app
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.tokenizer import load_tokenizer
+from pagoda.up import healthy
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceStatus
 from scheduler.server import SchedulerServer
@@ -274,7 +275,8 @@ def stack(tiny_dir):
     http_thread = threading.Thread(target=http.run, daemon=True)
     http_thread.start()
     deadline = time.monotonic() + 60
-    while not (http.started and server.scheduler is not None and worker.r.exists(streams.status_key(server.id))):
+    # /health is 200 once the scheduler's status says its workers are ready (the gateway admits then)
+    while not (http.started and healthy(f"http://127.0.0.1:{gateway_config.port}")):
         assert time.monotonic() < deadline and not errors, f"the stack did not start: {errors}"
         time.sleep(0.05)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway_config.port}/v1", api_key="unused", max_retries=0,
