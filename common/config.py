@@ -73,9 +73,16 @@ class ServingConfig:
     scheduler_id: str | None = None  # None: hostname-pid
     drain_timeout_s: float = 30.0  # after SIGTERM, running requests may finish this long
     heartbeat_file: str | None = None  # a worker touches it while alive and not stuck (for a supervisor)
+    # Redis-side tuning of the scheduler process (scheduler/request_stream.py); tests shorten them.
+    claim_interval_s: float = 1.0  # how often a scheduler renews its claims and looks for a dead one's requests
+    claim_idle_ms: int = 10_000  # a pending request unclaimed this long belongs to a dead scheduler
+    worker_silence_s: float = 10.0  # an idle worker says hello every 2 s; silence this long means it is gone
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, "world_size must be >= 1")
+        _check(self.claim_interval_s > 0, "claim_interval_s must be > 0")
+        _check(self.claim_idle_ms >= 0, "claim_idle_ms must be >= 0")
+        _check(self.worker_silence_s > 0, "worker_silence_s must be > 0")
         _check(self.step_timeout_s > 0, "step_timeout_s must be > 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
         _check(self.zmq_address.startswith(("tcp://", "ipc://")), "zmq_address must be tcp://HOST:PORT or ipc://PATH")
@@ -96,6 +103,9 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # a request not finished this long after arrival fails
     gateway_id: str | None = None  # names the reply stream; None: random hex
     drain_timeout_s: float = 30.0  # after SIGTERM, requests in flight may finish this long
+    # After Redis restarts empty, the schedulers say which requests they hold; a request none holds
+    # and the new Redis lacks was lost and fails. Schedulers silent this long are not waited for.
+    redis_restart_grace_s: float = 3.0
 
     def __post_init__(self) -> None:
         _check(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -106,6 +116,7 @@ class GatewayConfig:
         _check(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+        _check(self.redis_restart_grace_s >= 0, "redis_restart_grace_s must be >= 0")
         if self.gateway_id is None:
             object.__setattr__(self, "gateway_id", secrets.token_hex(8))
         _check(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-import scheduler.server as server_module
+import scheduler.request_stream as request_stream
 from common import streams
 from common.config import EngineConfig, ServingConfig
 from common.protocol import (
@@ -192,12 +192,13 @@ def r(redis_url):
 
 
 class Harness:
-    def __init__(self, redis_url: str, r: redis.Redis, scheduler_id: str = SCHEDULER_ID, **engine) -> None:
+    def __init__(self, redis_url: str, r: redis.Redis, scheduler_id: str = SCHEDULER_ID,
+                 serving: dict | None = None, **engine) -> None:
         self.r = r
         self.scheduler_id = scheduler_id
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.serving = ServingConfig(redis_url=redis_url, zmq_address=self.address, step_timeout_s=1.0,
-                                     scheduler_id=scheduler_id)
+                                     scheduler_id=scheduler_id, **(serving or {}))
         self.server = SchedulerServer(EngineConfig(block_size=BLOCK_SIZE, **engine), self.serving)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -295,6 +296,20 @@ def harness(redis_url, r):
     h.close()
 
 
+@pytest.fixture
+def make_harness(redis_url, r):
+    """Harnesses with their own settings (`serving`: ServingConfig fields), closed at teardown."""
+    made: list[Harness] = []
+
+    def make(**kwargs) -> Harness:
+        made.append(Harness(redis_url, r, **kwargs))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
 def tokens(events: list[RequestEvent]) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
@@ -378,14 +393,14 @@ def test_an_abort_that_arrives_before_its_request_ends_it_unrun(harness):
     worker = harness.worker()
     harness.wait_ready()
     harness.abort("early")
-    harness.wait_until(lambda: "early" in harness.server.early_aborts, 3.0, "the abort to be read")
+    harness.wait_until(lambda: "early" in harness.server.stream.early_aborts, 3.0, "the abort to be read")
     harness.submit("early", prompt(10), max_tokens=5)
     events = harness.wait_finished("early")["early"]
 
     assert [(e.token_ids, e.finish_reason, e.error) for e in events] == [([], "abort", None)]
     harness.assert_nothing_held()
     assert worker.plans == []  # it never ran
-    assert "early" not in harness.server.early_aborts
+    assert "early" not in harness.server.stream.early_aborts
 
     harness.submit("next", prompt(10), max_tokens=3)  # the scheduler serves on
     assert tokens(harness.wait_finished("next")["next"]) == expected_output(0, 10, 3)
@@ -395,7 +410,7 @@ def test_an_early_abort_outlives_the_gateways_wait_for_its_request():
     from common.config import GatewayConfig
 
     # else a request queued in Redis longer than the abort is kept would run for nobody
-    assert server_module.EARLY_ABORT_TTL_S > GatewayConfig().request_timeout_s
+    assert request_stream.EARLY_ABORT_TTL_S > GatewayConfig().request_timeout_s
 
 
 def test_an_abort_for_an_unknown_or_finished_request_changes_nothing(harness):
@@ -598,8 +613,8 @@ def test_a_worker_restarted_while_idle_is_taken_on(harness):
     harness.assert_nothing_held()
 
 
-def test_a_worker_silent_while_idle_is_given_up(harness, monkeypatch):
-    monkeypatch.setattr(server_module, "WORKER_SILENCE_S", 1.5)
+def test_a_worker_silent_while_idle_is_given_up(make_harness):
+    harness = make_harness(serving={"worker_silence_s": 1.5})
     worker = harness.worker(rehello_s=0.3)
     harness.wait_ready()
     harness.submit("a", prompt(10), max_tokens=3)
@@ -648,16 +663,14 @@ def read_as_dead_scheduler(r: redis.Redis, count: int) -> list[bytes]:
     return [entry_id for _, entries in replies for entry_id, _ in entries]
 
 
-def successor(redis_url: str, r: redis.Redis, monkeypatch, claim_idle_ms: int) -> Harness:
+def successor(redis_url: str, r: redis.Redis, claim_idle_ms: int, **engine) -> Harness:
     """A scheduler that takes over entries idle `claim_idle_ms`, started on a group that exists."""
-    monkeypatch.setattr(server_module, "CLAIM_IDLE_MS", claim_idle_ms)
-    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
     r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
-    return Harness(redis_url, r)
+    return Harness(redis_url, r, serving={"claim_idle_ms": claim_idle_ms, "claim_interval_s": 0.2}, **engine)
 
 
-def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repeated(redis_url, r, monkeypatch):
-    h = successor(redis_url, r, monkeypatch, claim_idle_ms=300)
+def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repeated(redis_url, r):
+    h = successor(redis_url, r, claim_idle_ms=300)
     try:
         h.submit("fresh", prompt(10), max_tokens=4)
         h.submit("streamed", prompt(12), max_tokens=4)
@@ -673,39 +686,41 @@ def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repe
             ([], "error", "the scheduler serving this request stopped after it had started streaming")]
         h.assert_nothing_held()
         assert r.hlen(streams.STARTED) == 0
-        consumers = {c["name"]: c["pending"] for c in r.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP)}
-        assert consumers == {b"dead-scheduler": 0, SCHEDULER_ID.encode(): 0}
+        # the dead scheduler's consumer left the group once its entries were taken over
+        h.wait_until(lambda: [c["name"] for c in r.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP)]
+                     == [SCHEDULER_ID.encode()], 2.0, "the dead consumer to be deleted")
+        assert r.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP)[0]["pending"] == 0
     finally:
         h.close()
 
 
-def test_a_request_whose_schedulers_keep_dying_is_not_tried_again(redis_url, r, monkeypatch):
-    h = successor(redis_url, r, monkeypatch, claim_idle_ms=0)
+def test_a_request_whose_schedulers_keep_dying_is_not_tried_again(redis_url, r):
+    h = successor(redis_url, r, claim_idle_ms=0)
     try:
         h.submit("poison", prompt(10), max_tokens=4)
         h.submit("fine", prompt(12), max_tokens=4)
         entry_ids = read_as_dead_scheduler(r, 2)
-        for n in range(server_module.MAX_DELIVERIES):  # taken over, and dying, again and again
+        for n in range(request_stream.MAX_DELIVERIES):  # taken over, and dying, again and again
             r.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, f"dead-{n}", 0, entry_ids[:1])
         h.worker()
         done = h.wait_finished("poison", "fine", timeout=5.0)
         assert [(e.token_ids, e.finish_reason) for e in done["poison"]] == [([], "error")]
         assert done["poison"][0].error == (
-            f"the request was taken by {server_module.MAX_DELIVERIES} schedulers that each stopped; it is not tried again")
+            f"the request was taken by {request_stream.MAX_DELIVERIES} schedulers that each stopped; it is not tried again")
         assert tokens(done["fine"]) == expected_output(0, 12, 4)
         h.assert_nothing_held()
     finally:
         h.close()
 
 
-def test_a_scheduler_that_stalled_drops_what_another_took_over(harness, monkeypatch):
-    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
+def test_a_scheduler_that_stalled_drops_what_another_took_over(make_harness):
+    harness = make_harness(serving={"claim_interval_s": 0.2})
     harness.worker(step_delay_s=0.01)
     harness.wait_ready()
     entry_id = harness.submit("stolen", prompt(10), max_tokens=400)
     harness.wait_until(lambda: "stolen" in harness.events, 3.0, "stolen to start")
     harness.r.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, "other-scheduler", 0, [entry_id])  # as XAUTOCLAIM
-    harness.wait_until(lambda: "stolen" not in harness.server.tracked, 3.0, "the request to be dropped here")
+    harness.wait_until(lambda: "stolen" not in harness.server.stream.tracked, 3.0, "the request to be dropped here")
     harness.wait_until(lambda: harness.status().num_running == 0, 3.0, "its blocks to be freed")
     sent = len(harness.events["stolen"])
     time.sleep(0.5)
@@ -717,8 +732,8 @@ def test_a_scheduler_that_stalled_drops_what_another_took_over(harness, monkeypa
     harness.r.xdel(streams.REQUESTS, entry_id)
 
 
-def test_a_live_scheduler_renews_its_claims_so_no_one_takes_its_requests(harness, monkeypatch):
-    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
+def test_a_live_scheduler_renews_its_claims_so_no_one_takes_its_requests(make_harness):
+    harness = make_harness(serving={"claim_interval_s": 0.2})
     harness.worker(step_delay_s=0.01)
     harness.wait_ready()
     harness.submit("long", prompt(10), max_tokens=300)
