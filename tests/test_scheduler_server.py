@@ -25,6 +25,7 @@ from common.protocol import (
 from common.redis_server import RedisServer, free_port
 from common.transport import SchedulerLink
 from scheduler.block_manager import NULL_BLOCK
+from scheduler.scheduler import Scheduler
 from scheduler.server import SchedulerServer
 
 EOS = 2
@@ -235,9 +236,13 @@ class Harness:
 
     # -------------------------------------------------------------- requests and events
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int = 8, **params) -> bytes:
+        return self.submit_to(self.r, request_id, prompt_ids, max_tokens, **params)
+
+    @staticmethod
+    def submit_to(r: redis.Redis, request_id: str, prompt_ids: list[int], max_tokens: int = 8, **params) -> bytes:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
         request = GenerateRequest(request_id, prompt_ids, params, REPLIES, time.time())
-        return self.r.xadd(streams.REQUESTS, {streams.FIELD: encode(request)})
+        return r.xadd(streams.REQUESTS, {streams.FIELD: encode(request)})
 
     def abort(self, request_id: str) -> None:
         self.r.xadd(streams.ABORTS, {streams.ABORT_FIELD: request_id})
@@ -513,6 +518,63 @@ def test_a_duplicate_request_id_in_flight_is_dropped(harness):
     harness.assert_nothing_held()
 
 
+# ----------------------------------------------------------------------------- a request that breaks the scheduler
+
+
+def test_a_request_whose_update_raises_fails_alone_and_the_others_are_served(harness, monkeypatch):
+    append = Scheduler._append
+
+    def append_or_raise(self, group, *args, **kwargs):  # a bug that only this request meets
+        if group.request_id == "bad" and len(group.seqs[0].output_token_ids) == 3:
+            raise ZeroDivisionError("float division by zero")
+        return append(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_append", append_or_raise)
+    worker = harness.worker(step_delay_s=0.005)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=30)
+    harness.submit("bad", prompt(12, start=300), max_tokens=30)
+    harness.submit("b", prompt(14, start=500), max_tokens=30)
+    done = harness.wait_finished("a", "bad", "b")
+
+    assert tokens(done["a"]) == expected_output(0, 10, 30)
+    assert tokens(done["b"]) == expected_output(2, 14, 30)
+    assert [(e.token_ids, e.finish_reason) for e in done["bad"]] == [
+        ([t], None) for t in expected_output(1, 12, 3)] + [([], "error")]
+    assert done["bad"][-1].error == "the scheduler failed on this request: ZeroDivisionError: float division by zero"
+    assert harness.server.scheduler is not None and worker.num_hellos == 1  # the group was kept
+    harness.assert_nothing_held()
+    bm = harness.server.scheduler.block_manager
+    assert bm.num_free_blocks == NUM_BLOCKS - 1  # the failed request's blocks were freed
+    harness.submit("c", prompt(10), max_tokens=4)
+    assert tokens(harness.wait_finished("c")["c"]) == expected_output(3, 10, 4)
+
+
+def test_a_request_whose_scheduling_raises_fails_alone_and_the_others_are_served(harness, monkeypatch):
+    add_to_plan = Scheduler._add_to_plan
+
+    def add_or_raise(self, seqs, *args, **kwargs):  # after its blocks were allocated
+        if seqs[0].prompt_token_ids[0] == 300:
+            raise KeyError("no such block")
+        return add_to_plan(self, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_add_to_plan", add_or_raise)
+    worker = harness.worker(step_delay_s=0.005)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=20)
+    harness.submit("bad", prompt(40, start=300), max_tokens=20)
+    harness.submit("b", prompt(14, start=500), max_tokens=20)
+    done = harness.wait_finished("a", "bad", "b")
+
+    assert [(e.token_ids, e.finish_reason, e.error) for e in done["bad"]] == [
+        ([], "error", "the scheduler failed on this request: KeyError: 'no such block'")]
+    assert tokens(done["a"]) == expected_output(0, 10, 20)
+    assert tokens(done["b"]) == expected_output(2, 14, 20)
+    assert all(s.prompt_token_ids[0] != 300 for p in worker.plans for s in p.new_seqs)  # never sent
+    harness.assert_nothing_held()
+    assert harness.server.scheduler.block_manager.num_free_blocks == NUM_BLOCKS - 1
+
+
 # ----------------------------------------------------------------------------- worker failures
 
 
@@ -690,6 +752,38 @@ def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repe
         h.wait_until(lambda: [c["name"] for c in r.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP)]
                      == [SCHEDULER_ID.encode()], 2.0, "the dead consumer to be deleted")
         assert r.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP)[0]["pending"] == 0
+    finally:
+        h.close()
+
+
+def test_a_dead_schedulers_requests_come_before_newer_ones_under_full_load(redis_url, r):
+    """Orphans found while the scheduler is full take the next free room; no newer request is read
+    meanwhile (they arrived first). Each request has its own prompt start: its sequence id, given at
+    admission, tells the order."""
+    r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
+    orphans = {f"orphan-{i}": 100 + 20 * i for i in range(2)}
+    fresh = {f"fresh-{i}": 200 + 20 * i for i in range(8)}
+    for request_id, start in orphans.items():
+        Harness.submit_to(r, request_id, prompt(10, start), max_tokens=4)
+    assert len(read_as_dead_scheduler(r, 2)) == 2
+    for request_id, start in fresh.items():
+        Harness.submit_to(r, request_id, prompt(10, start), max_tokens=200)
+    # two run and two wait at once, for 2 s or more each; the orphans are claimable after 1 s
+    h = Harness(redis_url, r, serving={"claim_idle_ms": 1000, "claim_interval_s": 0.2}, max_num_seqs=2)
+    try:
+        worker = h.worker(step_delay_s=0.01)
+        done = h.wait_finished(*orphans, timeout=15.0)
+        seq_ids = {s.prompt_token_ids[0]: s.seq_id for p in worker.plans for s in p.new_seqs}
+        orphan_seq_ids = [seq_ids[start] for start in orphans.values()]
+        for (request_id, start), seq_id in zip(orphans.items(), orphan_seq_ids):
+            assert tokens(done[request_id]) == expected_output(seq_id, 10, 4)
+        admitted_before = [i for i, start in fresh.items() if seq_ids.get(start, 1 << 30) < min(orphan_seq_ids)]
+        assert len(admitted_before) <= 4, admitted_before  # only those read before the orphans were found
+        for request_id in fresh:
+            h.abort(request_id)
+        h.wait_finished(*fresh, timeout=5.0)
+        assert {h.events[i][-1].finish_reason for i in fresh} <= {"length", "abort"}
+        h.assert_nothing_held()
     finally:
         h.close()
 
