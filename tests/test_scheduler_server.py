@@ -19,7 +19,7 @@ import scheduler.request_stream as request_stream
 from common import streams
 from common.config import EngineConfig, ServingConfig
 from common.protocol import (
-    GenerateRequest, RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult,
+    GenerateRequest, HeldRequests, RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult,
     WorkerHello, decode, encode,
 )
 from common.redis_server import RedisServer, free_port
@@ -924,6 +924,37 @@ def test_the_scheduler_rides_out_a_redis_restart_and_keeps_its_workers():
         assert h.server.scheduler is group  # the workers were kept
         h.assert_nothing_held()
         h.wait_until(lambda: h.status() is not None and h.status().workers_ready, 2.0, "the status again")
+    finally:
+        h.close()
+        client.close()
+        redis_server.stop()
+
+
+def test_after_a_redis_restart_the_scheduler_says_which_requests_it_holds_and_finishes_them():
+    """The gateway fails only requests no scheduler holds: this one names the two it holds (one
+    running, one waiting), then streams both to their end through the new Redis."""
+    port = free_port()
+    redis_server = RedisServer(port=port).start()
+    client = redis.Redis.from_url(redis_server.url)
+    h = Harness(redis_server.url, client, max_num_seqs=1)
+    try:
+        h.worker(step_delay_s=0.01)
+        h.wait_ready()
+        h.submit("running", prompt(10), max_tokens=150)
+        h.submit("waiting", prompt(12, start=300), max_tokens=5)
+        h.wait_until(lambda: "running" in h.events and h.num_pending() == 2, 3.0, "both to be read")
+        held_key = streams.held_key(SCHEDULER_ID)
+        assert decode(client.get(held_key)) == HeldRequests(SCHEDULER_ID, [])  # said at its start
+        redis_server.stop()
+        time.sleep(0.5)
+        redis_server = RedisServer(port=port).start()  # empty
+        h.cursor = b"0-0"
+        h.wait_until(lambda: client.get(held_key) is not None, 3.0, "the held requests to be published")
+        assert decode(client.get(held_key)) == HeldRequests(SCHEDULER_ID, ["running", "waiting"])
+        done = h.wait_finished("running", "waiting", timeout=10.0)
+        assert done["running"][-1].finish_reason == "length"
+        assert tokens(done["waiting"]) == expected_output(1, 12, 5)
+        h.assert_nothing_held()
     finally:
         h.close()
         client.close()
