@@ -217,8 +217,8 @@ def test_a_redis_restart_fails_only_the_requests_it_lost(stack, r, redis_server,
         held = [pool.submit(complete, http, stack, p, 8) for p in prompts[:2]]
         wait_for(lambda: r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"] == 4, 10,
                  "two requests to wait in the scheduler")
-        lost = [pool.submit(http.post, stack.url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 8})
-                for p in prompts[2:]]
+        lost = [pool.submit(http.post, stack.url + "/v1/completions",
+                            json={"model": MODEL, "prompt": p, "max_tokens": 8}) for p in prompts[2:]]
         wait_for(lambda: r.xlen(streams.REQUESTS) == 6, 10, "two requests queued unread in Redis")
         redis_server.stop()
         redis_server.start()  # the same port, empty

@@ -800,7 +800,8 @@ def test_a_request_whose_schedulers_keep_dying_is_not_tried_again(redis_url, r):
         done = h.wait_finished("poison", "fine", timeout=5.0)
         assert [(e.token_ids, e.finish_reason) for e in done["poison"]] == [([], "error")]
         assert done["poison"][0].error == (
-            f"the request was taken by {request_stream.MAX_DELIVERIES} schedulers that each stopped; it is not tried again")
+            f"the request was taken by {request_stream.MAX_DELIVERIES} schedulers that each stopped; "
+            "it is not tried again")
         assert tokens(done["fine"]) == expected_output(0, 12, 4)
         h.assert_nothing_held()
     finally:
