@@ -244,7 +244,8 @@ class EngineClient:
         lost = [r for r, entries in zip(candidates, await pipe.execute()) if not entries]
         await self._read_batch(block=False)  # a request that ended has its events out before its entry goes
         lost = [r for r in lost if r in self._queues and r not in self._started]
-        log.warning("Redis restarted: failing %d request(s) it lost (no scheduler holds them)", len(lost))
+        if lost:
+            log.warning("Redis restarted: failing %d request(s) it lost (no scheduler holds them)", len(lost))
         for request_id in lost:
             self._queues[request_id].put_nowait(RequestEvent(request_id, [], None, "error", REDIS_RESTARTED))
             self.abort(request_id)
