@@ -88,9 +88,19 @@ class ServingConfig:
     heartbeat_file: str | None = option(None, "--heartbeat-file",
                                         "touch this file every second while alive and no step is past --step-timeout "
                                         "(a supervisor restarts the worker when it goes stale)")
+    # Redis-side tuning of the scheduler process (scheduler/request_stream.py); tests shorten them.
+    claim_interval_s: float = option(1.0, "--claim-interval",
+                                     "seconds between renewing this scheduler's claims and looking for a dead one's requests")
+    claim_idle_ms: int = option(10_000, "--claim-idle-ms",
+                                "a pending request unclaimed this long belongs to a dead scheduler and is taken over")
+    worker_silence_s: float = option(10.0, "--worker-silence",
+                                     "an idle worker says hello every 2 s; silence this long means it is gone")
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, "world_size must be >= 1")
+        _check(self.claim_interval_s > 0, "claim_interval_s must be > 0")
+        _check(self.claim_idle_ms >= 0, "claim_idle_ms must be >= 0")
+        _check(self.worker_silence_s > 0, "worker_silence_s must be > 0")
         _check(self.step_timeout_s > 0, "step_timeout_s must be > 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
         _check(self.zmq_address.startswith(("tcp://", "ipc://")), "zmq_address must be tcp://HOST:PORT or ipc://PATH")
@@ -114,6 +124,9 @@ class GatewayConfig:
     gateway_id: str | None = no_flag(None, "names the reply stream; random per process, so a restarted gateway "
                                            "never reads its predecessor's stream")
     drain_timeout_s: float = option(30.0, "--drain-timeout", "after SIGTERM, seconds requests in flight may take to finish")
+    redis_restart_grace_s: float = option(3.0, "--redis-restart-grace",
+                                          "after Redis restarts empty, seconds to wait for the schedulers to say which "
+                                          "requests they hold; a request none holds and the new Redis lacks fails")
 
     def __post_init__(self) -> None:
         _check(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -124,6 +137,7 @@ class GatewayConfig:
         _check(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+        _check(self.redis_restart_grace_s >= 0, "redis_restart_grace_s must be >= 0")
         if self.gateway_id is None:
             object.__setattr__(self, "gateway_id", secrets.token_hex(8))
         _check(

@@ -261,11 +261,20 @@ class SchedulerStatus:
     updated_at: float
 
 
+@dataclass(slots=True)
+class HeldRequests:
+    """The requests a scheduler holds, published when it finds Redis restarted (a new run_id): a
+    gateway fails only those that neither a scheduler holds nor the new Redis has."""
+
+    scheduler_id: str
+    request_ids: list[str]
+
+
 # ----------------------------------------------------------------------------- codec
 
 _MESSAGE_TYPES: list[type] = [  # append only: a message's tag is its index
     SamplingParams, NewSequence, CachedSequence, StepPlan, SampledToken, StepResult, WorkerHello,
-    GenerateRequest, RequestEvent, SchedulerStatus,
+    GenerateRequest, RequestEvent, SchedulerStatus, HeldRequests,
 ]
 _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}

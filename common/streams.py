@@ -6,6 +6,7 @@
     pagoda:replies:<gateway_id>  stream per gateway process; entries {m: RequestEvent}
     pagoda:scheduler:<id>        string, a SchedulerStatus, expires unless refreshed (heartbeat)
     pagoda:started               hash request_id -> scheduler id: requests that have streamed a token
+    pagoda:held:<id>             string, a HeldRequests, written by a scheduler that finds Redis restarted
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ ABORTS = "pagoda:aborts"
 STARTED = "pagoda:started"
 REPLIES_PREFIX = "pagoda:replies:"
 STATUS_PREFIX = "pagoda:scheduler:"
+HELD_PREFIX = "pagoda:held:"
 FIELD = b"m"  # the msgpack-encoded protocol message of a stream entry
 ABORT_FIELD = b"id"
 ABORT_INDEX_FIELD = b"index"
 
 STATUS_TTL_S = 3.0  # a scheduler silent this long is dead
 REPLY_STREAM_TTL_S = 600  # a reply stream no one writes to expires
+HELD_TTL_S = 60  # long past every gateway's grace period after a Redis restart
 ABORTS_MAXLEN = 10_000
 
 
@@ -30,3 +33,7 @@ def reply_stream(gateway_id: str) -> str:
 
 def status_key(scheduler_id: str) -> str:
     return STATUS_PREFIX + scheduler_id
+
+
+def held_key(scheduler_id: str) -> str:
+    return HELD_PREFIX + scheduler_id

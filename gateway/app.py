@@ -85,7 +85,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
         self._loop = asyncio.get_running_loop()
-        self.engine = EngineClient(self.config.redis_url, self.config.gateway_id)
+        self.engine = EngineClient(self.config.redis_url, self.config.gateway_id, self.config.redis_restart_grace_s)
         await self.engine.start()
         log.info("gateway %s serving %s", self.config.gateway_id, self.served_model_name)
         try:
@@ -199,7 +199,8 @@ class Gateway:
                 return Response(status_code=499)  # nobody reads it
             collect.result()
         except EngineError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
+            retry = {"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)} if exc.status == 503 else None  # as every 503
+            return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
         finally:
             for task in (collect, disconnect):
                 task.cancel()

@@ -6,18 +6,25 @@ One reader task per process XREADs the reply stream and fans events out to per-r
     XREAD pagoda:replies:<gateway_id>           ◀── RequestEvents ──▶ queue of the request's HTTP handler
     XADD pagoda:aborts {id: request_id}         ──▶ every scheduler (disconnect, stop string)
     XADD pagoda:aborts {id, index}              ──▶ every scheduler (a stop string in one sample of n)
+
+Redis restarting empty (its run_id changes) loses the requests it queued. The schedulers then
+publish the ids they hold (pagoda:held:<id>); once every scheduler seen before the restart has,
+or after `restart_grace_s`, a request that no scheduler holds and whose entry the new Redis lacks
+ends with an error (503, retry) and is aborted in the schedulers. A request sent to the new Redis
+is never failed: its entry is there.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
 
 from common import streams
-from common.protocol import GenerateRequest, ProtocolError, RequestEvent, SchedulerStatus, decode, encode
+from common.protocol import GenerateRequest, HeldRequests, ProtocolError, RequestEvent, SchedulerStatus, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +33,14 @@ READ_COUNT = 512
 TRIM_INTERVAL_S = 1.0
 MAX_BACKOFF_S = 2.0
 REDIS_RESTARTED = "Redis restarted and lost the request before a scheduler read it"
+
+
+@dataclass(slots=True)
+class _RedisRestart:
+    """Redis came back empty: the schedulers are saying which requests they hold."""
+
+    deadline: float  # monotonic: schedulers that have not said by then are not waited for
+    schedulers: set[str]  # those alive before the restart
 
 
 class Generation:
@@ -65,7 +80,7 @@ class Generation:
 
 
 class EngineClient:
-    def __init__(self, redis_url: str, gateway_id: str) -> None:
+    def __init__(self, redis_url: str, gateway_id: str, restart_grace_s: float = 3.0) -> None:
         # retry_on_error: after a Redis restart each pooled connection fails once; reconnect and retry
         self.redis = aioredis.from_url(redis_url, socket_connect_timeout=2.0, health_check_interval=30,
                                        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
@@ -73,7 +88,12 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._last_seq: dict[str, int] = {}  # per request: the last token-bearing event passed on
         self._started: set[str] = set()  # requests with an event: a scheduler holds them
+        self._entry_ids: dict[str, bytes] = {}  # per submitted request: its entry in the requests stream
+        self._last_id = b"0-0"  # the reply stream is this process's own: everything on it is for us
         self._redis_run_id: str | None = None
+        self._schedulers: set[str] = set()  # alive at the last look: they will say what they hold
+        self._restart: _RedisRestart | None = None
+        self.restart_grace_s = restart_grace_s
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.num_unsubmitted = 0  # admitted here, XADD not yet done
@@ -105,7 +125,8 @@ class EngineClient:
             pipe = self.redis.pipeline(transaction=False)
             for r in requests:
                 pipe.xadd(streams.REQUESTS, {streams.FIELD: encode(r)})
-            await pipe.execute()
+            for r, entry_id in zip(requests, await pipe.execute()):
+                self._entry_ids[r.request_id] = entry_id
         except BaseException:
             for r in requests:  # some may have reached Redis before the failure: stop those
                 self._queues.pop(r.request_id, None)
@@ -120,6 +141,7 @@ class EngineClient:
         self._queues.pop(request_id, None)
         self._last_seq.pop(request_id, None)
         self._started.discard(request_id)
+        self._entry_ids.pop(request_id, None)
         if not started:
             self.num_unstarted -= 1
         if abort:
@@ -171,20 +193,17 @@ class EngineClient:
 
     # ------------------------------------------------------------------ the reader
     async def _read_replies(self) -> None:
-        last_id = b"0-0"  # the stream is this process's own: everything on it is for us
         last_trim = time.monotonic()
         backoff = 0.1
         while True:
             try:
-                replies = await self.redis.xread({self.reply_stream: last_id}, count=READ_COUNT, block=READ_BLOCK_MS)
-                for _, entries in replies or []:
-                    for entry_id, fields in entries:
-                        last_id = entry_id
-                        self._dispatch(fields)
+                await self._read_batch(block=True)
                 if time.monotonic() - last_trim > TRIM_INTERVAL_S:
-                    if last_id != b"0-0":
-                        await self.redis.xtrim(self.reply_stream, minid=last_id)  # drop what we have read
+                    if self._last_id != b"0-0":
+                        await self.redis.xtrim(self.reply_stream, minid=self._last_id)  # drop what we have read
                     await self._check_redis_restart()
+                    if self._restart is not None:
+                        await self._fail_lost_requests()
                     last_trim = time.monotonic()
                 self.redis_ok, backoff = True, 0.1
             except asyncio.CancelledError:
@@ -196,16 +215,64 @@ class EngineClient:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
+    async def _read_batch(self, block: bool) -> None:
+        replies = await self.redis.xread({self.reply_stream: self._last_id}, count=READ_COUNT,
+                                         block=READ_BLOCK_MS if block else None)
+        for _, entries in replies or []:
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                self._dispatch(fields)
+
     async def _check_redis_restart(self) -> None:
-        """A Redis that restarted (run_id changed) without persistence lost the requests it queued:
-        those no scheduler has answered yet end with an error now, not at their deadline."""
+        """A Redis that restarted (its run_id changed) without persistence lost what it queued: wait
+        for the schedulers to say what they hold (_fail_lost_requests)."""
         run_id = (await self.redis.info("server")).get("run_id")
         if self._redis_run_id is not None and run_id != self._redis_run_id:
-            unstarted = [r for r in self._queues if r not in self._started]
-            log.warning("Redis restarted: failing %d request(s) no scheduler had answered", len(unstarted))
-            for request_id in unstarted:
-                self._queues[request_id].put_nowait(RequestEvent(request_id, [], None, "error", REDIS_RESTARTED))
+            log.warning("Redis restarted: waiting up to %g s for %d scheduler(s) to say which requests they hold",
+                        self.restart_grace_s, len(self._schedulers))
+            self._restart = _RedisRestart(time.monotonic() + self.restart_grace_s, set(self._schedulers))
+        elif self._restart is None:
+            self._schedulers = {s.scheduler_id for s in await self.statuses()}
         self._redis_run_id = run_id
+
+    async def _fail_lost_requests(self) -> None:
+        """Once every scheduler has said what it holds (or the grace period is over): the requests
+        no scheduler holds and the new Redis lacks end with an error and are aborted everywhere."""
+        held, reported = await self._held_requests()
+        alive = {s.scheduler_id for s in await self.statuses(fresh=True)}
+        if (self._restart.schedulers | alive) - reported and time.monotonic() < self._restart.deadline:
+            return
+        self._restart = None
+        candidates = [r for r in self._queues if r not in self._started and r not in held and r in self._entry_ids]
+        if not candidates:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id in candidates:
+            entry_id = self._entry_ids[request_id]
+            pipe.xrange(streams.REQUESTS, entry_id, entry_id, count=1)
+        lost = [r for r, entries in zip(candidates, await pipe.execute()) if not entries]
+        await self._read_batch(block=False)  # a request that ended has its events out before its entry goes
+        lost = [r for r in lost if r in self._queues and r not in self._started]
+        if lost:
+            log.warning("Redis restarted: failing %d request(s) it lost (no scheduler holds them)", len(lost))
+        for request_id in lost:
+            self._queues[request_id].put_nowait(RequestEvent(request_id, [], None, "error", REDIS_RESTARTED))
+            self.abort(request_id)
+
+    async def _held_requests(self) -> tuple[set[str], set[str]]:
+        """The request ids the schedulers hold, and the schedulers that said so, since Redis restarted."""
+        keys = [key async for key in self.redis.scan_iter(match=streams.HELD_PREFIX + "*", count=1000)]
+        held, reported = set(), set()
+        for raw in await self.redis.mget(keys) if keys else []:
+            try:
+                message = decode(raw) if raw is not None else None
+            except ProtocolError as exc:
+                log.warning("ignoring an undecodable list of held requests: %s", exc)
+                continue
+            if isinstance(message, HeldRequests) and isinstance(message.request_ids, list):
+                reported.add(message.scheduler_id)
+                held.update(message.request_ids)
+        return held, reported
 
     def _dispatch(self, fields: dict) -> None:
         try:

@@ -49,6 +49,14 @@ class RequestRejected(ValueError):
 
 
 @dataclass(slots=True)
+class FailedRequest:
+    """A request ended by an exception raised while scheduling or updating it (isolate_failures)."""
+
+    request_id: str
+    error: str
+
+
+@dataclass(slots=True)
 class _Budget:
     tokens: int
 
@@ -103,6 +111,10 @@ class Scheduler:
         self.num_recompute_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of them, tokens whose KV was there
+        # True (the scheduler process): an exception raised for one request ends that request
+        # alone, reported by take_failed(); False: it propagates.
+        self.isolate_failures = False
+        self._failed: list[FailedRequest] = []
 
     @classmethod
     def from_hello(cls, config: EngineConfig, hello: WorkerHello) -> Scheduler:
@@ -202,6 +214,27 @@ class Scheduler:
         self._retire(group)
         return True
 
+    def take_failed(self) -> list[FailedRequest]:
+        """The requests ended by their own exception since the last call (see isolate_failures)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _fail(self, group: SequenceGroup, exc: Exception, plan: StepPlan | None = None) -> None:
+        """End the group whose scheduling or update raised: out of the plan being built, its blocks
+        freed, its sequences dropped by the workers with the next plan. Re-raises unless isolating."""
+        if not self.isolate_failures:
+            raise exc
+        seq_ids = {seq.seq_id for seq in group.seqs}
+        if plan is not None:
+            self._held_by_workers -= {s.seq_id for s in plan.new_seqs if s.seq_id in seq_ids}
+            plan.new_seqs = [s for s in plan.new_seqs if s.seq_id not in seq_ids]
+            plan.cached_seqs = [s for s in plan.cached_seqs if s.seq_id not in seq_ids]
+        for seq_id in seq_ids:
+            self._scheduled.pop(seq_id, None)
+            self._planned_samples.pop(seq_id, None)
+        self.abort_request(group.request_id)
+        self._failed.append(FailedRequest(group.request_id, f"{type(exc).__name__}: {exc}"))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
@@ -236,74 +269,83 @@ class Scheduler:
         preempted = False
         while queue:
             group = queue.pop(0)
-            seqs = group.seqs_with(SequenceStatus.RUNNING)
-            num_new = self._chunk_sizes(seqs, budget)
-            if num_new is None:  # out of budget this step; stays running, unscheduled
-                self.running.append(group)
-                continue
-            while not self._can_grow(seqs, num_new):
-                victim = queue.pop() if queue else group
-                self._preempt(victim, plan)
-                preempted = True
-                if victim is group:
-                    break
-            else:
-                self._grow(seqs, num_new, plan)
-                self._add_to_plan(seqs, num_new, plan, budget)
-                self.running.append(group)
+            try:
+                seqs = group.seqs_with(SequenceStatus.RUNNING)
+                num_new = self._chunk_sizes(seqs, budget)
+                if num_new is None:  # out of budget this step; stays running, unscheduled
+                    self.running.append(group)
+                    continue
+                while not self._can_grow(seqs, num_new):
+                    victim = queue.pop() if queue else group
+                    self._preempt(victim, plan)
+                    preempted = True
+                    if victim is group:
+                        break
+                else:
+                    self._grow(seqs, num_new, plan)
+                    self._add_to_plan(seqs, num_new, plan, budget)
+                    self.running.append(group)
+            except Exception as exc:
+                self._fail(group, exc, plan)
         return preempted
 
     def _schedule_swapped(self, plan: StepPlan, budget: _Budget) -> None:
         while self.swapped:
             group = self.swapped[0]
-            seqs = group.seqs_with(SequenceStatus.SWAPPED)
-            if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
-                return
-            num_new = self._chunk_sizes(seqs, budget)
-            seq_ids = [seq.seq_id for seq in seqs]
-            if num_new is None or not self.block_manager.can_swap_in(seq_ids):
-                return
-            self.swapped.pop(0)
-            plan.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_ids))
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-            self._insert_running(group)
-            if self._can_grow(seqs, num_new):  # the watermark all but guarantees it
-                self._grow(seqs, num_new, plan)
-                self._add_to_plan(seqs, num_new, plan, budget)
+            try:
+                seqs = group.seqs_with(SequenceStatus.SWAPPED)
+                if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
+                    return
+                num_new = self._chunk_sizes(seqs, budget)
+                seq_ids = [seq.seq_id for seq in seqs]
+                if num_new is None or not self.block_manager.can_swap_in(seq_ids):
+                    return
+                self.swapped.pop(0)
+                plan.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_ids))
+                for seq in seqs:
+                    seq.status = SequenceStatus.RUNNING
+                self._insert_running(group)
+                if self._can_grow(seqs, num_new):  # the watermark all but guarantees it
+                    self._grow(seqs, num_new, plan)
+                    self._add_to_plan(seqs, num_new, plan, budget)
+            except Exception as exc:
+                self._fail(group, exc, plan)
 
     def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
         bm = self.block_manager
         while self.waiting:
             group = self.waiting[0]
-            seqs = group.seqs_with(SequenceStatus.WAITING)
-            if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
-                return
-            tokens = [TokenView(seq) for seq in seqs]
-            final_tokens = self._final_tokens(group)
-            if len(seqs) == 1:
-                hits = [bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens)]
-                fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], final_tokens)
-            else:  # a preempted group recomputing: hits are a bonus, not counted on
-                hits = [0] * len(seqs)
-                needed = sum(bm.blocks_for(seq.num_tokens) for seq in seqs)
-                fits = needed <= bm.num_free_blocks - bm.watermark_blocks
-            num_new = self._chunk_sizes(seqs, budget, hits)
-            if num_new is None or not self.config.enable_chunked_prefill and any(
-                n + hit < s.num_tokens for s, n, hit in zip(seqs, num_new, hits)
-            ):
-                return
-            if not fits:
-                return
-            self.waiting.pop(0)
-            for seq, view in zip(seqs, tokens):
-                seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens)
-                seq.status = SequenceStatus.RUNNING
-                if bm.enable_prefix_caching:
-                    self.prefix_cache_queries += seq.num_tokens
-                    self.prefix_cache_hits += seq.num_computed_tokens
-            self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
-            self._insert_running(group)
+            try:
+                seqs = group.seqs_with(SequenceStatus.WAITING)
+                if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
+                    return
+                tokens = [TokenView(seq) for seq in seqs]
+                final_tokens = self._final_tokens(group)
+                if len(seqs) == 1:
+                    hits = [bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens)]
+                    fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], final_tokens)
+                else:  # a preempted group recomputing: hits are a bonus, not counted on
+                    hits = [0] * len(seqs)
+                    needed = sum(bm.blocks_for(seq.num_tokens) for seq in seqs)
+                    fits = needed <= bm.num_free_blocks - bm.watermark_blocks
+                num_new = self._chunk_sizes(seqs, budget, hits)
+                if num_new is None or not self.config.enable_chunked_prefill and any(
+                    n + hit < s.num_tokens for s, n, hit in zip(seqs, num_new, hits)
+                ):
+                    return
+                if not fits:
+                    return
+                self.waiting.pop(0)
+                for seq, view in zip(seqs, tokens):
+                    seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens)
+                    seq.status = SequenceStatus.RUNNING
+                    if bm.enable_prefix_caching:
+                        self.prefix_cache_queries += seq.num_tokens
+                        self.prefix_cache_hits += seq.num_computed_tokens
+                self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
+                self._insert_running(group)
+            except Exception as exc:
+                self._fail(group, exc, plan)
 
     def _final_tokens(self, group: SequenceGroup) -> int:
         prompt_len = len(group.prompt_token_ids)
@@ -438,20 +480,30 @@ class Scheduler:
         for seq_id, sampled in samples.items():
             seq = self._seqs.get(seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran, or its group failed
             group = self._group_of_seq[seq_id]
             self._check_due(result.step, seq, len(sampled), planned_samples.get(seq_id, 0))
             touched[group.request_id] = group
-            if group.beam is not None:
-                group.beam.pending[seq_id] = sampled[0]
-                continue
-            for index, extra in enumerate(sampled[1:], start=1):
-                self._append(group, self._fork(group, seq, index), extra, new_counts)
-            self._append(group, seq, sampled[0], new_counts)
-        for group in touched.values():
-            if group.beam is not None and len(group.beam.pending) == len(group.seqs):
-                self._beam_step(group)
-        outputs = [out for group in touched.values() if (out := self._output(group, new_counts)) is not None]
+            try:
+                if group.beam is not None:
+                    group.beam.pending[seq_id] = sampled[0]
+                    continue
+                for index, extra in enumerate(sampled[1:], start=1):
+                    self._append(group, self._fork(group, seq, index), extra, new_counts)
+                self._append(group, seq, sampled[0], new_counts)
+            except Exception as exc:
+                del touched[group.request_id]
+                self._fail(group, exc)
+        outputs = []
+        for group in list(touched.values()):
+            try:
+                if group.beam is not None and len(group.beam.pending) == len(group.seqs):
+                    self._beam_step(group)
+                if (out := self._output(group, new_counts)) is not None:
+                    outputs.append(out)
+            except Exception as exc:
+                del touched[group.request_id]
+                self._fail(group, exc)
         for group in touched.values():
             if group.is_finished:
                 self._retire(group)

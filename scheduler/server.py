@@ -1,17 +1,14 @@
 """The scheduler process: requests from Redis, plans to the workers over ZeroMQ, tokens back to Redis.
 
-    loop: aborts ─▶ new requests (XREADGROUP) ─▶ schedule ─▶ plan to every rank ─▶ rank 0's result
-          ─▶ update ─▶ XADD events to each request's reply stream ─▶ XACK the requests that ended
+    loop: aborts ─▶ new requests (a dead scheduler's first) ─▶ schedule ─▶ plan to every rank
+          ─▶ rank 0's result ─▶ update ─▶ events to each request's reply stream ─▶ XACK those that ended
 
-A request is acknowledged in the requests stream only when it ends, so a request held by a
-scheduler that dies stays pending in Redis: a live scheduler re-claims its own entries every
-second (XCLAIM, which resets their idle time) and takes over entries idle longer than CLAIM_IDLE_MS
-(XAUTOCLAIM). A taken-over request that had not streamed a token runs from the start; one that had
-(marked in the `pagoda:started` hash) ends with an error, never with its text repeated.
+This module owns the worker group's life and the step; scheduler/request_stream.py owns the Redis
+side (reads, claims, takeover, the outbox of events).
 
 A step whose result misses its deadline, or a worker whose connection closes, fails every request
-the group holds; the epoch advances so workers drop their state. Events go out through an outbox
-that survives a Redis outage (sent, in order, once Redis is back).
+the group holds; the epoch advances so workers drop their state. An exception raised while
+scheduling or updating one request fails that request alone; the others go on.
 
 SIGTERM drains: no new requests are read, requests that have not started are handed back to the
 stream for another (or the restarted) scheduler, running ones finish within `drain_timeout_s`,
@@ -19,48 +16,25 @@ the rest end with an error; then the process exits 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-import dataclasses
-from dataclasses import dataclass, field
 
 import redis
 
-from common import streams
 from common.config import EngineConfig, ServingConfig
-from common.protocol import (
-    GenerateRequest, ProtocolError, RequestEvent, SamplingParams, SchedulerStatus, WorkerHello, decode, encode,
-)
+from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, WorkerHello, encode
 from common.transport import WorkerLink
+from scheduler.request_stream import IDLE_BLOCK_MS, Arrival, RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
-from scheduler.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5
-CLAIM_INTERVAL_S = 1.0  # how often a scheduler renews its claims and looks for orphaned requests
-CLAIM_IDLE_MS = 10_000  # a pending entry unclaimed this long belongs to a dead scheduler
-MAX_DELIVERIES = 3  # a request whose schedulers keep dying is not given to another one
-# An abort can come long before its request is read (queued behind others in Redis): it is kept
-# longer than a gateway waits for a request (request_timeout_s, 600 s by default).
-EARLY_ABORT_TTL_S = 900.0
-WORKER_SILENCE_S = 10.0  # an idle worker says hello every 2 s; silence this long means it is gone
-IDLE_BLOCK_MS = 50
-READ_BATCH = 64
-
-
-@dataclass(slots=True)
-class _Tracked:
-    reply_stream: str
-    entry_id: bytes  # in the requests stream, acknowledged when the request ends
-    logprobs: bool
-    ended: set[int] = field(default_factory=set)  # outputs whose last event went out
-    started: bool = False  # a token went out: the request can no longer be run again from the start
-    num_sent: int = 0  # token-bearing events sent (RequestEvent.seq)
 
 
 class SchedulerServer:
@@ -68,30 +42,22 @@ class SchedulerServer:
         self.engine_config = engine_config
         self.serving = serving
         self.id = serving.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.redis = redis.Redis.from_url(serving.redis_url, socket_timeout=10, socket_connect_timeout=2,
-                                          retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        self.stream = RequestStream(serving, self.id)
         self.link = WorkerLink(serving.zmq_address, serving.world_size)
         self.scheduler: Scheduler | None = None
-        self.hello: WorkerHello | None = None
-        self.tracked: dict[str, _Tracked] = {}
-        self.early_aborts: dict[str, float] = {}  # aborts that arrived before their request
+        self.hello: WorkerHello | None = None  # rank 0's, of the last group started
+        self.group_generation = -1
         self.epoch = int(time.time() * 1000) % (1 << 31)  # a restarted scheduler starts a new epoch
-        self.aborts_cursor = b"0-0"
         self.stopping = False
         self.drain_deadline: float | None = None  # set by SIGTERM
         self._drain_logged = False
-        self.group_generation = -1
-        self.outbox: list[tuple] = []  # Redis writes not yet done: ("event", stream, event) | ("ack", entry, id)
         self._last_status = 0.0
-        self._last_claim = 0.0
-        self._last_prune = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def serve_forever(self) -> None:
         if threading.current_thread() is threading.main_thread():  # signal.signal works only there
             signal.signal(signal.SIGTERM, lambda *_: self.drain())
-        self._ensure_group()
-        self.aborts_cursor = self._recent_aborts_id()
+        self.stream.ensure_group()
         log.info("scheduler %s waiting for %d worker(s) on %s", self.id, self.serving.world_size, self.serving.zmq_address)
         try:
             while not self.stopping:
@@ -110,34 +76,33 @@ class SchedulerServer:
             self.drain_deadline = time.monotonic() + timeout_s
 
     def _iterate(self) -> None:
-        self._flush()
+        self.stream.flush()
         self._publish_status()
-        if self.drain_deadline is not None and not self._drain_logged:
-            self._drain_logged = True
-            log.info("draining: %d request(s) held, %.0f s to finish", len(self.tracked),
-                     self.drain_deadline - time.monotonic())
         if self.drain_deadline is not None and self._drained():
             self.stopping = True
             return
-        if self.scheduler is not None and self.link.generation != self.group_generation:
-            self._fail_group("a worker restarted")
-        if self.scheduler is not None and self.link.check_connections() is not None:
-            self._fail_group(f"the worker failed: {_lost(self.link.lost)}")
+        self._check_workers()
         if self.scheduler is None:
             self.link.poll_hello(timeout_ms=200)
             if self.link.ready:
                 self._start_group()
             return
-        self._read_aborts()
-        self._claim()
+        for abort in self.stream.read_aborts():
+            if abort.index is None:
+                self.scheduler.abort_request(abort.request_id)
+            elif self.scheduler.abort_sequence(abort.request_id, abort.index):  # the others had already finished
+                self.stream.retire(abort.request_id)
+        if self.stream.claim_due():
+            for request_id in self.stream.maintain(draining=self.drain_deadline is not None):
+                self.scheduler.abort_request(request_id)
         busy = self.scheduler.has_unfinished_requests()
         if not busy:
             self.link.drain()
-            if self.link.silent_for() > WORKER_SILENCE_S:
-                self._fail_group(f"no word from the workers for {WORKER_SILENCE_S:g} s")
+            if self.link.silent_for() > self.serving.worker_silence_s:
+                self._fail_group(f"no word from the workers for {self.serving.worker_silence_s:g} s")
                 return
         if self.drain_deadline is None:
-            self._read_requests(block=not busy)
+            self._admit_arrivals(block=not busy)
         elif not busy:
             time.sleep(IDLE_BLOCK_MS / 1000)
         if self.scheduler.has_unfinished_requests():
@@ -145,234 +110,84 @@ class SchedulerServer:
 
     def _drained(self) -> bool:
         """While draining: hand back what has not started; True once nothing runs or time is up."""
-        for request_id, tracked in list(self.tracked.items()):
-            if not tracked.started:  # queued again as a new entry: the next scheduler reads it at once
-                del self.tracked[request_id]
-                if self.scheduler is not None:
-                    self.scheduler.abort_request(request_id)
-                for _, fields in self.redis.xrange(streams.REQUESTS, tracked.entry_id, tracked.entry_id):
-                    self.outbox.append(("requeue", fields[streams.FIELD], None))
-                self.outbox.append(("ack", tracked.entry_id, request_id))
-        self._flush()
-        return not self.tracked or time.monotonic() > self.drain_deadline
+        if not self._drain_logged:
+            self._drain_logged = True
+            log.info("draining: %d request(s) held, %.0f s to finish", len(self.stream.tracked),
+                     self.drain_deadline - time.monotonic())
+        for request_id in self.stream.hand_back_unstarted():
+            if self.scheduler is not None:
+                self.scheduler.abort_request(request_id)
+        return not self.stream.tracked or time.monotonic() > self.drain_deadline
 
     def _shutdown(self) -> None:
         """Requests still held end with an error (their clients would otherwise wait for nothing)."""
         try:
-            for request_id, tracked in list(self.tracked.items()):
-                self._finish_untracked(request_id, tracked, "error", "the scheduler is shutting down")
-            self._flush()
-            self.redis.delete(streams.status_key(self.id))
+            self.stream.fail_all("the scheduler is shutting down")
+            self.stream.delete_status()
         except redis.RedisError as exc:
             log.warning("redis unavailable at shutdown: %s", exc)
         self.link.close()
 
-    def _ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-    @staticmethod
-    def _recent_aborts_id() -> bytes:
-        """Read recent aborts too: those for requests this scheduler may take over from a dead one."""
-        return f"{int((time.time() - EARLY_ABORT_TTL_S) * 1000)}-0".encode()
+    # ------------------------------------------------------------------ the worker group
+    def _check_workers(self) -> None:
+        if self.scheduler is not None and self.link.generation != self.group_generation:
+            self._fail_group("a worker restarted")
+        if self.scheduler is not None and self.link.check_connections() is not None:
+            self._fail_group(f"the worker failed: {_lost(self.link.lost)}")
 
     def _start_group(self) -> None:
         """Every rank said hello: size the scheduler from their capacity (the smallest pool)."""
-        self.hello = self.link.hellos[0]
+        hellos = self.link.hellos
+        hello = self.hello = hellos[0]
         self.group_generation = self.link.generation
-        num_gpu_blocks = min(h.num_gpu_blocks for h in self.link.hellos.values())
-        num_cpu_blocks = min(h.num_cpu_blocks for h in self.link.hellos.values())
-        if self.hello.block_size != self.engine_config.block_size:
-            log.warning("workers use block size %d; the scheduler follows", self.hello.block_size)
-        config = self.engine_config.replace(block_size=self.hello.block_size, max_model_len=self.hello.max_model_len)
-        self.scheduler = Scheduler.from_hello(
-            config, dataclasses.replace(self.hello, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
-        )
+        if hello.block_size != self.engine_config.block_size:
+            log.warning("workers use block size %d; the scheduler follows", hello.block_size)
+        config = self.engine_config.replace(block_size=hello.block_size, max_model_len=hello.max_model_len)
+        self.scheduler = Scheduler.from_hello(config, dataclasses.replace(
+            hello, num_gpu_blocks=min(h.num_gpu_blocks for h in hellos.values()),
+            num_cpu_blocks=min(h.num_cpu_blocks for h in hellos.values()),
+        ))
         self.scheduler.epoch = self.epoch
+        self.scheduler.isolate_failures = True
         log.info("workers ready: %s, %d KV blocks of %d tokens, context %d",
-                 self.hello.model, self.hello.num_gpu_blocks, self.hello.block_size, self.hello.max_model_len)
+                 hello.model, hello.num_gpu_blocks, hello.block_size, hello.max_model_len)
 
-    # ------------------------------------------------------------------ inputs
-    def _read_requests(self, block: bool) -> None:
+    def _fail_group(self, message: str) -> None:
+        """The workers' KV state is lost: every request this group holds ends with an error."""
+        log.error("%s; failing %d request(s) and waiting for workers", message, len(self.stream.tracked))
+        self.scheduler = None
+        if self.link.generation == self.group_generation:  # else the link already took on new ranks
+            self.link.forget_workers()
+        self.epoch = (self.epoch + 1) % (1 << 31)
+        self.stream.fail_all(message)  # last: the flush may raise while Redis is down
+
+    # ------------------------------------------------------------------ admission
+    def _admit_arrivals(self, block: bool) -> None:
+        """A dead scheduler's requests come first: nothing new is read while any waits for room."""
         room = self.engine_config.max_num_seqs - len(self.scheduler.waiting)
         if room <= 0:
             return
-        try:
-            replies = self.redis.xreadgroup(
-                streams.SCHEDULER_GROUP, self.id, {streams.REQUESTS: ">"}, count=min(room, READ_BATCH),
-                block=IDLE_BLOCK_MS if block else None,
-            )
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            log.warning("the requests stream has no consumer group (Redis restarted empty?): recreating it")
-            self._ensure_group()
-            return
-        for _, entries in replies or []:
-            for entry_id, fields in entries:
-                self._admit(entry_id, fields)
+        arrivals = self.stream.take_over(room) if self.stream.orphans else self.stream.read(room, block)
+        for arrival in arrivals:
+            self._admit(arrival)
 
-    def _claim(self) -> None:
-        """Renew this scheduler's claims on its requests; take over requests of dead schedulers."""
-        now = time.monotonic()
-        if now - self._last_claim < CLAIM_INTERVAL_S:
-            return
-        self._last_claim = now
-        room = self.engine_config.max_num_seqs - len(self.scheduler.waiting)
-        try:
-            self._drop_taken_over()
-            self._renew_claims()
-            if self.drain_deadline is not None or room <= 0:
-                return
-            entries = self.redis.xautoclaim(  # [next id, entries] (Redis 6.2), + deleted ids (7.0)
-                streams.REQUESTS, streams.SCHEDULER_GROUP, self.id, CLAIM_IDLE_MS, start_id="0-0",
-                count=min(room, READ_BATCH),
-            )[1]
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            return  # Redis restarted empty: _read_requests recreates the group
-        if any(fields is None for _, fields in entries):  # deleted from the stream while pending
-            self._ack_deleted()
-        self._take_over([(entry_id, fields) for entry_id, fields in entries if fields is not None])
-
-    def _take_over(self, entries: list[tuple[bytes, dict]]) -> None:
-        """Run a dead scheduler's request again, unless it had streamed (its text would repeat) or
-        was delivered to too many schedulers that died (it may be what kills them)."""
-        if not entries:
-            return
-        requests = [_try_decode_request(fields) for _, fields in entries]
-        started = self.redis.hmget(streams.STARTED, [r.request_id if r else "" for r in requests])
-        deliveries = self._deliveries([entry_id for entry_id, _ in entries])
-        for (entry_id, fields), request, owner in zip(entries, requests, started):
-            if request is None:
-                self._admit(entry_id, fields)  # malformed: dropped there
-                continue
-            if request.request_id in self.tracked:
-                continue  # ours all along (a claim renewed late)
-            log.warning("took over request %s from a scheduler that stopped", request.request_id)
-            if owner is not None:
-                self._interrupt(entry_id, request, "the scheduler serving this request stopped after it had started "
-                                                   "streaming")
-            elif deliveries.get(entry_id, 0) > MAX_DELIVERIES:
-                self._interrupt(entry_id, request, f"the request was taken by {MAX_DELIVERIES} schedulers that each "
-                                                   "stopped; it is not tried again")
-            else:
-                self._admit(entry_id, fields)
-
-    def _drop_taken_over(self) -> None:
-        """A request another scheduler took over (this one was stopped or stalled past CLAIM_IDLE_MS)
-        is dropped here without a word: it is the other's now. Between steps only."""
-        if not self.tracked:
-            return
-        own = {p["message_id"] for p in self.redis.xpending_range(
-            streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", len(self.tracked) + 1000, consumername=self.id)}
-        for request_id, tracked in list(self.tracked.items()):
-            if tracked.entry_id in own:
-                continue
-            holder = self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, tracked.entry_id,
-                                               tracked.entry_id, 1)
-            if holder and holder[0]["consumer"].decode() != self.id:  # (none: Redis restarted empty; keep it)
-                log.warning("request %s was taken over by %s; dropping it here", request_id,
-                            holder[0]["consumer"].decode())
-                del self.tracked[request_id]
-                self.scheduler.abort_request(request_id)
-
-    def _renew_claims(self) -> None:
-        """XCLAIM with JUSTID resets an entry's idle time (and not its delivery count)."""
-        ids = [t.entry_id for t in self.tracked.values()]
-        for i in range(0, len(ids), 1000):
-            self.redis.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, self.id, 0, ids[i:i + 1000], justid=True)
-
-    def _ack_deleted(self) -> None:
-        """Acknowledge this scheduler's pending entries that are gone from the stream (Redis 6.2's
-        XAUTOCLAIM returns them as nils and keeps them pending; 7.0 drops them itself)."""
-        tracked = {t.entry_id for t in self.tracked.values()}
-        for p in self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", 1000,
-                                           consumername=self.id):
-            if p["message_id"] not in tracked and not self.redis.xrange(streams.REQUESTS, p["message_id"],
-                                                                        p["message_id"]):
-                self.outbox.append(("ack", p["message_id"], None))
-
-    def _deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
-        """How many times each of this scheduler's pending entries has been delivered (claims count)."""
-        pending = self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+",
-                                            len(entry_ids) + len(self.tracked) + 1000, consumername=self.id)
-        wanted = set(entry_ids)
-        return {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] in wanted}
-
-    def _interrupt(self, entry_id: bytes, request: GenerateRequest, message: str) -> None:
-        self._finish_untracked(request.request_id, _Tracked(request.reply_stream, entry_id, False), "error", message)
-
-    def _admit(self, entry_id: bytes, fields: dict) -> None:
-        try:
-            request = _decode_request(fields)
-        except ProtocolError as exc:
-            log.warning("dropped malformed request %s: %s", entry_id, exc)
-            self.outbox.append(("ack", entry_id, None))
-            return
-        if request.request_id in self.tracked:
-            self.outbox.append(("ack", entry_id, None))  # a duplicate
-            return
-        params = request.sampling_params
-        logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
-        tracked = _Tracked(request.reply_stream, entry_id, logprobs)
-        if self.early_aborts.pop(request.request_id, None) is not None:
-            self._finish_untracked(request.request_id, tracked, "abort", None)
-            return
+    def _admit(self, arrival: Arrival) -> None:
+        request = arrival.request
         invalid = _invalid_request(request, self.hello.vocab_size)
         if invalid is not None:  # the gateway validates; an entry from elsewhere must not reach a worker
-            self._finish_untracked(request.request_id, tracked, "error", invalid)
+            self.stream.finish(arrival, "error", invalid)
             return
         try:
             self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.sampling_params)
         except RequestRejected as exc:
-            self._finish_untracked(request.request_id, tracked, "error", str(exc))
+            self.stream.finish(arrival, "error", str(exc))
             return
-        self.tracked[request.request_id] = tracked
-
-    def _read_aborts(self) -> None:
-        replies = self.redis.xread({streams.ABORTS: self.aborts_cursor}, count=1000)
-        for _, entries in replies or []:
-            for entry_id, fields in entries:
-                self.aborts_cursor = entry_id
-                request_id = fields.get(streams.ABORT_FIELD, b"").decode(errors="replace")
-                index = fields.get(streams.ABORT_INDEX_FIELD)
-                if index is None:
-                    self._abort(request_id)
-                elif index.isdigit():
-                    self._abort_sequence(request_id, int(index))
-        now = time.monotonic()
-        if self.early_aborts and now - self._last_prune > 10:  # not every step: the dict can be large
-            self._last_prune = now
-            self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > now - EARLY_ABORT_TTL_S}
-
-    def _abort(self, request_id: str) -> None:
-        tracked = self.tracked.pop(request_id, None)
-        if tracked is None:
-            self.early_aborts[request_id] = time.monotonic()
-            return
-        self.scheduler.abort_request(request_id)
-        self._finish_untracked(request_id, tracked, "abort", None)
-
-    def _abort_sequence(self, request_id: str, index: int) -> None:
-        """One sample of a request ends (the gateway found a stop string in it): its blocks are
-        freed, no event is sent for it, the request's other samples go on. Never kept for later:
-        the gateway sends it only once the sample has streamed."""
-        tracked = self.tracked.get(request_id)
-        if tracked is None:
-            return
-        tracked.ended.add(index)
-        if self.scheduler.abort_sequence(request_id, index):  # the others had already finished
-            del self.tracked[request_id]
-            self.outbox.append(("ack", tracked.entry_id, request_id))
+        self.stream.track(arrival)
 
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
         plan = self.scheduler.schedule()
+        self._fail_isolated()
         self.link.send_plan(plan)  # even an empty plan: it carries the ids workers must drop
         result = self.link.gather(plan, self.serving.step_timeout_s, on_wait=self._heartbeats)
         if result is None or result.error:
@@ -391,90 +206,24 @@ class SchedulerServer:
         except (ValueError, RuntimeError) as exc:  # the result breaks the contract: the state is unsure
             self._fail_group(f"the worker's result was invalid: {exc}")
             return
-        self._emit(outputs)
+        self._fail_isolated()
+        self.stream.emit(outputs)
         if not (plan.new_seqs or plan.cached_seqs):
             time.sleep(0.001)  # nothing fits yet
+
+    def _fail_isolated(self) -> None:
+        """Requests whose scheduling or update raised: each ends with an error, alone."""
+        for failed in self.scheduler.take_failed():
+            self.stream.fail(failed.request_id, f"the scheduler failed on this request: {failed.error}")
 
     def _heartbeats(self) -> None:
         """While a step runs: keep the status and this scheduler's claims fresh."""
         self._publish_status()
-        if time.monotonic() - self._last_claim >= CLAIM_INTERVAL_S:
-            self._last_claim = time.monotonic()
+        if self.stream.claim_due():
             try:
-                self._renew_claims()
+                self.stream.renew_claims()
             except redis.RedisError as exc:
                 log.warning("could not renew claims: %s", exc)
-
-    def _emit(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            tracked = self.tracked.get(out.request_id)
-            if tracked is None:
-                continue
-            for seq in out.outputs:
-                if not seq.num_new_tokens and seq.finish_reason is None:
-                    continue
-                if seq.finish_reason is not None and seq.index in tracked.ended:
-                    continue
-                logprobs = None
-                if tracked.logprobs and seq.logprobs is not None and seq.num_new_tokens:
-                    logprobs = [[lp, top] for lp, top in seq.logprobs[-seq.num_new_tokens:]]
-                event = RequestEvent(out.request_id, seq.new_token_ids, logprobs, seq.finish_reason, None, seq.index)
-                if event.token_ids:
-                    tracked.num_sent += 1
-                    event.seq = tracked.num_sent
-                if event.token_ids and not tracked.started:
-                    tracked.started = True
-                    self.outbox.append(("started", out.request_id, None))
-                self.outbox.append(("event", tracked.reply_stream, event))
-                if seq.finish_reason is not None:
-                    tracked.ended.add(seq.index)
-            if out.finished:
-                self.outbox.append(("ack", tracked.entry_id, out.request_id))
-                del self.tracked[out.request_id]
-        self._flush()
-
-    def _finish_untracked(self, request_id: str, tracked: _Tracked, reason: str, error: str | None) -> None:
-        self.outbox.append(("event", tracked.reply_stream, RequestEvent(request_id, [], None, reason, error)))
-        self.outbox.append(("ack", tracked.entry_id, request_id))
-        self._flush()
-
-    def _flush(self) -> None:
-        """Send the outbox in one pipeline. On a connection error it is kept, in order, for the next
-        try; a command Redis refuses (XACK after Redis restarted empty: no group) is logged, not retried."""
-        if not self.outbox:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for kind, a, b in self.outbox:
-            if kind == "event":
-                pipe.xadd(a, {streams.FIELD: encode(b)}, maxlen=100_000, approximate=True)
-                pipe.expire(a, streams.REPLY_STREAM_TTL_S)
-            elif kind == "started":
-                pipe.hset(streams.STARTED, a, self.id)
-            elif kind == "requeue":
-                pipe.xadd(streams.REQUESTS, {streams.FIELD: a})
-            else:  # the request ended: acknowledge it and drop it from the stream, which would grow forever
-                pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, a)
-                pipe.xdel(streams.REQUESTS, a)
-                if b is not None:
-                    pipe.hdel(streams.STARTED, b)
-        results = pipe.execute(raise_on_error=False)
-        self.outbox.clear()
-        refused = [r for r in results if isinstance(r, redis.ResponseError)]
-        if refused:
-            log.warning("redis refused %d command(s), e.g. %s", len(refused), refused[0])
-
-    def _fail_group(self, message: str) -> None:
-        """The workers' KV state is lost: every request this group holds ends with an error."""
-        log.error("%s; failing %d request(s) and waiting for workers", message, len(self.tracked))
-        failed, self.tracked = self.tracked, {}
-        self.scheduler = None
-        if self.link.generation == self.group_generation:  # else the link already took on new ranks
-            self.link.forget_workers()
-        self.epoch = (self.epoch + 1) % (1 << 31)
-        for request_id, tracked in failed.items():  # last: the flush may raise while Redis is down
-            self.outbox.append(("event", tracked.reply_stream, RequestEvent(request_id, [], None, "error", message)))
-            self.outbox.append(("ack", tracked.entry_id, request_id))
-        self._flush()
 
     # ------------------------------------------------------------------ status
     def _publish_status(self) -> None:
@@ -495,26 +244,9 @@ class SchedulerServer:
             prefix_cache_hits_total=s.prefix_cache_hits if s else 0, updated_at=now,
         )
         try:
-            self.redis.set(streams.status_key(self.id), encode(status), px=int(streams.STATUS_TTL_S * 1000))
+            self.stream.publish_status(encode(status))
         except redis.RedisError as exc:
             log.warning("could not publish status: %s", exc)
-
-
-def _decode_request(fields: dict) -> GenerateRequest:
-    """A requests-stream entry's request; ProtocolError when it is not one with string ids."""
-    request = decode(fields.get(streams.FIELD, b""))
-    if not isinstance(request, GenerateRequest):
-        raise ProtocolError(f"expected a GenerateRequest, got {type(request).__name__}")
-    if not (isinstance(request.request_id, str) and isinstance(request.reply_stream, str)):
-        raise ProtocolError("request_id and reply_stream must be strings")
-    return request
-
-
-def _try_decode_request(fields: dict) -> GenerateRequest | None:
-    try:
-        return _decode_request(fields)
-    except ProtocolError:
-        return None
 
 
 def _lost(rank: int) -> str:

@@ -25,7 +25,9 @@ except ImportError:  # pragma: no cover
 
 from common import streams
 from common.config import GatewayConfig
-from common.protocol import GenerateRequest, RequestEvent, SamplingParams, SchedulerStatus, decode, encode
+from common.protocol import (
+    GenerateRequest, HeldRequests, RequestEvent, SamplingParams, SchedulerStatus, decode, encode,
+)
 from common.redis_server import RedisServer, free_port
 from gateway.app import create_app
 from gateway.detokenizer import IncrementalDetokenizer
@@ -868,14 +870,67 @@ def test_a_request_lost_by_a_redis_restart_is_503_at_once_not_at_its_deadline(to
                 server.stop()
                 server.start()  # empty: the queued request is gone
                 publisher.set(streams.status_key("fake"), encode(status()), px=60_000)
+                publisher.set(streams.held_key("fake"), encode(HeldRequests("fake", [])))  # as a scheduler does
                 restarted = time.monotonic()
                 r = pending.result(timeout=10)
             assert time.monotonic() - restarted < 5
             error(r, 503, type="server_error", code="service_unavailable")
+            assert r.headers["retry-after"] == "5"
             assert r.json()["error"]["message"] == (
                 "Redis restarted and lost the request before a scheduler read it; retry the request")
     finally:
         publisher.close()
+        server.stop()
+
+
+def test_after_a_redis_restart_only_what_no_scheduler_holds_fails_and_is_aborted(tokenizer):
+    """Of three requests, one was read by a scheduler before Redis restarted (it says it holds it),
+    one was queued unread (lost: 503 with Retry-After, aborted), one was sent to the new Redis before
+    the gateway saw the restart (kept). Held and new ones then finish as usual."""
+    import concurrent.futures
+
+    server = RedisServer().start()
+    r = redis.Redis.from_url(server.url)
+    body = {"prompt": HELLO, "max_tokens": 2}
+    config = GatewayConfig(redis_url=server.url, redis_restart_grace_s=30.0)  # the schedulers' word, not the grace
+    try:
+        r.set(streams.status_key("fake"), encode(status()), px=60_000)
+        r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
+        with TestClient(create_app(config, tokenizer=tokenizer)) as c, concurrent.futures.ThreadPoolExecutor(3) as pool:
+            c.app.state.gateway.engine.status_ttl_s = 0.0
+            held_response = pool.submit(c.post, "/v1/completions", json=body)
+            assert wait_for(lambda: r.xlen(streams.REQUESTS) == 1)
+            [(_, [(_, fields)])] = r.xreadgroup(streams.SCHEDULER_GROUP, "fake", {streams.REQUESTS: ">"})
+            held = decode(fields[streams.FIELD])  # read by the scheduler: it holds it
+            lost_response = pool.submit(c.post, "/v1/completions", json=body)
+            assert wait_for(lambda: r.xlen(streams.REQUESTS) == 2)
+            [(_, lost_fields)] = r.xrange(streams.REQUESTS, "(" + r.xrange(streams.REQUESTS)[0][0].decode())
+            lost = decode(lost_fields[streams.FIELD])
+            time.sleep(1.5)  # the gateway has seen this Redis's run_id and the scheduler's status
+            server.stop()
+            server.start()  # empty: the unread request is gone
+            r.set(streams.status_key("fake"), encode(status()), px=60_000)  # back, and yet to say what it holds
+            new_response = pool.submit(c.post, "/v1/completions", json=body)
+            assert wait_for(lambda: r.xlen(streams.REQUESTS) == 1, 5.0)  # the new request, in the new Redis
+            time.sleep(1.5)  # the gateway sees the restart and waits for the scheduler's word
+            assert not lost_response.done()
+            r.set(streams.held_key("fake"), encode(HeldRequests("fake", [held.request_id])))
+            response = lost_response.result(timeout=5)
+            error(response, 503, type="server_error", code="service_unavailable")
+            assert response.headers["retry-after"] == "5"
+            assert response.json()["error"]["message"] == (
+                "Redis restarted and lost the request before a scheduler read it; retry the request")
+            assert wait_for(lambda: [f[streams.ABORT_FIELD].decode() for _, f in r.xrange(streams.ABORTS)]
+                            == [lost.request_id])  # aborted in the schedulers, in case one holds it
+            [(_, new_fields)] = r.xrange(streams.REQUESTS)
+            for request in (held, decode(new_fields[streams.FIELD])):  # the scheduler answers both
+                r.xadd(request.reply_stream, {streams.FIELD: encode(
+                    RequestEvent(request.request_id, request.prompt_token_ids[:2], None, "length"))})
+            for response in (held_response.result(timeout=5), new_response.result(timeout=5)):
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["text"] == "Hello world"
+    finally:
+        r.close()
         server.stop()
 
 

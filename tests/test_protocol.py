@@ -8,8 +8,8 @@ import pytest
 from common import protocol
 from common.config import ConfigError, EngineConfig
 from common.protocol import (
-    PROTOCOL_VERSION, CachedSequence, GenerateRequest, InvalidParamError, NewSequence, ProtocolError, RequestEvent,
-    SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult, WorkerHello, decode, encode,
+    PROTOCOL_VERSION, CachedSequence, GenerateRequest, HeldRequests, InvalidParamError, NewSequence, ProtocolError,
+    RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult, WorkerHello, decode, encode,
 )
 
 FULL_PARAMS = SamplingParams(
@@ -47,7 +47,7 @@ STATUS = SchedulerStatus(
 MESSAGES = [
     SamplingParams(), FULL_PARAMS, NEW_SEQ, CACHED_SEQ, StepPlan(1, 0), PLAN, SAMPLED, RESULT,
     StepResult(3, 0, error="CUDA out of memory"), HELLO, REQUEST, EVENT,
-    RequestEvent("cmpl-2", [], None, "error", "the worker failed"), STATUS,
+    RequestEvent("cmpl-2", [], None, "error", "the worker failed"), STATUS, HeldRequests("host-1", ["cmpl-1", "cmpl-2"]),
 ]
 
 

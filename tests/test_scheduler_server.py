@@ -14,15 +14,16 @@ import time
 import pytest
 import redis
 
-import scheduler.server as server_module
+import scheduler.request_stream as request_stream
 from common import streams
 from common.config import EngineConfig, ServingConfig
 from common.protocol import (
-    GenerateRequest, RequestEvent, SamplingParams, SchedulerStatus, StepPlan, StepResult,
+    GenerateRequest, HeldRequests, RequestEvent, SamplingParams, SchedulerStatus, StepPlan, StepResult,
     WorkerHello, decode, encode,
 )
 from common.redis_server import RedisServer, free_port
 from common.transport import SchedulerLink
+from scheduler.scheduler import Scheduler
 from scheduler.server import SchedulerServer
 from tests.fakes import FakeExecutor, expected_output
 
@@ -132,12 +133,13 @@ def r(redis_url):
 
 
 class Harness:
-    def __init__(self, redis_url: str, r: redis.Redis, scheduler_id: str = SCHEDULER_ID, **engine) -> None:
+    def __init__(self, redis_url: str, r: redis.Redis, scheduler_id: str = SCHEDULER_ID,
+                 serving: dict | None = None, **engine) -> None:
         self.r = r
         self.scheduler_id = scheduler_id
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.serving = ServingConfig(redis_url=redis_url, zmq_address=self.address, step_timeout_s=1.0,
-                                     scheduler_id=scheduler_id)
+                                     scheduler_id=scheduler_id, **(serving or {}))
         self.server = SchedulerServer(EngineConfig(block_size=BLOCK_SIZE, **engine), self.serving)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -174,9 +176,13 @@ class Harness:
 
     # -------------------------------------------------------------- requests and events
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int = 8, **params) -> bytes:
+        return self.submit_to(self.r, request_id, prompt_ids, max_tokens, **params)
+
+    @staticmethod
+    def submit_to(r: redis.Redis, request_id: str, prompt_ids: list[int], max_tokens: int = 8, **params) -> bytes:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
         request = GenerateRequest(request_id, prompt_ids, params, REPLIES, time.time())
-        return self.r.xadd(streams.REQUESTS, {streams.FIELD: encode(request)})
+        return r.xadd(streams.REQUESTS, {streams.FIELD: encode(request)})
 
     def abort(self, request_id: str) -> None:
         self.r.xadd(streams.ABORTS, {streams.ABORT_FIELD: request_id})
@@ -233,6 +239,20 @@ def harness(redis_url, r):
     h = Harness(redis_url, r)
     yield h
     h.close()
+
+
+@pytest.fixture
+def make_harness(redis_url, r):
+    """Harnesses with their own settings (`serving`: ServingConfig fields), closed at teardown."""
+    made: list[Harness] = []
+
+    def make(**kwargs) -> Harness:
+        made.append(Harness(redis_url, r, **kwargs))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
 
 
 def tokens(events: list[RequestEvent]) -> list[int]:
@@ -318,14 +338,14 @@ def test_an_abort_that_arrives_before_its_request_ends_it_unrun(harness):
     worker = harness.worker()
     harness.wait_ready()
     harness.abort("early")
-    harness.wait_until(lambda: "early" in harness.server.early_aborts, 3.0, "the abort to be read")
+    harness.wait_until(lambda: "early" in harness.server.stream.early_aborts, 3.0, "the abort to be read")
     harness.submit("early", prompt(10), max_tokens=5)
     events = harness.wait_finished("early")["early"]
 
     assert [(e.token_ids, e.finish_reason, e.error) for e in events] == [([], "abort", None)]
     harness.assert_nothing_held()
     assert worker.plans == []  # it never ran
-    assert "early" not in harness.server.early_aborts
+    assert "early" not in harness.server.stream.early_aborts
 
     harness.submit("next", prompt(10), max_tokens=3)  # the scheduler serves on
     assert tokens(harness.wait_finished("next")["next"]) == expected_output(0, 10, 3)
@@ -335,7 +355,7 @@ def test_an_early_abort_outlives_the_gateways_wait_for_its_request():
     from common.config import GatewayConfig
 
     # else a request queued in Redis longer than the abort is kept would run for nobody
-    assert server_module.EARLY_ABORT_TTL_S > GatewayConfig().request_timeout_s
+    assert request_stream.EARLY_ABORT_TTL_S > GatewayConfig().request_timeout_s
 
 
 def test_an_abort_for_an_unknown_or_finished_request_changes_nothing(harness):
@@ -438,6 +458,63 @@ def test_a_duplicate_request_id_in_flight_is_dropped(harness):
     harness.assert_nothing_held()
 
 
+# ----------------------------------------------------------------------------- a request that breaks the scheduler
+
+
+def test_a_request_whose_update_raises_fails_alone_and_the_others_are_served(harness, monkeypatch):
+    append = Scheduler._append
+
+    def append_or_raise(self, group, *args, **kwargs):  # a bug that only this request meets
+        if group.request_id == "bad" and len(group.seqs[0].output_token_ids) == 3:
+            raise ZeroDivisionError("float division by zero")
+        return append(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_append", append_or_raise)
+    worker = harness.worker(step_delay_s=0.005)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=30)
+    harness.submit("bad", prompt(12, start=300), max_tokens=30)
+    harness.submit("b", prompt(14, start=500), max_tokens=30)
+    done = harness.wait_finished("a", "bad", "b")
+
+    assert tokens(done["a"]) == expected_output(0, 10, 30)
+    assert tokens(done["b"]) == expected_output(2, 14, 30)
+    assert [(e.token_ids, e.finish_reason) for e in done["bad"]] == [
+        ([t], None) for t in expected_output(1, 12, 3)] + [([], "error")]
+    assert done["bad"][-1].error == "the scheduler failed on this request: ZeroDivisionError: float division by zero"
+    assert harness.server.scheduler is not None and worker.num_hellos == 1  # the group was kept
+    harness.assert_nothing_held()
+    bm = harness.server.scheduler.block_manager
+    assert bm.num_free_blocks == NUM_BLOCKS - 1  # the failed request's blocks were freed
+    harness.submit("c", prompt(10), max_tokens=4)
+    assert tokens(harness.wait_finished("c")["c"]) == expected_output(3, 10, 4)
+
+
+def test_a_request_whose_scheduling_raises_fails_alone_and_the_others_are_served(harness, monkeypatch):
+    add_to_plan = Scheduler._add_to_plan
+
+    def add_or_raise(self, seqs, *args, **kwargs):  # after its blocks were allocated
+        if seqs[0].prompt_token_ids[0] == 300:
+            raise KeyError("no such block")
+        return add_to_plan(self, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_add_to_plan", add_or_raise)
+    worker = harness.worker(step_delay_s=0.005)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=20)
+    harness.submit("bad", prompt(40, start=300), max_tokens=20)
+    harness.submit("b", prompt(14, start=500), max_tokens=20)
+    done = harness.wait_finished("a", "bad", "b")
+
+    assert [(e.token_ids, e.finish_reason, e.error) for e in done["bad"]] == [
+        ([], "error", "the scheduler failed on this request: KeyError: 'no such block'")]
+    assert tokens(done["a"]) == expected_output(0, 10, 20)
+    assert tokens(done["b"]) == expected_output(2, 14, 20)
+    assert all(s.prompt_token_ids[0] != 300 for p in worker.plans for s in p.new_seqs)  # never sent
+    harness.assert_nothing_held()
+    assert harness.server.scheduler.block_manager.num_free_blocks == NUM_BLOCKS - 1
+
+
 # ----------------------------------------------------------------------------- worker failures
 
 
@@ -538,8 +615,8 @@ def test_a_worker_restarted_while_idle_is_taken_on(harness):
     harness.assert_nothing_held()
 
 
-def test_a_worker_silent_while_idle_is_given_up(harness, monkeypatch):
-    monkeypatch.setattr(server_module, "WORKER_SILENCE_S", 1.5)
+def test_a_worker_silent_while_idle_is_given_up(make_harness):
+    harness = make_harness(serving={"worker_silence_s": 1.5})
     worker = harness.worker(rehello_s=0.3)
     harness.wait_ready()
     harness.submit("a", prompt(10), max_tokens=3)
@@ -588,16 +665,14 @@ def read_as_dead_scheduler(r: redis.Redis, count: int) -> list[bytes]:
     return [entry_id for _, entries in replies for entry_id, _ in entries]
 
 
-def successor(redis_url: str, r: redis.Redis, monkeypatch, claim_idle_ms: int) -> Harness:
+def successor(redis_url: str, r: redis.Redis, claim_idle_ms: int, **engine) -> Harness:
     """A scheduler that takes over entries idle `claim_idle_ms`, started on a group that exists."""
-    monkeypatch.setattr(server_module, "CLAIM_IDLE_MS", claim_idle_ms)
-    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
     r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
-    return Harness(redis_url, r)
+    return Harness(redis_url, r, serving={"claim_idle_ms": claim_idle_ms, "claim_interval_s": 0.2}, **engine)
 
 
-def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repeated(redis_url, r, monkeypatch):
-    h = successor(redis_url, r, monkeypatch, claim_idle_ms=300)
+def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repeated(redis_url, r):
+    h = successor(redis_url, r, claim_idle_ms=300)
     try:
         h.submit("fresh", prompt(10), max_tokens=4)
         h.submit("streamed", prompt(12), max_tokens=4)
@@ -613,39 +688,74 @@ def test_a_dead_schedulers_requests_are_taken_over_and_a_started_one_is_not_repe
             ([], "error", "the scheduler serving this request stopped after it had started streaming")]
         h.assert_nothing_held()
         assert r.hlen(streams.STARTED) == 0
-        consumers = {c["name"]: c["pending"] for c in r.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP)}
-        assert consumers == {b"dead-scheduler": 0, SCHEDULER_ID.encode(): 0}
+        # the dead scheduler's consumer left the group once its entries were taken over
+        h.wait_until(lambda: [c["name"] for c in r.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP)]
+                     == [SCHEDULER_ID.encode()], 2.0, "the dead consumer to be deleted")
+        assert r.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP)[0]["pending"] == 0
     finally:
         h.close()
 
 
-def test_a_request_whose_schedulers_keep_dying_is_not_tried_again(redis_url, r, monkeypatch):
-    h = successor(redis_url, r, monkeypatch, claim_idle_ms=0)
+def test_a_dead_schedulers_requests_come_before_newer_ones_under_full_load(redis_url, r):
+    """Orphans found while the scheduler is full take the next free room; no newer request is read
+    meanwhile (they arrived first). Each request has its own prompt start: its sequence id, given at
+    admission, tells the order."""
+    r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
+    orphans = {f"orphan-{i}": 100 + 20 * i for i in range(2)}
+    fresh = {f"fresh-{i}": 200 + 20 * i for i in range(8)}
+    for request_id, start in orphans.items():
+        Harness.submit_to(r, request_id, prompt(10, start), max_tokens=4)
+    assert len(read_as_dead_scheduler(r, 2)) == 2
+    for request_id, start in fresh.items():
+        Harness.submit_to(r, request_id, prompt(10, start), max_tokens=200)
+    # two run and two wait at once, for 2 s or more each; the orphans are claimable after 1 s
+    h = Harness(redis_url, r, serving={"claim_idle_ms": 1000, "claim_interval_s": 0.2}, max_num_seqs=2)
+    try:
+        worker = h.worker(step_delay_s=0.01)
+        done = h.wait_finished(*orphans, timeout=15.0)
+        seq_ids = {s.prompt_token_ids[0]: s.seq_id for p in worker.plans for s in p.new_seqs}
+        orphan_seq_ids = [seq_ids[start] for start in orphans.values()]
+        for (request_id, start), seq_id in zip(orphans.items(), orphan_seq_ids):
+            assert tokens(done[request_id]) == expected_output(seq_id, 10, 4)
+        admitted_before = [i for i, start in fresh.items() if seq_ids.get(start, 1 << 30) < min(orphan_seq_ids)]
+        assert len(admitted_before) <= 4, admitted_before  # only those read before the orphans were found
+        for request_id in fresh:
+            h.abort(request_id)
+        h.wait_finished(*fresh, timeout=5.0)
+        assert {h.events[i][-1].finish_reason for i in fresh} <= {"length", "abort"}
+        h.assert_nothing_held()
+    finally:
+        h.close()
+
+
+def test_a_request_whose_schedulers_keep_dying_is_not_tried_again(redis_url, r):
+    h = successor(redis_url, r, claim_idle_ms=0)
     try:
         h.submit("poison", prompt(10), max_tokens=4)
         h.submit("fine", prompt(12), max_tokens=4)
         entry_ids = read_as_dead_scheduler(r, 2)
-        for n in range(server_module.MAX_DELIVERIES):  # taken over, and dying, again and again
+        for n in range(request_stream.MAX_DELIVERIES):  # taken over, and dying, again and again
             r.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, f"dead-{n}", 0, entry_ids[:1])
         h.worker()
         done = h.wait_finished("poison", "fine", timeout=5.0)
         assert [(e.token_ids, e.finish_reason) for e in done["poison"]] == [([], "error")]
         assert done["poison"][0].error == (
-            f"the request was taken by {server_module.MAX_DELIVERIES} schedulers that each stopped; it is not tried again")
+            f"the request was taken by {request_stream.MAX_DELIVERIES} schedulers that each stopped; "
+            "it is not tried again")
         assert tokens(done["fine"]) == expected_output(0, 12, 4)
         h.assert_nothing_held()
     finally:
         h.close()
 
 
-def test_a_scheduler_that_stalled_drops_what_another_took_over(harness, monkeypatch):
-    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
+def test_a_scheduler_that_stalled_drops_what_another_took_over(make_harness):
+    harness = make_harness(serving={"claim_interval_s": 0.2})
     harness.worker(step_delay_s=0.01)
     harness.wait_ready()
     entry_id = harness.submit("stolen", prompt(10), max_tokens=400)
     harness.wait_until(lambda: "stolen" in harness.events, 3.0, "stolen to start")
     harness.r.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, "other-scheduler", 0, [entry_id])  # as XAUTOCLAIM
-    harness.wait_until(lambda: "stolen" not in harness.server.tracked, 3.0, "the request to be dropped here")
+    harness.wait_until(lambda: "stolen" not in harness.server.stream.tracked, 3.0, "the request to be dropped here")
     harness.wait_until(lambda: harness.status().num_running == 0, 3.0, "its blocks to be freed")
     sent = len(harness.events["stolen"])
     time.sleep(0.5)
@@ -657,8 +767,8 @@ def test_a_scheduler_that_stalled_drops_what_another_took_over(harness, monkeypa
     harness.r.xdel(streams.REQUESTS, entry_id)
 
 
-def test_a_live_scheduler_renews_its_claims_so_no_one_takes_its_requests(harness, monkeypatch):
-    monkeypatch.setattr(server_module, "CLAIM_INTERVAL_S", 0.2)
+def test_a_live_scheduler_renews_its_claims_so_no_one_takes_its_requests(make_harness):
+    harness = make_harness(serving={"claim_interval_s": 0.2})
     harness.worker(step_delay_s=0.01)
     harness.wait_ready()
     harness.submit("long", prompt(10), max_tokens=300)
@@ -755,6 +865,37 @@ def test_the_scheduler_rides_out_a_redis_restart_and_keeps_its_workers():
         assert h.server.scheduler is group  # the workers were kept
         h.assert_nothing_held()
         h.wait_until(lambda: h.status() is not None and h.status().workers_ready, 2.0, "the status again")
+    finally:
+        h.close()
+        client.close()
+        redis_server.stop()
+
+
+def test_after_a_redis_restart_the_scheduler_says_which_requests_it_holds_and_finishes_them():
+    """The gateway fails only requests no scheduler holds: this one names the two it holds (one
+    running, one waiting), then streams both to their end through the new Redis."""
+    port = free_port()
+    redis_server = RedisServer(port=port).start()
+    client = redis.Redis.from_url(redis_server.url)
+    h = Harness(redis_server.url, client, max_num_seqs=1)
+    try:
+        h.worker(step_delay_s=0.01)
+        h.wait_ready()
+        h.submit("running", prompt(10), max_tokens=150)
+        h.submit("waiting", prompt(12, start=300), max_tokens=5)
+        h.wait_until(lambda: "running" in h.events and h.num_pending() == 2, 3.0, "both to be read")
+        held_key = streams.held_key(SCHEDULER_ID)
+        assert decode(client.get(held_key)) == HeldRequests(SCHEDULER_ID, [])  # said at its start
+        redis_server.stop()
+        time.sleep(0.5)
+        redis_server = RedisServer(port=port).start()  # empty
+        h.cursor = b"0-0"
+        h.wait_until(lambda: client.get(held_key) is not None, 3.0, "the held requests to be published")
+        assert decode(client.get(held_key)) == HeldRequests(SCHEDULER_ID, ["running", "waiting"])
+        done = h.wait_finished("running", "waiting", timeout=10.0)
+        assert done["running"][-1].finish_reason == "length"
+        assert tokens(done["waiting"]) == expected_output(1, 12, 5)
+        h.assert_nothing_held()
     finally:
         h.close()
         client.close()

@@ -1,0 +1,453 @@
+"""One scheduler's side of Redis: the requests it reads and holds, the aborts, and the outbox.
+
+    XREADGROUP pagoda:requests (group "schedulers", consumer = this scheduler) ─▶ Arrival
+    XAUTOCLAIM entries idle > claim_idle_ms (a dead scheduler's)              ─▶ Arrival, before any newer one
+    XREAD pagoda:aborts                                                       ─▶ request ids to abort
+    outbox ─▶ XADD events to reply streams, HSET pagoda:started, XACK + XDEL  (one pipeline per flush)
+
+A request is acknowledged in the requests stream only when it ends, so a request held by a
+scheduler that dies stays pending in Redis: a live scheduler re-claims its own entries every
+claim_interval_s (XCLAIM, which resets their idle time) and takes over entries idle longer than
+claim_idle_ms (XAUTOCLAIM). While such orphans wait, no new request is read: they arrived first.
+A taken-over request that had not streamed a token runs from the start; one that had (marked in
+the `pagoda:started` hash) ends with an error, never with its text repeated. A dead scheduler's
+consumer leaves the group once nothing is pending under its name.
+
+The outbox survives a Redis outage: its writes are sent, in order, once Redis is back. When Redis
+comes back as a new server (its run_id changed: it restarted empty), this scheduler publishes the
+ids of the requests it holds (`pagoda:held:<id>`) so that gateways fail only what was lost.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from common import streams
+from common.config import ServingConfig
+from common.protocol import GenerateRequest, HeldRequests, ProtocolError, RequestEvent, SamplingParams, decode, encode
+from scheduler.sequence import RequestOutput
+
+log = logging.getLogger(__name__)
+
+MAX_DELIVERIES = 3  # a request whose schedulers keep dying is not given to another one
+# An abort can come long before its request is read (queued behind others in Redis): it is kept
+# longer than a gateway waits for a request (request_timeout_s, 600 s by default).
+EARLY_ABORT_TTL_S = 900.0
+READ_BATCH = 64
+IDLE_BLOCK_MS = 50  # an idle scheduler waits this long for a request
+REPLY_STREAM_MAXLEN = 100_000
+
+# Deletes a consumer only while nothing is pending under its name (atomic: it may read meanwhile).
+_DELETE_IDLE_CONSUMER = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+    return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return -1
+"""
+
+
+@dataclass(slots=True)
+class Tracked:
+    """A request this scheduler holds, from its read until its last event."""
+
+    reply_stream: str
+    entry_id: bytes  # in the requests stream, acknowledged when the request ends
+    logprobs: bool
+    ended: set[int] = field(default_factory=set)  # outputs whose last event went out
+    started: bool = False  # a token went out: the request can no longer be run again from the start
+    num_sent: int = 0  # token-bearing events sent (RequestEvent.seq)
+
+
+@dataclass(slots=True)
+class Arrival:
+    """A request read from the stream (or taken over) that the scheduler should admit."""
+
+    entry_id: bytes
+    request: GenerateRequest
+
+
+# ----------------------------------------------------------------------------- the outbox
+
+
+@dataclass(slots=True)
+class Abort:
+    """An entry of pagoda:aborts: a whole request, or one output of it (`index`: a stop string
+    the gateway found in one of n samples)."""
+
+    request_id: str
+    index: int | None = None
+
+
+@dataclass(slots=True)
+class SendEvent:
+    reply_stream: str
+    event: RequestEvent
+
+
+@dataclass(slots=True)
+class MarkStarted:
+    """The request streamed a token: a scheduler taking it over must not run it again."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class Requeue:
+    """A request handed back on drain, added again as a new entry (read at once by the next scheduler)."""
+
+    payload: bytes
+
+
+@dataclass(slots=True)
+class Ack:
+    """The entry is done with: acknowledge and delete it (the stream would grow forever)."""
+
+    entry_id: bytes
+    request_id: str | None = None  # clears its started mark; None for an entry that never ran
+
+
+OutboxEntry = SendEvent | MarkStarted | Requeue | Ack
+
+
+class RequestStream:
+    def __init__(self, serving: ServingConfig, consumer: str) -> None:
+        self.serving = serving
+        self.consumer = consumer
+        self.redis = redis.Redis.from_url(serving.redis_url, socket_timeout=10, socket_connect_timeout=2,
+                                          retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        self.tracked: dict[str, Tracked] = {}
+        self.early_aborts: dict[str, float] = {}  # aborts that arrived before their request
+        self.outbox: list[OutboxEntry] = []  # Redis writes not yet done
+        self.orphans = False  # a dead scheduler's requests wait to be taken over: read nothing new
+        self.aborts_cursor = _recent_aborts_id()
+        self.redis_run_id: str | None = None
+        self._delete_idle_consumer = self.redis.register_script(_DELETE_IDLE_CONSUMER)
+        self._last_claim = 0.0
+        self._last_prune = 0.0
+
+    def ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # ------------------------------------------------------------------ requests in
+    def read(self, count: int, block: bool) -> list[Arrival]:
+        """Up to `count` new requests, waiting a little for them when `block`."""
+        try:
+            replies = self.redis.xreadgroup(
+                streams.SCHEDULER_GROUP, self.consumer, {streams.REQUESTS: ">"}, count=min(count, READ_BATCH),
+                block=IDLE_BLOCK_MS if block else None,
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("the requests stream has no consumer group (Redis restarted empty?): recreating it")
+            self.ensure_group()
+            return []
+        return [a for _, entries in replies or [] for entry_id, fields in entries
+                if (a := self._arrival(entry_id, fields)) is not None]
+
+    def _arrival(self, entry_id: bytes, fields: dict) -> Arrival | None:
+        """The entry's request, unless it is malformed, a duplicate or already aborted (those end here)."""
+        try:
+            request = _decode_request(fields)
+        except ProtocolError as exc:
+            log.warning("dropped malformed request %s: %s", entry_id, exc)
+            self.outbox.append(Ack(entry_id))
+            return None
+        if request.request_id in self.tracked:
+            self.outbox.append(Ack(entry_id))  # a duplicate
+            return None
+        if self.early_aborts.pop(request.request_id, None) is not None:
+            self.finish(Arrival(entry_id, request), "abort")
+            return None
+        return Arrival(entry_id, request)
+
+    def claim_due(self) -> bool:
+        return time.monotonic() - self._last_claim >= self.serving.claim_interval_s
+
+    def maintain(self, draining: bool) -> list[str]:
+        """Renew this scheduler's claims; note whether a dead scheduler's requests wait; returns the
+        requests another scheduler took over (drop them here without a word: they are its now)."""
+        self._last_claim = time.monotonic()
+        try:
+            dropped = self._drop_taken_over()
+            self.renew_claims()
+            self.orphans = not draining and bool(self.redis.xpending_range(
+                streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", 1, idle=self.serving.claim_idle_ms))
+            self._delete_dead_consumers()
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            return []  # Redis restarted empty: read() recreates the group
+        return dropped
+
+    def renew_claims(self) -> None:
+        """XCLAIM with JUSTID resets an entry's idle time (and not its delivery count)."""
+        self._last_claim = time.monotonic()
+        ids = [t.entry_id for t in self.tracked.values()]
+        for i in range(0, len(ids), 1000):
+            self.redis.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, self.consumer, 0, ids[i:i + 1000],
+                              justid=True)
+
+    def _drop_taken_over(self) -> list[str]:
+        """Tracked requests now pending under another scheduler (this one stalled past claim_idle_ms)."""
+        if not self.tracked:
+            return []
+        own = {p["message_id"] for p in self._own_pending(len(self.tracked) + 1000)}
+        dropped = []
+        for request_id, tracked in list(self.tracked.items()):
+            if tracked.entry_id in own:
+                continue
+            holder = self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, tracked.entry_id,
+                                               tracked.entry_id, 1)
+            if holder and holder[0]["consumer"].decode() != self.consumer:  # (none: Redis restarted empty; keep it)
+                log.warning("request %s was taken over by %s; dropping it here", request_id,
+                            holder[0]["consumer"].decode())
+                del self.tracked[request_id]
+                dropped.append(request_id)
+        return dropped
+
+    def _delete_dead_consumers(self) -> None:
+        """A dead scheduler's consumer leaves the group once its entries are all taken over."""
+        for consumer in self.redis.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP):
+            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+            if name != self.consumer and consumer["pending"] == 0 and consumer["idle"] >= self.serving.claim_idle_ms:
+                if self._delete_idle_consumer(keys=[streams.REQUESTS], args=[streams.SCHEDULER_GROUP, name]) != -1:
+                    log.info("scheduler %s left the group: its requests were taken over", name)
+
+    def take_over(self, count: int) -> list[Arrival]:
+        """Up to `count` requests of dead schedulers. One that had streamed (its text would repeat),
+        or that was delivered to too many schedulers that died (it may be what kills them), ends
+        with an error instead."""
+        try:
+            next_id, entries = self.redis.xautoclaim(  # (Redis 7.0 adds a third element: deleted ids)
+                streams.REQUESTS, streams.SCHEDULER_GROUP, self.consumer, self.serving.claim_idle_ms,
+                start_id="0-0", count=min(count, READ_BATCH),
+            )[:2]
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.orphans = False
+            return []
+        self.orphans = next_id not in (b"0-0", "0-0")  # more than `count` wait
+        if any(fields is None for _, fields in entries):  # deleted from the stream while pending
+            self._ack_deleted()
+        entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+        if not entries:
+            return []
+        requests = [_try_decode_request(fields) for _, fields in entries]
+        started = self.redis.hmget(streams.STARTED, [r.request_id if r else "" for r in requests])
+        deliveries = self._deliveries([entry_id for entry_id, _ in entries])
+        arrivals = []
+        for (entry_id, fields), request, owner in zip(entries, requests, started):
+            if request is None:
+                self._arrival(entry_id, fields)  # malformed: dropped there
+                continue
+            if request.request_id in self.tracked:
+                continue  # ours all along (a claim renewed late)
+            log.warning("took over request %s from a scheduler that stopped", request.request_id)
+            if owner is not None:
+                self.finish(Arrival(entry_id, request), "error",
+                            "the scheduler serving this request stopped after it had started streaming")
+            elif deliveries.get(entry_id, 0) > MAX_DELIVERIES:
+                self.finish(Arrival(entry_id, request), "error",
+                            f"the request was taken by {MAX_DELIVERIES} schedulers that each stopped; "
+                            "it is not tried again")
+            elif (arrival := self._arrival(entry_id, fields)) is not None:
+                arrivals.append(arrival)
+        return arrivals
+
+    def _own_pending(self, count: int) -> list[dict]:
+        return self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", count,
+                                         consumername=self.consumer)
+
+    def _ack_deleted(self) -> None:
+        """Acknowledge this scheduler's pending entries that are gone from the stream (Redis 6.2's
+        XAUTOCLAIM returns them as nils and keeps them pending; 7.0 drops them itself)."""
+        tracked = {t.entry_id for t in self.tracked.values()}
+        for p in self._own_pending(1000):
+            entry_id = p["message_id"]
+            if entry_id not in tracked and not self.redis.xrange(streams.REQUESTS, entry_id, entry_id):
+                self.outbox.append(Ack(entry_id))
+
+    def _deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
+        """How many times each of this scheduler's pending entries has been delivered (claims count)."""
+        pending = self._own_pending(len(entry_ids) + len(self.tracked) + 1000)
+        wanted = set(entry_ids)
+        return {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] in wanted}
+
+    def read_aborts(self) -> list[Abort]:
+        """The held requests, or outputs of them, aborted since the last read. A whole request's
+        abort event is queued here, and an abort for a request not read yet is kept until it comes.
+        An output's abort sends no event (the gateway ended it) and is never kept: the gateway sends
+        it only once that output has streamed."""
+        aborted = []
+        replies = self.redis.xread({streams.ABORTS: self.aborts_cursor}, count=1000)
+        for _, entries in replies or []:
+            for entry_id, fields in entries:
+                self.aborts_cursor = entry_id
+                request_id = fields.get(streams.ABORT_FIELD, b"").decode(errors="replace")
+                index = fields.get(streams.ABORT_INDEX_FIELD)
+                if index is not None:
+                    if index.isdigit() and request_id in self.tracked:
+                        self.tracked[request_id].ended.add(int(index))
+                        aborted.append(Abort(request_id, int(index)))
+                    continue
+                tracked = self.tracked.pop(request_id, None)
+                if tracked is None:
+                    self.early_aborts[request_id] = time.monotonic()
+                    continue
+                self._finish_tracked(request_id, tracked, "abort", None)
+                aborted.append(Abort(request_id))
+        now = time.monotonic()
+        if self.early_aborts and now - self._last_prune > 10:  # not every step: the dict can be large
+            self._last_prune = now
+            self.early_aborts = {k: t for k, t in self.early_aborts.items() if t > now - EARLY_ABORT_TTL_S}
+        return aborted
+
+    # ------------------------------------------------------------------ requests held
+    def track(self, arrival: Arrival) -> None:
+        params = arrival.request.sampling_params
+        logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
+        self.tracked[arrival.request.request_id] = Tracked(arrival.request.reply_stream, arrival.entry_id, logprobs)
+
+    def finish(self, arrival: Arrival, reason: str, error: str | None = None) -> None:
+        """End a request that is not tracked (refused, aborted early, or taken over) with one event."""
+        self._finish_tracked(arrival.request.request_id, Tracked(arrival.request.reply_stream, arrival.entry_id, False),
+                             reason, error)
+
+    def retire(self, request_id: str) -> None:
+        """A request whose last output ended without an event of ours (the gateway aborted it): ack it."""
+        tracked = self.tracked.pop(request_id, None)
+        if tracked is not None:
+            self.outbox.append(Ack(tracked.entry_id, request_id))
+            self.flush()
+
+    def fail(self, request_id: str, message: str) -> None:
+        tracked = self.tracked.pop(request_id, None)
+        if tracked is not None:
+            self._finish_tracked(request_id, tracked, "error", message)
+
+    def fail_all(self, message: str) -> None:
+        """Every held request ends with an error (flushed last: it raises while Redis is down)."""
+        failed, self.tracked = self.tracked, {}
+        for request_id, tracked in failed.items():
+            self.outbox.append(SendEvent(tracked.reply_stream, RequestEvent(request_id, [], None, "error", message)))
+            self.outbox.append(Ack(tracked.entry_id, request_id))
+        self.flush()
+
+    def hand_back_unstarted(self) -> list[str]:
+        """On drain: requests that have not streamed go back to the stream as new entries (the next
+        scheduler reads them at once; a rolling restart is not a death). Returns their ids."""
+        handed_back = [request_id for request_id, tracked in self.tracked.items() if not tracked.started]
+        for request_id in handed_back:
+            tracked = self.tracked.pop(request_id)
+            for _, fields in self.redis.xrange(streams.REQUESTS, tracked.entry_id, tracked.entry_id):
+                self.outbox.append(Requeue(fields[streams.FIELD]))
+            self.outbox.append(Ack(tracked.entry_id, request_id))
+        self.flush()
+        return handed_back
+
+    def emit(self, outputs: list[RequestOutput]) -> None:
+        """Each output's new tokens and endings to its reply stream; acknowledge the requests that ended."""
+        for out in outputs:
+            tracked = self.tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            for seq in out.outputs:
+                if not seq.num_new_tokens and seq.finish_reason is None:
+                    continue
+                if seq.finish_reason is not None and seq.index in tracked.ended:
+                    continue
+                logprobs = None
+                if tracked.logprobs and seq.logprobs is not None and seq.num_new_tokens:
+                    logprobs = [[lp, top] for lp, top in seq.logprobs[-seq.num_new_tokens:]]
+                event = RequestEvent(out.request_id, seq.new_token_ids, logprobs, seq.finish_reason, None, seq.index)
+                if event.token_ids:
+                    tracked.num_sent += 1
+                    event.seq = tracked.num_sent
+                    if not tracked.started:
+                        tracked.started = True
+                        self.outbox.append(MarkStarted(out.request_id))
+                self.outbox.append(SendEvent(tracked.reply_stream, event))
+                if seq.finish_reason is not None:
+                    tracked.ended.add(seq.index)
+            if out.finished:
+                self.outbox.append(Ack(tracked.entry_id, out.request_id))
+                del self.tracked[out.request_id]
+        self.flush()
+
+    def _finish_tracked(self, request_id: str, tracked: Tracked, reason: str, error: str | None) -> None:
+        self.outbox.append(SendEvent(tracked.reply_stream, RequestEvent(request_id, [], None, reason, error)))
+        self.outbox.append(Ack(tracked.entry_id, request_id))
+        self.flush()
+
+    # ------------------------------------------------------------------ writes
+    def flush(self) -> None:
+        """Send the outbox in one pipeline. On a connection error it is kept, in order, for the next
+        try; a command Redis refuses (XACK after Redis restarted empty: no group) is logged, not retried."""
+        if not self.outbox:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in self.outbox:
+            match entry:
+                case SendEvent(reply_stream, event):
+                    pipe.xadd(reply_stream, {streams.FIELD: encode(event)}, maxlen=REPLY_STREAM_MAXLEN,
+                              approximate=True)
+                    pipe.expire(reply_stream, streams.REPLY_STREAM_TTL_S)
+                case MarkStarted(request_id):
+                    pipe.hset(streams.STARTED, request_id, self.consumer)
+                case Requeue(payload):
+                    pipe.xadd(streams.REQUESTS, {streams.FIELD: payload})
+                case Ack(entry_id, request_id):
+                    pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, entry_id)
+                    pipe.xdel(streams.REQUESTS, entry_id)
+                    if request_id is not None:
+                        pipe.hdel(streams.STARTED, request_id)
+        results = pipe.execute(raise_on_error=False)
+        self.outbox.clear()
+        refused = [r for r in results if isinstance(r, redis.ResponseError)]
+        if refused:
+            log.warning("redis refused %d command(s), e.g. %s", len(refused), refused[0])
+
+    def publish_status(self, status: bytes) -> None:
+        """The status (a heartbeat under a TTL); first, on a Redis that restarted, what this scheduler holds."""
+        run_id = self.redis.info("server").get("run_id")
+        if run_id != self.redis_run_id:
+            if self.redis_run_id is not None:
+                log.warning("Redis restarted: publishing the %d request(s) this scheduler holds", len(self.tracked))
+            held = HeldRequests(self.consumer, list(self.tracked))
+            self.redis.set(streams.held_key(self.consumer), encode(held), ex=streams.HELD_TTL_S)
+            self.redis_run_id = run_id
+        self.redis.set(streams.status_key(self.consumer), status, px=int(streams.STATUS_TTL_S * 1000))
+
+    def delete_status(self) -> None:
+        self.redis.delete(streams.status_key(self.consumer))
+
+
+def _recent_aborts_id() -> bytes:
+    """Read recent aborts too: those for requests this scheduler may take over from a dead one."""
+    return f"{int((time.time() - EARLY_ABORT_TTL_S) * 1000)}-0".encode()
+
+
+def _decode_request(fields: dict) -> GenerateRequest:
+    """A requests-stream entry's request; ProtocolError when it is not one with string ids."""
+    request = decode(fields.get(streams.FIELD, b""))
+    if not isinstance(request, GenerateRequest):
+        raise ProtocolError(f"expected a GenerateRequest, got {type(request).__name__}")
+    if not (isinstance(request.request_id, str) and isinstance(request.reply_stream, str)):
+        raise ProtocolError("request_id and reply_stream must be strings")
+    return request
+
+
+def _try_decode_request(fields: dict) -> GenerateRequest | None:
+    try:
+        return _decode_request(fields)
+    except ProtocolError:
+        return None
