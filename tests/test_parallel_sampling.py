@@ -343,9 +343,9 @@ def test_an_api_request_with_n_4_is_one_group_sharing_the_prompt_and_one_sample_
     assert three and all(o.prompt_refs == [3, 3] and o.shared for o in three)
     assert seen.index(three[0]) > seen.index(four[-1])
     deadline = time.monotonic() + 10
-    while stack.server.tracked and time.monotonic() < deadline:
+    while stack.server.stream.tracked and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not stack.server.tracked and not stack.server.scheduler.has_unfinished_requests()
+    assert not stack.server.stream.tracked and not stack.server.scheduler.has_unfinished_requests()
     assert_no_block_held(stack.server.scheduler)
 
 
@@ -367,4 +367,4 @@ def test_an_abort_of_one_output_is_never_kept_for_a_request_not_yet_read(stack):
                 events.append(decode(fields[streams.FIELD]))
     assert {(e.index, e.finish_reason) for e in events if e.finish_reason} == {(0, "length"), (1, "length")}
     assert sum(len(e.token_ids) for e in events) == 2 * 3
-    assert "later-0" not in stack.server.early_aborts
+    assert "later-0" not in stack.server.stream.early_aborts
