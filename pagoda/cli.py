@@ -16,7 +16,8 @@ from common.protocol import InvalidParamError
 # ServingConfig fields a command has no flag for: the worker never talks to Redis, only a worker
 # beats, and `pagoda up` sets these itself for the one scheduler and worker it starts.
 SCHEDULER_EXCLUDES = frozenset({"heartbeat_file"})
-WORKER_EXCLUDES = frozenset({"redis_url"})
+# the scheduler's Redis-side settings mean nothing to a worker (--drain-timeout stays: it always took it)
+WORKER_EXCLUDES = frozenset({"redis_url", "claim_interval_s", "claim_idle_ms", "worker_silence_s"})
 UP_EXCLUDES = frozenset({"redis_url", "zmq_address", "world_size", "heartbeat_file"})
 
 
@@ -130,7 +131,7 @@ def _scheduler(args) -> int:
 def _add_worker(p: argparse.ArgumentParser) -> None:
     add_config_args(p, EngineConfig)
     add_config_args(p, ServingConfig, exclude=WORKER_EXCLUDES)
-    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--rank", type=int, default=0, help="this worker's rank in its group (0 replies to the scheduler)")
     p.set_defaults(handler=_worker)
 
 
