@@ -242,7 +242,7 @@ class RequestEvent:
 
 @dataclass(slots=True)
 class SchedulerStatus:
-    """A scheduler's heartbeat and gauges, refreshed about once a second under a short TTL."""
+    """A scheduler's heartbeat and gauges, refreshed twice a second under a short TTL."""
 
     scheduler_id: str
     model: str
