@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 _EXT_MESSAGE = 1
 
 
@@ -253,6 +253,10 @@ class SchedulerStatus:
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
     updated_at: float
+    # the rest of what common/admission.py checks a request against
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
 
 
 # ----------------------------------------------------------------------------- codec

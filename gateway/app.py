@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from common.admission import AdmissionLimits, check_admissible
 from common.config import GatewayConfig
 from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
@@ -149,7 +150,7 @@ class Gateway:
             parse = parse_completion if kind == "completion" else parse_chat
             parsed = await asyncio.to_thread(parse, body, self.encoder, self.vocab_size)  # a long prompt must not stall streams
             statuses = await self._statuses()
-            self._fit_context(parsed, self._ready(statuses))
+            self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses)
             shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text, uuid.uuid4().hex)
             requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival)
@@ -355,31 +356,14 @@ class Gateway:
         return ready
 
     @staticmethod
-    def _fit_context(parsed: ParsedRequest, ready: list[SchedulerStatus]) -> None:
-        max_model_len = min(s.max_model_len for s in ready)
-        max_tokens = parsed.params.max_tokens
+    def _check_admissible(parsed: ParsedRequest, ready: list[SchedulerStatus]) -> None:
+        """400 for a request no ready scheduler could ever serve (the scheduler's own rule)."""
+        limits = AdmissionLimits.strictest(ready)
         where = "messages" if parsed.kind == "chat" else "prompt"
-        capacity = min(s.max_request_tokens for s in ready)
-        num_seqs, block_size = parsed.num_seqs, max(s.block_size for s in ready)
         for prompt in parsed.prompts:
-            final_len = min(len(prompt) + (max_tokens or max_model_len), max_model_len)
-            if num_seqs == 1 and final_len > capacity:
-                raise bad_request(
-                    f"the request needs up to {final_len} tokens of KV cache, more than the server's whole pool "
-                    f"({capacity} tokens); shorten the {where} or lower max_tokens", where, "kv_cache_exceeded")
-            if num_seqs > 1:  # the scheduler's reckoning: each sequence whole (after a recompute nothing is shared)
-                blocks = num_seqs * _ceil_div(final_len, block_size)
-                if blocks * block_size > capacity:
-                    raise bad_request(
-                        f"the request's {num_seqs} sequences need up to {blocks * block_size} tokens of KV cache, "
-                        f"more than the server's whole pool ({capacity} tokens); shorten the {where}, lower "
-                        f"max_tokens or lower best_of", where, "kv_cache_exceeded")
-            if len(prompt) + (max_tokens or 1) > max_model_len:
-                asked = f"{len(prompt)} in the {where}" + (f", {max_tokens} for the completion" if max_tokens else "")
-                raise bad_request(
-                    f"this model's maximum context length is {max_model_len} tokens, but the request needs "
-                    f"{len(prompt) + (max_tokens or 1)} ({asked}); shorten the {where} or lower max_tokens",
-                    where, "context_length_exceeded")
+            rejection = check_admissible(len(prompt), parsed.params, limits, where)
+            if rejection is not None:
+                raise bad_request(rejection.message, rejection.param, rejection.code)
 
     def _admit(self, statuses: list[SchedulerStatus]) -> None:
         """429 when the queue is full. A scheduler counts only what it has read from the stream, and
@@ -396,10 +380,6 @@ class Gateway:
             return await self.engine.submit(requests)
         except Exception as exc:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def unavailable(message: str) -> APIError:

@@ -67,11 +67,6 @@ class ParsedRequest:
         """best_of > n or beam search: the scheduler picks the n outputs when the request ends."""
         return self.params.beam_width > 0 or self.params.best_of is not None
 
-    @property
-    def num_seqs(self) -> int:
-        """The sequences each request to a scheduler runs at once."""
-        return self.params.beam_width or self.params.best_of or self.params.n
-
 
 def parse_json(raw: bytes) -> dict:
     def no_constants(name: str):
