@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP API: validate, tokenize, admit, submit to Redis, answer (whole or SSE).
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
-    GET  /health                GET  /metrics                    GET /openapi.json
+    GET  /v1/models/{model}     GET  /health                     GET /metrics
+    GET  /openapi.json
+
+Every answer carries X-Request-Id: the client's own, echoed, or else the request's id (the hex
+part of a generation's `cmpl-`/`chatcmpl-` id).
 
 Every check happens before the first byte of a response; an error after it (a stream whose
 scheduler fails) is an SSE error event followed by `data: [DONE]`.
@@ -41,7 +45,9 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_QUEUE_FULL_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
 SHUTTING_DOWN = "the server is shutting down"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
+          "/openapi.json")
+REQUEST_ID = "X-Request-Id"
 
 
 def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
@@ -55,11 +61,12 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
             Route("/v1/completions", gateway.completions, methods=["POST"]),
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
             Route("/v1/models", gateway.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),  # an id may hold a '/'
             Route("/health", gateway.health, methods=["GET"]),
             Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
             Route("/openapi.json", openapi_endpoint, methods=["GET"]),
         ],
-        middleware=[Middleware(CountResponses, metrics=gateway.metrics)],
+        middleware=[Middleware(CountResponses, metrics=gateway.metrics), Middleware(RequestIds)],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=gateway.lifespan,
     )
@@ -115,8 +122,18 @@ class Gateway:
             self._authorize(request)
         except APIError as exc:
             return error_response(exc)
-        card = {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._check_model({"model": request.path_params["model"]})
+        except APIError as exc:
+            return error_response(exc)
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
+        return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}
 
     async def health(self, request: Request) -> Response:
         try:
@@ -152,7 +169,7 @@ class Gateway:
             statuses = await self._statuses()
             self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses)
-            shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text, uuid.uuid4().hex)
+            shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text, request_id(request))
             requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival)
             generation = await self._submit(requests)
         except APIError as exc:
@@ -404,9 +421,37 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
+    """Starlette answers this one outside every middleware: the request id is set here."""
     log.exception("unexpected error on %s", request.url.path)
     body = APIError(500, f"internal error: {exc}", "server_error", code="internal_error").body()
-    return JSONResponse(body, status_code=500)
+    return JSONResponse(body, status_code=500, headers={REQUEST_ID: request_id(request, echo=True)})
+
+
+def request_id(request: Request, echo: bool = False) -> str:
+    """This request's id (RequestIds sets it), or with `echo` the client's own X-Request-Id if it sent one."""
+    return echo and request.headers.get(REQUEST_ID) or request.scope["state"]["request_id"]
+
+
+class RequestIds:
+    """ASGI middleware: give each request an id and answer with X-Request-Id (the client's, echoed,
+    when it sent one)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["request_id"] = uuid.uuid4().hex
+        value = request_id(Request(scope), echo=True).encode("latin-1")
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class CountResponses:
@@ -419,7 +464,8 @@ class CountResponses:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        path = scope["path"]
+        route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":

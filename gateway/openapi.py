@@ -350,6 +350,16 @@ DOCUMENT = {
                 "401": UNAUTHORIZED,
             },
         }},
+        "/v1/models/{model}": {"get": {
+            "summary": "The served model, by its id (the openai SDK's models.retrieve)",
+            "security": [{}, {"bearerAuth": []}],
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "The model.", "content": {"application/json": {"schema": _ref("Model")}}},
+                "401": UNAUTHORIZED,
+                "404": _error("Another model's id (code model_not_found)."),
+            },
+        }},
         "/health": {"get": {
             "summary": "Whether a scheduler with ready workers is alive",
             "security": [],
@@ -391,13 +401,14 @@ DOCUMENT = {
                 "required": ["object", "data"],
                 "properties": {
                     "object": {"const": "list"},
-                    "data": {"type": "array", "items": {
-                        "type": "object",
-                        "required": ["id", "object", "created", "owned_by"],
-                        "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                                       "created": {"type": "integer"}, "owned_by": {"type": "string"}},
-                    }},
+                    "data": {"type": "array", "items": _ref("Model")},
                 },
+            },
+            "Model": {
+                "type": "object",
+                "required": ["id", "object", "created", "owned_by"],
+                "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                               "created": {"type": "integer"}, "owned_by": {"type": "string"}},
             },
             "Error": ERROR,
         },
@@ -421,7 +432,25 @@ def openapi_document(served_model_name: str, vocab_size: int, max_body_bytes: in
                 node = node.replace(placeholder, str(value))
         return node
 
-    return fill(DOCUMENT)
+    return _with_request_ids(fill(DOCUMENT))
+
+
+REQUEST_ID_HEADER = {"X-Request-Id": {
+    "required": True, "schema": {"type": "string"},
+    "description": "The client's own X-Request-Id, echoed, else this request's id (a generation's id without its "
+                   "cmpl- or chatcmpl- prefix)."}}
+REQUEST_ID_PARAMETER = {"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
+                        "description": "An id of the client's own, echoed in the answer's X-Request-Id."}
+
+
+def _with_request_ids(document: dict) -> dict:
+    """Every operation takes an optional X-Request-Id and every answer carries one."""
+    for path in document["paths"].values():
+        for operation in path.values():
+            operation["parameters"] = operation.get("parameters", []) + [REQUEST_ID_PARAMETER]
+            for response in operation["responses"].values():
+                response["headers"] = {**response.get("headers", {}), **REQUEST_ID_HEADER}
+    return document
 
 
 def _version() -> str:

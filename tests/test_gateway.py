@@ -242,6 +242,42 @@ def test_models_lists_the_served_model(client):
     assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [(MODEL, "model", "pagoda")]
 
 
+def test_models_retrieve_answers_the_served_model_and_404_for_another(client, gateway):
+    r = client.get(f"/v1/models/{MODEL}")
+    assert r.status_code == 200
+    assert r.json() == {"id": MODEL, "object": "model", "created": gateway.created, "owned_by": "pagoda"}
+    for unknown in ("gpt-4", "HuggingFaceTB/SmolLM2-135M-Instruct"):  # an id may hold a '/'
+        r = client.get(f"/v1/models/{unknown}")
+        assert r.status_code == 404
+        assert r.json() == {"error": {
+            "message": f"the model {unknown!r} does not exist; this server serves 'SmolLM2-135M-Instruct'",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    assert client.get(f"/v1/models/{MODEL}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_every_answer_carries_the_request_id_or_echoes_the_clients(client):
+    r = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1})
+    assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"].removeprefix("cmpl-")
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 1, "stream": True}) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert r.headers["x-request-id"] == json.loads(first[len("data: "):])["id"].removeprefix("chatcmpl-")
+    ids = [client.get("/health").headers["x-request-id"] for _ in range(2)]
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids) and ids[0] != ids[1]
+    mine = {"X-Request-Id": "client-trace-42"}
+    answers = [
+        client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1}, headers=mine),  # 200
+        client.post("/v1/completions", json={"prompt": "x", "n": 0}, headers=mine),  # 400
+        client.post("/v1/completions", json={"prompt": "x"}, headers={**mine, "Authorization": "Bearer no"}),  # 401
+        client.get("/v1/models/gpt-4", headers=mine),  # 404
+        client.get("/v1/nothing", headers=mine),  # 404, no route
+        client.get("/v1/completions", headers=mine),  # 405
+        client.get("/health", headers=mine), client.get("/metrics", headers=mine),
+        client.get("/openapi.json", headers=mine), client.get("/v1/models", headers=mine),
+    ]
+    assert [r.status_code for r in answers] == [200, 400, 401, 404, 404, 405, 200, 200, 200, 200]
+    assert [r.headers.get_list("x-request-id") for r in answers] == [["client-trace-42"]] * len(answers)
+
+
 def test_n2_submits_two_requests_with_consecutive_seeds(client, fake):
     r = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 2, "n": 2, "seed": 7})
     body = r.json()
