@@ -74,9 +74,9 @@ def final_len(num_prompt_tokens: int, params: SamplingParams, max_model_len: int
 
 
 def _check_kv_pool(num_prompt_tokens: int, params: SamplingParams, limits: AdmissionLimits, where: str):
-    length, seqs, block_size = final_len(num_prompt_tokens, params, limits.max_model_len), num_seqs(params), limits.block_size
+    length, seqs = final_len(num_prompt_tokens, params, limits.max_model_len), num_seqs(params)
     # each sequence whole: a group preempted by recompute comes back with nothing shared
-    needed = seqs * -(-length // block_size) * block_size
+    needed = seqs * -(-length // limits.block_size) * limits.block_size
     if needed <= limits.max_request_tokens:
         return None
     pool = f"more than the server's whole pool ({limits.max_request_tokens} tokens)"

@@ -169,7 +169,8 @@ class Gateway:
             statuses = await self._statuses()
             self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses)
-            shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text, request_id(request))
+            shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text,
+                                      request_id(request))
             requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival)
             generation = await self._submit(requests)
         except APIError as exc:

@@ -736,6 +736,27 @@ def test_invalid_values_are_400_naming_the_param(client, path, body, param, code
     error(client.post(path, json=body), 400, param=param, code=code)
 
 
+@pytest.mark.parametrize("path, schema, base", [("/v1/completions", "CompletionRequest", {"prompt": "x"}),
+                                                ("/v1/chat/completions", "ChatCompletionRequest", CHAT)])
+def test_every_documented_bound_is_the_validated_one(client, path, schema, base):
+    """/openapi.json and the validation come from one declaration: just past each numeric bound the
+    document states is a 400 naming that field."""
+    properties = client.get("/openapi.json").json()["components"]["schemas"][schema]["properties"]
+    checked = []
+    for name, prop in properties.items():
+        for s in prop.get("anyOf", []):
+            if s.get("type") not in ("integer", "number"):
+                continue
+            step = 1 if s["type"] == "integer" else 0.001
+            outside = ([s["maximum"] + step] if "maximum" in s else []) + (
+                [s["minimum"] - step] if "minimum" in s else []) + (
+                [s["exclusiveMinimum"]] if "exclusiveMinimum" in s else [])
+            for value in outside:
+                error(client.post(path, json={**base, name: value}), 400, param=name)
+                checked.append(name)
+    assert len(checked) >= 20 and {"n", "best_of", "max_tokens", "seed", "top_p", "length_penalty"} <= set(checked)
+
+
 def test_the_context_length_error_says_what_to_do(client):
     e = error(client.post("/v1/completions", json={"prompt": [19556] * 250, "max_tokens": 16}), 400, param="prompt",
               code="context_length_exceeded")
