@@ -127,7 +127,7 @@ class Gateway:
     async def model(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            self._check_model({"model": request.path_params["model"]})
+            self._check_model(request.path_params["model"])
         except APIError as exc:
             return error_response(exc)
         return JSONResponse(self._card())
@@ -163,7 +163,7 @@ class Gateway:
             self._check_open()
             self._authorize(request)
             body = parse_json(await self._read_body(request))
-            self._check_model(body)
+            self._check_model(body.get("model"))
             parse = parse_completion if kind == "completion" else parse_chat
             parsed = await asyncio.to_thread(parse, body, self.encoder, self.vocab_size)  # a long prompt must not stall streams
             statuses = await self._statuses()
@@ -353,8 +353,7 @@ class Gateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _check_model(self, body: dict) -> None:
-        model = body.get("model")
+    def _check_model(self, model: object) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
                            param="model", code="model_not_found")
