@@ -72,8 +72,10 @@ class SamplingParams:
         _require(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
         _require(-1 <= self.top_k <= MAX_INT_PARAM, "top_k", f"top_k must be in [-1, {MAX_INT_PARAM}] (0 or -1: off)")
         _require(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
-        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
-        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        _require(abs(self.presence_penalty) <= MAX_PENALTY, "presence_penalty",
+                 f"presence_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        _require(abs(self.frequency_penalty) <= MAX_PENALTY, "frequency_penalty",
+                 f"frequency_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         _require(self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be > 0")
         _require(self.max_tokens is None or 1 <= self.max_tokens <= MAX_INT_PARAM, "max_tokens",
                  f"max_tokens must be in [1, {MAX_INT_PARAM}]")
@@ -84,7 +86,8 @@ class SamplingParams:
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens", "min_tokens must be <= max_tokens",
         )
-        _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]")
+        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+                 f"logprobs must be in [0, {MAX_LOGPROBS}]")
 
 
 MAX_INT_PARAM = 1 << 24  # bounds every count a request names, so none overflows a tensor
@@ -94,6 +97,8 @@ MAX_BEAM_WIDTH = 32
 # MAX_INT_PARAM this bound keeps that divisor finite and nonzero (a larger |length_penalty|
 # overflowed it, or divided by zero, and took the scheduler down).
 MAX_LENGTH_PENALTY = 5.0
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty|, as OpenAI's
+MAX_LOGPROBS = 20  # top alternatives reported per token
 
 
 def num_beam_candidates(beam_width: int, num_eos_tokens: int) -> int:
@@ -259,6 +264,10 @@ class SchedulerStatus:
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
     updated_at: float
+    # the rest of what common/admission.py checks a request against
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
 
 
 @dataclass(slots=True)

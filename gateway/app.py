@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP API: validate, tokenize, admit, submit to Redis, answer (whole or SSE).
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
-    GET  /health                GET  /metrics                    GET /openapi.json
+    GET  /v1/models/{model}     GET  /health                     GET /metrics
+    GET  /openapi.json
+
+Every answer carries X-Request-Id: the client's own, echoed, or else the request's id (the hex
+part of a generation's `cmpl-`/`chatcmpl-` id).
 
 Every check happens before the first byte of a response; an error after it (a stream whose
 scheduler fails) is an SSE error event followed by `data: [DONE]`.
@@ -23,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from common.admission import AdmissionLimits, check_admissible
 from common.config import GatewayConfig
 from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
@@ -39,7 +44,9 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_QUEUE_FULL_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
 SHUTTING_DOWN = "the server is shutting down"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
+          "/openapi.json")
+REQUEST_ID = "X-Request-Id"
 
 
 def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
@@ -53,11 +60,12 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
             Route("/v1/completions", gateway.completions, methods=["POST"]),
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
             Route("/v1/models", gateway.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),  # an id may hold a '/'
             Route("/health", gateway.health, methods=["GET"]),
             Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
             Route("/openapi.json", openapi_endpoint, methods=["GET"]),
         ],
-        middleware=[Middleware(CountResponses, metrics=gateway.metrics)],
+        middleware=[Middleware(CountResponses, metrics=gateway.metrics), Middleware(RequestIds)],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         lifespan=gateway.lifespan,
     )
@@ -113,8 +121,18 @@ class Gateway:
             self._authorize(request)
         except APIError as exc:
             return error_response(exc)
-        card = {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._check_model(request.path_params["model"])
+        except APIError as exc:
+            return error_response(exc)
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
+        return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}
 
     async def health(self, request: Request) -> Response:
         try:
@@ -144,13 +162,14 @@ class Gateway:
             self._check_open()
             self._authorize(request)
             body = parse_json(await self._read_body(request))
-            self._check_model(body)
+            self._check_model(body.get("model"))
             parse = parse_completion if kind == "completion" else parse_chat
             parsed = await asyncio.to_thread(parse, body, self.encoder, self.vocab_size)  # a long prompt must not stall streams
             statuses = await self._statuses()
-            self._fit_context(parsed, self._ready(statuses))
+            self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses)
-            shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text, uuid.uuid4().hex)
+            shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text,
+                                      request_id(request))
             requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival)
             generation = await self._submit(requests)
         except APIError as exc:
@@ -326,8 +345,7 @@ class Gateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _check_model(self, body: dict) -> None:
-        model = body.get("model")
+    def _check_model(self, model: object) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
                            param="model", code="model_not_found")
@@ -347,31 +365,14 @@ class Gateway:
         return ready
 
     @staticmethod
-    def _fit_context(parsed: ParsedRequest, ready: list[SchedulerStatus]) -> None:
-        max_model_len = min(s.max_model_len for s in ready)
-        max_tokens = parsed.params.max_tokens
+    def _check_admissible(parsed: ParsedRequest, ready: list[SchedulerStatus]) -> None:
+        """400 for a request no ready scheduler could ever serve (the scheduler's own rule)."""
+        limits = AdmissionLimits.strictest(ready)
         where = "messages" if parsed.kind == "chat" else "prompt"
-        capacity = min(s.max_request_tokens for s in ready)
-        num_seqs, block_size = parsed.num_seqs, max(s.block_size for s in ready)
         for prompt in parsed.prompts:
-            final_len = min(len(prompt) + (max_tokens or max_model_len), max_model_len)
-            if num_seqs == 1 and final_len > capacity:
-                raise bad_request(
-                    f"the request needs up to {final_len} tokens of KV cache, more than the server's whole pool "
-                    f"({capacity} tokens); shorten the {where} or lower max_tokens", where, "kv_cache_exceeded")
-            if num_seqs > 1:  # the scheduler's reckoning: each sequence whole (after a recompute nothing is shared)
-                blocks = num_seqs * _ceil_div(final_len, block_size)
-                if blocks * block_size > capacity:
-                    raise bad_request(
-                        f"the request's {num_seqs} sequences need up to {blocks * block_size} tokens of KV cache, "
-                        f"more than the server's whole pool ({capacity} tokens); shorten the {where}, lower "
-                        f"max_tokens or lower best_of", where, "kv_cache_exceeded")
-            if len(prompt) + (max_tokens or 1) > max_model_len:
-                asked = f"{len(prompt)} in the {where}" + (f", {max_tokens} for the completion" if max_tokens else "")
-                raise bad_request(
-                    f"this model's maximum context length is {max_model_len} tokens, but the request needs "
-                    f"{len(prompt) + (max_tokens or 1)} ({asked}); shorten the {where} or lower max_tokens",
-                    where, "context_length_exceeded")
+            rejection = check_admissible(len(prompt), parsed.params, limits, where)
+            if rejection is not None:
+                raise bad_request(rejection.message, rejection.param, rejection.code)
 
     def _admit(self, statuses: list[SchedulerStatus]) -> None:
         """429 when the queue is full. A scheduler counts only what it has read from the stream, and
@@ -388,10 +389,6 @@ class Gateway:
             return await self.engine.submit(requests)
         except Exception as exc:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def unavailable(message: str) -> APIError:
@@ -416,9 +413,37 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
+    """Starlette answers this one outside every middleware: the request id is set here."""
     log.exception("unexpected error on %s", request.url.path)
     body = APIError(500, f"internal error: {exc}", "server_error", code="internal_error").body()
-    return JSONResponse(body, status_code=500)
+    return JSONResponse(body, status_code=500, headers={REQUEST_ID: request_id(request, echo=True)})
+
+
+def request_id(request: Request, echo: bool = False) -> str:
+    """This request's id (RequestIds sets it), or with `echo` the client's own X-Request-Id if it sent one."""
+    return echo and request.headers.get(REQUEST_ID) or request.scope["state"]["request_id"]
+
+
+class RequestIds:
+    """ASGI middleware: give each request an id and answer with X-Request-Id (the client's, echoed,
+    when it sent one)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["request_id"] = uuid.uuid4().hex
+        value = request_id(Request(scope), echo=True).encode("latin-1")
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class CountResponses:
@@ -431,7 +456,8 @@ class CountResponses:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        path = scope["path"]
+        route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":

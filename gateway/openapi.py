@@ -1,160 +1,28 @@
 """The gateway's API as an OpenAPI 3.1 document, served at `GET /openapi.json`.
 
-The document is data: the schemas below say what `gateway/openai_api.py` and `gateway/app.py`
-accept and answer, with the same bounds (taken from the same constants). Only the served model's
-id, its vocabulary size and the body size limit are filled in per gateway. Fields not listed are
-ignored by the gateway, so no object here forbids additional properties. What one field's range
-cannot say (a prompt that does not fit the context, `best_of` below `n`, beam search options
-without `use_beam_search`, `top_logprobs` without `logprobs`, ...) is a 400 with the error object.
+The request bodies' schemas are gateway/models.py's, derived with pydantic (the same classes
+validate the requests); the answers, the stream's events and the errors are written out below.
+Per gateway, the served model's id, its vocabulary size and the body size limit are filled in.
+Fields not listed are ignored by the gateway, so no object here forbids additional properties.
+What one field's range cannot say (a prompt that does not fit the context, `best_of` below `n`,
+beam search options without `use_beam_search`, `top_logprobs` without `logprobs`, ...) is a 400
+with the error object.
 """
 from __future__ import annotations
 
 import importlib.metadata
 
+from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from common.protocol import MAX_BEAM_WIDTH, MAX_INT_PARAM, MAX_LENGTH_PENALTY
-from gateway.openai_api import (
-    CHAT_ROLES, MAX_COMPLETION_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
-)
+from gateway.models import SERVED_MODEL, TOKEN_ID, ChatCompletionRequest, CompletionRequest
 
-MODEL = "__served_model_name__"  # placeholders, replaced by `openapi_document`
-MAX_TOKEN_ID = "__max_token_id__"
-MAX_BODY = "__max_body_bytes__"
-SEED_MAX = 2**63 - 1  # a seeded request's samples use sample_seed(seed, i) (common/protocol.py)
-
-
-def _nullable(kind: str, **schema) -> dict:
-    """An optional field: null (or leaving it out) means its default."""
-    return {"type": [kind, "null"], **schema}
+REQUESTS = (CompletionRequest, ChatCompletionRequest)
 
 
 def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
-
-
-TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
-STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
-
-# Fields both generation endpoints take (openai_api._common and _max_tokens).
-SAMPLING_FIELDS = {
-    "model": {"enum": [MODEL, None], "description": "The served model's id (GET /v1/models); another is a 404."},
-    "max_tokens": _nullable(
-        "integer", minimum=1, maximum=MAX_INT_PARAM,
-        description="Tokens to generate at most. Default: 16 for completions, the rest of the context for chat. "
-                    "The prompt plus max_tokens must fit the model's context length, else 400 "
-                    "(code context_length_exceeded)."),
-    "max_completion_tokens": _nullable(
-        "integer", minimum=1, maximum=MAX_INT_PARAM, description="Same as max_tokens, and takes precedence."),
-    "temperature": _nullable(
-        "number", minimum=0, description="Default 1 (0 with use_beam_search, which allows only 0); 0 is greedy."),
-    "top_p": _nullable("number", exclusiveMinimum=0, maximum=1, description="Default 1."),
-    "top_k": _nullable("integer", minimum=-1, maximum=MAX_INT_PARAM, description="Default 0; 0 and -1 are off."),
-    "min_p": _nullable("number", minimum=0, maximum=1, description="Default 0."),
-    "n": _nullable(
-        "integer", minimum=1, maximum=MAX_N,
-        description=f"Choices per prompt, default 1. n (or best_of) times the number of prompts must be <= {MAX_N}; "
-                    f"with use_beam_search, <= {MAX_BEAM_WIDTH}."),
-    "best_of": _nullable(
-        "integer", minimum=1, maximum=MAX_N,
-        description="Sample best_of outputs per prompt and return the n of highest cumulative logprob; >= n. "
-                    "best_of > n cannot stream."),
-    "use_beam_search": _nullable(
-        "boolean", description="Beam search with best_of beams (else n); cannot stream; needs temperature 0, "
-                               "top_p 1, top_k off, and no logprobs, min_p, penalties, min_tokens, "
-                               "stop_token_ids or ignore_eos."),
-    "length_penalty": _nullable(
-        "number", minimum=-MAX_LENGTH_PENALTY, maximum=MAX_LENGTH_PENALTY,
-        description="Beam score = sum of logprobs / length ** length_penalty. Default 1; "
-                    "other values only with use_beam_search."),
-    "early_stopping": {
-        "anyOf": [{"type": "boolean"}, {"const": "never"}, {"type": "null"}],
-        "description": "Beam search stopping rule (transformers'); default false; other values only with "
-                       "use_beam_search."},
-    "stop": {
-        "anyOf": [STOP_STRING, {"type": "array", "items": STOP_STRING, "maxItems": MAX_STOP}, {"type": "null"}],
-        "description": "Strings that end a choice; they are not part of its text."},
-    "stop_token_ids": _nullable(
-        "array", items=TOKEN_ID, maxItems=MAX_STOP_TOKEN_IDS, description="Token ids that end a choice."),
-    "seed": _nullable("integer", minimum=-(2**63), maximum=SEED_MAX, description="Makes sampling reproducible."),
-    "presence_penalty": _nullable("number", minimum=-2, maximum=2, description="Default 0."),
-    "frequency_penalty": _nullable("number", minimum=-2, maximum=2, description="Default 0."),
-    "repetition_penalty": _nullable("number", exclusiveMinimum=0, description="Default 1 (off)."),
-    "min_tokens": _nullable(
-        "integer", minimum=0, maximum=MAX_INT_PARAM,
-        description="EOS and stop_token_ids cannot end a choice before this many tokens; <= max_tokens."),
-    "ignore_eos": _nullable("boolean", description="Keep generating after EOS. Default false."),
-    "skip_special_tokens": _nullable("boolean", description="Leave special tokens out of the text. Default true."),
-    "stream": _nullable("boolean", description="Answer with Server-Sent Events (text/event-stream)."),
-    "stream_options": _nullable(
-        "object", properties={"include_usage": _nullable("boolean")},
-        description="Only with stream: true. include_usage adds a last chunk with the usage."),
-    "user": _nullable("string", description="Ignored; accepted for compatibility."),
-}
-
-PROMPT = {
-    "description": "Text, texts, token ids, or lists of token ids; each must be at least one token.",
-    "anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_N},
-        {"type": "array", "items": TOKEN_ID, "minItems": 1},
-        {"type": "array", "items": {"type": "array", "items": TOKEN_ID, "minItems": 1}, "minItems": 1,
-         "maxItems": MAX_N},
-    ],
-}
-
-TEXT_PART = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-}
-
-CONTENT = {
-    "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
-    "description": "Text, or text parts (joined with newlines).",
-}
-
-MESSAGE = {
-    "description": "A message needs a content, except that an assistant message may leave it out or null. "
-                   "developer is treated as system.",
-    "anyOf": [
-        {"type": "object", "required": ["role", "content"],
-         "properties": {"role": {"enum": sorted(CHAT_ROLES)}, "content": CONTENT}},
-        {"type": "object", "required": ["role"],
-         "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [CONTENT, {"type": "null"}]}}},
-    ],
-}
-
-COMPLETION_REQUEST = {
-    "type": "object",
-    "required": ["prompt"],
-    "description": "echo, suffix and logit_bias are not supported: a 400 unless absent, null, false or empty.",
-    "properties": {
-        "prompt": PROMPT,
-        **SAMPLING_FIELDS,
-        "logprobs": _nullable(
-            "integer", minimum=0, maximum=MAX_COMPLETION_LOGPROBS,
-            description="Return the logprob of each token and of this many alternatives."),
-    },
-}
-
-CHAT_REQUEST = {
-    "type": "object",
-    "required": ["messages"],
-    "description": "tools, functions and logit_bias are not supported: a 400 unless absent, null, false or empty. "
-                   "The messages are rendered with the model's chat template.",
-    "properties": {
-        "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-        **SAMPLING_FIELDS,
-        "logprobs": _nullable("boolean", description="Return the logprob of each token."),
-        "top_logprobs": _nullable(
-            "integer", minimum=0, maximum=MAX_TOP_LOGPROBS, description="Alternatives per token; needs logprobs."),
-        "response_format": _nullable(
-            "object", required=["type"], properties={"type": {"const": "text"}},
-            description="Only {\"type\": \"text\"} is supported."),
-    },
-}
 
 USAGE = {
     "type": "object",
@@ -293,14 +161,14 @@ def _error(description: str, headers: dict | None = None) -> dict:
 UNAUTHORIZED = _error("The API key is missing or wrong (only when the server has one).")
 
 
-def _generation(summary: str, request: str, response: str, chunk: str) -> dict:
+def _generation(summary: str, request: str, response: str, chunk: str, max_body_bytes: int) -> dict:
     return {
         "post": {
             "summary": summary,
             "security": [{}, {"bearerAuth": []}],
             "requestBody": {
                 "required": True,
-                "description": f"JSON, at most {MAX_BODY} bytes.",
+                "description": f"JSON, at most {max_body_bytes} bytes.",
                 "content": {"application/json": {"schema": _ref(request)}},
             },
             "responses": {
@@ -317,7 +185,7 @@ def _generation(summary: str, request: str, response: str, chunk: str) -> dict:
                               "context or the KV cache; `param` names the field."),
                 "401": UNAUTHORIZED,
                 "404": _error("An unknown model (code model_not_found)."),
-                "413": _error(f"The body is larger than {MAX_BODY} bytes (code request_too_large)."),
+                "413": _error(f"The body is larger than {max_body_bytes} bytes (code request_too_large)."),
                 "429": _error("Too many requests are waiting (code queue_full).", RETRY_AFTER),
                 "500": _error("The generation failed in the engine (code engine_error or aborted)."),
                 "503": _error("No scheduler with ready workers, or Redis unreachable (code service_unavailable).",
@@ -328,100 +196,137 @@ def _generation(summary: str, request: str, response: str, chunk: str) -> dict:
     }
 
 
-DOCUMENT = {
-    "openapi": "3.1.0",
-    "info": {
-        "title": "Pagoda",
-        "version": "__version__",
-        "description": "An OpenAI-compatible LLM API. Errors are OpenAI error objects "
-                       "({\"error\": {\"message\", \"type\", \"param\", \"code\"}}); an unknown route is a 404 and a "
-                       "wrong method a 405, with the same object. Fields a request body does not list are ignored.",
-    },
-    "paths": {
-        "/v1/completions": _generation(
-            "Complete one or more prompts", "CompletionRequest", "CompletionResponse", "CompletionChunk"),
-        "/v1/chat/completions": _generation(
-            "Answer a conversation", "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk"),
-        "/v1/models": {"get": {
-            "summary": "The served model",
-            "security": [{}, {"bearerAuth": []}],
-            "responses": {
-                "200": {"description": "One model.", "content": {"application/json": {"schema": _ref("ModelList")}}},
-                "401": UNAUTHORIZED,
-            },
-        }},
-        "/health": {"get": {
-            "summary": "Whether a scheduler with ready workers is alive",
-            "security": [],
-            "responses": {
-                "200": {"description": "Ready.", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}}}},
-                "503": _error("Not ready (code service_unavailable).", RETRY_AFTER),
-            },
-        }},
-        "/metrics": {"get": {
-            "summary": "Prometheus metrics (pagoda:...)",
-            "security": [],
-            "responses": {"200": {"description": "The Prometheus text format.",
-                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
-        }},
-        "/openapi.json": {"get": {
-            "summary": "This document",
-            "security": [],
-            "responses": {"200": {"description": "OpenAPI 3.1.",
-                                  "content": {"application/json": {"schema": {"type": "object"}}}}},
-        }},
-    },
-    "components": {
-        "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer",
-                                           "description": "Only when the server was started with an API key."}},
-        "schemas": {
-            "CompletionRequest": COMPLETION_REQUEST,
-            "ChatCompletionRequest": CHAT_REQUEST,
-            "ChatMessage": MESSAGE,
-            "CompletionResponse": COMPLETION_RESPONSE,
-            "ChatCompletionResponse": CHAT_RESPONSE,
-            "CompletionChunk": COMPLETION_CHUNK,
-            "ChatCompletionChunk": CHAT_CHUNK,
-            "CompletionLogprobs": COMPLETION_LOGPROBS,
-            "ChatLogprobs": CHAT_LOGPROBS,
-            "Usage": USAGE,
-            "ModelList": {
-                "type": "object",
-                "required": ["object", "data"],
-                "properties": {
-                    "object": {"const": "list"},
-                    "data": {"type": "array", "items": {
-                        "type": "object",
-                        "required": ["id", "object", "created", "owned_by"],
-                        "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                                       "created": {"type": "integer"}, "owned_by": {"type": "string"}},
-                    }},
-                },
-            },
-            "Error": ERROR,
-        },
-    },
-}
-
-
 def openapi_document(served_model_name: str, vocab_size: int, max_body_bytes: int) -> dict:
-    """DOCUMENT with this gateway's model, vocabulary size and body limit filled in."""
-    values = {MODEL: served_model_name, MAX_TOKEN_ID: vocab_size - 1, MAX_BODY: max_body_bytes, "__version__": _version()}
+    """The document for this gateway's model, vocabulary size and body limit."""
+    _, requests = models_json_schema([(model, "validation") for model in REQUESTS],
+                                     ref_template="#/components/schemas/{model}")
+    schemas = {name: _served(schema, served_model_name, vocab_size) for name, schema in requests["$defs"].items()}
+    return _with_request_ids(_document(schemas, max_body_bytes))
 
-    def fill(node):
-        if isinstance(node, dict):
-            return {k: fill(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [fill(v) for v in node]
-        if isinstance(node, str):
-            for placeholder, value in values.items():
-                if node == placeholder:
-                    return value
-                node = node.replace(placeholder, str(value))
+
+def _served(node, served_model_name: str, vocab_size: int):
+    """A request schema with the markers of gateway/models.py made this gateway's values."""
+    if isinstance(node, list):
+        return [_served(v, served_model_name, vocab_size) for v in node]
+    if not isinstance(node, dict):
         return node
+    node = {k: _served(v, served_model_name, vocab_size) for k, v in node.items()}
+    if node.pop(SERVED_MODEL, False):
+        node["enum"] = [served_model_name, None]
+    if node.pop(TOKEN_ID, False):
+        node["maximum"] = vocab_size - 1
+    return node
 
-    return fill(DOCUMENT)
+
+def _document(request_schemas: dict, max_body_bytes: int) -> dict:
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Pagoda",
+            "version": _version(),
+            "description": "An OpenAI-compatible LLM API. Errors are OpenAI error objects "
+                           "({\"error\": {\"message\", \"type\", \"param\", \"code\"}}); an unknown route is a 404 "
+                           "and a wrong method a 405, with the same object. Fields a request body does not list are "
+                           "ignored. Every answer carries an X-Request-Id.",
+        },
+        "paths": {
+            "/v1/completions": _generation(
+                "Complete one or more prompts", "CompletionRequest", "CompletionResponse", "CompletionChunk",
+                max_body_bytes),
+            "/v1/chat/completions": _generation(
+                "Answer a conversation", "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk",
+                max_body_bytes),
+            "/v1/models": {"get": {
+                "summary": "The served model",
+                "security": [{}, {"bearerAuth": []}],
+                "responses": {
+                    "200": {"description": "One model.",
+                            "content": {"application/json": {"schema": _ref("ModelList")}}},
+                    "401": UNAUTHORIZED,
+                },
+            }},
+            "/v1/models/{model}": {"get": {
+                "summary": "The served model, by its id (the openai SDK's models.retrieve)",
+                "security": [{}, {"bearerAuth": []}],
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {
+                    "200": {"description": "The model.", "content": {"application/json": {"schema": _ref("Model")}}},
+                    "401": UNAUTHORIZED,
+                    "404": _error("Another model's id (code model_not_found)."),
+                },
+            }},
+            "/health": {"get": {
+                "summary": "Whether a scheduler with ready workers is alive",
+                "security": [],
+                "responses": {
+                    "200": {"description": "Ready.", "content": {"application/json": {"schema": {
+                        "type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}}}},
+                    "503": _error("Not ready (code service_unavailable).", RETRY_AFTER),
+                },
+            }},
+            "/metrics": {"get": {
+                "summary": "Prometheus metrics (pagoda:...)",
+                "security": [],
+                "responses": {"200": {"description": "The Prometheus text format.",
+                                      "content": {"text/plain": {"schema": {"type": "string"}}}}},
+            }},
+            "/openapi.json": {"get": {
+                "summary": "This document",
+                "security": [],
+                "responses": {"200": {"description": "OpenAPI 3.1.",
+                                      "content": {"application/json": {"schema": {"type": "object"}}}}},
+            }},
+        },
+        "components": {
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer",
+                                               "description": "Only when the server was started with an API key."}},
+            "schemas": {
+                **request_schemas,
+                "CompletionResponse": COMPLETION_RESPONSE,
+                "ChatCompletionResponse": CHAT_RESPONSE,
+                "CompletionChunk": COMPLETION_CHUNK,
+                "ChatCompletionChunk": CHAT_CHUNK,
+                "CompletionLogprobs": COMPLETION_LOGPROBS,
+                "ChatLogprobs": CHAT_LOGPROBS,
+                "Usage": USAGE,
+                "ModelList": {
+                    "type": "object",
+                    "required": ["object", "data"],
+                    "properties": {
+                        "object": {"const": "list"},
+                        "data": {"type": "array", "items": _ref("Model")},
+                    },
+                },
+                "Model": {
+                    "type": "object",
+                    "required": ["id", "object", "created", "owned_by"],
+                    "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                   "created": {"type": "integer"}, "owned_by": {"type": "string"}},
+                },
+                "Error": ERROR,
+            },
+        },
+    }
+
+
+REQUEST_ID_HEADER = {"X-Request-Id": {
+    "required": True, "schema": {"type": "string"},
+    "description": "The client's own X-Request-Id, echoed, else this request's id (a generation's id without its "
+                   "cmpl- or chatcmpl- prefix)."}}
+REQUEST_ID_PARAMETER = {"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
+                        "description": "An id of the client's own, echoed in the answer's X-Request-Id."}
+
+
+def _with_request_ids(document: dict) -> dict:
+    """Every operation takes an optional X-Request-Id and every answer carries one."""
+    for path, operations in document["paths"].items():
+        document["paths"][path] = {method: {
+            **operation,
+            "parameters": operation.get("parameters", []) + [REQUEST_ID_PARAMETER],
+            "responses": {status: {**response, "headers": {**response.get("headers", {}), **REQUEST_ID_HEADER}}
+                          for status, response in operation["responses"].items()},
+        } for method, operation in operations.items()}
+    return document
 
 
 def _version() -> str:

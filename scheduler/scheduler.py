@@ -22,6 +22,7 @@ import math
 import struct
 from dataclasses import dataclass, replace
 
+from common.admission import AdmissionLimits, check_admissible
 from common.config import EngineConfig
 from common.protocol import (
     CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
@@ -149,38 +150,15 @@ class Scheduler:
     def _check_admissible(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        if not prompt:
-            raise RequestRejected("the prompt is empty")
-        max_tokens = params.max_tokens or 1
-        if len(prompt) + max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"context length of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
-            )
-        if not self.config.enable_chunked_prefill and len(prompt) > self.config.max_num_batched_tokens:
-            raise RequestRejected(
-                f"the prompt ({len(prompt)} tokens) exceeds max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) and chunked prefill is off"
-            )
-        num_seqs = params.beam_width or params.best_of or params.n
-        if num_seqs > self.config.max_num_seqs:
-            raise RequestRejected(
-                f"the request runs {num_seqs} sequences at once, more than max_num_seqs ({self.config.max_num_seqs})"
-            )
-        if num_seqs > self.config.max_num_batched_tokens:
-            raise RequestRejected(
-                f"the request runs {num_seqs} sequences at once, more than max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) can decode in one step"
-            )
-        bm = self.block_manager
-        final_len = len(prompt) + self._max_new_tokens(len(prompt), params)
-        # each sequence whole: a group preempted by recompute comes back with nothing shared
-        needed = num_seqs * bm.blocks_for(final_len)
-        if needed > bm.num_total_blocks - bm.watermark_blocks:
-            raise RequestRejected(
-                f"the request needs up to {needed * bm.block_size} tokens of KV cache, more than the whole pool "
-                f"({self.max_request_tokens} tokens)"
-            )
+        rejection = check_admissible(len(prompt), params, self.admission_limits)
+        if rejection is not None:
+            raise RequestRejected(rejection.message)
+
+    @property
+    def admission_limits(self) -> AdmissionLimits:
+        config = self.config
+        return AdmissionLimits(self.max_model_len, self.block_manager.block_size, self.max_request_tokens,
+                               config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
 
     @property
     def max_request_tokens(self) -> int:

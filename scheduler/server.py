@@ -242,6 +242,8 @@ class SchedulerServer:
             kv_cache_usage=s.block_manager.usage if s else 0.0, num_preemptions_total=s.num_preemptions if s else 0,
             prefix_cache_queries_total=s.prefix_cache_queries if s else 0,
             prefix_cache_hits_total=s.prefix_cache_hits if s else 0, updated_at=now,
+            max_num_seqs=self.engine_config.max_num_seqs, max_num_batched_tokens=self.engine_config.max_num_batched_tokens,
+            enable_chunked_prefill=self.engine_config.enable_chunked_prefill,
         )
         try:
             self.stream.publish_status(encode(status))

@@ -50,6 +50,16 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_models_retrieve_gives_the_served_model_and_404_for_another(client):
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "pagoda")
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4")
+    assert caught.value.body == {"message": "the model 'gpt-4' does not exist; this server serves "
+                                            f"'{MODEL}'", "type": "invalid_request_error", "param": "model",
+                                 "code": "model_not_found"}
+
+
 def test_chat_answers_paris(client):
     response = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32,

@@ -254,6 +254,42 @@ def test_models_lists_the_served_model(client):
     assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [(MODEL, "model", "pagoda")]
 
 
+def test_models_retrieve_answers_the_served_model_and_404_for_another(client, gateway):
+    r = client.get(f"/v1/models/{MODEL}")
+    assert r.status_code == 200
+    assert r.json() == {"id": MODEL, "object": "model", "created": gateway.created, "owned_by": "pagoda"}
+    for unknown in ("gpt-4", "HuggingFaceTB/SmolLM2-135M-Instruct"):  # an id may hold a '/'
+        r = client.get(f"/v1/models/{unknown}")
+        assert r.status_code == 404
+        assert r.json() == {"error": {
+            "message": f"the model {unknown!r} does not exist; this server serves 'SmolLM2-135M-Instruct'",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    assert client.get(f"/v1/models/{MODEL}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_every_answer_carries_the_request_id_or_echoes_the_clients(client):
+    r = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1})
+    assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"].removeprefix("cmpl-")
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 1, "stream": True}) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert r.headers["x-request-id"] == json.loads(first[len("data: "):])["id"].removeprefix("chatcmpl-")
+    ids = [client.get("/health").headers["x-request-id"] for _ in range(2)]
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids) and ids[0] != ids[1]
+    mine = {"X-Request-Id": "client-trace-42"}
+    answers = [
+        client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1}, headers=mine),  # 200
+        client.post("/v1/completions", json={"prompt": "x", "n": 0}, headers=mine),  # 400
+        client.post("/v1/completions", json={"prompt": "x"}, headers={**mine, "Authorization": "Bearer no"}),  # 401
+        client.get("/v1/models/gpt-4", headers=mine),  # 404
+        client.get("/v1/nothing", headers=mine),  # 404, no route
+        client.get("/v1/completions", headers=mine),  # 405
+        client.get("/health", headers=mine), client.get("/metrics", headers=mine),
+        client.get("/openapi.json", headers=mine), client.get("/v1/models", headers=mine),
+    ]
+    assert [r.status_code for r in answers] == [200, 400, 401, 404, 404, 405, 200, 200, 200, 200]
+    assert [r.headers.get_list("x-request-id") for r in answers] == [["client-trace-42"]] * len(answers)
+
+
 def test_n2_is_one_request_carrying_n_and_the_requests_seed(client, fake):
     """The samples are one sequence group; the scheduler and worker derive sample i's seed
     (sample_seed), as offline."""
@@ -586,8 +622,10 @@ def test_a_group_larger_than_the_kv_pool_is_400(client, fake):
         assert e["message"] == ("the request's 4 sequences need up to 192 tokens of KV cache, more than the server's "
                                 "whole pool (100 tokens); shorten the prompt, lower max_tokens or lower best_of")
         # n samples are one group too, reckoned the same way
-        error(client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "n": 4}), 400,
-              param="prompt", code="kv_cache_exceeded")
+        e = error(client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "n": 4}), 400,
+                  param="prompt", code="kv_cache_exceeded")
+        assert e["message"] == ("the request's 4 sequences need up to 192 tokens of KV cache, more than the server's "
+                                "whole pool (100 tokens); shorten the prompt, lower max_tokens or lower n")
         r = client.post("/v1/completions", json={"prompt": [19556] * 20, "max_tokens": 16, "n": 2})
         assert r.status_code == 200  # 2 x 3 blocks of 16
     finally:
@@ -764,6 +802,27 @@ def test_a_body_over_the_limit_is_413_by_header_or_by_size(client):
 ])
 def test_invalid_values_are_400_naming_the_param(client, path, body, param, code):
     error(client.post(path, json=body), 400, param=param, code=code)
+
+
+@pytest.mark.parametrize("path, schema, base", [("/v1/completions", "CompletionRequest", {"prompt": "x"}),
+                                                ("/v1/chat/completions", "ChatCompletionRequest", CHAT)])
+def test_every_documented_bound_is_the_validated_one(client, path, schema, base):
+    """/openapi.json and the validation come from one declaration: just past each numeric bound the
+    document states is a 400 naming that field."""
+    properties = client.get("/openapi.json").json()["components"]["schemas"][schema]["properties"]
+    checked = []
+    for name, prop in properties.items():
+        for s in prop.get("anyOf", []):
+            if s.get("type") not in ("integer", "number"):
+                continue
+            step = 1 if s["type"] == "integer" else 0.001
+            outside = ([s["maximum"] + step] if "maximum" in s else []) + (
+                [s["minimum"] - step] if "minimum" in s else []) + (
+                [s["exclusiveMinimum"]] if "exclusiveMinimum" in s else [])
+            for value in outside:
+                error(client.post(path, json={**base, name: value}), 400, param=name)
+                checked.append(name)
+    assert len(checked) >= 20 and {"n", "best_of", "max_tokens", "seed", "top_p", "length_penalty"} <= set(checked)
 
 
 def test_the_context_length_error_says_what_to_do(client):

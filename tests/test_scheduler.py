@@ -406,7 +406,7 @@ def test_a_result_for_another_step_is_refused():
 
 def test_a_request_longer_than_the_context_is_rejected():
     engine = make_engine(max_model_len=64)
-    with pytest.raises(RequestRejected, match=r"prompt \(60 tokens\) plus max_tokens \(5\) exceeds the context length of 64"):
+    with pytest.raises(RequestRejected, match=r"maximum context length is 64 tokens, but the request needs 65 \(60 in the prompt, 5 for the completion\)"):
         engine.add_request("a", prompt(60), params(max_tokens=5))
     with pytest.raises(RequestRejected, match="context length"):
         engine.add_request("a", prompt(64), params(max_tokens=None))
@@ -416,9 +416,9 @@ def test_a_request_longer_than_the_context_is_rejected():
 
 def test_a_request_larger_than_the_whole_pool_is_rejected():
     engine = make_engine(num_gpu_blocks=5)  # 4 blocks of 16: 64 tokens
-    with pytest.raises(RequestRejected, match="more than the whole pool"):
+    with pytest.raises(RequestRejected, match="more than the server's whole pool"):
         engine.add_request("a", prompt(50), params(max_tokens=20))
-    with pytest.raises(RequestRejected, match="more than the whole pool"):
+    with pytest.raises(RequestRejected, match="more than the server's whole pool"):
         engine.add_request("a", prompt(50), params(max_tokens=None))
     engine.add_request("a", prompt(50), params(max_tokens=14))
     assert run(engine) == {"a": (expected_output(0, 50, 14), "length")}

@@ -384,7 +384,8 @@ def test_a_request_too_long_for_the_context_gets_one_error_event(harness):
     assert len(events) == 1
     event = events[0]
     assert (event.token_ids, event.finish_reason) == ([], "error")
-    assert "context length of 512 tokens" in event.error
+    assert event.error == ("this model's maximum context length is 512 tokens, but the request needs 600 (500 in the "
+                           "prompt, 100 for the completion); shorten the prompt or lower max_tokens")
     harness.assert_nothing_held()
     assert worker.plans == []
 
