@@ -28,6 +28,22 @@ def one_torch_thread():
     torch.set_num_threads(saved)
 
 
+TINY_LLAMA = ROOT / "tests" / "data" / "tiny-llama.json"
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """(directory, transformers model) of a tiny random Llama (seed 0) saved by transformers."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(TINY_LLAMA)).eval()
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(directory)
+    return directory, model
+
+
 @pytest.fixture(scope="module")
 def redis_server():
     """A private redis-server for a module's stack (`pagoda up --redis-url`), inspectable by its tests."""

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import openai
 import pytest
 import redis
-import torch
 import uvicorn
 
 from common import streams
@@ -33,20 +32,13 @@ from scheduler.sequence import SequenceStatus
 from scheduler.server import SchedulerServer
 from tests.conftest import ROOT
 
-TINY = ROOT / "tests" / "data" / "tiny-llama.json"
 BLOCK_SIZE = 8
 MODEL = "SmolLM2-135M-Instruct"  # the gateway's tokenizer and name; the tiny Llama's vocabulary is its first 512 ids
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(TINY)).eval()
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(directory)
-    return directory
+def tiny_dir(tiny):
+    return tiny[0]
 
 
 @pytest.fixture(scope="module")

@@ -14,20 +14,7 @@ from common.protocol import SamplingParams, decode, encode, sample_seed
 from tests.conftest import ROOT
 from tests.prompts import LONG_TEXT, PARITY_PROMPTS
 
-TINY = ROOT / "tests" / "data" / "tiny-llama.json"
 MODES = ["swap", "recompute", "auto"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(directory, transformers model) of a tiny random Llama saved by transformers."""
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(TINY)).eval()
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(directory)
-    return directory, model
 
 
 @pytest.fixture(scope="module")
