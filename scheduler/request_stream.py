@@ -125,7 +125,9 @@ class RequestStream:
         self.aborts_cursor = _recent_aborts_id()
         self.redis_run_id: str | None = None
         self._delete_idle_consumer = self.redis.register_script(_DELETE_IDLE_CONSUMER)
-        self._last_claim = 0.0
+        self._last_maintain = 0.0  # maintain(): takeover checks, dead consumers
+        self._last_renew = 0.0  # renew_claims(): also while a step runs
+        self._claim_cursor = "0-0"  # where the next XAUTOCLAIM scan resumes
         self._last_prune = 0.0
 
     def ensure_group(self) -> None:
@@ -168,18 +170,20 @@ class RequestStream:
             return None
         return Arrival(entry_id, request)
 
-    def claim_due(self) -> bool:
-        return time.monotonic() - self._last_claim >= self.serving.claim_interval_s
+    def maintain_due(self) -> bool:
+        return time.monotonic() - self._last_maintain >= self.serving.claim_interval_s
+
+    def renew_due(self) -> bool:
+        return time.monotonic() - self._last_renew >= self.serving.claim_interval_s
 
     def maintain(self, draining: bool) -> list[str]:
         """Renew this scheduler's claims; note whether a dead scheduler's requests wait; returns the
         requests another scheduler took over (drop them here without a word: they are its now)."""
-        self._last_claim = time.monotonic()
+        self._last_maintain = time.monotonic()
         try:
             dropped = self._drop_taken_over()
             self.renew_claims()
-            self.orphans = not draining and bool(self.redis.xpending_range(
-                streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", 1, idle=self.serving.claim_idle_ms))
+            self.orphans = not draining and self._orphans_wait()
             self._delete_dead_consumers()
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -187,9 +191,14 @@ class RequestStream:
             return []  # Redis restarted empty: read() recreates the group
         return dropped
 
+    def _orphans_wait(self) -> bool:
+        """Whether a pending entry has gone unclaimed for claim_idle_ms (its scheduler is dead)."""
+        return bool(self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", 1,
+                                              idle=self.serving.claim_idle_ms))
+
     def renew_claims(self) -> None:
         """XCLAIM with JUSTID resets an entry's idle time (and not its delivery count)."""
-        self._last_claim = time.monotonic()
+        self._last_renew = time.monotonic()
         ids = [t.entry_id for t in self.tracked.values()]
         for i in range(0, len(ids), 1000):
             self.redis.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, self.consumer, 0, ids[i:i + 1000],
@@ -225,17 +234,23 @@ class RequestStream:
         """Up to `count` requests of dead schedulers. One that had streamed (its text would repeat),
         or that was delivered to too many schedulers that died (it may be what kills them), ends
         with an error instead."""
+        count = min(count, READ_BATCH)
         try:
+            # One call scans at most 10 x count pending entries from the cursor; resuming there (not
+            # at 0-0) gets past live schedulers' entries to the orphans behind them.
             next_id, entries = self.redis.xautoclaim(  # (Redis 7.0 adds a third element: deleted ids)
                 streams.REQUESTS, streams.SCHEDULER_GROUP, self.consumer, self.serving.claim_idle_ms,
-                start_id="0-0", count=min(count, READ_BATCH),
+                start_id=self._claim_cursor, count=count,
             )[:2]
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             self.orphans = False
+            self._claim_cursor = "0-0"
             return []
-        self.orphans = next_id not in (b"0-0", "0-0")  # more than `count` wait
+        self._claim_cursor = next_id
+        if next_id in (b"0-0", "0-0"):  # a whole pass: orphans are left only if its last window had more
+            self.orphans = len(entries) == count and self._orphans_wait()
         if any(fields is None for _, fields in entries):  # deleted from the stream while pending
             self._ack_deleted()
         entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]

@@ -729,6 +729,32 @@ def test_a_dead_schedulers_requests_come_before_newer_ones_under_full_load(redis
         h.close()
 
 
+def test_takeover_scans_past_live_schedulers_entries_to_the_orphans_behind_them(redis_url, r):
+    """XAUTOCLAIM scans at most 10 x COUNT pending entries a call: resuming at its cursor (not at
+    0-0) reaches orphans behind 50 entries a live scheduler keeps claiming, with room for one."""
+    r.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
+    for i in range(50):
+        Harness.submit_to(r, f"live-{i}", prompt(4))
+    live = r.xreadgroup(streams.SCHEDULER_GROUP, "live-scheduler", {streams.REQUESTS: ">"}, count=50)
+    live_ids = [entry_id for _, entries in live for entry_id, _ in entries]
+    for i in range(2):
+        Harness.submit_to(r, f"orphan-{i}", prompt(4))
+    assert len(read_as_dead_scheduler(r, 2)) == 2
+    time.sleep(0.3)
+    r.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, "live-scheduler", 0, live_ids, justid=True)  # alive
+    stream = request_stream.RequestStream(ServingConfig(redis_url=redis_url, claim_idle_ms=250), "survivor")
+    stream.orphans = True  # as maintain() finds them
+    calls, taken = 0, []
+    while stream.orphans and calls < 20:
+        taken += [a.request.request_id for a in stream.take_over(1)]
+        calls += 1
+    assert taken == ["orphan-0", "orphan-1"]
+    assert calls == 7  # 5 scans of 10 live entries, then one orphan a call (the second call reaches the end)
+    assert {p["consumer"] for p in r.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", 100)} == {
+        b"live-scheduler", b"survivor"}
+    stream.redis.close()
+
+
 def test_a_request_whose_schedulers_keep_dying_is_not_tried_again(redis_url, r):
     h = successor(redis_url, r, claim_idle_ms=0)
     try:
