@@ -226,13 +226,17 @@ def _field_loc(loc: tuple) -> tuple:
     error anywhere inside a message's content, ("prompt",) for one anywhere in the prompt."""
     if loc[0] == "messages" and len(loc) > 1:
         return loc[:3] if len(loc) > 2 and loc[2] in ("role", "content") else loc[:2]
+    if loc[:2] == ("stream_options", "include_usage"):
+        return loc[:2]
     return loc[:1]
 
 
 def _param(field: tuple) -> str:
-    """The error object's `param`: the top field, or messages[i].role / messages[i].content."""
+    """The error object's `param`: the top field, messages[i].role / messages[i].content, or include_usage."""
     if field[0] == "messages" and len(field) > 1:
         return f"messages[{field[1]}].{field[2] if len(field) > 2 else 'role'}"
+    if field == ("stream_options", "include_usage"):
+        return "include_usage"  # the param this error has always named
     return str(field[0])
 
 
