@@ -22,7 +22,7 @@ import math
 import struct
 from dataclasses import dataclass, replace
 
-from common.admission import AdmissionLimits, check_admissible
+from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
 from common.protocol import (
     CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
@@ -144,8 +144,7 @@ class Scheduler:
         return group
 
     def _max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        room = self.max_model_len - num_prompt_tokens
-        return room if params.max_tokens is None else min(params.max_tokens, room)
+        return final_len(num_prompt_tokens, params, self.max_model_len) - num_prompt_tokens
 
     def _check_admissible(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.groups:
@@ -207,11 +206,29 @@ class Scheduler:
             self._held_by_workers -= {s.seq_id for s in plan.new_seqs if s.seq_id in seq_ids}
             plan.new_seqs = [s for s in plan.new_seqs if s.seq_id not in seq_ids]
             plan.cached_seqs = [s for s in plan.cached_seqs if s.seq_id not in seq_ids]
+            # a swap-in or copy-on-write into the group's blocks would write into blocks freed below
+            # (fresh ones, never shared with another group), which this very plan may hand out again
+            owned = self._device_blocks(group)
+            plan.blocks_to_swap_in = [op for op in plan.blocks_to_swap_in if op[1] not in owned]
+            plan.blocks_to_copy = [op for op in plan.blocks_to_copy if op[1] not in owned]
         for seq_id in seq_ids:
             self._scheduled.pop(seq_id, None)
             self._planned_samples.pop(seq_id, None)
         self.abort_request(group.request_id)
+        if plan is not None:  # the plan may hand out the freed blocks: the workers drop the sequences first
+            plan.finished_seq_ids += [seq_id for seq_id in self._to_drop if seq_id in seq_ids]
+            self._to_drop = [seq_id for seq_id in self._to_drop if seq_id not in seq_ids]
         self._failed.append(FailedRequest(group.request_id, f"{type(exc).__name__}: {exc}"))
+
+    def _device_blocks(self, group: SequenceGroup) -> set[int]:
+        """The device blocks the group's sequences hold (none for one failed half-way into a table)."""
+        blocks = set()
+        for seq in group.seqs:
+            try:
+                blocks.update(self.block_manager.block_table(seq.seq_id))
+            except KeyError:
+                pass
+        return blocks
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -255,7 +272,7 @@ class Scheduler:
                     continue
                 while not self._can_grow(seqs, num_new):
                     victim = queue.pop() if queue else group
-                    self._preempt(victim, plan)
+                    self._preempt_or_fail(victim, plan)
                     preempted = True
                     if victim is group:
                         break
@@ -266,6 +283,13 @@ class Scheduler:
             except Exception as exc:
                 self._fail(group, exc, plan)
         return preempted
+
+    def _preempt_or_fail(self, victim: SequenceGroup, plan: StepPlan) -> None:
+        """A victim whose preemption raises fails alone, not the group it was making room for."""
+        try:
+            self._preempt(victim, plan)
+        except Exception as exc:
+            self._fail(victim, exc, plan)
 
     def _schedule_swapped(self, plan: StepPlan, budget: _Budget) -> None:
         while self.swapped:
@@ -326,8 +350,7 @@ class Scheduler:
                 self._fail(group, exc, plan)
 
     def _final_tokens(self, group: SequenceGroup) -> int:
-        prompt_len = len(group.prompt_token_ids)
-        return prompt_len + self._max_new_tokens(prompt_len, group.sampling_params)
+        return final_len(len(group.prompt_token_ids), group.sampling_params, self.max_model_len)
 
     def _insert_running(self, group: SequenceGroup) -> None:
         self.running.append(group)

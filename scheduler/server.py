@@ -26,6 +26,7 @@ import time
 
 import redis
 
+from common.admission import AdmissionLimits
 from common.config import EngineConfig, ServingConfig
 from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, WorkerHello, encode
 from common.transport import WorkerLink
@@ -92,7 +93,7 @@ class SchedulerServer:
                 self.scheduler.abort_request(abort.request_id)
             elif self.scheduler.abort_sequence(abort.request_id, abort.index):  # the others had already finished
                 self.stream.retire(abort.request_id)
-        if self.stream.claim_due():
+        if self.stream.maintain_due():
             for request_id in self.stream.maintain(draining=self.drain_deadline is not None):
                 self.scheduler.abort_request(request_id)
         busy = self.scheduler.has_unfinished_requests()
@@ -219,7 +220,7 @@ class SchedulerServer:
     def _heartbeats(self) -> None:
         """While a step runs: keep the status and this scheduler's claims fresh."""
         self._publish_status()
-        if self.stream.claim_due():
+        if self.stream.renew_due():
             try:
                 self.stream.renew_claims()
             except redis.RedisError as exc:
@@ -231,19 +232,18 @@ class SchedulerServer:
         if now - self._last_status < STATUS_INTERVAL_S:
             return
         self._last_status = now
-        s, hello = self.scheduler, self.hello
+        s, hello, config = self.scheduler, self.hello, self.engine_config
+        # the limits the gateway admits by are the scheduler's own (common/admission.py)
+        limits = s.admission_limits if s else AdmissionLimits(
+            0, config.block_size, 0, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         status = SchedulerStatus(
-            scheduler_id=self.id, model=hello.model if hello else "", max_model_len=hello.max_model_len if hello else 0,
-            block_size=hello.block_size if hello else self.engine_config.block_size,
-            num_gpu_blocks=hello.num_gpu_blocks if hello else 0, max_request_tokens=s.max_request_tokens if s else 0,
+            scheduler_id=self.id, model=hello.model if hello else "", num_gpu_blocks=hello.num_gpu_blocks if hello else 0,
             workers_ready=s is not None and self.link.ready,
             num_running=s.num_running_seqs if s else 0, num_waiting=len(s.waiting) if s else 0,
             num_swapped=s.num_swapped_seqs if s else 0,
             kv_cache_usage=s.block_manager.usage if s else 0.0, num_preemptions_total=s.num_preemptions if s else 0,
             prefix_cache_queries_total=s.prefix_cache_queries if s else 0,
-            prefix_cache_hits_total=s.prefix_cache_hits if s else 0, updated_at=now,
-            max_num_seqs=self.engine_config.max_num_seqs, max_num_batched_tokens=self.engine_config.max_num_batched_tokens,
-            enable_chunked_prefill=self.engine_config.enable_chunked_prefill,
+            prefix_cache_hits_total=s.prefix_cache_hits if s else 0, updated_at=now, **dataclasses.asdict(limits),
         )
         try:
             self.stream.publish_status(encode(status))

@@ -11,7 +11,7 @@ import pytest
 from common.config import EngineConfig
 from common.protocol import SamplingParams, StepPlan, StepResult, decode, encode
 from scheduler.engine import LLMEngine
-from scheduler.scheduler import PreemptionCosts, RequestRejected, Scheduler
+from scheduler.scheduler import FailedRequest, PreemptionCosts, RequestRejected, Scheduler
 from tests.fakes import FakeExecutor, expected_output, token_for
 
 EOS = 2
@@ -235,6 +235,28 @@ def test_preemption_picks_the_latest_arrival_and_recomputes_it():
         rid: (expected_output(i, 8, 16), "length") for i, rid in enumerate("abc")
     }
     assert list(done) == ["a", "b", "c"]  # first come, first served
+    assert engine.scheduler.block_manager.num_free_blocks == 6
+
+
+def test_a_victim_whose_preemption_raises_fails_alone_and_frees_its_blocks(monkeypatch):
+    """With failures isolated (the scheduler process), the request being preempted fails, not the
+    one it was making room for; nothing leaks."""
+    engine = make_engine(num_gpu_blocks=7, block_size=8)
+    engine.scheduler.isolate_failures = True
+    for i, rid in enumerate("abc"):
+        engine.add_request(rid, prompt(8, start=100 * (i + 1)), params(max_tokens=16))
+    preempt = Scheduler._preempt
+
+    def preempt_or_raise(self, group, plan):
+        if group.request_id == "c":
+            raise OSError("swap pool gone")
+        return preempt(self, group, plan)
+
+    monkeypatch.setattr(Scheduler, "_preempt", preempt_or_raise)
+    done = run(engine)
+    assert engine.scheduler.take_failed() == [FailedRequest("c", "OSError: swap pool gone")]
+    assert done["a"] == (expected_output(0, 8, 16), "length") and done["b"] == (expected_output(1, 8, 16), "length")
+    assert "c" not in done and "c" not in engine.scheduler.groups  # its error event is the server's (take_failed)
     assert engine.scheduler.block_manager.num_free_blocks == 6
 
 
