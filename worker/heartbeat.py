@@ -5,17 +5,15 @@ import threading
 import time
 from pathlib import Path
 
-HEARTBEAT_INTERVAL_S = 1.0
-
-
 class Heartbeat:
     """Touches a file every second while this process runs and no step has run past the step
     deadline. A supervisor (`pagoda up`) restarts a worker whose file goes stale: one that was
     stopped (SIGSTOP), starved, or is stuck inside a step, which it cannot see from outside."""
 
-    def __init__(self, path: str, step_timeout_s: float) -> None:
+    def __init__(self, path: str, step_timeout_s: float, interval_s: float = 1.0) -> None:
         self.path = Path(path)
         self.step_timeout_s = step_timeout_s
+        self.interval_s = interval_s
         self.step_started: float | None = None
         self.touch()
         threading.Thread(target=self._run, name="pagoda-heartbeat", daemon=True).start()
@@ -31,4 +29,4 @@ class Heartbeat:
         while True:
             if self.alive():
                 self.touch()
-            time.sleep(HEARTBEAT_INTERVAL_S)
+            time.sleep(self.interval_s)
