@@ -198,7 +198,8 @@ class Scheduler:
 
     def _fail(self, group: SequenceGroup, exc: Exception, plan: StepPlan | None = None) -> None:
         """End the group whose scheduling or update raised: out of the plan being built, its blocks
-        freed, its sequences dropped by the workers with the next plan. Re-raises unless isolating."""
+        freed, its sequences dropped by the workers with that plan (which may hand the blocks out
+        again), or with the next one after an update. Re-raises unless isolating."""
         if not self.isolate_failures:
             raise exc
         seq_ids = {seq.seq_id for seq in group.seqs}
