@@ -39,7 +39,7 @@ def fused_add_rms_norm_reference(
     return rms_norm_reference(residual, weight, eps), residual
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -50,8 +50,8 @@ def rotary_embedding_reference(
     """query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads, head_dim], in place;
     positions [num_tokens]; cos_cache, sin_cache [max_positions, head_dim]."""
     cos, sin = cos_cache[positions][:, None, :], sin_cache[positions][:, None, :]
-    query.copy_(query * cos + _rotate_half(query) * sin)
-    key.copy_(key * cos + _rotate_half(key) * sin)
+    query.copy_(query * cos + rotate_half(query) * sin)
+    key.copy_(key * cos + rotate_half(key) * sin)
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

@@ -196,6 +196,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     c.add_argument("--batch-size", type=int, default=8)
     c.add_argument("--context-len", type=int, default=128)
+    c.add_argument("--time-ops", action="store_true",
+                   help="also time each fused op: unfused eager, torch.compile of it, the custom op")
     c.add_argument("--output", help="write the result JSON here")
     c.set_defaults(handler=_bench_ops)
     _add_bench_memory(benches.add_parser("memory", help="KV memory use: paged vs Orca-style contiguous (CPU, no model)"))

@@ -266,6 +266,53 @@ def test_triton_silu_and_mul_matches_the_reference(num_tokens, d, dtype):
                                **_tol(dtype))
 
 
+def _compile_fused_for_sm90() -> list[str]:
+    """Compile every variant of the fused kernels for sm_90 (Triton's own ptxas), pointers and
+    strides 16-divisible as the JIT sees them. Run with TRITON_INTERPRET unset."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_fused as tf
+
+    def compile_(fn, types: dict, consts: dict, num_warps: int = 4) -> str:
+        sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                   if name.endswith("_ptr") or name.startswith("stride")}
+        triton.compile(ASTSource(fn, sig, consts, aligned), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps})
+        return f"{fn.__name__} {sorted(consts.items())}"
+
+    done = []
+    for dtype, hidden, head_dim in [("bf16", 4096, 128), ("fp16", 576, 64), ("fp32", 576, 80)]:
+        ptr = f"*{dtype}"
+        block = triton.next_power_of_2(hidden)
+        for has_residual in (False, True):
+            done.append(compile_(tf._rms_norm_kernel, {
+                "x_ptr": ptr, "residual_ptr": ptr, "weight_ptr": ptr, "out_ptr": ptr, "residual_out_ptr": ptr,
+                "eps": "fp32"}, {"HAS_RESIDUAL": has_residual, "BLOCK": block}, tf._norm_warps(block)))
+        half = head_dim // 2
+        done.append(compile_(tf._rotary_kernel, {
+            "positions_ptr": "*i64", "query_ptr": ptr, "key_ptr": ptr, "cos_ptr": ptr, "sin_ptr": ptr},
+            {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": half, "HEADS_P2": 32, "KV_HEADS_P2": 8,
+             "HALF_P2": triton.next_power_of_2(half)}))
+        done.append(compile_(tf._silu_and_mul_kernel, {"x_ptr": ptr, "out_ptr": ptr}, {"BLOCK": tf.SILU_BLOCK}))
+    return done
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the kernels are compiled for the device itself")
+def test_every_fused_kernel_compiles_for_hopper_without_a_gpu():
+    """The interpreter runs Python, not the compiler: this catches what only compiling would."""
+    nvidia = importlib.util.find_spec("triton.backends.nvidia")
+    if nvidia is None or not (Path(nvidia.submodule_search_locations[0]) / "bin" / "ptxas").exists():
+        pytest.skip("triton's NVIDIA backend (with its ptxas) is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.test_kernels_fused import _compile_fused_for_sm90; print(len(_compile_fused_for_sm90()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "12"  # 3 dtypes x (2 norms, rotary, silu_and_mul)
+
+
 @pytest.mark.gpu
 def test_cuda_dispatch_runs_the_triton_kernels():
     if INTERPRET:
@@ -274,6 +321,36 @@ def test_cuda_dispatch_runs_the_triton_kernels():
     assert torch.equal(kernels.fused_add_rms_norm(x, residual, weight, 1e-5)[0],
                        kernels.fused_add_rms_norm(x, residual, weight, 1e-5, impl="triton")[0])
     assert torch.equal(kernels.silu_and_mul(x), kernels.silu_and_mul(x, impl="triton"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need the compiled kernels; TRITON_INTERPRET=1 is set")
+def test_fused_ops_replay_in_a_cuda_graph_with_new_inputs():
+    x, residual, weight = _norm_inputs(8, 576, torch.bfloat16, "cuda")
+    qkv, q, k, positions, cos_cache, sin_cache = _rope_inputs(8, 9, 3, 64, torch.bfloat16, "cuda")
+    gate_up = torch.randn(8, 2 * 1536, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out, new_residual = kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
+        kernels.rotary_embedding(positions, q, k, cos_cache, sin_cache)
+        return out, new_residual, kernels.silu_and_mul(gate_up)
+
+    step()  # compiles the kernels before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in (x, residual, qkv, gate_up):
+        t.copy_(torch.randn_like(t))
+    positions.copy_(torch.randint(0, 4096, positions.shape, device="cuda"))
+    want_qkv = qkv.clone()
+    want_q, want_k = want_qkv[:, : 9 * 64].view_as(q), want_qkv[:, 9 * 64: 12 * 64].view_as(k)
+    kernels.rotary_embedding(positions, want_q, want_k, cos_cache, sin_cache, impl="triton")
+    want = (*kernels.fused_add_rms_norm(x, residual, weight, 1e-5, impl="triton"),
+            kernels.silu_and_mul(gate_up, impl="triton"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, expected in zip((*outs, qkv), (*want, want_qkv), strict=True):
+        assert torch.equal(got, expected)
 
 
 # ------------------------------------------------------------------------ the model, before and after

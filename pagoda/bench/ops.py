@@ -151,6 +151,72 @@ def forward_ms(model, batch: int, context_len: int, repeats: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
+def time_us(fn: Callable[[], object], device: torch.device, calls: int = 200, rounds: int = 5) -> float:
+    """Median over `rounds` of the mean time of `calls` back-to-back calls, in microseconds."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times) * 1e6
+
+
+def time_fused_ops(model, num_tokens: int) -> list[dict]:
+    """Each fused op at the model's shapes over `num_tokens` tokens, three ways: the unfused torch
+    expression eagerly, torch.compile of that expression, and the op (on CPU its torch reference, on
+    CUDA its Triton kernel)."""
+    import kernels
+    from kernels import fused
+
+    layer, device = model.layers[0], model.cos_cache.device
+    attn, dtype, eps = layer.self_attn, model.embed_tokens.weight.dtype, layer.input_layernorm.eps
+    hidden, weight = model.config.hidden_size, layer.input_layernorm.weight
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+    x, residual = randn(num_tokens, hidden), randn(num_tokens, hidden)
+    qkv = randn(num_tokens, attn.q_size + 2 * attn.kv_size)
+    q = qkv[:, : attn.q_size].view(-1, attn.num_heads, attn.head_dim)
+    k = qkv[:, attn.q_size: attn.q_size + attn.kv_size].view(-1, attn.num_kv_heads, attn.head_dim)
+    positions = torch.randint(0, model.cos_cache.shape[0], (num_tokens,), generator=gen, device=device)
+    gate_up = randn(num_tokens, 2 * model.config.intermediate_size)
+    cases = {  # name: (the unfused expression, its arguments, the fused op's call)
+        "fused_add_rms_norm": (fused.fused_add_rms_norm_reference, (x, residual, weight, eps),
+                               lambda: kernels.fused_add_rms_norm(x, residual, weight, eps)),
+        "rotary_embedding": (_unfused_rope, (positions, q, k, model.cos_cache, model.sin_cache),
+                             lambda: kernels.rotary_embedding(positions, q, k, model.cos_cache, model.sin_cache)),
+        "silu_and_mul": (fused.silu_and_mul_reference, (gate_up,), lambda: kernels.silu_and_mul(gate_up)),
+    }
+    rows = []
+    with torch.inference_mode():
+        for name, (unfused, inputs, op) in cases.items():
+            compiled = torch.compile(unfused, dynamic=False)
+            rows.append({
+                "op": name, "num_tokens": num_tokens,
+                "unfused_eager_us": time_us(lambda: unfused(*inputs), device),  # noqa: B023
+                "unfused_torch_compile_us": time_us(lambda: compiled(*inputs), device),  # noqa: B023
+                "custom_op_us": time_us(op, device),
+            })
+    return rows
+
+
+def _unfused_rope(positions, query, key, cos_cache, sin_cache):
+    """RoPE as the model ran it before fusion: new q and k, not in place."""
+    from kernels.fused import rotate_half
+
+    cos, sin = cos_cache[positions][:, None, :], sin_cache[positions][:, None, :]
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
 def run(args) -> int:
     """The `pagoda bench ops` handler: the JSON result on stdout (and in --output)."""
     from common.models import resolve_model
@@ -170,6 +236,9 @@ def run(args) -> int:
         **counts(model, args.batch_size, args.context_len),
         "forward_ms": forward_ms(model, args.batch_size, args.context_len),
     }
+    if args.time_ops:
+        result["op_times"] = [row for n in (args.batch_size, 512) for row in time_fused_ops(model, n)]
+        result["op_timer"] = "mean of 200 back-to-back calls (synchronized after on CUDA), median of 5 rounds"
     write_result(result, args.output)
     print(json.dumps(result, indent=2))
     print(f"{result.get('total_ops', result.get('total_kernels'))} in all, "
