@@ -7,6 +7,7 @@ random Llama, bit for bit; and the ops one decode forward dispatches, per layer,
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -443,6 +444,21 @@ def test_the_unfused_layer_dispatched_83_ops(tiny_model, monkeypatch):
     monkeypatch.setattr(type(tiny_model), "forward", unfused_forward)
     counts = cpu_counts(tiny_model, batch=8, context_len=128)
     assert (counts["per_layer_ops"], counts["per_layer_non_view_ops"]) == (83, 46)
+
+
+def test_bench_ops_writes_the_counts_of_a_decode_forward(tmp_path, capsys):
+    from pagoda import cli
+
+    output = tmp_path / "ops.json"
+    tiny_config = ROOT / "tests" / "data" / "tiny-llama.json"
+    assert cli.main(["bench", "ops", "--model", f"dummy:{tiny_config}", "--output", str(output)]) == 0
+    result = json.loads(output.read_text())
+    assert result["command"] == (f"pagoda bench ops --model dummy:{tiny_config} --device cpu --dtype auto "
+                                 f"--batch-size 8 --context-len 128 --output {output}")
+    assert (result["batch"], result["context"], result["dtype"], result["num_layers"]) == (8, 128, "float32", 2)
+    assert (result["total_ops"], result["per_layer_ops"], result["per_layer_non_view_ops"]) == (130, 52, 24)
+    assert result["forward_ms"] > 0 and "op_times" not in result
+    assert json.loads(capsys.readouterr().out) == result
 
 
 @pytest.mark.gpu

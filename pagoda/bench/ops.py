@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -151,21 +152,25 @@ def forward_ms(model, batch: int, context_len: int, repeats: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
-def time_us(fn: Callable[[], object], device: torch.device, calls: int = 200, rounds: int = 5) -> float:
-    """Median over `rounds` of the mean time of `calls` back-to-back calls, in microseconds."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
+def time_us(calls: dict[str, Callable[[], object]], device: torch.device, repeats: int = 100,
+            rounds: int = 7) -> dict[str, float]:
+    """Per call in microseconds: for each of `calls`, the median over `rounds` of the mean of
+    `repeats` back-to-back calls; the rounds interleave the calls, so load on the host hits each alike."""
+    for fn in calls.values():
+        for _ in range(3):
             fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times) * 1e6
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - start) / repeats)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def time_fused_ops(model, num_tokens: int) -> list[dict]:
@@ -200,12 +205,11 @@ def time_fused_ops(model, num_tokens: int) -> list[dict]:
     with torch.inference_mode():
         for name, (unfused, inputs, op) in cases.items():
             compiled = torch.compile(unfused, dynamic=False)
-            rows.append({
-                "op": name, "num_tokens": num_tokens,
-                "unfused_eager_us": time_us(lambda: unfused(*inputs), device),  # noqa: B023
-                "unfused_torch_compile_us": time_us(lambda: compiled(*inputs), device),  # noqa: B023
-                "custom_op_us": time_us(op, device),
-            })
+            rows.append({"op": name, "num_tokens": num_tokens, **time_us({
+                "unfused_eager_us": lambda: unfused(*inputs),  # noqa: B023
+                "unfused_torch_compile_us": lambda: compiled(*inputs),  # noqa: B023
+                "custom_op_us": op,
+            }, device)})
     return rows
 
 
@@ -229,7 +233,7 @@ def run(args) -> int:
     counts = cuda_counts if device.type == "cuda" else cpu_counts
     result = {
         **header("ops: what one decode forward launches", command_words("ops", args), str(device)),
-        "torch": torch.__version__, "model": args.model, "dtype": str(dtype).removeprefix("torch."),
+        "host_load_1min": os.getloadavg()[0], "torch": torch.__version__, "model": args.model, "dtype": str(dtype).removeprefix("torch."),
         "batch": args.batch_size, "context": args.context_len,
         "counter": ("torch.profiler: CUDA kernels, memcpy and memset" if device.type == "cuda"
                     else "TorchDispatchMode: aten and custom ops dispatched, a custom op once"),
@@ -238,7 +242,8 @@ def run(args) -> int:
     }
     if args.time_ops:
         result["op_times"] = [row for n in (args.batch_size, 512) for row in time_fused_ops(model, n)]
-        result["op_timer"] = "mean of 200 back-to-back calls (synchronized after on CUDA), median of 5 rounds"
+        result["op_timer"] = ("mean of 100 back-to-back calls (synchronized after on CUDA), median of 7 rounds "
+                              "that interleave the three")
     write_result(result, args.output)
     print(json.dumps(result, indent=2))
     print(f"{result.get('total_ops', result.get('total_kernels'))} in all, "
