@@ -12,6 +12,10 @@ through the model's forward and its logits, on the real model with a KV pool of 
 Per layer: the ops of a model cut to its first two layers minus those of its first layer alone (the
 second layer; every layer after the first is the same), so that the embedding, the final norm and
 the logits stay out of it. Also the median wall time of the forward (no counter running).
+
+`--time-ops` times each fused op at the model's shapes (the batch, and 512 tokens) three ways: the
+unfused torch expression eagerly, torch.compile of that expression, and the custom op (on CPU its
+torch reference, on CUDA its Triton kernel): the measurement behind choosing Triton kernels.
 """
 from __future__ import annotations
 
