@@ -7,6 +7,10 @@ the pure-PyTorch references (`reference.py`), which are also the Triton kernels'
 kernel runs, so this package imports on a machine without it. Triton on CPU tensors runs in its
 interpreter, which needs TRITON_INTERPRET=1 in the environment before triton is first imported;
 with it set, the default is the references on every device (the interpreter is for tests).
+
+The fused elementwise ops of a layer (`fused.py`: rms_norm, fused_add_rms_norm, rotary_embedding,
+silu_and_mul) are torch custom ops (`torch.ops.pagoda.*`) that dispatch by device themselves;
+their wrappers here take the same `impl=` override.
 """
 from __future__ import annotations
 
@@ -15,12 +19,15 @@ from typing import Literal
 
 import torch
 
-from kernels import reference
+from kernels import fused, reference
 from kernels.triton_common import interpreting  # no triton import
 
 Impl = Literal["triton", "torch"] | None
 
-__all__ = ["copy_blocks", "paged_attention", "swap_blocks", "write_kv"]
+__all__ = [
+    "copy_blocks", "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
+    "swap_blocks", "write_kv",
+]
 
 
 def write_kv(
@@ -100,6 +107,56 @@ def swap_blocks(
         src_cache, dst_cache = [src_cache], [dst_cache]
     for src, dst in zip(src_cache, dst_cache, strict=True):
         reference.swap_blocks(src, dst, pairs)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: Impl = None) -> torch.Tensor:
+    """transformers' LlamaRMSNorm of x [..., hidden] (semantics: `fused.rms_norm_reference`)."""
+    if impl is None:
+        return fused.rms_norm(x, weight, eps)
+    if _use_triton(x, impl):
+        from kernels import triton_fused
+
+        return triton_fused.rms_norm(x, weight, eps)
+    return fused.rms_norm_reference(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: Impl = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a layer's residual add and the next norm in one op."""
+    if impl is None:
+        return fused.fused_add_rms_norm(x, residual, weight, eps)
+    if _use_triton(x, impl):
+        from kernels import triton_fused
+
+        return triton_fused.fused_add_rms_norm(x, residual, weight, eps)
+    return fused.fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor, *, impl: Impl = None,
+) -> None:
+    """Rotate query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads, head_dim]
+    in place by positions [num_tokens], from cos/sin caches [max_positions, head_dim] (neox layout)."""
+    if impl is None:
+        return fused.rotary_embedding(positions, query, key, cos_cache, sin_cache)
+    if _use_triton(query, impl):
+        from kernels import triton_fused
+
+        return triton_fused.rotary_embedding(positions, query, key, cos_cache, sin_cache)
+    return fused.rotary_embedding_reference(positions, query, key, cos_cache, sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor, *, impl: Impl = None) -> torch.Tensor:
+    """x [..., 2 * d] = [gate | up] -> silu(gate) * up [..., d]."""
+    if impl is None:
+        return fused.silu_and_mul(x)
+    if _use_triton(x, impl):
+        from kernels import triton_fused
+
+        return triton_fused.silu_and_mul(x)
+    return fused.silu_and_mul_reference(x)
 
 
 def _check_impl(impl: Impl) -> None:

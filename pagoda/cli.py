@@ -190,6 +190,16 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     k.add_argument("--output", help="write the result JSON here")
     k.set_defaults(handler=_bench_kernels)
+    c = benches.add_parser("ops", help="ops (CPU, dispatch counter) or CUDA kernels (profiler) of one decode forward")
+    c.add_argument("--model", default="default")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--context-len", type=int, default=128)
+    c.add_argument("--time-ops", action="store_true",
+                   help="also time each fused op: unfused eager, torch.compile of it, the custom op")
+    c.add_argument("--output", help="write the result JSON here")
+    c.set_defaults(handler=_bench_ops)
     _add_bench_memory(benches.add_parser("memory", help="KV memory use: paged vs Orca-style contiguous (CPU, no model)"))
     _add_bench_throughput(benches.add_parser(
         "throughput", help="offline engine vs transformers generate on ShareGPT, in one run"))
@@ -202,6 +212,12 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 def _bench_kernels(args) -> int:
     from pagoda.bench.kernels import run
+
+    return run(args)
+
+
+def _bench_ops(args) -> int:
+    from pagoda.bench.ops import run
 
     return run(args)
 

@@ -3,6 +3,12 @@
 Weights use fused projections (`qkv_proj`, `gate_up_proj`); `load_weights` maps Hugging Face
 names onto them. Rotary embeddings reuse transformers' own module, so every RoPE variant
 (default, llama3, linear, dynamic, yarn) matches the reference implementation.
+
+The elementwise work of a layer runs as four fused ops (`kernels.fused`): a residual add with the
+norm after it, RoPE of q and k together, and silu(gate) * up. Layers pass the residual stream
+beside the hidden states, as vLLM's do:
+
+    h, residual = norm(h, residual)   # residual += h; h = norm(residual)
 """
 from __future__ import annotations
 
@@ -23,16 +29,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, (norm(x + residual), x + residual)."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -49,14 +52,13 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                sin_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        kernels.rotary_embedding(positions, q, k, cos_cache, sin_cache)  # in place, in the qkv output
         ctx = get_context()
         kernels.write_kv(k, v, self.kv_cache, ctx.slot_mapping)
         o = kernels.paged_attention(q, self.kv_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale,
@@ -72,8 +74,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -84,9 +85,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two."""
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, cos_cache, sin_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,11 +124,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns hidden states [num_tokens, hidden_size]."""
-        cos, sin = self.cos_cache[positions], self.sin_cache[positions]
-        x = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            h, residual = layer(h, residual, positions, self.cos_cache, self.sin_cache)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
