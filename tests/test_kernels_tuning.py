@@ -1,0 +1,203 @@
+"""The attention kernel's launch decisions (kernels/tuning.py): the tuned table and its lookup,
+resident programs per SM and the split count, the variants start-up compiles, and the tuner's
+choice. Pure functions with explicit numbers (H100 figures where a GPU's are needed), on CPU;
+one test records the real launches under Triton's interpreter."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from kernels import tuning
+from kernels.tuning import (
+    AttentionShape, Launch, SMLimits, TileConfig, config_space, default_config, lookup_config, num_kv_splits,
+    plan_launch, resident_programs_per_sm, variants_of, warmup_launches, warmup_variants,
+)
+
+H100 = SMLimits(num_sms=132, regs_per_sm=65536, shared_per_sm=228 * 1024, max_threads_per_sm=2048)
+H100_NAME = "NVIDIA H100 80GB HBM3"
+
+
+# ----------------------------------------------------------------------------- resident programs
+
+
+@pytest.mark.parametrize("num_warps, regs, shared, expected", [
+    (4, 128, 32 * 1024, 4),  # registers: 128 x 32 = 4,096 a warp, 16 warps of 64K, 4 programs
+    (4, 64, 16 * 1024, 8),  # registers again: 32 warps; shared would allow 13
+    (4, 32, 0, 16),  # threads: 2,048 / 128
+    (2, 32, 100 * 1024, 2),  # shared memory: 233,472 // (102,400 + 1,024 reserved)
+    (8, 255, 0, 1),  # 255 registers round up to 256 a thread: 8 warps fill the file
+    (4, 36, 0, 12),  # 36 x 32 = 1,152 rounds up to 1,280 a warp: 51 warps, 12 programs (14 unrounded)
+    (1, 16, 0, 32),  # the block limit
+])
+def test_resident_programs_per_sm_takes_the_tightest_limit_on_an_h100(num_warps, regs, shared, expected):
+    assert resident_programs_per_sm(num_warps, regs, shared, H100) == expected
+
+
+def test_a_kernel_too_big_for_an_sm_still_counts_one_program():
+    assert resident_programs_per_sm(4, 128, 240 * 1024, H100) == 1
+
+
+@pytest.mark.parametrize("slots", [8, 132, 528, 1056])
+def test_split_grid_fills_the_resident_slots_at_least_once_and_less_than_twice(slots):
+    for programs in range(1, slots):
+        splits = num_kv_splits(programs, 1 << 20, 64, slots)
+        if splits < tuning.MAX_KV_SPLITS:
+            assert slots <= programs * splits < 2 * slots, (programs, splits)
+    assert num_kv_splits(slots, 1 << 20, 64, slots) == 1
+
+
+# ----------------------------------------------------------------------------- config space and table
+
+
+@pytest.mark.parametrize("group, head_dim", [(1, 64), (3, 64), (4, 128), (7, 80), (20, 64), (8, 256)])
+@pytest.mark.parametrize("phase", tuning.PHASES)
+def test_config_space_holds_the_default_and_only_runnable_tiles(group, head_dim, phase):
+    space = config_space(group, head_dim, phase)
+    assert default_config(group, head_dim, phase) in space
+    assert len(set(space)) == len(space)
+    for c in space:
+        assert c.block_m >= max(16, tuning.next_power_of_2(group)) and c.block_q == c.block_m // group >= 1
+        assert c.block_m & (c.block_m - 1) == 0 and c.block_n & (c.block_n - 1) == 0
+    if phase == "decode":  # one token's group a tile: taller tiles would hold padding only
+        assert {c.block_m for c in space} == {max(16, tuning.next_power_of_2(group))}
+
+
+def test_default_config_is_the_kernels_old_heuristic():
+    assert default_config(4, 128, "decode") == TileConfig(16, 4, 64, 4, 2)
+    assert default_config(4, 128, "prefill") == TileConfig(64, 16, 64, 4, 2)
+    assert default_config(20, 256, "decode") == TileConfig(32, 1, 32, 4, 2)
+    assert tuning.phase_of(8, 8) == "decode" and tuning.phase_of(9, 8) == "prefill"
+
+
+def test_lookup_uses_the_device_shape_and_phase_entry_and_falls_back_to_the_default():
+    table = {
+        tuning.table_key(H100_NAME, 128, 4, "decode"): {"block_m": 16, "block_n": 128, "num_warps": 8, "num_stages": 3},
+        tuning.table_key(H100_NAME, 128, 4, "prefill"): {"block_m": 128, "block_n": 32, "num_warps": 8,
+                                                        "num_stages": 1, "score": 1.0},
+        tuning.table_key(H100_NAME, 64, 32, "decode"): {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    }
+    assert lookup_config(table, H100_NAME, 4, 128, "decode") == TileConfig(16, 4, 128, 8, 3)
+    assert lookup_config(table, H100_NAME, 4, 128, "prefill") == TileConfig(128, 32, 32, 8, 1)
+    assert lookup_config(table, "NVIDIA H200", 4, 128, "decode") == default_config(4, 128, "decode")
+    assert lookup_config(table, H100_NAME, 3, 128, "decode") == default_config(3, 128, "decode")
+    # a tile shorter than the group could not run: the default instead
+    assert lookup_config(table, H100_NAME, 32, 64, "decode") == default_config(32, 64, "decode")
+
+
+def test_the_shipped_table_parses_and_a_merge_replaces_only_its_own_keys(tmp_path):
+    shipped = json.loads(tuning.TUNED_TABLE.read_text())
+    assert tuning.parse_table(shipped) == tuning.load_table()
+    old = {"version": 1, "entries": {"A|x": {"block_m": 16}, "B|y": {"block_m": 32}}}
+    merged = tuning.merge_table(old, {"B|y": {"block_m": 64}, "C|z": {"block_m": 16}})
+    assert merged == {"version": 1, "entries": {"A|x": {"block_m": 16}, "B|y": {"block_m": 64}, "C|z": {"block_m": 16}}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(merged))
+    assert tuning.load_table(path)["B|y"] == {"block_m": 64}
+    with pytest.raises(ValueError, match="version 2"):
+        tuning.parse_table({"version": 2, "entries": {}})
+
+
+def test_the_tuner_picks_the_config_with_the_best_geometric_mean_and_drops_failures():
+    from pagoda.bench.kernels import pick_best
+
+    a, b, c, d = (TileConfig(16, 4, n, 4, 2) for n in (16, 32, 64, 128))
+    times = {a: [1.0, 4.0], b: [2.0, 2.0], c: [1.5, 2.5], d: [0.5, None]}
+    best, scores = pick_best(times, 2)
+    # per-case bests 1.0 and 2.0 (d failed a case): a = (1 x 2) ** .5, b = (2 x 1) ** .5, c = (1.5 x 1.25) ** .5
+    assert scores[a] == pytest.approx(2**0.5) and scores[b] == pytest.approx(2**0.5)
+    assert scores[c] == pytest.approx(1.875**0.5) and d not in scores
+    assert best == c
+    times[b] = [1.0, 2.2]
+    assert pick_best(times, 2)[0] == b
+    with pytest.raises(RuntimeError, match="no tile config"):
+        pick_best({d: [0.5, None]}, 2)
+
+
+# ----------------------------------------------------------------------------- the variants start-up compiles
+
+
+def _fake_device(table: dict):
+    """A GPU whose tuned table is `table` and whose resident slots depend on the config (as
+    registers and shared memory do): 132 SMs x 4 programs, x 2 for 2-warp tiles, / 2 for 8."""
+    config_of = lambda phase: lookup_config(table, H100_NAME, shape.group, shape.head_dim, phase)  # noqa: E731
+    slots_of = lambda c: 132 * {2: 8, 4: 4, 8: 2}[c.num_warps]  # noqa: E731
+    return config_of, slots_of
+
+
+shape = AttentionShape(num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("table", [
+    {},
+    {tuning.table_key(H100_NAME, 128, 4, "decode"): {"block_m": 16, "block_n": 32, "num_warps": 2, "num_stages": 4},
+     tuning.table_key(H100_NAME, 128, 4, "prefill"): {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}},
+])
+@pytest.mark.parametrize("max_model_len", [256, 8192])
+def test_warmup_covers_every_variant_the_launch_path_picks(table, max_model_len):
+    config_of, slots_of = _fake_device(table)
+    warm = warmup_variants(shape, max_model_len, config_of, slots_of)
+    picked = set()
+    for num_tokens, num_seqs, max_seqlen_k in tuning.launch_grid(256, 2048, max_model_len, shape.block_size):
+        picked |= variants_of(shape, plan_launch(shape, num_tokens, num_seqs, max_seqlen_k, config_of, slots_of))
+    assert picked <= warm, picked - warm
+    # and it compiles nothing the launch path never picks
+    assert warm == picked
+
+
+def test_warmup_launches_one_per_split_power_of_two_and_phase():
+    config_of, slots_of = _fake_device({})
+    launches = warmup_launches(shape, 8192, config_of, slots_of)
+    decode, prefill = default_config(4, 128, "decode"), default_config(4, 128, "prefill")
+    # one decode of 8 KV heads on 528 slots: 66 splits wanted, 32 at most
+    assert launches == [Launch(decode, s) for s in (1, 2, 4, 8, 16, 32)] + [Launch(prefill, s) for s in (1, 2, 4, 8, 16, 32)]
+    short = warmup_launches(shape, 200, config_of, slots_of)  # 13 blocks: 208 keys, 4 tiles, 2 splits at most
+    assert short == [Launch(decode, 1), Launch(decode, 2), Launch(prefill, 1), Launch(prefill, 2)]
+    assert variants_of(shape, Launch(decode, 5)) == {
+        ("attention", "bfloat16", 4, 128, 16, 16, 4, 64, True, 4, 2), ("reduce", "bfloat16", 4, 128, 8)}
+
+
+def test_kernels_warmup_compiles_nothing_off_cuda():
+    import kernels
+
+    assert kernels.warmup(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                          device=torch.device("cpu"), max_model_len=512) == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="records launches of the Triton kernels under the interpreter (TRITON_INTERPRET=1)")
+def test_paged_attention_launches_the_variants_plan_launch_names(monkeypatch):
+    """The enumeration above is of the launch path's own decisions: record what it launches."""
+    from kernels import triton_attention as ta
+    from tests.test_kernels_triton import _case, _expected
+
+    launched = set()
+
+    def recording(kernel, name):
+        class Recorder:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    if name == "attention":
+                        launched.add((name, "float32", kw["GROUP"], kw["HEAD_DIM"], kw["BLOCK_SIZE"], kw["BLOCK_M"],
+                                      kw["BLOCK_Q"], kw["BLOCK_N"], kw["SPLIT_KV"], kw["num_warps"], kw["num_stages"]))
+                    else:
+                        launched.add((name, "float32", kw["GROUP"], kw["HEAD_DIM"], kw["SPLITS_P2"]))
+                    return kernel[grid](*args, **kw)
+                return launch
+        return Recorder()
+
+    monkeypatch.setattr(ta, "_attention_kernel", recording(ta._attention_kernel, "attention"))
+    monkeypatch.setattr(ta, "_reduce_splits_kernel", recording(ta._reduce_splits_kernel, "reduce"))
+    cpu = torch.device("cpu")
+    for specs in ([(300, 1)], [(40, 40), (3, 1)], [(230, 1), (17, 1), (5, 1)]):
+        case = _case(specs, group=4, seed=1)
+        launched.clear()
+        out = ta.paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q, 0.125)
+        torch.testing.assert_close(out, _expected(case, 0.125), atol=2e-5, rtol=2e-5)
+        s = AttentionShape(2, 4, 64, 16, "float32")
+        plan = plan_launch(s, case.query.shape[0], len(specs), case.block_tables.shape[1] * 16, ta._config_of(s, cpu),
+                           ta._slots_of(s, cpu))
+        assert launched == variants_of(s, plan)
