@@ -201,3 +201,39 @@ def test_paged_attention_launches_the_variants_plan_launch_names(monkeypatch):
         plan = plan_launch(s, case.query.shape[0], len(specs), case.block_tables.shape[1] * 16, ta._config_of(s, cpu),
                            ta._slots_of(s, cpu))
         assert launched == variants_of(s, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for the GPU; TRITON_INTERPRET=1 is set")
+def test_after_warmup_serving_launches_compile_nothing():
+    """Llama-3.1-8B-shaped attention from views of a fused QKV projection, as the model runs it:
+    decode and mixed batches of several sizes and contexts hit only variants warmup compiled."""
+    import kernels
+    from kernels import triton_attention as ta
+    from kernels import triton_cache as tc
+
+    device, dtype, heads, kvh, hd, bs = torch.device("cuda"), torch.bfloat16, 32, 8, 128, 16
+    launches = kernels.warmup(num_heads=heads, num_kv_heads=kvh, head_dim=hd, block_size=bs, dtype=dtype,
+                              device=device, max_model_len=4096)
+    assert launches > 2
+
+    def compiled() -> int:
+        fns = (ta._attention_kernel, ta._reduce_splits_kernel, tc._write_kv_kernel, tc._copy_blocks_kernel)
+        return sum(len(caches[0]) for fn in fns for caches in fn.device_caches.values())
+
+    before = compiled()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for num_seqs, q_len, context in [(1, 1, 16), (7, 1, 1000), (64, 1, 4096), (3, 40, 700), (1, 2048, 2048)]:
+        num_blocks = num_seqs * -(-context // bs) + 1
+        cache = torch.zeros((num_blocks, 2, bs, kvh, hd), dtype=dtype, device=device)
+        tables = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).view(num_seqs, -1).int()
+        qkv = torch.randn((num_seqs * q_len, (heads + 2 * kvh) * hd), dtype=dtype, device=device, generator=gen)
+        q, k, v = qkv.split([heads * hd, kvh * hd, kvh * hd], dim=-1)
+        slots = torch.arange(num_seqs * q_len, device=device) % (num_blocks * bs)
+        kernels.write_kv(k.view(-1, kvh, hd), v.view(-1, kvh, hd), cache, slots)
+        kernels.paged_attention(q.view(-1, heads, hd), cache, tables, torch.full((num_seqs,), context, dtype=torch.int32,
+                                device=device), torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * q_len,
+                                hd**-0.5)
+        kernels.copy_blocks([cache], [(1, 2)])
+    torch.cuda.synchronize()
+    assert compiled() == before
