@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -237,3 +238,95 @@ def test_after_warmup_serving_launches_compile_nothing():
         kernels.copy_blocks([cache], [(1, 2)])
     torch.cuda.synchronize()
     assert compiled() == before
+
+
+# ----------------------------------------------------------------------------- warmup compiles the serving binaries
+
+
+def _warmup_specializations_match_serving() -> int:
+    """For a model-shaped attention (32 query heads, 8 KV heads, head dim 128, bfloat16 stand-ins
+    on CPU), record the kernel launches of serving-like calls (query and K/V as views of a fused
+    QKV projection, assorted batch sizes and block-table widths) and of `warmup`, and check that
+    each serving launch has a warmup launch of the same variant whose arguments Triton would
+    specialize identically for sm_90 (its binder, no GPU needed): then warmup compiled the very
+    binary serving runs. Run with TRITON_INTERPRET unset. Returns the serving launches checked."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from kernels import triton_attention as ta
+    from kernels import triton_cache as tc
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    kernels_ = {"attention": (ta, "_attention_kernel"), "reduce": (ta, "_reduce_splits_kernel"),
+                "write_kv": (tc, "_write_kv_kernel")}
+    real = {name: getattr(module, attr) for name, (module, attr) in kernels_.items()}
+    binders = {name: create_function_from_signature(fn.signature, fn.params, backend) for name, fn in real.items()}
+    calls: list[tuple[str, tuple, dict]] = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.name, args, kwargs))
+
+        def warmup(self, *args, grid, **kwargs):  # _compile_split_variant's compile, for its n_regs
+            calls.append((self.name, args, kwargs))
+            return SimpleNamespace(n_regs=64, metadata=SimpleNamespace(shared=0), _init_handles=lambda: None)
+
+    def variant(name, args, kwargs):
+        _, spec, _ = binders[name](*args, **kwargs)
+        constexprs = tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("num_warps", "num_stages")))
+        return (name, constexprs, kwargs.get("num_warps"), kwargs.get("num_stages")), spec
+
+    for name, (module, attr) in kernels_.items():
+        setattr(module, attr, Recorder(name))
+    slots_of = ta._slots_of
+    ta._slots_of = lambda shape, device: (lambda config: 132 * 4)  # an H100's slots: small batches split
+    try:
+        cpu, dtype, heads, kvh, hd, bs = torch.device("cpu"), torch.bfloat16, 32, 8, 128, 16
+        shape = AttentionShape(kvh, heads // kvh, hd, bs, "bfloat16")
+        ta.warmup(shape, 4096, cpu)
+        tc.write_kv(*(torch.zeros((1, kvh, hd), dtype=dtype),) * 2, torch.zeros((2, 2, bs, kvh, hd), dtype=dtype),
+                    torch.full((1,), -1))
+        warm = dict(variant(*call) for call in calls)
+        calls.clear()
+        for phase in tuning.PHASES:  # the compile that counts registers for the split count
+            ta._compile_split_variant(shape, default_config(shape.group, hd, phase), cpu)
+        for key, spec in (variant(*call) for call in calls):
+            assert warm[key] == spec, f"_compile_split_variant compiles another {key}"
+        calls.clear()
+        for num_seqs, q_len, width in [(1, 1, 1), (7, 1, 63), (64, 1, 256), (3, 40, 44), (1, 2048, 128), (2, 5, 16)]:
+            num_tokens = num_seqs * q_len
+            qkv = torch.zeros((num_tokens, (heads + 2 * kvh) * hd), dtype=dtype)
+            q, k, v = (t.view(num_tokens, -1, hd) for t in qkv.split([heads * hd, kvh * hd, kvh * hd], dim=-1))
+            cache = torch.zeros((num_seqs * width + 1, 2, bs, kvh, hd), dtype=dtype)
+            tc.write_kv(k, v, cache, torch.arange(num_tokens))
+            ta.paged_attention(q, cache, torch.ones((num_seqs, width), dtype=torch.int32),
+                               torch.full((num_seqs,), width * bs, dtype=torch.int32),
+                               torch.arange(num_seqs + 1, dtype=torch.int32) * q_len, hd**-0.5)
+        served = [variant(*call) for call in calls]
+    finally:
+        for name, (module, attr) in kernels_.items():
+            setattr(module, attr, real[name])
+        ta._slots_of = slots_of
+    assert {key[0] for key, _ in served} == {"attention", "reduce", "write_kv"}
+    for key, spec in served:
+        assert key in warm, f"warmup never launched {key}"
+        assert spec == warm[key], f"{key[0]} specializes differently:\n{spec}\n{warm[key]}"
+    return len(served)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_warmup_launches_specialize_like_serving_launches_for_sm90():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.test_kernels_tuning import _warmup_specializations_match_serving as f; print(f())"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) >= 12
