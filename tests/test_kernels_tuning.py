@@ -330,3 +330,45 @@ def test_warmup_launches_specialize_like_serving_launches_for_sm90():
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-1]) >= 12
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="runs the tuner's launches in Triton's interpreter (TRITON_INTERPRET=1)")
+def test_the_tuner_times_each_config_through_the_kernel_and_merges_the_best_into_the_table(tmp_path, monkeypatch):
+    """`pagoda bench kernels --tune` end to end on CPU, with do_bench replaced by a clock that
+    runs the call once and says the 32-key tile is fastest (and 2 stages faster than 1)."""
+    import argparse
+
+    import triton.testing
+
+    from pagoda.bench import kernels as bench
+
+    space = {phase: [tuning.make_config(tuning.min_block_m(3, phase), n, 4, s, 3) for n, s in ((16, 2), (32, 1), (32, 2))]
+             for phase in tuning.PHASES}
+    monkeypatch.setattr(tuning, "config_space", lambda group, head_dim, phase: space[phase])
+    timed = []
+
+    def fake_do_bench(call, warmup, rep, return_mode):
+        call()
+        config = call.__defaults__[2]
+        timed.append(config)
+        return {16: 2.0, 32: 1.0, 64: 3.0}[config.block_n] + (0.5 if config.num_stages == 1 else 0.0)
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    table = tmp_path / "attention.json"
+    table.write_text(json.dumps({"version": 1, "entries": {"other GPU|head_dim=64|group=3|decode": {"block_m": 16}}}))
+    args = argparse.Namespace(models="smollm2-135m", batch_sizes="1,2", context_lens="40", block_size=16,
+                              dtype="float32", tune_output=str(table), output=None, tune=True)
+    assert bench.tune(args, torch.device("cpu"), torch.float32) == 0
+    entries = json.loads(table.read_text())["entries"]
+    assert sorted(entries) == ["interpreter|head_dim=64|group=3|decode", "interpreter|head_dim=64|group=3|prefill",
+                               "other GPU|head_dim=64|group=3|decode"]
+    decode = entries["interpreter|head_dim=64|group=3|decode"]
+    assert {k: decode[k] for k in ("block_m", "block_n", "num_warps", "num_stages")} == {
+        "block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    assert decode["score"] == 1.0 and decode["default_score"] == pytest.approx(3.0)
+    assert decode["cases"] == [[1, 40], [2, 40]]
+    # the default config (64-key tiles) is timed too, beside the space: 4 configs x 2 cases x 2 phases
+    assert len(timed) == 16 and tuning.default_config(3, 64, "decode") in timed
+    assert tuning.lookup_config(tuning.parse_table(json.loads(table.read_text())), "interpreter", 3, 64,
+                                "prefill") == space["prefill"][2]
