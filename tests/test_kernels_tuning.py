@@ -28,9 +28,9 @@ H100_NAME = "NVIDIA H100 80GB HBM3"
 @pytest.mark.parametrize("num_warps, regs, shared, expected", [
     (4, 128, 32 * 1024, 4),  # registers: 128 x 32 = 4,096 a warp, 16 warps of 64K, 4 programs
     (4, 64, 16 * 1024, 8),  # registers again: 32 warps; shared would allow 13
-    (4, 32, 0, 16),  # threads: 2,048 / 128
+    (4, 32, 0, 16),  # threads: 2,048 / 128 (registers allow as many)
     (2, 32, 100 * 1024, 2),  # shared memory: 233,472 // (102,400 + 1,024 reserved)
-    (8, 255, 0, 1),  # 255 registers round up to 256 a thread: 8 warps fill the file
+    (8, 255, 0, 1),  # 255 x 32 rounds up to 8,192 a warp: 8 warps fill the file
     (4, 36, 0, 12),  # 36 x 32 = 1,152 rounds up to 1,280 a warp: 51 warps, 12 programs (14 unrounded)
     (1, 16, 0, 32),  # the block limit
 ])
