@@ -3,7 +3,8 @@
 `kv_cache` is `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (K and V of a block side by
 side). CUDA tensors run the Triton kernels (`triton_attention.py`, `triton_cache.py`), CPU tensors
 the pure-PyTorch references (`reference.py`), which are also the Triton kernels' test oracle.
-`impl="triton"` or `impl="torch"` overrides the choice. triton is imported only when a Triton
+`impl="triton"` or `impl="torch"` overrides the choice. `warmup` compiles at start-up every
+Triton variant a model can launch; `BlockSwapper` (kernels/swap.py) is the worker's batched swap. triton is imported only when a Triton
 kernel runs, so this package imports on a machine without it. Triton on CPU tensors runs in its
 interpreter, which needs TRITON_INTERPRET=1 in the environment before triton is first imported;
 with it set, the default is the references on every device (the interpreter is for tests).
@@ -20,13 +21,14 @@ from typing import Literal
 import torch
 
 from kernels import fused, reference
+from kernels.swap import BlockSwapper
 from kernels.triton_common import interpreting  # no triton import
 
 Impl = Literal["triton", "torch"] | None
 
 __all__ = [
-    "copy_blocks", "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-    "swap_blocks", "write_kv",
+    "BlockSwapper", "copy_blocks", "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
+    "silu_and_mul", "swap_blocks", "warmup", "write_kv",
 ]
 
 
@@ -97,16 +99,35 @@ def swap_blocks(
     src_cache: torch.Tensor | Sequence[torch.Tensor], dst_cache: torch.Tensor | Sequence[torch.Tensor],
     src_to_dst: torch.Tensor | Sequence[Sequence[int]], *, impl: Impl = None,
 ) -> None:
-    """Copy blocks src -> dst between pools on two devices (GPU pool <-> pinned CPU pool), for one
-    layer's cache or for per-layer lists. Both impls queue block-wise asynchronous copies: a swap
-    is a DMA by the copy engine, there is no kernel to choose (see `reference.swap_blocks`).
+    """Copy blocks src -> dst between pools on two devices (GPU pool <-> CPU pool), for one layer's
+    cache or for per-layer lists, batched per layer (see `reference.swap_blocks`); synchronous.
+    A swap is a gather, a DMA and a scatter: there is no kernel to choose.
     """
     _check_impl(impl)
-    pairs = [(int(s), int(d)) for s, d in (src_to_dst.tolist() if isinstance(src_to_dst, torch.Tensor) else src_to_dst)]
+    pairs = src_to_dst.tolist() if isinstance(src_to_dst, torch.Tensor) else src_to_dst
     if isinstance(src_cache, torch.Tensor):
         src_cache, dst_cache = [src_cache], [dst_cache]
-    for src, dst in zip(src_cache, dst_cache, strict=True):
-        reference.swap_blocks(src, dst, pairs)
+    reference.swap_blocks(list(src_cache), list(dst_cache), pairs)
+
+
+def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+           device: torch.device, max_model_len: int) -> int:
+    """Compile every Triton kernel variant this model can launch (attention tiles of both phases,
+    every split count the heuristic can pick and its reduce, write_kv, copy_blocks) and reserve the
+    split-KV workspace, so that no kernel compiles while serving. Call once at start-up, before
+    sizing the KV pool and before capturing CUDA graphs. CUDA only (elsewhere the references run,
+    nothing compiles): returns the number of warm-up launches, 0 off CUDA.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return 0
+    from kernels import triton_attention, triton_cache
+    from kernels.tuning import AttentionShape
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    shape = AttentionShape(num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, dtype_name)
+    return (triton_attention.warmup(shape, max_model_len, device)
+            + triton_cache.warmup(num_kv_heads, head_dim, block_size, dtype, device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: Impl = None) -> torch.Tensor:

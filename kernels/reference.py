@@ -145,16 +145,27 @@ def copy_blocks(kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None
         cache[dst] = cache[src]
 
 
-def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: list[tuple[int, int]]) -> None:
-    """Copy blocks between pools on two devices (GPU pool <-> pinned CPU pool), block-wise.
+def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_to_dst: list[tuple[int, int]]) -> None:
+    """Copy blocks between per-layer pools on two devices, batched per layer: one gather on the
+    source device, one copy across devices, one scatter (index_copy_) on the destination.
 
-    The copies are queued on the current stream (`non_blocking`, truly asynchronous when the host
-    pool is pinned): later kernels that overwrite swapped-out GPU blocks run after them, but the
-    host must synchronize before it reads a swapped-out block itself. Runs of consecutive src and
-    dst ids go as one copy. This is the CUDA path as well: a swap is a DMA, not a kernel.
+    Synchronous: the destination holds the blocks on return (the worker's asynchronous CUDA path
+    is `kernels.swap.BlockSwapper`). A dst named twice ends with its last src.
     """
+    from kernels.swap import swap_pairs
+
+    src, dst = swap_pairs(src_to_dst)
+    if not src:
+        return
+    for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
+        staged = torch.index_select(src_cache, 0, torch.tensor(src, device=src_cache.device))
+        dst_cache.index_copy_(0, torch.tensor(dst, device=dst_cache.device), staged.to(dst_cache.device))
+
+
+def swap_blocks_by_runs(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: list[tuple[int, int]]) -> None:
+    """The oracle of the batched swaps: one copy per run of consecutive src and dst ids, in order."""
     for src, dst, n in _runs(src_to_dst):
-        dst_cache[dst:dst + n].copy_(src_cache[src:src + n], non_blocking=True)
+        dst_cache[dst:dst + n].copy_(src_cache[src:src + n])
 
 
 def _runs(src_to_dst: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -20,71 +20,115 @@ Offsets into the cache are int64 (block id * block stride passes 2**31 in large 
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_precision, num_sms, workspace
+from kernels import tuning
+from kernels.triton_common import device_name, dot_precision, interpreting, sm_limits, workspace
+from kernels.tuning import (  # noqa: F401  (re-exported: the kernel's launch vocabulary)
+    MAX_KV_SPLITS, MIN_TILES_PER_SPLIT, AttentionShape, Launch, Phase, TileConfig, num_kv_splits,
+)
 
-MAX_KV_SPLITS = 32
-MIN_TILES_PER_SPLIT = 2  # a split reads at least this many BLOCK_N tiles, or splitting is not worth a reduce
-
-
-@dataclass(frozen=True, slots=True)
-class TileConfig:
-    block_m: int  # rows of a query tile: block_q tokens x group heads (padded to a power of two)
-    block_q: int  # query tokens per tile
-    block_n: int  # keys per KV tile
-    num_warps: int
-    num_stages: int
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def tile_config(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> TileConfig:
-    """Small tiles for decode-only batches (every q_len is 1 exactly when num_tokens == num_seqs),
-    taller ones when a prefill is present; BLOCK_M >= 16 for tl.dot."""
-    decode_only = num_tokens <= num_seqs
-    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
-    block_n = 64 if head_dim <= 128 else 32
-    return TileConfig(block_m, block_m // group, block_n, num_warps=4, num_stages=2)
-
-
-def num_kv_splits(num_programs: int, max_seqlen_k: int, block_n: int, sms: int) -> int:
-    """Split each sequence's keys when the (query tile, KV head) programs leave SMs idle.
-
-    Enough splits to fill every SM about twice, but no split shorter than MIN_TILES_PER_SPLIT
-    tiles of the longest context: short contexts gain nothing from a reduce.
-    """
-    if num_programs >= sms:
-        return 1
-    by_occupancy = triton.cdiv(2 * sms, num_programs)
-    by_length = max(triton.cdiv(max_seqlen_k, block_n) // MIN_TILES_PER_SPLIT, 1)
-    return min(by_occupancy, by_length, MAX_KV_SPLITS)
+def tile_config(num_tokens: int, num_seqs: int, group: int, head_dim: int,
+                device: torch.device | None = None) -> TileConfig:
+    """The tuned tile of this GPU for the launch's phase (decode-only or with a prefill), or the
+    default heuristic where the shipped table has no entry (see kernels/tuning.py)."""
+    name = device_name(device) if device is not None else ""
+    return tuning.lookup_config(tuning.load_table(), name, group, head_dim, tuning.phase_of(num_tokens, num_seqs))
 
 
 def launch_plan(
     num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
-    device: torch.device,
+    device: torch.device, *, dtype: torch.dtype = torch.bfloat16, block_size: int = 16,
 ) -> tuple[TileConfig, int]:
     """The tile shape and KV split count of a launch, from host-known sizes only."""
-    cfg = tile_config(num_tokens, num_seqs, group, head_dim)
-    busy_tiles = num_seqs + (num_tokens - num_seqs) // cfg.block_q  # the grid's tiles that hold queries, about
-    return cfg, num_kv_splits(busy_tiles * num_kv_heads, max_seqlen_k, cfg.block_n, num_sms(device))
+    shape = AttentionShape(num_kv_heads, group, head_dim, block_size, _DTYPE_NAMES[dtype])
+    launch = _plan(device, shape, num_tokens, num_seqs, max_seqlen_k, None)
+    return launch.config, launch.kv_splits
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(device: torch.device, shape: AttentionShape, num_tokens: int, num_seqs: int, max_seqlen_k: int,
+          config: TileConfig | None) -> Launch:
+    """plan_launch, memoized: every layer of a step (and most steps) launch with the same sizes."""
+    config_of = _config_of(shape, device) if config is None else (lambda phase: config)
+    return tuning.plan_launch(shape, num_tokens, num_seqs, max_seqlen_k, config_of, _slots_of(shape, device))
+
+
+def _config_of(shape: AttentionShape, device: torch.device):
+    table, name = tuning.load_table(), device_name(device)
+    return lambda phase: tuning.lookup_config(table, name, shape.group, shape.head_dim, phase)
+
+
+# (device, shape, config) -> resident slots of the compiled SPLIT_KV variant on that device
+_resident_slots: dict[tuple, int] = {}
+
+
+def _slots_of(shape: AttentionShape, device: torch.device):
+    """Resident slots (SMs x programs per SM) of a config's split variant. On a GPU they come from
+    the compiled kernel (registers, shared memory, warps), compiled here on first need: at
+    start-up under `kernels.warmup`. Under the interpreter, one program per SM."""
+    limits = sm_limits(device)
+
+    def slots(config: TileConfig) -> int:
+        if device.type != "cuda" or interpreting():
+            return limits.num_sms
+        key = (device, shape, config)
+        if key not in _resident_slots:
+            kernel = _compile_split_variant(shape, config, device)
+            per_sm = tuning.resident_programs_per_sm(config.num_warps, kernel.n_regs, kernel.metadata.shared, limits)
+            _resident_slots[key] = limits.num_sms * per_sm
+        return _resident_slots[key]
+
+    return slots
+
+
+def _compile_split_variant(shape: AttentionShape, config: TileConfig, device: torch.device):
+    """The compiled SPLIT_KV kernel of `config` (triton's warmup: compile and load, no launch).
+    Every argument that varies between steps is unspecialized (see `_attention_kernel`), so
+    these stand-ins compile the very binary a serving launch of this shape runs."""
+    dtype = getattr(torch, shape.dtype)
+    num_heads = shape.num_kv_heads * shape.group
+    query = torch.empty((1, num_heads, shape.head_dim), dtype=dtype, device=device)
+    kv_cache = torch.empty((1, 2, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=dtype, device=device)
+    ints = torch.zeros(2, dtype=torch.int32, device=device)
+    partial = torch.empty(1, dtype=torch.float32, device=device)
+    kernel = _attention_kernel.warmup(
+        query, partial, partial, query, kv_cache, ints[:, None], ints, ints,
+        1.0, 1, 1, num_heads, *query.stride()[:2], *query.stride()[:2], *kv_cache.stride()[:4], 1,
+        grid=(1,), **_constexprs(shape, config, True), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    kernel._init_handles()  # loads the binary: n_regs is known from here on
+    return kernel
+
+
+def _constexprs(shape: AttentionShape, config: TileConfig, split_kv: bool) -> dict:
+    return dict(
+        GROUP=shape.group, HEAD_DIM=shape.head_dim, HEAD_DIM_P2=triton.next_power_of_2(shape.head_dim),
+        BLOCK_SIZE=shape.block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, BLOCK_N=config.block_n,
+        SPLIT_KV=split_kv, DOT_PRECISION=dot_precision(getattr(torch, shape.dtype)),
+    )
 
 
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None, kv_splits: int | None = None,
+    max_seqlen_k: int | None = None, kv_splits: int | None = None, config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV (see kernels.reference).
 
     query: [num_tokens, num_heads, head_dim]; kv_cache: [num_blocks, 2, block_size, num_kv_heads,
     head_dim]; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     cu_seqlens_q: [num_seqs + 1] int32. `max_seqlen_k` bounds the context lengths for the split
-    heuristic (default: the block table's width, no device read); `kv_splits` forces a split count.
+    heuristic (default: the block table's width, no device read); `kv_splits` forces a split count,
+    `config` a tile config (the tuner's; the default is the tuned table's for this GPU).
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -95,23 +139,42 @@ def paged_attention(
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0 or num_seqs == 0:
         return out
-    cfg, planned_splits = launch_plan(num_tokens, num_seqs, num_kv_heads, group, head_dim,
-                                      max_seqlen_k or block_tables.shape[1] * block_size, query.device)
-    kv_splits = kv_splits or planned_splits
-    o_partial, lse_partial = _split_scratch(query, kv_splits, cfg.block_m)
+    shape = AttentionShape(num_kv_heads, group, head_dim, block_size, _DTYPE_NAMES[query.dtype])
+    launch = _plan(query.device, shape, num_tokens, num_seqs, max_seqlen_k or block_tables.shape[1] * block_size, config)
+    cfg, kv_splits = launch.config, kv_splits or launch.kv_splits
+    o_partial, lse_partial = _split_scratch(query, kv_splits, cfg.block_m, _slots_of(shape, query.device)(cfg))
     num_q_tiles = num_tokens // cfg.block_q + num_seqs
     _attention_kernel[(num_q_tiles, num_kv_heads, kv_splits)](
         out, o_partial, lse_partial, query, kv_cache, block_tables, seq_lens, cu_seqlens_q,
         scale * math.log2(math.e), num_seqs, num_tokens, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, SPLIT_KV=kv_splits > 1,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_constexprs(shape, cfg, kv_splits > 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if kv_splits > 1:
         _reduce_splits(out, o_partial, lse_partial, cu_seqlens_q, group)
     return out
+
+
+def warmup(shape: AttentionShape, max_model_len: int, device: torch.device) -> int:
+    """Compile every attention and reduce variant `launch_plan` can pick for this model (one tiny
+    launch each, with the phase's config and split count forced), and reserve the split workspace
+    for the largest of them, so that serving (and CUDA graph capture) compiles and allocates
+    nothing. Returns the number of launches."""
+    launches = tuning.warmup_launches(shape, max_model_len, _config_of(shape, device), _slots_of(shape, device))
+    dtype, num_heads = getattr(torch, shape.dtype), shape.num_kv_heads * shape.group
+    query = torch.zeros((1, num_heads, shape.head_dim), dtype=dtype, device=device)
+    kv_cache = torch.zeros((2, 2, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=dtype, device=device)
+    block_tables = torch.ones((1, 1), dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    slots_of = _slots_of(shape, device)
+    workspace(device, max(3 * slots_of(launch.config) * launch.config.block_m * (shape.head_dim + 1)
+                          for launch in launches))
+    for launch in launches:
+        paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, 1.0, config=launch.config,
+                        kv_splits=launch.kv_splits)
+    return len(launches)
 
 
 def _reduce_splits(out, o_partial, lse_partial, cu_seqlens_q, group) -> None:
@@ -124,21 +187,23 @@ def _reduce_splits(out, o_partial, lse_partial, cu_seqlens_q, group) -> None:
     )
 
 
-def _split_scratch(query: torch.Tensor, kv_splits: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_scratch(query: torch.Tensor, kv_splits: int, block_m: int,
+                   resident_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial outputs [kv_splits, num_tokens, num_heads, head_dim] and their log2-sum-exp
     [kv_splits, num_tokens, num_heads], fp32, views of a per-device workspace that is reused.
 
-    The heuristic splits only while programs (q tiles x KV heads) number fewer than the SMs, and
-    then to about 2 x SMs, so kv_splits x num_tokens x num_heads stays under about 5 x SMs x BLOCK_M
-    rows whatever the batch: the first split launch reserves that much and later ones reuse it
-    (a forced `kv_splits` may need more, and grows it).
+    The heuristic splits only while programs (q tiles x KV heads) number fewer than the resident
+    slots, and then to under 2 x slots programs, each of at most BLOCK_M rows, so kv_splits x
+    num_tokens x num_heads stays under about 2 x slots x BLOCK_M rows whatever the batch (3 x
+    leaves room for spare tiles): the first split launch reserves that much and later ones reuse
+    it (a forced `kv_splits` may need more, and grows it).
     """
     num_tokens, num_heads, head_dim = query.shape
     if kv_splits == 1:
         dummy = workspace(query.device, 1)
         return dummy, dummy
     rows = kv_splits * num_tokens * num_heads
-    bound = 5 * num_sms(query.device) * block_m * (head_dim + 1)
+    bound = 3 * resident_slots * block_m * (head_dim + 1)
     buf = workspace(query.device, rows * (head_dim + 1), reserve=bound)
     return buf[: rows * head_dim].view(kv_splits, num_tokens, num_heads, head_dim), buf[rows * head_dim:].view(
         kv_splits, num_tokens, num_heads)
@@ -159,7 +224,16 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr, CHUNK: tl
     return count - 1
 
 
-@triton.jit
+# Arguments that change from step to step (batch sizes, the block table's width) or with the
+# caller's layout (query and output strides and offsets: views of a fused QKV projection) are left
+# unspecialized, so one compiled variant serves every step and `kernels.warmup` can compile it at
+# start-up from stand-in tensors. They are read once per program; the KV walk keeps its hints.
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_tokens", "stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head",
+                       "stride_table"],
+    do_not_specialize_on_alignment=["out_ptr", "lse_partial_ptr", "query_ptr", "block_tables_ptr", "seq_lens_ptr",
+                                    "cu_seqlens_q_ptr"],
+)
 def _attention_kernel(
     out_ptr, o_partial_ptr, lse_partial_ptr,
     query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
@@ -235,7 +309,10 @@ def _attention_kernel(
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_o_tok", "stride_o_head"],
+    do_not_specialize_on_alignment=["out_ptr", "lse_partial_ptr", "cu_seqlens_q_ptr"],
+)
 def _reduce_splits_kernel(
     out_ptr, o_partial_ptr, lse_partial_ptr, cu_seqlens_q_ptr, num_seqs, num_tokens, num_heads, num_splits,
     stride_o_tok, stride_o_head,

@@ -30,7 +30,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     )
 
 
-@triton.jit
+# Token strides and offsets come from the caller's layout (views of a fused QKV projection): left
+# unspecialized, so `warmup` compiles the serving variant from stand-in tensors.
+@triton.jit(
+    do_not_specialize=["stride_k_tok", "stride_k_head", "stride_v_tok", "stride_v_head"],
+    do_not_specialize_on_alignment=["key_ptr", "value_ptr", "slot_mapping_ptr"],
+)
 def _write_kv_kernel(
     key_ptr, value_ptr, kv_cache_ptr, slot_mapping_ptr,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
@@ -51,6 +56,16 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_v_tok + heads * stride_v_head + dims, mask=mask)
     tl.store(dst, k.to(kv_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, v.to(kv_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def warmup(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Compile write_kv and copy_blocks for one cache layout (launches on a 2-block scratch
+    cache: one padding token, one block copy). Returns the number of launches."""
+    cache = torch.zeros((2, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    key = torch.zeros((1, num_kv_heads, head_dim), dtype=dtype, device=device)
+    write_kv(key, key, cache, torch.full((1,), -1, dtype=torch.int64, device=device))
+    copy_blocks([cache], torch.tensor([[0, 1]], dtype=torch.int64, device=device))
+    return 2
 
 
 COPY_CHUNK = 4096  # elements of a block each program copies

@@ -189,6 +189,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     k.add_argument("--block-size", type=int, default=16)
     k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     k.add_argument("--output", help="write the result JSON here")
+    k.add_argument("--tune", action="store_true",
+                   help="time every attention tile config instead, and write the best per phase to the tuned table")
+    k.add_argument("--tune-output", help="the tuned table to merge into (default: kernels/tuned/attention.json)")
     k.set_defaults(handler=_bench_kernels)
     c = benches.add_parser("ops", help="ops (CPU, dispatch counter) or CUDA kernels (profiler) of one decode forward")
     c.add_argument("--model", default="default")

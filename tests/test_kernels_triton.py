@@ -204,15 +204,18 @@ def test_a_batch_of_more_sequences_than_one_search_chunk_finds_every_sequence():
     _check(_case(specs, group=1, seed=5), 0.125, torch.float32)
 
 
-def test_num_kv_splits_fills_idle_sms_and_keeps_splits_long():
+def test_num_kv_splits_fills_resident_slots_and_keeps_splits_long():
     from kernels.triton_attention import MAX_KV_SPLITS, num_kv_splits
 
-    # Llama-3.1-8B decode on 132 SMs: (sequences x 8 KV heads) programs, 64-key tiles.
-    assert num_kv_splits(64 * 8, 2048, 64, 132) == 1  # enough programs already
-    assert num_kv_splits(16 * 8, 2048, 64, 132) == 3  # ~2 programs per SM
-    assert num_kv_splits(1 * 8, 8192, 64, 132) == MAX_KV_SPLITS
-    assert num_kv_splits(1 * 8, 512, 64, 132) == 4  # no split under 2 tiles
-    assert num_kv_splits(1 * 8, 64, 64, 132) == 1
+    # Llama-3.1-8B decode, (sequences x 8 KV heads) programs, 64-key tiles, on 132 SMs holding
+    # 4 programs each: 528 resident slots.
+    slots = 132 * 4
+    assert num_kv_splits(128 * 8, 2048, 64, slots) == 1  # enough programs already
+    assert num_kv_splits(64 * 8, 2048, 64, slots) == 2  # 512 programs: 1,024 fill the 528 slots once, not twice
+    assert num_kv_splits(16 * 8, 2048, 64, slots) == 5  # 640 programs
+    assert num_kv_splits(1 * 8, 8192, 64, slots) == MAX_KV_SPLITS
+    assert num_kv_splits(1 * 8, 512, 64, slots) == 4  # no split under 2 tiles
+    assert num_kv_splits(1 * 8, 64, 64, slots) == 1
 
 
 def test_paged_attention_uses_the_scale_and_ignores_placement():

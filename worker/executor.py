@@ -6,6 +6,8 @@ so a plan only needs to carry what changed.
 """
 from __future__ import annotations
 
+import random
+import statistics
 import time
 
 import torch
@@ -34,7 +36,7 @@ class Executor:
             num_gpu_blocks=runner.num_gpu_blocks, num_cpu_blocks=runner.num_cpu_blocks, block_size=runner.block_size,
             max_model_len=runner.max_model_len, vocab_size=int(runner.hf_config.vocab_size),
             eos_token_ids=self.eos_token_ids, kv_bytes_per_block=runner.kv_bytes_per_block,
-            host_bandwidth=_measure_host_bandwidth(runner.device),
+            host_bandwidth=_measure_host_bandwidth(runner),
             prefill_tokens_per_s=runner.prefill_tokens_per_s,
         )
 
@@ -76,15 +78,36 @@ def _eos_token_ids(hf_config) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def _measure_host_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a device-to-host copy of 64 MiB (what a swap-out costs)."""
-    src = torch.empty(1 << 24, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src, device="cpu", pin_memory=device.type == "cuda")
-    dst.copy_(src)  # warm up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    dst.copy_(src)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return src.numel() * 4 / max(time.perf_counter() - start, 1e-9)
+SWAP_PROBE_BLOCKS = 128  # a typical preempted group: 2,048 tokens of 16-token blocks
+SWAP_PROBE_ROUNDS = 3
+
+
+def _measure_host_bandwidth(runner: ModelRunner) -> float:
+    """Bytes/s of swapping as the worker swaps (what PreemptionCosts.swap_seconds prices): out and
+    back in, through the runner's own swap path, of up to SWAP_PROBE_BLOCKS blocks scattered over
+    the real pools (device blocks past the null block, host blocks anywhere). Device blocks get
+    their own contents back, and the host blocks used are restored after; the median of
+    SWAP_PROBE_ROUNDS timed round trips after one warm-up. No swap pool: 0.0 (nothing can swap,
+    and the cost model prices swapping at infinity).
+    """
+    n = min(SWAP_PROBE_BLOCKS, runner.num_gpu_blocks - 1, runner.num_cpu_blocks)
+    if n <= 0:
+        return 0.0
+    rng = random.Random(0)
+    device_ids = rng.sample(range(1, runner.num_gpu_blocks), n)
+    host_ids = rng.sample(range(runner.num_cpu_blocks), n)
+    out, back = list(zip(device_ids, host_ids)), list(zip(host_ids, device_ids))
+    index = torch.tensor(host_ids)
+    saved = [cache.index_select(0, index) for cache in runner.swap_caches]
+    seconds = []
+    for _ in range(SWAP_PROBE_ROUNDS + 1):
+        runner._sync()
+        start = time.perf_counter()
+        runner.swap_out(out)
+        runner.swapper.synchronize()  # waits for the copy and runs the host-side scatter
+        runner.swap_in(back)
+        runner._sync()
+        seconds.append(time.perf_counter() - start)
+    for cache, blocks in zip(runner.swap_caches, saved):
+        cache.index_copy_(0, index, blocks)
+    return 2 * n * runner.kv_bytes_per_block / max(statistics.median(seconds[1:]), 1e-9)

@@ -89,12 +89,15 @@ class ModelRunner:
 
     def _allocate_swap_pool(self, num_blocks: int) -> list[torch.Tensor]:
         """The CPU swap pool, same layout as the device pool; pinned on CUDA so swaps are DMA (and
-        then locked up front; on CPU untouched pages cost nothing until a swap writes them)."""
+        then locked up front; on CPU untouched pages cost nothing until a swap writes them). Swaps
+        go through `self.swapper`, batched per layer (kernels/swap.py)."""
         pin = self.device.type == "cuda"
-        return [
+        caches = [
             torch.empty((num_blocks, *self.kv_shape), dtype=self.dtype, device="cpu", pin_memory=pin)
             for _ in self.model.attention_layers()
         ] if num_blocks else []
+        self.swapper = kernels.BlockSwapper(self.kv_caches if caches else [], caches)
+        return caches
 
     @torch.inference_mode()
     def _profile_prefill(self) -> float:
@@ -167,11 +170,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def swap_out(self, device_to_cpu: list[list[int]]) -> None:
+        # the gather is queued on the stream before the forward that reuses these blocks; the
+        # copy to the host is asynchronous on CUDA (its host-side scatter runs later, in order)
         if device_to_cpu:
-            # queued on the stream: the forward pass that reuses these blocks runs after the copy
-            kernels.swap_blocks(self.kv_caches, self.swap_caches, device_to_cpu)
+            self.swapper.swap_out(device_to_cpu)
 
     @torch.inference_mode()
     def swap_in(self, cpu_to_device: list[list[int]]) -> None:
         if cpu_to_device:
-            kernels.swap_blocks(self.swap_caches, self.kv_caches, cpu_to_device)
+            self.swapper.swap_in(cpu_to_device)

@@ -11,14 +11,22 @@ sequence, every sequence `context` tokens long, its blocks scattered over a shuf
 Timing: a CUDA graph of several calls (launch overhead out, as in a CUDA-graph decode step) that
 cycle through enough copies of the inputs to overflow L2, so every call reads HBM; the median of
 a few replays, per call.
+
+`--tune` instead times every tile config of `kernels.tuning.config_space` (triton.testing.do_bench,
+median) for each model's (head_dim, group), decode launches over the batch sizes x context lengths
+and prefill launches over prompts of those lengths, picks per phase the config with the lowest
+geometric mean of time / the case's best time, and merges it into the tuned table
+(kernels/tuned/attention.json by default) under this GPU's name: commit that file to ship it.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -140,10 +148,13 @@ def bench_shape(model: str, batch: int, context: int, block_size: int, dtype: to
     paged_s = time_per_call([paged(x) for x in inputs])
     sdpa_s = time_per_call([call for call, _ in sdpa])
     diff = (paged(inputs[0])().float() - sdpa[0][0]()[:, :, 0].float()).abs().max().item()
-    _, kv_splits = launch_plan(batch, batch, num_kv_heads, num_heads // num_kv_heads, head_dim, context, device)
+    config, kv_splits = launch_plan(batch, batch, num_kv_heads, num_heads // num_kv_heads, head_dim, context, device,
+                                    dtype=dtype, block_size=block_size)
     return {
         "model": model, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-        "batch": batch, "context": context, "block_size": block_size, "kv_splits": kv_splits, "bytes": nbytes,
+        "batch": batch, "context": context, "block_size": block_size, "kv_splits": kv_splits,
+        "config": {"block_m": config.block_m, "block_n": config.block_n, "num_warps": config.num_warps,
+                   "num_stages": config.num_stages}, "bytes": nbytes,
         "pagoda": {"time_us": paged_s * 1e6, "bandwidth_GBps": nbytes / paged_s / 1e9,
                    "fraction_of_copy_bandwidth": nbytes / paged_s / 1e9 / copy_GBps},
         "baseline": {"name": "torch SDPA over a contiguous KV cache", "backend": sdpa[0][1], "time_us": sdpa_s * 1e6,
@@ -175,6 +186,8 @@ def run(args) -> int:
 
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
+    if args.tune:
+        return tune(args, device, dtype)
     copy = copy_bandwidth(device)
     rows = []
     for model in args.models.split(","):
@@ -203,3 +216,100 @@ def _print_row(row: dict) -> None:
         f"sdpa {row['baseline']['time_us']:8.1f} us -> {row['time_ratio_vs_sdpa']:.2f}x, splits {row['kv_splits']}",
         file=sys.stderr, flush=True,
     )
+
+
+# ----------------------------------------------------------------------------- --tune
+
+PREFILL_TOKENS = 2048  # a prefill launch's tokens at most (a chunked prefill's budget)
+
+
+def prefill_inputs(num_seqs: int, context: int, shape: tuple[int, int, int], block_size: int, dtype: torch.dtype,
+                   device: torch.device, gen: torch.Generator) -> DecodeInputs:
+    """`num_seqs` sequences of `context` keys, each with its last min(context, PREFILL_TOKENS //
+    num_seqs) tokens as queries (a whole prompt, or the last chunk of one)."""
+    x = decode_inputs(num_seqs, context, shape, block_size, dtype, device, gen)
+    q_len = min(context, PREFILL_TOKENS // num_seqs)
+    query = torch.randn((num_seqs * q_len, *x.query.shape[1:]), dtype=dtype, device=device)
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * q_len
+    return DecodeInputs(query, x.kv_cache, x.block_tables, x.seq_lens, cu, torch.empty_like(query))
+
+
+def pick_best(times: dict, num_cases: int) -> tuple[object, dict]:
+    """The config with the lowest geometric mean over cases of time / that case's best time, and
+    every config's score. `times`: config -> [seconds per case], None where it failed to run (a
+    config that failed any case is out)."""
+    complete = {c: t for c, t in times.items() if len(t) == num_cases and all(x is not None for x in t)}
+    if not complete:
+        raise RuntimeError("no tile config ran on every case")
+    best = [min(t[i] for t in complete.values()) for i in range(num_cases)]
+    scores = {c: math.exp(sum(math.log(x / b) for x, b in zip(t, best)) / num_cases) for c, t in complete.items()}
+    return min(scores, key=scores.get), scores
+
+
+def tune_phase(model: str, phase: str, args, device: torch.device, dtype: torch.dtype) -> dict:
+    """Time every config of the phase's space on every case; the table entry of the best one."""
+    import triton.testing
+
+    from kernels import tuning
+    from kernels.triton_attention import paged_attention
+
+    num_heads, num_kv_heads, head_dim = shape = ATTENTION_SHAPES[model]
+    group = num_heads // num_kv_heads
+    contexts = [int(c) for c in args.context_lens.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    if phase == "decode":
+        cases = [(b, c, decode_inputs(b, c, shape, args.block_size, dtype, device, gen))
+                 for b in map(int, args.batch_sizes.split(",")) for c in contexts]
+    else:
+        cases = [(n, c, prefill_inputs(n, c, shape, args.block_size, dtype, device, gen)) for n in (1, 4) for c in contexts]
+    default = tuning.default_config(group, head_dim, phase)
+    space = tuning.config_space(group, head_dim, phase)
+    times: dict = {}
+    for config in space + ([default] if default not in space else []):
+        times[config] = []
+        for _, context, x in cases:
+            def call(x=x, context=context, config=config):
+                paged_attention(x.query, x.kv_cache, x.block_tables, x.seq_lens, x.cu_seqlens_q, head_dim**-0.5,
+                                out=x.out, max_seqlen_k=context, config=config)
+            try:
+                times[config].append(triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median") / 1e3)
+            except Exception as e:  # noqa: BLE001  (out of shared memory or registers: the config is out)
+                print(f"  {model} {phase} {config}: {type(e).__name__}", file=sys.stderr, flush=True)
+                times[config].append(None)
+                break
+    best, scores = pick_best(times, len(cases))
+    entry = {**tuning.config_entry(best), "score": scores[best], "default_score": scores.get(default),
+             "cases": [[a, c] for a, c, _ in cases], "time_us": [t * 1e6 for t in times[best]],
+             "default_time_us": [t * 1e6 if t is not None else None for t in times[default]]}
+    print(f"{model} {phase}: best {best} ({scores[best]:.3f} of per-case best; default "
+          f"{scores.get(default, float('nan')):.3f})", file=sys.stderr, flush=True)
+    return entry
+
+
+def tune(args, device: torch.device, dtype: torch.dtype) -> int:
+    """`pagoda bench kernels --tune`: the tuned table entries of this GPU, merged into --tune-output."""
+    import triton
+
+    from kernels import tuning
+    from kernels.triton_common import device_name
+
+    name = device_name(device)
+    entries = {}
+    for model in args.models.split(","):
+        if model not in ATTENTION_SHAPES:
+            raise ValueError(f"unknown model {model!r}: choose from {', '.join(ATTENTION_SHAPES)}")
+        num_heads, num_kv_heads, head_dim = ATTENTION_SHAPES[model]
+        for phase in tuning.PHASES:
+            key = tuning.table_key(name, head_dim, num_heads // num_kv_heads, phase)
+            entries[key] = {**tune_phase(model, phase, args, device, dtype), "dtype": args.dtype,
+                            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__}
+    path = Path(args.tune_output) if args.tune_output else tuning.TUNED_TABLE
+    old = json.loads(path.read_text()) if path.exists() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(tuning.merge_table(old, entries), indent=2) + "\n")
+    print(f"wrote {len(entries)} entries for {name} to {path}", file=sys.stderr, flush=True)
+    result = {**header("kernels: attention tile tuning", command_words("kernels", args), str(device)),
+              "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype, "entries": entries}
+    write_result(result, args.output)
+    print(json.dumps(result, indent=2))
+    return 0
