@@ -48,6 +48,7 @@ class DecodeRunner:
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)  # one query per row, always
         self.block_tables = torch.zeros((size, self.width), dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its logits)
+        self.captured_bytes = 0  # device memory the capture took (mem_get_info before and after)
         self._num_dirty = 0  # rows [0, _num_dirty) may hold an earlier step's sequences
 
     def bucket(self, num_seqs: int) -> int:
@@ -108,8 +109,12 @@ class DecodeRunner:
         # Warm every bucket before any capture: Triton compiles its variants and the split-KV
         # workspace reaches its size, so no graph holds an allocation that a later warm-up replaces.
         # Padding rows write nothing (slot -1): the KV pool is untouched.
-        for size in reversed(self.buckets):
-            self._forward(size)
+        side = torch.cuda.Stream(device)  # warm-up off the default stream, as torch.cuda.graph's docs ask
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for size in reversed(self.buckets):
+                self._forward(size)
+        torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool

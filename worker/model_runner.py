@@ -102,10 +102,19 @@ class ModelRunner:
         self.swap_caches = self._allocate_swap_pool(self.num_cpu_blocks)
         self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                       self.block_size, self.device)
-        self.decode_runner = (None if config.enforce_eager
-                              else DecodeRunner(self.model, self.input_batch, config.max_num_seqs, self.device))
-        if self.decode_runner is not None and self.device.type == "cuda":
-            self.decode_runner.capture()
+        self.decode_runner = None if config.enforce_eager else self._start_decode_runner()
+
+    def _start_decode_runner(self) -> DecodeRunner:
+        """The static decode buffers; on CUDA their graphs, captured now that the KV pool exists."""
+        runner = DecodeRunner(self.model, self.input_batch, self.config.max_num_seqs, self.device)
+        if self.device.type == "cuda":
+            runner.capture()
+            bound = cuda_graph_bytes(self.config.max_num_seqs, self.activation_bytes_per_token, len(runner.buckets))
+            if runner.captured_bytes > bound:
+                log.warning("the decode CUDA graphs took %.1f MiB, more than the %.1f MiB the KV pool's sizing "
+                            "left for them: lower --gpu-memory-utilization if memory runs out",
+                            runner.captured_bytes / (1 << 20), bound / (1 << 20))
+        return runner
 
     # ------------------------------------------------------------------ memory
     def _num_blocks_that_fit(self) -> int:
