@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
+import numpy as np
 import torch
 
 from common.plan_state import ScheduledSequence
@@ -49,7 +51,7 @@ class _Staging:
 
     def to_device(self, values: list[int]) -> torch.Tensor:
         if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.int64)
+            return torch.from_numpy(np.array(values, dtype=np.int64))
         self.turn ^= 1
         event, buf = self.events[self.turn], self.buffers[self.turn]
         if event is not None:
@@ -136,30 +138,22 @@ class InputBatch:
     # ------------------------------------------------------------------ step
     def prepare(self, scheduled: Sequence[ScheduledSequence]) -> StepTensors:
         """Flatten the scheduled sequences into one varlen batch; one host-to-device copy."""
-        ids: list[int] = []
-        positions: list[int] = []
-        token_rows: list[int] = []
-        seq_lens: list[int] = []
-        cu_seqlens_q = [0]
-        table_rows: list[int] = []
-        logits_indices: list[int] = []
-        for s in scheduled:
-            row = self.rows[s.seq_id]
-            start, n = s.num_computed_tokens, s.num_scheduled_tokens
-            if n == 1:  # decode: three appends
-                ids.append(s.held.token_ids[start])
-                positions.append(start)
-                token_rows.append(row)
-            else:
+        table_rows = [self.rows[s.seq_id] for s in scheduled]
+        positions = [s.num_computed_tokens for s in scheduled]  # decode: each row's one position
+        counts = [s.num_scheduled_tokens for s in scheduled]
+        seq_lens = [start + n for start, n in zip(positions, counts)]
+        cu_seqlens_q = list(accumulate(counts, initial=0))
+        logits_indices = [end - 1 for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples]
+        if cu_seqlens_q[-1] == len(scheduled):  # decode only: one token per row
+            ids = [s.held.token_ids[start] for s, start in zip(scheduled, positions)]
+            token_rows = table_rows
+        else:
+            ids, token_rows, starts, positions = [], [], positions, []
+            for s, row, start, n in zip(scheduled, table_rows, starts, counts):
                 ids += s.held.token_ids[start:start + n]
                 positions += range(start, start + n)
                 token_rows += [row] * n
-            seq_lens.append(start + n)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-            table_rows.append(row)
-            if s.num_samples:
-                logits_indices.append(cu_seqlens_q[-1] - 1)
-        max_blocks = max(self.num_blocks[row] for row in table_rows)
+        max_blocks = max(map(self.num_blocks.__getitem__, table_rows))
         num_tokens, num_seqs, num_dirty = len(ids), len(seq_lens), len(self._dirty)
         flat = self._staging.to_device(ids + positions + token_rows + seq_lens + cu_seqlens_q + table_rows
                                        + logits_indices + list(self._dirty) + list(self._dirty.values()))
