@@ -337,11 +337,18 @@ def test_static_decode_path_matches_eager_token_for_token(tiny, one_torch_thread
     assert min(maker.stats[k] for k in ("prefix", "fork", "cow_held", "swap", "recompute")) > 0, maker.stats
 
 
-def test_enforce_eager_is_a_flag():
-    from common.cli_args import config_to_argv
+def test_enforce_eager_reaches_the_worker_through_pagoda_up(tmp_path):
+    from common.cli_args import config_from_args
+    from common.config import GatewayConfig, ServingConfig
+    from pagoda import up
+    from tests.test_cli import parser_of
 
     assert EngineConfig().enforce_eager is False
-    assert config_to_argv(EngineConfig(enforce_eager=True)).count("--enforce-eager") == 1
+    args = parser_of("up").parse_args(["--enforce-eager", "--device", "cpu"])
+    configs = [config_from_args(cls, args) for cls in (EngineConfig, ServingConfig, GatewayConfig)]
+    children = {child.name: child for child in up._children(*configs, "redis://127.0.0.1:7000/0", tmp_path)}
+    worker = parser_of("worker").parse_args(children["worker"].command[4:])
+    assert config_from_args(EngineConfig, worker) == EngineConfig(device="cpu", enforce_eager=True)
 
 
 def test_kv_cache_budget_counts_memory_outside_torch_and_what_comes_after_the_peak():
