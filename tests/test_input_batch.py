@@ -388,3 +388,13 @@ def test_cuda_graphs_are_captured_per_bucket_and_replay_the_eager_logits(tiny):
             torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
             for s, token in zip([s for s in scheduled if s.num_samples], logits[0].argmax(-1).tolist()):
                 maker.sampled(s.seq_id, token)
+
+
+@pytest.mark.gpu
+def test_the_graphs_fit_in_what_the_pool_sizing_left_for_them(tiny):
+    from worker.model_runner import ModelRunner, cuda_graph_bytes
+
+    runner = ModelRunner(EngineConfig(model=str(tiny[0]), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=64))
+    decode = runner.decode_runner
+    assert sorted(decode.graphs) == decode.buckets and decode.captured_bytes > 0
+    assert decode.captured_bytes <= cuda_graph_bytes(64, runner.activation_bytes_per_token, len(decode.buckets))
