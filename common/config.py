@@ -37,6 +37,8 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "--no-prefix-caching", "turn automatic prefix caching off")
     preemption_mode: str = option("auto", "--preemption-mode", "how a group is preempted when blocks run out "
                                   "(auto: the cheaper by measured rates)", choices=PREEMPTION_MODES)
+    enforce_eager: bool = option(False, "--enforce-eager",
+                                 "run decode steps eagerly: no CUDA graphs (on CPU: no padded static decode buffers)")
     seed: int = no_flag(0, "seeds dummy weights only; `pagoda generate --seed` is the sampling seed")
     allocator: str = option("paged", "--allocator",
                             "KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)", choices=ALLOCATORS)

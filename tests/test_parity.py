@@ -66,15 +66,19 @@ def test_cli_greedy_matches_transformers(tmp_path, hf_outputs, prompt_ids, devic
 
 
 @pytest.mark.parametrize(
-    "num_gpu_blocks, max_num_batched_tokens",
-    [(56, 2048), (56, 48)],  # a pool too small for the batch; and chunked prefill as well
+    "num_gpu_blocks, max_num_batched_tokens, enforce_eager",
+    # a pool too small for the batch, decode steps through the padded static buffers (CUDA graphs
+    # on CUDA); and chunked prefill as well, every step eager (--enforce-eager)
+    [(56, 2048, False), (56, 48, True)],
 )
-def test_greedy_matches_transformers_under_preemption(hf_outputs, prompt_ids, num_gpu_blocks, max_num_batched_tokens, device):
+def test_greedy_matches_transformers_under_preemption(hf_outputs, prompt_ids, num_gpu_blocks, max_num_batched_tokens,
+                                                      enforce_eager, device):
     from common.protocol import SamplingParams
     from pagoda.offline import LLM
 
     llm = LLM("default", device=device, dtype="float32", num_gpu_blocks=num_gpu_blocks,
-              max_num_batched_tokens=max_num_batched_tokens)
+              max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager)
+    assert (llm.executor.runner.decode_runner is None) == enforce_eager
     outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     print("preemptions:", llm.scheduler.num_preemptions, "steps:", llm.engine.num_steps)
     assert llm.scheduler.num_preemptions > 0

@@ -14,6 +14,11 @@ class AttentionContext:
     seq_lens: torch.Tensor  # [num_seqs] int32, KV length including this step's tokens
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
     kernel_cache: dict = field(default_factory=dict)  # what a kernel derives once per step for every layer
+    # Host-known launch bounds for paged_attention (None: the kernel's defaults). The static decode
+    # path (worker/cuda_graph.py) sets max_seqlen_k to its fixed table width, so a bucket's
+    # launch is the same at capture and replay.
+    max_seqlen_k: int | None = None
+    kv_splits: int | None = None
 
 
 _context: AttentionContext | None = None

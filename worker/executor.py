@@ -15,7 +15,7 @@ import torch
 from common.config import EngineConfig
 from common.plan_state import PlanState
 from common.protocol import SampledToken, StepPlan, StepResult, WorkerHello
-from worker.model_runner import ModelRunner, ScheduledRow
+from worker.model_runner import ModelRunner
 from worker.sampler import Sampler, SamplingRow
 
 
@@ -43,9 +43,11 @@ class Executor:
     def reset(self) -> None:
         """Forget every sequence (a new epoch: the scheduler's state was lost)."""
         self.state.reset()
+        self.runner.reset()
 
     def execute(self, plan: StepPlan) -> StepResult:
         scheduled = self.state.apply(plan)
+        self.runner.update_inputs(plan)
         # swap-out first: a block leaving for the swap pool may be reused by this very step
         self.runner.swap_out(plan.blocks_to_swap_out)
         self.runner.swap_in(plan.blocks_to_swap_in)
@@ -53,9 +55,7 @@ class Executor:
         result = StepResult(plan.step, plan.epoch)
         if not scheduled:
             return result
-        rows = [ScheduledRow(s.held.token_ids, s.num_computed_tokens, s.num_scheduled_tokens, s.held.block_table)
-                for s in scheduled]
-        logits = self.runner.forward(self.runner.prepare(rows, [s.num_samples > 0 for s in scheduled]))
+        logits = self.runner.forward(self.runner.prepare(scheduled))
         sampling = [s for s in scheduled if s.num_samples]
         if not sampling:
             return result

@@ -62,7 +62,7 @@ class Attention(nn.Module):
         ctx = get_context()
         kernels.write_kv(k, v, self.kv_cache, ctx.slot_mapping)
         o = kernels.paged_attention(q, self.kv_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale,
-                                    step_cache=ctx.kernel_cache)
+                                    step_cache=ctx.kernel_cache, max_seqlen_k=ctx.max_seqlen_k, kv_splits=ctx.kv_splits)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

@@ -1,4 +1,9 @@
-"""Owns the model and its KV cache; builds every tensor of a step in one place (`prepare`)."""
+"""Owns the model and its KV cache; builds every tensor of a step in one place (`prepare`).
+
+A step's tensors come from the persistent input rows (worker/input_batch.py); decode-only steps
+run through the static, bucket-padded buffers of worker/cuda_graph.py (captured as CUDA graphs on
+CUDA) unless `enforce_eager`; other steps run the model eagerly on the step's own shapes.
+"""
 from __future__ import annotations
 
 import logging
@@ -10,7 +15,11 @@ import torch
 import kernels
 from common.config import EngineConfig
 from common.models import resolve_model
+from common.plan_state import ScheduledSequence
+from common.protocol import StepPlan
 from worker.context import AttentionContext, attention_context
+from worker.cuda_graph import DecodeRunner, batch_size_buckets
+from worker.input_batch import InputBatch, StepTensors
 from worker.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -38,12 +47,33 @@ class ScheduledRow:
     block_table: list[int]
 
 
-@dataclass(slots=True)
-class StepTensors:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    context: AttentionContext
-    logits_indices: torch.Tensor  # [num_sampled] the last position of each sampling row
+SAMPLER_PEAK_FACTOR = 6  # fp32 [rows, vocab] arrays a sampling step holds at once, at most: probabilities,
+#                         a sort's values and int64 indices (3), a cumulative sum and a mask (~1)
+GRAPH_OVERHEAD_BYTES = 16 << 20  # per captured graph, outside torch's allocator (its instantiated nodes): a bound
+
+
+def kv_cache_budget(total: int, free: int, reserved: int, peak: int, utilization: float, extra: int = 0) -> int:
+    """Bytes left for the KV pool on a device, from the memory seen after the profile run.
+
+    total, free: torch.cuda.mem_get_info(); reserved: torch.cuda.memory_reserved(); peak:
+    torch.cuda.max_memory_allocated() (weights plus the profile's activations). (total - free) -
+    reserved is what the device holds outside torch's allocator (the CUDA context, cuBLAS
+    workspaces, NCCL buffers); `extra` is what comes later on top of the peak (the sampler, the
+    CUDA graphs).
+    """
+    non_torch = max((total - free) - reserved, 0)
+    return int(total * utilization) - peak - non_torch - extra
+
+
+def sampler_peak_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """A bound on the sampler's working set over max_num_seqs rows of float32 logits."""
+    return max_num_seqs * vocab_size * 4 * SAMPLER_PEAK_FACTOR
+
+
+def cuda_graph_bytes(max_batch: int, activation_bytes_per_token: float, num_graphs: int) -> int:
+    """A bound on the decode graphs' memory: their shared pool holds the largest bucket's
+    activations (at the profile run's bytes per token) plus each graph's own nodes."""
+    return int(max_batch * activation_bytes_per_token) + num_graphs * GRAPH_OVERHEAD_BYTES
 
 
 class ModelRunner:
@@ -61,6 +91,10 @@ class ModelRunner:
             len(self.model.layers) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
             * torch.finfo(self.dtype).bits // 8
         )
+        kernels.warmup(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                       block_size=self.block_size, dtype=self.dtype, device=self.device,
+                       max_model_len=self.max_model_len)  # CUDA: nothing compiles while serving
+        self.activation_bytes_per_token = 0.0  # measured by the profile run on CUDA
         self.prefill_tokens_per_s = self._profile_prefill()
         self.num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_that_fit()
         self.kv_caches = self._allocate_kv_cache(self.num_gpu_blocks)
@@ -69,12 +103,33 @@ class ModelRunner:
             else int(config.swap_space_gb * (1 << 30) // self.kv_bytes_per_block)
         )
         self.swap_caches = self._allocate_swap_pool(self.num_cpu_blocks)
+        self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                      self.block_size, self.device)
+        self.decode_runner = None if config.enforce_eager else self._start_decode_runner()
+
+    def _start_decode_runner(self) -> DecodeRunner:
+        """The static decode buffers; on CUDA their graphs, captured now that the KV pool exists."""
+        runner = DecodeRunner(self.model, self.input_batch, self.config.max_num_seqs, self.device)
+        if self.device.type == "cuda":
+            runner.capture()
+            bound = cuda_graph_bytes(self.config.max_num_seqs, self.activation_bytes_per_token, len(runner.buckets))
+            if runner.captured_bytes > bound:
+                log.warning("the decode CUDA graphs took %.1f MiB, more than the %.1f MiB the KV pool's sizing "
+                            "left for them: lower --gpu-memory-utilization if memory runs out",
+                            runner.captured_bytes / (1 << 20), bound / (1 << 20))
+        return runner
 
     # ------------------------------------------------------------------ memory
     def _num_blocks_that_fit(self) -> int:
         if self.device.type == "cuda":
-            _, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - torch.cuda.max_memory_allocated(self.device)
+            config = self.config
+            free, total = torch.cuda.mem_get_info(self.device)
+            extra = sampler_peak_bytes(config.max_num_seqs, int(self.hf_config.vocab_size))
+            if not config.enforce_eager:
+                extra += cuda_graph_bytes(config.max_num_seqs, self.activation_bytes_per_token,
+                                          len(batch_size_buckets(config.max_num_seqs)))
+            budget = kv_cache_budget(total, free, torch.cuda.memory_reserved(self.device),
+                                     torch.cuda.max_memory_allocated(self.device), config.gpu_memory_utilization, extra)
         else:
             budget = self.config.cpu_kv_cache_gb * (1 << 30)
         return max(int(budget // self.kv_bytes_per_block), 2)
@@ -109,13 +164,17 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.kv_cache = torch.zeros((blocks, *self.kv_shape), dtype=self.dtype, device=self.device)
         row = ScheduledRow([0] * num_tokens, 0, num_tokens, list(range(1, blocks)))
-        step = self.prepare([row], [True])
+        step = self.prepare_rows([row], [True])
         if self.device.type == "cuda":
             step.logits_indices = torch.full((self.config.max_num_seqs,), num_tokens - 1, device=self.device)
-        self.forward(step)  # warm up, and the memory peak
+            weights = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.forward_eager(step)  # warm up, and the memory peak
         self._sync()
+        if self.device.type == "cuda":
+            self.activation_bytes_per_token = (torch.cuda.max_memory_allocated(self.device) - weights) / num_tokens
         start = time.perf_counter()
-        self.forward(step)
+        self.forward_eager(step)
         self._sync()
         elapsed = time.perf_counter() - start
         for attn in self.model.attention_layers():
@@ -127,39 +186,31 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ step
-    def prepare(self, rows: list[ScheduledRow], samples: list[bool]) -> StepTensors:
-        """Flatten the rows into one varlen batch."""
-        input_ids, positions, slots, seq_lens, cu_seqlens_q, logits_indices = [], [], [], [], [0], []
-        block_size = self.block_size
-        for row, sample in zip(rows, samples):
-            start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
-            input_ids += row.token_ids[start:end]
-            positions += range(start, end)
-            table = row.block_table
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            seq_lens.append(end)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + row.num_scheduled_tokens)
-            if sample:
-                logits_indices.append(cu_seqlens_q[-1] - 1)
-        max_blocks = max(len(row.block_table) for row in rows)
-        tables = [row.block_table + [0] * (max_blocks - len(row.block_table)) for row in rows]
-        device = self.device
-        context = AttentionContext(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
-        )
-        return StepTensors(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            context,
-            torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        )
+    def update_inputs(self, plan: StepPlan) -> None:
+        """The persistent input rows take the plan's diffs (after PlanState.apply accepted them)."""
+        self.input_batch.apply(plan)
+
+    def reset(self) -> None:
+        self.input_batch.reset()
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepTensors:
+        """The step's tensors from the persistent input rows (worker/input_batch.py)."""
+        return self.input_batch.prepare(scheduled)
+
+    def prepare_rows(self, rows: list[ScheduledRow], samples: list[bool]) -> StepTensors:
+        """A step's tensors from lists (the profile run): see `flatten_rows`."""
+        return flatten_rows(rows, samples, self.block_size, self.device)
 
     @torch.inference_mode()
     def forward(self, step: StepTensors) -> torch.Tensor:
         """Returns the logits of the sampling positions: [num_sampled, vocab_size] float32."""
+        if self.decode_runner is not None and self.decode_runner.can_run(step):
+            return self.decode_runner.run(step)
+        return self.forward_eager(step)
+
+    @torch.inference_mode()
+    def forward_eager(self, step: StepTensors) -> torch.Tensor:
+        """The model on the step's own shapes (prefill, mixed steps, and everything with enforce_eager)."""
         with attention_context(step.context):
             hidden = self.model(step.input_ids, step.positions)
         return self.model.compute_logits(hidden[step.logits_indices])
@@ -179,3 +230,33 @@ class ModelRunner:
     def swap_in(self, cpu_to_device: list[list[int]]) -> None:
         if cpu_to_device:
             self.swapper.swap_in(cpu_to_device)
+
+
+def flatten_rows(rows: list[ScheduledRow], samples: list[bool], block_size: int, device: torch.device) -> StepTensors:
+    """Flatten the rows into one varlen batch from lists: the profile run's input and the tests'
+    reference for InputBatch.prepare. Host work grows with batch x context: not for serving."""
+    input_ids, positions, slots, seq_lens, cu_seqlens_q, logits_indices = [], [], [], [], [0], []
+    for row, sample in zip(rows, samples):
+        start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
+        input_ids += row.token_ids[start:end]
+        positions += range(start, end)
+        table = row.block_table
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        seq_lens.append(end)
+        cu_seqlens_q.append(cu_seqlens_q[-1] + row.num_scheduled_tokens)
+        if sample:
+            logits_indices.append(cu_seqlens_q[-1] - 1)
+    max_blocks = max(len(row.block_table) for row in rows)
+    tables = [row.block_table + [0] * (max_blocks - len(row.block_table)) for row in rows]
+    context = AttentionContext(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
+    )
+    return StepTensors(
+        torch.tensor(input_ids, dtype=torch.int64, device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+        context,
+        torch.tensor(logits_indices, dtype=torch.int64, device=device),
+    )

@@ -1,0 +1,128 @@
+"""Decode-only steps through static buffers padded to a batch-size bucket; on CUDA, one graph per bucket.
+
+A decode-only step (every sequence computes one token) is copied into buffers that never move,
+padded up to the next bucket, and run at the bucket's size: on CUDA by replaying the graph
+captured for that bucket at start-up, on CPU by running the model on the same buffers (so the
+CPU tests check this path). Every shape a kernel sees is fixed per bucket: B tokens, B sequences,
+block tables [B, max_model_len / block_size], `max_seqlen_k` = that width in tokens, so the
+Triton launch (grid and split count) is the same at capture and at every replay.
+
+    rows [0, n)          the step's sequences
+    rows [n, bucket)     padding: token 0 at position 0, slot -1 (write_kv skips it), seq_len 1
+                         over a table of zeros: it attends to slot 0 of the null block 0, which no
+                         sequence writes, and its logits are never read
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from worker.context import AttentionContext, attention_context
+from worker.input_batch import InputBatch, StepTensors
+
+log = logging.getLogger(__name__)
+
+
+def batch_size_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, ending at max_num_seqs."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, max_num_seqs, 16)]
+    return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
+
+
+class DecodeRunner:
+    """The static buffers of the largest bucket, each bucket running on their first rows."""
+
+    def __init__(self, model, input_batch: InputBatch, max_num_seqs: int, device: torch.device) -> None:
+        self.model = model
+        self.input_batch = input_batch
+        self.buckets = batch_size_buckets(max_num_seqs)
+        self.width = input_batch.width
+        size = self.buckets[-1]
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)  # one query per row, always
+        self.block_tables = torch.zeros((size, self.width), dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its logits)
+        self.captured_bytes = 0  # device memory the capture took (mem_get_info before and after)
+        self._num_dirty = 0  # rows [0, _num_dirty) may hold an earlier step's sequences
+
+    def bucket(self, num_seqs: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+
+    def can_run(self, step: StepTensors) -> bool:
+        return (step.decode_only and step.table_rows is not None
+                and step.input_ids.shape[0] <= self.buckets[-1] and self.input_batch.width == self.width)
+
+    def run(self, step: StepTensors) -> torch.Tensor:
+        """The step's logits at its sampling positions: [num_sampled, vocab_size] float32."""
+        n = step.input_ids.shape[0]
+        size = self.bucket(n)
+        self._fill(step, n, size)
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+        else:
+            logits = self._forward(size)
+        return logits[step.logits_indices]
+
+    def _fill(self, step: StepTensors, n: int, size: int) -> None:
+        ctx = step.context
+        self.input_ids[:n].copy_(step.input_ids)
+        self.positions[:n].copy_(step.positions)
+        self.slot_mapping[:n].copy_(ctx.slot_mapping)
+        self.seq_lens[:n].copy_(ctx.seq_lens)
+        torch.index_select(self.input_batch.block_table_device, 0, step.table_rows, out=self.block_tables[:n])
+        end = min(size, self._num_dirty)
+        if n < end:  # rows an earlier, larger step left behind become padding again
+            self.input_ids[n:end] = 0
+            self.positions[n:end] = 0
+            self.slot_mapping[n:end] = -1
+            self.seq_lens[n:end] = 1
+            self.block_tables[n:end] = 0
+        if self._num_dirty <= size:
+            self._num_dirty = n
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the first `size` rows: logits [size, vocab_size] float32."""
+        context = AttentionContext(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
+            max_seqlen_k=self.width * self.input_batch.block_size,
+        )
+        with attention_context(context):
+            hidden = self.model(self.input_ids[:size], self.positions[:size])
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture a graph per bucket (CUDA, after the KV pool exists: the graphs read it), logging
+        the time and the device memory they took."""
+        device = self.input_ids.device
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        start = time.perf_counter()
+        # Warm every bucket before any capture: Triton compiles its variants and the split-KV
+        # workspace reaches its size, so no graph holds an allocation that a later warm-up replaces.
+        # Padding rows write nothing (slot -1): the KV pool is untouched.
+        side = torch.cuda.Stream(device)  # warm-up off the default stream, as torch.cuda.graph's docs ask
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for size in reversed(self.buckets):
+                self._forward(size)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(device)
+        self.captured_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s, using %.1f MiB of device memory",
+                 len(self.graphs), self.buckets, time.perf_counter() - start, self.captured_bytes / (1 << 20))

@@ -1,0 +1,176 @@
+"""The worker's persistent step inputs: one row per held sequence, kept up to date from each plan's diffs.
+
+    block_table[row, :num_blocks[row]]   the sequence's block table; past it, zeros (the null block)
+
+The table lives on the host (pinned on CUDA) and is mirrored on the device. A plan's diffs are
+writes to rows (`apply`): a new sequence writes its table, a continued one its new block ids from
+`block_table_offset` on, a finished or preempted one frees its row. On CUDA the written entries
+reach the mirror as one scatter. Per step (`prepare`) the host lists only per-token ids and
+positions and per-sequence lengths, in one non-blocking copy; the step's block tables and slot
+mapping are gathered on the device from the mirror. Host work grows with what changed and with the
+tokens scheduled, never with batch x context.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import numpy as np
+import torch
+
+from common.plan_state import ScheduledSequence
+from common.protocol import StepPlan
+from worker.context import AttentionContext
+
+
+@dataclass(slots=True)
+class StepTensors:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    context: AttentionContext
+    logits_indices: torch.Tensor  # [num_sampled] the last position of each sampling row
+    table_rows: torch.Tensor | None = None  # [num_seqs] int64: each sequence's row of the persistent table
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence computes exactly one token (host-known shapes, no device read)."""
+        return self.input_ids.shape[0] == self.context.seq_lens.shape[0]
+
+
+class _Staging:
+    """Pinned host buffers for the step's host-to-device copy, two in turn: a buffer is rewritten
+    only after the copy that read it (recorded by an event) is done, so a step may be prepared
+    while the previous one still runs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 2
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.array(values, dtype=np.int64))
+        self.turn ^= 1
+        event, buf = self.events[self.turn], self.buffers[self.turn]
+        if event is not None:
+            event.synchronize()
+        if buf.numel() < len(values):
+            buf = self.buffers[self.turn] = torch.empty(max(len(values), 2 * buf.numel(), 4096),
+                                                        dtype=torch.int64, pin_memory=True)
+        host = buf[: len(values)]
+        host.numpy()[:] = values
+        out = host.to(self.device, non_blocking=True)
+        self.events[self.turn] = event = event or torch.cuda.Event()
+        event.record()
+        return out
+
+
+class InputBatch:
+    """Rows of held sequences; `apply` takes each plan's diffs, `prepare` builds a step's tensors."""
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
+                 mirror: bool | None = None) -> None:
+        self.block_size = block_size
+        self.device = device
+        # a device mirror patched by scatter: on CUDA; on CPU only when a test asks for it
+        self.mirror = device.type == "cuda" if mirror is None else mirror
+        self.rows: dict[int, int] = {}  # seq_id -> row
+        self.num_blocks: list[int] = []  # per row: entries [0, num_blocks) of its table are set
+        self.free_rows: list[int] = []
+        self._staging = _Staging(device)
+        self._allocate(max_num_seqs, max_blocks_per_seq)
+
+    @property
+    def width(self) -> int:
+        return self.block_table.shape[1]
+
+    def _allocate(self, num_rows: int, width: int) -> None:
+        """(Re)allocate the table at [num_rows, width], keeping what it holds."""
+        old = getattr(self, "block_table", None)
+        self.block_table = torch.zeros((num_rows, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        if old is not None:
+            self.block_table[: old.shape[0], : old.shape[1]] = old
+        self._table = self.block_table.numpy()
+        self.free_rows = list(range(num_rows - 1, len(self.num_blocks) - 1, -1)) + self.free_rows
+        self.num_blocks += [0] * (num_rows - len(self.num_blocks))
+        # without a mirror (CPU) the device table is the host table; a mirror is copied in full here
+        self.block_table_device = self.block_table.to(self.device, copy=True) if self.mirror else self.block_table
+        self._dirty: dict[int, int] = {}  # flat entry of the mirror -> its new value (the last write wins)
+
+    def reset(self) -> None:
+        """Forget every sequence (a new epoch)."""
+        self.free_rows += self.rows.values()
+        self.rows.clear()
+
+    # ------------------------------------------------------------------ diffs
+    def apply(self, plan: StepPlan) -> None:
+        """The plan's diffs, after PlanState.apply accepted them."""
+        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
+            row = self.rows.pop(seq_id, None)
+            if row is not None:
+                self.free_rows.append(row)
+        for new in plan.new_seqs:
+            if not self.free_rows:
+                self._allocate(2 * self.block_table.shape[0], self.width)
+            row = self.rows[new.seq_id] = self.free_rows.pop()
+            self._write(row, 0, new.block_ids)
+        for cached in plan.cached_seqs:
+            row = self.rows[cached.seq_id]
+            offset = min(cached.block_table_offset, self.num_blocks[row])  # as PlanState cuts the held table
+            if cached.new_block_ids or offset < self.num_blocks[row]:
+                self._write(row, offset, cached.new_block_ids)
+
+    def _write(self, row: int, offset: int, block_ids: list[int]) -> None:
+        """Row's table becomes its entries [0, offset) then block_ids; entries past it are zeroed."""
+        end, old_end = offset + len(block_ids), self.num_blocks[row]
+        if end > self.width:
+            self._allocate(self.block_table.shape[0], max(end, 2 * self.width))
+        hi = max(end, old_end)
+        values = block_ids + [0] * (hi - end)
+        self._table[row, offset:hi] = values
+        self.num_blocks[row] = end
+        if self.mirror:
+            base = row * self.width
+            self._dirty.update(zip(range(base + offset, base + hi), values))
+
+    # ------------------------------------------------------------------ step
+    def prepare(self, scheduled: Sequence[ScheduledSequence]) -> StepTensors:
+        """Flatten the scheduled sequences into one varlen batch; one host-to-device copy."""
+        table_rows = [self.rows[s.seq_id] for s in scheduled]
+        positions = [s.num_computed_tokens for s in scheduled]  # decode: each row's one position
+        counts = [s.num_scheduled_tokens for s in scheduled]
+        seq_lens = [start + n for start, n in zip(positions, counts)]
+        cu_seqlens_q = list(accumulate(counts, initial=0))
+        logits_indices = [end - 1 for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples]
+        if cu_seqlens_q[-1] == len(scheduled):  # decode only: one token per row
+            ids = [s.held.token_ids[start] for s, start in zip(scheduled, positions)]
+            token_rows = table_rows
+        else:
+            ids, token_rows, starts, positions = [], [], positions, []
+            for s, row, start, n in zip(scheduled, table_rows, starts, counts):
+                ids += s.held.token_ids[start:start + n]
+                positions += range(start, start + n)
+                token_rows += [row] * n
+        max_blocks = max(map(self.num_blocks.__getitem__, table_rows))
+        num_tokens, num_seqs, num_dirty = len(ids), len(seq_lens), len(self._dirty)
+        flat = self._staging.to_device(ids + positions + token_rows + seq_lens + cu_seqlens_q + table_rows
+                                       + logits_indices + list(self._dirty) + list(self._dirty.values()))
+        self._dirty = {}
+        sizes = (num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs, len(logits_indices),
+                 num_dirty, num_dirty)
+        (input_ids, positions_t, token_rows_t, seq_lens_t, cu_t, table_rows_t, logits_t,
+         dirty_index, dirty_values) = flat.split(sizes)
+        table = self.block_table_device
+        if num_dirty:
+            table.view(-1).index_copy_(0, dirty_index, dirty_values.to(torch.int32))
+        bs = self.block_size
+        slot_mapping = table[token_rows_t, positions_t // bs].long() * bs + positions_t % bs
+        context = AttentionContext(
+            slot_mapping=slot_mapping,
+            block_tables=table[:, :max_blocks].index_select(0, table_rows_t),
+            seq_lens=seq_lens_t.to(torch.int32),
+            cu_seqlens_q=cu_t.to(torch.int32),
+        )
+        return StepTensors(input_ids, positions_t, context, logits_t, table_rows_t)
