@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from common.plan_state import HeldSequence
 from common.protocol import SamplingParams
 from worker.sampler import Sampler, SamplingRow
 
@@ -19,13 +21,43 @@ def _one_thread(one_torch_thread):
     """Tiny tensors: intra-op threads only add overhead."""
 
 
+@dataclass
+class Seq:
+    """A sequence as the worker holds it: its tokens and params."""
+
+    params: SamplingParams
+    prompt: list[int]
+    output: list[int]
+
+    def held(self) -> HeldSequence:
+        return HeldSequence([*self.prompt, *self.output], len(self.prompt), 0, [], self.params)
+
+
+class SequenceSampler:
+    """The Sampler as the Executor drives it: the rows of a call arrive as new sequences (their
+    tokens synced into the penalty counts), are sampled, and leave. One Sampler per vocabulary."""
+
+    def __init__(self) -> None:
+        self.samplers: dict[int, Sampler] = {}
+        self.next_seq_id = 0
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Seq]):
+        sampler = self.samplers.setdefault(logits.shape[1], Sampler([EOS], logits.shape[1]))
+        seq_ids = list(range(self.next_seq_id, self.next_seq_id + len(seqs)))
+        self.next_seq_id += len(seqs)
+        sampler.token_counts.sync((i, seq.held()) for i, seq in zip(seq_ids, seqs))
+        out = sampler(logits, [SamplingRow(i, seq.params, len(seq.output)) for i, seq in zip(seq_ids, seqs)])
+        sampler.token_counts.free(seq_ids)
+        return out
+
+
 @pytest.fixture
-def sampler() -> Sampler:
-    return Sampler(eos_token_ids=[EOS])
+def sampler() -> SequenceSampler:
+    return SequenceSampler()
 
 
-def row(prompt=(1, 2, 3), output=(), **params) -> SamplingRow:
-    return SamplingRow(params=SamplingParams(**params), token_ids=[*prompt, *output], num_prompt_tokens=len(prompt))
+def row(prompt=(1, 2, 3), output=(), **params) -> Seq:
+    return Seq(SamplingParams(**params), list(prompt), list(output))
 
 
 def logits_of(*values: float, vocab: int = VOCAB, fill: float = -10.0) -> torch.Tensor:
