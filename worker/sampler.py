@@ -67,18 +67,23 @@ class _Counted:
 class TokenCounts:
     """What the penalties read, one row per held sequence whose params use them:
 
-        output_counts[row, t]   how often token t is in the sequence's output (float32)
-        prompt_mask[row, t]     whether token t is in its prompt
+        output_counts[row, t]   how often token t is in the sequence's output
+        penalty[row, t]         frequency * count + presence * (count > 0): what t's logit loses
+        seen[row, t]            t is in the prompt or the output (the repetition penalty's set)
 
     Kept in step with the worker's PlanState by the Executor: `free` the sequences a plan drops,
     `sync` the ones it schedules (a new sequence is counted from its tokens, a held one from the
-    tokens appended since). Each sync is one scatter per tensor for the whole step."""
+    tokens appended since). A sync scatters the step's new tokens into the rows in one go and
+    recomputes `penalty` at those entries only, so a step reads it as it is."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
-        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.penalty = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.frequency_penalty = torch.zeros(0, dtype=torch.float32, device=device)  # per row
+        self.presence_penalty = torch.zeros(0, dtype=torch.float32, device=device)
         self.seqs: dict[int, _Counted] = {}
         self.free_rows: list[int] = []
 
@@ -87,7 +92,7 @@ class TokenCounts:
 
     def reset(self) -> None:
         self.seqs.clear()
-        self.free_rows = list(range(self.output_counts.shape[0]))
+        self.free_rows = list(range(self.output_counts.shape[0] - 1, -1, -1))
 
     def free(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
@@ -97,18 +102,22 @@ class TokenCounts:
 
     def sync(self, seqs: Iterable[tuple[int, HeldSequence]]) -> None:
         """Count the tokens of these sequences not counted yet (all of a sequence seen first)."""
-        cleared: list[int] = []
+        new_rows: list[int] = []
+        new_params: list[list[float]] = [[], []]  # their frequency and presence penalties
         rows: list[int] = []  # per token to count: its row and its id, prompt tokens first
         token_ids: list[int] = []
         out_rows: list[int] = []
         out_token_ids: list[int] = []
         for seq_id, held in seqs:
-            if not uses_penalties(held.sampling_params):
+            params = held.sampling_params
+            if not uses_penalties(params):
                 continue
             counted = self.seqs.get(seq_id)
             if counted is None:
                 counted = self.seqs[seq_id] = _Counted(self._allocate_row(), 0)
-                cleared.append(counted.row)
+                new_rows.append(counted.row)
+                new_params[0].append(params.frequency_penalty)
+                new_params[1].append(params.presence_penalty)
             start, end, num_prompt = counted.num_tokens, held.num_tokens, held.num_prompt_tokens
             if start < num_prompt:
                 token_ids += held.token_ids[start:num_prompt]
@@ -118,32 +127,45 @@ class TokenCounts:
                 out_token_ids += held.token_ids[start:end]
                 out_rows += [counted.row] * (end - start)
             counted.num_tokens = end
-        if cleared:
-            index = _to_device(cleared, torch.int64, self.device)
-            self.output_counts.index_fill_(0, index, 0.0)
-            self.prompt_mask.index_fill_(0, index, False)
-        if not rows and not out_rows:
-            return
+        if new_rows:
+            self._clear(new_rows, new_params)
+        if rows or out_rows:
+            self._count(rows, token_ids, out_rows, out_token_ids)
+
+    def _clear(self, rows: list[int], params: list[list[float]]) -> None:
+        index = _to_device(rows, torch.int64, self.device)
+        for t in (self.output_counts, self.penalty, self.seen):
+            t.index_fill_(0, index, 0)
+        frequency, presence = _to_device(params, torch.float32, self.device)
+        self.frequency_penalty.index_copy_(0, index, frequency)
+        self.presence_penalty.index_copy_(0, index, presence)
+
+    def _count(self, rows: list[int], token_ids: list[int], out_rows: list[int], out_token_ids: list[int]) -> None:
         index = _to_device([rows + out_rows, token_ids + out_token_ids], torch.int64, self.device)
-        flat = index[0] * self.vocab_size + index[1]  # [num_prompt_tokens + num_output_tokens]
-        if rows:
-            self.prompt_mask.view(-1).index_fill_(0, flat[: len(rows)], True)
-        if out_rows:
-            self.output_counts.view(-1).index_add_(
-                0, flat[len(rows):], torch.ones(len(out_rows), device=self.device))
+        flat = index[0] * self.vocab_size + index[1]  # [prompt tokens + output tokens]
+        self.seen.view(-1).index_fill_(0, flat, True)
+        if not out_rows:
+            return
+        out_flat, out_row = flat[len(rows):], index[0, len(rows):]
+        counts = self.output_counts.view(-1)
+        counts.index_add_(0, out_flat, torch.ones(len(out_rows), device=self.device))
+        count = counts.index_select(0, out_flat)  # the new counts (a token twice gets its total twice)
+        penalty = (self.frequency_penalty.index_select(0, out_row) * count
+                   + self.presence_penalty.index_select(0, out_row) * (count > 0).float())
+        self.penalty.view(-1).index_copy_(0, out_flat, penalty)
 
     def _allocate_row(self) -> int:
         if not self.free_rows:
             old = self.output_counts.shape[0]
             new = max(8, 2 * old)
-            self.output_counts = _grown(self.output_counts, new)
-            self.prompt_mask = _grown(self.prompt_mask, new)
+            for name in ("output_counts", "penalty", "seen", "frequency_penalty", "presence_penalty"):
+                setattr(self, name, _grown(getattr(self, name), new))
             self.free_rows = list(range(new - 1, old - 1, -1))
         return self.free_rows.pop()
 
 
 def _grown(t: torch.Tensor, num_rows: int) -> torch.Tensor:
-    out = torch.zeros(num_rows, t.shape[1], dtype=t.dtype, device=t.device)
+    out = t.new_zeros(num_rows, *t.shape[1:])
     out[: t.shape[0]] = t
     return out
 
@@ -224,16 +246,12 @@ class Sampler:
         device = logits.device
         counts = self.token_counts
         state_rows = _to_device([counts.row(rows[i].seq_id) for i in penalized], torch.int64, device)
-        output_counts = counts.output_counts.index_select(0, state_rows)  # [num_penalized, vocab]
         x = _select_rows(logits, penalized)
         if any(p.repetition_penalty != 1.0 for p in params):
-            seen = counts.prompt_mask.index_select(0, state_rows) | (output_counts > 0)
             penalty = _column([p.repetition_penalty for p in params], device)
-            x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+            x = torch.where(counts.seen.index_select(0, state_rows), torch.where(x > 0, x / penalty, x * penalty), x)
         if any(p.presence_penalty or p.frequency_penalty for p in params):
-            frequency = _column([p.frequency_penalty for p in params], device)
-            presence = _column([p.presence_penalty for p in params], device)
-            x = x - (frequency * output_counts + presence * (output_counts > 0).float())
+            x = x - counts.penalty.index_select(0, state_rows)
         if len(penalized) == len(rows):
             return x, True
         return logits.index_copy(0, _to_device(penalized, torch.int64, device), x), True
