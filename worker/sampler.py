@@ -23,6 +23,7 @@ device until the one copy of the packed results (SampledBatch.to_host).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -186,11 +187,10 @@ class SampledBatch:
     def to_host(self) -> SamplerOutput:
         values = self.packed.tolist()
         n = len(self.top_rows)
-        top, base, width = [], 2 * n, 2 * self.top_width
-        for row, k in zip(self.top_rows, self.num_top):
-            at = base + row * width
-            top.append([[int(values[at + 2 * j]), values[at + 2 * j + 1]] for j in range(k)])
-        return SamplerOutput([int(t) for t in values[:n]], values[n:base], top)
+        base, width = 2 * n, 2 * self.top_width
+        top = [[[int(values[at]), values[at + 1]] for at in range(base + row * width, base + row * width + 2 * k, 2)]
+               for row, k in zip(self.top_rows, self.num_top)]
+        return SamplerOutput(list(map(int, values[:n])), values[n:base], top)
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -245,7 +245,7 @@ class Sampler:
         params = [rows[i].params for i in penalized]
         device = logits.device
         counts = self.token_counts
-        state_rows = _to_device([counts.row(rows[i].seq_id) for i in penalized], torch.int64, device)
+        state_rows = _to_device([counts.seqs[rows[i].seq_id].row for i in penalized], torch.int64, device)
         x = _select_rows(logits, penalized)
         if any(p.repetition_penalty != 1.0 for p in params):
             penalty = _column([p.repetition_penalty for p in params], device)
@@ -279,20 +279,20 @@ class Sampler:
         sample_rows = []
         for i, r in enumerate(rows):
             p = r.params
+            if p.greedy:
+                path = paths["greedy"]
+            elif 0 < p.top_k < self.vocab_size:
+                path = paths["top_k"]
+            elif p.top_p < 1.0:
+                path = paths["top_p"]
+            else:
+                path = paths["full"]
             for s in range(r.num_samples):
-                seed = sample_seed(p.seed, s)
-                if p.greedy:
-                    path = paths["greedy"]
-                elif 0 < p.top_k < self.vocab_size:
-                    path = paths["top_k"]
-                elif p.top_p < 1.0:
-                    path = paths["top_p"]
-                else:
-                    path = paths["full"]
+                seed = p.seed if s == 0 else sample_seed(p.seed, s)
                 path.index.append(len(sample_rows))
                 path.rows.append(i)
                 path.params.append(p)
-                path.keys.append(None if seed is None else noise_key(seed, r.num_output_tokens))
+                path.keys.append(None if seed is None or p.greedy else noise_key(seed, r.num_output_tokens))
                 sample_rows.append(i)
         return paths, sample_rows
 
@@ -378,7 +378,8 @@ class Sampler:
                       sample_rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
         """([rows that ask, 2 * k] (id, logprob) pairs best first, per sample its row or -1, per
         sample how many it asked for)."""
-        wanted = [min(self._num_top(r.params), raw_logprobs.shape[1]) for r in rows]
+        wanted = [min(self._num_top(r.params), raw_logprobs.shape[1])
+                  if r.params.logprobs or r.params.beam_width else 0 for r in rows]
         asking = [i for i, w in enumerate(wanted) if w]
         if not asking:
             return raw_logprobs.new_empty(0, 0, dtype=torch.float64), [-1] * len(sample_rows), [0] * len(sample_rows)
@@ -406,7 +407,12 @@ def _splitmix64(x: int) -> int:
 
 def noise_key(seed: int, position: int) -> int:
     """The 32-bit noise key of a seeded draw at output position `position` (host side, per row)."""
-    return _splitmix64(_splitmix64(seed & _M64) ^ position) & _M32
+    return _splitmix64(_seed_hash(seed) ^ position) & _M32
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_hash(seed: int) -> int:  # a sequence keeps its seed from step to step
+    return _splitmix64(seed & _M64)
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
