@@ -251,7 +251,8 @@ class Sampler:
             penalty = _column([p.repetition_penalty for p in params], device)
             x = torch.where(counts.seen.index_select(0, state_rows), torch.where(x > 0, x / penalty, x * penalty), x)
         if any(p.presence_penalty or p.frequency_penalty for p in params):
-            x = x - counts.penalty.index_select(0, state_rows)
+            penalty = counts.penalty.index_select(0, state_rows)
+            x = torch.sub(x, penalty, out=penalty)  # into the gathered rows: one [rows, vocab] buffer, not two
         if len(penalized) == len(rows):
             return x, True
         return logits.index_copy(0, _to_device(penalized, torch.int64, device), x), True
@@ -341,7 +342,7 @@ class Sampler:
     def _draw_full(self, x: torch.Tensor, temperature: torch.Tensor, samples: _Samples) -> torch.Tensor:
         x = x / temperature
         x = self._apply_min_p(x, x.amax(dim=-1, keepdim=True), samples)
-        return (x + self._gumbel(None, samples.keys)).argmax(dim=-1)
+        return self._gumbel(None, samples.keys).add_(x).argmax(dim=-1)
 
     @staticmethod
     def _apply_min_p(values: torch.Tensor, best: torch.Tensor, samples: _Samples) -> torch.Tensor:
@@ -415,17 +416,18 @@ def _seed_hash(seed: int) -> int:  # a sequence keeps its seed from step to step
     return _splitmix64(seed & _M64)
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = (h * _MIX[0]) & _M32
-    h = h ^ (h >> 15)
-    h = (h * _MIX[1]) & _M32
-    return h ^ (h >> 16)
+def _mix32_(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash, in place."""
+    h.bitwise_xor_(h >> 16)
+    h.mul_(_MIX[0]).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 15)
+    h.mul_(_MIX[1]).bitwise_and_(_M32)
+    return h.bitwise_xor_(h >> 16)
 
 
 def _premix(token_ids: torch.Tensor) -> torch.Tensor:
     """The per-token half of the hash, computed once per vocabulary."""
-    return _mix32(_mix32(token_ids & _M32) ^ 0x5BD1E995)
+    return _mix32_(_mix32_(token_ids & _M32).bitwise_xor_(0x5BD1E995))
 
 
 def seeded_gumbel(token_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -435,8 +437,8 @@ def seeded_gumbel(token_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def _seeded_gumbel(token_hash: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """token_hash: [n or 1, width] premixed tokens; keys: [n, 1] -> Gumbel noise [n, width]."""
-    h = _mix32(token_hash ^ keys)
-    uniform = ((h >> 9).float() * 2.0 + 1.0) * 2.0**-24  # in (0, 1), exactly representable
+    h = _mix32_(token_hash ^ keys)
+    uniform = (h >> 9).float().mul_(2.0).add_(1.0).mul_(2.0**-24)  # in (0, 1), exactly representable
     return uniform.log_().neg_().log_().neg_()
 
 
