@@ -1,4 +1,5 @@
-"""worker.sampler.Sampler on hand-built logits (CPU)."""
+"""worker.sampler.Sampler on hand-built logits, its batched paths against a per-row reference, no host
+sync in a step, and the penalty counts it keeps per sequence (CPU; one test on a GPU)."""
 from __future__ import annotations
 
 import math
@@ -336,7 +337,7 @@ def test_greedy_and_sampled_rows_mixed(sampler):
     assert out.top_logprobs[0] == [] and len(out.token_ids) == len(out.logprobs) == 6
 
 
-# ----------------------------------------------------------------------------- the batched paths against a per-row reference
+# ----------------------------------------------------------------------------- a per-row reference
 
 
 def reference_logits(logits: torch.Tensor, seq: Seq) -> torch.Tensor:
@@ -442,7 +443,8 @@ def test_batched_paths_match_a_per_row_reference(data, vocab, logits_seed):
     logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(logits_seed)) * 3
     sampler = Sampler([EOS], vocab)
     # Rows reused: sequences that came and went before this batch.
-    sampler.token_counts.sync((100 + i, Seq(SamplingParams(frequency_penalty=1.0), [i], [i, i]).held()) for i in range(9))
+    gone = [Seq(SamplingParams(frequency_penalty=1.0), [i], [i, i]) for i in range(9)]
+    sampler.token_counts.sync((100 + i, seq.held()) for i, seq in enumerate(gone))
     sampler.token_counts.free(range(100, 109, 2))
     sync_growing(sampler, list(range(len(seqs))), seqs, arrived)
 
