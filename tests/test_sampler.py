@@ -1,14 +1,21 @@
-"""worker.sampler.Sampler on hand-built logits (CPU)."""
+"""worker.sampler.Sampler on hand-built logits, its batched paths against a per-row reference, no host
+sync in a step, and the penalty counts it keeps per sequence (CPU; one test on a GPU)."""
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.protocol import SamplingParams
-from worker.sampler import Sampler, SamplingRow
+from common.plan_state import HeldSequence
+from common.protocol import SamplingParams, num_beam_candidates, sample_seed
+from tests.conftest import TINY_LLAMA
+from worker.sampler import Sampler, SamplingRow, noise_key, seeded_gumbel
 
 EOS = 9
 VOCAB = 12
@@ -19,13 +26,43 @@ def _one_thread(one_torch_thread):
     """Tiny tensors: intra-op threads only add overhead."""
 
 
+@dataclass
+class Seq:
+    """A sequence as the worker holds it: its tokens and params."""
+
+    params: SamplingParams
+    prompt: list[int]
+    output: list[int]
+
+    def held(self) -> HeldSequence:
+        return HeldSequence([*self.prompt, *self.output], len(self.prompt), 0, [], self.params)
+
+
+class SequenceSampler:
+    """The Sampler as the Executor drives it: the rows of a call arrive as new sequences (their
+    tokens synced into the penalty counts), are sampled, and leave. One Sampler per vocabulary."""
+
+    def __init__(self) -> None:
+        self.samplers: dict[int, Sampler] = {}
+        self.next_seq_id = 0
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Seq]):
+        sampler = self.samplers.setdefault(logits.shape[1], Sampler([EOS], logits.shape[1]))
+        seq_ids = list(range(self.next_seq_id, self.next_seq_id + len(seqs)))
+        self.next_seq_id += len(seqs)
+        sampler.token_counts.sync((i, seq.held()) for i, seq in zip(seq_ids, seqs))
+        out = sampler(logits, [SamplingRow(i, seq.params, len(seq.output)) for i, seq in zip(seq_ids, seqs)])
+        sampler.token_counts.free(seq_ids)
+        return out
+
+
 @pytest.fixture
-def sampler() -> Sampler:
-    return Sampler(eos_token_ids=[EOS])
+def sampler() -> SequenceSampler:
+    return SequenceSampler()
 
 
-def row(prompt=(1, 2, 3), output=(), **params) -> SamplingRow:
-    return SamplingRow(params=SamplingParams(**params), token_ids=[*prompt, *output], num_prompt_tokens=len(prompt))
+def row(prompt=(1, 2, 3), output=(), **params) -> Seq:
+    return Seq(SamplingParams(**params), list(prompt), list(output))
 
 
 def logits_of(*values: float, vocab: int = VOCAB, fill: float = -10.0) -> torch.Tensor:
@@ -298,3 +335,328 @@ def test_greedy_and_sampled_rows_mixed(sampler):
         assert out.token_ids[i] == argmax[i]
     assert len(out.top_logprobs[2]) == 2 and out.top_logprobs[2][0][0] == argmax[2]
     assert out.top_logprobs[0] == [] and len(out.token_ids) == len(out.logprobs) == 6
+
+
+# ----------------------------------------------------------------------------- a per-row reference
+
+
+def reference_logits(logits: torch.Tensor, seq: Seq) -> torch.Tensor:
+    """One row's logits after the penalties and the min_tokens mask, counted from its token lists."""
+    p, x, vocab = seq.params, logits.clone(), logits.shape[0]
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[sorted(set(seq.prompt + seq.output))] = True
+        penalty = torch.tensor(p.repetition_penalty)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    if p.presence_penalty or p.frequency_penalty:
+        counts = torch.bincount(torch.tensor(seq.output, dtype=torch.int64), minlength=vocab).float()
+        x = x - (torch.tensor(p.frequency_penalty) * counts + torch.tensor(p.presence_penalty) * (counts > 0).float())
+    if len(seq.output) < p.min_tokens:
+        stops = p.stop_token_ids + ([] if p.ignore_eos else [EOS])
+        x[[t for t in stops if t < vocab]] = float("-inf")
+    return x
+
+
+def reference_kept(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The tokens temperature, top-k, top-p and min-p keep, over the whole vocabulary: [vocab] bool."""
+    vocab = x.shape[0]
+    keep = torch.ones(vocab, dtype=torch.bool)
+    if 0 < p.top_k < vocab:
+        keep &= x >= x.sort(descending=True).values[p.top_k - 1]
+    if p.top_p < 1.0:
+        probs = x.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+        sorted_probs, order = probs.sort(descending=True)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
+        keep[order[drop]] = False
+    if p.min_p > 0:
+        keep &= ~(x < x.masked_fill(~keep, float("-inf")).max() + torch.tensor(math.log(p.min_p)))
+    return keep
+
+
+def reference_sample(logits: torch.Tensor, seq: Seq, index: int) -> tuple[int | None, set[int]]:
+    """(the token of sample `index`, None where unseeded; the tokens it may draw)."""
+    x = reference_logits(logits, seq)
+    p = seq.params
+    if p.greedy:
+        token = int(x.argmax())
+        return token, {token}
+    x = x / torch.tensor(p.temperature)
+    keep = reference_kept(x, p)
+    seed = sample_seed(p.seed, index)
+    if seed is None:
+        return None, set(keep.nonzero()[:, 0].tolist())
+    noise = seeded_gumbel(torch.arange(x.shape[0])[None], torch.tensor([[noise_key(seed, len(seq.output))]]))[0]
+    token = int((x.masked_fill(~keep, float("-inf")) + noise).argmax())
+    return token, {token}
+
+
+def reference_top(logits: torch.Tensor, p: SamplingParams) -> tuple[list[int], torch.Tensor]:
+    k = p.logprobs or 0
+    if p.beam_width:
+        k = max(k, num_beam_candidates(p.beam_width, 1))
+    values, ids = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[0]))
+    return ids.tolist(), values
+
+
+@st.composite
+def sequences(draw, vocab: int) -> tuple[Seq, int]:
+    """(a sequence with random sampling params, its number of samples)."""
+    greedy = draw(st.integers(0, 3)) == 0
+    beam_width = draw(st.sampled_from([0, 0, 0, 0, 2])) if greedy else 0
+    num_samples = 1 if beam_width else draw(st.sampled_from([1, 1, 1, 2, 3]))
+    params = SamplingParams(
+        temperature=0.0 if greedy else draw(st.sampled_from([0.3, 0.8, 1.0, 1.7])),
+        seed=draw(st.none() | st.integers(-(2**63), 2**63 - 1)),
+        top_k=draw(st.sampled_from([0, 0, -1, 1, 3, 10, vocab - 1, vocab, vocab + 5])),
+        top_p=draw(st.sampled_from([1.0, 1.0, 0.9, 0.5]) | st.floats(0.05, 1.0)),
+        min_p=draw(st.sampled_from([0.0, 0.0, 0.02, 0.2])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 0.8, 1.3])),
+        presence_penalty=draw(st.sampled_from([0.0, 0.0, 0.5, -0.4])),
+        frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.3, -0.2])),
+        min_tokens=draw(st.integers(0, 4)), stop_token_ids=draw(st.lists(st.integers(0, vocab + 3), max_size=3)),
+        ignore_eos=draw(st.booleans()), logprobs=draw(st.none() | st.integers(0, 6)), beam_width=beam_width,
+        n=1, best_of=num_samples if num_samples > 1 else None, max_tokens=None,
+    )
+    prompt = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=10))
+    output = draw(st.lists(st.integers(0, vocab - 1), max_size=10))
+    return Seq(params, prompt, output), num_samples
+
+
+def sync_growing(sampler: Sampler, seq_ids: list[int], seqs: list[Seq], arrived: list[int]) -> None:
+    """Bring the sequences into the counts as a worker would: each arrives with the first
+    `arrived` tokens of its output, then takes the rest one token per step."""
+    held = [HeldSequence(s.prompt + s.output[:a], len(s.prompt), 0, [], s.params) for s, a in zip(seqs, arrived)]
+    sampler.token_counts.sync(zip(seq_ids, held))
+    for step in range(max((len(s.output) for s in seqs), default=0)):
+        for h, s in zip(held, seqs):
+            if h.num_tokens < len(s.prompt) + len(s.output):
+                h.token_ids.append(s.output[h.num_tokens - len(s.prompt)])
+        sampler.token_counts.sync(zip(seq_ids, held))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), vocab=st.sampled_from([16, 64, 300]), logits_seed=st.integers(0, 2**32 - 1))
+def test_batched_paths_match_a_per_row_reference(data, vocab, logits_seed):
+    batch = data.draw(st.lists(sequences(vocab), min_size=1, max_size=8))
+    seqs = [s for s, _ in batch]
+    arrived = [data.draw(st.integers(0, len(s.output))) for s in seqs]
+    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(logits_seed)) * 3
+    sampler = Sampler([EOS], vocab)
+    # Rows reused: sequences that came and went before this batch.
+    gone = [Seq(SamplingParams(frequency_penalty=1.0), [i], [i, i]) for i in range(9)]
+    sampler.token_counts.sync((100 + i, seq.held()) for i, seq in enumerate(gone))
+    sampler.token_counts.free(range(100, 109, 2))
+    sync_growing(sampler, list(range(len(seqs))), seqs, arrived)
+
+    out = sampler(logits, [SamplingRow(i, s.params, len(s.output), n) for i, (s, n) in enumerate(batch)])
+
+    j = 0
+    for i, (seq, num_samples) in enumerate(batch):
+        raw = torch.log_softmax(logits[i], dim=-1)
+        top_ids, top_values = reference_top(logits[i], seq.params)
+        for index in range(num_samples):
+            token, allowed = reference_sample(logits[i], seq, index)
+            got = out.token_ids[j]
+            if token is not None:
+                assert got == token, (i, index, seq)
+            assert got in allowed, (i, index, seq)
+            assert out.logprobs[j] == pytest.approx(raw[got].item(), abs=1e-6)
+            assert [t for t, _ in out.top_logprobs[j]] == top_ids
+            assert [v for _, v in out.top_logprobs[j]] == pytest.approx(top_values.tolist(), abs=1e-6)
+            j += 1
+    assert j == len(out.token_ids) == len(out.logprobs) == len(out.top_logprobs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), logits_seed=st.integers(0, 2**32 - 1))
+def test_a_seeded_row_draws_the_same_token_in_any_batch(data, logits_seed):
+    """Alone or among rows of every other path (other top-k widths, unseeded neighbours, fan-out),
+    at any position: a seeded row's tokens depend on its seed, its output length and its logits."""
+    vocab = 64
+    target, num_samples = data.draw(sequences(vocab).filter(lambda b: b[0].params.seed is not None))
+    others = data.draw(st.lists(sequences(vocab), max_size=6))
+    position = data.draw(st.integers(0, len(others)))
+    generator = torch.Generator().manual_seed(logits_seed)
+    target_logits = torch.randn(vocab, generator=generator) * 3
+    other_logits = torch.randn(len(others), vocab, generator=generator) * 3
+
+    def draw(batch, logits):
+        sampler = Sampler([EOS], vocab)
+        sampler.token_counts.sync((i, s.held()) for i, (s, _) in enumerate(batch))
+        out = sampler(logits, [SamplingRow(i, s.params, len(s.output), n) for i, (s, n) in enumerate(batch)])
+        start = sum(n for _, n in batch[:position]) if len(batch) > 1 else 0
+        return out.token_ids[start:start + num_samples]
+
+    alone = draw([(target, num_samples)], target_logits[None])
+    batch = others[:position] + [(target, num_samples)] + others[position:]
+    logits = torch.cat([other_logits[:position], target_logits[None], other_logits[position:]])
+    assert draw(batch, logits) == alone
+
+
+# ----------------------------------------------------------------------------- no host sync
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+# Ops that read a value back to the host or whose output shape depends on the data (both wait for
+# the device on a GPU).
+SYNCING_OPS = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal", "aten.nonzero",
+               "aten.masked_select", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive",
+               "aten.bincount", "aten.repeat_interleave", "aten.allclose"}
+
+
+def mixed_batch(vocab: int) -> tuple[list[Seq], list[int]]:
+    """Every path at once: greedy, top-k, top-p, full vocabulary, min-p, seeded and not, penalties,
+    min_tokens, fan-out, logprobs, beam search."""
+    seqs = [
+        row(temperature=0.0),
+        row(temperature=0.0, beam_width=2, n=2, logprobs=1),
+        row(temperature=0.8, top_k=5, top_p=0.9, seed=1, frequency_penalty=0.5, presence_penalty=0.5, output=(3, 3, 4)),
+        row(temperature=0.8, top_k=7, min_p=0.1),
+        row(temperature=1.0, top_p=0.7, seed=2, repetition_penalty=1.3, output=(5,), logprobs=3),
+        row(temperature=1.0, top_p=0.8),
+        row(temperature=1.2, min_p=0.05, seed=3, min_tokens=2, stop_token_ids=[4]),
+        row(temperature=0.7, best_of=3, seed=4, logprobs=2),
+    ]
+    return seqs, [1, 1, 1, 1, 1, 1, 1, 3]
+
+
+def test_a_step_reads_the_device_back_once(monkeypatch):
+    vocab = 64
+    seqs, num_samples = mixed_batch(vocab)
+    sampler = Sampler([EOS], vocab)
+    logits = torch.randn(len(seqs), vocab)
+    rows = [SamplingRow(i, s.params, len(s.output), n) for i, (s, n) in enumerate(zip(seqs, num_samples))]
+    reads = Counter()
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **k: (
+            reads.update([_name]), _real(self, *a, **k))[1])
+    with OpLog() as log:
+        sampler.token_counts.sync((i, s.held()) for i, s in enumerate(seqs))
+        batch = sampler.sample(logits, rows)
+    assert not SYNCING_OPS & set(log.ops) and not reads
+    assert {"aten.topk", "aten.sort", "aten.index_add_"} <= set(log.ops)  # the paths did run
+    out = batch.to_host()
+    assert reads == {"tolist": 1}
+    assert len(out.token_ids) == sum(num_samples)
+
+
+@pytest.mark.gpu
+def test_a_step_does_not_sync_the_gpu():
+    vocab = 512
+    seqs, num_samples = mixed_batch(vocab)
+    sampler = Sampler([EOS], vocab, "cuda")
+    logits = torch.randn(len(seqs), vocab, device="cuda")
+    rows = [SamplingRow(i, s.params, len(s.output), n) for i, (s, n) in enumerate(zip(seqs, num_samples))]
+    sampler.token_counts.sync((i, s.held()) for i, s in enumerate(seqs))
+    sampler.sample(logits, rows).to_host()  # warm up (the pinned host blocks)
+    sampler.token_counts.free(range(len(seqs)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampler.token_counts.sync((i, s.held()) for i, s in enumerate(seqs))
+        batch = sampler.sample(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = batch.to_host()
+    cpu = Sampler([EOS], vocab)
+    cpu.token_counts.sync((i, s.held()) for i, s in enumerate(seqs))
+    expected = cpu(logits.cpu(), rows)
+    seeded_or_greedy = [j for j, (s, n) in enumerate((s, n) for s, n in zip(seqs, num_samples) for _ in range(n))
+                        if s.params.greedy or s.params.seed is not None]
+    assert [out.token_ids[j] for j in seeded_or_greedy] == [expected.token_ids[j] for j in seeded_or_greedy]
+
+
+# ----------------------------------------------------------------------------- the penalty counts
+
+
+def expected_counts(seq: Seq, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output counts, penalty, seen) of one sequence, counted from scratch."""
+    counts = torch.bincount(torch.tensor(seq.output, dtype=torch.int64), minlength=vocab).float()
+    p = seq.params
+    penalty = torch.tensor(p.frequency_penalty) * counts + torch.tensor(p.presence_penalty) * (counts > 0).float()
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[seq.prompt + seq.output] = True
+    return counts, penalty, seen
+
+
+def assert_counts(sampler: Sampler, seq_id: int, seq: Seq) -> None:
+    counts = sampler.token_counts
+    row = counts.row(seq_id)
+    expected = expected_counts(seq, counts.vocab_size)
+    for got, want in zip((counts.output_counts[row], counts.penalty[row], counts.seen[row]), expected):
+        assert torch.equal(got, want)
+
+
+def test_token_counts_grow_with_the_sequence_and_reuse_freed_rows():
+    vocab = 20
+    sampler = Sampler([EOS], vocab)
+    counts = sampler.token_counts
+    a = Seq(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [1, 2, 2], [3])
+    b = Seq(SamplingParams(repetition_penalty=1.5), [4], [])
+    plain = Seq(SamplingParams(), [5], [6])
+    held = {0: a.held(), 1: b.held(), 2: plain.held()}
+    counts.sync(held.items())
+    assert set(counts.seqs) == {0, 1}  # no row for a sequence without penalties
+    for token in (3, 7, 3):
+        held[0].token_ids.append(token)
+        a.output.append(token)
+        counts.sync(held.items())
+        assert_counts(sampler, 0, a)
+        assert_counts(sampler, 1, b)
+    assert counts.output_counts[counts.row(0), 3] == 3 and counts.penalty[counts.row(0), 3] == 0.5 * 3 + 0.25
+    row_a = counts.row(0)
+    counts.free([0, 2])
+    # A new sequence takes the freed row, cleared of a's counts.
+    c = Seq(SamplingParams(presence_penalty=1.0), [8], [9])
+    counts.sync([(5, c.held())])
+    assert counts.row(5) == row_a
+    assert_counts(sampler, 5, c)
+    # Growing past the rows allocated keeps every row's counts.
+    more = {10 + i: Seq(SamplingParams(frequency_penalty=0.1 * i), [i], [i, i + 1]) for i in range(1, 12)}
+    counts.sync((i, s.held()) for i, s in more.items())
+    assert counts.output_counts.shape[0] >= 13
+    for seq_id, seq in [(1, b), (5, c), *more.items()]:
+        assert_counts(sampler, seq_id, seq)
+    counts.reset()
+    assert counts.seqs == {} and len(counts.free_rows) == counts.output_counts.shape[0]
+
+
+def test_the_executor_keeps_the_counts_in_step_with_the_held_sequences(monkeypatch):
+    """Through forks (n > 1), preemption by recompute and finished sequences: after every plan,
+    the sampler counts exactly the sequences the worker holds with penalties, from their tokens."""
+    from pagoda.offline import LLM
+
+    llm = LLM(f"dummy:{TINY_LLAMA}", device="cpu", num_gpu_blocks=24, block_size=8)
+    executor = llm.executor
+    execute, checked = executor.execute, []
+
+    def checked_execute(plan):
+        result = execute(plan)
+        counts = executor.sampler.token_counts
+        penalized = {i for i, h in executor.state.seqs.items() if h.sampling_params.frequency_penalty}
+        assert set(counts.seqs) == penalized
+        for seq_id in penalized:
+            h = executor.state.seqs[seq_id]
+            assert_counts(executor.sampler, seq_id,
+                          Seq(h.sampling_params, h.token_ids[:h.num_prompt_tokens], h.token_ids[h.num_prompt_tokens:]))
+        checked.append(len(penalized))
+        return result
+
+    monkeypatch.setattr(executor, "execute", checked_execute)
+    penalized = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=20, ignore_eos=True,
+                               frequency_penalty=0.4, presence_penalty=0.3, repetition_penalty=1.2)
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [[3 + i * 7 + j for j in range(10 + 10 * i)] for i in range(4)]
+    llm.generate(prompts, [penalized, plain, penalized, plain], use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    assert max(checked) >= 4 and checked[-1] == 0

@@ -13,7 +13,7 @@ import time
 import torch
 
 from common.config import EngineConfig
-from common.plan_state import PlanState
+from common.plan_state import PlanState, ScheduledSequence
 from common.protocol import SampledToken, StepPlan, StepResult, WorkerHello
 from worker.model_runner import ModelRunner
 from worker.sampler import Sampler, SamplingRow
@@ -26,7 +26,7 @@ class Executor:
         self.world_size = world_size
         self.runner = ModelRunner(config)
         self.eos_token_ids = _eos_token_ids(self.runner.hf_config)
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, int(self.runner.hf_config.vocab_size), self.runner.device)
         self.state = PlanState(self.runner.block_size)
 
     def hello(self) -> WorkerHello:
@@ -44,10 +44,12 @@ class Executor:
         """Forget every sequence (a new epoch: the scheduler's state was lost)."""
         self.state.reset()
         self.runner.reset()
+        self.sampler.token_counts.reset()
 
     def execute(self, plan: StepPlan) -> StepResult:
         scheduled = self.state.apply(plan)
         self.runner.update_inputs(plan)
+        self._count_tokens(plan, scheduled)
         # swap-out first: a block leaving for the swap pool may be reused by this very step
         self.runner.swap_out(plan.blocks_to_swap_out)
         self.runner.swap_in(plan.blocks_to_swap_in)
@@ -60,7 +62,7 @@ class Executor:
         if not sampling:
             return result
         out = self.sampler(logits, [
-            SamplingRow(s.held.sampling_params, s.held.token_ids, s.held.num_prompt_tokens, s.num_samples)
+            SamplingRow(s.seq_id, s.held.sampling_params, s.held.num_tokens - s.held.num_prompt_tokens, s.num_samples)
             for s in sampling
         ])
         i = 0
@@ -69,6 +71,13 @@ class Executor:
                 result.sampled.append(SampledToken(s.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
                 i += 1
         return result
+
+    def _count_tokens(self, plan: StepPlan, scheduled: list[ScheduledSequence]) -> None:
+        """The sampler's penalty counts follow the held sequences: dropped ones freed, new ones
+        counted from their tokens, continued ones from the token appended to them."""
+        counts = self.sampler.token_counts
+        counts.free(plan.finished_seq_ids + plan.preempted_seq_ids)
+        counts.sync((s.seq_id, s.held) for s in scheduled)
 
 
 def _eos_token_ids(hf_config) -> list[int]:

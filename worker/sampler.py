@@ -1,167 +1,463 @@
-"""Turns the logits of the sampling positions into tokens, logprobs and top logprobs.
+"""Turns the logits of the sampling positions into tokens, logprobs and top logprobs, batched.
 
 Per row, in order: penalties (repetition over prompt and output, presence and frequency over
-output), EOS and stop tokens masked until min_tokens, then greedy argmax, or temperature,
-top-k, top-p and min-p followed by a draw. Logprobs are those of the model's raw distribution.
-A seeded request draws from a generator seeded by (seed, output length), so its tokens do not
-depend on what else is in the batch or on preemption.
+output, read from TokenCounts), EOS and stop tokens masked until min_tokens, then greedy argmax,
+or temperature, top-k, top-p and min-p followed by a draw. Logprobs are those of the model's raw
+distribution: the sampled token's for every row (it feeds cumulative_logprob), the top ones only
+for the rows that ask (logprobs, beam search).
+
+The draw is a Gumbel-max race over the tokens the filters keep, `argmax(logits / temperature + g)`,
+for all rows at once. A seeded row's noise at token t is a hash of (seed, output length, t), so
+its tokens depend neither on what else is in the batch, nor on preemption, nor on whether its
+filters ran over the whole vocabulary or over its top-k candidates; unseeded rows take their
+noise from torch's generator in one call. Each filter runs only for the rows that ask for it:
+top-k (then top-p within the candidates) through `topk`, top-p alone through one sort, min-p as a
+threshold.
 
 A row with `num_samples > 1` (the first token of a request with best_of > 1) draws that many
 tokens from the one distribution, sample i with the seed `sample_seed(seed, i)` its sequence
 keeps afterwards. A beam search row returns its top `num_beam_candidates` logprobs.
+
+Every path is chosen from the parameters, which the host knows: nothing is read back from the
+device until the one copy of the packed results (SampledBatch.to_host).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
+from common.plan_state import HeldSequence
 from common.protocol import SamplingParams, num_beam_candidates, sample_seed
+
+_M32 = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
 class SamplingRow:
+    seq_id: int  # its row in TokenCounts when its params use penalties
     params: SamplingParams
-    token_ids: list[int]  # prompt then output, the sequence's own list (not copied each step)
-    num_prompt_tokens: int
+    num_output_tokens: int
     num_samples: int = 1
-    sample_index: int = 0  # which sample of a fanned-out row (its seed)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: list[list[list]]  # per row: [[token_id, logprob], ...] best first
+    top_logprobs: list[list[list]]  # per sample: [[token_id, logprob], ...] best first
+
+
+def uses_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
+
+
+# ----------------------------------------------------------------------------- penalty state
+
+
+@dataclass(slots=True)
+class _Counted:
+    row: int
+    num_tokens: int  # tokens of the sequence counted so far
+
+
+class TokenCounts:
+    """What the penalties read, one row per held sequence whose params use them:
+
+        output_counts[row, t]   how often token t is in the sequence's output
+        penalty[row, t]         frequency * count + presence * (count > 0): what t's logit loses
+        seen[row, t]            t is in the prompt or the output (the repetition penalty's set)
+
+    Kept in step with the worker's PlanState by the Executor: `free` the sequences a plan drops,
+    `sync` the ones it schedules (a new sequence is counted from its tokens, a held one from the
+    tokens appended since). A sync scatters the step's new tokens into the rows in one go and
+    recomputes `penalty` at those entries only, so a step reads it as it is."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        self.penalty = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.frequency_penalty = torch.zeros(0, dtype=torch.float32, device=device)  # per row
+        self.presence_penalty = torch.zeros(0, dtype=torch.float32, device=device)
+        self.seqs: dict[int, _Counted] = {}
+        self.free_rows: list[int] = []
+
+    def row(self, seq_id: int) -> int:
+        return self.seqs[seq_id].row
+
+    def reset(self) -> None:
+        self.seqs.clear()
+        self.free_rows = list(range(self.output_counts.shape[0] - 1, -1, -1))
+
+    def free(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            counted = self.seqs.pop(seq_id, None)
+            if counted is not None:
+                self.free_rows.append(counted.row)
+
+    def sync(self, seqs: Iterable[tuple[int, HeldSequence]]) -> None:
+        """Count the tokens of these sequences not counted yet (all of a sequence seen first)."""
+        new_rows: list[int] = []
+        new_params: list[list[float]] = [[], []]  # their frequency and presence penalties
+        rows: list[int] = []  # per token to count: its row and its id, prompt tokens first
+        token_ids: list[int] = []
+        out_rows: list[int] = []
+        out_token_ids: list[int] = []
+        for seq_id, held in seqs:
+            params = held.sampling_params
+            if not uses_penalties(params):
+                continue
+            counted = self.seqs.get(seq_id)
+            if counted is None:
+                counted = self.seqs[seq_id] = _Counted(self._allocate_row(), 0)
+                new_rows.append(counted.row)
+                new_params[0].append(params.frequency_penalty)
+                new_params[1].append(params.presence_penalty)
+            start, end, num_prompt = counted.num_tokens, held.num_tokens, held.num_prompt_tokens
+            if start < num_prompt:
+                token_ids += held.token_ids[start:num_prompt]
+                rows += [counted.row] * (num_prompt - start)
+                start = num_prompt
+            if start < end:
+                out_token_ids += held.token_ids[start:end]
+                out_rows += [counted.row] * (end - start)
+            counted.num_tokens = end
+        if new_rows:
+            self._clear(new_rows, new_params)
+        if rows or out_rows:
+            self._count(rows, token_ids, out_rows, out_token_ids)
+
+    def _clear(self, rows: list[int], params: list[list[float]]) -> None:
+        index = _to_device(rows, torch.int64, self.device)
+        for t in (self.output_counts, self.penalty, self.seen):
+            t.index_fill_(0, index, 0)
+        frequency, presence = _to_device(params, torch.float32, self.device)
+        self.frequency_penalty.index_copy_(0, index, frequency)
+        self.presence_penalty.index_copy_(0, index, presence)
+
+    def _count(self, rows: list[int], token_ids: list[int], out_rows: list[int], out_token_ids: list[int]) -> None:
+        index = _to_device([rows + out_rows, token_ids + out_token_ids], torch.int64, self.device)
+        flat = index[0] * self.vocab_size + index[1]  # [prompt tokens + output tokens]
+        self.seen.view(-1).index_fill_(0, flat, True)
+        if not out_rows:
+            return
+        out_flat, out_row = flat[len(rows):], index[0, len(rows):]
+        counts = self.output_counts.view(-1)
+        counts.index_add_(0, out_flat, torch.ones(len(out_rows), device=self.device))
+        count = counts.index_select(0, out_flat)  # the new counts (a token twice gets its total twice)
+        penalty = (self.frequency_penalty.index_select(0, out_row) * count
+                   + self.presence_penalty.index_select(0, out_row) * (count > 0).float())
+        self.penalty.view(-1).index_copy_(0, out_flat, penalty)
+
+    def _allocate_row(self) -> int:
+        if not self.free_rows:
+            old = self.output_counts.shape[0]
+            new = max(8, 2 * old)
+            for name in ("output_counts", "penalty", "seen", "frequency_penalty", "presence_penalty"):
+                setattr(self, name, _grown(getattr(self, name), new))
+            self.free_rows = list(range(new - 1, old - 1, -1))
+        return self.free_rows.pop()
+
+
+def _grown(t: torch.Tensor, num_rows: int) -> torch.Tensor:
+    out = t.new_zeros(num_rows, *t.shape[1:])
+    out[: t.shape[0]] = t
+    return out
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass(slots=True)
+class SampledBatch:
+    """A step's samples, still on the device. `to_host` is the step's one device-to-host copy."""
+
+    token_ids: torch.Tensor  # [num_samples] int64
+    packed: torch.Tensor  # float64: token ids, their logprobs, then (id, logprob) pairs of the top block
+    top_rows: list[int]  # per sample: its row of the top block, -1 for none
+    num_top: list[int]  # per sample: how many top logprobs it asked for
+    top_width: int
+
+    def to_host(self) -> SamplerOutput:
+        values = self.packed.tolist()
+        n = len(self.top_rows)
+        base, width = 2 * n, 2 * self.top_width
+        top = [[[int(values[at]), values[at + 1]] for at in range(base + row * width, base + row * width + 2 * k, 2)]
+               for row, k in zip(self.top_rows, self.num_top)]
+        return SamplerOutput(list(map(int, values[:n])), values[n:base], top)
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+@dataclass(slots=True)
+class _Samples:
+    """The samples of one draw path: which sample they are, which logits row they read."""
+
+    index: list[int] = field(default_factory=list)  # position among the step's samples
+    rows: list[int] = field(default_factory=list)  # logits row
+    params: list[SamplingParams] = field(default_factory=list)
+    keys: list[int | None] = field(default_factory=list)  # noise key of a seeded sample
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int]) -> None:
+    def __init__(self, eos_token_ids: list[int], vocab_size: int, device: torch.device | str = "cpu") -> None:
         self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.token_counts = TokenCounts(vocab_size, self.device)
+        self._token_hash = _premix(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [num_rows, vocab_size] float32. A row of `num_samples` k gives k outputs in a row."""
-        if any(r.num_samples > 1 for r in rows):
-            logits, rows = self._fan_out(logits, rows)
+        """logits: [num_rows, vocab_size]. A row of `num_samples` k gives k outputs in a row."""
+        return self.sample(logits, rows).to_host()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
+        """The same as __call__, leaving the results on the device (no host sync)."""
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties(logits, rows)
-        logits = self._mask_stops_before_min_tokens(logits, rows)
-        token_ids = self._choose(logits, rows)
-        chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
-        top = self._top_logprobs(raw_logprobs, rows)
-        return SamplerOutput(token_ids.tolist(), chosen.tolist(), top)
+        logits = self._mask_stops_before_min_tokens(*self._apply_penalties(logits, rows), rows)
+        paths, sample_rows = self._plan_draws(rows)
+        token_ids = self._choose(logits, paths, len(sample_rows))
+        if sample_rows == list(range(len(rows))):
+            chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+        else:
+            chosen = raw_logprobs[_to_device(sample_rows, torch.int64, logits.device), token_ids]
+        top, top_rows, num_top = self._top_logprobs(raw_logprobs, rows, sample_rows)
+        packed = torch.cat([token_ids.double(), chosen.double(), top.flatten()])
+        return SampledBatch(token_ids, packed, top_rows, num_top, top.shape[1] // 2)
 
-    @staticmethod
-    def _fan_out(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, list[SamplingRow]]:
-        counts = torch.tensor([r.num_samples for r in rows], device=logits.device)
-        expanded = [
-            SamplingRow(r.params if i == 0 else _with_seed(r.params, sample_seed(r.params.seed, i)),
-                        r.token_ids, r.num_prompt_tokens, 1, i)
-            for r in rows for i in range(r.num_samples)
-        ]
-        return logits.repeat_interleave(counts, dim=0), expanded
+    # ------------------------------------------------------------------------- penalties and min_tokens
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        penalized = [
-            i for i, r in enumerate(rows)
-            if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-        ]
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, bool]:
+        """(the penalized logits, whether they are a new tensor)."""
+        penalized = [i for i, r in enumerate(rows) if uses_penalties(r.params)]
         if not penalized:
-            return logits
-        logits = logits.clone()
-        for i in penalized:
-            p, row = rows[i].params, logits[i]
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(rows[i].token_ids, device=logits.device).unique()
-                values = row[seen]
-                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and rows[i].num_output_tokens:
-                counts = torch.bincount(
-                    torch.tensor(rows[i].output_token_ids, device=logits.device), minlength=row.shape[0]
-                ).to(row.dtype)
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-        return logits
+            return logits, False
+        params = [rows[i].params for i in penalized]
+        device = logits.device
+        counts = self.token_counts
+        state_rows = _to_device([counts.seqs[rows[i].seq_id].row for i in penalized], torch.int64, device)
+        x = _select_rows(logits, penalized)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            penalty = _column([p.repetition_penalty for p in params], device)
+            x = torch.where(counts.seen.index_select(0, state_rows), torch.where(x > 0, x / penalty, x * penalty), x)
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            penalty = counts.penalty.index_select(0, state_rows)
+            x = torch.sub(x, penalty, out=penalty)  # into the gathered rows: one [rows, vocab] buffer, not two
+        if len(penalized) == len(rows):
+            return x, True
+        return logits.index_copy(0, _to_device(penalized, torch.int64, device), x), True
 
-    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        masked = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
-        if not masked:
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, owned: bool, rows: list[SamplingRow]) -> torch.Tensor:
+        row_ids, token_ids = [], []
+        for i, r in enumerate(rows):
+            if r.num_output_tokens < r.params.min_tokens:
+                stops = r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids)
+                stops = [t for t in stops if t < logits.shape[1]]
+                row_ids += [i] * len(stops)
+                token_ids += stops
+        if not row_ids:
             return logits
-        logits = logits.clone()
-        for i in masked:
-            stops = rows[i].params.stop_token_ids + ([] if rows[i].params.ignore_eos else self.eos_token_ids)
-            logits[i, stops] = float("-inf")
-        return logits
+        index = _to_device([row_ids, token_ids], torch.int64, logits.device)
+        masked = logits if owned else logits.clone()
+        return masked.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))
 
-    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if not random_rows:
-            return token_ids
-        idx = torch.tensor(random_rows, device=logits.device)
-        probs = self._filtered_probs(logits[idx], [rows[i].params for i in random_rows])
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            seed = rows[i].params.seed
-            if seed is None:
-                noise[j].exponential_()
+    # ------------------------------------------------------------------------- choosing
+
+    def _plan_draws(self, rows: list[SamplingRow]) -> tuple[dict[str, _Samples], list[int]]:
+        """Sort the step's samples by the path that draws them: greedy, top_k (top-k, then top-p
+        within the candidates), top_p (one sort) or full (the whole vocabulary)."""
+        paths = {name: _Samples() for name in ("greedy", "top_k", "top_p", "full")}
+        sample_rows = []
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.greedy:
+                path = paths["greedy"]
+            elif 0 < p.top_k < self.vocab_size:
+                path = paths["top_k"]
+            elif p.top_p < 1.0:
+                path = paths["top_p"]
             else:
-                gen = torch.Generator(device=probs.device)
-                gen.manual_seed((seed * 1_000_003 + rows[i].num_output_tokens) % (2**63))
-                noise[j].exponential_(generator=gen)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
-        token_ids[idx] = (probs / noise).argmax(dim=-1)
+                path = paths["full"]
+            for s in range(r.num_samples):
+                seed = p.seed if s == 0 else sample_seed(p.seed, s)
+                path.index.append(len(sample_rows))
+                path.rows.append(i)
+                path.params.append(p)
+                path.keys.append(None if seed is None or p.greedy else noise_key(seed, r.num_output_tokens))
+                sample_rows.append(i)
+        return paths, sample_rows
+
+    def _choose(self, logits: torch.Tensor, paths: dict[str, _Samples], num_samples: int) -> torch.Tensor:
+        drawn = []
+        if paths["greedy"].rows:
+            drawn.append((paths["greedy"], _select_rows(logits, paths["greedy"].rows).argmax(dim=-1)))
+        for name, draw in (("top_k", self._draw_top_k), ("top_p", self._draw_top_p), ("full", self._draw_full)):
+            samples = paths[name]
+            if samples.rows:
+                temperature = _column([p.temperature for p in samples.params], logits.device)
+                drawn.append((samples, draw(_select_rows(logits, samples.rows), temperature, samples)))
+        if len(drawn) == 1:
+            return drawn[0][1]
+        token_ids = torch.empty(num_samples, dtype=torch.int64, device=logits.device)
+        for samples, ids in drawn:
+            token_ids.index_copy_(0, _to_device(samples.index, torch.int64, logits.device), ids)
         return token_ids
 
-    @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        logits = logits / temperature
-        top_k = [p.top_k for p in params]
-        if any(k > 0 for k in top_k):
-            k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None].clamp(max=logits.shape[1] - 1))
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        if (top_p < 1.0).any():
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # A temperature keeps the order of the logits: the draws divide only the values they keep.
+
+    def _draw_top_k(self, x: torch.Tensor, temperature: torch.Tensor, samples: _Samples) -> torch.Tensor:
+        top_k = [p.top_k for p in samples.params]
+        values, ids = x.topk(max(top_k), dim=-1)  # [n, max_k], best first
+        values = values / temperature
+        if min(top_k) < values.shape[1]:
+            beyond = torch.arange(values.shape[1], device=x.device) >= _column(top_k, x.device, torch.int64)
+            values = values.masked_fill(beyond, float("-inf"))
+        return self._draw_sorted(values, ids, samples)
+
+    def _draw_top_p(self, x: torch.Tensor, temperature: torch.Tensor, samples: _Samples) -> torch.Tensor:
+        values, ids = x.sort(dim=-1, descending=True)
+        return self._draw_sorted(values / temperature, ids, samples)
+
+    def _draw_sorted(self, values: torch.Tensor, ids: torch.Tensor, samples: _Samples) -> torch.Tensor:
+        """values: [n, width] best first, -inf where filtered; ids: their token ids."""
+        if any(p.top_p < 1.0 for p in samples.params):
+            probs = values.softmax(dim=-1)
+            top_p = _column([p.top_p if p.top_p < 1.0 else math.inf for p in samples.params], values.device)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        if (min_p > 0).any():
-            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs / probs.sum(dim=-1, keepdim=True)
+            values = values.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
+        values = self._apply_min_p(values, values[:, :1], samples)
+        chosen = (values + self._gumbel(ids, samples.keys)).argmax(dim=-1, keepdim=True)
+        return ids.gather(1, chosen)[:, 0]
+
+    def _draw_full(self, x: torch.Tensor, temperature: torch.Tensor, samples: _Samples) -> torch.Tensor:
+        x = x / temperature
+        x = self._apply_min_p(x, x.amax(dim=-1, keepdim=True), samples)
+        return self._gumbel(None, samples.keys).add_(x).argmax(dim=-1)
+
+    @staticmethod
+    def _apply_min_p(values: torch.Tensor, best: torch.Tensor, samples: _Samples) -> torch.Tensor:
+        """Drop the tokens less likely than min_p times the best one: logit < best + log(min_p)."""
+        if not any(p.min_p > 0 for p in samples.params):
+            return values
+        log_min_p = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in samples.params], values.device)
+        return values.masked_fill(values < best + log_min_p, float("-inf"))
+
+    def _gumbel(self, ids: torch.Tensor | None, keys: list[int | None]) -> torch.Tensor:
+        """Gumbel noise [n, width] at token ids (None: the whole vocabulary): a hash of the key and
+        the token for a seeded sample, torch's generator for the others."""
+        device = self.device
+        width = self.vocab_size if ids is None else ids.shape[1]
+        seeded = [j for j, key in enumerate(keys) if key is not None]
+        if len(seeded) == len(keys):
+            return _seeded_gumbel(self._token_hash if ids is None else self._token_hash[ids],
+                                  _column(keys, device, torch.int64))
+        noise = torch.empty(len(keys), width, device=device).exponential_().log_().neg_()
+        if seeded:
+            at = _to_device(seeded, torch.int64, device)
+            hashes = self._token_hash if ids is None else self._token_hash[ids.index_select(0, at)]
+            noise.index_copy_(0, at, _seeded_gumbel(hashes, _column([keys[j] for j in seeded], device, torch.int64)))
+        return noise
+
+    # ------------------------------------------------------------------------- top logprobs
 
     def _num_top(self, params: SamplingParams) -> int:
         if params.beam_width:
             return max(params.logprobs or 0, num_beam_candidates(params.beam_width, len(self.eos_token_ids)))
         return params.logprobs or 0
 
-    def _top_logprobs(self, raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[list[list]]:
-        wanted = [self._num_top(r.params) for r in rows]
-        k = min(max(wanted, default=0), raw_logprobs.shape[-1])
-        if k == 0:
-            return [[] for _ in rows]
-        values, ids = raw_logprobs.topk(k, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
-        return [[[t, v] for t, v in zip(ids[i][:w], values[i][:w])] for i, w in enumerate(wanted)]
+    def _top_logprobs(self, raw_logprobs: torch.Tensor, rows: list[SamplingRow],
+                      sample_rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """([rows that ask, 2 * k] (id, logprob) pairs best first, per sample its row or -1, per
+        sample how many it asked for)."""
+        wanted = [min(self._num_top(r.params), raw_logprobs.shape[1])
+                  if r.params.logprobs or r.params.beam_width else 0 for r in rows]
+        asking = [i for i, w in enumerate(wanted) if w]
+        if not asking:
+            return raw_logprobs.new_empty(0, 0, dtype=torch.float64), [-1] * len(sample_rows), [0] * len(sample_rows)
+        values, ids = _select_rows(raw_logprobs, asking).topk(max(wanted), dim=-1)
+        pairs = torch.stack([ids.double(), values.double()], dim=-1).flatten(1)
+        block_row = {row: j for j, row in enumerate(asking)}
+        return pairs, [block_row.get(i, -1) for i in sample_rows], [wanted[i] for i in sample_rows]
 
 
-def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
-    if seed == params.seed:
-        return params
-    return dataclasses.replace(params, seed=seed)
+# ----------------------------------------------------------------------------- seeded noise
+#
+# Counter-based: the noise of (key, token) is a 32-bit hash, so a seeded draw needs no generator
+# state. Every intermediate stays in [0, 2**32) inside int64 lanes and every multiplier is below
+# 2**31, so no product overflows and no right shift sees a negative number.
+
+_MIX = (0x7FEB352D, 0x2C1B3C6D)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, position: int) -> int:
+    """The 32-bit noise key of a seeded draw at output position `position` (host side, per row)."""
+    return _splitmix64(_seed_hash(seed) ^ position) & _M32
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_hash(seed: int) -> int:  # a sequence keeps its seed from step to step
+    return _splitmix64(seed & _M64)
+
+
+def _mix32_(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash, in place."""
+    h.bitwise_xor_(h >> 16)
+    h.mul_(_MIX[0]).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 15)
+    h.mul_(_MIX[1]).bitwise_and_(_M32)
+    return h.bitwise_xor_(h >> 16)
+
+
+def _premix(token_ids: torch.Tensor) -> torch.Tensor:
+    """The per-token half of the hash, computed once per vocabulary."""
+    return _mix32_(_mix32_(token_ids & _M32).bitwise_xor_(0x5BD1E995))
+
+
+def seeded_gumbel(token_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The Gumbel noise of seeded draws at these token ids: [n or 1, width] ids, [n, 1] keys."""
+    return _seeded_gumbel(_premix(token_ids), keys)
+
+
+def _seeded_gumbel(token_hash: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """token_hash: [n or 1, width] premixed tokens; keys: [n, 1] -> Gumbel noise [n, width]."""
+    h = _mix32_(token_hash ^ keys)
+    uniform = (h >> 9).float().mul_(2.0).add_(1.0).mul_(2.0**-24)  # in (0, 1), exactly representable
+    return uniform.log_().neg_().log_().neg_()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a host sync (pinned, non-blocking on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _column(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _to_device(values, dtype, device)[:, None]
+
+
+def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if rows == list(range(x.shape[0])):
+        return x
+    return x.index_select(0, _to_device(rows, torch.int64, x.device))
