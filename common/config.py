@@ -37,6 +37,9 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "--no-prefix-caching", "turn automatic prefix caching off")
     preemption_mode: str = option("auto", "--preemption-mode", "how a group is preempted when blocks run out "
                                   "(auto: the cheaper by measured rates)", choices=PREEMPTION_MODES)
+    async_scheduling: bool = option(True, "--no-async-scheduling",
+                                    "plan each step only after the previous one's result (by default the scheduler "
+                                    "plans step N+1 while step N runs)")
     seed: int = no_flag(0, "seeds dummy weights only; `pagoda generate --seed` is the sampling seed")
     allocator: str = option("paged", "--allocator",
                             "KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)", choices=ALLOCATORS)

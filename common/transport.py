@@ -48,6 +48,9 @@ class WorkerLink:
         self.lost: int | None = None  # a rank of the group whose connection closed
         self.last_seen = time.monotonic()  # any frame from any rank
         self.generation = 0  # advances whenever the group of ranks is forgotten
+        # results of a later plan that a rank sent while an earlier plan's were gathered (with
+        # async scheduling two plans are in flight, and ranks run at their own pace)
+        self.early: list[tuple[bytes, StepResult]] = []
 
     @property
     def ready(self) -> bool:
@@ -104,6 +107,7 @@ class WorkerLink:
 
     def drain(self) -> None:
         """Take every pending frame while idle: keep-alive hellos, stale results."""
+        self.early.clear()
         while self.poll_hello(timeout_ms=0) is not None or self.socket.poll(0):
             pass
 
@@ -112,6 +116,7 @@ class WorkerLink:
         self.hellos.clear()
         self.fds.clear()
         self.lost = None
+        self.early.clear()
         self.generation += 1
 
     def send_plan(self, plan: StepPlan) -> None:
@@ -126,6 +131,16 @@ class WorkerLink:
         deadline = time.monotonic() + timeout_s
         waiting = set(self.ranks.values())
         result = None
+        early, self.early = self.early, []
+        for identity, message in early:
+            if (message.step, message.epoch) == (plan.step, plan.epoch) and identity in waiting:
+                waiting.discard(identity)
+                if message.error:
+                    return message
+                if identity == self.ranks.get(0):
+                    result = message
+            elif message.epoch == plan.epoch and message.step > plan.step:
+                self.early.append((identity, message))
         while waiting:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -150,7 +165,12 @@ class WorkerLink:
             except ProtocolError as exc:
                 log.warning("dropped a malformed result: %s", exc)
                 continue
-            if not isinstance(message, StepResult) or (message.step, message.epoch) != (plan.step, plan.epoch):
+            if not isinstance(message, StepResult):
+                continue
+            if message.epoch == plan.epoch and message.step > plan.step:
+                self.early.append((identity, message))
+                continue
+            if (message.step, message.epoch) != (plan.step, plan.epoch):
                 continue  # stale
             waiting.discard(identity)
             if message.error:

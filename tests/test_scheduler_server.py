@@ -69,7 +69,7 @@ class FakeWorker:
         link = SchedulerLink(self.address)
         try:
             self._say_hello(link)
-            epoch, idle_since = None, time.monotonic()
+            epoch, failed_epoch, idle_since = None, None, time.monotonic()
             while not self._stop and self.mode != "exit":
                 if self.mode == "hang":
                     time.sleep(0.01)
@@ -91,13 +91,17 @@ class FakeWorker:
                 if self.mode == "boom":
                     self.mode = "serve"
                     self.executor.reset()
+                    failed_epoch = plan.epoch
                     result = StepResult(plan.step, plan.epoch, error="boom")
+                elif plan.epoch == failed_epoch:  # as worker/server.py: sent before the scheduler saw it
+                    result = StepResult(plan.step, plan.epoch, error="an earlier step of this epoch failed")
                 else:
                     try:
                         result = self.executor.execute(plan)
                     except Exception as exc:  # noqa: BLE001 - reported to the test and the scheduler
                         self.failures.append(f"step {plan.step}: {type(exc).__name__}: {exc}")
                         self.executor.reset()
+                        failed_epoch = plan.epoch
                         result = StepResult(plan.step, plan.epoch, error=f"fake executor: {exc}")
                 link.send_result(result)
                 idle_since = time.monotonic()
