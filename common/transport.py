@@ -131,44 +131,38 @@ class WorkerLink:
         deadline = time.monotonic() + timeout_s
         waiting = set(self.ranks.values())
         result = None
-        early, self.early = self.early, []
-        for identity, message in early:
-            if (message.step, message.epoch) == (plan.step, plan.epoch) and identity in waiting:
-                waiting.discard(identity)
-                if message.error:
-                    return message
-                if identity == self.ranks.get(0):
-                    result = message
-            elif message.epoch == plan.epoch and message.step > plan.step:
-                self.early.append((identity, message))
+        queued, self.early = self.early, []
         while waiting:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                return None
-            ready = dict(self.poller.poll(min(left_ms, 500)))
-            if self.monitor in ready and self.check_connections() is not None:
-                return None
-            if self.socket not in ready:
-                if on_wait is not None:
-                    on_wait()
-                continue
-            identity, kind, payload, fd = self._recv()
-            self.last_seen = time.monotonic()
-            if kind == HELLO:
-                known = identity in self.ranks.values()
-                self._register(identity, payload, fd)
-                if known:
-                    continue  # a keep-alive from a rank we know
-                return None  # a rank restarted mid-step: its state is gone
-            try:
-                message = decode(payload)
-            except ProtocolError as exc:
-                log.warning("dropped a malformed result: %s", exc)
-                continue
-            if not isinstance(message, StepResult):
-                continue
+            if queued:
+                identity, message = queued.pop(0)
+            else:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    return None
+                ready = dict(self.poller.poll(min(left_ms, 500)))
+                if self.monitor in ready and self.check_connections() is not None:
+                    return None
+                if self.socket not in ready:
+                    if on_wait is not None:
+                        on_wait()
+                    continue
+                identity, kind, payload, fd = self._recv()
+                self.last_seen = time.monotonic()
+                if kind == HELLO:
+                    known = identity in self.ranks.values()
+                    self._register(identity, payload, fd)
+                    if known:
+                        continue  # a keep-alive from a rank we know
+                    return None  # a rank restarted mid-step: its state is gone
+                try:
+                    message = decode(payload)
+                except ProtocolError as exc:
+                    log.warning("dropped a malformed result: %s", exc)
+                    continue
+                if not isinstance(message, StepResult):
+                    continue
             if message.epoch == plan.epoch and message.step > plan.step:
-                self.early.append((identity, message))
+                self.early.append((identity, message))  # a later plan's: for its own gather
                 continue
             if (message.step, message.epoch) != (plan.step, plan.epoch):
                 continue  # stale
@@ -177,6 +171,7 @@ class WorkerLink:
                 return message  # any rank's failure fails the step
             if identity == self.ranks.get(0):
                 result = message
+        self.early += queued
         return result
 
     def _recv(self) -> tuple[bytes, bytes, bytes, int]:

@@ -41,7 +41,9 @@ class LLMEngine:
         self.scheduler.add_request(request_id, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort_request(request_id)
+        aborted = self.scheduler.abort_request(request_id)
+        self._settle()
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -54,7 +56,11 @@ class LLMEngine:
             self._run(self.scheduler.schedule())
         if self.scheduler.config.async_scheduling:
             self._run(self.scheduler.schedule())
-        outputs = self.scheduler.update(self._results.popleft())
+        return self.scheduler.update(self._results.popleft()) + self._settle()
+
+    def _settle(self) -> list[RequestOutput]:
+        """Once no request is left, apply the results still in flight (they end nothing new)."""
+        outputs = []
         while self._results and not self.scheduler.has_unfinished_requests():
             outputs += self.scheduler.update(self._results.popleft())
         return outputs
