@@ -331,8 +331,12 @@ class Scheduler:
                     continue
                 while not self._can_grow(seqs, num_new):
                     victim = queue[-1] if queue else group
-                    if self._has_tokens_in_flight(victim):  # no preemption before its result is in
-                        self.running.append(group)
+                    if self._has_tokens_in_flight(victim):
+                        # preempting it now would drop the token it draws: this group and every
+                        # later one (the victims to come) sit this plan out, so the next one, made
+                        # once their results are in, preempts as the serial loop does
+                        self.running += [group, *queue]
+                        queue.clear()
                         preempted = True  # nothing swapped or waiting takes the blocks it waits for
                         break
                     if queue:

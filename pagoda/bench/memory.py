@@ -209,7 +209,8 @@ def measure_sharing(llm, pairs, max_tokens: int, cases: tuple[str, ...] = SHARIN
     results = {}
     for case in cases:
         kind, _, k = case.partition("-")
-        llm.reset(enable_prefix_caching=kind == "prefix")
+        # serial steps: a block allocated ahead for a token in flight would count as held
+        llm.reset(enable_prefix_caching=kind == "prefix", async_scheduling=False)
         engine = llm.engine
         prefix = [t for p in pairs[:8] for t in p.prompt_token_ids][:400] if kind == "prefix" else []
         if prefix:
