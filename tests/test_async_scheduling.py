@@ -462,3 +462,18 @@ def test_a_ranks_result_for_the_next_plan_is_kept_for_the_next_gather():
         for r in ranks:
             r.close()
         link.close()
+
+
+@pytest.mark.slow
+def test_default_model_greedy_is_the_serial_loops_with_and_without_preemption():
+    """SmolLM2 (tests/test_parity.py holds the default, overlapped loop to transformers): the serial
+    loop gives the same tokens and logprobs, with a pool that fits and one that preempts."""
+    from pagoda.offline import LLM
+    from tests.prompts import PARITY_PROMPTS
+
+    llm = LLM("default", device="cpu", dtype="float32")
+    prompts = [llm.encode(p) for p in PARITY_PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=32, logprobs=1)
+    assert_same_as_serial(llm, prompts, greedy)
+    assert_same_as_serial(llm, prompts, greedy, num_gpu_blocks=40, enable_prefix_caching=False)
+    assert llm.scheduler.num_preemptions > 0
