@@ -269,10 +269,17 @@ def generate(llm, prompts, params_, async_scheduling: bool, **changes) -> tuple[
     return samples, recording
 
 
-def assert_same_as_serial(llm, prompts, params_, **changes) -> tuple[list, Recording, Recording]:
+def assert_same_as_serial(llm, prompts, params_, logprob_tol: float = 0.0, **changes) -> tuple[list, Recording, Recording]:
+    """`logprob_tol`: where a step waits for a result, the batches differ from the serial loop's,
+    and a CPU matmul's rounding depends on the batch: the logprobs agree to float32 noise."""
     serial, serial_rec = generate(llm, prompts, params_, False, **changes)
     overlapped, rec = generate(llm, prompts, params_, True, **changes)
-    assert overlapped == serial
+    if logprob_tol:
+        assert [[(s[0], s[3]) for s in out] for out in overlapped] == [[(s[0], s[3]) for s in out] for out in serial]
+        assert [lp[0] for out in overlapped for s in out for lp in s[2]] == pytest.approx(
+            [lp[0] for out in serial for s in out for lp in s[2]], abs=logprob_tol)
+    else:
+        assert overlapped == serial
     assert serial_rec.num_pending == 0 and rec.num_pending > 0
     return serial, serial_rec, rec
 
@@ -467,7 +474,8 @@ def test_a_ranks_result_for_the_next_plan_is_kept_for_the_next_gather():
 @pytest.mark.slow
 def test_default_model_greedy_is_the_serial_loops_with_and_without_preemption():
     """SmolLM2 (tests/test_parity.py holds the default, overlapped loop to transformers): the serial
-    loop gives the same tokens and logprobs, with a pool that fits and one that preempts."""
+    loop gives the same tokens and logprobs with a pool that fits; with one that preempts, the same
+    tokens and logprobs equal to float32 noise (the waits change the batches)."""
     from pagoda.offline import LLM
     from tests.prompts import PARITY_PROMPTS
 
@@ -475,5 +483,5 @@ def test_default_model_greedy_is_the_serial_loops_with_and_without_preemption():
     prompts = [llm.encode(p) for p in PARITY_PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=32, logprobs=1)
     assert_same_as_serial(llm, prompts, greedy)
-    assert_same_as_serial(llm, prompts, greedy, num_gpu_blocks=40, enable_prefix_caching=False)
+    assert_same_as_serial(llm, prompts, greedy, logprob_tol=1e-4, num_gpu_blocks=28, enable_prefix_caching=False)
     assert llm.scheduler.num_preemptions > 0
