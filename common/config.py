@@ -39,6 +39,9 @@ class EngineConfig:
                                   "(auto: the cheaper by measured rates)", choices=PREEMPTION_MODES)
     enforce_eager: bool = option(False, "--enforce-eager",
                                  "run decode steps eagerly: no CUDA graphs (on CPU: no padded static decode buffers)")
+    async_scheduling: bool = option(True, "--no-async-scheduling",
+                                    "plan each step only after the previous one's result (by default the scheduler "
+                                    "plans step N+1 while step N runs)")
     seed: int = no_flag(0, "seeds dummy weights only; `pagoda generate --seed` is the sampling seed")
     allocator: str = option("paged", "--allocator",
                             "KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)", choices=ALLOCATORS)

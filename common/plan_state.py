@@ -3,7 +3,9 @@
 One implementation for every consumer of plans: the worker's Executor, the benchmark's trace
 executor and the test fakes. A plan (common/protocol.py) drops finished and preempted sequences,
 brings new ones in full, and continues held ones with their new block ids from
-`block_table_offset` and, once they sampled, the token the scheduler appended. Per held sequence:
+`block_table_offset` and, once they sampled, the token the scheduler appended, or PENDING_TOKEN
+when the scheduler planned the step before it knew that token (async scheduling): then the token
+this worker sampled for the sequence in the step before (`record_sampled`). Per held sequence:
 
     [0, num_computed_tokens)                 KV in the cache
     [num_computed_tokens, len(token_ids))    tokens still to compute; the step that computes the
@@ -11,13 +13,14 @@ brings new ones in full, and continues held ones with their new block ids from
 
 Anything a worker could not run is a ProtocolError: continuing a sequence it does not hold,
 scheduling tokens it does not have, a block table that does not cover the slots written, the
-null block in a table.
+null block in a table, a PENDING_TOKEN for a sequence that did not draw exactly one token in the
+step before.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.protocol import NULL_BLOCK, ProtocolError, SamplingParams, StepPlan
+from common.protocol import NULL_BLOCK, PENDING_TOKEN, ProtocolError, SampledToken, SamplingParams, StepPlan
 
 
 @dataclass(slots=True)
@@ -48,14 +51,25 @@ class ScheduledSequence:
 class PlanState:
     block_size: int
     seqs: dict[int, HeldSequence] = field(default_factory=dict)
+    last_sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> its one token of the last step
 
     def reset(self) -> None:
         """Forget every sequence (a new epoch: the scheduler's state was lost)."""
         self.seqs.clear()
+        self.last_sampled.clear()
+
+    def record_sampled(self, sampled: list[SampledToken]) -> None:
+        """What this worker drew in the step just run: the tokens a PENDING_TOKEN of the next plan
+        stands for (a sequence that drew several, to fork, has none)."""
+        counts: dict[int, int] = {}
+        for s in sampled:
+            counts[s.seq_id] = counts.get(s.seq_id, 0) + 1
+        self.last_sampled = {s.seq_id: s.token_id for s in sampled if counts[s.seq_id] == 1}
 
     def apply(self, plan: StepPlan) -> list[ScheduledSequence]:
         """Apply the plan's diffs; returns the sequences it schedules, in plan order, with their
         tokens counted as computed."""
+        last_sampled, self.last_sampled = self.last_sampled, {}
         for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
             self.seqs.pop(seq_id, None)
         steps = []
@@ -76,10 +90,19 @@ class PlanState:
             _check_blocks(plan.step, cached.seq_id, cached.new_block_ids)
             del held.block_table[cached.block_table_offset:]
             held.block_table += cached.new_block_ids
-            if held.num_computed_tokens == held.num_tokens:  # it sampled last step: add that token
-                held.token_ids.append(cached.last_token_id)
+            if held.num_computed_tokens == held.num_tokens:  # it sampled: add that token
+                held.token_ids.append(self._last_token(plan.step, cached.seq_id, cached.last_token_id, last_sampled))
             steps.append((cached.seq_id, held, cached.num_scheduled_tokens, cached.num_samples))
         return [self._schedule(plan.step, *s) for s in steps]
+
+    @staticmethod
+    def _last_token(step: int, seq_id: int, token: int, last_sampled: dict[int, int]) -> int:
+        if token != PENDING_TOKEN:
+            return token
+        if seq_id not in last_sampled:
+            raise ProtocolError(f"plan step {step} asks for sequence {seq_id}'s pending token, "
+                                "which this worker did not draw in the step before")
+        return last_sampled[seq_id]
 
     def _schedule(self, step: int, seq_id: int, held: HeldSequence, n: int, num_samples: int) -> ScheduledSequence:
         start, end = held.num_computed_tokens, held.num_computed_tokens + n

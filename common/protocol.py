@@ -18,7 +18,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: CachedSequence.last_token_id may be PENDING_TOKEN (async scheduling)
 _EXT_MESSAGE = 1
 
 
@@ -128,6 +128,10 @@ def _require(ok: bool, param: str, message: str) -> None:
 # ----------------------------------------------------------------------------- step plan
 
 NULL_BLOCK = 0  # pads block tables; never allocated to a sequence
+# A CachedSequence's last_token_id in a plan made while the step that samples that token still
+# runs (async scheduling): the worker appends the token it sampled itself for the sequence in
+# the step before (common/plan_state.py).
+PENDING_TOKEN = -1
 
 
 @dataclass(slots=True)
@@ -152,7 +156,7 @@ class CachedSequence:
     new_block_ids: list[int]  # replace the held table from block_table_offset on
     block_table_offset: int  # the held length, or one less after a copy-on-write of the last block
     num_scheduled_tokens: int
-    last_token_id: int  # the scheduler's view of the newest token, appended if the worker lacks it
+    last_token_id: int  # the newest token, appended if the worker lacks it; PENDING_TOKEN: the one it sampled last step
     num_samples: int = 1  # tokens drawn if this step computes its last token
 
 

@@ -48,6 +48,9 @@ class WorkerLink:
         self.lost: int | None = None  # a rank of the group whose connection closed
         self.last_seen = time.monotonic()  # any frame from any rank
         self.generation = 0  # advances whenever the group of ranks is forgotten
+        # results of a later plan that a rank sent while an earlier plan's were gathered (with
+        # async scheduling two plans are in flight, and ranks run at their own pace)
+        self.early: list[tuple[bytes, StepResult]] = []
 
     @property
     def ready(self) -> bool:
@@ -104,6 +107,7 @@ class WorkerLink:
 
     def drain(self) -> None:
         """Take every pending frame while idle: keep-alive hellos, stale results."""
+        self.early.clear()
         while self.poll_hello(timeout_ms=0) is not None or self.socket.poll(0):
             pass
 
@@ -112,6 +116,7 @@ class WorkerLink:
         self.hellos.clear()
         self.fds.clear()
         self.lost = None
+        self.early.clear()
         self.generation += 1
 
     def send_plan(self, plan: StepPlan) -> None:
@@ -126,37 +131,47 @@ class WorkerLink:
         deadline = time.monotonic() + timeout_s
         waiting = set(self.ranks.values())
         result = None
+        queued, self.early = self.early, []
         while waiting:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                return None
-            ready = dict(self.poller.poll(min(left_ms, 500)))
-            if self.monitor in ready and self.check_connections() is not None:
-                return None
-            if self.socket not in ready:
-                if on_wait is not None:
-                    on_wait()
+            if queued:
+                identity, message = queued.pop(0)
+            else:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    return None
+                ready = dict(self.poller.poll(min(left_ms, 500)))
+                if self.monitor in ready and self.check_connections() is not None:
+                    return None
+                if self.socket not in ready:
+                    if on_wait is not None:
+                        on_wait()
+                    continue
+                identity, kind, payload, fd = self._recv()
+                self.last_seen = time.monotonic()
+                if kind == HELLO:
+                    known = identity in self.ranks.values()
+                    self._register(identity, payload, fd)
+                    if known:
+                        continue  # a keep-alive from a rank we know
+                    return None  # a rank restarted mid-step: its state is gone
+                try:
+                    message = decode(payload)
+                except ProtocolError as exc:
+                    log.warning("dropped a malformed result: %s", exc)
+                    continue
+                if not isinstance(message, StepResult):
+                    continue
+            if message.epoch == plan.epoch and message.step > plan.step:
+                self.early.append((identity, message))  # a later plan's: for its own gather
                 continue
-            identity, kind, payload, fd = self._recv()
-            self.last_seen = time.monotonic()
-            if kind == HELLO:
-                known = identity in self.ranks.values()
-                self._register(identity, payload, fd)
-                if known:
-                    continue  # a keep-alive from a rank we know
-                return None  # a rank restarted mid-step: its state is gone
-            try:
-                message = decode(payload)
-            except ProtocolError as exc:
-                log.warning("dropped a malformed result: %s", exc)
-                continue
-            if not isinstance(message, StepResult) or (message.step, message.epoch) != (plan.step, plan.epoch):
+            if (message.step, message.epoch) != (plan.step, plan.epoch):
                 continue  # stale
             waiting.discard(identity)
             if message.error:
                 return message  # any rank's failure fails the step
             if identity == self.ranks.get(0):
                 result = message
+        self.early += queued
         return result
 
     def _recv(self) -> tuple[bytes, bytes, bytes, int]:

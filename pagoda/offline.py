@@ -52,15 +52,17 @@ class CompletionOutput:
 class LLM:
     """The whole engine in one process: the Scheduler driving the worker's Executor directly.
 
-    Plans and results still go through the msgpack codec, as they would cross ZeroMQ.
+    Plans and results are handed over as objects; `wire=True` sends them through the msgpack
+    codec, as they would cross ZeroMQ (the tests that hold the wire format to the engine).
     """
 
-    def __init__(self, model: str = "default", skip_tokenizer_init: bool = False, **config) -> None:
+    def __init__(self, model: str = "default", skip_tokenizer_init: bool = False, wire: bool = False, **config) -> None:
+        self.wire = wire
         self.config = EngineConfig(model=model, **config)
         self.executor = Executor(self.config)
         hello = self.executor.hello()
         self.config = self.config.replace(max_model_len=hello.max_model_len)
-        self.engine = LLMEngine.from_hello(self.config, hello, self.executor, wire=True)
+        self.engine = LLMEngine.from_hello(self.config, hello, self.executor, wire=wire)
         self.encoder = None
         if not skip_tokenizer_init and self.executor.runner.source.kind != "dummy":
             from gateway.tokenizer import PromptEncoder, load_tokenizer
@@ -77,7 +79,7 @@ class LLM:
         if num_cpu_blocks is not None:
             hello = dataclasses.replace(hello, num_cpu_blocks=min(num_cpu_blocks, hello.num_cpu_blocks))
         self.executor.reset()
-        self.engine = LLMEngine.from_hello(self.config.replace(**config_changes), hello, self.executor, wire=True)
+        self.engine = LLMEngine.from_hello(self.config.replace(**config_changes), hello, self.executor, wire=self.wire)
 
     @property
     def scheduler(self):

@@ -1,12 +1,18 @@
 """The offline, in-process engine: the Scheduler driving an executor by direct calls.
 
 `schedule -> execute -> update` is the whole step. The executor is anything with
-`execute(StepPlan) -> StepResult`: the worker's Executor in process, or a transport to worker
-processes. With `wire=True` every plan and result goes through the msgpack codec, exactly as
-it would cross ZeroMQ.
+`execute(StepPlan) -> StepResult`: the worker's Executor in process (plans and results handed
+over as objects), or a transport to worker processes. With `wire=True` every plan and result
+goes through the msgpack codec, exactly as it would cross ZeroMQ.
+
+With `async_scheduling` the step keeps one plan ahead, as the scheduler process does (plan N+1
+is made before N's result is applied). An in-process executor is synchronous, so nothing runs
+concurrently here: the overlapped loop keeps the contract (PENDING_TOKEN, results in plan order)
+exercised by the offline engine and its tests, the scheduler process is where it saves time.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 from common.protocol import SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
@@ -25,6 +31,7 @@ class LLMEngine:
         self.wire = wire
         self.num_steps = 0
         self.num_scheduled_tokens = 0
+        self._results: deque[StepResult] = deque()  # of the plans in flight, oldest first
 
     @classmethod
     def from_hello(cls, config, hello: WorkerHello, executor: StepExecutor, wire: bool = False) -> LLMEngine:
@@ -34,13 +41,31 @@ class LLMEngine:
         self.scheduler.add_request(request_id, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort_request(request_id)
+        aborted = self.scheduler.abort_request(request_id)
+        self._settle()
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        """One step's outputs. With async scheduling the next plan is made (and, in process, run)
+        before this step's result is applied; once no request is left, the plan still in flight
+        is applied too, so the engine ends idle."""
+        if not self._results:
+            self._run(self.scheduler.schedule())
+        if self.scheduler.config.async_scheduling:
+            self._run(self.scheduler.schedule())
+        return self.scheduler.update(self._results.popleft()) + self._settle()
+
+    def _settle(self) -> list[RequestOutput]:
+        """Once no request is left, apply the results still in flight (they end nothing new)."""
+        outputs = []
+        while self._results and not self.scheduler.has_unfinished_requests():
+            outputs += self.scheduler.update(self._results.popleft())
+        return outputs
+
+    def _run(self, plan: StepPlan) -> None:
         if self.wire:
             plan = decode(encode(plan))
         result = self.executor.execute(plan)
@@ -48,4 +73,4 @@ class LLMEngine:
             result = decode(encode(result))
         self.num_steps += 1
         self.num_scheduled_tokens += plan.num_scheduled_tokens
-        return self.scheduler.update(result)
+        self._results.append(result)

@@ -14,18 +14,26 @@ A request's sequences form one group: its `n` (or `best_of`) samples forked from
 sequence after its first token (sharing every prompt block copy-on-write; each streams and
 finishes on its own, and `abort_sequence` ends one alone), or the beams of a beam search,
 forked and freed each step as transformers' `generate(num_beams=...)` does.
+
+With `async_scheduling`, `schedule()` may run while the previous plan's result is outstanding
+(the driver sends plan N+1 before it gathers N's result; results come back in plan order). A
+running sequence that draws one token in step N is then assumed to hold it: step N+1 computes it,
+as `PENDING_TOKEN` (the worker appends the token it drew itself), in a slot allocated now. A group
+whose next step depends on that result waits for it instead (see `_awaits_result`), so the tokens
+are those of the serial loop; a sequence that ends in step N had one token computed in vain.
 """
 from __future__ import annotations
 
 import itertools
 import math
 import struct
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
 from common.protocol import (
-    CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
+    PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
     num_beam_candidates, sample_seed,
 )
 from scheduler.allocator import Allocator
@@ -60,6 +68,15 @@ class FailedRequest:
 @dataclass(slots=True)
 class _Budget:
     tokens: int
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A plan sent whose result has not been applied."""
+
+    step: int
+    scheduled: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it computes
+    samples: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it draws, if it computes its last
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +120,9 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._held_by_workers: set[int] = set()
         self._to_drop: list[int] = []  # finished or aborted since the last plan
-        self._scheduled: dict[int, int] = {}  # seq_id -> tokens scheduled in the step in flight
-        self._planned_samples: dict[int, int] = {}  # seq_id -> tokens it draws in that step, if it samples
+        self._planning = _InFlight(0)  # the plan being built
+        self._in_flight: deque[_InFlight] = deque()  # plans sent, oldest first
+        self._ahead: dict[int, int] = {}  # while planning: seq_id -> tokens it computes in the plan in flight
         self.step = 0
         self.epoch = 0
         self.num_preemptions = 0
@@ -213,8 +231,8 @@ class Scheduler:
             plan.blocks_to_swap_in = [op for op in plan.blocks_to_swap_in if op[1] not in owned]
             plan.blocks_to_copy = [op for op in plan.blocks_to_copy if op[1] not in owned]
         for seq_id in seq_ids:
-            self._scheduled.pop(seq_id, None)
-            self._planned_samples.pop(seq_id, None)
+            self._planning.scheduled.pop(seq_id, None)
+            self._planning.samples.pop(seq_id, None)
         self.abort_request(group.request_id)
         if plan is not None:  # the plan may hand out the freed blocks: the workers drop the sequences first
             plan.finished_seq_ids += [seq_id for seq_id in self._to_drop if seq_id in seq_ids]
@@ -235,6 +253,11 @@ class Scheduler:
         return bool(self.groups)
 
     @property
+    def num_in_flight(self) -> int:
+        """Plans scheduled whose results `update` has not taken yet."""
+        return len(self._in_flight)
+
+    @property
     def num_running_seqs(self) -> int:
         return sum(len(g.seqs_with(SequenceStatus.RUNNING)) for g in self.running)
 
@@ -247,17 +270,52 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> StepPlan:
-        assert not self._scheduled, "schedule() called before the last step's update()"
+        most = 1 if self.config.async_scheduling else 0
+        assert len(self._in_flight) <= most, f"schedule() called with {len(self._in_flight)} results outstanding"
         self.step += 1
         plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop)
         self._to_drop = []
+        self._planning = _InFlight(self.step)
+        self._ahead = dict(self._in_flight[-1].scheduled) if self._in_flight else {}
         budget = _Budget(self.config.max_num_batched_tokens)
         preempted = self._schedule_running(plan, budget)
         if not preempted:
             self._schedule_swapped(plan, budget)
             if not self.swapped:
                 self._schedule_waiting(plan, budget)
+        self._in_flight.append(self._planning)
+        self._ahead = {}
         return plan
+
+    # A sequence with tokens in the plan in flight is scheduled ahead only when that plan draws
+    # exactly one token for it that cannot end it by length; the rest of its group then goes on
+    # as usual. Any other group with tokens in flight (beams, a first token that forks, a prompt
+    # chunk that is not the last, a sequence at its max_tokens) waits for the result, and is never
+    # a preemption victim meanwhile: preempting it would drop the token it is drawing.
+    def _awaits_result(self, group: SequenceGroup) -> bool:
+        busy = [seq for seq in group.seqs_with(SequenceStatus.RUNNING) if seq.seq_id in self._ahead]
+        if not busy:
+            return False
+        return group.beam is not None or not all(self._can_run_ahead(seq) for seq in busy)
+
+    def _can_run_ahead(self, seq: Sequence) -> bool:
+        in_flight = self._in_flight[-1]
+        if in_flight.samples.get(seq.seq_id) != 1 or seq.num_computed_tokens + self._ahead[seq.seq_id] != seq.num_tokens:
+            return False
+        max_tokens = seq.sampling_params.max_tokens
+        num_output = len(seq.output_token_ids) + 1  # with the token in flight
+        return (max_tokens is None or num_output < max_tokens) and seq.num_tokens + 1 < self.max_model_len
+
+    def _has_tokens_in_flight(self, group: SequenceGroup) -> bool:
+        return any(seq.seq_id in self._ahead for seq in group.seqs_with(SequenceStatus.RUNNING))
+
+    def _computed_after_flight(self, seq: Sequence) -> int:
+        """Tokens whose KV is in the cache once the plan in flight ran."""
+        return seq.num_computed_tokens + self._ahead.get(seq.seq_id, 0)
+
+    def _num_tokens_after_flight(self, seq: Sequence) -> int:
+        """With the token a sequence scheduled ahead draws in the plan in flight (PENDING_TOKEN)."""
+        return seq.num_tokens + (seq.seq_id in self._ahead)
 
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> bool:
         queue = list(self.running)
@@ -267,12 +325,22 @@ class Scheduler:
             group = queue.pop(0)
             try:
                 seqs = group.seqs_with(SequenceStatus.RUNNING)
-                num_new = self._chunk_sizes(seqs, budget)
-                if num_new is None:  # out of budget this step; stays running, unscheduled
+                num_new = None if self._awaits_result(group) else self._chunk_sizes(seqs, budget)
+                if num_new is None:  # out of budget this step, or waiting for a result; stays running
                     self.running.append(group)
                     continue
                 while not self._can_grow(seqs, num_new):
-                    victim = queue.pop() if queue else group
+                    victim = queue[-1] if queue else group
+                    if self._has_tokens_in_flight(victim):
+                        # preempting it now would drop the token it draws: this group and every
+                        # later one (the victims to come) sit this plan out, so the next one, made
+                        # once their results are in, preempts as the serial loop does
+                        self.running += [group, *queue]
+                        queue.clear()
+                        preempted = True  # nothing swapped or waiting takes the blocks it waits for
+                        break
+                    if queue:
+                        queue.pop()
                     self._preempt_or_fail(victim, plan)
                     preempted = True
                     if victim is group:
@@ -366,7 +434,7 @@ class Scheduler:
         """
         num_new, tokens_left = [], budget.tokens
         for i, seq in enumerate(seqs):
-            remaining = seq.num_tokens - max(seq.num_computed_tokens, hits[i] if hits else 0)
+            remaining = self._num_tokens_after_flight(seq) - max(self._computed_after_flight(seq), hits[i] if hits else 0)
             n = max(min(remaining, tokens_left), 0)
             num_new.append(n)
             tokens_left -= n
@@ -375,14 +443,14 @@ class Scheduler:
     def _can_grow(self, seqs: list[Sequence], num_new: list[int]) -> bool:
         needed = 0
         for seq, n in zip(seqs, num_new):
-            extra = seq.num_computed_tokens + n - self.block_manager.num_slots[seq.seq_id]
+            extra = self._computed_after_flight(seq) + n - self.block_manager.num_slots[seq.seq_id]
             if extra > 0:
                 needed += self.block_manager.blocks_to_append(seq.seq_id, extra)
         return needed <= self.block_manager.num_free_blocks
 
     def _grow(self, seqs: list[Sequence], num_new: list[int], plan: StepPlan) -> None:
         for seq, n in zip(seqs, num_new):
-            extra = seq.num_computed_tokens + n - self.block_manager.num_slots[seq.seq_id]
+            extra = self._computed_after_flight(seq) + n - self.block_manager.num_slots[seq.seq_id]
             if extra > 0:
                 appended = self.block_manager.append_slot(seq.seq_id, extra)
                 if appended.copy_on_write is not None:
@@ -435,8 +503,9 @@ class Scheduler:
             num_samples = self._num_samples_of(seq)
             if seq.seq_id in self._held_by_workers:
                 first_new = seq.num_sent_blocks
+                last_token_id = PENDING_TOKEN if seq.seq_id in self._ahead else seq.last_token_id
                 plan.cached_seqs.append(CachedSequence(
-                    seq.seq_id, table[first_new:], first_new, n, seq.last_token_id, num_samples,
+                    seq.seq_id, table[first_new:], first_new, n, last_token_id, num_samples,
                 ))
             else:
                 plan.new_seqs.append(NewSequence(
@@ -445,8 +514,8 @@ class Scheduler:
                 ))
                 self._held_by_workers.add(seq.seq_id)
             seq.num_sent_blocks = len(table)
-            self._scheduled[seq.seq_id] = n
-            self._planned_samples[seq.seq_id] = num_samples
+            self._planning.scheduled[seq.seq_id] = n
+            self._planning.samples[seq.seq_id] = num_samples
             budget.tokens -= n
 
     def _num_samples_of(self, seq: Sequence) -> int:
@@ -458,22 +527,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestOutput]:
-        """Apply a step's sampled tokens; returns what each touched request gained."""
-        if result.step != self.step or result.epoch != self.epoch:
-            raise ValueError(f"result for step {result.step}/{result.epoch}, expected {self.step}/{self.epoch}")
+        """Apply a step's sampled tokens (results in plan order); returns what each touched request gained.
+
+        A sequence that ended or was aborted while a later plan computes a token for it was freed
+        at once: only plans made from now on can hand its blocks out again, and the worker runs
+        them after the plans in flight (plans run in order), so none reads or writes a block that
+        plan still writes. Its KV is registered for prefix caching only once confirmed here, so the
+        vain token (never in a full block whose tokens were known) is never a cache entry."""
+        if not self._in_flight:
+            raise ValueError(f"result for step {result.step}/{result.epoch}, but no plan awaits one")
+        expected = self._in_flight[0].step
+        if result.step != expected or result.epoch != self.epoch:
+            raise ValueError(f"result for step {result.step}/{result.epoch}, expected {expected}/{self.epoch}")
         if result.error:
             raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
+        done = self._in_flight.popleft()
         bm = self.block_manager
         block_size = bm.block_size
-        for seq_id, n in self._scheduled.items():
+        for seq_id, n in done.scheduled.items():
             seq = self._seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += n
                 filled_a_block = seq.num_computed_tokens // block_size > (seq.num_computed_tokens - n) // block_size
                 if bm.enable_prefix_caching and filled_a_block:
                     bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
-        self._scheduled = {}
-        planned_samples, self._planned_samples = self._planned_samples, {}
+        planned_samples = done.samples
         samples: dict[int, list[SampledToken]] = {}
         for sampled in result.sampled:
             samples.setdefault(sampled.seq_id, []).append(sampled)

@@ -3,6 +3,9 @@
     loop: aborts ─▶ new requests (a dead scheduler's first) ─▶ schedule ─▶ plan to every rank
           ─▶ rank 0's result ─▶ update ─▶ events to each request's reply stream ─▶ XACK those that ended
 
+With async scheduling (the default) plan N+1 is sent before N's result is gathered, so the
+workers go from one plan to the next without waiting on this process (scheduler/scheduler.py).
+
 This module owns the worker group's life and the step; scheduler/request_stream.py owns the Redis
 side (reads, claims, takeover, the outbox of events).
 
@@ -23,12 +26,13 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 
 import redis
 
 from common.admission import AdmissionLimits
 from common.config import EngineConfig, ServingConfig
-from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, WorkerHello, encode
+from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, StepPlan, WorkerHello, encode
 from common.transport import WorkerLink
 from scheduler.request_stream import IDLE_BLOCK_MS, Arrival, RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
@@ -53,6 +57,7 @@ class SchedulerServer:
         self.drain_deadline: float | None = None  # set by SIGTERM
         self._drain_logged = False
         self._last_status = 0.0
+        self._in_flight: deque[StepPlan] = deque()  # plans sent, oldest first
 
     # ------------------------------------------------------------------ lifecycle
     def serve_forever(self) -> None:
@@ -96,6 +101,10 @@ class SchedulerServer:
         if self.stream.maintain_due():
             for request_id in self.stream.maintain(draining=self.drain_deadline is not None):
                 self.scheduler.abort_request(request_id)
+        if self._in_flight and not self.scheduler.has_unfinished_requests():  # every request aborted
+            self._settle()
+            if self.scheduler is None:
+                return
         busy = self.scheduler.has_unfinished_requests()
         if not busy:
             self.link.drain()
@@ -157,6 +166,7 @@ class SchedulerServer:
         """The workers' KV state is lost: every request this group holds ends with an error."""
         log.error("%s; failing %d request(s) and waiting for workers", message, len(self.stream.tracked))
         self.scheduler = None
+        self._in_flight.clear()  # their results, if any come, are of the old epoch: dropped
         if self.link.generation == self.group_generation:  # else the link already took on new ranks
             self.link.forget_workers()
         self.epoch = (self.epoch + 1) % (1 << 31)
@@ -187,9 +197,32 @@ class SchedulerServer:
 
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
-        plan = self.scheduler.schedule()
+        """Send the next plan, then take the oldest result. Once no request is left, the plan
+        still in flight is gathered too (an idle link drops stale frames)."""
+        s = self.scheduler
+        if not self._in_flight:
+            self._send(s.schedule())
+        if self.engine_config.async_scheduling:
+            self._send(s.schedule())  # planned while the workers run the plan before it
+        oldest = self._in_flight[0]
+        if self._collect() and not s.has_unfinished_requests():
+            self._settle()
+        if not any(p.new_seqs or p.cached_seqs for p in (oldest, *self._in_flight)):
+            time.sleep(0.001)  # nothing fits yet
+
+    def _settle(self) -> None:
+        """Apply the results of every plan in flight (before an idle link drops them as stale)."""
+        while self._in_flight and self._collect():
+            pass
+
+    def _send(self, plan: StepPlan) -> None:
         self._fail_isolated()
         self.link.send_plan(plan)  # even an empty plan: it carries the ids workers must drop
+        self._in_flight.append(plan)
+
+    def _collect(self) -> bool:
+        """Gather and apply the oldest plan's result; False when that failed the group."""
+        plan = self._in_flight.popleft()
         result = self.link.gather(plan, self.serving.step_timeout_s, on_wait=self._heartbeats)
         if result is None or result.error:
             if result is not None:
@@ -201,16 +234,15 @@ class SchedulerServer:
             else:
                 reason = f"no result within {self.serving.step_timeout_s:g} s"
             self._fail_group(f"the worker failed: {reason}")
-            return
+            return False
         try:
             outputs = self.scheduler.update(result)
         except (ValueError, RuntimeError) as exc:  # the result breaks the contract: the state is unsure
             self._fail_group(f"the worker's result was invalid: {exc}")
-            return
+            return False
         self._fail_isolated()
         self.stream.emit(outputs)
-        if not (plan.new_seqs or plan.cached_seqs):
-            time.sleep(0.001)  # nothing fits yet
+        return True
 
     def _fail_isolated(self) -> None:
         """Requests whose scheduling or update raised: each ends with an error, alone."""

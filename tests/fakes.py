@@ -52,4 +52,5 @@ class FakeExecutor:
             for _ in range(s.num_samples):
                 token = self.token_fn(s.seq_id, s.held.token_ids, s.held.num_prompt_tokens)
                 result.sampled.append(SampledToken(s.seq_id, token, -0.25, [[token, -0.25]]))
+        self.state.record_sampled(result.sampled)
         return result

@@ -65,7 +65,7 @@ def assert_no_block_held(scheduler: Scheduler) -> None:
 
 
 def test_aborting_one_sample_frees_its_blocks_and_the_others_go_on(tiny_llm):
-    tiny_llm.reset()
+    tiny_llm.reset(async_scheduling=False)  # it schedules and updates by hand between engine steps
     scheduler, engine = tiny_llm.scheduler, tiny_llm.engine
     prompt = random_prompt(5, 2 * BLOCK_SIZE + 3)  # two full blocks and a partial one
     scheduler.add_request("r", prompt, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True))
@@ -125,7 +125,9 @@ def test_a_sample_aborted_while_its_group_is_preempted_stays_out(tiny_llm, mode)
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=30, ignore_eos=True)
     tiny_llm.reset()
     alone = tiny_llm.generate([prompt], params, use_tqdm=False)[0].outputs
-    tiny_llm.reset(num_gpu_blocks=21, num_cpu_blocks=32, preemption_mode=mode)
+    # the serial loop: the pool is sized so that it preempts the group; planning ahead, the
+    # scheduler knows the first request ends at its max_tokens and the group waits a step instead
+    tiny_llm.reset(num_gpu_blocks=21, num_cpu_blocks=32, preemption_mode=mode, async_scheduling=False)
     scheduler, engine = tiny_llm.scheduler, tiny_llm.engine
     scheduler.add_request("first", random_prompt(9, 20), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     scheduler.add_request("group", prompt, params)
@@ -241,8 +243,9 @@ class InProcessStack:
 @pytest.fixture(scope="module")
 def stack(tiny_dir):
     redis_server = RedisServer().start()
+    # the serial loop: ObservedWorker reads the scheduler's state while it waits for the result
     config = EngineConfig(model=str(tiny_dir), device="cpu", block_size=BLOCK_SIZE, num_gpu_blocks=64,
-                          num_cpu_blocks=16)
+                          num_cpu_blocks=16, async_scheduling=False)
     from worker.executor import Executor
 
     executor = Executor(config)

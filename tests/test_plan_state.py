@@ -99,7 +99,8 @@ def test_a_plan_a_worker_cannot_run_is_a_protocol_error(bad, match):
 
 
 def make_engine(**config) -> LLMEngine:
-    config = EngineConfig(**{"block_size": 8, "enable_prefix_caching": False, **config})
+    # the serial loop, whose plans these tests read step by step
+    config = EngineConfig(**{"block_size": 8, "enable_prefix_caching": False, "async_scheduling": False, **config})
     scheduler = Scheduler(config, num_gpu_blocks=64, max_model_len=256, eos_token_ids=[2])
     return LLMEngine(scheduler, FakeExecutor(config.block_size, forks=True), wire=True)
 

@@ -21,8 +21,10 @@ def make_engine(
     num_gpu_blocks: int = 64, max_model_len: int = 1024, wire: bool = False, token_fn=None, num_cpu_blocks: int = 0,
     costs: PreemptionCosts = PreemptionCosts(), **config
 ) -> LLMEngine:
-    """Prefix caching is off unless asked for: these prompts share prefixes by construction."""
-    config = EngineConfig(**{"block_size": 16, "enable_prefix_caching": False, **config})
+    """Prefix caching is off unless asked for: these prompts share prefixes by construction.
+    Async scheduling too: these tests read the serial loop's plans step by step
+    (tests/test_async_scheduling.py holds the overlapped loop to the same outputs)."""
+    config = EngineConfig(**{"block_size": 16, "enable_prefix_caching": False, "async_scheduling": False, **config})
     scheduler = Scheduler(config, num_gpu_blocks, max_model_len, [EOS], num_cpu_blocks, costs)
     return LLMEngine(scheduler, FakeExecutor(config.block_size, token_fn), wire=wire)
 

@@ -18,7 +18,7 @@ import scheduler.request_stream as request_stream
 from common import streams
 from common.config import EngineConfig, ServingConfig
 from common.protocol import (
-    GenerateRequest, HeldRequests, RequestEvent, SamplingParams, SchedulerStatus, StepPlan, StepResult,
+    PENDING_TOKEN, GenerateRequest, HeldRequests, RequestEvent, SamplingParams, SchedulerStatus, StepPlan, StepResult,
     WorkerHello, decode, encode,
 )
 from common.redis_server import RedisServer, free_port
@@ -69,7 +69,7 @@ class FakeWorker:
         link = SchedulerLink(self.address)
         try:
             self._say_hello(link)
-            epoch, idle_since = None, time.monotonic()
+            epoch, failed_epoch, idle_since = None, None, time.monotonic()
             while not self._stop and self.mode != "exit":
                 if self.mode == "hang":
                     time.sleep(0.01)
@@ -91,13 +91,17 @@ class FakeWorker:
                 if self.mode == "boom":
                     self.mode = "serve"
                     self.executor.reset()
+                    failed_epoch = plan.epoch
                     result = StepResult(plan.step, plan.epoch, error="boom")
+                elif plan.epoch == failed_epoch:  # as worker/server.py: sent before the scheduler saw it
+                    result = StepResult(plan.step, plan.epoch, error="an earlier step of this epoch failed")
                 else:
                     try:
                         result = self.executor.execute(plan)
                     except Exception as exc:  # noqa: BLE001 - reported to the test and the scheduler
                         self.failures.append(f"step {plan.step}: {type(exc).__name__}: {exc}")
                         self.executor.reset()
+                        failed_epoch = plan.epoch
                         result = StepResult(plan.step, plan.epoch, error=f"fake executor: {exc}")
                 link.send_result(result)
                 idle_since = time.monotonic()
@@ -291,6 +295,23 @@ def test_a_request_streams_exactly_max_tokens_then_is_acked_and_deleted(harness)
         SCHEDULER_ID, "fake-model", MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS,
     )
     assert harness.server.scheduler.block_manager.num_free_blocks == NUM_BLOCKS - 1
+
+
+def test_the_overlapped_loop_plans_each_step_before_the_last_result_with_the_same_tokens(harness):
+    """Async scheduling (the default): a plan made while its predecessor's result was outstanding
+    continues a sequence with PENDING_TOKEN, which the worker resolves; the tokens are unchanged."""
+    worker = harness.worker(step_delay_s=0.005)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=12)
+    harness.submit("b", prompt(20, start=500), max_tokens=5, logprobs=1)
+    done = harness.wait_finished("a", "b")
+    assert tokens(done["a"]) == expected_output(0, 10, 12)
+    assert tokens(done["b"]) == expected_output(1, 20, 5)
+    pending = [c.seq_id for plan in worker.plans for c in plan.cached_seqs if c.last_token_id == PENDING_TOKEN]
+    assert pending.count(0) >= 9 and pending.count(1) >= 2
+    assert [plan.step for plan in worker.plans] == list(range(1, len(worker.plans) + 1))  # in order, none lost
+    harness.assert_nothing_held()
+    harness.wait_until(lambda: harness.server.scheduler.num_in_flight == 0, 2.0, "the last plan's result to be applied")
 
 
 def test_the_scheduler_follows_the_workers_block_size(harness):

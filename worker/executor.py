@@ -70,6 +70,7 @@ class Executor:
             for _ in range(s.num_samples):
                 result.sampled.append(SampledToken(s.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
                 i += 1
+        self.state.record_sampled(result.sampled)  # what a PENDING_TOKEN of the next plan stands for
         return result
 
     def _count_tokens(self, plan: StepPlan, scheduled: list[ScheduledSequence]) -> None:

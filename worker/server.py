@@ -1,4 +1,9 @@
-"""The worker process: the offline engine's Executor behind a ZeroMQ link to its scheduler."""
+"""The worker process: the offline engine's Executor behind a ZeroMQ link to its scheduler.
+
+Plans run one at a time in the order they arrive, and each result is sent before the next plan
+is read: with async scheduling the next plan is usually queued already, so the worker never waits
+on the scheduler; a plan whose step failed fails the plans of its epoch already on their way.
+"""
 from __future__ import annotations
 
 import logging
@@ -33,7 +38,7 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, he
     link.hello(hello)
     log.info("worker %d ready: %d KV blocks on %s; scheduler at %s", rank, hello.num_gpu_blocks, hello.device,
              serving.zmq_address)
-    epoch, idle_since = None, time.monotonic()
+    epoch, failed_epoch, idle_since = None, None, time.monotonic()
     try:
         while not stopping:
             plan = link.recv_plan(timeout_ms=200)  # None also for a malformed frame (logged, dropped)
@@ -48,10 +53,14 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, he
                 executor.reset()
                 epoch = plan.epoch
             try:
-                result = executor.execute(plan)
+                if plan.epoch == failed_epoch:  # sent before the scheduler saw the failure
+                    result = StepResult(plan.step, plan.epoch, error="an earlier step of this epoch failed")
+                else:
+                    result = executor.execute(plan)
             except Exception as exc:  # reported to the scheduler, which fails the group's requests
                 log.exception("step %d failed", plan.step)
                 executor.reset()
+                failed_epoch = plan.epoch
                 result = StepResult(plan.step, plan.epoch, error=f"{type(exc).__name__}: {exc}")
             if heartbeat:
                 heartbeat.step_started = None

@@ -72,6 +72,7 @@ class TraceExecutor:
         self.state.check_unshared()
         self.last_batch = len(scheduled)
         sampled = [SampledToken(s.seq_id, self.token_id, 0.0) for s in scheduled for _ in range(s.num_samples)]
+        self.state.record_sampled(sampled)
         return StepResult(plan.step, plan.epoch, sampled)
 
 
@@ -136,6 +137,7 @@ def replay(
         block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, allocator=allocator,
         enable_prefix_caching=False,  # as in the paper: the allocators alone
+        async_scheduling=False,  # and serial steps (no slot allocated ahead for a token in flight)
     )
     scheduler = Scheduler(config, num_blocks, max_model_len, EOS_TOKEN_IDS)
     executor = TraceExecutor(block_size)
@@ -207,7 +209,8 @@ def measure_sharing(llm, pairs, max_tokens: int, cases: tuple[str, ...] = SHARIN
     results = {}
     for case in cases:
         kind, _, k = case.partition("-")
-        llm.reset(enable_prefix_caching=kind == "prefix")
+        # serial steps: a block allocated ahead for a token in flight would count as held
+        llm.reset(enable_prefix_caching=kind == "prefix", async_scheduling=False)
         engine = llm.engine
         prefix = [t for p in pairs[:8] for t in p.prompt_token_ids][:400] if kind == "prefix" else []
         if prefix:

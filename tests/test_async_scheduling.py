@@ -1,0 +1,487 @@
+"""Async scheduling: plan N+1 is made while step N runs, and the outputs are the serial loop's.
+
+The first part drives the Scheduler through LLMEngine with tests/fakes.py's executor (exact plans,
+PENDING_TOKEN resolution, the one wasted token, and a hypothesis model of random workloads that
+leaks no block in either mode); the second runs the real Executor on a tiny random Llama and
+compares every output (token ids, logprobs, finish reasons) with the serial loop's; the last
+runs the overlapped SchedulerServer loop against a real worker process.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common import streams
+from common.config import EngineConfig
+from common.plan_state import PlanState
+from common.protocol import (
+    PENDING_TOKEN, CachedSequence, GenerateRequest, NewSequence, ProtocolError, RequestEvent, SampledToken,
+    SamplingParams, StepPlan, decode, encode,
+)
+from common.redis_server import RedisServer, free_port
+from scheduler.engine import LLMEngine
+from scheduler.scheduler import RequestRejected, Scheduler
+from tests.conftest import ROOT
+from tests.fakes import FakeExecutor, token_for
+
+EOS = 2
+BLOCK_SIZE = 8
+
+
+def make_engine(async_scheduling: bool = True, num_gpu_blocks: int = 64, num_cpu_blocks: int = 0, token_fn=None,
+                forks: bool = False, max_model_len: int = 256, **config) -> LLMEngine:
+    config = EngineConfig(**{"block_size": BLOCK_SIZE, "enable_prefix_caching": False,
+                             "async_scheduling": async_scheduling, **config})
+    scheduler = Scheduler(config, num_gpu_blocks, max_model_len, [EOS], num_cpu_blocks)
+    return LLMEngine(scheduler, FakeExecutor(BLOCK_SIZE, token_fn, forks=forks), wire=True)
+
+
+def params(**kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, **kwargs})
+
+
+def run(engine: LLMEngine) -> dict[str, tuple[list[int], str]]:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
+        engine.scheduler.block_manager.check_integrity()
+    assert engine.scheduler.num_in_flight == 0
+    return done
+
+
+def computed_tokens(engine: LLMEngine, seq_id: int) -> int:
+    """Tokens the worker computed for the sequence over every plan."""
+    return sum(s.num_scheduled_tokens for p in engine.executor.plans for s in p.new_seqs + p.cached_seqs
+               if s.seq_id == seq_id)
+
+
+def eos_at(index: int):
+    """A fake model that draws EOS as output token `index` (0-based), 50 before."""
+    return lambda seq_id, tokens, num_prompt: EOS if len(tokens) - num_prompt == index else 50
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def test_decodes_are_planned_ahead_with_the_pending_token_and_max_tokens_costs_no_wasted_token():
+    engine = make_engine()
+    prompt = list(range(100, 105))
+    engine.add_request("a", prompt, params(max_tokens=6))
+    [out] = engine.step()
+    assert out.outputs[0].token_ids == [token_for(0, 5)]
+    assert engine.scheduler.num_in_flight == 1
+    assert engine.executor.seqs[0].token_ids == prompt + [token_for(0, 5)]  # the worker fed its own token
+    assert run(engine) == {"a": ([token_for(0, n) for n in range(5, 11)], "length")}
+    plans = engine.executor.plans
+    assert plans[0].new_seqs == [NewSequence(0, prompt, [], [1], 0, 5, params(max_tokens=6), 1)]
+    # plan k computes slot k + 3 with the token drawn in plan k - 1, planned before it was known
+    assert [p.cached_seqs for p in plans[1:6]] == [
+        [CachedSequence(0, [], 1, 1, PENDING_TOKEN, 1)], [CachedSequence(0, [], 1, 1, PENDING_TOKEN, 1)],
+        [CachedSequence(0, [], 1, 1, PENDING_TOKEN, 1)], [CachedSequence(0, [2], 1, 1, PENDING_TOKEN, 1)],
+        [CachedSequence(0, [], 2, 1, PENDING_TOKEN, 1)],
+    ]
+    # the sixth token is its max_tokens: nothing is planned past it, the last plan is empty
+    assert plans[6] == StepPlan(7, 0)
+    assert computed_tokens(engine, 0) == 5 + 5  # the serial loop's count: no token in vain
+
+
+def test_a_stop_costs_one_wasted_token_and_its_blocks_are_dropped_by_the_next_plan():
+    serial = make_engine(async_scheduling=False, token_fn=eos_at(2))
+    engine = make_engine(token_fn=eos_at(2))
+    for e in (serial, engine):
+        e.add_request("a", list(range(100, 105)), params(max_tokens=50))
+        e.add_request("b", list(range(200, 203)), params(max_tokens=12, ignore_eos=True))
+    assert run(engine) == run(serial) == {"a": ([50, 50, EOS], "stop"), "b": ([50, 50, 2] + [50] * 9, "length")}
+    assert computed_tokens(serial, 0) == 5 + 2
+    assert computed_tokens(engine, 0) == 5 + 3  # EOS fed once in vain, in the plan made before it was seen
+    assert computed_tokens(engine, 1) == computed_tokens(serial, 1) == 3 + 11
+    plans = engine.executor.plans
+    vain = max(i for i, p in enumerate(plans) if any(s.seq_id == 0 for s in p.cached_seqs))
+    assert plans[vain].cached_seqs[0] == CachedSequence(0, [], 1, 1, PENDING_TOKEN, 1)
+    # freed when the EOS arrived, after the vain plan was made: the next plan drops it
+    assert plans[vain + 1].finished_seq_ids == [0]
+    assert all(0 not in p.finished_seq_ids for p in plans[:vain + 1])
+    bm = engine.scheduler.block_manager
+    assert not bm.block_tables and bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_a_group_whose_next_step_depends_on_the_result_waits_for_it():
+    """best_of draws its first token 3 times and forks: nothing of the group is planned ahead of it;
+    a prompt chunk that is not the last is not either."""
+    engine = make_engine(forks=True, max_num_batched_tokens=4)
+    engine.add_request("r", list(range(100, 106)), SamplingParams(temperature=1.0, best_of=3, max_tokens=3,
+                                                                   ignore_eos=True))
+    run(engine)
+    per_plan = [{s.seq_id: (s.num_scheduled_tokens, getattr(s, "last_token_id", None), s.num_samples)
+                 for s in p.new_seqs + p.cached_seqs} for p in engine.executor.plans]
+    assert per_plan[:4] == [
+        {0: (4, None, 3)},  # a chunk
+        {},  # the last chunk waits for the first: it is not planned ahead
+        {0: (2, 105, 3)},  # the last chunk draws 3 ...
+        {},  # ... and the group waits for them to fork
+    ]
+    assert per_plan[4] == {1: (1, None, 1), 2: (1, None, 1), 0: (1, token_for(0, 6), 1)}
+    assert per_plan[5] == {0: (1, PENDING_TOKEN, 1), 1: (1, PENDING_TOKEN, 1), 2: (1, PENDING_TOKEN, 1)}
+
+
+def test_a_pending_token_for_a_sequence_the_worker_did_not_sample_is_a_protocol_error():
+    state = PlanState(block_size=4)
+    params_ = params(max_tokens=8)
+    state.apply(StepPlan(1, 0, [NewSequence(0, [5, 6], [], [1], 0, 2, params_), NewSequence(1, [7], [], [2], 0, 1, params_)]))
+    state.record_sampled([SampledToken(0, 9, -0.5), SampledToken(1, 10, -0.5), SampledToken(1, 11, -0.5)])
+    [s] = state.apply(StepPlan(2, 0, cached_seqs=[CachedSequence(0, [], 1, 1, PENDING_TOKEN)]))
+    assert s.held.token_ids == [5, 6, 9]
+    with pytest.raises(ProtocolError, match="pending token"):  # it sampled in step 1, not in step 2
+        state.apply(StepPlan(3, 0, cached_seqs=[CachedSequence(1, [], 1, 1, PENDING_TOKEN)]))
+    state.apply(StepPlan(3, 0, [NewSequence(3, [7], [], [3], 0, 1, params_)]))
+    state.record_sampled([SampledToken(3, 10, -0.5), SampledToken(3, 11, -0.5)])  # two draws: a fork
+    with pytest.raises(ProtocolError, match="pending token"):
+        state.apply(StepPlan(4, 0, cached_seqs=[CachedSequence(3, [], 1, 1, PENDING_TOKEN)]))
+
+
+def test_an_abort_while_two_plans_are_in_flight_frees_the_blocks_and_the_results_are_dropped():
+    engine = make_engine()
+    s, executor = engine.scheduler, engine.executor
+    s.add_request("a", list(range(100, 110)), params(max_tokens=20))
+    s.add_request("b", list(range(200, 207)), params(max_tokens=20))
+    first = executor.execute(s.schedule())
+    second = executor.execute(s.schedule())  # planned while the first runs
+    assert [(c.seq_id, c.last_token_id) for c in executor.plans[1].cached_seqs] == [(0, PENDING_TOKEN), (1, PENDING_TOKEN)]
+    assert s.num_in_flight == 2
+    assert s.abort_request("a")
+    s.block_manager.check_integrity()
+    assert 0 not in s.block_manager.block_tables
+    assert [(o.request_id, o.outputs[0].token_ids) for o in s.update(first)] == [("b", [token_for(1, 7)])]
+    plan = s.schedule()  # made after the abort: the worker drops the sequence before any reuse
+    assert plan.finished_seq_ids == [0] and [c.seq_id for c in plan.cached_seqs] == [1]
+    third = executor.execute(plan)
+    assert [o.request_id for o in s.update(second)] == ["b"]  # the token drawn for "a" is dropped
+    assert [o.outputs[0].token_ids for o in s.update(third)] == [[token_for(1, n) for n in (7, 8, 9)]]
+    assert 0 not in executor.seqs
+
+
+# ----------------------------------------------------------------------------- random workloads
+
+
+def workload_token(seq_id: int, tokens: list[int], num_prompt: int) -> int:
+    """Of the tokens only (a fork's seq id depends on when it was made): EOS now and then."""
+    return (tokens[-1] * 31 + len(tokens) * 17) % 41 + 2
+
+
+request_st = st.tuples(
+    st.integers(1, 30), st.integers(1, 14), st.integers(1, 3), st.integers(0, 1), st.booleans(), st.integers(0, 12),
+)  # prompt length, max_tokens, n, best_of - n, ignore_eos, arrival step
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(request_st, min_size=1, max_size=10),
+    aborts=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 40)), max_size=3),
+    num_gpu_blocks=st.integers(8, 24), num_cpu_blocks=st.sampled_from([0, 24]),
+    mode=st.sampled_from(["swap", "recompute", "auto"]), budget=st.integers(8, 48),
+    prefix_caching=st.booleans(),
+)
+def test_random_workloads_leak_no_block_and_give_the_serial_outputs(
+    requests, aborts, num_gpu_blocks, num_cpu_blocks, mode, budget, prefix_caching,
+):
+    results, aborted = {}, set()
+    for async_scheduling in (False, True):
+        engine = make_engine(async_scheduling, num_gpu_blocks, num_cpu_blocks, workload_token, forks=True,
+                             max_model_len=48, preemption_mode=mode, max_num_batched_tokens=budget, max_num_seqs=6,
+                             enable_prefix_caching=prefix_caching)
+        results[async_scheduling] = run_workload(engine, requests, aborts, aborted)
+    # an abort lands at another point of a request in each mode (or after it ended in one)
+    assert ({rid: out for rid, out in results[True].items() if rid not in aborted}
+            == {rid: out for rid, out in results[False].items() if rid not in aborted})
+
+
+def run_workload(engine: LLMEngine, requests, aborts, aborted: set[str]) -> dict[str, list]:
+    s, bm = engine.scheduler, engine.scheduler.block_manager
+    done, step = {}, 0
+    while step < 3000:
+        for i, (length, max_tokens, n, extra, ignore_eos, arrival) in enumerate(requests):
+            if arrival == step:
+                p = SamplingParams(temperature=1.0, seed=i, n=n, best_of=n + extra, max_tokens=max_tokens,
+                                   ignore_eos=ignore_eos)
+                try:
+                    engine.add_request(f"r{i}", [(i * 13 + k) % 500 + 3 for k in range(length)], p)
+                except RequestRejected:
+                    done[f"r{i}"] = "rejected"
+        for i, at in aborts:
+            if at == step and engine.abort_request(f"r{i}"):
+                aborted.add(f"r{i}")
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = [(list(o.token_ids), o.finish_reason) for o in out.outputs]
+        bm.check_integrity()
+        step += 1
+        if step > 13 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests() and s.num_in_flight == 0
+    assert not bm.block_tables and not bm.cpu_tables and not any(bm.ref_counts)
+    assert bm.num_free_blocks == bm.num_total_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks
+    return done
+
+
+# ----------------------------------------------------------------------------- the real Executor, tiny Llama
+
+
+class Recording:
+    """The Executor, counting the PENDING_TOKENs it resolved and the tokens it computed."""
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self.num_pending = 0
+        self.num_tokens = 0
+
+    def execute(self, plan):
+        self.num_pending += sum(c.last_token_id == PENDING_TOKEN for c in plan.cached_seqs)
+        self.num_tokens += plan.num_scheduled_tokens
+        return self.executor.execute(plan)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny):
+    from pagoda.offline import LLM
+
+    return LLM(str(tiny[0]), skip_tokenizer_init=True, device="cpu", block_size=8, num_gpu_blocks=512,
+               num_cpu_blocks=256)
+
+
+def generate(llm, prompts, params_, async_scheduling: bool, **changes) -> tuple[list, Recording]:
+    llm.reset(async_scheduling=async_scheduling, **changes)
+    recording = llm.engine.executor = Recording(llm.executor)
+    outputs = llm.generate(prompts, params_, use_tqdm=False)
+    bm = llm.scheduler.block_manager
+    bm.check_integrity()
+    assert not bm.block_tables and not bm.cpu_tables
+    samples = [[(s.token_ids, s.cumulative_logprob, s.logprobs, s.finish_reason) for s in o.outputs] for o in outputs]
+    return samples, recording
+
+
+def assert_same_as_serial(llm, prompts, params_, logprob_tol: float = 0.0, **changes) -> tuple[list, Recording, Recording]:
+    """`logprob_tol`: where a step waits for a result, the batches differ from the serial loop's,
+    and a CPU matmul's rounding depends on the batch: the logprobs agree to float32 noise."""
+    serial, serial_rec = generate(llm, prompts, params_, False, **changes)
+    overlapped, rec = generate(llm, prompts, params_, True, **changes)
+    if logprob_tol:
+        assert [[(s[0], s[3]) for s in out] for out in overlapped] == [[(s[0], s[3]) for s in out] for out in serial]
+        assert [lp[0] for out in overlapped for s in out for lp in s[2]] == pytest.approx(
+            [lp[0] for out in serial for s in out for lp in s[2]], abs=logprob_tol)
+    else:
+        assert overlapped == serial
+    assert serial_rec.num_pending == 0 and rec.num_pending > 0
+    return serial, serial_rec, rec
+
+
+def prompts_of(seed: int, lengths) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+PROMPTS = prompts_of(0, (5, 17, 33, 9, 64))
+
+
+def test_greedy_with_logprobs_equals_the_serial_loop_and_computes_no_extra_token(tiny_llm):
+    _, serial, overlapped = assert_same_as_serial(
+        tiny_llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3))
+    assert overlapped.num_tokens == serial.num_tokens  # every request ends at its max_tokens: known ahead
+
+
+def test_stop_tokens_equal_the_serial_loop_and_cost_at_most_one_token_each(tiny_llm):
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    free_run, _ = generate(tiny_llm, PROMPTS, greedy, False)
+    stops = sorted({out[0][0][4] for out in free_run})  # each prompt's fifth token
+    outputs, serial, overlapped = assert_same_as_serial(
+        tiny_llm, PROMPTS, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=stops, logprobs=1))
+    num_stopped = sum(out[0][3] == "stop" for out in outputs)
+    assert num_stopped == len(PROMPTS)
+    assert serial.num_tokens < overlapped.num_tokens <= serial.num_tokens + num_stopped
+
+
+def test_seeded_samples_n_and_best_of_equal_the_serial_loop(tiny_llm):
+    for p in (SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=3, max_tokens=10, logprobs=2),
+              SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, best_of=4, max_tokens=8, logprobs=1),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=10, presence_penalty=0.5, frequency_penalty=0.5)):
+        assert_same_as_serial(tiny_llm, PROMPTS[:3], p)
+
+
+def test_beam_search_equals_the_serial_loop(tiny_llm):
+    """Beams wait for every result (each step forks and frees them): nothing of them runs ahead."""
+    p = SamplingParams(temperature=0, max_tokens=8, beam_width=3, n=2)
+    serial, serial_rec = generate(tiny_llm, PROMPTS[:3], p, False)
+    overlapped, rec = generate(tiny_llm, PROMPTS[:3], p, True)
+    assert overlapped == serial and rec.num_pending == 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_with_a_tiny_pool_equals_the_serial_loop(tiny_llm, mode):
+    pool = {"num_gpu_blocks": 30, "num_cpu_blocks": 64, "preemption_mode": mode, "enable_prefix_caching": False}
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    assert_same_as_serial(tiny_llm, PROMPTS, greedy, **pool)
+    assert tiny_llm.scheduler.num_preemptions > 0
+    mode_count = tiny_llm.scheduler.num_swap_preemptions if mode == "swap" else tiny_llm.scheduler.num_recompute_preemptions
+    assert mode_count == tiny_llm.scheduler.num_preemptions
+    assert_same_as_serial(tiny_llm, PROMPTS[:3], SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=20,
+                                                                ignore_eos=True), **{**pool, "num_gpu_blocks": 18})
+    assert tiny_llm.scheduler.num_preemptions > 0
+
+
+def test_aborts_mid_flight_leave_the_other_requests_unchanged(tiny_llm):
+    """An abort (a disconnect) and a per-sample abort (a stop string the gateway found) land while
+    a plan computes tokens for them; the rest equals the serial run without them."""
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    expected, _ = generate(tiny_llm, PROMPTS, greedy, False)
+    for async_scheduling in (False, True):
+        tiny_llm.reset(async_scheduling=async_scheduling)
+        engine = tiny_llm.engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True,
+                                                             n=2 if i == 1 else 1))
+        done = {}
+        for step in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            if step == 4:
+                assert engine.abort_request("r0")
+                assert not engine.scheduler.abort_sequence("r1", 1)  # sample 1 ends; sample 0 goes on
+                assert engine.scheduler.num_in_flight == (1 if async_scheduling else 0)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = [list(o.token_ids) for o in out.outputs]
+        assert "r0" not in done
+        assert done["r1"][0] == expected[1][0][0] and len(done["r1"][1]) < 14
+        assert {rid: out for rid, out in done.items() if rid != "r1"} == {
+            f"r{i}": [expected[i][0][0]] for i in range(2, len(PROMPTS))}
+        bm = tiny_llm.scheduler.block_manager
+        bm.check_integrity()
+        assert not bm.block_tables and bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_the_wire_option_sends_plans_through_the_codec_with_the_same_outputs(tiny, tiny_llm):
+    from pagoda.offline import LLM
+
+    wired = LLM(str(tiny[0]), skip_tokenizer_init=True, device="cpu", block_size=8, num_gpu_blocks=512,
+                num_cpu_blocks=256, wire=True)
+    assert wired.engine.wire and not tiny_llm.engine.wire
+    p = SamplingParams(temperature=0.8, seed=1, max_tokens=8, logprobs=2)
+    tiny_llm.reset(async_scheduling=True)
+    assert ([(o.token_ids, o.logprobs) for o in wired.generate(PROMPTS, p, use_tqdm=False)]
+            == [(o.token_ids, o.logprobs) for o in tiny_llm.generate(PROMPTS, p, use_tqdm=False)])
+
+
+# ----------------------------------------------------------------------------- real processes
+
+
+def test_the_scheduler_process_overlaps_steps_with_a_worker_process_and_gives_the_serial_outputs(tiny, tiny_llm, tmp_path):
+    """`pagoda scheduler` and `pagoda worker` as processes over ZeroMQ, requests written to Redis as
+    the gateway writes them: the tokens and logprobs equal the offline serial loop's, and the
+    scheduler's log shows no failed step."""
+    p = SamplingParams(temperature=0.8, seed=4, max_tokens=10, logprobs=1)
+    expected, _ = generate(tiny_llm, PROMPTS, p, False)
+    server = RedisServer().start()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--model", str(tiny[0]), "--device", "cpu", "--block-size", "8", "--num-gpu-blocks", "512",
+              "--zmq-address", address, "--swap-space", "0.01"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "scheduler.log"
+    with open(log, "w") as out:
+        procs = [
+            subprocess.Popen([sys.executable, "-m", "pagoda.cli", "scheduler", "--redis-url", server.url, *common],
+                             env=env, stdout=out, stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, "-m", "pagoda.cli", "worker", *common], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        ]
+    r = redis.Redis.from_url(server.url)
+    try:
+        replies = streams.reply_stream("overlap-test")
+        for i, prompt in enumerate(PROMPTS):
+            request = GenerateRequest(f"r{i}", prompt, p, replies, time.time())
+            r.xadd(streams.REQUESTS, {streams.FIELD: encode(request)})
+        got: dict[str, list] = {f"r{i}": [[], [], None] for i in range(len(PROMPTS))}
+        cursor, deadline = b"0-0", time.monotonic() + 240
+        while any(v[2] is None for v in got.values()) and time.monotonic() < deadline:
+            for _, entries in r.xread({replies: cursor}, block=500) or []:
+                for entry_id, fields in entries:
+                    cursor = entry_id
+                    event = decode(fields[streams.FIELD])
+                    assert isinstance(event, RequestEvent) and event.error is None, event
+                    tokens, logprobs, _ = got[event.request_id]
+                    tokens += event.token_ids
+                    logprobs += [tuple(lp) for lp in event.logprobs or []]
+                    got[event.request_id][2] = event.finish_reason
+        assert {rid: (v[0], v[2]) for rid, v in got.items()} == {
+            f"r{i}": (expected[i][0][0], expected[i][0][3]) for i in range(len(PROMPTS))}
+        for i in range(len(PROMPTS)):
+            assert [lp[0] for lp in got[f"r{i}"][1]] == [lp[0] for lp in expected[i][0][2]]
+        assert "failed" not in log.read_text()
+    finally:
+        r.close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+        server.stop()
+
+
+def test_a_ranks_result_for_the_next_plan_is_kept_for_the_next_gather():
+    """Two plans in flight and two ranks: rank 1 answers both before rank 0 answers the first."""
+    from common.protocol import StepResult, WorkerHello
+    from common.transport import SchedulerLink, WorkerLink
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    link = WorkerLink(address, world_size=2)
+    ranks = [SchedulerLink(address) for _ in range(2)]
+    try:
+        for rank, r in enumerate(ranks):
+            r.hello(WorkerHello(rank=rank, world_size=2, device="fake", model="fake", num_gpu_blocks=8,
+                                num_cpu_blocks=0, block_size=8, max_model_len=64, vocab_size=16, eos_token_ids=[EOS],
+                                kv_bytes_per_block=1024, host_bandwidth=1e9, prefill_tokens_per_s=1e5))
+        deadline = time.monotonic() + 10
+        while not link.ready and time.monotonic() < deadline:
+            link.poll_hello(timeout_ms=100)
+        first, second = StepPlan(1, 7), StepPlan(2, 7)
+        link.send_plan(first)
+        link.send_plan(second)
+        for plan in (first, second):
+            assert ranks[1].recv_plan(timeout_ms=2000) == plan
+            ranks[1].send_result(StepResult(plan.step, 7))
+        time.sleep(0.2)  # both of rank 1's results are queued before rank 0's first
+        for plan in (first, second):
+            assert ranks[0].recv_plan(timeout_ms=2000) == plan
+        ranks[0].send_result(StepResult(1, 7, [SampledToken(0, 5, -1.0)]))
+        assert link.gather(first, 5.0) == StepResult(1, 7, [SampledToken(0, 5, -1.0)])
+        ranks[0].send_result(StepResult(2, 7, [SampledToken(0, 6, -1.0)]))
+        assert link.gather(second, 5.0) == StepResult(2, 7, [SampledToken(0, 6, -1.0)])
+    finally:
+        for r in ranks:
+            r.close()
+        link.close()
+
+
+@pytest.mark.slow
+def test_default_model_greedy_is_the_serial_loops_with_and_without_preemption():
+    """SmolLM2 (tests/test_parity.py holds the default, overlapped loop to transformers): the serial
+    loop gives the same tokens and logprobs with a pool that fits; with one that preempts, the same
+    tokens and logprobs equal to float32 noise (the waits change the batches)."""
+    from pagoda.offline import LLM
+    from tests.prompts import PARITY_PROMPTS
+
+    llm = LLM("default", device="cpu", dtype="float32")
+    prompts = [llm.encode(p) for p in PARITY_PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=32, logprobs=1)
+    assert_same_as_serial(llm, prompts, greedy)
+    assert_same_as_serial(llm, prompts, greedy, logprob_tol=1e-4, num_gpu_blocks=28, enable_prefix_caching=False)
+    assert llm.scheduler.num_preemptions > 0
