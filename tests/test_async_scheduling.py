@@ -304,8 +304,11 @@ def test_stop_tokens_equal_the_serial_loop_and_cost_at_most_one_token_each(tiny_
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     free_run, _ = generate(tiny_llm, PROMPTS, greedy, False)
     stops = sorted({out[0][0][4] for out in free_run})  # each prompt's fifth token
+    # The wasted tokens make the overlapped batches larger than the serial loop's (another decode
+    # bucket), and a CPU matmul's float32 rounding depends on the batch: logprobs agree to noise.
     outputs, serial, overlapped = assert_same_as_serial(
-        tiny_llm, PROMPTS, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=stops, logprobs=1))
+        tiny_llm, PROMPTS, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=stops, logprobs=1),
+        logprob_tol=1e-5)
     num_stopped = sum(out[0][3] == "stop" for out in outputs)
     assert num_stopped == len(PROMPTS)
     assert serial.num_tokens < overlapped.num_tokens <= serial.num_tokens + num_stopped
