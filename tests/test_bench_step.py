@@ -1,5 +1,6 @@
 """`pagoda bench step` through the real scheduler, wire codec, executor and sampler, the forward simulated."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +140,22 @@ def test_loop_keeps_depth_plans_in_flight_and_stops_after_the_last_measured(dept
         assert scheduler.calls == ["schedule 1", "schedule 2", "update 1", "schedule 3", "update 2", "schedule 4",
                                    "update 3", "schedule 5", "update 4", "update 5"]
     assert set(loop.arrivals) == {1, 2, 3, 4, 5}
+
+
+def test_profile_dir_holds_each_threads_profile_of_the_measured_steps(tmp_path):
+    import pstats
+
+    assert main(["bench", "step", "--batch-sizes", "3", "--context-lens", "40", "--sampling", "greedy",
+                 "--simulated-forward-ms", "0", "--steps", "2", "--warmup-steps", "1", "--no-async-scheduling",
+                 "--profile-dir", str(tmp_path / "prof")]) == 0
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == [
+        "b3-c40-greedy-f0-scheduler.pstats", "b3-c40-greedy-f0-worker.pstats"]
+
+    def calls(thread: str) -> dict[str, int]:
+        stats = pstats.Stats(str(tmp_path / "prof" / f"b3-c40-greedy-f0-{thread}.pstats")).stats
+        return {f"{Path(file).name}:{name}": ncalls for (file, _, name), (_, ncalls, *_) in stats.items()}
+
+    scheduler, worker = calls("scheduler"), calls("worker")
+    assert scheduler["scheduler.py:schedule"] == 2 and scheduler["scheduler.py:update"] == 2
+    assert worker["executor.py:execute"] == 2 and worker["model_runner.py:prepare"] == 2
+    assert "executor.py:execute" not in scheduler and "scheduler.py:schedule" not in worker
