@@ -159,3 +159,17 @@ def test_profile_dir_holds_each_threads_profile_of_the_measured_steps(tmp_path):
     assert scheduler["scheduler.py:schedule"] == 2 and scheduler["scheduler.py:update"] == 2
     assert worker["executor.py:execute"] == 2 and worker["model_runner.py:prepare"] == 2
     assert "executor.py:execute" not in scheduler and "scheduler.py:schedule" not in worker
+
+
+def test_a_sampler_writing_into_the_shared_logits_fails_the_row(model_path, monkeypatch):
+    from worker.sampler import Sampler
+
+    real = Sampler.__call__
+
+    def in_place(self, logits, rows):
+        logits.div_(0.8)
+        return real(self, logits, rows)
+
+    monkeypatch.setattr(Sampler, "__call__", in_place)
+    with pytest.raises(RuntimeError, match="wrote into the model's logits in place"):
+        run_row(model_path, async_scheduling=False, sampling="greedy")

@@ -176,6 +176,7 @@ class SimulatedForward:
         generator = torch.Generator().manual_seed(seed)
         vocab_size = int(runner.hf_config.vocab_size)
         self.logits = torch.randn((max_rows, vocab_size), generator=generator).to(runner.device)
+        self.checksum = float(self.logits.double().sum())
         self.seconds = simulated_forward_ms / 1e3
         self.clock = clock
 
@@ -186,6 +187,12 @@ class SimulatedForward:
         logits = self.logits[: step.logits_indices.shape[0]]
         self.clock.add(self.clock.step, "forward", time.perf_counter() - start)
         return logits
+
+    def check_untouched(self) -> None:
+        """The same logits serve every step: a sampler that wrote into them would skew the run."""
+        if float(self.logits.double().sum()) != self.checksum:
+            raise RuntimeError("the sampler wrote into the model's logits in place: SimulatedForward must hand "
+                               "out a fresh tensor each step (a copy, inside the simulated time)")
 
 
 def instrument(executor, clock: PartClock, max_rows: int, simulated_forward_ms: float) -> None:
@@ -351,6 +358,7 @@ def measure(spec: RowSpec, model_path: Path, profile_prefix: Path | None = None)
     finally:
         worker.plans.put(None)
         worker.join(timeout=RESULT_TIMEOUT_S)
+    runner.forward.check_untouched()
     if profile_prefix is not None:
         loop.profiler.dump_stats(f"{profile_prefix}-scheduler.pstats")
         worker.profiler.dump_stats(f"{profile_prefix}-worker.pstats")
