@@ -211,6 +211,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     o.add_argument("--requests", type=int, default=30, help="requests timed each way (after 2 warm-up ones)")
     o.add_argument("--output", help="write the result JSON here")
     o.set_defaults(handler=_bench_overhead)
+    _add_bench_step(benches.add_parser(
+        "step", help="host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"))
 
 
 def _bench_kernels(args) -> int:
@@ -283,6 +285,30 @@ def _add_bench_serve(v: argparse.ArgumentParser) -> None:
     v.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
     v.add_argument("--output", help="write the result JSON here (and with --launch a PNG plot beside it)")
     v.set_defaults(handler=_bench_serve)
+
+
+def _add_bench_step(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--batch-sizes", default="64,256", help="running sequences, comma-separated")
+    s.add_argument("--context-lens", default="1024,4096", help="prompt tokens of each sequence, comma-separated")
+    s.add_argument("--sampling", default="greedy,random",
+                   help="greedy, random (temperature 0.8, top-p 0.95, top-k 50, penalties 0.5, seeded), comma-separated")
+    s.add_argument("--simulated-forward-ms", default="0,5", help="the model forward's stand-in sleeps this long")
+    s.add_argument("--steps", type=int, default=30, help="decode steps measured per row")
+    s.add_argument("--warmup-steps", type=int, default=3, help="decode steps run first, untimed")
+    s.add_argument("--no-async-scheduling", action="store_true",
+                   help="serial steps, even where the scheduler can plan one step ahead")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill chunk (prefill is untimed)")
+    s.add_argument("--device", default="cpu", help="where the worker's tensors live (cpu, cuda, cuda:N)")
+    s.add_argument("--profile-dir", help="cProfile the measured steps: one .pstats per row and thread (slows them)")
+    s.add_argument("--output", help="write the result JSON here")
+    s.set_defaults(handler=_bench_step)
+
+
+def _bench_step(args) -> int:
+    from pagoda.bench.step import run
+
+    return run(args)
 
 
 def _bench_serve(args) -> int:

@@ -8,5 +8,6 @@
     serve.py             `pagoda bench serve`: online latency and throughput through the gateway
     serving_overhead.py  `pagoda bench overhead`: what the serving planes add to TTFT
     kernels.py           `pagoda bench kernels`: Triton decode attention (CUDA)
+    step.py              `pagoda bench step`: host work of a decode step, the forward a sleep
     soak.py              `python -m pagoda.bench.soak`: mixed load, RSS and leak checks
 """

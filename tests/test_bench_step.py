@@ -1,0 +1,175 @@
+"""`pagoda bench step` through the real scheduler, wire codec, executor and sampler, the forward simulated."""
+import json
+from pathlib import Path
+
+import pytest
+
+from common.protocol import CachedSequence, StepPlan, StepResult
+from pagoda.bench.step import (
+    PartClock, RowSpec, SchedulerLoop, WorkerThread, dummy_model_config, measure, scheduler_supports_async,
+)
+from pagoda.cli import main
+
+ROW_KEYS = ["batch", "context", "sampling", "simulated_forward_ms", "async_scheduling", "steps", "decode_tokens",
+            "step_ms", "host_ms", "forward_ms", "breakdown_ms", "load_1m"]
+PARTS = ["schedule", "encode_plan", "decode_plan", "apply", "prepare", "sampler", "execute_other", "encode_result",
+         "decode_result", "update"]
+
+
+def test_cli_writes_one_row_per_workload_with_the_documented_keys(tmp_path):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--batch-sizes", "3,4", "--context-lens", "40", "--sampling", "greedy,random",
+                 "--simulated-forward-ms", "0,2", "--steps", "3", "--warmup-steps", "1", "--no-async-scheduling",
+                 "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert list(result)[:5] == ["benchmark", "command", "commit", "date", "device"]
+    assert result["benchmark"] == "step"
+    assert result["command"].startswith("pagoda bench step --batch-sizes 3,4 --context-lens 40 --sampling greedy,random "
+                                        "--simulated-forward-ms 0,2 --steps 3 --warmup-steps 1 --no-async-scheduling ")
+    assert result["vocab_size"] == 49152
+    rows = result["rows"]
+    assert [(r["batch"], r["context"], r["sampling"], r["simulated_forward_ms"]) for r in rows] == [
+        (b, 40, s, f) for b in (3, 4) for s in ("greedy", "random") for f in (0.0, 2.0)]
+    for row in rows:
+        assert list(row) == ROW_KEYS
+        assert list(row["breakdown_ms"]) == PARTS
+        assert row["async_scheduling"] is False
+        assert row["steps"] == 3 and row["decode_tokens"] == 3 * row["batch"]
+        assert all(v >= 0 for v in row["breakdown_ms"].values()) and row["host_ms"] > 0
+        assert row["forward_ms"] >= row["simulated_forward_ms"]
+        # serial: a step takes at least its simulated forward, and the host work around it
+        assert row["step_ms"] >= row["simulated_forward_ms"]
+
+
+def test_bad_sampling_is_a_usage_error(capsys):
+    assert main(["bench", "step", "--sampling", "beam"]) == 2
+    assert "unknown sampling 'beam'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return dummy_model_config(tmp_path_factory.mktemp("model"), 256)
+
+
+def run_row(model_path, **overrides):
+    spec = RowSpec(**{"batch": 5, "context": 70, "sampling": "random", "simulated_forward_ms": 0.0, "steps": 4,
+                      "warmup_steps": 2, "max_num_batched_tokens": 96, **overrides})
+    return spec, *measure(spec, model_path)
+
+
+def test_serial_row_counts_every_step_and_token_exactly(model_path):
+    """Prefill in chunks of 96 tokens (some sequences decode while others prefill), then 2 untimed
+    and 4 measured steps of exactly one token per sequence; no plan is made past the last one."""
+    spec, row, run = run_row(model_path, async_scheduling=False)
+    scheduler = run.scheduler
+    assert row["async_scheduling"] is False
+    assert len(run.steps) == 4 and row["steps"] == 4
+    assert scheduler.step == run.steps[-1]
+    assert [run.decode_tokens[step] for step in run.steps] == [5, 5, 5, 5]
+    assert row["decode_tokens"] == 20
+    seqs = [seq for group in scheduler.groups.values() for seq in group.seqs]
+    assert len(seqs) == 5 and not any(seq.status.finished for seq in seqs)
+    # every token the sequences hold came through a result, counted once
+    assert sum(len(seq.output_token_ids) for seq in seqs) == sum(run.decode_tokens.values())
+    assert all(len(seq.output_token_ids) >= 1 + 2 + 4 for seq in seqs)  # first token, warm-up, measured
+    assert all(seq.num_computed_tokens == seq.num_tokens - 1 for seq in seqs)
+    for step in run.steps:
+        assert set(run.worker_times[step]) == {"decode_plan", "apply", "prepare", "forward", "sampler", "execute",
+                                               "encode_result"}
+        assert set(run.scheduler_times[step]) == {"schedule", "encode_plan", "decode_result", "update"}
+
+
+@pytest.mark.skipif(not scheduler_supports_async(), reason="EngineConfig has no async_scheduling yet (overlap work)")
+def test_one_step_ahead_gives_the_serial_tokens(model_path):
+    _, serial_row, serial = run_row(model_path, async_scheduling=False)
+    _, row, run = run_row(model_path, async_scheduling=True)
+    assert row["async_scheduling"] is True and serial_row["async_scheduling"] is False
+    assert row["decode_tokens"] == 20
+    def tokens(scheduler):
+        return {g.request_id: [seq.output_token_ids for seq in g.seqs] for g in scheduler.groups.values()}
+
+    shortest = min(len(t) for s in (run.scheduler, serial.scheduler) for seqs in tokens(s).values() for t in seqs)
+    assert {k: [t[:shortest] for t in v] for k, v in tokens(run.scheduler).items()} == {
+        k: [t[:shortest] for t in v] for k, v in tokens(serial.scheduler).items()}
+
+
+class PipelinedScheduler:
+    """Contract 1's driver side only: schedule() may run while one earlier plan awaits its result;
+    prefill for 2 steps, then one decode token for each of 3 sequences. Records the call order."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.calls: list[str] = []
+        self.outstanding: list[int] = []
+
+    def schedule(self) -> StepPlan:
+        assert len(self.outstanding) <= 1, "a second plan in flight"
+        self.step += 1
+        self.outstanding.append(self.step)
+        self.calls.append(f"schedule {self.step}")
+        decode_only = self.step > 2
+        seqs = [CachedSequence(i, [], 0, 1 if decode_only else 8, 0) for i in range(3)]
+        return StepPlan(self.step, 0, cached_seqs=seqs)
+
+    def update(self, result: StepResult) -> list:
+        assert result.step == self.outstanding.pop(0), "results out of plan order"
+        self.calls.append(f"update {result.step}")
+        return []
+
+
+class EchoExecutor:
+    def execute(self, plan: StepPlan) -> StepResult:
+        return StepResult(plan.step, plan.epoch)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_loop_keeps_depth_plans_in_flight_and_stops_after_the_last_measured(depth):
+    spec = RowSpec(batch=3, context=8, sampling="greedy", simulated_forward_ms=0.0, steps=2, warmup_steps=1)
+    scheduler = PipelinedScheduler()
+    worker = WorkerThread(EchoExecutor(), PartClock(), profile=False)
+    loop = SchedulerLoop(scheduler, worker, spec, depth, profile=False)
+    worker.start()
+    try:
+        assert loop.run() == range(4, 6)  # step 3 is the first decode-only one, 1 warm-up step
+    finally:
+        worker.plans.put(None)
+        worker.join()
+    if depth == 1:
+        assert scheduler.calls == [f"{call} {step}" for step in range(1, 6) for call in ("schedule", "update")]
+    else:
+        assert scheduler.calls == ["schedule 1", "schedule 2", "update 1", "schedule 3", "update 2", "schedule 4",
+                                   "update 3", "schedule 5", "update 4", "update 5"]
+    assert set(loop.arrivals) == {1, 2, 3, 4, 5}
+
+
+def test_profile_dir_holds_each_threads_profile_of_the_measured_steps(tmp_path):
+    import pstats
+
+    assert main(["bench", "step", "--batch-sizes", "3", "--context-lens", "40", "--sampling", "greedy",
+                 "--simulated-forward-ms", "0", "--steps", "2", "--warmup-steps", "1", "--no-async-scheduling",
+                 "--profile-dir", str(tmp_path / "prof")]) == 0
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == [
+        "b3-c40-greedy-f0-scheduler.pstats", "b3-c40-greedy-f0-worker.pstats"]
+
+    def calls(thread: str) -> dict[str, int]:
+        stats = pstats.Stats(str(tmp_path / "prof" / f"b3-c40-greedy-f0-{thread}.pstats")).stats
+        return {f"{Path(file).name}:{name}": ncalls for (file, _, name), (_, ncalls, *_) in stats.items()}
+
+    scheduler, worker = calls("scheduler"), calls("worker")
+    assert scheduler["scheduler.py:schedule"] == 2 and scheduler["scheduler.py:update"] == 2
+    assert worker["executor.py:execute"] == 2 and worker["model_runner.py:prepare"] == 2
+    assert "executor.py:execute" not in scheduler and "scheduler.py:schedule" not in worker
+
+
+def test_a_sampler_writing_into_the_shared_logits_fails_the_row(model_path, monkeypatch):
+    from worker.sampler import Sampler
+
+    real = Sampler.__call__
+
+    def in_place(self, logits, rows):
+        logits.div_(0.8)
+        return real(self, logits, rows)
+
+    monkeypatch.setattr(Sampler, "__call__", in_place)
+    with pytest.raises(RuntimeError, match="wrote into the model's logits in place"):
+        run_row(model_path, async_scheduling=False, sampling="greedy")
