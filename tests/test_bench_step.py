@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from common.protocol import CachedSequence, StepPlan, StepResult
+import pagoda.bench.step as step_module
 from pagoda.bench.step import (
     PartClock, RowSpec, SchedulerLoop, WorkerThread, dummy_model_config, measure, scheduler_supports_async,
 )
@@ -79,8 +80,18 @@ def test_serial_row_counts_every_step_and_token_exactly(model_path):
         assert set(run.scheduler_times[step]) == {"schedule", "encode_plan", "decode_result", "update"}
 
 
+class _LogitsOfTheLastToken(step_module.SimulatedForward):
+    """The stand-in's logits by row position would give a sequence another row's logits when the
+    two loops batch it at another position: here they follow each row's input token and position."""
+
+    def __call__(self, step):
+        rows = (step.input_ids[step.logits_indices] * 31 + step.positions[step.logits_indices]) % self.logits.shape[0]
+        return self.logits[rows]
+
+
 @pytest.mark.skipif(not scheduler_supports_async(), reason="EngineConfig has no async_scheduling yet (overlap work)")
-def test_one_step_ahead_gives_the_serial_tokens(model_path):
+def test_one_step_ahead_gives_the_serial_tokens(model_path, monkeypatch):
+    monkeypatch.setattr(step_module, "SimulatedForward", _LogitsOfTheLastToken)
     _, serial_row, serial = run_row(model_path, async_scheduling=False)
     _, row, run = run_row(model_path, async_scheduling=True)
     assert row["async_scheduling"] is True and serial_row["async_scheduling"] is False
