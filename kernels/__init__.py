@@ -22,12 +22,12 @@ import torch
 
 from kernels import fused, reference
 from kernels.swap import BlockSwapper
-from kernels.triton_common import interpreting  # no triton import
+from kernels.triton_common import freeze_workspace, interpreting  # no triton import
 
 Impl = Literal["triton", "torch"] | None
 
 __all__ = [
-    "BlockSwapper", "copy_blocks", "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
+    "BlockSwapper", "copy_blocks", "freeze_workspace", "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
     "silu_and_mul", "swap_blocks", "warmup", "write_kv",
 ]
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels import tuning
-from kernels.triton_common import device_name, dot_precision, interpreting, sm_limits, workspace
+from kernels.triton_common import device_key, device_name, dot_precision, interpreting, sm_limits, workspace
 from kernels.tuning import (  # noqa: F401  (re-exported: the kernel's launch vocabulary)
     MAX_KV_SPLITS, MIN_TILES_PER_SPLIT, AttentionShape, Launch, Phase, TileConfig, num_kv_splits,
 )
@@ -80,7 +80,7 @@ def _slots_of(shape: AttentionShape, device: torch.device):
     def slots(config: TileConfig) -> int:
         if device.type != "cuda" or interpreting():
             return limits.num_sms
-        key = (device, shape, config)
+        key = (device_key(device), shape, config)
         if key not in _resident_slots:
             kernel = _compile_split_variant(shape, config, device)
             per_sm = tuning.resident_programs_per_sm(config.num_warps, kernel.n_regs, kernel.metadata.shared, limits)

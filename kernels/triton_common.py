@@ -53,7 +53,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-_workspaces: dict[torch.device, torch.Tensor] = {}
+_workspaces: dict[tuple[str, int | None], torch.Tensor] = {}
+_frozen: set[tuple[str, int | None]] = set()
+
+
+def device_key(device: torch.device) -> tuple[str, int | None]:
+    """torch.device("cuda") and torch.device("cuda:0") are different dict keys: key by the index."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return ("cuda", torch.cuda.current_device())
+    return (device.type, device.index)
 
 
 def workspace(device: torch.device, numel: int, reserve: int = 0) -> torch.Tensor:
@@ -61,10 +70,22 @@ def workspace(device: torch.device, numel: int, reserve: int = 0) -> torch.Tenso
     max(numel, reserve) and reused by every launch after it (stream order keeps reuse safe).
 
     It only grows when a launch needs more than any before it; `kernels.warmup` sizes it at
-    start-up, so no launch inside a CUDA graph reallocates it.
+    start-up. Once CUDA graphs that read it are captured (`freeze_workspace`), growing it would
+    leave them writing into freed memory: that raises instead.
     """
-    buf = _workspaces.get(device)
+    key = device_key(device)
+    buf = _workspaces.get(key)
     if buf is None or buf.numel() < numel:
+        if key in _frozen:
+            raise RuntimeError(
+                f"the split-KV workspace on {device} needs {numel} floats but holds {0 if buf is None else buf.numel()}, "
+                "and CUDA graphs captured over it would read freed memory if it grew: kernels.warmup "
+                "must reserve the largest launch")
         buf = torch.empty(max(numel, reserve), dtype=torch.float32, device=device)
-        _workspaces[device] = buf
+        _workspaces[key] = buf
     return buf[:numel]
+
+
+def freeze_workspace(device: torch.device) -> None:
+    """Captured graphs hold the workspace's address from now on: it may no longer be reallocated."""
+    _frozen.add(device_key(device))

@@ -153,6 +153,11 @@ class SchedulerServer:
         if hello.block_size != self.engine_config.block_size:
             log.warning("workers use block size %d; the scheduler follows", hello.block_size)
         config = self.engine_config.replace(block_size=hello.block_size, max_model_len=hello.max_model_len)
+        if config.async_scheduling and self.serving.world_size > 1:
+            # A PENDING_TOKEN is the token each rank drew itself; ranks agree only while their
+            # random streams do (a restarted rank's does not): a group of ranks plans serially.
+            log.info("async scheduling off: %d ranks each draw their own tokens", self.serving.world_size)
+            config = config.replace(async_scheduling=False)
         self.scheduler = Scheduler.from_hello(config, dataclasses.replace(
             hello, num_gpu_blocks=min(h.num_gpu_blocks for h in hellos.values()),
             num_cpu_blocks=min(h.num_cpu_blocks for h in hellos.values()),
@@ -202,7 +207,7 @@ class SchedulerServer:
         s = self.scheduler
         if not self._in_flight:
             self._send(s.schedule())
-        if self.engine_config.async_scheduling:
+        if s.config.async_scheduling:
             self._send(s.schedule())  # planned while the workers run the plan before it
         oldest = self._in_flight[0]
         if self._collect() and not s.has_unfinished_requests():

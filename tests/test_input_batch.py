@@ -352,8 +352,8 @@ def test_enforce_eager_reaches_the_worker_through_pagoda_up(tmp_path):
 
 
 def test_kv_cache_budget_counts_memory_outside_torch_and_what_comes_after_the_peak():
-    from worker.model_runner import GRAPH_OVERHEAD_BYTES, SAMPLER_PEAK_FACTOR, cuda_graph_bytes, kv_cache_budget, \
-        sampler_peak_bytes
+    from worker.model_runner import GRAPH_OVERHEAD_BYTES, SAMPLER_PEAK_FACTOR, TOKEN_COUNTS_BYTES, cuda_graph_bytes, \
+        kv_cache_budget, sampler_peak_bytes
 
     gib = 1 << 30
     # 80 GiB device; after the profile run 60 GiB free, torch reserved 18 GiB: 2 GiB are outside
@@ -362,7 +362,8 @@ def test_kv_cache_budget_counts_memory_outside_torch_and_what_comes_after_the_pe
     assert kv_cache_budget(80 * gib, 60 * gib, 18 * gib, 17 * gib, 0.9, extra=gib) == int(72 * gib) - 20 * gib
     assert kv_cache_budget(80 * gib, 62 * gib, 18 * gib, 17 * gib, 1.0) == 63 * gib  # nothing outside torch
     assert SAMPLER_PEAK_FACTOR == 6
-    assert sampler_peak_bytes(256, 128_256) == 256 * 128_256 * 4 * 6  # 788 MB for Llama-3's vocabulary
+    assert TOKEN_COUNTS_BYTES == 18
+    assert sampler_peak_bytes(256, 128_256) == 256 * 128_256 * (4 * 6 + 18)  # 1.38 GB for Llama-3's vocabulary
     assert GRAPH_OVERHEAD_BYTES == 16 << 20
     assert cuda_graph_bytes(256, 1000.5, 20) == 256_128 + 20 * (16 << 20)
 

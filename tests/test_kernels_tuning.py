@@ -372,3 +372,33 @@ def test_the_tuner_times_each_config_through_the_kernel_and_merges_the_best_into
     assert len(timed) == 16 and tuning.default_config(3, 64, "decode") in timed
     assert tuning.lookup_config(tuning.parse_table(json.loads(table.read_text())), "interpreter", 3, 64,
                                 "prefill") == space["prefill"][2]
+
+
+def test_a_frozen_workspace_serves_smaller_launches_and_refuses_to_grow():
+    """Captured CUDA graphs hold the split-KV workspace's address: once frozen it never moves."""
+    from kernels import triton_common
+
+    device = torch.device("cpu")
+    key = triton_common.device_key(device)
+    saved = triton_common._workspaces.pop(key, None)
+    try:
+        first = triton_common.workspace(device, 64, reserve=100)
+        triton_common.freeze_workspace(device)
+        assert triton_common.workspace(device, 100).data_ptr() == first.data_ptr()
+        with pytest.raises(RuntimeError, match="kernels.warmup must reserve the largest launch"):
+            triton_common.workspace(device, 101)
+        assert triton_common._workspaces[key].numel() == 100
+    finally:
+        triton_common._frozen.discard(key)
+        triton_common._workspaces.pop(key, None)
+        if saved is not None:
+            triton_common._workspaces[key] = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_cuda_and_cuda_0_are_one_device_key():
+    from kernels import triton_common
+
+    assert triton_common.device_key(torch.device("cuda")) == triton_common.device_key(
+        torch.device("cuda", torch.cuda.current_device()))

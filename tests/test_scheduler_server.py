@@ -47,10 +47,10 @@ class FakeWorker:
     the next step with error="boom", then serve again), "exit" (close the socket and end)."""
 
     def __init__(self, address: str, block_size: int = BLOCK_SIZE, step_delay_s: float = 0.0,
-                 rehello_s: float = 2.0) -> None:
+                 rehello_s: float = 2.0, rank: int = 0, world_size: int = 1) -> None:
         self.address = address
         self.hello = WorkerHello(
-            rank=0, world_size=1, device="fake", model="fake-model", num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
+            rank=rank, world_size=world_size, device="fake", model="fake-model", num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
             block_size=block_size, max_model_len=MAX_MODEL_LEN, vocab_size=1024, eos_token_ids=[EOS],
             kv_bytes_per_block=1024, host_bandwidth=1e9, prefill_tokens_per_s=1e5,
         )
@@ -312,6 +312,24 @@ def test_the_overlapped_loop_plans_each_step_before_the_last_result_with_the_sam
     assert [plan.step for plan in worker.plans] == list(range(1, len(worker.plans) + 1))  # in order, none lost
     harness.assert_nothing_held()
     harness.wait_until(lambda: harness.server.scheduler.num_in_flight == 0, 2.0, "the last plan's result to be applied")
+
+
+def test_a_group_of_two_ranks_plans_serially(redis_url, r):
+    """Each rank resolves a PENDING_TOKEN from its own draw, and ranks agree only while their random
+    streams do: a group of several ranks turns async scheduling off."""
+    harness = Harness(redis_url, r, serving={"world_size": 2})
+    try:
+        workers = [harness.worker(rank=rank, world_size=2, step_delay_s=0.005) for rank in (0, 1)]
+        harness.wait_ready()
+        assert harness.server.scheduler.config.async_scheduling is False
+        harness.submit("a", prompt(10), max_tokens=8)
+        done = harness.wait_finished("a")
+        assert tokens(done["a"]) == expected_output(0, 10, 8)
+        for worker in workers:
+            assert len(worker.plans) == 8 and not worker.failures
+            assert all(c.last_token_id != PENDING_TOKEN for plan in worker.plans for c in plan.cached_seqs)
+    finally:
+        harness.close()
 
 
 def test_the_scheduler_follows_the_workers_block_size(harness):

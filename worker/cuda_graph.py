@@ -20,6 +20,7 @@ import time
 
 import torch
 
+import kernels
 from worker.context import AttentionContext, attention_context
 from worker.input_batch import InputBatch, StepTensors
 
@@ -47,7 +48,7 @@ class DecodeRunner:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)  # one query per row, always
         self.block_tables = torch.zeros((size, self.width), dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its logits)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its hidden states)
         self.captured_bytes = 0  # device memory the capture took (mem_get_info before and after)
         self._num_dirty = 0  # rows [0, _num_dirty) may hold an earlier step's sequences
 
@@ -64,11 +65,13 @@ class DecodeRunner:
         size = self.bucket(n)
         self._fill(step, n, size)
         if size in self.graphs:
-            graph, logits = self.graphs[size]
+            graph, hidden = self.graphs[size]
             graph.replay()
         else:
-            logits = self._forward(size)
-        return logits[step.logits_indices]
+            hidden = self._forward(size)
+        # The LM head runs outside the graph on the sampled rows only: a graph's output stays
+        # allocated for its life, and [bucket, vocab] float32 logits per bucket would not fit.
+        return self.model.compute_logits(hidden[step.logits_indices])
 
     def _fill(self, step: StepTensors, n: int, size: int) -> None:
         ctx = step.context
@@ -88,15 +91,14 @@ class DecodeRunner:
             self._num_dirty = n
 
     def _forward(self, size: int) -> torch.Tensor:
-        """The model over the first `size` rows: logits [size, vocab_size] float32."""
+        """The model over the first `size` rows: hidden states [size, hidden_size]."""
         context = AttentionContext(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
             max_seqlen_k=self.width * self.input_batch.block_size,
         )
         with attention_context(context):
-            hidden = self.model(self.input_ids[:size], self.positions[:size])
-        return self.model.compute_logits(hidden)
+            return self.model(self.input_ids[:size], self.positions[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -120,9 +122,10 @@ class DecodeRunner:
         for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self.graphs[size] = (graph, logits)
+                hidden = self._forward(size)
+            self.graphs[size] = (graph, hidden)
         torch.cuda.synchronize(device)
+        kernels.freeze_workspace(device)  # the graphs hold the split-KV workspace's address
         self.captured_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s, using %.1f MiB of device memory",
                  len(self.graphs), self.buckets, time.perf_counter() - start, self.captured_bytes / (1 << 20))

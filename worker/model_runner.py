@@ -26,9 +26,14 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device with its index ("cuda" -> "cuda:N"): the kernels key per-device state (the
+    split-KV workspace, resident slots) by the device every tensor reports."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -49,6 +54,9 @@ class ScheduledRow:
 
 SAMPLER_PEAK_FACTOR = 6  # fp32 [rows, vocab] arrays a sampling step holds at once, at most: probabilities,
 #                         a sort's values and int64 indices (3), a cumulative sum and a mask (~1)
+# The sampler's penalty counts (worker/sampler.py TokenCounts): fp32 counts, fp32 penalty and a bool
+# mask per (row, token), the rows doubling as penalized sequences arrive: up to 2 rows per sequence.
+TOKEN_COUNTS_BYTES = 2 * (4 + 4 + 1)
 GRAPH_OVERHEAD_BYTES = 16 << 20  # per captured graph, outside torch's allocator (its instantiated nodes): a bound
 
 
@@ -66,8 +74,9 @@ def kv_cache_budget(total: int, free: int, reserved: int, peak: int, utilization
 
 
 def sampler_peak_bytes(max_num_seqs: int, vocab_size: int) -> int:
-    """A bound on the sampler's working set over max_num_seqs rows of float32 logits."""
-    return max_num_seqs * vocab_size * 4 * SAMPLER_PEAK_FACTOR
+    """A bound on the sampler's memory over max_num_seqs rows: a step's float32 temporaries and
+    the persistent penalty counts."""
+    return max_num_seqs * vocab_size * (4 * SAMPLER_PEAK_FACTOR + TOKEN_COUNTS_BYTES)
 
 
 def cuda_graph_bytes(max_batch: int, activation_bytes_per_token: float, num_graphs: int) -> int:
