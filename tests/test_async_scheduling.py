@@ -477,14 +477,15 @@ def test_a_ranks_result_for_the_next_plan_is_kept_for_the_next_gather():
 @pytest.mark.slow
 def test_default_model_greedy_is_the_serial_loops_with_and_without_preemption():
     """SmolLM2 (tests/test_parity.py holds the default, overlapped loop to transformers): the serial
-    loop gives the same tokens and logprobs with a pool that fits; with one that preempts, the same
-    tokens and logprobs equal to float32 noise (the waits change the batches)."""
+    loop gives the same tokens, with a pool that fits and with one that preempts; logprobs equal to
+    float32 noise, since a wasted token after an EOS or a wait puts a step's rows in another decode
+    bucket than the serial loop's, and a CPU matmul's rounding depends on the batch."""
     from pagoda.offline import LLM
     from tests.prompts import PARITY_PROMPTS
 
     llm = LLM("default", device="cpu", dtype="float32")
     prompts = [llm.encode(p) for p in PARITY_PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=32, logprobs=1)
-    assert_same_as_serial(llm, prompts, greedy)
+    assert_same_as_serial(llm, prompts, greedy, logprob_tol=1e-4)
     assert_same_as_serial(llm, prompts, greedy, logprob_tol=1e-4, num_gpu_blocks=28, enable_prefix_caching=False)
     assert llm.scheduler.num_preemptions > 0
