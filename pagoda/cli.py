@@ -300,7 +300,7 @@ def _add_bench_step(s: argparse.ArgumentParser) -> None:
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill chunk (prefill is untimed)")
     s.add_argument("--device", default="cpu", help="where the worker's tensors live (cpu, cuda, cuda:N)")
-    s.add_argument("--profile-dir", help="cProfile the measured steps: one .pstats per row and thread (slows them)")
+    s.add_argument("--profile-dir", help="cProfile the measured steps: one .pstats per row and process (slows them)")
     s.add_argument("--output", help="write the result JSON here")
     s.set_defaults(handler=_bench_step)
 

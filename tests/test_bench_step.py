@@ -1,13 +1,20 @@
-"""`pagoda bench step` through the real scheduler, wire codec, executor and sampler, the forward simulated."""
+"""`pagoda bench step` through the real scheduler, wire codec, executor and sampler, the forward simulated.
+
+The worker runs in a process of its own: a test changes a part of it with a `setup` function that
+the spawned process runs first (a monkeypatch of this process would not reach it)."""
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
+import zmq
 
 from common.protocol import CachedSequence, StepPlan, StepResult
 import pagoda.bench.step as step_module
 from pagoda.bench.step import (
-    PartClock, RowSpec, SchedulerLoop, WorkerThread, dummy_model_config, measure, scheduler_supports_async,
+    END, PartClock, RowServer, RowSpec, SchedulerLoop, WorkerProcess, WorkerSocket, dummy_model_config, measure,
+    scheduler_supports_async,
 )
 from pagoda.cli import main
 
@@ -52,16 +59,30 @@ def model_path(tmp_path_factory):
     return dummy_model_config(tmp_path_factory.mktemp("model"), 256)
 
 
-def run_row(model_path, **overrides):
+@pytest.fixture(scope="module")
+def worker():
+    with WorkerProcess() as process:
+        yield process
+
+
+def test_the_worker_is_a_process_of_its_own_with_this_ones_threads(worker):
+    import torch
+
+    assert worker.hello == {"pid": worker.process.pid, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                            "torch_num_threads": torch.get_num_threads()}
+    assert worker.process.pid != os.getpid()
+
+
+def run_row(model_path, worker, **overrides):
     spec = RowSpec(**{"batch": 5, "context": 70, "sampling": "random", "simulated_forward_ms": 0.0, "steps": 4,
                       "warmup_steps": 2, "max_num_batched_tokens": 96, **overrides})
-    return spec, *measure(spec, model_path)
+    return spec, *measure(spec, model_path, worker=worker)
 
 
-def test_serial_row_counts_every_step_and_token_exactly(model_path):
+def test_serial_row_counts_every_step_and_token_exactly(model_path, worker):
     """Prefill in chunks of 96 tokens (some sequences decode while others prefill), then 2 untimed
     and 4 measured steps of exactly one token per sequence; no plan is made past the last one."""
-    spec, row, run = run_row(model_path, async_scheduling=False)
+    spec, row, run = run_row(model_path, worker, async_scheduling=False)
     scheduler = run.scheduler
     assert row["async_scheduling"] is False
     assert len(run.steps) == 4 and row["steps"] == 4
@@ -89,11 +110,16 @@ class _LogitsOfTheLastToken(step_module.SimulatedForward):
         return self.logits[rows]
 
 
+def _logits_of_the_last_token() -> None:
+    """In the worker process."""
+    step_module.SimulatedForward = _LogitsOfTheLastToken
+
+
 @pytest.mark.skipif(not scheduler_supports_async(), reason="EngineConfig has no async_scheduling yet (overlap work)")
-def test_one_step_ahead_gives_the_serial_tokens(model_path, monkeypatch):
-    monkeypatch.setattr(step_module, "SimulatedForward", _LogitsOfTheLastToken)
-    _, serial_row, serial = run_row(model_path, async_scheduling=False)
-    _, row, run = run_row(model_path, async_scheduling=True)
+def test_one_step_ahead_gives_the_serial_tokens(model_path):
+    with WorkerProcess(setup=_logits_of_the_last_token) as worker:
+        _, serial_row, serial = run_row(model_path, worker, async_scheduling=False)
+        _, row, run = run_row(model_path, worker, async_scheduling=True)
     assert row["async_scheduling"] is True and serial_row["async_scheduling"] is False
     assert row["decode_tokens"] == 20
     def tokens(scheduler):
@@ -135,16 +161,23 @@ class EchoExecutor:
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_loop_keeps_depth_plans_in_flight_and_stops_after_the_last_measured(depth):
+    """The bench's two ends over a socket pair, the worker's end a thread of this process."""
     spec = RowSpec(batch=3, context=8, sampling="greedy", simulated_forward_ms=0.0, steps=2, warmup_steps=1)
     scheduler = PipelinedScheduler()
-    worker = WorkerThread(EchoExecutor(), PartClock(), profile=False)
-    loop = SchedulerLoop(scheduler, worker, spec, depth, profile=False)
-    worker.start()
+    context = zmq.Context.instance()
+    scheduler_end, worker_end = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    scheduler_end.bind(f"inproc://bench-step-loop-{depth}")
+    worker_end.connect(f"inproc://bench-step-loop-{depth}")
+    server = threading.Thread(target=RowServer(worker_end, EchoExecutor(), PartClock(), profile=False).serve)
+    loop = SchedulerLoop(scheduler, WorkerSocket(scheduler_end), spec, depth, profile=False)
+    server.start()
     try:
         assert loop.run() == range(4, 6)  # step 3 is the first decode-only one, 1 warm-up step
     finally:
-        worker.plans.put(None)
-        worker.join()
+        scheduler_end.send_multipart([END, b""])
+        server.join()
+        scheduler_end.close(0)
+        worker_end.close(0)
     if depth == 1:
         assert scheduler.calls == [f"{call} {step}" for step in range(1, 6) for call in ("schedule", "update")]
     else:
@@ -153,7 +186,7 @@ def test_loop_keeps_depth_plans_in_flight_and_stops_after_the_last_measured(dept
     assert set(loop.arrivals) == {1, 2, 3, 4, 5}
 
 
-def test_profile_dir_holds_each_threads_profile_of_the_measured_steps(tmp_path):
+def test_profile_dir_holds_each_processs_profile_of_the_measured_steps(tmp_path):
     import pstats
 
     assert main(["bench", "step", "--batch-sizes", "3", "--context-lens", "40", "--sampling", "greedy",
@@ -162,8 +195,8 @@ def test_profile_dir_holds_each_threads_profile_of_the_measured_steps(tmp_path):
     assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == [
         "b3-c40-greedy-f0-scheduler.pstats", "b3-c40-greedy-f0-worker.pstats"]
 
-    def calls(thread: str) -> dict[str, int]:
-        stats = pstats.Stats(str(tmp_path / "prof" / f"b3-c40-greedy-f0-{thread}.pstats")).stats
+    def calls(process: str) -> dict[str, int]:
+        stats = pstats.Stats(str(tmp_path / "prof" / f"b3-c40-greedy-f0-{process}.pstats")).stats
         return {f"{Path(file).name}:{name}": ncalls for (file, _, name), (_, ncalls, *_) in stats.items()}
 
     scheduler, worker = calls("scheduler"), calls("worker")
@@ -172,7 +205,8 @@ def test_profile_dir_holds_each_threads_profile_of_the_measured_steps(tmp_path):
     assert "executor.py:execute" not in scheduler and "scheduler.py:schedule" not in worker
 
 
-def test_a_sampler_writing_into_the_shared_logits_fails_the_row(model_path, monkeypatch):
+def _sampler_writing_into_the_logits() -> None:
+    """In the worker process."""
     from worker.sampler import Sampler
 
     real = Sampler.__call__
@@ -181,6 +215,12 @@ def test_a_sampler_writing_into_the_shared_logits_fails_the_row(model_path, monk
         logits.div_(0.8)
         return real(self, logits, rows)
 
-    monkeypatch.setattr(Sampler, "__call__", in_place)
-    with pytest.raises(RuntimeError, match="wrote into the model's logits in place"):
-        run_row(model_path, async_scheduling=False, sampling="greedy")
+    Sampler.__call__ = in_place
+
+
+def test_a_sampler_writing_into_the_shared_logits_fails_the_row(model_path):
+    with WorkerProcess(setup=_sampler_writing_into_the_logits) as worker:
+        with pytest.raises(RuntimeError, match="wrote into the model's logits in place"):
+            run_row(model_path, worker, async_scheduling=False, sampling="greedy")
+        worker.process.join(timeout=30)
+        assert worker.process.exitcode == 0  # it reported its failure and ended

@@ -1,12 +1,15 @@
 """`pagoda bench step`: the host side of a decode step, through the real code, the GPU replaced by a sleep.
 
-The real Scheduler plans each step in one thread; the plan crosses to a second thread as bytes
-(common.protocol `encode`/`decode`, as over ZeroMQ), where the real worker Executor applies it
-(PlanState), builds the step's tensors (ModelRunner.prepare), "runs" the model and samples (Sampler);
-the result crosses back as bytes and the Scheduler takes it (`update`). Only the model's forward is
-replaced: it sleeps `--simulated-forward-ms` (releasing the GIL, as a GPU leaves the host free) and
-returns float32 logits [num_sampled, vocab] sliced from a preallocated random tensor, so it costs
-nothing itself. The model is a one-layer dummy with the default model's vocabulary (49,152).
+The real Scheduler plans each step in this process; the plan crosses as bytes (common.protocol
+`encode`/`decode`) over a ZeroMQ socket to a worker process of its own (spawned, as when serving:
+neither side waits for the other's GIL), where the real worker Executor applies it (PlanState),
+builds the step's tensors (ModelRunner.prepare), "runs" the model and samples (Sampler); the result
+crosses back as bytes and the Scheduler takes it (`update`). The worker times its parts and sends
+them (msgpack) at the end of each row. Only the model's forward is replaced: it sleeps
+`--simulated-forward-ms` (the worker's host idle, as while a GPU runs) and returns float32 logits
+[num_sampled, vocab] sliced from a preallocated random tensor, so it costs nothing itself. The
+model is a one-layer dummy with the default model's vocabulary (49,152). The worker process runs
+with the parent's OMP_NUM_THREADS and torch thread count.
 
 With asynchronous scheduling (EngineConfig.async_scheduling, unless `--no-async-scheduling`) the
 scheduler plans step N+1 while step N runs, one plan in flight ahead; without it each step is
@@ -23,29 +26,35 @@ the run) are prefilled untimed; from the first step in which every sequence deco
     step_ms           median period between two results reaching the scheduler
     host_ms           median over steps of the host work of a step: the sum of the parts below
     forward_ms        median of the simulated forward (the sleep; not host work)
-    breakdown_ms      median of each part: schedule, encode_plan (scheduler thread); decode_plan,
+    breakdown_ms      median of each part: schedule, encode_plan (scheduler process); decode_plan,
                       apply (PlanState), prepare, sampler, execute_other (the rest of
-                      Executor.execute: swaps, rows, results), encode_result (worker thread);
-                      decode_result, update (scheduler thread)
+                      Executor.execute: swaps, rows, results), encode_result (worker process);
+                      decode_result, update (scheduler process)
     load_1m           the host's 1-minute load average when the row started (shared machines)
 
     pagoda bench step --output result.json   # OMP_NUM_THREADS=1 for the committed CPU figures
+    pagoda bench step --profile-dir prof     # cProfile of the measured steps: one file per row and process
 """
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import dataclasses
 import json
+import multiprocessing
 import os
-import queue
 import statistics
 import sys
 import tempfile
-import threading
 import time
+import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgpack
+import zmq
 
 from common.config import EngineConfig
 from common.models import resolve_model
@@ -126,7 +135,7 @@ def engine_config(spec: RowSpec, model_path: Path) -> EngineConfig:
 
 
 class PartClock:
-    """Seconds per step and part, written by one thread (each thread has its own clock)."""
+    """Seconds per step and part, written by one process (each has its own clock)."""
 
     def __init__(self) -> None:
         self.step = 0  # the step the worker is executing
@@ -204,27 +213,176 @@ def instrument(executor, clock: PartClock, max_rows: int, simulated_forward_ms: 
     executor.sampler = TimedProxy(executor.sampler, clock, "sampler")
 
 
-# ----------------------------------------------------------------------------- the two threads
+# ----------------------------------------------------------------------------- the two processes
+#
+# One PAIR socket joins them (TCP on 127.0.0.1, as serving's default address), every message one
+# multipart frame: a kind, then msgpack bytes (plans and results: common.protocol's, as over
+# serving's sockets). Nothing is pickled but the worker process's start arguments.
+#
+#   scheduler -> worker: ROW {spec, model_path, profile_path}; MEASURE [first, stop]; PLAN plan; END; EXIT
+#   worker -> scheduler: HELLO {pid, threads}; READY {blocks, ...}; RESULT result; TIMES {step: {part: s}}; ERROR text
+
+HELLO, ROW, READY, MEASURE, PLAN, RESULT, END, TIMES, EXIT, ERROR = (
+    b"hello", b"row", b"ready", b"measure", b"plan", b"result", b"end", b"times", b"exit", b"error")
+STARTUP_TIMEOUT_S = 120.0  # the spawned interpreter imports torch
+LIVENESS_POLL_MS = 1000  # how often a wait for the worker checks that its process is still alive
+WORKER_LINGER_MS = 2000  # the worker's last message (its error) is delivered before it exits
 
 
-class WorkerThread(threading.Thread):
-    """The worker side: plans in as bytes, results out as bytes, as behind ZeroMQ."""
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
 
-    def __init__(self, executor, clock: PartClock, profile: bool) -> None:
-        super().__init__(name="bench-step-worker", daemon=True)
+
+def unpack(data: bytes):
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class WorkerSocket:
+    """The scheduler's end of the worker's socket; `alive` tells whether the worker can still answer."""
+
+    def __init__(self, socket: zmq.Socket, alive: Callable[[], bool] = lambda: True) -> None:
+        self.socket = socket
+        self.alive = alive
+
+    def send(self, kind: bytes, payload: bytes = b"") -> None:
+        self.socket.send_multipart([kind, payload])
+
+    def recv(self, expected: bytes, timeout_s: float = RESULT_TIMEOUT_S) -> bytes:
+        """The payload of the worker's next message, which must be of kind `expected`; the worker's
+        error, its process's death or the timeout is a RuntimeError."""
+        deadline = time.monotonic() + timeout_s
+        while not self.socket.poll(LIVENESS_POLL_MS):
+            if not self.alive():
+                raise RuntimeError("the bench worker process exited")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {expected.decode()} from the bench worker in {timeout_s:g} s")
+        kind, payload = self.socket.recv_multipart()
+        if kind == ERROR:
+            raise RuntimeError(f"the bench worker failed:\n{payload.decode()}")
+        if kind != expected:
+            raise RuntimeError(f"the bench worker sent {kind.decode()}, expected {expected.decode()}")
+        return payload
+
+
+class WorkerProcess:
+    """The worker in a process of its own ("spawn": a fresh interpreter, as when serving), started
+    once and running every row given to it; with the parent's torch thread count (its environment,
+    OMP_NUM_THREADS included, is inherited). `setup` (picklable by reference) runs first in it:
+    tests patch the worker's parts with it."""
+
+    def __init__(self, torch_num_threads: int | None = None, setup: Callable[[], None] | None = None) -> None:
+        socket = zmq.Context.instance().socket(zmq.PAIR)
+        socket.setsockopt(zmq.LINGER, 0)
+        port = socket.bind_to_random_port("tcp://127.0.0.1")
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=worker_main, args=(f"tcp://127.0.0.1:{port}", torch_num_threads, setup),
+            name="pagoda-bench-step-worker", daemon=True)
+        self.socket = WorkerSocket(socket, self.process.is_alive)
+        self.process.start()
+        try:
+            self.hello = unpack(self.socket.recv(HELLO, STARTUP_TIMEOUT_S))
+            threads = (self.hello["omp_num_threads"], self.hello["torch_num_threads"])
+            expected = (os.environ.get("OMP_NUM_THREADS"), torch_num_threads or threads[1])
+            if threads != expected:
+                raise RuntimeError(f"the bench worker runs with (OMP_NUM_THREADS, torch threads) {threads}, "
+                                   f"not {expected}")
+        except BaseException:
+            self.close()
+            raise
+
+    def start_row(self, spec: RowSpec, model_path: Path, profile_path: str | None) -> dict:
+        """Build the row's Executor there; returns what the scheduler needs of it (WorkerHello's fields)."""
+        self.socket.send(ROW, pack({"spec": dataclasses.asdict(spec), "model_path": str(model_path),
+                                    "profile_path": profile_path}))
+        return unpack(self.socket.recv(READY))
+
+    def end_row(self) -> dict[int, dict[str, float]]:
+        """After the row's last result: the worker's seconds per step and part."""
+        self.socket.send(END)
+        return unpack(self.socket.recv(TIMES))
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self.socket.socket.send_multipart([EXIT, b""], zmq.NOBLOCK)
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+        self.socket.socket.close(0)
+
+    def __enter__(self) -> WorkerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def worker_main(address: str, torch_num_threads: int | None, setup: Callable[[], None] | None) -> None:
+    """The worker process: one Executor per row, plans in and results out as bytes, as behind ZeroMQ."""
+    if setup is not None:
+        setup()
+    import torch
+
+    if torch_num_threads is not None:
+        torch.set_num_threads(torch_num_threads)
+    socket = zmq.Context.instance().socket(zmq.PAIR)
+    socket.setsockopt(zmq.LINGER, WORKER_LINGER_MS)
+    socket.connect(address)
+    socket.send_multipart([HELLO, pack({"pid": os.getpid(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                                        "torch_num_threads": torch.get_num_threads()})])
+    try:
+        while (frames := socket.recv_multipart())[0] == ROW:
+            serve_row(socket, unpack(frames[1]))
+        if frames[0] != EXIT:
+            raise RuntimeError(f"the bench worker got {frames[0].decode()} between rows")
+    except BaseException:  # noqa: BLE001 - the scheduler raises it; this process ends
+        socket.send_multipart([ERROR, traceback.format_exc().encode()])
+    finally:
+        socket.close()
+
+
+def serve_row(socket: zmq.Socket, row: dict) -> None:
+    """Build the row's Executor, answer its plans until END, then send the part times."""
+    from worker.executor import Executor
+
+    spec = RowSpec(**row["spec"])
+    executor = Executor(engine_config(spec, Path(row["model_path"])))
+    clock = PartClock()
+    instrument(executor, clock, spec.batch, spec.simulated_forward_ms)
+    runner = executor.runner
+    socket.send_multipart([READY, pack({
+        "num_gpu_blocks": runner.num_gpu_blocks, "max_model_len": runner.max_model_len,
+        "eos_token_ids": executor.eos_token_ids, "vocab_size": int(runner.hf_config.vocab_size)})])
+    server = RowServer(socket, executor, clock, profile=row["profile_path"] is not None)
+    server.serve()
+    runner.forward.check_untouched()
+    if server.profiler is not None:
+        server.profiler.dump_stats(row["profile_path"])
+    socket.send_multipart([TIMES, pack({step: dict(parts) for step, parts in clock.times.items()})])
+
+
+class RowServer:
+    """The worker side of one row: plans in as bytes, results out as bytes, until END."""
+
+    def __init__(self, socket: zmq.Socket, executor, clock: PartClock, profile: bool) -> None:
+        self.socket = socket
         self.executor = executor
         self.clock = clock
-        self.plans: queue.Queue[bytes | None] = queue.Queue()
-        self.results: queue.Queue[bytes | BaseException] = queue.Queue()
-        self.profile_steps: range = range(0)  # set by the scheduler before it sends the first of them
+        self.profile_steps: range = range(0)  # the scheduler sends them before the first of their plans
         self.profiler = cProfile.Profile() if profile else None
 
-    def run(self) -> None:
-        try:
-            while (data := self.plans.get()) is not None:
-                self.results.put(self._step(data))
-        except BaseException as exc:  # noqa: BLE001 - handed to the scheduler thread, which raises it
-            self.results.put(exc)
+    def serve(self) -> None:
+        while True:
+            kind, payload = self.socket.recv_multipart()
+            if kind == PLAN:
+                self.socket.send_multipart([RESULT, self._step(payload)])
+            elif kind == MEASURE:
+                self.profile_steps = range(*unpack(payload))
+            elif kind == END:
+                return
+            else:
+                raise RuntimeError(f"the bench worker got {kind.decode()} during a row")
 
     def _step(self, data: bytes) -> bytes:
         clock = self.clock
@@ -267,7 +425,7 @@ def is_steady_decode(plan: StepPlan, batch: int) -> bool:
 class SchedulerLoop:
     """The scheduler side: up to `depth` plans in flight (2: planned one step ahead), as when serving."""
 
-    def __init__(self, scheduler: Scheduler, worker: WorkerThread, spec: RowSpec, depth: int, profile: bool) -> None:
+    def __init__(self, scheduler: Scheduler, worker: WorkerSocket, spec: RowSpec, depth: int, profile: bool) -> None:
         self.scheduler = scheduler
         self.worker = worker
         self.spec = spec
@@ -295,24 +453,28 @@ class SchedulerLoop:
         self._profile(self.scheduler.step + 1)
         plan = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        self._check(plan)
+        encoding = time.perf_counter()
+        data = encode(plan)
+        clock.add(plan.step, "schedule", scheduled - start)
+        clock.add(plan.step, "encode_plan", time.perf_counter() - encoding)
+        self.worker.send(PLAN, data)
+        return plan.step
+
+    def _check(self, plan: StepPlan) -> None:
+        """Find the measured steps (and tell the worker, before their first plan), and check them."""
         if self.measured is None and is_steady_decode(plan, self.spec.batch):
             first = plan.step + self.spec.warmup_steps
-            self.measured = self.worker.profile_steps = range(first, first + self.spec.steps)
+            self.measured = range(first, first + self.spec.steps)
+            self.worker.send(MEASURE, pack([self.measured.start, self.measured.stop]))
         elif self.measured is None and plan.step > 100_000:
             raise RuntimeError("the batch never reached steady decode")
         elif self.measured is not None and plan.step in self.measured and not is_steady_decode(plan, self.spec.batch):
             raise RuntimeError(f"measured step {plan.step} is not one decode token per sequence (a preemption?)")
-        data = encode(plan)
-        clock.add(plan.step, "schedule", scheduled - start)
-        clock.add(plan.step, "encode_plan", time.perf_counter() - scheduled)
-        self.worker.plans.put(data)
-        return plan.step
 
     def _receive(self) -> None:
-        data = self.worker.results.get(timeout=RESULT_TIMEOUT_S)
+        data = self.worker.recv(RESULT)
         arrived = time.perf_counter()
-        if isinstance(data, BaseException):
-            raise RuntimeError("the worker thread failed") from data
         result = decode(data)
         decoded = time.perf_counter()
         outputs = self.scheduler.update(result)
@@ -324,7 +486,7 @@ class SchedulerLoop:
         self.clock.add(step, "update", end - decoded)
 
     def _profile(self, step: int) -> None:
-        """Profile the scheduler thread from the first measured plan's schedule() on (`measure` stops it)."""
+        """Profile the scheduler process from the first measured plan's schedule() on (`measure` stops it)."""
         if self.profiler is not None and self.measured is not None and step == self.measured[0]:
             self.profiler.enable()
 
@@ -332,37 +494,35 @@ class SchedulerLoop:
 # ----------------------------------------------------------------------------- one row
 
 
-def measure(spec: RowSpec, model_path: Path, profile_prefix: Path | None = None) -> tuple[dict, Measurement]:
-    """Run one row; returns it and what it was computed from."""
-    from worker.executor import Executor
-
+def measure(spec: RowSpec, model_path: Path, profile_prefix: Path | None = None,
+            worker: WorkerProcess | None = None) -> tuple[dict, Measurement]:
+    """Run one row (in `worker`, else in a worker process of its own); returns it and what it was computed from."""
+    if worker is None:
+        with WorkerProcess() as own:
+            return measure(spec, model_path, profile_prefix, own)
     config = engine_config(spec, model_path)
-    executor = Executor(config)
-    worker_clock = PartClock()
-    instrument(executor, worker_clock, spec.batch, spec.simulated_forward_ms)
-    runner = executor.runner
-    scheduler = Scheduler(config, runner.num_gpu_blocks, runner.max_model_len, executor.eos_token_ids)
-    vocab_size = int(runner.hf_config.vocab_size)
+    profile_path = f"{profile_prefix}-worker.pstats" if profile_prefix is not None else None
+    hello = worker.start_row(spec, model_path, profile_path)
+    scheduler = Scheduler(config, hello["num_gpu_blocks"], hello["max_model_len"], hello["eos_token_ids"])
+    vocab_size = hello["vocab_size"]
     for i in range(spec.batch):  # distinct prompts: no prefix is shared
         prompt = [(i * 7919 + j * 104729) % (vocab_size - 3) + 3 for j in range(spec.context)]
         scheduler.add_request(f"bench-{i}", prompt, sampling_params(spec.sampling, i, spec.max_tokens))
     depth = 2 if getattr(config, "async_scheduling", False) else 1
     load = os.getloadavg()[0]
-    worker = WorkerThread(executor, worker_clock, profile_prefix is not None)
-    loop = SchedulerLoop(scheduler, worker, spec, depth, profile_prefix is not None)
-    worker.start()
+    loop = SchedulerLoop(scheduler, worker.socket, spec, depth, profile_prefix is not None)
     try:
         steps = loop.run()
+    except BaseException:
+        worker.close()  # it is mid-row, plans in flight: of no use to another row
+        raise
+    finally:
         if loop.profiler is not None:
             loop.profiler.disable()
-    finally:
-        worker.plans.put(None)
-        worker.join(timeout=RESULT_TIMEOUT_S)
-    runner.forward.check_untouched()
+    worker_times = worker.end_row()  # the worker checked its logits were untouched, and wrote its profile
     if profile_prefix is not None:
         loop.profiler.dump_stats(f"{profile_prefix}-scheduler.pstats")
-        worker.profiler.dump_stats(f"{profile_prefix}-worker.pstats")
-    run = Measurement(scheduler, steps, loop.clock.times, worker_clock.times, loop.arrivals, loop.decode_tokens)
+    run = Measurement(scheduler, steps, loop.clock.times, worker_times, loop.arrivals, loop.decode_tokens)
     return summarize(spec, run, depth == 2, load), run
 
 
@@ -434,7 +594,8 @@ def run(args) -> int:
     specs = row_specs(args)
     rows = []
     load_start = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="pagoda-bench-step-") as tmp:
+    with (tempfile.TemporaryDirectory(prefix="pagoda-bench-step-") as tmp,
+          WorkerProcess(torch.get_num_threads()) as worker):
         max_positions = max(spec.context + spec.max_tokens for spec in specs)
         model_path = dummy_model_config(Path(tmp), max_positions)
         if args.profile_dir:
@@ -442,7 +603,7 @@ def run(args) -> int:
         for spec in specs:
             name = f"b{spec.batch}-c{spec.context}-{spec.sampling}-f{spec.simulated_forward_ms:g}"
             prefix = Path(args.profile_dir) / name if args.profile_dir else None
-            row, _ = measure(spec, model_path, prefix)
+            row, _ = measure(spec, model_path, prefix, worker)
             print_row(row)
             rows.append(row)
     result = {
