@@ -18,6 +18,7 @@ step before.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from common.protocol import NULL_BLOCK, PENDING_TOKEN, ProtocolError, SampledToken, SamplingParams, StepPlan
@@ -61,10 +62,11 @@ class PlanState:
     def record_sampled(self, sampled: list[SampledToken]) -> None:
         """What this worker drew in the step just run: the tokens a PENDING_TOKEN of the next plan
         stands for (a sequence that drew several, to fork, has none)."""
-        counts: dict[int, int] = {}
-        for s in sampled:
-            counts[s.seq_id] = counts.get(s.seq_id, 0) + 1
-        self.last_sampled = {s.seq_id: s.token_id for s in sampled if counts[s.seq_id] == 1}
+        last = {s.seq_id: s.token_id for s in sampled}
+        if len(last) != len(sampled):  # some sequence drew several
+            counts = Counter(s.seq_id for s in sampled)
+            last = {seq_id: token for seq_id, token in last.items() if counts[seq_id] == 1}
+        self.last_sampled = last
 
     def apply(self, plan: StepPlan) -> list[ScheduledSequence]:
         """Apply the plan's diffs; returns the sequences it schedules, in plan order, with their
