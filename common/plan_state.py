@@ -18,6 +18,7 @@ step before.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from common.protocol import NULL_BLOCK, PENDING_TOKEN, ProtocolError, SampledToken, SamplingParams, StepPlan
@@ -61,10 +62,11 @@ class PlanState:
     def record_sampled(self, sampled: list[SampledToken]) -> None:
         """What this worker drew in the step just run: the tokens a PENDING_TOKEN of the next plan
         stands for (a sequence that drew several, to fork, has none)."""
-        counts: dict[int, int] = {}
-        for s in sampled:
-            counts[s.seq_id] = counts.get(s.seq_id, 0) + 1
-        self.last_sampled = {s.seq_id: s.token_id for s in sampled if counts[s.seq_id] == 1}
+        last = {s.seq_id: s.token_id for s in sampled}
+        if len(last) != len(sampled):  # some sequence drew several
+            counts = Counter(s.seq_id for s in sampled)
+            last = {seq_id: token for seq_id, token in last.items() if counts[seq_id] == 1}
+        self.last_sampled = last
 
     def apply(self, plan: StepPlan) -> list[ScheduledSequence]:
         """Apply the plan's diffs; returns the sequences it schedules, in plan order, with their
@@ -82,18 +84,24 @@ class PlanState:
                                 new.num_computed_tokens, list(new.block_ids), new.sampling_params)
             self.seqs[new.seq_id] = held
             steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples))
-        for cached in plan.cached_seqs:
-            held = self.seqs.get(cached.seq_id)
+        seqs = self.seqs
+        for cached in plan.cached_seqs:  # the hot loop of a decode step: kept free of calls
+            held = seqs.get(cached.seq_id)
             if held is None:
                 raise ProtocolError(
                     f"plan step {plan.step} continues sequence {cached.seq_id}, which this worker does not hold")
-            _check_blocks(plan.step, cached.seq_id, cached.new_block_ids)
-            del held.block_table[cached.block_table_offset:]
-            held.block_table += cached.new_block_ids
-            if held.num_computed_tokens == held.num_tokens:  # it sampled: add that token
-                held.token_ids.append(self._last_token(plan.step, cached.seq_id, cached.last_token_id, last_sampled))
+            new_block_ids, table = cached.new_block_ids, held.block_table
+            if new_block_ids or cached.block_table_offset < len(table):
+                _check_blocks(plan.step, cached.seq_id, new_block_ids)
+                del table[cached.block_table_offset:]
+                table += new_block_ids
+            token_ids = held.token_ids
+            if held.num_computed_tokens == len(token_ids):  # it sampled: add that token
+                token = cached.last_token_id
+                token_ids.append(token if token != PENDING_TOKEN
+                                 else self._last_token(plan.step, cached.seq_id, token, last_sampled))
             steps.append((cached.seq_id, held, cached.num_scheduled_tokens, cached.num_samples))
-        return [self._schedule(plan.step, *s) for s in steps]
+        return self._schedule(plan.step, steps)
 
     @staticmethod
     def _last_token(step: int, seq_id: int, token: int, last_sampled: dict[int, int]) -> int:
@@ -104,16 +112,22 @@ class PlanState:
                                 "which this worker did not draw in the step before")
         return last_sampled[seq_id]
 
-    def _schedule(self, step: int, seq_id: int, held: HeldSequence, n: int, num_samples: int) -> ScheduledSequence:
-        start, end = held.num_computed_tokens, held.num_computed_tokens + n
-        if n < 1 or end > held.num_tokens:
-            raise ProtocolError(f"plan step {step} schedules {n} tokens sequence {seq_id} does not have")
-        if end > len(held.block_table) * self.block_size:
-            raise ProtocolError(f"plan step {step}: sequence {seq_id}'s block table does not cover slot {end - 1}")
-        if num_samples < 1:
-            raise ProtocolError(f"plan step {step} asks sequence {seq_id} for {num_samples} samples")
-        held.num_computed_tokens = end
-        return ScheduledSequence(seq_id, held, start, n, num_samples if end == held.num_tokens else 0)
+    def _schedule(self, step: int, steps: list[tuple[int, HeldSequence, int, int]]) -> list[ScheduledSequence]:
+        """Count each sequence's scheduled tokens as computed, after checking it can compute them."""
+        capacity = self.block_size
+        scheduled = []
+        for seq_id, held, n, num_samples in steps:
+            start = held.num_computed_tokens
+            end, num_tokens = start + n, len(held.token_ids)
+            if n < 1 or end > num_tokens:
+                raise ProtocolError(f"plan step {step} schedules {n} tokens sequence {seq_id} does not have")
+            if end > len(held.block_table) * capacity:
+                raise ProtocolError(f"plan step {step}: sequence {seq_id}'s block table does not cover slot {end - 1}")
+            if num_samples < 1:
+                raise ProtocolError(f"plan step {step} asks sequence {seq_id} for {num_samples} samples")
+            held.num_computed_tokens = end
+            scheduled.append(ScheduledSequence(seq_id, held, start, n, num_samples if end == num_tokens else 0))
+        return scheduled
 
     def check_unshared(self) -> None:
         """For plans of requests that never fork: no block is in two tables."""

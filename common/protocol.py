@@ -2,7 +2,9 @@
 
 Every message that crosses a process boundary is a dataclass defined here and encoded with
 msgpack by `encode`/`decode`; nothing is pickled. A dataclass travels as a msgpack extension
-holding `[type_tag, field values in declaration order]`, so nested messages need no schema.
+holding `[type_tag, field values in declaration order]`, so nested messages need no schema. The
+per-sequence lists of a step (a plan's cached sequences, a result's sampled tokens) travel as
+columns instead, one list per field, so a step costs no extension per sequence.
 
 Step plans are diffs: a sequence the worker has not seen (or has dropped) comes in full as a
 `NewSequence`; afterwards it comes as a `CachedSequence` carrying only its new block ids, the
@@ -13,12 +15,15 @@ common/plan_state.py keeps the worker's side of the diffs.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 5  # 5: CachedSequence.last_token_id may be PENDING_TOKEN (async scheduling)
+# 5: CachedSequence.last_token_id may be PENDING_TOKEN (async scheduling)
+# 6: a StepPlan's cached_seqs and a StepResult's sampled travel as columns (_COLUMNS_OF)
+PROTOCOL_VERSION = 6
 _EXT_MESSAGE = 1
 
 
@@ -291,6 +296,31 @@ _MESSAGE_TYPES: list[type] = [  # append only: a message's tag is its index
 ]
 _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
+_VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
+# List fields of the hot messages (one entry per sequence of a step) travel as columns, one list per
+# field of the element type in declaration order, instead of one extension per element.
+_COLUMNS_OF: dict[type, dict[int, type]] = {
+    StepPlan: {_FIELDS_OF[StepPlan].index("cached_seqs"): CachedSequence},
+    StepResult: {_FIELDS_OF[StepResult].index("sampled"): SampledToken},
+}
+
+
+def _to_columns(items: list, cls: type) -> list[list]:
+    if not items:
+        return [[] for _ in _FIELDS_OF[cls]]
+    if set(map(type, items)) != {cls}:
+        raise TypeError(f"cannot encode a list of {cls.__name__} holding another type")
+    return [list(column) for column in zip(*map(_VALUES_OF[cls], items))]
+
+
+def _from_columns(columns: Any, cls: type) -> list:
+    names = _FIELDS_OF[cls]
+    if not isinstance(columns, list) or len(columns) != len(names):
+        got = len(columns) if isinstance(columns, list) else type(columns).__name__
+        raise ProtocolError(f"{cls.__name__} expects {len(names)} columns, got {got}")
+    if not all(isinstance(column, list) and len(column) == len(columns[0]) for column in columns):
+        raise ProtocolError(f"{cls.__name__} columns differ in length")
+    return list(map(cls, *columns))
 
 
 def _default(obj: Any) -> msgpack.ExtType:
@@ -298,7 +328,9 @@ def _default(obj: Any) -> msgpack.ExtType:
     tag = _TAG_OF.get(cls)
     if tag is None:
         raise TypeError(f"cannot encode {cls.__name__}: not a protocol message")
-    values = [tag] + [getattr(obj, name) for name in _FIELDS_OF[cls]]
+    values = [tag, *_VALUES_OF[cls](obj)]
+    for index, item_cls in _COLUMNS_OF.get(cls, {}).items():
+        values[index + 1] = _to_columns(values[index + 1], item_cls)
     return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb(values, default=_default, use_bin_type=True))
 
 
@@ -312,8 +344,10 @@ def _ext_hook(code: int, data: bytes) -> Any:
     names = _FIELDS_OF[cls]
     if len(values) != len(names):
         raise ProtocolError(f"{cls.__name__} expects {len(names)} fields, got {len(values)}")
+    for index, item_cls in _COLUMNS_OF.get(cls, {}).items():
+        values[index] = _from_columns(values[index], item_cls)
     try:
-        return cls(**dict(zip(names, values)))
+        return cls(*values)
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"invalid {cls.__name__}: {exc}") from exc
 
@@ -324,13 +358,21 @@ def encode(message: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    """Decode bytes from `encode`; raises ProtocolError on anything malformed."""
+    """Decode bytes from `encode`; raises ProtocolError on anything malformed. The version is read
+    first: a peer of another version is refused by it, not by what its message holds."""
+    unpacker = msgpack.Unpacker(ext_hook=_ext_hook, raw=False, strict_map_key=False, max_buffer_size=len(data))
     try:
-        version, message = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+        unpacker.feed(data)
+        if unpacker.read_array_header() != 2:
+            raise ValueError("not a [version, message] pair")
+        version = unpacker.unpack()
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version} is not {PROTOCOL_VERSION}")
+        message = unpacker.unpack()
+        if unpacker.tell() != len(data):
+            raise ValueError("extra data after the message")
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several types for garbage input
         raise ProtocolError(f"undecodable message: {exc}") from exc
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version} is not {PROTOCOL_VERSION}")
     return message

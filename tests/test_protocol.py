@@ -95,6 +95,12 @@ def _ext(tag, *values) -> msgpack.ExtType:
     return msgpack.ExtType(protocol._EXT_MESSAGE, msgpack.packb([tag, *values], use_bin_type=True))
 
 
+def _body(data: bytes) -> list:
+    """The outer message of encoded bytes as [tag, field values], nested messages left as extensions."""
+    _, ext = msgpack.unpackb(data, raw=False)
+    return msgpack.unpackb(ext.data, raw=False)
+
+
 def _tag(cls) -> int:
     return protocol._MESSAGE_TYPES.index(cls)
 
@@ -137,10 +143,50 @@ def test_a_wrong_field_count_is_a_protocol_error(values):
 
 
 def test_a_wrong_field_count_deep_inside_a_plan_is_a_protocol_error():
-    bad_seq = _ext(_tag(CachedSequence), 1, [], 0, 1)  # 4 of 6 fields
-    plan = _ext(_tag(StepPlan), 1, 0, [], [bad_seq], [], [], [], [], [])
-    with pytest.raises(ProtocolError, match="CachedSequence"):
+    bad_seqs = [[1], [[]], [0], [1]]  # 4 of 6 columns
+    plan = _ext(_tag(StepPlan), 1, 0, [], bad_seqs, [], [], [], [], [])
+    with pytest.raises(ProtocolError, match="CachedSequence expects 6 columns, got 4"):
         decode(msgpack.packb([PROTOCOL_VERSION, plan], use_bin_type=True))
+
+
+def test_the_step_lists_travel_as_columns():
+    """A plan's cached sequences and a result's sampled tokens are one list per field, in declaration
+    order, not one extension per element (protocol 6)."""
+    body = _body(encode(PLAN))
+    assert body[4] == [[4, 5], [[11], []], [2, 3], [1, 16], [42, 0], [2, 1]]
+    body = _body(encode(RESULT))
+    assert body[3] == [[4, 3], [77, 5], [-0.125, -1.0], [[[77, -0.125], [78, -2.5]], []]]
+    empty = _body(encode(StepPlan(1, 0)))
+    assert empty[4] == [[], [], [], [], [], []]
+
+
+@pytest.mark.parametrize("columns, words", [
+    ([[4, 5], [[11]], [2, 3], [1, 16], [42, 0], [2, 1]], "columns differ in length"),
+    ([[4], [[11]], [2], [1], [42], [2], [9]], "expects 6 columns, got 7"),
+    ([], "expects 6 columns, got 0"),
+    ({"seq_id": [4]}, "expects 6 columns, got dict"),
+    ([4, [[11]], [2], [1], [42], [2]], "columns differ in length"),
+], ids=["ragged", "seven", "none", "map", "scalar"])
+def test_malformed_columns_are_a_protocol_error(columns, words):
+    plan = _ext(_tag(StepPlan), 1, 0, [], columns, [], [], [], [], [])
+    with pytest.raises(ProtocolError, match=words):
+        decode(msgpack.packb([PROTOCOL_VERSION, plan], use_bin_type=True))
+
+
+def test_a_step_list_holding_another_type_is_not_encoded():
+    with pytest.raises(TypeError, match="list of CachedSequence holding another type"):
+        encode(StepPlan(1, 0, cached_seqs=[CACHED_SEQ, NEW_SEQ]))
+    with pytest.raises(TypeError, match="list of SampledToken holding another type"):
+        encode(StepResult(1, 0, sampled=[SAMPLED, (4, 77, -0.1, [])]))
+
+
+def test_the_version_is_checked_before_the_message():
+    """A protocol 5 plan (one extension per cached sequence) is refused by its version, not by its shape."""
+    v5_plan = _ext(_tag(StepPlan), 1, 0, [], [_ext(_tag(CachedSequence), 4, [11], 2, 1, 42, 1)], [], [], [], [], [])
+    with pytest.raises(ProtocolError, match=f"protocol version 5 is not {PROTOCOL_VERSION}"):
+        decode(msgpack.packb([5, v5_plan], use_bin_type=True))
+    with pytest.raises(ProtocolError, match="undecodable message: extra data"):
+        decode(encode(PLAN) + b"\x00")
 
 
 def test_invalid_sampling_params_on_the_wire_are_a_protocol_error():
@@ -257,9 +303,9 @@ def test_a_plan_of_protocol_3_without_num_samples_is_refused():
     """Version 4 appended `num_samples` to NewSequence and CachedSequence: a version 3 peer is refused
     by its version, and its 5-field CachedSequence by its field count."""
     assert PROTOCOL_VERSION >= 4
-    v3_seq = _ext(_tag(CachedSequence), 4, [11], 2, 1, 42)
-    with pytest.raises(ProtocolError, match="CachedSequence expects 6 fields, got 5"):
-        decode(msgpack.packb([PROTOCOL_VERSION, _ext(_tag(StepPlan), 1, 0, [], [v3_seq], [], [], [], [], [])],
+    v3_seqs = [[4], [[11]], [2], [1], [42]]  # as columns (protocol 6)
+    with pytest.raises(ProtocolError, match="CachedSequence expects 6 columns, got 5"):
+        decode(msgpack.packb([PROTOCOL_VERSION, _ext(_tag(StepPlan), 1, 0, [], v3_seqs, [], [], [], [], [])],
                              use_bin_type=True))
     with pytest.raises(ProtocolError, match=f"protocol version 3 is not {PROTOCOL_VERSION}"):
         decode(msgpack.packb([3, _ext(_tag(StepPlan), 1, 0, [], [], [], [], [], [], [])], use_bin_type=True))

@@ -16,7 +16,7 @@ from common.config import EngineConfig
 from common.plan_state import PlanState, ScheduledSequence
 from common.protocol import SampledToken, StepPlan, StepResult, WorkerHello
 from worker.model_runner import ModelRunner
-from worker.sampler import Sampler, SamplingRow
+from worker.sampler import Sampler, SamplerOutput, SamplingRow
 
 
 class Executor:
@@ -61,15 +61,8 @@ class Executor:
         sampling = [s for s in scheduled if s.num_samples]
         if not sampling:
             return result
-        out = self.sampler(logits, [
-            SamplingRow(s.seq_id, s.held.sampling_params, s.held.num_tokens - s.held.num_prompt_tokens, s.num_samples)
-            for s in sampling
-        ])
-        i = 0
-        for s in sampling:
-            for _ in range(s.num_samples):
-                result.sampled.append(SampledToken(s.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
-                i += 1
+        out = self.sampler(logits, _sampling_rows(sampling))
+        result.sampled = _sampled_tokens(sampling, out)
         self.state.record_sampled(result.sampled)  # what a PENDING_TOKEN of the next plan stands for
         return result
 
@@ -79,6 +72,20 @@ class Executor:
         counts = self.sampler.token_counts
         counts.free(plan.finished_seq_ids + plan.preempted_seq_ids)
         counts.sync((s.seq_id, s.held) for s in scheduled)
+
+
+def _sampling_rows(sampling: list[ScheduledSequence]) -> list[SamplingRow]:
+    return [SamplingRow(s.seq_id, (held := s.held).sampling_params, len(held.token_ids) - held.num_prompt_tokens,
+                        s.num_samples) for s in sampling]
+
+
+def _sampled_tokens(sampling: list[ScheduledSequence], out: SamplerOutput) -> list[SampledToken]:
+    """One SampledToken per draw, in row order: out holds each row's `num_samples` draws in turn."""
+    if len(out.token_ids) == len(sampling):  # one draw per row (each row draws at least one)
+        seq_ids = [s.seq_id for s in sampling]
+    else:
+        seq_ids = [s.seq_id for s in sampling for _ in range(s.num_samples)]
+    return list(map(SampledToken, seq_ids, out.token_ids, out.logprobs, out.top_logprobs))
 
 
 def _eos_token_ids(hf_config) -> list[int]:
