@@ -617,25 +617,26 @@ class Scheduler:
                 if group.beam is not None:
                     group.beam.pending[seq_id] = sampled[0]
                     continue
-                for index, extra in enumerate(sampled[1:], start=1):
-                    self._append(group, self._fork(group, seq, index), extra, new_counts)
+                if len(sampled) > 1:
+                    for index, extra in enumerate(sampled[1:], start=1):
+                        self._append(group, self._fork(group, seq, index), extra, new_counts)
                 self._append(group, seq, sampled[0], new_counts)
             except Exception as exc:
                 del touched[group.request_id]
                 self._fail(group, exc)
-        outputs = []
-        for group in list(touched.values()):
+        outputs, ended = [], []
+        for group in touched.values():
             try:
                 if group.beam is not None and len(group.beam.pending) == len(group.seqs):
                     self._beam_step(group)
                 if (out := self._output(group, new_counts)) is not None:
                     outputs.append(out)
+                    if out.finished:  # group.is_finished
+                        ended.append(group)
             except Exception as exc:
-                del touched[group.request_id]
                 self._fail(group, exc)
-        for group in touched.values():
-            if group.is_finished:
-                self._retire(group)
+        for group in ended:
+            self._retire(group)
         return outputs
 
     def _apply_computed(self, scheduled: dict[int, int]) -> None:
