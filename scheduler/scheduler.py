@@ -610,8 +610,7 @@ class Scheduler:
             if seq is None or seq.status is not running:
                 continue  # aborted while the step ran, or its group failed
             group = group_of_seq[seq_id]
-            if seq.num_computed_tokens != seq.num_tokens or len(sampled) != planned_samples.get(seq_id, 0):
-                self._check_due(result.step, seq, len(sampled), planned_samples.get(seq_id, 0))
+            self._check_due(result.step, seq, len(sampled), planned_samples.get(seq_id, 0))
             touched[group.request_id] = group
             try:
                 if group.beam is not None:
@@ -791,13 +790,12 @@ class Scheduler:
     def _output(self, group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput | None:
         if not group.selects_at_end:
             logprobs = group.sampling_params.logprobs is not None
-            outputs = [
-                SequenceOutput(  # views of the sequence's lists, not copies: this runs every step
+            outputs = []
+            for seq in group.seqs:  # a loop, not a comprehension: most groups have one sequence
+                outputs.append(SequenceOutput(  # views of the sequence's lists, not copies: this runs every step
                     seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
                     seq.output_logprobs if logprobs else None, seq.status.finish_reason,
-                )
-                for seq in group.seqs
-            ]
+                ))
             return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.is_finished)
         if not group.is_finished:
             return None
