@@ -109,9 +109,16 @@ class BlockManager(AllocatorBase):
 
         Changes nothing and raises NoFreeBlocksError when the blocks are not there.
         """
+        table = self.block_tables[seq_id]
+        num_slots = self.num_slots[seq_id]
+        new_slots = num_slots + num_new_tokens
+        if new_slots <= len(table) * self.block_size and (
+            num_slots % self.block_size == 0 or self.ref_counts[table[-1]] == 1
+        ):  # the common decode step: the slots fit in the last block, which is this table's alone
+            self.num_slots[seq_id] = new_slots
+            return AppendedSlots(len(table))
         if not self.can_append(seq_id, num_new_tokens):
             raise NoFreeBlocksError(f"sequence {seq_id} cannot grow by {num_new_tokens} slots")
-        table = self.block_tables[seq_id]
         appended = AppendedSlots(len(table))
         if num_new_tokens and self._last_block_is_shared_and_partial(seq_id):
             src = table[-1]
@@ -127,8 +134,10 @@ class BlockManager(AllocatorBase):
 
     def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int:
         table = self.block_tables[seq_id]
-        grow = self.blocks_for(self.num_slots[seq_id] + num_new_tokens) - len(table)
-        return grow + (1 if num_new_tokens and self._last_block_is_shared_and_partial(seq_id) else 0)
+        num_slots, bs = self.num_slots[seq_id], self.block_size
+        grow = -(-(num_slots + num_new_tokens) // bs) - len(table)
+        shared_and_partial = num_new_tokens and table and num_slots % bs and self.ref_counts[table[-1]] > 1
+        return grow + 1 if shared_and_partial else grow
 
     def _last_block_is_shared_and_partial(self, seq_id: int) -> bool:
         table = self.block_tables[seq_id]

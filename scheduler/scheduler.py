@@ -36,7 +36,7 @@ from common.protocol import (
     PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
     num_beam_candidates, sample_seed,
 )
-from scheduler.allocator import Allocator
+from scheduler.allocator import Allocator, NoFreeBlocksError
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import (
     BeamHypothesis, BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
@@ -292,44 +292,46 @@ class Scheduler:
     # as usual. Any other group with tokens in flight (beams, a first token that forks, a prompt
     # chunk that is not the last, a sequence at its max_tokens) waits for the result, and is never
     # a preemption victim meanwhile: preempting it would drop the token it is drawing.
-    def _awaits_result(self, group: SequenceGroup) -> bool:
-        busy = [seq for seq in group.seqs_with(SequenceStatus.RUNNING) if seq.seq_id in self._ahead]
+    def _awaits_result(self, group: SequenceGroup, running: list[Sequence]) -> bool:
+        """`running`: the group's running sequences."""
+        ahead = self._ahead
+        if not ahead:
+            return False
+        busy = [seq for seq in running if seq.seq_id in ahead]
         if not busy:
             return False
         return group.beam is not None or not all(self._can_run_ahead(seq) for seq in busy)
 
     def _can_run_ahead(self, seq: Sequence) -> bool:
-        in_flight = self._in_flight[-1]
-        if in_flight.samples.get(seq.seq_id) != 1 or seq.num_computed_tokens + self._ahead[seq.seq_id] != seq.num_tokens:
+        num_output = len(seq.output_token_ids)
+        num_tokens = len(seq.prompt_token_ids) + num_output
+        seq_id = seq.seq_id
+        if self._in_flight[-1].samples.get(seq_id) != 1 or seq.num_computed_tokens + self._ahead[seq_id] != num_tokens:
             return False
         max_tokens = seq.sampling_params.max_tokens
-        num_output = len(seq.output_token_ids) + 1  # with the token in flight
-        return (max_tokens is None or num_output < max_tokens) and seq.num_tokens + 1 < self.max_model_len
+        # with the token in flight
+        return (max_tokens is None or num_output + 1 < max_tokens) and num_tokens + 1 < self.max_model_len
 
     def _has_tokens_in_flight(self, group: SequenceGroup) -> bool:
         return any(seq.seq_id in self._ahead for seq in group.seqs_with(SequenceStatus.RUNNING))
 
-    def _computed_after_flight(self, seq: Sequence) -> int:
-        """Tokens whose KV is in the cache once the plan in flight ran."""
-        return seq.num_computed_tokens + self._ahead.get(seq.seq_id, 0)
-
-    def _num_tokens_after_flight(self, seq: Sequence) -> int:
-        """With the token a sequence scheduled ahead draws in the plan in flight (PENDING_TOKEN)."""
-        return seq.num_tokens + (seq.seq_id in self._ahead)
-
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> bool:
-        queue = list(self.running)
+        queue = deque(self.running)
         self.running = []
         preempted = False
         while queue:
-            group = queue.pop(0)
+            group = queue.popleft()
             try:
+                if len(group.seqs) == 1 and group.beam is None and self._decode_alone(group, plan, budget):
+                    self.running.append(group)
+                    continue
                 seqs = group.seqs_with(SequenceStatus.RUNNING)
-                num_new = None if self._awaits_result(group) else self._chunk_sizes(seqs, budget)
+                num_new = None if self._awaits_result(group, seqs) else self._chunk_sizes(seqs, budget)
                 if num_new is None:  # out of budget this step, or waiting for a result; stays running
                     self.running.append(group)
                     continue
-                while not self._can_grow(seqs, num_new):
+                extra = self._extra_slots(seqs, num_new)
+                while not self._can_grow(seqs, extra):
                     victim = queue[-1] if queue else group
                     if self._has_tokens_in_flight(victim):
                         # preempting it now would drop the token it draws: this group and every
@@ -346,12 +348,48 @@ class Scheduler:
                     if victim is group:
                         break
                 else:
-                    self._grow(seqs, num_new, plan)
+                    self._grow(seqs, extra, plan)
                     self._add_to_plan(seqs, num_new, plan, budget)
                     self.running.append(group)
             except Exception as exc:
                 self._fail(group, exc, plan)
         return preempted
+
+    def _decode_alone(self, group: SequenceGroup, plan: StepPlan, budget: _Budget) -> bool:
+        """The common case of `_schedule_running`, planned without its lists: the group's one
+        sequence, running and held by the workers, computes one token (its last) in room its table
+        has or gets without a preemption. Returns False, having changed nothing, in any other case."""
+        seq = group.seqs[0]
+        seq_id = seq.seq_id
+        in_flight = self._ahead.get(seq_id, 0)
+        if seq.status is not SequenceStatus.RUNNING or seq_id not in self._held_by_workers or budget.tokens < 1:
+            return False
+        if in_flight and not self._can_run_ahead(seq):  # it awaits the result
+            return False
+        num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) + (in_flight != 0)
+        computed = seq.num_computed_tokens + in_flight  # as in _chunk_sizes and _extra_slots
+        if num_tokens - computed != 1:
+            return False
+        bm = self.block_manager
+        extra = computed + 1 - bm.num_slots[seq_id]
+        if extra > 0:
+            try:  # alone in its group, it can grow exactly when it can append
+                appended = bm.append_slot(seq_id, extra)
+            except NoFreeBlocksError:
+                return False
+            if appended.copy_on_write is not None:
+                plan.blocks_to_copy.append(appended.copy_on_write)
+            seq.num_sent_blocks = min(seq.num_sent_blocks, appended.first_changed_block)
+        table = bm.block_table(seq_id)
+        num_samples = 1 if seq.output_token_ids else group.best_of  # as in _add_to_plan
+        first_new = seq.num_sent_blocks
+        last_token_id = PENDING_TOKEN if in_flight else seq.last_token_id
+        plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
+        seq.num_sent_blocks = len(table)
+        self._planning.scheduled[seq_id] = 1
+        self._planning.samples[seq_id] = num_samples
+        budget.tokens -= 1
+        return True
 
     def _preempt_or_fail(self, victim: SequenceGroup, plan: StepPlan) -> None:
         """A victim whose preemption raises fails alone, not the group it was making room for."""
@@ -376,8 +414,9 @@ class Scheduler:
                 for seq in seqs:
                     seq.status = SequenceStatus.RUNNING
                 self._insert_running(group)
-                if self._can_grow(seqs, num_new):  # the watermark all but guarantees it
-                    self._grow(seqs, num_new, plan)
+                extra = self._extra_slots(seqs, num_new)
+                if self._can_grow(seqs, extra):  # the watermark all but guarantees it
+                    self._grow(seqs, extra, plan)
                     self._add_to_plan(seqs, num_new, plan, budget)
             except Exception as exc:
                 self._fail(group, exc, plan)
@@ -432,27 +471,37 @@ class Scheduler:
         A sequence may get 0: out of budget (it goes on next step; the samples of a group are
         independent) or a beam that already sampled, waiting for the others to catch up.
         """
-        num_new, tokens_left = [], budget.tokens
+        num_new, tokens_left, ahead = [], budget.tokens, self._ahead
         for i, seq in enumerate(seqs):
-            remaining = self._num_tokens_after_flight(seq) - max(self._computed_after_flight(seq), hits[i] if hits else 0)
+            in_flight = ahead.get(seq.seq_id, 0)  # never 0 for a sequence in the plan in flight
+            # with the token a sequence scheduled ahead draws in the plan in flight (PENDING_TOKEN)
+            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) + (in_flight != 0)
+            computed = seq.num_computed_tokens + in_flight  # KV in the cache once the plan in flight ran
+            remaining = num_tokens - (max(computed, hits[i]) if hits else computed)
             n = max(min(remaining, tokens_left), 0)
             num_new.append(n)
             tokens_left -= n
         return num_new if any(num_new) else None
 
-    def _can_grow(self, seqs: list[Sequence], num_new: list[int]) -> bool:
-        needed = 0
-        for seq, n in zip(seqs, num_new):
-            extra = self._computed_after_flight(seq) + n - self.block_manager.num_slots[seq.seq_id]
-            if extra > 0:
-                needed += self.block_manager.blocks_to_append(seq.seq_id, extra)
-        return needed <= self.block_manager.num_free_blocks
+    def _extra_slots(self, seqs: list[Sequence], num_new: list[int]) -> list[int]:
+        """Slots each sequence's table must grow by for its `num_new` tokens (0 or less: none)."""
+        num_slots, ahead = self.block_manager.num_slots, self._ahead
+        return [seq.num_computed_tokens + ahead.get(seq.seq_id, 0) + n - num_slots[seq.seq_id]
+                for seq, n in zip(seqs, num_new)]
 
-    def _grow(self, seqs: list[Sequence], num_new: list[int], plan: StepPlan) -> None:
-        for seq, n in zip(seqs, num_new):
-            extra = self._computed_after_flight(seq) + n - self.block_manager.num_slots[seq.seq_id]
-            if extra > 0:
-                appended = self.block_manager.append_slot(seq.seq_id, extra)
+    def _can_grow(self, seqs: list[Sequence], extra: list[int]) -> bool:
+        """`extra`: from `_extra_slots`."""
+        bm = self.block_manager
+        needed = 0
+        for seq, n in zip(seqs, extra):
+            if n > 0:
+                needed += bm.blocks_to_append(seq.seq_id, n)
+        return needed == 0 or needed <= bm.num_free_blocks
+
+    def _grow(self, seqs: list[Sequence], extra: list[int], plan: StepPlan) -> None:
+        for seq, n in zip(seqs, extra):
+            if n > 0:
+                appended = self.block_manager.append_slot(seq.seq_id, n)
                 if appended.copy_on_write is not None:
                     plan.blocks_to_copy.append(appended.copy_on_write)
                 # a copy-on-write replaced a block the workers hold: they get it again
@@ -496,34 +545,37 @@ class Scheduler:
 
     # ------------------------------------------------------------------ plan
     def _add_to_plan(self, seqs: list[Sequence], num_new: list[int], plan: StepPlan, budget: _Budget) -> None:
+        """`seqs`: of one group."""
+        if not seqs:
+            return
+        block_table, held, ahead = self.block_manager.block_table, self._held_by_workers, self._ahead
+        scheduled, samples = self._planning.scheduled, self._planning.samples
+        # A request's first token is drawn best_of times, and the samples forked from it
+        # (`update`); every other token, and every beam's, once.
+        group = self._group_of_seq[seqs[0].seq_id]
+        best_of = group.best_of if group.beam is None and len(group.seqs) == 1 else 1
         for seq, n in zip(seqs, num_new):
             if n == 0:
                 continue
-            table = self.block_manager.block_table(seq.seq_id)
-            num_samples = self._num_samples_of(seq)
-            if seq.seq_id in self._held_by_workers:
+            seq_id = seq.seq_id
+            table = block_table(seq_id)
+            num_samples = 1 if seq.output_token_ids else best_of
+            if seq_id in held:
                 first_new = seq.num_sent_blocks
-                last_token_id = PENDING_TOKEN if seq.seq_id in self._ahead else seq.last_token_id
+                last_token_id = PENDING_TOKEN if seq_id in ahead else seq.last_token_id
                 plan.cached_seqs.append(CachedSequence(
-                    seq.seq_id, table[first_new:], first_new, n, last_token_id, num_samples,
+                    seq_id, table[first_new:], first_new, n, last_token_id, num_samples,
                 ))
             else:
                 plan.new_seqs.append(NewSequence(
-                    seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
+                    seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
                     seq.num_computed_tokens, n, seq.sampling_params, num_samples,
                 ))
-                self._held_by_workers.add(seq.seq_id)
+                held.add(seq_id)
             seq.num_sent_blocks = len(table)
-            self._planning.scheduled[seq.seq_id] = n
-            self._planning.samples[seq.seq_id] = num_samples
+            scheduled[seq_id] = n
+            samples[seq_id] = num_samples
             budget.tokens -= n
-
-    def _num_samples_of(self, seq: Sequence) -> int:
-        """A request's first token is drawn best_of times, and the samples forked from it
-        (`update`); every other token, and every beam's, once."""
-        group = self._group_of_seq[seq.seq_id]
-        first_of_many = group.beam is None and not seq.output_token_ids and len(group.seqs) == 1
-        return group.best_of if first_of_many else 1
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestOutput]:
@@ -542,52 +594,66 @@ class Scheduler:
         if result.error:
             raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
         done = self._in_flight.popleft()
-        bm = self.block_manager
-        block_size = bm.block_size
-        for seq_id, n in done.scheduled.items():
-            seq = self._seqs.get(seq_id)
-            if seq is not None and seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens += n
-                filled_a_block = seq.num_computed_tokens // block_size > (seq.num_computed_tokens - n) // block_size
-                if bm.enable_prefix_caching and filled_a_block:
-                    bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
+        self._apply_computed(done.scheduled)
         planned_samples = done.samples
         samples: dict[int, list[SampledToken]] = {}
         for sampled in result.sampled:
-            samples.setdefault(sampled.seq_id, []).append(sampled)
+            if (drawn := samples.get(sampled.seq_id)) is None:
+                samples[sampled.seq_id] = [sampled]
+            else:
+                drawn.append(sampled)
         touched: dict[str, SequenceGroup] = {}
         new_counts: dict[int, int] = {}
+        seqs, group_of_seq, running = self._seqs, self._group_of_seq, SequenceStatus.RUNNING
         for seq_id, sampled in samples.items():
-            seq = self._seqs.get(seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is not running:
                 continue  # aborted while the step ran, or its group failed
-            group = self._group_of_seq[seq_id]
+            group = group_of_seq[seq_id]
             self._check_due(result.step, seq, len(sampled), planned_samples.get(seq_id, 0))
             touched[group.request_id] = group
             try:
                 if group.beam is not None:
                     group.beam.pending[seq_id] = sampled[0]
                     continue
-                for index, extra in enumerate(sampled[1:], start=1):
-                    self._append(group, self._fork(group, seq, index), extra, new_counts)
+                if len(sampled) > 1:
+                    for index, extra in enumerate(sampled[1:], start=1):
+                        self._append(group, self._fork(group, seq, index), extra, new_counts)
                 self._append(group, seq, sampled[0], new_counts)
             except Exception as exc:
                 del touched[group.request_id]
                 self._fail(group, exc)
-        outputs = []
-        for group in list(touched.values()):
+        outputs, ended = [], []
+        for group in touched.values():
             try:
                 if group.beam is not None and len(group.beam.pending) == len(group.seqs):
                     self._beam_step(group)
                 if (out := self._output(group, new_counts)) is not None:
                     outputs.append(out)
+                    if out.finished:  # group.is_finished
+                        ended.append(group)
             except Exception as exc:
-                del touched[group.request_id]
                 self._fail(group, exc)
-        for group in touched.values():
-            if group.is_finished:
-                self._retire(group)
+        for group in ended:
+            self._retire(group)
         return outputs
+
+    def _apply_computed(self, scheduled: dict[int, int]) -> None:
+        """The KV a step wrote is now in the cache; full blocks join the prefix cache."""
+        bm, seqs, running = self.block_manager, self._seqs, SequenceStatus.RUNNING
+        if not bm.enable_prefix_caching:
+            for seq_id, n in scheduled.items():
+                seq = seqs.get(seq_id)
+                if seq is not None and seq.status is running:
+                    seq.num_computed_tokens += n
+            return
+        block_size = bm.block_size
+        for seq_id, n in scheduled.items():
+            seq = seqs.get(seq_id)
+            if seq is not None and seq.status is running:
+                seq.num_computed_tokens += n
+                if seq.num_computed_tokens // block_size > (seq.num_computed_tokens - n) // block_size:  # filled a block
+                    bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
 
     def _check_due(self, step: int, seq: Sequence, num_sampled: int, num_planned: int) -> None:
         if seq.num_computed_tokens != seq.num_tokens:
@@ -612,19 +678,24 @@ class Scheduler:
         return child
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: SampledToken, new_counts: dict[int, int]) -> None:
-        top = sampled.top_logprobs if group.sampling_params.logprobs is not None else None
+        params = group.sampling_params
+        top = sampled.top_logprobs if params.logprobs is not None else None
         seq.append_token(sampled.token_id, sampled.logprob, top)
-        new_counts[seq.seq_id] = new_counts.get(seq.seq_id, 0) + 1
-        self._check_stop(seq, group.sampling_params)
+        seq_id = seq.seq_id
+        new_counts[seq_id] = new_counts[seq_id] + 1 if seq_id in new_counts else 1
+        self._check_stop(seq, params)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
-        num_output = len(seq.output_token_ids)
-        token = seq.output_token_ids[-1]
+        output = seq.output_token_ids
+        num_output = len(output)
+        token = output[-1]
         if num_output >= params.min_tokens and (
             (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
         ):
             self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-        elif (params.max_tokens is not None and num_output >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
+        elif (params.max_tokens is not None and num_output >= params.max_tokens) or (
+            len(seq.prompt_token_ids) + num_output >= self.max_model_len
+        ):
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -718,14 +789,13 @@ class Scheduler:
     # ------------------------------------------------------------------ outputs
     def _output(self, group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput | None:
         if not group.selects_at_end:
-            outputs = [
-                SequenceOutput(  # views of the sequence's lists, not copies: this runs every step
+            logprobs = group.sampling_params.logprobs is not None
+            outputs = []
+            for seq in group.seqs:  # a loop, not a comprehension: most groups have one sequence
+                outputs.append(SequenceOutput(  # views of the sequence's lists, not copies: this runs every step
                     seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
-                    seq.output_logprobs if group.sampling_params.logprobs is not None else None,
-                    seq.finish_reason,
-                )
-                for seq in group.seqs
-            ]
+                    seq.output_logprobs if logprobs else None, seq.status.finish_reason,
+                ))
             return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.is_finished)
         if not group.is_finished:
             return None

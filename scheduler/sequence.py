@@ -16,9 +16,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+    def __init__(self, value: str) -> None:
+        # plain attributes, not properties: read for every sequence every step
+        self.finished: bool = value in ("stop", "length", "abort")
+        self.finish_reason: str | None = value if self.finished else None
 
 
 @dataclass(slots=True, eq=False)
@@ -54,7 +55,7 @@ class Sequence:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.status.finished else None
+        return self.status.finish_reason
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: list[list] | None) -> None:
         self.output_token_ids.append(token_id)
@@ -128,7 +129,10 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         if self.beam is not None:
             return self.beam.done
-        return all(seq.status.finished for seq in self.seqs)
+        for seq in self.seqs:
+            if not seq.status.finished:
+                return False
+        return True
 
 
 @dataclass(slots=True)
