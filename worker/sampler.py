@@ -213,6 +213,17 @@ class Sampler:
         self.device = torch.device(device)
         self.token_counts = TokenCounts(vocab_size, self.device)
         self._token_hash = _premix(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
+        self._scratch_rows = torch.empty(0, vocab_size, device=self.device)
+
+    def _scratch(self, num_rows: int) -> torch.Tensor:
+        """A [num_rows, vocab] float32 buffer for a step's penalized logits. On the CPU one buffer
+        kept from step to step: a fresh one of that size costs the page faults of a new mapping
+        each step. Elsewhere the caching allocator already reuses the memory."""
+        if self.device.type != "cpu":
+            return torch.empty(num_rows, self.vocab_size, device=self.device)
+        if self._scratch_rows.shape[0] < num_rows:
+            self._scratch_rows = torch.empty(num_rows, self.vocab_size, device=self.device)
+        return self._scratch_rows[:num_rows]
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -222,16 +233,12 @@ class Sampler:
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
         """The same as __call__, leaving the results on the device (no host sync)."""
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._mask_stops_before_min_tokens(*self._apply_penalties(logits, rows), rows)
+        raw = logits.float()
+        logits = self._mask_stops_before_min_tokens(*self._apply_penalties(raw, rows), rows)
         paths, sample_rows = self._plan_draws(rows)
         token_ids = self._choose(logits, paths, len(sample_rows))
-        if sample_rows == list(range(len(rows))):
-            chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
-        else:
-            chosen = raw_logprobs[_to_device(sample_rows, torch.int64, logits.device), token_ids]
-        top, top_rows, num_top = self._top_logprobs(raw_logprobs, rows, sample_rows)
+        chosen = self._chosen_logprobs(raw, token_ids, sample_rows)
+        top, top_rows, num_top = self._top_logprobs(raw, rows, sample_rows, token_ids, chosen)
         packed = torch.cat([token_ids.double(), chosen.double(), top.flatten()])
         return SampledBatch(token_ids, packed, top_rows, num_top, top.shape[1] // 2)
 
@@ -245,14 +252,20 @@ class Sampler:
         params = [rows[i].params for i in penalized]
         device = logits.device
         counts = self.token_counts
-        state_rows = _to_device([counts.seqs[rows[i].seq_id].row for i in penalized], torch.int64, device)
+        state_row_ids = [counts.seqs[rows[i].seq_id].row for i in penalized]
+        state_rows = _to_device(state_row_ids, torch.int64, device)
         x = _select_rows(logits, penalized)
         if any(p.repetition_penalty != 1.0 for p in params):
             penalty = _column([p.repetition_penalty for p in params], device)
             x = torch.where(counts.seen.index_select(0, state_rows), torch.where(x > 0, x / penalty, x * penalty), x)
         if any(p.presence_penalty or p.frequency_penalty for p in params):
-            penalty = counts.penalty.index_select(0, state_rows)
-            x = torch.sub(x, penalty, out=penalty)  # into the gathered rows: one [rows, vocab] buffer, not two
+            out = self._scratch(len(penalized))
+            first = state_row_ids[0]
+            if state_row_ids == list(range(first, first + len(state_row_ids))):  # the rows in order: no gather
+                x = torch.sub(x, counts.penalty[first:first + len(state_row_ids)], out=out)
+            else:
+                penalty = torch.index_select(counts.penalty, 0, state_rows, out=out)
+                x = torch.sub(x, penalty, out=penalty)  # into the gathered rows: one [rows, vocab] buffer, not two
         if len(penalized) == len(rows):
             return x, True
         return logits.index_copy(0, _to_device(penalized, torch.int64, device), x), True
@@ -300,7 +313,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, paths: dict[str, _Samples], num_samples: int) -> torch.Tensor:
         drawn = []
         if paths["greedy"].rows:
-            drawn.append((paths["greedy"], _select_rows(logits, paths["greedy"].rows).argmax(dim=-1)))
+            drawn.append((paths["greedy"], argmax(_select_rows(logits, paths["greedy"].rows))))
         for name, draw in (("top_k", self._draw_top_k), ("top_p", self._draw_top_p), ("full", self._draw_full)):
             samples = paths[name]
             if samples.rows:
@@ -368,26 +381,43 @@ class Sampler:
             noise.index_copy_(0, at, _seeded_gumbel(hashes, _column([keys[j] for j in seeded], device, torch.int64)))
         return noise
 
-    # ------------------------------------------------------------------------- top logprobs
+    # ------------------------------------------------------------------------- logprobs
+
+    @staticmethod
+    def _chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
+        """The raw logprob of each sample's token, `(logit - max) - log(sum(exp(row - max)))` as
+        log_softmax computes it: no [rows, vocab] log_softmax only to read one entry per row."""
+        best, log_sum = _log_normalizer(raw)
+        if sample_rows == list(range(raw.shape[0])):
+            return raw.gather(1, token_ids[:, None])[:, 0].sub_(best).sub_(log_sum)
+        at = _to_device(sample_rows, torch.int64, raw.device)
+        return raw[at, token_ids].sub_(best.index_select(0, at)).sub_(log_sum.index_select(0, at))
+
 
     def _num_top(self, params: SamplingParams) -> int:
         if params.beam_width:
             return max(params.logprobs or 0, num_beam_candidates(params.beam_width, len(self.eos_token_ids)))
         return params.logprobs or 0
 
-    def _top_logprobs(self, raw_logprobs: torch.Tensor, rows: list[SamplingRow],
-                      sample_rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+    def _top_logprobs(self, raw: torch.Tensor, rows: list[SamplingRow], sample_rows: list[int],
+                      token_ids: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """([rows that ask, 2 * k] (id, logprob) pairs best first, per sample its row or -1, per
-        sample how many it asked for)."""
-        wanted = [min(self._num_top(r.params), raw_logprobs.shape[1])
+        sample how many it asked for). The samples of the rows that ask get their token's logprob
+        in `chosen` from the same log_softmax as the top ones, so the two agree to the bit."""
+        wanted = [min(self._num_top(r.params), raw.shape[1])
                   if r.params.logprobs or r.params.beam_width else 0 for r in rows]
         asking = [i for i, w in enumerate(wanted) if w]
         if not asking:
-            return raw_logprobs.new_empty(0, 0, dtype=torch.float64), [-1] * len(sample_rows), [0] * len(sample_rows)
-        values, ids = _select_rows(raw_logprobs, asking).topk(max(wanted), dim=-1)
+            return raw.new_empty(0, 0, dtype=torch.float64), [-1] * len(sample_rows), [0] * len(sample_rows)
+        raw_logprobs = torch.log_softmax(_select_rows(raw, asking), dim=-1)
+        values, ids = raw_logprobs.topk(max(wanted), dim=-1)
         pairs = torch.stack([ids.double(), values.double()], dim=-1).flatten(1)
         block_row = {row: j for j, row in enumerate(asking)}
-        return pairs, [block_row.get(i, -1) for i in sample_rows], [wanted[i] for i in sample_rows]
+        top_rows = [block_row.get(i, -1) for i in sample_rows]
+        at = [j for j, row in enumerate(top_rows) if row >= 0]
+        index = _to_device([at, [top_rows[j] for j in at]], torch.int64, raw.device)
+        chosen.index_copy_(0, index[0], raw_logprobs[index[1], token_ids.index_select(0, index[0])])
+        return pairs, top_rows, [wanted[i] for i in sample_rows]
 
 
 # ----------------------------------------------------------------------------- seeded noise
@@ -455,6 +485,47 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 def _column(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _to_device(values, dtype, device)[:, None]
+
+
+_CHUNK_ELEMENTS = 1 << 20  # 4 MiB of float32: a chunk's temporary stays in the cache
+
+
+def _log_normalizer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of [rows, vocab]: (max, log(sum(exp(x - max)))), what log_softmax subtracts. Kept
+    apart: a logprob near 0 loses its digits to the sum's rounding. On the CPU a few rows at a
+    time: one small temporary, hot in the cache, not a [rows, vocab] one."""
+    best = x.amax(dim=-1, keepdim=True)
+    if x.device.type != "cpu":
+        return best[:, 0], torch.sub(x, best).exp_().sum(dim=-1).log_()
+    sums = x.new_empty(x.shape[0])
+    step = max(1, _CHUNK_ELEMENTS // max(1, x.shape[1]))
+    buffer = x.new_empty(min(step, x.shape[0]), x.shape[1])
+    for start in range(0, x.shape[0], step):
+        end = min(start + step, x.shape[0])
+        chunk = torch.sub(x[start:end], best[start:end], out=buffer[: end - start])
+        torch.sum(chunk.exp_(), dim=-1, out=sums[start:end])
+    return best[:, 0], sums.log_()
+
+
+_ARGMAX_BLOCK = 1024
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [rows, vocab], the same index (the first of the best, NaN first): the
+    best block of each row by a vectorized amax, then the argmax within it. On the CPU argmax
+    itself is a scalar loop, several times slower than amax over the whole vocabulary."""
+    vocab = x.shape[1]
+    if x.device.type != "cpu" or vocab < 4 * _ARGMAX_BLOCK:
+        return x.argmax(dim=-1)
+    num_full = vocab // _ARGMAX_BLOCK
+    block_best = x[:, : num_full * _ARGMAX_BLOCK].view(x.shape[0], num_full, _ARGMAX_BLOCK).amax(dim=-1)
+    if num_full * _ARGMAX_BLOCK < vocab:
+        block_best = torch.cat([block_best, x[:, num_full * _ARGMAX_BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
+    # The first block holding the row's best holds its first occurrence. The last block may be
+    # short: its index past the vocabulary repeats the last token, after that token's own place.
+    first = block_best.argmax(dim=-1, keepdim=True) * _ARGMAX_BLOCK
+    index = (first + torch.arange(_ARGMAX_BLOCK, device=x.device)).clamp_(max=vocab - 1)
+    return index.gather(1, x.gather(1, index).argmax(dim=-1, keepdim=True))[:, 0]
 
 
 def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
