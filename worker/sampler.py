@@ -63,6 +63,9 @@ def uses_penalties(params: SamplingParams) -> bool:
 class _Counted:
     row: int
     num_tokens: int  # tokens of the sequence counted so far
+    base: int  # row * vocab_size: where the row starts in the flattened tables
+    frequency_penalty: float
+    presence_penalty: float
 
 
 class TokenCounts:
@@ -75,7 +78,9 @@ class TokenCounts:
     Kept in step with the worker's PlanState by the Executor: `free` the sequences a plan drops,
     `sync` the ones it schedules (a new sequence is counted from its tokens, a held one from the
     tokens appended since). A sync scatters the step's new tokens into the rows in one go and
-    recomputes `penalty` at those entries only, so a step reads it as it is."""
+    recomputes `penalty` at those entries only, so a step reads it as it is. The entries are
+    flat indices built on the host: a decode step costs a handful of tensor ops for the whole
+    batch (each op can hand the GIL to the scheduler thread)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -83,8 +88,6 @@ class TokenCounts:
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.penalty = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        self.frequency_penalty = torch.zeros(0, dtype=torch.float32, device=device)  # per row
-        self.presence_penalty = torch.zeros(0, dtype=torch.float32, device=device)
         self.seqs: dict[int, _Counted] = {}
         self.free_rows: list[int] = []
 
@@ -104,62 +107,70 @@ class TokenCounts:
     def sync(self, seqs: Iterable[tuple[int, HeldSequence]]) -> None:
         """Count the tokens of these sequences not counted yet (all of a sequence seen first)."""
         new_rows: list[int] = []
-        new_params: list[list[float]] = [[], []]  # their frequency and presence penalties
-        rows: list[int] = []  # per token to count: its row and its id, prompt tokens first
-        token_ids: list[int] = []
-        out_rows: list[int] = []
-        out_token_ids: list[int] = []
+        prompt_flat: list[int] = []  # flat entries of prompt tokens: only `seen`
+        out_flat: list[int] = []  # flat entries of output tokens, with their row's penalties
+        frequency: list[float] = []
+        presence: list[float] = []
         for seq_id, held in seqs:
-            params = held.sampling_params
-            if not uses_penalties(params):
-                continue
             counted = self.seqs.get(seq_id)
             if counted is None:
-                counted = self.seqs[seq_id] = _Counted(self._allocate_row(), 0)
-                new_rows.append(counted.row)
-                new_params[0].append(params.frequency_penalty)
-                new_params[1].append(params.presence_penalty)
-            start, end, num_prompt = counted.num_tokens, held.num_tokens, held.num_prompt_tokens
-            if start < num_prompt:
-                token_ids += held.token_ids[start:num_prompt]
-                rows += [counted.row] * (num_prompt - start)
-                start = num_prompt
-            if start < end:
-                out_token_ids += held.token_ids[start:end]
-                out_rows += [counted.row] * (end - start)
+                params = held.sampling_params
+                if not uses_penalties(params):
+                    continue
+                row = self._allocate_row()
+                counted = self.seqs[seq_id] = _Counted(row, 0, row * self.vocab_size, params.frequency_penalty,
+                                                       params.presence_penalty)
+                new_rows.append(row)
+            start, end, token_ids = counted.num_tokens, len(held.token_ids), held.token_ids
+            if start == end:
+                continue
+            base = counted.base
+            if end - start == 1 and start >= held.num_prompt_tokens:  # a decode step
+                out_flat.append(base + token_ids[start])
+                frequency.append(counted.frequency_penalty)
+                presence.append(counted.presence_penalty)
+            else:
+                num_prompt = held.num_prompt_tokens
+                if start < num_prompt:
+                    prompt_flat += [base + t for t in token_ids[start:num_prompt]]
+                    start = num_prompt
+                if start < end:
+                    out_flat += [base + t for t in token_ids[start:end]]
+                    frequency += [counted.frequency_penalty] * (end - start)
+                    presence += [counted.presence_penalty] * (end - start)
             counted.num_tokens = end
         if new_rows:
-            self._clear(new_rows, new_params)
-        if rows or out_rows:
-            self._count(rows, token_ids, out_rows, out_token_ids)
+            self._clear(new_rows)
+        if prompt_flat or out_flat:
+            self._count(prompt_flat, out_flat, frequency, presence)
 
-    def _clear(self, rows: list[int], params: list[list[float]]) -> None:
+    def _clear(self, rows: list[int]) -> None:
         index = _to_device(rows, torch.int64, self.device)
         for t in (self.output_counts, self.penalty, self.seen):
             t.index_fill_(0, index, 0)
-        frequency, presence = _to_device(params, torch.float32, self.device)
-        self.frequency_penalty.index_copy_(0, index, frequency)
-        self.presence_penalty.index_copy_(0, index, presence)
 
-    def _count(self, rows: list[int], token_ids: list[int], out_rows: list[int], out_token_ids: list[int]) -> None:
-        index = _to_device([rows + out_rows, token_ids + out_token_ids], torch.int64, self.device)
-        flat = index[0] * self.vocab_size + index[1]  # [prompt tokens + output tokens]
+    def _count(self, prompt_flat: list[int], out_flat: list[int], frequency: list[float],
+               presence: list[float]) -> None:
+        flat = _to_device(prompt_flat + out_flat, torch.int64, self.device)
         self.seen.view(-1).index_fill_(0, flat, True)
-        if not out_rows:
+        if not out_flat:
             return
-        out_flat, out_row = flat[len(rows):], index[0, len(rows):]
+        if prompt_flat:
+            flat = flat[len(prompt_flat):]
         counts = self.output_counts.view(-1)
-        counts.index_add_(0, out_flat, torch.ones(len(out_rows), device=self.device))
-        count = counts.index_select(0, out_flat)  # the new counts (a token twice gets its total twice)
-        penalty = (self.frequency_penalty.index_select(0, out_row) * count
-                   + self.presence_penalty.index_select(0, out_row) * (count > 0).float())
-        self.penalty.view(-1).index_copy_(0, out_flat, penalty)
+        counts.index_add_(0, flat, torch.ones(len(out_flat), device=self.device))
+        # The new counts (a token twice gets its total twice). Each is at least 1, so the penalty
+        # frequency * count + presence * (count > 0) is frequency * count + presence.
+        penalty = counts.index_select(0, flat)
+        row_penalties = _to_device([frequency, presence], torch.float32, self.device)
+        penalty.mul_(row_penalties[0]).add_(row_penalties[1])
+        self.penalty.view(-1).index_copy_(0, flat, penalty)
 
     def _allocate_row(self) -> int:
         if not self.free_rows:
             old = self.output_counts.shape[0]
             new = max(8, 2 * old)
-            for name in ("output_counts", "penalty", "seen", "frequency_penalty", "presence_penalty"):
+            for name in ("output_counts", "penalty", "seen"):
                 setattr(self, name, _grown(getattr(self, name), new))
             self.free_rows = list(range(new - 1, old - 1, -1))
         return self.free_rows.pop()
