@@ -585,6 +585,27 @@ def test_a_step_reads_the_device_back_once(monkeypatch):
     assert len(out.token_ids) == sum(num_samples)
 
 
+
+def test_a_decode_sync_costs_the_same_tensor_ops_at_any_batch():
+    """One token per sequence: the counts take it in a fixed number of tensor ops, none per row."""
+    def decode_ops(batch: int) -> list[str]:
+        sampler = Sampler([EOS], 64)
+        held = [Seq(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [1, 2], [i % 64]).held()
+                for i in range(batch)]
+        sampler.token_counts.sync(enumerate(held))
+        for i, h in enumerate(held):
+            h.token_ids.append((7 * i) % 64)
+        with OpLog() as log:
+            sampler.token_counts.sync(enumerate(held))
+        for i, h in enumerate(held):
+            assert_counts(sampler, i, Seq(h.sampling_params, h.token_ids[:2], h.token_ids[2:]))
+        return log.ops
+
+    ops = decode_ops(40)
+    assert decode_ops(3) == ops
+    # 14 today (22 when rows and token ids went to the device apart): each op may hand the GIL over.
+    assert ops.count("aten.index_add_") == 1 and len(ops) <= 14
+
 @pytest.mark.gpu
 def test_a_step_does_not_sync_the_gpu():
     vocab = 512
