@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common.plan_state import HeldSequence
 from common.protocol import SamplingParams, num_beam_candidates, sample_seed
 from tests.conftest import TINY_LLAMA
-from worker.sampler import Sampler, SamplingRow, noise_key, seeded_gumbel
+from worker.sampler import Sampler, SamplingRow, argmax, noise_key, seeded_gumbel
 
 EOS = 9
 VOCAB = 12
@@ -129,6 +129,41 @@ def test_top_logprobs_are_the_k_best_best_first(sampler):
     # The greedy token is the best top logprob, with the same value.
     assert out.top_logprobs[0][0][0] == out.token_ids[0]
     assert math.isclose(out.top_logprobs[0][0][1], out.logprobs[0], rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [4096, 5000, 6143])
+def test_blocked_argmax_is_torch_argmax(vocab):
+    """The CPU argmax by blocks returns argmax's index: the first of tied bests, the first NaN,
+    a best in the short last block, on rows read through a stride."""
+    x = torch.randn(16, vocab, generator=torch.Generator().manual_seed(vocab))
+    x[1] = 0.0
+    x[2, ::7] = 5.0  # ties in many blocks
+    x[3, -1] = 100.0
+    x[4, -3:] = 100.0
+    x[5] = float("-inf")
+    x[6, [17, 4000]] = float("nan")
+    x[7, -5:] = float("nan")
+    x[8] = float("inf")
+    x[9, [1023, 1024]] = 9.0  # tied across a block edge
+    x[10] = x[10].bfloat16().float()
+    for t in (x, x[:, : vocab - 1], x[::2]):
+        assert argmax(t).tolist() == t.argmax(dim=-1).tolist()
+
+
+def test_logprobs_over_a_large_batch(sampler):
+    """More rows and vocabulary than one chunk of the CPU's logsumexp, greedy by blocks: each
+    token is argmax, each logprob log_softmax's, and a row that reports top logprobs reports
+    its token's with the same value to the bit."""
+    logits = torch.randn(300, 5000, generator=torch.Generator().manual_seed(3)) * 4
+    rows = [row(temperature=0.0, logprobs=2 if i % 50 == 0 else None) for i in range(300)]
+    out = sampler(logits, rows)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    exact = torch.log_softmax(logits.double(), dim=-1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert out.logprobs == pytest.approx(exact.tolist(), rel=0, abs=1e-6)
+    raw = torch.log_softmax(logits, dim=-1)
+    for i in range(0, 300, 50):
+        assert out.top_logprobs[i][0] == [out.token_ids[i], out.logprobs[i]]
+        assert out.logprobs[i] == raw[i, out.token_ids[i]].item()
 
 
 # ----------------------------------------------------------------------------- truncation
@@ -549,6 +584,27 @@ def test_a_step_reads_the_device_back_once(monkeypatch):
     assert reads == {"tolist": 1}
     assert len(out.token_ids) == sum(num_samples)
 
+
+
+def test_a_decode_sync_costs_the_same_tensor_ops_at_any_batch():
+    """One token per sequence: the counts take it in a fixed number of tensor ops, none per row."""
+    def decode_ops(batch: int) -> list[str]:
+        sampler = Sampler([EOS], 64)
+        held = [Seq(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [1, 2], [i % 64]).held()
+                for i in range(batch)]
+        sampler.token_counts.sync(enumerate(held))
+        for i, h in enumerate(held):
+            h.token_ids.append((7 * i) % 64)
+        with OpLog() as log:
+            sampler.token_counts.sync(enumerate(held))
+        for i, h in enumerate(held):
+            assert_counts(sampler, i, Seq(h.sampling_params, h.token_ids[:2], h.token_ids[2:]))
+        return log.ops
+
+    ops = decode_ops(40)
+    assert decode_ops(3) == ops
+    # 14 today (22 when rows and token ids went to the device apart): each op may hand the GIL over.
+    assert ops.count("aten.index_add_") == 1 and len(ops) <= 14
 
 @pytest.mark.gpu
 def test_a_step_does_not_sync_the_gpu():

@@ -63,6 +63,9 @@ def uses_penalties(params: SamplingParams) -> bool:
 class _Counted:
     row: int
     num_tokens: int  # tokens of the sequence counted so far
+    base: int  # row * vocab_size: where the row starts in the flattened tables
+    frequency_penalty: float
+    presence_penalty: float
 
 
 class TokenCounts:
@@ -75,7 +78,9 @@ class TokenCounts:
     Kept in step with the worker's PlanState by the Executor: `free` the sequences a plan drops,
     `sync` the ones it schedules (a new sequence is counted from its tokens, a held one from the
     tokens appended since). A sync scatters the step's new tokens into the rows in one go and
-    recomputes `penalty` at those entries only, so a step reads it as it is."""
+    recomputes `penalty` at those entries only, so a step reads it as it is. The entries are
+    flat indices built on the host: a decode step costs a handful of tensor ops for the whole
+    batch (each op can hand the GIL to the scheduler thread)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -83,8 +88,6 @@ class TokenCounts:
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.penalty = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        self.frequency_penalty = torch.zeros(0, dtype=torch.float32, device=device)  # per row
-        self.presence_penalty = torch.zeros(0, dtype=torch.float32, device=device)
         self.seqs: dict[int, _Counted] = {}
         self.free_rows: list[int] = []
 
@@ -104,62 +107,70 @@ class TokenCounts:
     def sync(self, seqs: Iterable[tuple[int, HeldSequence]]) -> None:
         """Count the tokens of these sequences not counted yet (all of a sequence seen first)."""
         new_rows: list[int] = []
-        new_params: list[list[float]] = [[], []]  # their frequency and presence penalties
-        rows: list[int] = []  # per token to count: its row and its id, prompt tokens first
-        token_ids: list[int] = []
-        out_rows: list[int] = []
-        out_token_ids: list[int] = []
+        prompt_flat: list[int] = []  # flat entries of prompt tokens: only `seen`
+        out_flat: list[int] = []  # flat entries of output tokens, with their row's penalties
+        frequency: list[float] = []
+        presence: list[float] = []
         for seq_id, held in seqs:
-            params = held.sampling_params
-            if not uses_penalties(params):
-                continue
             counted = self.seqs.get(seq_id)
             if counted is None:
-                counted = self.seqs[seq_id] = _Counted(self._allocate_row(), 0)
-                new_rows.append(counted.row)
-                new_params[0].append(params.frequency_penalty)
-                new_params[1].append(params.presence_penalty)
-            start, end, num_prompt = counted.num_tokens, held.num_tokens, held.num_prompt_tokens
-            if start < num_prompt:
-                token_ids += held.token_ids[start:num_prompt]
-                rows += [counted.row] * (num_prompt - start)
-                start = num_prompt
-            if start < end:
-                out_token_ids += held.token_ids[start:end]
-                out_rows += [counted.row] * (end - start)
+                params = held.sampling_params
+                if not uses_penalties(params):
+                    continue
+                row = self._allocate_row()
+                counted = self.seqs[seq_id] = _Counted(row, 0, row * self.vocab_size, params.frequency_penalty,
+                                                       params.presence_penalty)
+                new_rows.append(row)
+            start, end, token_ids = counted.num_tokens, len(held.token_ids), held.token_ids
+            if start == end:
+                continue
+            base = counted.base
+            if end - start == 1 and start >= held.num_prompt_tokens:  # a decode step
+                out_flat.append(base + token_ids[start])
+                frequency.append(counted.frequency_penalty)
+                presence.append(counted.presence_penalty)
+            else:
+                num_prompt = held.num_prompt_tokens
+                if start < num_prompt:
+                    prompt_flat += [base + t for t in token_ids[start:num_prompt]]
+                    start = num_prompt
+                if start < end:
+                    out_flat += [base + t for t in token_ids[start:end]]
+                    frequency += [counted.frequency_penalty] * (end - start)
+                    presence += [counted.presence_penalty] * (end - start)
             counted.num_tokens = end
         if new_rows:
-            self._clear(new_rows, new_params)
-        if rows or out_rows:
-            self._count(rows, token_ids, out_rows, out_token_ids)
+            self._clear(new_rows)
+        if prompt_flat or out_flat:
+            self._count(prompt_flat, out_flat, frequency, presence)
 
-    def _clear(self, rows: list[int], params: list[list[float]]) -> None:
+    def _clear(self, rows: list[int]) -> None:
         index = _to_device(rows, torch.int64, self.device)
         for t in (self.output_counts, self.penalty, self.seen):
             t.index_fill_(0, index, 0)
-        frequency, presence = _to_device(params, torch.float32, self.device)
-        self.frequency_penalty.index_copy_(0, index, frequency)
-        self.presence_penalty.index_copy_(0, index, presence)
 
-    def _count(self, rows: list[int], token_ids: list[int], out_rows: list[int], out_token_ids: list[int]) -> None:
-        index = _to_device([rows + out_rows, token_ids + out_token_ids], torch.int64, self.device)
-        flat = index[0] * self.vocab_size + index[1]  # [prompt tokens + output tokens]
+    def _count(self, prompt_flat: list[int], out_flat: list[int], frequency: list[float],
+               presence: list[float]) -> None:
+        flat = _to_device(prompt_flat + out_flat, torch.int64, self.device)
         self.seen.view(-1).index_fill_(0, flat, True)
-        if not out_rows:
+        if not out_flat:
             return
-        out_flat, out_row = flat[len(rows):], index[0, len(rows):]
+        if prompt_flat:
+            flat = flat[len(prompt_flat):]
         counts = self.output_counts.view(-1)
-        counts.index_add_(0, out_flat, torch.ones(len(out_rows), device=self.device))
-        count = counts.index_select(0, out_flat)  # the new counts (a token twice gets its total twice)
-        penalty = (self.frequency_penalty.index_select(0, out_row) * count
-                   + self.presence_penalty.index_select(0, out_row) * (count > 0).float())
-        self.penalty.view(-1).index_copy_(0, out_flat, penalty)
+        counts.index_add_(0, flat, torch.ones(len(out_flat), device=self.device))
+        # The new counts (a token twice gets its total twice). Each is at least 1, so the penalty
+        # frequency * count + presence * (count > 0) is frequency * count + presence.
+        penalty = counts.index_select(0, flat)
+        row_penalties = _to_device([frequency, presence], torch.float32, self.device)
+        penalty.mul_(row_penalties[0]).add_(row_penalties[1])
+        self.penalty.view(-1).index_copy_(0, flat, penalty)
 
     def _allocate_row(self) -> int:
         if not self.free_rows:
             old = self.output_counts.shape[0]
             new = max(8, 2 * old)
-            for name in ("output_counts", "penalty", "seen", "frequency_penalty", "presence_penalty"):
+            for name in ("output_counts", "penalty", "seen"):
                 setattr(self, name, _grown(getattr(self, name), new))
             self.free_rows = list(range(new - 1, old - 1, -1))
         return self.free_rows.pop()
@@ -213,6 +224,17 @@ class Sampler:
         self.device = torch.device(device)
         self.token_counts = TokenCounts(vocab_size, self.device)
         self._token_hash = _premix(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
+        self._scratch_rows = torch.empty(0, vocab_size, device=self.device)
+
+    def _scratch(self, num_rows: int) -> torch.Tensor:
+        """A [num_rows, vocab] float32 buffer for a step's penalized logits. On the CPU one buffer
+        kept from step to step: a fresh one of that size costs the page faults of a new mapping
+        each step. Elsewhere the caching allocator already reuses the memory."""
+        if self.device.type != "cpu":
+            return torch.empty(num_rows, self.vocab_size, device=self.device)
+        if self._scratch_rows.shape[0] < num_rows:
+            self._scratch_rows = torch.empty(num_rows, self.vocab_size, device=self.device)
+        return self._scratch_rows[:num_rows]
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -222,16 +244,12 @@ class Sampler:
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
         """The same as __call__, leaving the results on the device (no host sync)."""
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._mask_stops_before_min_tokens(*self._apply_penalties(logits, rows), rows)
+        raw = logits.float()
+        logits = self._mask_stops_before_min_tokens(*self._apply_penalties(raw, rows), rows)
         paths, sample_rows = self._plan_draws(rows)
         token_ids = self._choose(logits, paths, len(sample_rows))
-        if sample_rows == list(range(len(rows))):
-            chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
-        else:
-            chosen = raw_logprobs[_to_device(sample_rows, torch.int64, logits.device), token_ids]
-        top, top_rows, num_top = self._top_logprobs(raw_logprobs, rows, sample_rows)
+        chosen = self._chosen_logprobs(raw, token_ids, sample_rows)
+        top, top_rows, num_top = self._top_logprobs(raw, rows, sample_rows, token_ids, chosen)
         packed = torch.cat([token_ids.double(), chosen.double(), top.flatten()])
         return SampledBatch(token_ids, packed, top_rows, num_top, top.shape[1] // 2)
 
@@ -245,14 +263,20 @@ class Sampler:
         params = [rows[i].params for i in penalized]
         device = logits.device
         counts = self.token_counts
-        state_rows = _to_device([counts.seqs[rows[i].seq_id].row for i in penalized], torch.int64, device)
+        state_row_ids = [counts.seqs[rows[i].seq_id].row for i in penalized]
+        state_rows = _to_device(state_row_ids, torch.int64, device)
         x = _select_rows(logits, penalized)
         if any(p.repetition_penalty != 1.0 for p in params):
             penalty = _column([p.repetition_penalty for p in params], device)
             x = torch.where(counts.seen.index_select(0, state_rows), torch.where(x > 0, x / penalty, x * penalty), x)
         if any(p.presence_penalty or p.frequency_penalty for p in params):
-            penalty = counts.penalty.index_select(0, state_rows)
-            x = torch.sub(x, penalty, out=penalty)  # into the gathered rows: one [rows, vocab] buffer, not two
+            out = self._scratch(len(penalized))
+            first = state_row_ids[0]
+            if state_row_ids == list(range(first, first + len(state_row_ids))):  # the rows in order: no gather
+                x = torch.sub(x, counts.penalty[first:first + len(state_row_ids)], out=out)
+            else:
+                penalty = torch.index_select(counts.penalty, 0, state_rows, out=out)
+                x = torch.sub(x, penalty, out=penalty)  # into the gathered rows: one [rows, vocab] buffer, not two
         if len(penalized) == len(rows):
             return x, True
         return logits.index_copy(0, _to_device(penalized, torch.int64, device), x), True
@@ -300,7 +324,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, paths: dict[str, _Samples], num_samples: int) -> torch.Tensor:
         drawn = []
         if paths["greedy"].rows:
-            drawn.append((paths["greedy"], _select_rows(logits, paths["greedy"].rows).argmax(dim=-1)))
+            drawn.append((paths["greedy"], argmax(_select_rows(logits, paths["greedy"].rows))))
         for name, draw in (("top_k", self._draw_top_k), ("top_p", self._draw_top_p), ("full", self._draw_full)):
             samples = paths[name]
             if samples.rows:
@@ -368,26 +392,43 @@ class Sampler:
             noise.index_copy_(0, at, _seeded_gumbel(hashes, _column([keys[j] for j in seeded], device, torch.int64)))
         return noise
 
-    # ------------------------------------------------------------------------- top logprobs
+    # ------------------------------------------------------------------------- logprobs
+
+    @staticmethod
+    def _chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
+        """The raw logprob of each sample's token, `(logit - max) - log(sum(exp(row - max)))` as
+        log_softmax computes it: no [rows, vocab] log_softmax only to read one entry per row."""
+        best, log_sum = _log_normalizer(raw)
+        if sample_rows == list(range(raw.shape[0])):
+            return raw.gather(1, token_ids[:, None])[:, 0].sub_(best).sub_(log_sum)
+        at = _to_device(sample_rows, torch.int64, raw.device)
+        return raw[at, token_ids].sub_(best.index_select(0, at)).sub_(log_sum.index_select(0, at))
+
 
     def _num_top(self, params: SamplingParams) -> int:
         if params.beam_width:
             return max(params.logprobs or 0, num_beam_candidates(params.beam_width, len(self.eos_token_ids)))
         return params.logprobs or 0
 
-    def _top_logprobs(self, raw_logprobs: torch.Tensor, rows: list[SamplingRow],
-                      sample_rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+    def _top_logprobs(self, raw: torch.Tensor, rows: list[SamplingRow], sample_rows: list[int],
+                      token_ids: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """([rows that ask, 2 * k] (id, logprob) pairs best first, per sample its row or -1, per
-        sample how many it asked for)."""
-        wanted = [min(self._num_top(r.params), raw_logprobs.shape[1])
+        sample how many it asked for). The samples of the rows that ask get their token's logprob
+        in `chosen` from the same log_softmax as the top ones, so the two agree to the bit."""
+        wanted = [min(self._num_top(r.params), raw.shape[1])
                   if r.params.logprobs or r.params.beam_width else 0 for r in rows]
         asking = [i for i, w in enumerate(wanted) if w]
         if not asking:
-            return raw_logprobs.new_empty(0, 0, dtype=torch.float64), [-1] * len(sample_rows), [0] * len(sample_rows)
-        values, ids = _select_rows(raw_logprobs, asking).topk(max(wanted), dim=-1)
+            return raw.new_empty(0, 0, dtype=torch.float64), [-1] * len(sample_rows), [0] * len(sample_rows)
+        raw_logprobs = torch.log_softmax(_select_rows(raw, asking), dim=-1)
+        values, ids = raw_logprobs.topk(max(wanted), dim=-1)
         pairs = torch.stack([ids.double(), values.double()], dim=-1).flatten(1)
         block_row = {row: j for j, row in enumerate(asking)}
-        return pairs, [block_row.get(i, -1) for i in sample_rows], [wanted[i] for i in sample_rows]
+        top_rows = [block_row.get(i, -1) for i in sample_rows]
+        at = [j for j, row in enumerate(top_rows) if row >= 0]
+        index = _to_device([at, [top_rows[j] for j in at]], torch.int64, raw.device)
+        chosen.index_copy_(0, index[0], raw_logprobs[index[1], token_ids.index_select(0, index[0])])
+        return pairs, top_rows, [wanted[i] for i in sample_rows]
 
 
 # ----------------------------------------------------------------------------- seeded noise
@@ -455,6 +496,47 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 def _column(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _to_device(values, dtype, device)[:, None]
+
+
+_CHUNK_ELEMENTS = 1 << 20  # 4 MiB of float32: a chunk's temporary stays in the cache
+
+
+def _log_normalizer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of [rows, vocab]: (max, log(sum(exp(x - max)))), what log_softmax subtracts. Kept
+    apart: a logprob near 0 loses its digits to the sum's rounding. On the CPU a few rows at a
+    time: one small temporary, hot in the cache, not a [rows, vocab] one."""
+    best = x.amax(dim=-1, keepdim=True)
+    if x.device.type != "cpu":
+        return best[:, 0], torch.sub(x, best).exp_().sum(dim=-1).log_()
+    sums = x.new_empty(x.shape[0])
+    step = max(1, _CHUNK_ELEMENTS // max(1, x.shape[1]))
+    buffer = x.new_empty(min(step, x.shape[0]), x.shape[1])
+    for start in range(0, x.shape[0], step):
+        end = min(start + step, x.shape[0])
+        chunk = torch.sub(x[start:end], best[start:end], out=buffer[: end - start])
+        torch.sum(chunk.exp_(), dim=-1, out=sums[start:end])
+    return best[:, 0], sums.log_()
+
+
+_ARGMAX_BLOCK = 1024
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [rows, vocab], the same index (the first of the best, NaN first): the
+    best block of each row by a vectorized amax, then the argmax within it. On the CPU argmax
+    itself is a scalar loop, several times slower than amax over the whole vocabulary."""
+    vocab = x.shape[1]
+    if x.device.type != "cpu" or vocab < 4 * _ARGMAX_BLOCK:
+        return x.argmax(dim=-1)
+    num_full = vocab // _ARGMAX_BLOCK
+    block_best = x[:, : num_full * _ARGMAX_BLOCK].view(x.shape[0], num_full, _ARGMAX_BLOCK).amax(dim=-1)
+    if num_full * _ARGMAX_BLOCK < vocab:
+        block_best = torch.cat([block_best, x[:, num_full * _ARGMAX_BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
+    # The first block holding the row's best holds its first occurrence. The last block may be
+    # short: its index past the vocabulary repeats the last token, after that token's own place.
+    first = block_best.argmax(dim=-1, keepdim=True) * _ARGMAX_BLOCK
+    index = (first + torch.arange(_ARGMAX_BLOCK, device=x.device)).clamp_(max=vocab - 1)
+    return index.gather(1, x.gather(1, index).argmax(dim=-1, keepdim=True))[:, 0]
 
 
 def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
