@@ -6,9 +6,7 @@ random Llama, bit for bit; and the ops one decode forward dispatches, per layer,
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,25 +17,12 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import fused
-from tests.sm90 import count_compiled_for_sm90
-
-ROOT = Path(__file__).resolve().parent.parent
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-TRITON_DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
-triton_marks = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
-    pytest.mark.skipif(
-        not INTERPRET and not torch.cuda.is_available(),
-        reason="Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before triton is imported "
-               "to run in its CPU interpreter (`make test` sets it)",
-    ),
-    *([] if INTERPRET else [pytest.mark.gpu]),
-]
+from tests.triton_env import DEVICE, INTERPRET, ROOT, TRITON_MARKS, count_compiled_for_sm90
+from tests.triton_env import DTYPES as TRITON_DTYPES
 
 
 def triton_test(fn):
-    for mark in reversed(triton_marks):
+    for mark in reversed(TRITON_MARKS):
         fn = mark(fn)
     return fn
 

@@ -11,10 +11,7 @@ output is NaN-poisoned before a run too, so an element the kernel never writes f
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,22 +19,9 @@ import torch
 import kernels
 from kernels import reference
 from tests.test_kernels_reference import PAD_VALUE, Case, Seq, _build, _mixed_specs
-from tests.sm90 import count_compiled_for_sm90
+from tests.triton_env import DEVICE, DTYPES, INTERPRET, TRITON_MARKS, count_compiled_for_sm90
 
-ROOT = Path(__file__).resolve().parent.parent
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
-
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
-    pytest.mark.skipif(
-        not INTERPRET and not torch.cuda.is_available(),
-        reason="Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before triton is imported "
-               "to run in its CPU interpreter (`make test` sets it)",
-    ),
-    *([] if INTERPRET else [pytest.mark.gpu]),
-]
+pytestmark = TRITON_MARKS
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,5 +1,6 @@
-"""Compiling Triton kernels for Hopper (sm_90) on a machine without a GPU: the interpreter runs
-Python, not the compiler, so only compiling catches what the compiler rejects."""
+"""Where the Triton kernel tests run: in Triton's CPU interpreter (TRITON_INTERPRET=1, as `make
+test` sets it) or compiled on a CUDA GPU; and compiling for Hopper (sm_90) on a machine without a
+GPU, since the interpreter runs Python, not the compiler."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,8 +10,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])  # the interpreter has no bf16
+TRITON_MARKS = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(
+        not INTERPRET and not torch.cuda.is_available(),
+        reason="Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before triton is imported "
+               "to run in its CPU interpreter (`make test` sets it)",
+    ),
+    *([] if INTERPRET else [pytest.mark.gpu]),
+]
 
 
 def count_compiled_for_sm90(module: str, function: str) -> int:
