@@ -3,6 +3,7 @@
 The worker runs in a process of its own: a test changes a part of it with a `setup` function that
 the spawned process runs first (a monkeypatch of this process would not reach it)."""
 import json
+import time
 import os
 import threading
 from pathlib import Path
@@ -224,3 +225,27 @@ def test_a_sampler_writing_into_the_shared_logits_fails_the_row(model_path):
             run_row(model_path, worker, async_scheduling=False, sampling="greedy")
         worker.process.join(timeout=30)
         assert worker.process.exitcode == 0  # it reported its failure and ended
+
+
+def test_a_send_to_a_worker_that_failed_and_exited_raises_its_error_instead_of_hanging():
+    """A PAIR socket blocks a send once its peer is gone: the error the worker sent first surfaces."""
+    import zmq
+
+    from pagoda.bench.step import ERROR, PLAN, WorkerSocket
+
+    context = zmq.Context.instance()
+    parent = context.socket(zmq.PAIR)
+    port = parent.bind_to_random_port("tcp://127.0.0.1")
+    worker = context.socket(zmq.PAIR)
+    worker.connect(f"tcp://127.0.0.1:{port}")
+    worker.send_multipart([ERROR, b"Traceback: boom"])
+    worker.close(linger=2000)
+    try:
+        deadline = time.monotonic() + 10
+        while parent.poll(0, zmq.POLLOUT):  # until the parent's socket has seen its peer go
+            assert time.monotonic() < deadline, "the worker's disconnect never reached the parent"
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="the bench worker failed:\nTraceback: boom"):
+            WorkerSocket(parent, alive=lambda: True).send(PLAN, b"plan")
+    finally:
+        parent.close(linger=0)

@@ -224,16 +224,16 @@ class Sampler:
         self.device = torch.device(device)
         self.token_counts = TokenCounts(vocab_size, self.device)
         self._token_hash = _premix(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
-        self._scratch_rows = torch.empty(0, vocab_size, device=self.device)
+        self._scratch_rows = torch.empty(0, vocab_size, dtype=torch.float32, device=self.device)
 
     def _scratch(self, num_rows: int) -> torch.Tensor:
         """A [num_rows, vocab] float32 buffer for a step's penalized logits. On the CPU one buffer
         kept from step to step: a fresh one of that size costs the page faults of a new mapping
         each step. Elsewhere the caching allocator already reuses the memory."""
         if self.device.type != "cpu":
-            return torch.empty(num_rows, self.vocab_size, device=self.device)
+            return torch.empty(num_rows, self.vocab_size, dtype=torch.float32, device=self.device)
         if self._scratch_rows.shape[0] < num_rows:
-            self._scratch_rows = torch.empty(num_rows, self.vocab_size, device=self.device)
+            self._scratch_rows = torch.empty(num_rows, self.vocab_size, dtype=torch.float32, device=self.device)
         return self._scratch_rows[:num_rows]
 
     @torch.no_grad()
@@ -396,8 +396,9 @@ class Sampler:
 
     @staticmethod
     def _chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
-        """The raw logprob of each sample's token, `(logit - max) - log(sum(exp(row - max)))` as
-        log_softmax computes it: no [rows, vocab] log_softmax only to read one entry per row."""
+        """The raw logprob of each sample's token, `(logit - max) - log(sum(exp(row - max)))`: the
+        formula of log_softmax, not its summation order (they agree to a few float32 ulp), and no
+        [rows, vocab] log_softmax only to read one entry per row."""
         best, log_sum = _log_normalizer(raw)
         if sample_rows == list(range(raw.shape[0])):
             return raw.gather(1, token_ids[:, None])[:, 0].sub_(best).sub_(log_sum)

@@ -245,6 +245,15 @@ class WorkerSocket:
         self.alive = alive
 
     def send(self, kind: bytes, payload: bytes = b"") -> None:
+        """A PAIR socket blocks a send while its peer is gone: wait for room, and surface the
+        worker's error (sent before it exited) or its death instead of hanging."""
+        while not self.socket.poll(LIVENESS_POLL_MS, zmq.POLLOUT):  # no peer: the worker is gone
+            while self.socket.poll(0, zmq.POLLIN):  # what it sent before it went, its error last
+                frames = self.socket.recv_multipart()
+                if frames[0] == ERROR:
+                    raise RuntimeError(f"the bench worker failed:\n{frames[-1].decode()}")
+            if not self.alive():
+                raise RuntimeError("the bench worker process exited")
         self.socket.send_multipart([kind, payload])
 
     def recv(self, expected: bytes, timeout_s: float = RESULT_TIMEOUT_S) -> bytes:
@@ -256,7 +265,10 @@ class WorkerSocket:
                 raise RuntimeError("the bench worker process exited")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no {expected.decode()} from the bench worker in {timeout_s:g} s")
-        kind, payload = self.socket.recv_multipart()
+        frames = self.socket.recv_multipart()
+        if len(frames) != 2:
+            raise RuntimeError(f"the bench worker sent {len(frames)} frames, expected a kind and a payload")
+        kind, payload = frames
         if kind == ERROR:
             raise RuntimeError(f"the bench worker failed:\n{payload.decode()}")
         if kind != expected:
