@@ -182,14 +182,17 @@ request_st = st.tuples(
 )  # prompt length, max_tokens, n, best_of - n, ignore_eos, arrival step
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
+WORKLOAD_ST = dict(  # a random workload and the scheduler it runs on (tests/test_decode_fast_path.py too)
     requests=st.lists(request_st, min_size=1, max_size=10),
     aborts=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 40)), max_size=3),
     num_gpu_blocks=st.integers(8, 24), num_cpu_blocks=st.sampled_from([0, 24]),
     mode=st.sampled_from(["swap", "recompute", "auto"]), budget=st.integers(8, 48),
     prefix_caching=st.booleans(),
 )
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**WORKLOAD_ST)
 def test_random_workloads_leak_no_block_and_give_the_serial_outputs(
     requests, aborts, num_gpu_blocks, num_cpu_blocks, mode, budget, prefix_caching,
 ):

@@ -12,7 +12,7 @@ from common.protocol import encode
 from scheduler.engine import LLMEngine
 from scheduler.scheduler import Scheduler
 from tests.fakes import FakeExecutor
-from tests.test_async_scheduling import BLOCK_SIZE, EOS, request_st, run_workload, workload_token
+from tests.test_async_scheduling import BLOCK_SIZE, EOS, WORKLOAD_ST, run_workload, workload_token
 
 
 class CountingScheduler(Scheduler):
@@ -43,13 +43,7 @@ def run(scheduler_cls, requests, aborts, **config) -> tuple[list[bytes], dict, s
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    requests=st.lists(request_st, min_size=1, max_size=10),
-    aborts=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 40)), max_size=3),
-    num_gpu_blocks=st.integers(8, 24), num_cpu_blocks=st.sampled_from([0, 24]),
-    mode=st.sampled_from(["swap", "recompute", "auto"]), budget=st.integers(8, 48),
-    prefix_caching=st.booleans(), async_scheduling=st.booleans(),
-)
+@given(**WORKLOAD_ST, async_scheduling=st.booleans())
 def test_the_fast_path_plans_what_the_general_path_plans(
     requests, aborts, num_gpu_blocks, num_cpu_blocks, mode, budget, prefix_caching, async_scheduling,
 ):

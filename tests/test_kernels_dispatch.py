@@ -2,9 +2,6 @@
 that need no Triton: the reference copy_blocks, swap_blocks, and the worker's use of them."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,8 +9,7 @@ import torch
 
 import kernels
 from kernels.reference import _runs
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.triton_env import run_in_a_clean_interpreter
 
 
 def test_cpu_path_never_imports_triton():
@@ -26,10 +22,7 @@ def test_cpu_path_never_imports_triton():
         "kernels.copy_blocks([cache], [(1, 2)])\n"
         "print(out.isnan().any().item(), 'triton' in sys.modules)\n"
     )
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "False"]
+    assert run_in_a_clean_interpreter(code) == ["False", "False"]
 
 
 def test_impl_must_name_an_implementation():

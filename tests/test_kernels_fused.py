@@ -7,8 +7,6 @@ random Llama, bit for bit; and the ops one decode forward dispatches, per layer,
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,9 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import fused
-from tests.triton_env import DEVICE, INTERPRET, ROOT, TRITON_MARKS, count_compiled_for_sm90
+from tests.triton_env import (
+    DEVICE, INTERPRET, ROOT, TRITON_MARKS, count_compiled_for_sm90, run_in_a_clean_interpreter, tolerance,
+)
 from tests.triton_env import DTYPES as TRITON_DTYPES
 
 
@@ -156,10 +156,7 @@ def test_cpu_path_never_imports_triton():
         "kernels.rotary_embedding(torch.tensor([0, 1]), q, k, torch.ones(4, 8), torch.zeros(4, 8))\n"
         "print('triton' in sys.modules)\n"
     )
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False"]
+    assert run_in_a_clean_interpreter(code) == ["False"]
 
 
 # ---------------------------------------------------------------------------- the custom ops
@@ -194,25 +191,17 @@ def test_torch_compile_traces_the_ops_in_one_graph():
 # ------------------------------------------------------------------ Triton kernels vs the references
 
 
-def _tol(dtype: torch.dtype) -> dict:
-    return {
-        torch.float32: {"atol": 2e-5, "rtol": 2e-5},
-        torch.float16: {"atol": 4e-3, "rtol": 4e-3},
-        torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
-    }[dtype]
-
-
 @triton_test
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (67, 576), (300, 96), (5, 4096)])
 def test_triton_norms_match_the_reference(num_tokens, hidden, dtype):
     x, residual, weight = _norm_inputs(num_tokens, hidden, dtype, DEVICE, seed=hidden)
     torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5, impl="triton"),
-                               fused.rms_norm_reference(x, weight, 1e-5), **_tol(dtype))
+                               fused.rms_norm_reference(x, weight, 1e-5), **tolerance(dtype))
     out, new_residual = kernels.fused_add_rms_norm(x, residual, weight, 1e-6, impl="triton")
     want_out, want_residual = fused.fused_add_rms_norm_reference(x, residual, weight, 1e-6)
     assert torch.equal(new_residual, want_residual)  # one rounding of the float32 sum, as torch's
-    torch.testing.assert_close(out, want_out, **_tol(dtype))
+    torch.testing.assert_close(out, want_out, **tolerance(dtype))
 
 
 @triton_test
@@ -224,7 +213,7 @@ def test_triton_norm_reads_strided_rows_and_leading_dims():
     assert out.shape == new_residual.shape == (2, 12, 576)
     want_out, want_residual = fused.fused_add_rms_norm_reference(x, residual, weight, 1e-5)
     assert torch.equal(new_residual, want_residual)
-    torch.testing.assert_close(out, want_out, **_tol(torch.float32))
+    torch.testing.assert_close(out, want_out, **tolerance(torch.float32))
 
 
 @triton_test
@@ -239,7 +228,7 @@ def test_triton_rotary_matches_the_reference_in_place(num_tokens, num_heads, num
     want_k = want_qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view_as(k)
     fused.rotary_embedding_reference(positions, want_q, want_k, cos_cache, sin_cache)
     kernels.rotary_embedding(positions, q, k, cos_cache, sin_cache, impl="triton")
-    torch.testing.assert_close(qkv, want_qkv, **_tol(dtype))
+    torch.testing.assert_close(qkv, want_qkv, **tolerance(dtype))
     v = slice((num_heads + num_kv_heads) * head_dim, None)
     assert torch.equal(qkv[:, v], want_qkv[:, v])
 
@@ -250,7 +239,7 @@ def test_triton_rotary_matches_the_reference_in_place(num_tokens, num_heads, num
 def test_triton_silu_and_mul_matches_the_reference(num_tokens, d, dtype):
     x = (torch.randn(num_tokens, 2 * d, generator=torch.Generator().manual_seed(d)) * 4).to(DEVICE, dtype)
     torch.testing.assert_close(kernels.silu_and_mul(x, impl="triton"), fused.silu_and_mul_reference(x),
-                               **_tol(dtype))
+                               **tolerance(dtype))
 
 
 def _compile_fused_for_sm90() -> list[str]:

@@ -19,7 +19,7 @@ import torch
 import kernels
 from kernels import reference
 from tests.test_kernels_reference import PAD_VALUE, Case, Seq, _build, _mixed_specs
-from tests.triton_env import DEVICE, DTYPES, INTERPRET, TRITON_MARKS, count_compiled_for_sm90
+from tests.triton_env import DEVICE, DTYPES, INTERPRET, TRITON_MARKS, count_compiled_for_sm90, tolerance
 
 pytestmark = TRITON_MARKS
 
@@ -27,14 +27,6 @@ pytestmark = TRITON_MARKS
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_torch_thread):
     """Tiny tensors: intra-op threads only add overhead."""
-
-
-def _tol(dtype: torch.dtype) -> dict:
-    return {
-        torch.float32: {"atol": 2e-5, "rtol": 2e-5},
-        torch.float16: {"atol": 4e-3, "rtol": 4e-3},
-        torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
-    }[dtype]
 
 
 def _case(specs, *, group: int, head_dim: int = 64, block_size: int = 16, dtype=torch.float32, seed: int = 0,
@@ -67,7 +59,7 @@ def _check(case: Case, scale: float, dtype: torch.dtype, **kwargs) -> None:
     cache_before = case.kv_cache.clone()
     out = _attend(case, scale, **kwargs)
     assert out.dtype == dtype and out.shape == case.query.shape
-    torch.testing.assert_close(out.float(), _expected(case, scale), **_tol(dtype))
+    torch.testing.assert_close(out.float(), _expected(case, scale), **tolerance(dtype))
     torch.testing.assert_close(case.kv_cache, cache_before, rtol=0, atol=0, equal_nan=True)  # attention only reads
 
 
@@ -276,7 +268,7 @@ def test_pool_past_int32_element_offsets_writes_reads_and_copies_high_blocks():
     expected = _expected(_paged_case(seqs, pool[touched], [[compact_id[b] for b in t] for t in tables]), 0.125)
     for kv_splits in (None, 3):
         out = _attend(_paged_case(seqs, pool, tables), 0.125, kv_splits=kv_splits)
-        torch.testing.assert_close(out.float(), expected, **_tol(torch.float16))
+        torch.testing.assert_close(out.float(), expected, **tolerance(torch.float16))
 
     kernels.copy_blocks([pool], [(high + 3, high + 36), (7, high + 37)], impl="triton")
     assert torch.equal(pool[high + 36], pool[high + 3]) and torch.equal(pool[high + 37], pool[7])

@@ -38,3 +38,21 @@ def count_compiled_for_sm90(module: str, function: str) -> int:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return int(proc.stdout.split()[-1])
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """A Triton kernel against its torch reference, per dtype."""
+    return {
+        torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+        torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+        torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+    }[dtype]
+
+
+def run_in_a_clean_interpreter(code: str) -> list[str]:
+    """`code` run by a fresh Python without TRITON_INTERPRET (and nothing else from this
+    environment): the words it printed. For checks that the CPU path never imports triton."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
