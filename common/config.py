@@ -42,6 +42,9 @@ class EngineConfig:
     async_scheduling: bool = option(True, "--no-async-scheduling",
                                     "plan each step only after the previous one's result (by default the scheduler "
                                     "plans step N+1 while step N runs)")
+    tensor_parallel_size: int = option(1, "--tensor-parallel-size",
+                                       "worker ranks in the group, each holding 1/N of the attention heads and of "
+                                       "the MLP (torch.distributed: NCCL on CUDA, gloo on CPU)")
     seed: int = no_flag(0, "seeds dummy weights only; `pagoda generate --seed` is the sampling seed")
     allocator: str = option("paged", "--allocator",
                             "KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)", choices=ALLOCATORS)
@@ -65,6 +68,7 @@ class EngineConfig:
         _check(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0")
         _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode must be auto, swap or recompute")
         _check(self.allocator in ALLOCATORS, f"allocator must be one of {', '.join(ALLOCATORS)}")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -86,7 +90,10 @@ class ServingConfig:
     redis_url: str = option("redis://127.0.0.1:6379/0", "--redis-url", "Redis to use", env="PAGODA_REDIS_URL")
     zmq_address: str = option("tcp://127.0.0.1:5557", "--zmq-address",
                               "the scheduler's ZeroMQ address (the scheduler binds it, its workers connect)")
-    world_size: int = option(1, "--world-size", "worker ranks in the group")
+    dist_init_address: str = option("tcp://127.0.0.1:29500", "--dist-init-address",
+                                    "tensor parallelism: rank 0 of the group hosts the torch.distributed store here "
+                                    "(tcp://HOST:PORT), the other ranks connect to it")
+    engine_id: str = option("0", "--engine-id", "this engine group's name: the `engine` label of its /metrics series")
     step_timeout_s: float = option(60.0, "--step-timeout", "seconds a step may take before it fails")
     scheduler_id: str | None = no_flag(None, "hostname-pid: one consumer name per process")
     drain_timeout_s: float = option(30.0, "--drain-timeout", "after SIGTERM, seconds running requests may take to finish")
@@ -102,7 +109,10 @@ class ServingConfig:
                                      "an idle worker says hello every 2 s; silence this long means it is gone")
 
     def __post_init__(self) -> None:
-        _check(self.world_size >= 1, "world_size must be >= 1")
+        _check(self.dist_init_address.startswith("tcp://") and ":" in self.dist_init_address[6:],
+               "dist_init_address must be tcp://HOST:PORT")
+        _check(bool(self.engine_id) and all(c.isalnum() or c in "-_." for c in self.engine_id),
+               "engine_id must be letters, digits, '-', '_' or '.'")
         _check(self.claim_interval_s > 0, "claim_interval_s must be > 0")
         _check(self.claim_idle_ms >= 0, "claim_idle_ms must be >= 0")
         _check(self.worker_silence_s > 0, "worker_silence_s must be > 0")

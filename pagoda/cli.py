@@ -15,10 +15,10 @@ from common.protocol import InvalidParamError
 
 # ServingConfig fields a command has no flag for: the worker never talks to Redis, only a worker
 # beats, and `pagoda up` sets these itself for the one scheduler and worker it starts.
-SCHEDULER_EXCLUDES = frozenset({"heartbeat_file"})
+SCHEDULER_EXCLUDES = frozenset({"heartbeat_file", "dist_init_address"})
 # the scheduler's Redis-side settings mean nothing to a worker (--drain-timeout stays: it always took it)
-WORKER_EXCLUDES = frozenset({"redis_url", "claim_interval_s", "claim_idle_ms", "worker_silence_s"})
-UP_EXCLUDES = frozenset({"redis_url", "zmq_address", "world_size", "heartbeat_file"})
+WORKER_EXCLUDES = frozenset({"redis_url", "claim_interval_s", "claim_idle_ms", "worker_silence_s", "engine_id"})
+UP_EXCLUDES = frozenset({"redis_url", "zmq_address", "dist_init_address", "engine_id", "heartbeat_file"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,7 @@ class SchedulerServer:
         self.serving = serving
         self.id = serving.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
         self.stream = RequestStream(serving, self.id)
-        self.link = WorkerLink(serving.zmq_address, serving.world_size)
+        self.link = WorkerLink(serving.zmq_address, engine_config.tensor_parallel_size)
         self.scheduler: Scheduler | None = None
         self.hello: WorkerHello | None = None  # rank 0's, of the last group started
         self.group_generation = -1
@@ -64,7 +64,8 @@ class SchedulerServer:
         if threading.current_thread() is threading.main_thread():  # signal.signal works only there
             signal.signal(signal.SIGTERM, lambda *_: self.drain())
         self.stream.ensure_group()
-        log.info("scheduler %s waiting for %d worker(s) on %s", self.id, self.serving.world_size, self.serving.zmq_address)
+        log.info("scheduler %s waiting for %d worker(s) on %s", self.id, self.engine_config.tensor_parallel_size,
+                 self.serving.zmq_address)
         try:
             while not self.stopping:
                 try:
@@ -153,10 +154,10 @@ class SchedulerServer:
         if hello.block_size != self.engine_config.block_size:
             log.warning("workers use block size %d; the scheduler follows", hello.block_size)
         config = self.engine_config.replace(block_size=hello.block_size, max_model_len=hello.max_model_len)
-        if config.async_scheduling and self.serving.world_size > 1:
+        if config.async_scheduling and config.tensor_parallel_size > 1:
             # A PENDING_TOKEN is the token each rank drew itself; ranks agree only while their
             # random streams do (a restarted rank's does not): a group of ranks plans serially.
-            log.info("async scheduling off: %d ranks each draw their own tokens", self.serving.world_size)
+            log.info("async scheduling off: %d ranks each draw their own tokens", config.tensor_parallel_size)
             config = config.replace(async_scheduling=False)
         self.scheduler = Scheduler.from_hello(config, dataclasses.replace(
             hello, num_gpu_blocks=min(h.num_gpu_blocks for h in hellos.values()),

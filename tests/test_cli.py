@@ -34,8 +34,8 @@ FLAGS_BEFORE = {  # every flag each command had before its flags came from the c
                                 "--length-penalty", "--early-stopping", "--json"},
     "up": ENGINE_FLAGS | GATEWAY_FLAGS | {"--step-timeout", "--worker-timeout"},
     "gateway": GATEWAY_FLAGS,
-    "scheduler": ENGINE_FLAGS | {"--redis-url", "--zmq-address", "--world-size", "--step-timeout", "--drain-timeout"},
-    "worker": ENGINE_FLAGS | {"--zmq-address", "--world-size", "--step-timeout", "--drain-timeout", "--rank",
+    "scheduler": ENGINE_FLAGS | {"--redis-url", "--zmq-address", "--step-timeout", "--drain-timeout"},
+    "worker": ENGINE_FLAGS | {"--zmq-address", "--step-timeout", "--drain-timeout", "--rank",
                               "--heartbeat-file"},
 }
 
@@ -124,9 +124,10 @@ def test_config_to_argv_writes_every_value_and_a_switch_only_off_its_default():
         "--model=default", "--block-size=16", "--num-gpu-blocks=64", "--max-num-seqs=128",
         "--max-num-batched-tokens=2048", "--device=auto", "--dtype=auto", "--gpu-memory-utilization=0.9",
         "--cpu-kv-cache-space=1.0", "--swap-space=2.5", "--no-prefix-caching", "--preemption-mode=auto",
+        "--tensor-parallel-size=1",
         "--allocator=paged"]
     argv = config_to_argv(ServingConfig(heartbeat_file="/run/alive"), exclude={"redis_url", "zmq_address"})
-    assert {"--world-size=1", "--step-timeout=60.0", "--drain-timeout=30.0", "--heartbeat-file=/run/alive"} <= set(argv)
+    assert {"--engine-id=0", "--step-timeout=60.0", "--drain-timeout=30.0", "--heartbeat-file=/run/alive"} <= set(argv)
     assert not [arg for arg in argv if arg.startswith(("--redis-url", "--zmq-address"))]
 
 

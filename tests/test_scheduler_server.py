@@ -317,7 +317,7 @@ def test_the_overlapped_loop_plans_each_step_before_the_last_result_with_the_sam
 def test_a_group_of_two_ranks_plans_serially(redis_url, r):
     """Each rank resolves a PENDING_TOKEN from its own draw, and ranks agree only while their random
     streams do: a group of several ranks turns async scheduling off."""
-    harness = Harness(redis_url, r, serving={"world_size": 2})
+    harness = Harness(redis_url, r, tensor_parallel_size=2)
     try:
         workers = [harness.worker(rank=rank, world_size=2, step_delay_s=0.005) for rank in (0, 1)]
         harness.wait_ready()

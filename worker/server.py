@@ -25,7 +25,7 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, he
     """`heartbeat`: started by the caller before the heavy imports (`pagoda worker --heartbeat-file`)."""
     if heartbeat is None and serving.heartbeat_file:
         heartbeat = Heartbeat(serving.heartbeat_file, serving.step_timeout_s)
-    executor = Executor(engine_config, rank, serving.world_size)  # loads the model: the heartbeat runs meanwhile
+    executor = Executor(engine_config, rank, engine_config.tensor_parallel_size)  # loads the model: the heartbeat runs meanwhile
     hello = executor.hello()
     link = SchedulerLink(serving.zmq_address)
     stopping = False
