@@ -153,12 +153,9 @@ class SchedulerServer:
         self.group_generation = self.link.generation
         if hello.block_size != self.engine_config.block_size:
             log.warning("workers use block size %d; the scheduler follows", hello.block_size)
+        # async scheduling stays on for a group of ranks: rank 0 broadcasts its sampled ids over
+        # the group, so a PENDING_TOKEN means the same token on every rank (worker/executor.py)
         config = self.engine_config.replace(block_size=hello.block_size, max_model_len=hello.max_model_len)
-        if config.async_scheduling and config.tensor_parallel_size > 1:
-            # A PENDING_TOKEN is the token each rank drew itself; ranks agree only while their
-            # random streams do (a restarted rank's does not): a group of ranks plans serially.
-            log.info("async scheduling off: %d ranks each draw their own tokens", config.tensor_parallel_size)
-            config = config.replace(async_scheduling=False)
         self.scheduler = Scheduler.from_hello(config, dataclasses.replace(
             hello, num_gpu_blocks=min(h.num_gpu_blocks for h in hellos.values()),
             num_cpu_blocks=min(h.num_cpu_blocks for h in hellos.values()),
