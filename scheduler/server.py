@@ -9,8 +9,10 @@ workers go from one plan to the next without waiting on this process (scheduler/
 This module owns the worker group's life and the step; scheduler/request_stream.py owns the Redis
 side (reads, claims, takeover, the outbox of events).
 
-A step whose result misses its deadline, or a worker whose connection closes, fails every request
-the group holds; the epoch advances so workers drop their state. An exception raised while
+A step whose result misses its deadline, or a worker rank whose connection closes (killed, or
+hung: the ZeroMQ heartbeat), fails every request the group holds that has streamed; those that
+have not stay pending in Redis for any live scheduler to take over. The epoch advances so the
+ranks drop their state and form their group afresh once all are back. An exception raised while
 scheduling or updating one request fails that request alone; the others go on.
 
 SIGTERM drains: no new requests are read, requests that have not started are handed back to the
@@ -166,8 +168,12 @@ class SchedulerServer:
                  hello.model, hello.num_gpu_blocks, hello.block_size, hello.max_model_len)
 
     def _fail_group(self, message: str) -> None:
-        """The workers' KV state is lost: every request this group holds ends with an error."""
-        log.error("%s; failing %d request(s) and waiting for workers", message, len(self.stream.tracked))
+        """The workers' KV state is lost: every request this group holds that has streamed ends
+        with an error; those that have not are left to be taken over (by another engine group, or
+        by this one once its ranks are back)."""
+        released = self.stream.release_unstarted()
+        log.error("%s; failing %d request(s), releasing %d not started, and waiting for workers", message,
+                  len(self.stream.tracked), len(released))
         self.scheduler = None
         self._in_flight.clear()  # their results, if any come, are of the old epoch: dropped
         if self.link.generation == self.group_generation:  # else the link already took on new ranks

@@ -673,6 +673,29 @@ def test_a_worker_error_fails_the_requests_in_flight_and_service_resumes_after_i
     harness.assert_nothing_held()
 
 
+def test_a_failed_group_leaves_the_requests_not_started_to_be_taken_over(make_harness):
+    """Only what has streamed fails with the group: a request that waited in the scheduler stays
+    pending in Redis and is taken over (here by the same scheduler once its worker is back), from
+    the start, with its full text."""
+    harness = make_harness(serving={"claim_idle_ms": 500, "claim_interval_s": 0.2}, max_num_seqs=1)
+    worker = harness.worker(step_delay_s=0.005, rehello_s=0.3)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=400)
+    harness.wait_until(lambda: "a" in harness.events, 3.0, "a to start")
+    harness.submit("b", prompt(20, start=500), max_tokens=5)  # waits: one sequence at a time
+    harness.wait_until(lambda: len(harness.server.scheduler.waiting) == 1, 3.0, "b to wait in the scheduler")
+    group = harness.server.scheduler
+    worker.mode = "boom"
+    harness.wait_finished("a", timeout=2.0)
+    assert (harness.events["a"][-1].finish_reason, harness.events["a"][-1].error) == ("error", "the worker failed: boom")
+    assert "b" not in harness.events and harness.num_pending() == 1  # released, not failed
+    done = harness.wait_finished("b", timeout=5.0)
+    assert harness.server.scheduler is not group
+    assert tokens(done["b"]) == expected_output(0, 20, 5)  # the new group's first sequence
+    assert [e.error for e in done["b"]] == [None] * 5
+    harness.assert_nothing_held()
+
+
 def test_a_worker_that_exits_mid_step_and_restarts_takes_over(harness):
     old = harness.worker(step_delay_s=0.005)
     harness.wait_ready()
