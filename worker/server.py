@@ -15,6 +15,8 @@ from common.protocol import StepResult
 from common.transport import SchedulerLink
 from worker.executor import Executor
 from worker.heartbeat import Heartbeat
+from worker.model_runner import resolve_device
+from worker.parallel import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,9 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, he
     """`heartbeat`: started by the caller before the heavy imports (`pagoda worker --heartbeat-file`)."""
     if heartbeat is None and serving.heartbeat_file:
         heartbeat = Heartbeat(serving.heartbeat_file, serving.step_timeout_s)
-    executor = Executor(engine_config, rank, engine_config.tensor_parallel_size)  # loads the model: the heartbeat runs meanwhile
+    group = TensorParallelGroup(rank, engine_config.tensor_parallel_size, serving.dist_init_address,
+                                resolve_device(engine_config.device, rank), serving.step_timeout_s)
+    executor = Executor(engine_config, group)  # loads the model: the heartbeat runs meanwhile
     hello = executor.hello()
     link = SchedulerLink(serving.zmq_address)
     stopping = False
@@ -50,7 +54,7 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, he
             if heartbeat:
                 heartbeat.step_started = time.monotonic()
             if plan.epoch != epoch:  # a new scheduler or a failed step: start clean
-                executor.reset()
+                executor.form_group(plan.epoch)
                 epoch = plan.epoch
             try:
                 if plan.epoch == failed_epoch:  # sent before the scheduler saw the failure
