@@ -391,6 +391,22 @@ def test_a_group_of_two_ranks_plans_ahead_and_every_rank_holds_rank_0s_tokens(re
         harness.close()
 
 
+def test_a_rank_of_a_group_of_another_size_is_not_taken_on(redis_url, r):
+    """A rank started with another --tensor-parallel-size than its scheduler's would wait for peers
+    that never come: its hello is dropped, and the group forms only from ranks of the right size."""
+    harness = Harness(redis_url, r, tensor_parallel_size=2)
+    try:
+        harness.worker(rank=0, world_size=2, rehello_s=0.2)
+        stray = harness.worker(rank=1, world_size=3, rehello_s=0.2)
+        harness.wait_until(lambda: stray.num_hellos >= 3, 3.0, "the stray rank to say hello again")
+        assert harness.server.scheduler is None and sorted(harness.server.link.hellos) == [0]
+        harness.worker(rank=1, world_size=2)
+        harness.wait_ready()
+        assert [h.world_size for h in harness.server.link.hellos.values()] == [2, 2]
+    finally:
+        harness.close()
+
+
 def test_the_scheduler_follows_the_workers_block_size(harness):
     worker = harness.worker(block_size=32)
     harness.wait_ready()
