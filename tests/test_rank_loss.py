@@ -10,8 +10,9 @@ the other group serves throughout; when the rank is back (restarted, or SIGCONT)
 again under a new epoch and streams the same greedy tokens as before; no KV block, running request
 or pending entry is left in either group.
 
-Which group runs what: group 0 runs two sequences at a time (--max-num-seqs 2) and group 1 one, so
-of four long streams group 1 holds at most two (one running, one waiting) and group 0 runs two.
+Which group runs what: a scheduler holds at most twice --max-num-seqs requests (running and
+waiting); group 0 runs two sequences at a time and group 1 one, so of five long streams group 1
+holds at most two and group 0 at least three: two it streams, and at least one it has not started.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ ENGINE = ["--model", f"dummy:{TINY}", "--device", "cpu", "--tensor-parallel-size
           "--num-cpu-blocks", "0"]
 REPLIES = streams.reply_stream("test-rank-loss")
 LONG = list(range(100, 120))  # a prompt whose greedy stream runs long enough to strike mid-stream
-LONG_TOKENS = 300
+LONG_TOKENS = 160
 SHORT = list(range(300, 310))
 SHORT_TOKENS = 16
 
@@ -97,12 +98,13 @@ class Client:
         self.cursor = b"0-0"
         self.events: dict[str, list[RequestEvent]] = {}
         self.owners: dict[str, str] = {}  # request id -> the scheduler that streamed it (pagoda:started)
+        self.entries: dict[bytes, str] = {}  # entry id in the requests stream -> request id
 
     def submit(self, prompt: list[int], max_tokens: int, tag: str) -> str:
         request_id = f"{tag}-{uuid.uuid4().hex[:8]}"
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         request = GenerateRequest(request_id, prompt, params, REPLIES, time.time())
-        self.r.xadd(streams.REQUESTS, {streams.FIELD: encode(request)})
+        self.entries[self.r.xadd(streams.REQUESTS, {streams.FIELD: encode(request)})] = request_id
         return request_id
 
     def poll(self) -> None:
@@ -150,19 +152,22 @@ def logs() -> Path:
 @pytest.fixture(scope="module")
 def groups(redis_server, logs):
     made = [EngineGroup("0", redis_server.url, 2, logs), EngineGroup("1", redis_server.url, 1, logs)]
+    r = redis.Redis.from_url(redis_server.url)
     try:
-        r = redis.Redis.from_url(redis_server.url)
         for group in made:
             wait_for(lambda: ready(r, group), 180, f"engine group {group.engine_id} to be ready (logs in {logs})")
         yield made
     finally:
         for group in made:
             group.stop()
+        r.close()
 
 
 @pytest.fixture(scope="module")
-def client(redis_server) -> Client:
-    return Client(redis.Redis.from_url(redis_server.url))
+def client(redis_server):
+    client = Client(redis.Redis.from_url(redis_server.url))
+    yield client
+    client.r.close()
 
 
 @pytest.fixture(scope="module")
@@ -200,23 +205,35 @@ def started_by(r: redis.Redis, group: EngineGroup) -> list[str]:
     return sorted(k.decode() for k, v in r.hgetall(streams.STARTED).items() if v.decode() == group.scheduler_id)
 
 
+def held_by(client: Client, group: EngineGroup) -> list[str]:
+    """The requests `group`'s scheduler has read and not yet ended (pending under its name)."""
+    pending = client.r.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", 100,
+                                      consumername=group.scheduler_id)
+    return sorted(client.entries[p["message_id"]] for p in pending)
+
+
 def start_long_streams(client: Client, group: EngineGroup, tag: str) -> list[str]:
-    """Four long streams; back once `group` runs two of them (returns every request id)."""
-    ids = [client.submit(LONG, LONG_TOKENS, tag) for _ in range(4)]
+    """Five long streams; back once all are read and `group` streams two of them. Group 1 holds at
+    most two, so group 0 holds at least three: two running, one or more waiting."""
+    ids = [client.submit(LONG, LONG_TOKENS, tag) for _ in range(5)]
+    client.wait(lambda: client.r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"] == 5, 30,
+                "the streams to be read")
     client.wait(lambda: len(started_by(client.r, group)) == 2, 30, f"engine group {group.engine_id} to stream two")
     return ids
 
 
-@pytest.mark.parametrize("sig, rank", [(signal.SIGKILL, 0), (signal.SIGSTOP, 1)], ids=["SIGKILL-rank0", "SIGSTOP-rank1"])
+@pytest.mark.parametrize("sig, rank", [(signal.SIGKILL, 0), (signal.SIGSTOP, 1)],
+                         ids=["SIGKILL-rank0", "SIGSTOP-rank1"])
 def test_a_group_that_loses_a_rank_fails_its_streams_and_forms_again_while_the_other_serves(
         groups, client, reference, sig, rank):
     lost, other = groups
     r = client.r
     ids = start_long_streams(client, lost, f"{sig.name}-before")
     struck_ids = started_by(r, lost)
+    waiting_ids = [i for i in held_by(client, lost) if i not in struck_ids]
+    assert len(waiting_ids) >= 1
     generations = lost.generations(1 - rank)
     os.kill(lost.ranks[rank].pid, sig)
-    struck = time.monotonic()
 
     # the streams of the group that lost a rank end with an error within seconds, never hang
     took = client.wait(lambda: all(client.finished(i) for i in struck_ids), 15, "the struck streams to end")
@@ -234,10 +251,11 @@ def test_a_group_that_loses_a_rank_fails_its_streams_and_forms_again_while_the_o
     assert client.run(SHORT, SHORT_TOKENS, f"{sig.name}-during") == reference["short"]
     rest = [i for i in ids if i not in struck_ids]
     client.wait(lambda: all(client.finished(i) for i in rest), 60, "the other streams to finish")
-    for request_id in rest:
+    for request_id in rest:  # the other group's, and those the lost group had not started: taken over
         assert client.events[request_id][-1].finish_reason == "length", client.events[request_id][-1]
         assert client.tokens(request_id) == reference["long"]
-        assert client.owners[request_id] == other.scheduler_id  # the lost group's unstarted ones taken over
+        assert client.owners[request_id] == other.scheduler_id
+    assert set(waiting_ids) <= set(rest)
     assert not ready(r, lost)
 
     # the rank comes back: the group forms again, under a new epoch, and streams the same tokens
@@ -249,7 +267,7 @@ def test_a_group_that_loses_a_rank_fails_its_streams_and_forms_again_while_the_o
     wait_for(lambda: ready(r, lost), 60, "the group to be ready again")
     ids = start_long_streams(client, lost, f"{sig.name}-after")
     client.wait(lambda: all(client.finished(i) for i in ids), 60, "the streams after the rank came back")
-    assert [client.tokens(i) for i in ids] == [reference["long"]] * 4
+    assert [client.tokens(i) for i in ids] == [reference["long"]] * 5
     assert [client.owners[i] for i in ids].count(lost.scheduler_id) >= 2
     new = [g for g in lost.generations(1 - rank) if g not in generations]
     assert len(set(new)) >= 1 and new[-1] == lost.generations(rank)[-1]  # both ranks in the new incarnation

@@ -703,7 +703,8 @@ def test_a_failed_group_leaves_the_requests_not_started_to_be_taken_over(make_ha
     group = harness.server.scheduler
     worker.mode = "boom"
     harness.wait_finished("a", timeout=2.0)
-    assert (harness.events["a"][-1].finish_reason, harness.events["a"][-1].error) == ("error", "the worker failed: boom")
+    last = harness.events["a"][-1]
+    assert (last.finish_reason, last.error) == ("error", "the worker failed: boom")
     assert "b" not in harness.events and harness.num_pending() == 1  # released, not failed
     done = harness.wait_finished("b", timeout=5.0)
     assert harness.server.scheduler is not group
