@@ -234,10 +234,11 @@ class SchedulerServer:
         plan = self._in_flight.popleft()
         result = self.link.gather(plan, self.serving.step_timeout_s, on_wait=self._heartbeats)
         if result is None or result.error:
-            if result is not None:
-                reason = result.error
-            elif self.link.lost is not None:
+            # a rank that died is the cause its peers' failed collectives report: name it first
+            if self.link.check_connections() is not None:
                 reason = _lost(self.link.lost)
+            elif result is not None:
+                reason = result.error
             elif self.link.generation != self.group_generation:  # gather saw a rank's new hello
                 reason = "a worker restarted mid-step"
             else:

@@ -61,9 +61,10 @@ class EngineGroup:
         self.ranks = [self.start_rank(rank) for rank in (0, 1)]
 
     def start_rank(self, rank: int) -> subprocess.Popen:
-        # --step-timeout: how long a rank waits in a collective (or to form the group) for the others
+        # --step-timeout: how long a rank waits in a collective (or to form the group) for the others;
+        # past the ZeroMQ heartbeat's 4-5 s, so the scheduler names a stopped rank, not its peer's timeout
         return self._start(f"rank{rank}", "worker", "--rank", str(rank), "--zmq-address", self.zmq_address,
-                           "--dist-init-address", self.dist_init_address, "--step-timeout", "5")
+                           "--dist-init-address", self.dist_init_address, "--step-timeout", "8")
 
     def _start(self, name: str, command: str, *flags: str) -> subprocess.Popen:
         with open(self.logs / f"engine{self.engine_id}-{name}.log", "a") as log:
