@@ -77,6 +77,9 @@ def test_the_data_parallel_summary_gives_each_sizes_request_throughput_over_the_
     assert data_parallel_summary(runs, chosen) == {"sizes": [1, 2], "per_rate": [
         {"request_rate": 2.0, "request_throughput": {"1": 1.5, "2": 1.5}, "ratio_to_size_1": {"2": 1.0}},
         {"request_rate": "inf", "request_throughput": {"1": 2.0, "2": 3.5}, "ratio_to_size_1": {"2": 1.75}}]}
+    runs["data-parallel-1"][0]["cpu_cores"] = {"worker": 0.5, "gateway": 0.1}
+    runs["data-parallel-2"][0]["cpu_cores"] = {"worker": 0.75}
+    assert data_parallel_summary(runs, chosen)["per_rate"][0]["worker_cores"] == {"1": 0.5, "2": 0.75}
 
 
 def test_plot_draws_normalized_latency_per_allocator(tmp_path):

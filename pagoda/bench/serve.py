@@ -193,9 +193,13 @@ def data_parallel_summary(runs: dict[str, list[dict]], targets: list[Target]) ->
     for i, rate in enumerate(r["request_rate"] for r in runs[first.name]):
         throughput = {str(t.data_parallel_size): runs[t.name][i]["request_throughput"] for t in targets}
         base = throughput[str(first.data_parallel_size)]
-        rows.append({"request_rate": rate, "request_throughput": throughput,
-                     f"ratio_to_size_{first.data_parallel_size}": {size: value / base for size, value in throughput.items()
-                                                                  if size != str(first.data_parallel_size)}})
+        row = {"request_rate": rate, "request_throughput": throughput,
+               f"ratio_to_size_{first.data_parallel_size}": {size: value / base for size, value in throughput.items()
+                                                            if size != str(first.data_parallel_size)}}
+        cores = {str(t.data_parallel_size): runs[t.name][i].get("cpu_cores", {}).get("worker") for t in targets}
+        if all(cores.values()):  # on a shared machine: how many cores the workers actually got
+            row["worker_cores"] = cores
+        rows.append(row)
     return {"sizes": [t.data_parallel_size for t in targets], "per_rate": rows}
 
 
@@ -259,10 +263,15 @@ def run(args) -> int:
             warm_up = requests[:2 * target.data_parallel_size]  # a request or two for each engine group
             asyncio.run(run_rate(base_url, args.served_model, warm_up, float("inf")))
             for rate in rates:
+                cpu_before = stack.cpu_seconds() if stack else {}
                 results, duration = asyncio.run(run_rate(base_url, args.served_model, requests, rate,
                                                          args.burstiness, args.seed))
                 metrics = {"request_rate": rate if rate != float("inf") else "inf",
-                           **summarize(results, duration, slos)}
+                           **summarize(results, duration, slos),
+                           "load_average_1m": round(os.getloadavg()[0], 2)}  # others sharing the cores
+                if stack:  # the cores each role of the stack had, on average over the run
+                    metrics["cpu_cores"] = {role: round((used - cpu_before.get(role, 0.0)) / duration, 3)
+                                            for role, used in sorted(stack.cpu_seconds().items())}
                 errors = sorted({r.error for r in results if r.error})
                 if errors:
                     metrics["errors"] = errors[:5]

@@ -112,6 +112,19 @@ class Stack:
         """The pids of `pagoda up`'s children by role: scheduler, worker, gateway (redis-server if private)."""
         return {name: pid for name, pid in process_tree(self.process.pid).items() if name != "up"}
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each role's live children have used so far: {"worker": s, ...}."""
+        used: dict[str, float] = collections.defaultdict(float)
+        for name, pid in self.children().items():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # exited meanwhile
+                continue
+            utime, stime = stat[stat.rindex(")") + 2:].split()[11:13]
+            used[name.rstrip("'")] += (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+        return dict(used)
+
     def health(self) -> int:
         """/health's status, 0 when nothing listens."""
         try:
