@@ -160,7 +160,8 @@ def leak_state(base_url: str, redis_url: str) -> dict:
     import httpx
 
     metrics = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
-    return {**{name: metrics[name] for name in GAUGES}, **queue_state(redis_url)}
+    # summed over the engine groups; None (not drained) while no scheduler is live to report them
+    return {**{name: metrics.get(name) for name in GAUGES}, **queue_state(redis_url)}
 
 
 def wait_drained(base_url: str, redis_url: str, timeout: float) -> tuple[bool, dict, float]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 USAGE = "usage: python -m pagoda.bench.stack [--log PATH] [PAGODA UP FLAGS] -- COMMAND [ARGS]"
 GAUGES = ("pagoda:kv_cache_usage_perc", "pagoda:num_requests_running", "pagoda:num_requests_waiting",
           "pagoda:num_requests_swapped")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')  # name="value", the value's \" and \\ kept as written
 
 
 class Stack:
@@ -74,9 +76,54 @@ class Stack:
             self.redis_url = json.loads(self.addresses.read_text())["redis_url"]
         return self
 
+    def engines(self) -> dict[str, bool]:
+        """The live engine groups, from the schedulers' status keys: {engine id: workers ready}."""
+        import redis
+
+        from common import streams
+        from common.protocol import SchedulerStatus, decode
+
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            keys = list(client.scan_iter(match=streams.STATUS_PREFIX + "*"))
+            statuses = [decode(raw) for raw in client.mget(keys) if raw is not None] if keys else []
+        finally:
+            client.close()
+        ready: dict[str, bool] = {}
+        for status in statuses:
+            if isinstance(status, SchedulerStatus):
+                ready[status.engine] = ready.get(status.engine, False) or status.workers_ready
+        return ready
+
+    def wait_engines(self, count: int, timeout: float = 600) -> Stack:
+        """Back once `count` engine groups have their workers ready (/health answers once one has)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagoda {self.command} exited with {self.process.returncode}")
+            engines = self.engines()
+            if sum(engines.values()) >= count:
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} engine groups were not ready within {timeout:g} s (ready: {engines})")
+            time.sleep(0.2)
+
     def children(self) -> dict[str, int]:
         """The pids of `pagoda up`'s children by role: scheduler, worker, gateway (redis-server if private)."""
         return {name: pid for name, pid in process_tree(self.process.pid).items() if name != "up"}
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each role's live children have used so far: {"worker": s, ...}."""
+        used: dict[str, float] = collections.defaultdict(float)
+        for name, pid in self.children().items():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # exited meanwhile
+                continue
+            utime, stime = stat[stat.rindex(")") + 2:].split()[11:13]
+            used[name.rstrip("'")] += (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+        return dict(used)
 
     def health(self) -> int:
         """/health's status, 0 when nothing listens."""
@@ -93,11 +140,12 @@ class Stack:
             return parse_metrics(response.read().decode())
 
     def wait_drained(self, timeout: float) -> dict[str, float]:
-        """The metrics once no KV block is used and no request runs or waits, or at the deadline."""
+        """The metrics once no KV block is used and no request runs or waits in any engine group, or at
+        the deadline (a gauge is absent while no scheduler is live)."""
         deadline = time.monotonic() + timeout
         while True:
             metrics = self.metrics()
-            if [metrics[g] for g in GAUGES] == [0, 0, 0, 0] or time.monotonic() > deadline:
+            if [metrics.get(g) for g in GAUGES] == [0, 0, 0, 0] or time.monotonic() > deadline:
                 return metrics
             time.sleep(0.2)
 
@@ -123,13 +171,23 @@ class Stack:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: value} (labels dropped)."""
-    values = {}
+    """Prometheus text -> {metric name: the sum of its samples over their labels} (e.g. over the
+    engine groups: a running count of the whole stack; a usage fraction summed is only good for == 0)."""
+    values: dict[str, float] = collections.defaultdict(float)
+    for name, _, value in parse_samples(text):
+        values[name] += value
+    return dict(values)
+
+
+def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text -> [(metric name, its labels, value)], in order (label values as escaped there)."""
+    samples = []
     for line in text.splitlines():
         if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name.split("{")[0]] = float(value)
-    return values
+            series, _, value = line.rpartition(" ")
+            name, _, labels = series.partition("{")
+            samples.append((name, dict(LABEL.findall(labels)), float(value)))
+    return samples
 
 
 def _ppid_and_cmdline(pid: int) -> tuple[int, str] | None:
