@@ -82,7 +82,7 @@ class LLM:
             hello = self.executor.hello()
         else:
             self.executor = self.ranks.start_first()
-            self.step_executor = GroupExecutor(self.executor)
+            self.step_executor = GroupExecutor(self.executor, self.ranks)
             hello = self.ranks.group_hello()
         self.num_blocks = hello.num_gpu_blocks, hello.num_cpu_blocks  # the group's: its smallest rank's
         self.config = self.config.replace(max_model_len=hello.max_model_len)
@@ -180,12 +180,17 @@ class LLM:
 class GroupExecutor:
     """Rank 0's Executor in the offline engine's group: each plan goes to the other ranks first."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, ranks: RankProcesses) -> None:
         self.executor = executor
+        self.ranks = ranks
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.executor.group.broadcast_bytes(encode(plan))
-        return self.executor.execute(plan)
+        try:
+            return self.executor.execute(plan)
+        except BaseException:  # the others may wait in a collective rank 0 never reaches
+            self.ranks.state["broken"] = True
+            raise
 
 
 class RankProcesses:
@@ -208,7 +213,8 @@ class RankProcesses:
         self.group = TensorParallelGroup(0, config.tensor_parallel_size, self.address, resolve_device(config.device, 0),
                                          OFFLINE_TIMEOUT_S)  # hosts the store before the others look for it
         self.procs: list[tuple[multiprocessing.Process, Connection]] = []  # (rank, the end it says ready on)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.group)
+        self.state = {"broken": False}  # a step failed on rank 0: the others cannot be told to stop
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.group, self.state)
         # the first start waits for the forkserver's imports: meanwhile rank 0 loads (start_first)
         self._start_error: BaseException | None = None
         self._starter = threading.Thread(target=self._start_ranks, name="pagoda-tp-start", daemon=True)
@@ -268,10 +274,10 @@ class RankProcesses:
         self._finalizer()
 
 
-def _stop(procs: list[tuple[multiprocessing.Process, Connection]], group: TensorParallelGroup) -> None:
-    """Tell the ranks to stop (if the group formed; else end them), then make sure they did."""
+def _stop(procs: list[tuple[multiprocessing.Process, Connection]], group: TensorParallelGroup, state: dict) -> None:
+    """Tell the ranks to stop (if the group formed and works; else end them), then make sure they did."""
     told = False
-    if group.generation is not None and all(proc.is_alive() for proc, _ in procs):
+    if group.generation is not None and not state["broken"] and all(proc.is_alive() for proc, _ in procs):
         try:
             group.broadcast_bytes(STOP)
             told = True
