@@ -254,3 +254,46 @@ def test_a_group_pools_its_smallest_ranks_blocks_and_ranks_hold_their_kv_heads(p
     assert attn.num_heads == attn_one.num_heads // size
     assert attn.num_kv_heads == max(attn_one.num_kv_heads // size, 1)
     assert group.executor.runner.kv_caches[0].shape == (256, 2, BLOCK_SIZE, attn.num_kv_heads, 16)
+
+
+# ----------------------------------------------------------------------------- CUDA (NCCL)
+
+@pytest.mark.gpu
+def test_auto_and_cuda_give_each_rank_its_own_gpu():
+    from worker.model_runner import resolve_device
+
+    count, current = torch.cuda.device_count(), torch.cuda.current_device()
+    assert [resolve_device("auto", rank) for rank in range(3)] == [
+        torch.device("cuda", (current + rank) % count) for rank in range(3)]
+    assert resolve_device("cuda", 1) == resolve_device("auto", 1)
+    assert resolve_device("cuda:0", 1) == torch.device("cuda", 0)
+
+
+GPU_SCRIPT = """
+import json, sys
+from common.protocol import SamplingParams
+from pagoda.offline import LLM
+llm = LLM(sys.argv[1], skip_tokenizer_init=True, device="cuda", dtype="float32", tensor_parallel_size=int(sys.argv[2]))
+outputs = llm.generate(json.loads(sys.argv[3]), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+print(json.dumps([o.token_ids for o in outputs]))
+llm.close()
+"""
+
+
+@pytest.mark.gpu
+def test_a_group_on_two_gpus_generates_what_one_gpu_does():
+    """NCCL: each rank on its own GPU (decode steps eager at size 2), the tokens of size 1."""
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+    def generate(size: int) -> list:
+        prompts = json.dumps([_prompt(0, 3), _prompt(1, 40)])
+        proc = subprocess.run([sys.executable, "-c", GPU_SCRIPT, f"dummy:{TINY_LLAMA}", str(size), prompts],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    assert generate(2) == generate(1)
