@@ -212,6 +212,9 @@ class RankProcesses:
         self.address = f"tcp://127.0.0.1:{_free_port()}"
         self.group = TensorParallelGroup(0, config.tensor_parallel_size, self.address, resolve_device(config.device, 0),
                                          OFFLINE_TIMEOUT_S)  # hosts the store before the others look for it
+        # the ranks share the cores unless OMP_NUM_THREADS says otherwise
+        self.num_threads = int(os.environ.get("OMP_NUM_THREADS")
+                               or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         self.procs: list[tuple[multiprocessing.Process, Connection]] = []  # (rank, the end it says ready on)
         self.state = {"broken": False}  # a step failed on rank 0: the others cannot be told to stop
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.group, self.state)
@@ -229,14 +232,11 @@ class RankProcesses:
     def _fork_ranks(self) -> None:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["worker.tp_rank"])
-        # the ranks share the cores unless OMP_NUM_THREADS says otherwise
-        size = self.config.tensor_parallel_size
-        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // size))
-        for rank in range(1, size):
+        for rank in range(1, self.config.tensor_parallel_size):
             ready, ready_child = context.Pipe(duplex=False)
             proc = context.Process(target=serve_rank, name=f"pagoda-tp-rank{rank}", daemon=True,
-                                   args=(rank, self.address, dataclasses.asdict(self.config), ready_child, threads,
-                                         logging.getLogger().getEffectiveLevel()))
+                                   args=(rank, self.address, dataclasses.asdict(self.config), ready_child,
+                                         self.num_threads, logging.getLogger().getEffectiveLevel()))
             proc.start()
             ready_child.close()
             self.procs.append((proc, ready))
