@@ -92,8 +92,11 @@ def _generate(args) -> int:
     )
     llm = LLM(**dataclasses.asdict(config_from_args(EngineConfig, args)))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
-    elapsed = time.perf_counter() - start
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.close()  # the other ranks of a tensor-parallel group
     for out in outputs:
         if args.json:
             print(json.dumps(out.to_json(), ensure_ascii=False), flush=True)
@@ -262,6 +265,8 @@ def _add_bench_throughput(t: argparse.ArgumentParser) -> None:
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     t.add_argument("--num-gpu-blocks", type=int, default=None)
+    t.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="Pagoda's worker ranks (ranks 1..N-1 as processes); the baseline runs on one device")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
     t.add_argument("--skip-baseline", action="store_true", help="Pagoda only")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
+import multiprocessing
 import os
 import socket
-import subprocess
-import sys
+import threading
 import weakref
+from multiprocessing.connection import Connection
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -24,7 +24,7 @@ from common.protocol import SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
 from worker.executor import Executor
 from worker.parallel import TensorParallelGroup
-from worker.tp_rank import OFFLINE_TIMEOUT_S, READY, RESET, STOP
+from worker.tp_rank import OFFLINE_TIMEOUT_S, RESET, STOP, serve_rank
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class LLM:
             hello = self.executor.hello()
         else:
             self.executor = self.ranks.start_first()
-            self.step_executor = GroupExecutor(self.executor)
+            self.step_executor = GroupExecutor(self.executor, self.ranks)
             hello = self.ranks.group_hello()
         self.num_blocks = hello.num_gpu_blocks, hello.num_cpu_blocks  # the group's: its smallest rank's
         self.config = self.config.replace(max_model_len=hello.max_model_len)
@@ -180,48 +180,85 @@ class LLM:
 class GroupExecutor:
     """Rank 0's Executor in the offline engine's group: each plan goes to the other ranks first."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, ranks: RankProcesses) -> None:
         self.executor = executor
+        self.ranks = ranks
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.executor.group.broadcast_bytes(encode(plan))
-        return self.executor.execute(plan)
+        try:
+            return self.executor.execute(plan)
+        except BaseException:  # the others may wait in a collective rank 0 never reaches
+            self.ranks.state["broken"] = True
+            raise
 
 
 class RankProcesses:
     """Ranks 1..N-1 of the offline engine's group, as child processes rendezvousing with rank 0
-    (this process) at a free local port. They load while rank 0 does; `stop` ends them."""
+    (this process) at a free local port. They load while rank 0 does; `stop` ends them.
+
+    They are forked by a multiprocessing forkserver that imported worker.tp_rank (torch, the
+    model) once for the life of this process: a rank starts without importing them again, and
+    never from a process that initialized CUDA."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from common.models import resolve_model
         from worker.loader import load_config
         from worker.model import check_shardable
         from worker.model_runner import resolve_device
-        from common.models import resolve_model
 
         check_shardable(load_config(resolve_model(config.model)), config.tensor_parallel_size)  # before any start
         self.config = config
-        address = f"tcp://127.0.0.1:{_free_port()}"
-        self.group = TensorParallelGroup(0, config.tensor_parallel_size, address, resolve_device(config.device, 0),
+        self.address = f"tcp://127.0.0.1:{_free_port()}"
+        self.group = TensorParallelGroup(0, config.tensor_parallel_size, self.address, resolve_device(config.device, 0),
                                          OFFLINE_TIMEOUT_S)  # hosts the store before the others look for it
-        self.procs: list[tuple[subprocess.Popen, int]] = []  # (process, the read end of its ready pipe)
-        for rank in range(1, config.tensor_parallel_size):
-            read, write = os.pipe()
-            command = [sys.executable, "-m", "worker.tp_rank", "--rank", str(rank), "--address", address,
-                       "--config", json.dumps(dataclasses.asdict(config)), "--ready-fd", str(write),
-                       "--parent-pid", str(os.getpid())]
-            self.procs.append((subprocess.Popen(command, pass_fds=(write,)), read))
-            os.close(write)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.group)
+        # the ranks share the cores unless OMP_NUM_THREADS says otherwise
+        self.num_threads = int(os.environ.get("OMP_NUM_THREADS")
+                               or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        self.procs: list[tuple[multiprocessing.Process, Connection]] = []  # (rank, the end it says ready on)
+        self.state = {"broken": False}  # a step failed on rank 0: the others cannot be told to stop
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.group, self.state)
+        # the first start waits for the forkserver's imports: meanwhile rank 0 loads (start_first)
+        self._start_error: BaseException | None = None
+        self._starter = threading.Thread(target=self._start_ranks, name="pagoda-tp-start", daemon=True)
+        self._starter.start()
+
+    def _start_ranks(self) -> None:
+        try:
+            self._fork_ranks()
+        except BaseException as exc:  # raised by start_first
+            self._start_error = exc
+
+    def _fork_ranks(self) -> None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["worker.tp_rank"])
+        for rank in range(1, self.config.tensor_parallel_size):
+            ready, ready_child = context.Pipe(duplex=False)
+            proc = context.Process(target=serve_rank, name=f"pagoda-tp-rank{rank}", daemon=True,
+                                   args=(rank, self.address, dataclasses.asdict(self.config), ready_child,
+                                         self.num_threads, logging.getLogger().getEffectiveLevel()))
+            proc.start()
+            ready_child.close()
+            self.procs.append((proc, ready))
 
     def start_first(self) -> Executor:
         """Rank 0's Executor, once every rank has loaded and the group has formed."""
         try:
             executor = Executor(self.config, self.group)
-            for rank, (proc, read) in enumerate(self.procs, 1):
-                if os.read(read, len(READY)) != READY:  # end of file: it exited
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited while loading (code {proc.wait()})")
+            self._starter.join()
+            if self._start_error is not None:
+                raise self._start_error
+            for rank, (proc, ready) in enumerate(self.procs, 1):
+                try:
+                    ready.recv()
+                except EOFError:  # it exited
+                    proc.join()
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited while loading (code {proc.exitcode}, its "
+                                       "error above; a script must build LLM(tensor_parallel_size > 1) under "
+                                       "`if __name__ == \"__main__\":`, as multiprocessing asks)") from None
             executor.form_group(0)
         except BaseException:
+            self._starter.join()  # every process started is in self.procs before stop looks
             self.stop()
             raise
         self.executor = executor
@@ -237,24 +274,23 @@ class RankProcesses:
         self._finalizer()
 
 
-def _stop(procs: list[tuple[subprocess.Popen, int]], group: TensorParallelGroup) -> None:
-    """Tell the ranks to stop (if the group formed; else end them), then make sure they did."""
+def _stop(procs: list[tuple[multiprocessing.Process, Connection]], group: TensorParallelGroup, state: dict) -> None:
+    """Tell the ranks to stop (if the group formed and works; else end them), then make sure they did."""
     told = False
-    if group.generation is not None and all(proc.poll() is None for proc, _ in procs):
+    if group.generation is not None and not state["broken"] and all(proc.is_alive() for proc, _ in procs):
         try:
             group.broadcast_bytes(STOP)
             told = True
         except Exception as exc:  # a broken group: they are ended below
             log.warning("stopping the tensor-parallel ranks: %s", exc)
-    for proc, read in procs:
-        if not told and proc.poll() is None:
+    for proc, ready in procs:
+        if not told and proc.is_alive():
             proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+        proc.join(timeout=10)
+        if proc.is_alive():
             proc.kill()
-            proc.wait()
-        os.close(read)
+            proc.join()
+        ready.close()
     group.destroy()
 
 

@@ -117,3 +117,17 @@ def test_bench_throughput_runs_an_orca_baseline_allocator(tmp_path):
     result = json.loads(out.read_text())
     assert result["allocator"] == "orca-oracle" and "baseline" not in result
     assert result["pagoda"]["output_tokens"] > 0
+
+
+def test_bench_throughput_runs_a_tensor_parallel_group(tmp_path, monkeypatch):
+    """--tensor-parallel-size reaches the offline engine: rank 0 here, rank 1 a child process."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # per rank
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", f"dummy:{TINY}", "--device", "cpu", "--num-prompts", "4",
+                 "--max-output-len", "4", "--ignore-eos", "--skip-baseline", "--tensor-parallel-size", "2",
+                 "--num-gpu-blocks", "256", "--source", "trace", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    from pagoda.bench.workloads import sample_sharegpt
+
+    assert result["tensor_parallel_size"] == 2
+    assert result["pagoda"]["output_tokens"] == sum(min(p.output_len, 4) for p in sample_sharegpt(4, 0, "trace"))

@@ -5,6 +5,7 @@ that transformers itself produced from the GGUF file (see worker/loader.py). Pag
 `--device` (default cpu; `make test-gpu` passes cuda) in float32, the reference on CPU.
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -63,6 +64,29 @@ def test_cli_greedy_matches_transformers(tmp_path, hf_outputs, prompt_ids, devic
     for result, expected in zip(results, hf_outputs):
         assert result["token_ids"] == expected
         assert result["finish_reason"] == ("stop" if expected[-1] == 2 else "length")
+
+
+TP_MAX_TOKENS = 32  # the group's steps cost a few all-reduces per layer: half the tokens keep it within budget
+
+
+def test_cli_tensor_parallel_greedy_matches_transformers(tmp_path, hf_outputs, device):
+    """`--tensor-parallel-size 3`: each rank 3 of the 9 query heads, 1 of the 3 KV heads, a third of
+    the MLP and of the vocabulary (gloo on CPU): transformers' greedy tokens, as size 1 gives
+    (test_cli_greedy_matches_transformers)."""
+    if device != "cpu" and torch.cuda.device_count() < 3:
+        pytest.skip("a GPU per rank: needs 3 GPUs")
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(p) + "\n" for p in PARITY_PROMPTS))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "generate", "--json", "--temperature", "0", "--max-tokens",
+         str(TP_MAX_TOKENS), "--prompts-file", str(prompts_file), "--device", device, "--dtype", "float32",
+         "--tensor-parallel-size", "3", "--num-gpu-blocks", "512"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["token_ids"] for r in results] == [expected[:TP_MAX_TOKENS] for expected in hf_outputs]
+    assert proc.stderr.count("joined generation 0 (gloo)" if device == "cpu" else "joined generation 0 (nccl)") == 3
 
 
 @pytest.mark.parametrize(

@@ -155,9 +155,14 @@ def load_model(
     max_positions = min(max_model_len or model_len, model_len)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {config.model_type!r} is not supported (only {SUPPORTED_MODEL_TYPES})")
-    with torch.device("cpu"):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+    if source.kind == "dummy":
+        with torch.device("cpu"):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+    else:  # every parameter comes from the checkpoint: no initialization to compute first
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model = model.to_empty(device="cpu")
     if source.kind == "dummy" and model.tp.world_size == 1:
         _init_dummy(model)
     elif source.kind == "dummy":

@@ -123,7 +123,6 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp = get_tp_group()
         self.vocab_start, rows = vocab_shard(vocab_size, tp.rank, tp.world_size)
         super().__init__(rows, hidden_size)
-        self.org_vocab_size = vocab_size
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:

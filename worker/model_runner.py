@@ -29,13 +29,14 @@ log = logging.getLogger(__name__)
 
 def resolve_device(name: str, rank: int = 0) -> torch.device:
     """The device with its index ("cuda" -> "cuda:N"): the kernels key per-device state (the
-    split-KV workspace, resident slots) by the device every tensor reports. "auto" on a machine
-    with GPUs: rank r of a tensor-parallel group gets GPU r (modulo the visible ones)."""
+    split-KV workspace, resident slots) by the device every tensor reports. "auto" or "cuda" on a
+    machine with GPUs: rank r of a tensor-parallel group gets the r-th GPU from the current one
+    (GPU r where no process chose one), modulo the visible ones."""
     if name == "auto":
-        name = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", (torch.cuda.current_device() + rank) % torch.cuda.device_count())
     return device
 
 

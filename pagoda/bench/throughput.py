@@ -84,7 +84,7 @@ def run(args) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, allocator=args.allocator,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_gpu_blocks=args.num_gpu_blocks)
+              num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size)
     requests = load_requests(args, int(llm.executor.runner.hf_config.vocab_size))
     run_pagoda(llm, requests[:2], args.ignore_eos)  # warm up
     llm.reset()
@@ -101,6 +101,7 @@ def run(args) -> int:
             "max_output_len": args.max_output_len, "ignore_eos": args.ignore_eos,
         },
         "allocator": args.allocator,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "pagoda": pagoda,
     }
     if not args.skip_baseline:
@@ -110,6 +111,7 @@ def run(args) -> int:
         log(f"transformers: {baseline['output_tokens_per_s']:.1f} output tokens/s ({baseline['seconds']:.1f} s)")
         result["baseline"] = {"name": "transformers generate, padded static batches", **baseline}
         result["ratio"] = pagoda["output_tokens_per_s"] / baseline["output_tokens_per_s"]
+    llm.close()
     write_result(result, args.output)
     print(json.dumps({k: result[k] for k in ("pagoda", "baseline", "ratio") if k in result}, indent=2))
     return 0
