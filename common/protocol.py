@@ -277,6 +277,7 @@ class SchedulerStatus:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    engine: str = "0"  # the scheduler's --engine-id: the `engine` label of its /metrics series
 
 
 @dataclass(slots=True)
@@ -296,6 +297,9 @@ _MESSAGE_TYPES: list[type] = [  # append only: a message's tag is its index
 ]
 _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
+# Fields appended to a message within a protocol version, each with a default: a peer that predates
+# them sends the message without them (a status key written by an older scheduler still decodes).
+_ADDED_FIELDS: dict[type, int] = {SchedulerStatus: 1}  # engine
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step) travel as columns, one list per
 # field of the element type in declaration order, instead of one extension per element.
@@ -342,7 +346,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         raise ProtocolError(f"unknown message tag {tag!r}")
     cls = _MESSAGE_TYPES[tag]
     names = _FIELDS_OF[cls]
-    if len(values) != len(names):
+    if not len(names) - _ADDED_FIELDS.get(cls, 0) <= len(values) <= len(names):
         raise ProtocolError(f"{cls.__name__} expects {len(names)} fields, got {len(values)}")
     for index, item_cls in _COLUMNS_OF.get(cls, {}).items():
         values[index] = _from_columns(values[index], item_cls)

@@ -84,7 +84,7 @@ class Gateway:
         self.token_text = token_text_cache(self.tokenizer)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.served_model_name)
         self.engine: EngineClient | None = None
         self.created = int(time.time())
         self.draining = False

@@ -1,9 +1,18 @@
 """Prometheus metrics with vLLM's names under `pagoda:`: this gateway's latencies and counts, plus
-the gauges of every live scheduler, read from their status keys and summed."""
+the gauges and counters of every live scheduler, read from their status keys.
+
+Every series carries `model_name` (the served model name, as vLLM's do). A scheduler's series also
+carry `engine` (its --engine-id): one sample per engine group, so a dashboard sums over `engine` for
+the whole deployment. Schedulers that share an engine id are summed into its one sample.
+"""
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from common.protocol import SchedulerStatus
@@ -18,55 +27,88 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                480.0, 960.0)
 
 
-class SchedulerCollector(Collector):
-    """The schedulers' gauges and counters as of the last `render` (summed over live schedulers)."""
+def _kv_cache_usage(statuses: list[SchedulerStatus]) -> float:
+    total_blocks = sum(x.num_gpu_blocks for x in statuses)
+    used = sum(x.kv_cache_usage * x.num_gpu_blocks for x in statuses)
+    return used / total_blocks if total_blocks else 0.0
 
-    def __init__(self) -> None:
+
+# (family, name, help, the value of one engine group's statuses)
+ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[list[SchedulerStatus]], float]], ...] = (
+    (GaugeMetricFamily, "pagoda:num_requests_running", "Requests in the running batch.",
+     lambda s: sum(x.num_running for x in s)),
+    (GaugeMetricFamily, "pagoda:num_requests_waiting", "Requests waiting to be scheduled.",
+     lambda s: sum(x.num_waiting for x in s)),
+    (GaugeMetricFamily, "pagoda:num_requests_swapped", "Requests swapped out to the CPU pool.",
+     lambda s: sum(x.num_swapped for x in s)),
+    (GaugeMetricFamily, "pagoda:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", _kv_cache_usage),
+    (CounterMetricFamily, "pagoda:num_preemptions", "Preemptions since the scheduler started.",
+     lambda s: sum(x.num_preemptions_total for x in s)),
+    (CounterMetricFamily, "pagoda:prefix_cache_queries", "Prefix cache lookups, in tokens.",
+     lambda s: sum(x.prefix_cache_queries_total for x in s)),
+    (CounterMetricFamily, "pagoda:prefix_cache_hits", "Prefix cache hits, in tokens.",
+     lambda s: sum(x.prefix_cache_hits_total for x in s)),
+)
+
+
+class SchedulerCollector(Collector):
+    """The schedulers' gauges and counters as of the last `render`, one sample per engine group."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.statuses: list[SchedulerStatus] = []
 
     def collect(self):
-        s = self.statuses
-        yield GaugeMetricFamily("pagoda:num_schedulers", "Live schedulers (status key present).", value=len(s))
-        yield GaugeMetricFamily("pagoda:num_requests_running", "Requests in the running batch.",
-                                value=sum(x.num_running for x in s))
-        yield GaugeMetricFamily("pagoda:num_requests_waiting", "Requests waiting to be scheduled.",
-                                value=sum(x.num_waiting for x in s))
-        yield GaugeMetricFamily("pagoda:num_requests_swapped", "Requests swapped out to the CPU pool.",
-                                value=sum(x.num_swapped for x in s))
-        total_blocks = sum(x.num_gpu_blocks for x in s)
-        used = sum(x.kv_cache_usage * x.num_gpu_blocks for x in s)
-        yield GaugeMetricFamily("pagoda:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                                value=used / total_blocks if total_blocks else 0.0)
-        yield CounterMetricFamily("pagoda:num_preemptions", "Preemptions since the schedulers started.",
-                                  value=sum(x.num_preemptions_total for x in s))
-        yield CounterMetricFamily("pagoda:prefix_cache_queries", "Prefix cache lookups, in tokens.",
-                                  value=sum(x.prefix_cache_queries_total for x in s))
-        yield CounterMetricFamily("pagoda:prefix_cache_hits", "Prefix cache hits, in tokens.",
-                                  value=sum(x.prefix_cache_hits_total for x in s))
+        groups: dict[str, list[SchedulerStatus]] = {}
+        for status in sorted(self.statuses, key=lambda x: x.engine):
+            groups.setdefault(status.engine, []).append(status)
+        live = GaugeMetricFamily("pagoda:num_schedulers", "Live schedulers (status key present).", labels=["model_name"])
+        live.add_metric([self.model_name], len(self.statuses))
+        yield live
+        for family, name, help, value in ENGINE_SERIES:
+            metric = family(name, help, labels=["model_name", "engine"])
+            for engine, statuses in groups.items():
+                metric.add_metric([self.model_name, engine], value(statuses))
+            yield metric
+
+
+@dataclass(slots=True)
+class ModelLabelled:
+    """A labelled metric whose first label, model_name, is given once: `.labels(route, status)`."""
+
+    metric: MetricWrapperBase
+    model_name: str
+
+    def labels(self, *values: str):
+        return self.metric.labels(self.model_name, *values)
 
 
 class GatewayMetrics:
     """One per app, in a private registry (several apps in one process do not collide)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        r, model = self.registry, ["model_name"]
         self.time_to_first_token = Histogram(
-            "pagoda:time_to_first_token_seconds", "Arrival at the gateway to the first token back.",
-            buckets=TTFT_BUCKETS, registry=r)
+            "pagoda:time_to_first_token_seconds", "Arrival at the gateway to the first token back.", model,
+            buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.inter_token_latency = Histogram(
-            "pagoda:inter_token_latency_seconds", "Time between tokens of a request, as seen by the gateway.",
-            buckets=ITL_BUCKETS, registry=r)
+            "pagoda:inter_token_latency_seconds", "Time between tokens of a request, as seen by the gateway.", model,
+            buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e_request_latency = Histogram(
-            "pagoda:e2e_request_latency_seconds", "Arrival at the gateway to the request's end.",
-            buckets=E2E_BUCKETS, registry=r)
-        self.http_requests = Counter(
-            "pagoda:http_requests", "HTTP requests answered, by route and status.", ["route", "status"], registry=r)
-        self.request_success = Counter(
-            "pagoda:request_success", "Generations finished, by finish reason.", ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens submitted.", registry=r)
-        self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", registry=r)
-        self.schedulers = SchedulerCollector()
+            "pagoda:e2e_request_latency_seconds", "Arrival at the gateway to the request's end.", model,
+            buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.http_requests = ModelLabelled(Counter(
+            "pagoda:http_requests", "HTTP requests answered, by route and status.", [*model, "route", "status"],
+            registry=r), model_name)
+        self.request_success = ModelLabelled(Counter(
+            "pagoda:request_success", "Generations finished, by finish reason.", [*model, "finished_reason"],
+            registry=r), model_name)
+        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens submitted.", model,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", model,
+                                         registry=r).labels(model_name)
+        self.schedulers = SchedulerCollector(model_name)
         r.register(self.schedulers)
 
     def render(self, statuses: list[SchedulerStatus]) -> bytes:

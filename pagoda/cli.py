@@ -14,7 +14,7 @@ from common.config import ALLOCATORS, DTYPES, ConfigError, EngineConfig, Gateway
 from common.protocol import InvalidParamError
 
 # ServingConfig fields a command has no flag for: the worker never talks to Redis, only a worker
-# beats, and `pagoda up` sets these itself for the one scheduler and worker it starts.
+# beats, and `pagoda up` sets these itself for each engine group and worker it starts.
 SCHEDULER_EXCLUDES = frozenset({"heartbeat_file", "dist_init_address"})
 # the scheduler's Redis-side settings mean nothing to a worker (--drain-timeout stays: it always took it)
 WORKER_EXCLUDES = frozenset({"redis_url", "claim_interval_s", "claim_idle_ms", "worker_silence_s", "engine_id"})
@@ -168,6 +168,9 @@ def _add_up(p: argparse.ArgumentParser) -> None:
                    help="restart a worker whose heartbeat is this many seconds stale (stopped, hung, or stuck "
                         "past --step-timeout)")
     p.add_argument("--addresses-file", help="write the gateway's URL and the Redis URL in use here, as JSON")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine groups (a scheduler and its --tensor-parallel-size workers each) reading the one "
+                        "request stream; on GPUs each worker gets its own")
     p.set_defaults(handler=_up)
 
 

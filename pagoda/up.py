@@ -1,18 +1,26 @@
 """`pagoda up`: the whole stack on one machine, as separate processes, supervised.
 
-    private redis-server (unless a Redis URL is given) ─ scheduler ─ worker ─ gateway
+    private redis-server (unless a Redis URL is given) ─ gateway
+        engine group 0:   scheduler-0 ─ worker-0.0 … worker-0.{N-1}     (--tensor-parallel-size N)
+        …
+        engine group M-1: scheduler-{M-1} ─ worker-{M-1}.0 …            (--data-parallel-size M)
+
+Every scheduler reads the one Redis request stream (a consumer group spreads the requests); each
+group has its own ZeroMQ address and torch.distributed address. On a machine with GPUs, worker
+(g, r) gets the (g*N + r)-th visible GPU as its only one (CUDA_VISIBLE_DEVICES).
 
 A child that exits, or a worker whose heartbeat file goes stale (stopped, hung, or stuck in a step
 past --step-timeout), is restarted; the private Redis too, on its port. A child restarted more than
 MAX_RESTARTS times in RESTART_WINDOW_S is crash-looping: the stack stops and `pagoda up` exits 1.
 SIGINT or SIGTERM drains: the gateway first (requests in flight get --drain-timeout to finish),
-then the scheduler, then the worker; then it exits 0.
+then the schedulers, then the workers; then it exits 0.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -25,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cli_args import config_to_argv
-from common.config import EngineConfig, GatewayConfig, ServingConfig
+from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from common.redis_server import RedisServer, free_port
 from pagoda.cli import SCHEDULER_EXCLUDES, WORKER_EXCLUDES
 
@@ -37,18 +45,24 @@ STARTUP_S = 60.0  # a worker's first heartbeat may take this long
 
 @dataclass
 class Child:
-    name: str
+    name: str  # its role, then its place: gateway, scheduler-1, worker-1.0 (group 1, rank 0)
     command: list[str]
     heartbeat: Path | None = None  # a worker's: restarted when older than the worker timeout
+    env: dict[str, str] = field(default_factory=dict)  # on top of ours: a worker's CUDA_VISIBLE_DEVICES
     process: subprocess.Popen | None = None
     restarts: collections.deque = field(default_factory=collections.deque)
     started_at: float = 0.0
+
+    @property
+    def role(self) -> str:
+        return self.name.partition("-")[0]
 
     def start(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.unlink(missing_ok=True)
         # Own session: Ctrl-C reaches `pagoda up` alone, which then stops the children in order.
-        self.process = subprocess.Popen(self.command, start_new_session=True)
+        self.process = subprocess.Popen(self.command, start_new_session=True,
+                                        env={**os.environ, **self.env} if self.env else None)
         self.started_at = time.monotonic()
 
     def failure(self, worker_timeout_s: float) -> str | None:
@@ -78,16 +92,30 @@ class Child:
         self.process.wait()
 
     def stop(self, timeout_s: float) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                print(f"pagoda: the {self.name} did not stop within {timeout_s:g} s; killing it", file=sys.stderr)
-                self.kill()
+        stop_together([self], timeout_s)
+
+
+def stop_together(children: list[Child], timeout_s: float) -> None:
+    """SIGTERM to every child at once (each drains in parallel), then wait; kill one still running
+    `timeout_s` after."""
+    running = [child for child in children if child.process is not None and child.process.poll() is None]
+    for child in running:
+        child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in running:
+        try:
+            child.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"pagoda: the {child.name} did not stop within {timeout_s:g} s; killing it", file=sys.stderr)
+            child.kill()
 
 
 def up(args, engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfig) -> int:
+    data_parallel_size = args.data_parallel_size
+    if data_parallel_size < 1:
+        raise ConfigError("data_parallel_size must be >= 1")
+    # refused before anything starts
+    gpus = assign_gpus(engine.device, data_parallel_size, engine.tensor_parallel_size, visible_gpus())
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):  # first, and explicit: a shell may start us with SIGINT ignored
         signal.signal(sig, lambda *_: stop.update(now=True))
@@ -102,7 +130,7 @@ def up(args, engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfi
             print(f"pagoda: private Redis at {redis_url}", file=sys.stderr)
         if args.addresses_file:
             _write_addresses(Path(args.addresses_file), local_url(gateway.host, gateway.port), redis_url)
-        children = _children(engine, serving, gateway, redis_url, run_dir)
+        children = _children(engine, serving, gateway, redis_url, run_dir, data_parallel_size, gpus)
         for child in children:
             if not stop["now"]:
                 child.start()
@@ -110,10 +138,8 @@ def up(args, engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfi
     finally:
         print("\npagoda: stopping", file=sys.stderr)
         timeouts = {"gateway": gateway.drain_timeout_s + 10, "scheduler": serving.drain_timeout_s + 10, "worker": 10}
-        for name in ("gateway", "scheduler", "worker"):  # the gateway drains first: nothing new reaches the scheduler
-            for child in children:
-                if child.name == name and child.process is not None:
-                    child.stop(timeouts[name])
+        for role in ("gateway", "scheduler", "worker"):  # the gateway drains first: nothing new reaches a scheduler
+            stop_together([child for child in children if child.role == role], timeouts[role])
         if redis_server:
             redis_server.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -121,20 +147,68 @@ def up(args, engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfi
 
 
 def _children(engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfig, redis_url: str,
-              run_dir: Path) -> list[Child]:
+              run_dir: Path, data_parallel_size: int = 1, gpus: list[str] | None = None) -> list[Child]:
     """Each child gets its config as flags (config_to_argv): what the user gave `pagoda up`, with
-    the Redis, the ZeroMQ address and the heartbeat file this stack uses."""
+    the Redis, the group's ZeroMQ and torch.distributed addresses and the heartbeat file this stack
+    uses. `gpus`: one per worker, group by group (assign_gpus), or none (CPU)."""
     cli = [sys.executable, "-m", "pagoda.cli"]
-    heartbeat = run_dir / "worker-0.alive"
-    serving = dataclasses.replace(serving, redis_url=redis_url, zmq_address=f"tcp://127.0.0.1:{free_port()}")
-    worker_serving = dataclasses.replace(serving, heartbeat_file=str(heartbeat))
+    size = engine.tensor_parallel_size
+    children = []
+    for g in range(data_parallel_size):
+        group = dataclasses.replace(serving, redis_url=redis_url, engine_id=str(g),
+                                    zmq_address=f"tcp://127.0.0.1:{free_port()}",
+                                    dist_init_address=f"tcp://127.0.0.1:{free_port()}")
+        children.append(Child(f"scheduler-{g}", cli + [
+            "scheduler", *config_to_argv(engine), *config_to_argv(group, SCHEDULER_EXCLUDES)]))
+        for rank in range(size):
+            heartbeat = run_dir / f"worker-{g}.{rank}.alive"
+            rank_serving = dataclasses.replace(group, heartbeat_file=str(heartbeat))
+            children.append(Child(f"worker-{g}.{rank}", cli + [
+                "worker", "--rank", str(rank), *config_to_argv(engine), *config_to_argv(rank_serving, WORKER_EXCLUDES)],
+                heartbeat, {"CUDA_VISIBLE_DEVICES": gpus[g * size + rank]} if gpus else {}))
     gateway = dataclasses.replace(gateway, redis_url=redis_url)
-    return [
-        Child("scheduler", cli + ["scheduler", *config_to_argv(engine), *config_to_argv(serving, SCHEDULER_EXCLUDES)]),
-        Child("worker", cli + ["worker", *config_to_argv(engine), *config_to_argv(worker_serving, WORKER_EXCLUDES)],
-              heartbeat),
-        Child("gateway", cli + ["gateway", *config_to_argv(gateway)]),
-    ]
+    children.append(Child("gateway", cli + ["gateway", *config_to_argv(gateway)]))
+    return children
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand out, found without importing torch: CUDA_VISIBLE_DEVICES's
+    entries when it is set (up to the first invalid one, as CUDA reads it), else one index per
+    `nvidia-smi -L` line; none without either."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = []
+        for entry in (e.strip() for e in visible.split(",")):
+            if not entry or entry.startswith("-"):
+                break
+            gpus.append(entry)
+        return gpus
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, _ in enumerate(line for line in listing.splitlines() if line.startswith("GPU "))]
+
+
+def assign_gpus(device: str, data_parallel_size: int, tensor_parallel_size: int, gpus: list[str]) -> list[str]:
+    """One GPU per worker, group by group (worker (g, r) gets gpus[g*N + r]), or [] where the workers
+    are not given GPUs (--device cpu, or none visible). ConfigError when there are too few."""
+    num_workers = data_parallel_size * tensor_parallel_size
+    if device == "cpu" or not gpus:
+        return []
+    if device.startswith("cuda:"):
+        if num_workers > 1:
+            raise ConfigError(f"--device {device} names one GPU, but {num_workers} workers need one each "
+                              f"(--data-parallel-size x --tensor-parallel-size); use --device cuda or auto")
+        return []
+    if num_workers > len(gpus):
+        raise ConfigError(
+            f"--data-parallel-size {data_parallel_size} x --tensor-parallel-size {tensor_parallel_size} is "
+            f"{num_workers} workers, one GPU each, but {len(gpus)} GPU(s) are visible ({','.join(gpus)}); "
+            "lower either size or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    return gpus[:num_workers]
 
 
 def local_url(host: str, port: int) -> str:

@@ -282,6 +282,7 @@ class SchedulerServer:
             kv_cache_usage=s.block_manager.usage if s else 0.0, num_preemptions_total=s.num_preemptions if s else 0,
             prefix_cache_queries_total=s.prefix_cache_queries if s else 0,
             prefix_cache_hits_total=s.prefix_cache_hits if s else 0, updated_at=now, **dataclasses.asdict(limits),
+            engine=self.serving.engine_id,
         )
         try:
             self.stream.publish_status(encode(status))

@@ -180,6 +180,12 @@ def test_a_config_turned_into_argv_parses_back_to_itself(cls, data):
     assert same(config_from_args(cls, parser_for(cls).parse_args(config_to_argv(config))), config)
 
 
+def parsed_child(child: up.Child) -> argparse.Namespace:
+    """A child's command parsed by its command's parser (the command is its role)."""
+    assert child.command[1:4] == ["-m", "pagoda.cli", child.role]
+    return parser_of(child.role).parse_args(child.command[4:])
+
+
 def test_up_gives_each_child_its_config_as_flags(tmp_path):
     args = parser_of("up").parse_args(
         ["--model", "dummy:tiny.json", "--device", "cpu", "--swap-space", "0.5", "--no-prefix-caching",
@@ -188,13 +194,8 @@ def test_up_gives_each_child_its_config_as_flags(tmp_path):
     engine, serving, gateway = (config_from_args(cls, args) for cls in (EngineConfig, ServingConfig, GatewayConfig))
     children = {child.name: child for child in up._children(engine, serving, gateway, "redis://127.0.0.1:7000/0",
                                                                tmp_path)}
-
-    def parsed(name: str) -> argparse.Namespace:
-        command = children[name].command
-        assert command[1:4] == ["-m", "pagoda.cli", name]
-        return parser_of(name).parse_args(command[4:])
-
-    scheduler, worker, gate = parsed("scheduler"), parsed("worker"), parsed("gateway")
+    assert list(children) == ["scheduler-0", "worker-0.0", "gateway"]
+    scheduler, worker, gate = (parsed_child(children[name]) for name in children)
     assert config_from_args(EngineConfig, scheduler) == config_from_args(EngineConfig, worker) == EngineConfig(
         model="dummy:tiny.json", device="cpu", swap_space_gb=0.5, enable_prefix_caching=False, max_model_len=256,
         allocator="orca-max")
@@ -202,12 +203,86 @@ def test_up_gives_each_child_its_config_as_flags(tmp_path):
     assert zmq_address.startswith("tcp://127.0.0.1:") and zmq_address != ServingConfig().zmq_address
     assert config_from_args(ServingConfig, scheduler) == ServingConfig(
         redis_url="redis://127.0.0.1:7000/0", zmq_address=zmq_address, step_timeout_s=7.0, drain_timeout_s=4.0)
+    dist_init_address = config_from_args(ServingConfig, worker).dist_init_address
+    assert dist_init_address.startswith("tcp://127.0.0.1:") and dist_init_address != ServingConfig().dist_init_address
+    assert worker.rank == 0
     assert config_from_args(ServingConfig, worker) == ServingConfig(
-        zmq_address=zmq_address, step_timeout_s=7.0, drain_timeout_s=4.0, heartbeat_file=str(tmp_path / "worker-0.alive"))
-    assert children["worker"].heartbeat == tmp_path / "worker-0.alive"
+        zmq_address=zmq_address, dist_init_address=dist_init_address, step_timeout_s=7.0, drain_timeout_s=4.0,
+        heartbeat_file=str(tmp_path / "worker-0.0.alive"))
+    assert children["worker-0.0"].heartbeat == tmp_path / "worker-0.0.alive"
+    assert children["worker-0.0"].env == {}  # on CPU no device is assigned
     assert same(config_from_args(GatewayConfig, gate), GatewayConfig(
         redis_url="redis://127.0.0.1:7000/0", model="dummy:tiny.json", served_model_name="tiny", port=8123,
         api_key="sk-1", request_timeout_s=9.0, drain_timeout_s=4.0))
+
+
+def test_up_starts_each_engine_group_with_its_own_addresses_ranks_and_gpus(tmp_path):
+    """--data-parallel-size 2 --tensor-parallel-size 2: per group a scheduler (its engine id) and two
+    ranks on the group's ZeroMQ and torch.distributed addresses; worker (g, r) gets GPU g*2 + r."""
+    args = parser_of("up").parse_args(["--device", "cuda", "--tensor-parallel-size", "2", "--data-parallel-size", "2"])
+    engine, serving, gateway = (config_from_args(cls, args) for cls in (EngineConfig, ServingConfig, GatewayConfig))
+    gpus = up.assign_gpus(engine.device, args.data_parallel_size, engine.tensor_parallel_size, ["4", "5", "6", "7"])
+    children = up._children(engine, serving, gateway, "redis://127.0.0.1:7000/0", tmp_path, args.data_parallel_size,
+                            gpus)
+    assert [c.name for c in children] == ["scheduler-0", "worker-0.0", "worker-0.1", "scheduler-1", "worker-1.0",
+                                          "worker-1.1", "gateway"]
+    by_name = {c.name: c for c in children}
+    addresses = set()
+    for g in (0, 1):
+        scheduler = parsed_child(by_name[f"scheduler-{g}"])
+        group = config_from_args(ServingConfig, scheduler)
+        assert (group.engine_id, config_from_args(EngineConfig, scheduler).tensor_parallel_size) == (str(g), 2)
+        assert by_name[f"scheduler-{g}"].env == {}
+        ranks = []
+        for r in (0, 1):
+            child = by_name[f"worker-{g}.{r}"]
+            worker = parsed_child(child)
+            rank = config_from_args(ServingConfig, worker)
+            assert (worker.rank, config_from_args(EngineConfig, worker).tensor_parallel_size) == (r, 2)
+            assert rank.zmq_address == group.zmq_address and rank.heartbeat_file == str(child.heartbeat)
+            assert child.heartbeat == tmp_path / f"worker-{g}.{r}.alive"
+            assert child.env == {"CUDA_VISIBLE_DEVICES": str(4 + 2 * g + r)}
+            ranks.append(rank.dist_init_address)
+        assert ranks[0] == ranks[1]
+        addresses |= {group.zmq_address, ranks[0]}
+    assert len(addresses) == 4  # no two groups share an address
+    assert parsed_child(by_name["gateway"]).redis_url == "redis://127.0.0.1:7000/0"
+
+
+@pytest.mark.parametrize("device, visible, expected", [
+    ("auto", ["0", "1", "2"], ["0", "1"]), ("cuda", ["GPU-ab", "GPU-cd"], ["GPU-ab", "GPU-cd"]),
+    ("cpu", ["0", "1"], []), ("auto", [], []),
+])
+def test_up_gives_each_worker_its_own_gpu_where_there_are_gpus(device, visible, expected):
+    assert up.assign_gpus(device, 2, 1, visible) == expected
+
+
+@pytest.mark.parametrize("device, message", [
+    ("auto", "--data-parallel-size 2 x --tensor-parallel-size 2 is 4 workers, one GPU each, but 3 GPU(s) are "
+             "visible (0,1,2); lower either size or make more GPUs visible (CUDA_VISIBLE_DEVICES)"),
+    ("cuda:1", "--device cuda:1 names one GPU, but 4 workers need one each (--data-parallel-size x "
+               "--tensor-parallel-size); use --device cuda or auto"),
+])
+def test_up_refuses_more_workers_than_gpus(device, message):
+    with pytest.raises(ConfigError) as error:
+        up.assign_gpus(device, 2, 2, ["0", "1", "2"])
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("visible, expected", [("2,3", ["2", "3"]), ("", []), ("1,-1,2", ["1"]), (" 0 , 1", ["0", "1"])])
+def test_visible_gpus_reads_cuda_visible_devices_as_cuda_does(monkeypatch, visible, expected):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert up.visible_gpus() == expected
+
+
+def test_up_refuses_too_many_workers_for_the_gpus_before_it_starts_anything(monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert cli.main(["up", "--data-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "pagoda: error: --data-parallel-size 2 x --tensor-parallel-size 1 is 2 workers, one GPU each, but 1 " in err
+    assert "private Redis" not in err
+    assert cli.main(["up", "--data-parallel-size", "0"]) == 2
+    assert "pagoda: error: data_parallel_size must be >= 1" in capsys.readouterr().err
 
 
 def test_up_refuses_a_bad_config_before_it_starts_anything(capsys):

@@ -998,33 +998,43 @@ def test_after_a_redis_restart_only_what_no_scheduler_holds_fails_and_is_aborted
 # ----------------------------------------------------------------------------- metrics
 
 
-def test_metrics_expose_the_schedulers_gauges_and_gateway_histograms(client, fake):
-    fake.publish("fake-2", num_running=4, num_waiting=1, num_gpu_blocks=192, kv_cache_usage=0.5,
+def test_metrics_label_each_engine_groups_series_and_every_series_with_the_model_name(client, fake, gateway):
+    """One sample per engine group (schedulers sharing an engine id summed), `model_name` on every series."""
+    fake.publish("fake-2", engine="1", num_running=4, num_waiting=1, num_gpu_blocks=192, kv_cache_usage=0.5,
                  num_preemptions_total=2, prefix_cache_queries_total=5, prefix_cache_hits_total=1)
+    fake.publish("fake-3", engine="1", num_running=2, num_waiting=0, num_gpu_blocks=64, kv_cache_usage=0.0,
+                 num_preemptions_total=1, prefix_cache_queries_total=0, prefix_cache_hits_total=0)
     try:
         client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 3})
         r = client.get("/metrics")
     finally:
-        fake.redis.delete(streams.status_key("fake-2"))
+        fake.redis.delete(streams.status_key("fake-2"), streams.status_key("fake-3"))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     values = {}
     for line in r.text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
-    assert values["pagoda:num_schedulers"] == 2
-    assert values["pagoda:num_requests_running"] == 1 + 4
-    assert values["pagoda:num_requests_waiting"] == 2 + 1
-    assert values["pagoda:num_requests_swapped"] == 0
-    assert values["pagoda:kv_cache_usage_perc"] == (0.25 * 64 + 0.5 * 192) / (64 + 192)
-    assert values["pagoda:num_preemptions_total"] == 5
-    assert values["pagoda:prefix_cache_queries_total"] == 15
-    assert values["pagoda:prefix_cache_hits_total"] == 5
+    model = f'model_name="{gateway.served_model_name}"'
+    engine = {e: f'{{engine="{e}",{model}}}' for e in ("0", "1")}  # the exposition sorts labels by name
+    assert values[f"pagoda:num_schedulers{{{model}}}"] == 3
+    expected = {  # engine 0: the fake scheduler's status(); engine 1: fake-2 and fake-3
+        "num_requests_running": (1, 4 + 2), "num_requests_waiting": (2, 1), "num_requests_swapped": (0, 0),
+        "kv_cache_usage_perc": (0.25, (0.5 * 192 + 0.0 * 64) / (192 + 64)), "num_preemptions_total": (3, 2 + 1),
+        "prefix_cache_queries_total": (10, 5), "prefix_cache_hits_total": (4, 1),
+    }
+    for name, (engine_0, engine_1) in expected.items():
+        assert {key: v for key, v in values.items() if key.startswith(f"pagoda:{name}{{")} == {
+            f"pagoda:{name}{engine['0']}": engine_0, f"pagoda:{name}{engine['1']}": engine_1}
     for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
-        assert values[f"pagoda:{histogram}_count"] >= 1
-    assert values['pagoda:http_requests_total{route="/v1/completions",status="200"}'] >= 1
-    assert values['pagoda:request_success_total{finished_reason="length"}'] >= 1
-    assert values["pagoda:generation_tokens_total"] >= 3
+        assert values[f"pagoda:{histogram}_count{{{model}}}"] >= 1
+    assert values[f'pagoda:http_requests_total{{{model},route="/v1/completions",status="200"}}'] >= 1
+    assert values[f'pagoda:request_success_total{{finished_reason="length",{model}}}'] >= 1
+    assert values[f"pagoda:generation_tokens_total{{{model}}}"] >= 3
+    assert values[f"pagoda:prompt_tokens_total{{{model}}}"] >= 7
+    unlabelled = [line for line in r.text.splitlines()
+                  if line.startswith("pagoda:") and "model_name=" not in line and "_created" not in line]
+    assert unlabelled == []
 
 
 # ----------------------------------------------------------------------------- detokenizer and layering

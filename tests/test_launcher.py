@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from common.redis_server import free_port
-from pagoda.bench.stack import parse_metrics
+from pagoda.bench.stack import parse_metrics, parse_samples
 from pagoda.up import _write_addresses, wait_healthy
 from tests.stack import ROOT
 
@@ -55,3 +55,21 @@ def test_the_launcher_cli_without_a_command_prints_its_usage_and_exits_2():
 def test_parse_metrics_drops_labels_and_comments():
     text = '# HELP x y\n# TYPE x gauge\npagoda:num_requests_running{model="m"} 2.0\npagoda:kv_cache_usage_perc 0.5\n'
     assert parse_metrics(text) == {"pagoda:num_requests_running": 2.0, "pagoda:kv_cache_usage_perc": 0.5}
+
+
+ENGINES = ('# TYPE pagoda:num_requests_running gauge\n'
+           'pagoda:num_requests_running{engine="0",model_name="m, \\"quoted\\""} 2.0\n'
+           'pagoda:num_requests_running{engine="1",model_name="m, \\"quoted\\""} 3.0\n'
+           'pagoda:num_schedulers{model_name="m"} 2.0\n')
+
+
+def test_parse_metrics_sums_a_metrics_samples_over_their_labels():
+    assert parse_metrics(ENGINES) == {"pagoda:num_requests_running": 5.0, "pagoda:num_schedulers": 2.0}
+
+
+def test_parse_samples_keeps_each_samples_labels():
+    model = 'm, \\"quoted\\"'
+    assert parse_samples(ENGINES) == [
+        ("pagoda:num_requests_running", {"engine": "0", "model_name": model}, 2.0),
+        ("pagoda:num_requests_running", {"engine": "1", "model_name": model}, 3.0),
+        ("pagoda:num_schedulers", {"model_name": "m"}, 2.0)]

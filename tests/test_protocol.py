@@ -42,7 +42,7 @@ STATUS = SchedulerStatus(
     scheduler_id="host-1", model="SmolLM2-135M-Instruct", max_model_len=8192, block_size=16, num_gpu_blocks=100,
     max_request_tokens=1584,
     workers_ready=True, num_running=2, num_waiting=1, num_swapped=0, kv_cache_usage=0.25, num_preemptions_total=3,
-    prefix_cache_queries_total=10, prefix_cache_hits_total=4, updated_at=1.7e9,
+    prefix_cache_queries_total=10, prefix_cache_hits_total=4, updated_at=1.7e9, engine="2",
 )
 MESSAGES = [
     SamplingParams(), FULL_PARAMS, NEW_SEQ, CACHED_SEQ, StepPlan(1, 0), PLAN, SAMPLED, RESULT,
@@ -140,6 +140,15 @@ def test_a_wrong_field_count_is_a_protocol_error(values):
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SampledToken), *values)], use_bin_type=True)
     with pytest.raises(ProtocolError, match="expects 4 fields"):
         decode(data)
+
+
+def test_a_status_from_a_scheduler_before_the_engine_field_decodes_as_engine_0():
+    old = _body(encode(STATUS))[1:-1]  # every field but the last, engine
+    data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old)], use_bin_type=True)
+    assert decode(data) == dataclasses.replace(STATUS, engine="0")
+    short = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old[:-1])], use_bin_type=True)
+    with pytest.raises(ProtocolError, match="SchedulerStatus expects 19 fields, got 17"):
+        decode(short)
 
 
 def test_a_wrong_field_count_deep_inside_a_plan_is_a_protocol_error():

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagoda.bench.common import header, write_result
-from pagoda.bench.stack import GAUGES, Stack, process_tree
+from pagoda.bench.stack import GAUGES, Stack, parse_metrics, process_tree
 
 # (prompt, max_tokens): short prompts and moderate lengths keep a CPU run brisk
 COMPLETION_PROMPTS = [("The capital of France is", 12), ("Here is a short list of fruits:", 16),
@@ -176,19 +176,6 @@ def queue_state(redis_url: str) -> dict:
         client.close()
 
 
-def gauge_sums(text: str, names: tuple[str, ...] = GAUGES) -> dict[str, float | None]:
-    """Each named metric summed over all its samples (labels such as `engine`: one per engine group);
-    None for one absent (no scheduler is live to report it)."""
-    sums: dict[str, float | None] = dict.fromkeys(names)
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            name = name.split("{")[0]
-            if name in sums:
-                sums[name] = (sums[name] or 0.0) + float(value)
-    return sums
-
-
 def started_marks(redis_url: str) -> int:
     """Entries of the `pagoda:started` hash: requests that streamed a token and have not ended."""
     import redis
@@ -207,7 +194,9 @@ def leak_state(base_url: str, redis_url: str, started: bool = False) -> dict:
     the `pagoda:started` hash: all zero when nothing leaked."""
     import httpx
 
-    state = {**gauge_sums(httpx.get(base_url + "/metrics", timeout=10).text), **queue_state(redis_url)}
+    metrics = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
+    # summed over the engine groups; None (not drained) while no scheduler is live to report them
+    state = {**{name: metrics.get(name) for name in GAUGES}, **queue_state(redis_url)}
     if started:
         state["started"] = started_marks(redis_url)
     return state

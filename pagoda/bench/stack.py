@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 USAGE = "usage: python -m pagoda.bench.stack [--log PATH] [PAGODA UP FLAGS] -- COMMAND [ARGS]"
 GAUGES = ("pagoda:kv_cache_usage_perc", "pagoda:num_requests_running", "pagoda:num_requests_waiting",
           "pagoda:num_requests_swapped")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')  # name="value", the value's \" and \\ kept as written
 
 
 class Stack:
@@ -93,11 +95,12 @@ class Stack:
             return parse_metrics(response.read().decode())
 
     def wait_drained(self, timeout: float) -> dict[str, float]:
-        """The metrics once no KV block is used and no request runs or waits, or at the deadline."""
+        """The metrics once no KV block is used and no request runs or waits in any engine group, or at
+        the deadline (a gauge is absent while no scheduler is live)."""
         deadline = time.monotonic() + timeout
         while True:
             metrics = self.metrics()
-            if [metrics[g] for g in GAUGES] == [0, 0, 0, 0] or time.monotonic() > deadline:
+            if [metrics.get(g) for g in GAUGES] == [0, 0, 0, 0] or time.monotonic() > deadline:
                 return metrics
             time.sleep(0.2)
 
@@ -123,13 +126,23 @@ class Stack:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: value} (labels dropped)."""
-    values = {}
+    """Prometheus text -> {metric name: the sum of its samples over their labels} (e.g. over the
+    engine groups: a running count of the whole stack; a usage fraction summed is only good for == 0)."""
+    values: dict[str, float] = collections.defaultdict(float)
+    for name, _, value in parse_samples(text):
+        values[name] += value
+    return dict(values)
+
+
+def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text -> [(metric name, its labels, value)], in order (label values as escaped there)."""
+    samples = []
     for line in text.splitlines():
         if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name.split("{")[0]] = float(value)
-    return values
+            series, _, value = line.rpartition(" ")
+            name, _, labels = series.partition("{")
+            samples.append((name, dict(LABEL.findall(labels)), float(value)))
+    return samples
 
 
 def _ppid_and_cmdline(pid: int) -> tuple[int, str] | None:
