@@ -713,15 +713,16 @@ async def drive(base_url: str, pids: dict[str, int], args,
 
 
 def memory_report(pids: dict[str, int], samples: list[Sample], warm: Sample, end: Sample, args,
-                  killed: set[int] | None = None) -> dict:
+                  killed: set[int] | None = None, killable: set[str] = frozenset()) -> dict:
     """Each process's RSS growth from the warm-up's end to the load's. Under chaos (`killed`: the
-    pids it killed) a worker, scheduler or redis-server that died is not judged: "killed", or
-    "restarted" when it died of another's death; the gateway and `pagoda up` must live."""
+    pids it killed) a process named in `killable` (a worker, scheduler or redis-server) that died
+    is not judged: "killed", or "restarted" when it died of another's death; the gateway and
+    `pagoda up` must live."""
     report = {}
     for name, pid in pids.items():
         w, e = warm.rss_mib.get(name), end.rss_mib.get(name)
         series = [s.rss_mib[name] for s in samples if s.rss_mib.get(name) is not None]
-        if killed is not None and (w is None or e is None) and name.rstrip("'") in CHAOS_KINDS:
+        if killed is not None and (w is None or e is None) and name in killable:
             report[name] = {"pid": pid, "ok": True, "error": "killed" if pid in killed else "restarted"}
             continue
         if w is None or e is None:
@@ -797,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"soak: the stack was not whole within {args.start_timeout:g} s: see {log_path}")
         startup_s = time.monotonic() - started
         pids = {"up": stack.process.pid, **stack.children()}
+        if chaos is not None:  # by label: "engine 1 worker rank 0"
+            pids = {"up": stack.process.pid, **{m.label: m.pid for m in members(stack.process.pid)}}
         print(f"soak: stack up in {startup_s:.1f} s at {stack.url} (Redis {stack.redis_url}); processes "
               + ", ".join(f"{n} {p}" for n, p in pids.items()), file=sys.stderr, flush=True)
         load, samples, warm, end, elapsed = asyncio.run(drive(stack.url, pids, args, chaos))
@@ -814,7 +817,8 @@ def main(argv: list[str] | None = None) -> int:
         now = {m.label: m.pid for m in members(stack.process.pid)} if chaos is not None else {}
     finally:
         exit_code = stack.stop()
-    memory = memory_report(pids, samples + [after], warm, end, args, chaos.killed_pids if chaos else None)
+    memory = memory_report(pids, samples + [after], warm, end, args, chaos.killed_pids if chaos else None,
+                           {label for kind, label in chaos.expected if kind in CHAOS_KINDS} if chaos else set())
     for name in memory:
         if after.rss_mib.get(name) is not None:
             memory[name]["idle_after_mib"] = round(after.rss_mib[name], 1)
@@ -894,12 +898,13 @@ def summary(result: dict) -> str:
         lines.append(f"  chaos: {len(c['kills'])} kills {c['kills_by_victim']}; whole again after (s): "
                      + ", ".join(f"{k['label']} {k['whole_after_s']}" for k in c["kills"]))
         lines += [f"  errors: {n} x {cause}" for cause, n in r["errors_by_cause"].items()]
-    lines.append("  RSS (MiB)       start    warm     end    peak  growth     %  allowed")
+    w = max(13, *(len(name) for name in result["rss"]))
+    lines.append(f"  {'RSS (MiB)':<{w}}   start    warm     end    peak  growth     %  allowed")
     for name, m in result["rss"].items():
         if "error" in m:
-            lines.append(f"  {name:<13} {m['error']}")
+            lines.append(f"  {name:<{w}} {m['error']}")
             continue
-        lines.append(f"  {name:<13} {m['start_mib']:7.1f} {m['warm_mib']:7.1f} {m['end_mib']:7.1f} {m['peak_mib']:7.1f} "
+        lines.append(f"  {name:<{w}} {m['start_mib']:7.1f} {m['warm_mib']:7.1f} {m['end_mib']:7.1f} {m['peak_mib']:7.1f} "
                      f"{m['growth_mib']:+7.1f} {m['growth_pct']:+5.1f} {m['allowed_mib']:8.1f}  {'ok' if m['ok'] else 'FAIL'}")
     lines.append(f"  final state: {result['final_state']}; pagoda up exit code {result['stack_exit_code']}")
     lines += [f"  failure: {f}" for f in result["failures"][:10]]
