@@ -64,6 +64,7 @@ from pathlib import Path
 
 from pagoda.bench.common import header, write_result
 from pagoda.bench.stack import GAUGES, Stack, parse_metrics, process_tree
+from pagoda.up import MAX_RESTARTS, RESTART_WINDOW_S
 
 # (prompt, max_tokens): short prompts and moderate lengths keep a CPU run brisk
 COMPLETION_PROMPTS = [("The capital of France is", 12), ("Here is a short list of fruits:", 16),
@@ -253,6 +254,8 @@ def server_error(status: int | None, body: bytes | str | dict | None, where: str
     if not (isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
             and error["type"] == "server_error" and error["message"]):
         return f"{detail} (not an OpenAI server error object)"
+    if error["code"] == "timeout":  # the gateway's request_timeout_s passed: a hang in the stack
+        return f"{detail} (a hang)"
     message = re.sub(r"\d+", "N", str(error["message"]))[:120]
     return ServerError(f"{where} {status or ''} {error['code']}: {message}".replace("  ", " "), detail)
 
@@ -428,10 +431,12 @@ class Load:
             return server_error(state.status, state.body, "stream")
         outcome = server_error(None, state.error, "stream")
         if isinstance(outcome, ServerError) and (not state.done or state.after_error):
-            return f"stream ended badly: error {state.error!r}, {state.after_error} event(s) after it, [DONE] {state.done}"
+            return (f"stream ended badly: error {state.error!r}, {state.after_error} event(s) after it, "
+                    f"[DONE] {state.done}")
         return outcome
 
-    def _check_stream(self, state: StreamState, expected: list[tuple[str, str]], max_tokens: int) -> str | ServerError | None:
+    def _check_stream(self, state: StreamState, expected: list[tuple[str, str]],
+                      max_tokens: int) -> str | ServerError | None:
         if state.status != 200:
             return server_error(state.status, state.body, "stream")
         if state.error is not None:  # its text so far must be the start of the right one, never repeated
@@ -590,6 +595,7 @@ class Chaos:
         self.round: list[str] = []
         self.kills: list[Kill] = []
         self.killed_pids: set[int] = set()
+        self.start = 0.0  # monotonic time the load started: Kill.t counts from it
 
     def whole(self) -> bool:
         """Every child back (the same labels as at the start), each scheduler's status fresh in Redis
@@ -605,22 +611,33 @@ class Chaos:
         return self.stack.health() == 200
 
     def victim(self) -> Member | None:
-        """The next kind of the seeded round (every kind once per round), then one process of it."""
-        if not self.round:
-            self.round = self.rng.sample(self.kinds, len(self.kinds))
-        kind = self.round.pop()
-        candidates = [m for m in members(self.stack.process.pid) if m.kind == kind]
-        return self.rng.choice(candidates) if candidates else None
+        """The next kind of the seeded round (every kind once per round), then one process of it.
+        A child killed MAX_RESTARTS - 1 times in the last RESTART_WINDOW_S is spared (one more
+        restart would look like a crash loop to `pagoda up`, which would give up): then the next
+        kind, or no victim this time."""
+        now = time.monotonic() - self.start
+        recent = collections.Counter(k.label for k in self.kills if now - k.t < RESTART_WINDOW_S)
+        alive = members(self.stack.process.pid)
+        for _ in range(len(self.kinds)):
+            if not self.round:
+                self.round = self.rng.sample(self.kinds, len(self.kinds))
+            kind = self.round.pop()
+            candidates = [m for m in alive if m.kind == kind and recent[m.label] < MAX_RESTARTS - 1]
+            if candidates:
+                return self.rng.choice(candidates)
+        return None
 
     async def run(self, start: float, more) -> None:
         """Kill, wait for the stack to be whole, wait `interval`, kill again, while `more()`."""
+        self.start = start
         next_kill = start + self.interval
-        while more() and (not self.max_kills or len(self.kills) < self.max_kills):
+        while more() and self.stack.process.poll() is None and len(self.kills) < (self.max_kills or float("inf")):
             await asyncio.sleep(max(0.0, min(next_kill - time.monotonic(), 0.5)))
             if time.monotonic() < next_kill or not more():
                 continue
             member = self.victim()
             if member is None:
+                next_kill = time.monotonic() + 1.0
                 continue
             try:
                 os.kill(member.pid, signal.SIGKILL)
@@ -637,7 +654,7 @@ class Chaos:
         """Until the stack is whole again (recorded in `kill`), while `more()`, at most `timeout` s."""
         deadline = time.monotonic() + timeout
         await asyncio.sleep(0.5)  # `pagoda up` polls every 0.5 s: let it see the death first
-        while more() and time.monotonic() < deadline:
+        while more() and time.monotonic() < deadline and self.stack.process.poll() is None:
             if await asyncio.to_thread(self.whole):
                 kill.whole_after_s = round(time.monotonic() - start - kill.t, 2)
                 return True
@@ -794,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
         if chaotic:  # /health answers once one group is ready: wait for all of them before the load
             chaos = Chaos(stack, args.chaos_interval, args.seed if args.chaos_seed is None else args.chaos_seed,
                           victims, args.chaos_kills)
-            if not wait_until(chaos.whole, args.start_timeout):
+            if not wait_until(chaos.whole, args.start_timeout, give_up=lambda: stack.process.poll() is not None):
                 raise SystemExit(f"soak: the stack was not whole within {args.start_timeout:g} s: see {log_path}")
         startup_s = time.monotonic() - started
         pids = {"up": stack.process.pid, **stack.children()}
@@ -806,13 +823,16 @@ def main(argv: list[str] | None = None) -> int:
         settled, settle_s = True, 0.0
         if chaos is not None:  # every child back and ready before the leak check
             settle_start = time.monotonic()
-            settled = wait_until(chaos.whole, args.settle_timeout)
+            settled = wait_until(chaos.whole, args.settle_timeout, give_up=lambda: stack.process.poll() is not None)
             settle_s = time.monotonic() - settle_start
             for kill in chaos.kills:
                 if kill.whole_after_s is None and settled:
                     kill.whole_after_s = round(elapsed + settle_s - kill.t, 2)
-        drained, final_state, drain_s = wait_drained(stack.url, stack.redis_url, args.drain_timeout,
-                                                     started=chaos is not None)
+        if stack.process.poll() is None:
+            drained, final_state, drain_s = wait_drained(stack.url, stack.redis_url, args.drain_timeout,
+                                                         started=chaos is not None)
+        else:  # it gave up (a crash loop): its exit code is the verdict's reason
+            drained, final_state, drain_s = False, {}, 0.0
         after = Sample(round(elapsed + settle_s + drain_s, 2), {name: rss_mib(pid) for name, pid in pids.items()})
         now = {m.label: m.pid for m in members(stack.process.pid)} if chaos is not None else {}
     finally:
@@ -838,7 +858,7 @@ def main(argv: list[str] | None = None) -> int:
             reasons.append("chaos killed nothing: lower --chaos-interval or raise --duration")
         if not settled:
             reasons.append(f"the stack was not whole {args.settle_timeout:g} s after the load")
-    if not drained:
+    if not drained and final_state:
         reasons.append(f"not drained after {args.drain_timeout:g} s: {final_state}")
     if exit_code != 0:
         reasons.append(f"pagoda up exited with {exit_code}")
@@ -876,10 +896,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if not reasons else 1
 
 
-def wait_until(predicate, timeout: float, poll: float = 0.5) -> bool:
+def wait_until(predicate, timeout: float, give_up=lambda: False, poll: float = 0.5) -> bool:
+    """Whether `predicate()` came true within `timeout` s (False at once when `give_up()`)."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or give_up():
             return False
         time.sleep(poll)
     return True
@@ -898,7 +919,7 @@ def summary(result: dict) -> str:
         lines.append(f"  chaos: {len(c['kills'])} kills {c['kills_by_victim']}; whole again after (s): "
                      + ", ".join(f"{k['label']} {k['whole_after_s']}" for k in c["kills"]))
         lines += [f"  errors: {n} x {cause}" for cause, n in r["errors_by_cause"].items()]
-    w = max(13, *(len(name) for name in result["rss"]))
+    w = max(13, *(len(name) for name in result["rss"]))  # "engine 0 worker rank 0" under chaos
     lines.append(f"  {'RSS (MiB)':<{w}}   start    warm     end    peak  growth     %  allowed")
     for name, m in result["rss"].items():
         if "error" in m:
