@@ -7,6 +7,9 @@ One reader task per process XREADs the reply stream and fans events out to per-r
     XADD pagoda:aborts {id: request_id}         ──▶ every scheduler (disconnect, stop string)
     XADD pagoda:aborts {id, index}              ──▶ every scheduler (a stop string in one sample of n)
 
+An abort that cannot be sent (Redis down) is sent again once the reader reaches Redis: else its
+request would run on to max_tokens for no one, holding its KV blocks.
+
 Redis restarting empty (its run_id changes) loses the requests it queued. The schedulers then
 publish the ids they hold (pagoda:held:<id>); once every scheduler seen before the restart has,
 or after `restart_grace_s`, a request that no scheduler holds and whose entry the new Redis lacks
@@ -79,6 +82,13 @@ class Generation:
             self.finish(request_id, abort=True)
 
 
+def _abort_fields(request_id: str, index: int | None) -> dict[bytes, bytes]:
+    fields = {streams.ABORT_FIELD: request_id.encode()}
+    if index is not None:
+        fields[streams.ABORT_INDEX_FIELD] = str(index).encode()
+    return fields
+
+
 class EngineClient:
     def __init__(self, redis_url: str, gateway_id: str, restart_grace_s: float = 3.0) -> None:
         # retry_on_error: after a Redis restart each pooled connection fails once; reconnect and retry
@@ -96,6 +106,7 @@ class EngineClient:
         self.restart_grace_s = restart_grace_s
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._unsent_aborts: list[tuple[str, int | None]] = []  # (request id, output index): Redis was down
         self.num_unsubmitted = 0  # admitted here, XADD not yet done
         self.num_unstarted = 0  # submitted, no event back yet (queued in Redis or in a scheduler)
         self.status_ttl_s = 0.1  # admission reads scheduler status at most this often
@@ -162,13 +173,27 @@ class EngineClient:
         task.add_done_callback(self._background.discard)
 
     async def _abort(self, request_id: str, index: int | None) -> None:
-        fields = {streams.ABORT_FIELD: request_id.encode()}
-        if index is not None:
-            fields[streams.ABORT_INDEX_FIELD] = str(index).encode()
         try:
-            await self.redis.xadd(streams.ABORTS, fields, maxlen=streams.ABORTS_MAXLEN, approximate=True)
-        except Exception as exc:  # Redis down: the request ends by itself (max_tokens or its deadline)
-            log.warning("could not abort %s: %s", request_id, exc)
+            await self.redis.xadd(streams.ABORTS, _abort_fields(request_id, index), maxlen=streams.ABORTS_MAXLEN,
+                                  approximate=True)
+        except Exception as exc:  # Redis down: the reader sends it once Redis is back
+            log.warning("could not abort %s (%s); sending it again once Redis is back", request_id, exc)
+            if len(self._unsent_aborts) < streams.ABORTS_MAXLEN:
+                self._unsent_aborts.append((request_id, index))
+
+    async def _send_unsent_aborts(self) -> None:
+        """The aborts that found Redis down, in one pipeline (kept for the next try if it fails)."""
+        unsent, self._unsent_aborts = self._unsent_aborts, []
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id, index in unsent:
+            pipe.xadd(streams.ABORTS, _abort_fields(request_id, index), maxlen=streams.ABORTS_MAXLEN,
+                      approximate=True)
+        try:
+            await pipe.execute()
+        except BaseException:
+            self._unsent_aborts[:0] = unsent
+            raise
+        log.warning("sent %d abort(s) that had found Redis down", len(unsent))
 
     # ------------------------------------------------------------------ status
     async def statuses(self, fresh: bool = False) -> list[SchedulerStatus]:
@@ -198,6 +223,8 @@ class EngineClient:
         while True:
             try:
                 await self._read_batch(block=True)
+                if self._unsent_aborts:
+                    await self._send_unsent_aborts()
                 if time.monotonic() - last_trim > TRIM_INTERVAL_S:
                     if self._last_id != b"0-0":
                         await self.redis.xtrim(self.reply_stream, minid=self._last_id)  # drop what we have read

@@ -1084,3 +1084,35 @@ def test_gateway_config_validates_and_names_itself():
                 {"request_timeout_s": 0}, {"max_body_bytes": 10}, {"port": 70000}):
         with pytest.raises(ConfigError):
             GatewayConfig(**bad)
+
+
+def test_an_abort_that_finds_redis_down_is_sent_once_redis_is_back():
+    """A client that leaves while Redis is down: its abort (a whole request, or one output) is sent
+    to the Redis that comes back, else its request would run to max_tokens for no one."""
+    import asyncio
+
+    from gateway.engine_client import EngineClient
+
+    server = RedisServer().start()
+    r = redis.Redis.from_url(server.url)
+
+    async def leave_while_redis_is_down() -> None:
+        client = EngineClient(server.url, "gateway-test")
+        await client.start()
+        server.stop()
+        client.abort("cmpl-a-0")
+        client.abort("cmpl-b-0", 1)
+        await asyncio.sleep(0.5)
+        server.start()  # the same port, empty (no persistence): what it holds was sent after
+        deadline = time.monotonic() + 15
+        while r.xlen(streams.ABORTS) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await client.close()
+
+    try:
+        asyncio.run(leave_while_redis_is_down())
+        assert [fields for _, fields in r.xrange(streams.ABORTS)] == [
+            {streams.ABORT_FIELD: b"cmpl-a-0"}, {streams.ABORT_FIELD: b"cmpl-b-0", streams.ABORT_INDEX_FIELD: b"1"}]
+    finally:
+        r.close()
+        server.stop()
