@@ -33,7 +33,7 @@ it): a worker rank, a scheduler or the private redis-server, the kind drawn in s
 round every kind once, in a shuffled order; `--chaos-victims` narrows the kinds), the process
 drawn among those of that kind in every engine group. The first kill comes S seconds into the
 load, each next one S seconds after the stack is whole again (every child back, each scheduler's
-status in Redis with its workers ready, /health 200); `--chaos-kills N` stops after N. Under
+status in Redis with its workers ready, /health 200, all for 2 s); `--chaos-kills N` stops after N. Under
 chaos a request may also end with an error, but only a well-formed one: a 5xx with the OpenAI
 error object, or a stream ended by an error event and [DONE], its text so far a prefix of the
 right text (never repeated). It must still never hang (`--request-timeout`) nor answer a wrong or
@@ -292,6 +292,7 @@ class Load:
         self.request_timeout = request_timeout
         self.chaos = chaos  # a well-formed server error is an allowed outcome
         self.tally = Tally()
+        self.start = time.monotonic()  # when the load began (drive sets it): failures say when they were sent
         self.references: dict[tuple[str, int], tuple[str, str]] = {}
 
     async def reference(self, client) -> None:
@@ -311,22 +312,24 @@ class Load:
         return rng.choices(list(MIX), weights=list(MIX.values()))[0], rng
 
     async def one(self, client) -> None:
-        kind, rng = self.kind_of(self.tally.sent)
+        number, sent_at = self.tally.sent, time.monotonic() - self.start
+        kind, rng = self.kind_of(number)
         self.tally.sent += 1
         try:
             outcome = await asyncio.wait_for(self._send(client, kind, rng), self.request_timeout)
         except asyncio.TimeoutError:
-            self.tally.fail(kind, f"no answer within {self.request_timeout:g} s (hang)")
+            self.tally.fail(kind, f"#{number} sent at {sent_at:.1f} s: no answer within {self.request_timeout:g} s "
+                                  "(hang)")
             return
         except Exception as exc:  # a refused connection, a reset, a malformed body: all failures
-            self.tally.fail(kind, f"{type(exc).__name__}: {exc}")
+            self.tally.fail(kind, f"#{number} sent at {sent_at:.1f} s: {type(exc).__name__}: {exc}")
             return
         if outcome is None or outcome == "answered":
             self.tally.answered += 1
             self.tally.by_kind[kind]["answered"] += 1
         elif isinstance(outcome, ServerError):
             if not self.chaos:
-                self.tally.fail(kind, outcome.detail)
+                self.tally.fail(kind, f"#{number} sent at {sent_at:.1f} s: {outcome.detail}")
                 return
             self.tally.errored += 1
             self.tally.by_kind[kind]["errored"] += 1
@@ -336,7 +339,7 @@ class Load:
             self.tally.by_kind[kind]["cancelled"] += 1
             self.tally.cancelled_stage[outcome.split(":", 1)[1]] += 1
         else:
-            self.tally.fail(kind, outcome)
+            self.tally.fail(kind, f"#{number} sent at {sent_at:.1f} s: {outcome}")
 
     async def _send(self, client, kind: str, rng: random.Random) -> str | ServerError | None:
         """None/"answered" when the answer was right, "cancelled:<stage>", a ServerError, or what was wrong."""
@@ -492,6 +495,7 @@ class Load:
 # ----------------------------------------------------------------------------- chaos
 
 CHAOS_KINDS = ("worker", "scheduler", "redis-server")
+WHOLE_FOR_S = 2.0  # whole this long: a scheduler's status may say "ready" for a moment after its worker died
 
 
 @dataclass(slots=True)
@@ -647,19 +651,29 @@ class Chaos:
             self.kills.append(kill)
             self.killed_pids.add(member.pid)
             print(f"soak: {kill.t:5.0f} s, killed {member.label} (pid {member.pid})", file=sys.stderr, flush=True)
-            await self.wait_whole(kill, start, more)
+            await asyncio.sleep(0.5)  # `pagoda up` polls every 0.5 s: let it see the death first
+            self.record_whole(await asyncio.to_thread(self.wait_whole, float("inf"), lambda: not more()))
             next_kill = time.monotonic() + self.interval
 
-    async def wait_whole(self, kill: Kill, start: float, more=lambda: True, timeout: float = float("inf")) -> bool:
-        """Until the stack is whole again (recorded in `kill`), while `more()`, at most `timeout` s."""
-        deadline = time.monotonic() + timeout
-        await asyncio.sleep(0.5)  # `pagoda up` polls every 0.5 s: let it see the death first
-        while more() and time.monotonic() < deadline and self.stack.process.poll() is None:
-            if await asyncio.to_thread(self.whole):
-                kill.whole_after_s = round(time.monotonic() - start - kill.t, 2)
-                return True
-            await asyncio.sleep(0.5)
-        return False
+    def wait_whole(self, timeout: float, give_up=lambda: False) -> float | None:
+        """The moment (monotonic) from which the stack stayed whole WHOLE_FOR_S seconds; None at the
+        `timeout`, on `give_up()` or once `pagoda up` has exited."""
+        deadline, since = time.monotonic() + timeout, None
+        while time.monotonic() < deadline and not give_up() and self.stack.process.poll() is None:
+            if not self.whole():
+                since = None
+            elif since is None:
+                since = time.monotonic()
+            elif time.monotonic() - since >= WHOLE_FOR_S:
+                return since
+            time.sleep(0.5)
+        return None
+
+    def record_whole(self, since: float | None) -> None:
+        """The kills not yet followed by a whole stack were followed by one from `since`."""
+        for kill in self.kills:
+            if kill.whole_after_s is None and since is not None and since - self.start > kill.t:
+                kill.whole_after_s = round(since - self.start - kill.t, 2)
 
 
 # ----------------------------------------------------------------------------- the soak
@@ -681,7 +695,7 @@ async def drive(base_url: str, pids: dict[str, int], args,
     samples: list[Sample] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
         await load.reference(client)
-        start = time.monotonic()
+        start = load.start = time.monotonic()
         deadline = start + args.duration
 
         def sample() -> Sample:
@@ -811,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         if chaotic:  # /health answers once one group is ready: wait for all of them before the load
             chaos = Chaos(stack, args.chaos_interval, args.seed if args.chaos_seed is None else args.chaos_seed,
                           victims, args.chaos_kills)
-            if not wait_until(chaos.whole, args.start_timeout, give_up=lambda: stack.process.poll() is not None):
+            if chaos.wait_whole(args.start_timeout) is None:
                 raise SystemExit(f"soak: the stack was not whole within {args.start_timeout:g} s: see {log_path}")
         startup_s = time.monotonic() - started
         pids = {"up": stack.process.pid, **stack.children()}
@@ -823,11 +837,9 @@ def main(argv: list[str] | None = None) -> int:
         settled, settle_s = True, 0.0
         if chaos is not None:  # every child back and ready before the leak check
             settle_start = time.monotonic()
-            settled = wait_until(chaos.whole, args.settle_timeout, give_up=lambda: stack.process.poll() is not None)
-            settle_s = time.monotonic() - settle_start
-            for kill in chaos.kills:
-                if kill.whole_after_s is None and settled:
-                    kill.whole_after_s = round(elapsed + settle_s - kill.t, 2)
+            since = chaos.wait_whole(args.settle_timeout)
+            settled, settle_s = since is not None, time.monotonic() - settle_start
+            chaos.record_whole(since)
         if stack.process.poll() is None:
             drained, final_state, drain_s = wait_drained(stack.url, stack.redis_url, args.drain_timeout,
                                                          started=chaos is not None)
@@ -894,16 +906,6 @@ def main(argv: list[str] | None = None) -> int:
     write_result(result, args.output)
     print(summary(result))
     return 0 if not reasons else 1
-
-
-def wait_until(predicate, timeout: float, give_up=lambda: False, poll: float = 0.5) -> bool:
-    """Whether `predicate()` came true within `timeout` s (False at once when `give_up()`)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline or give_up():
-            return False
-        time.sleep(poll)
-    return True
 
 
 def summary(result: dict) -> str:
