@@ -14,7 +14,10 @@ Redis restarting empty (its run_id changes) loses the requests it queued. The sc
 publish the ids they hold (pagoda:held:<id>); once every scheduler seen before the restart has,
 or after `restart_grace_s`, a request that no scheduler holds and whose entry the new Redis lacks
 ends with an error (503, retry) and is aborted in the schedulers. A request sent to the new Redis
-is never failed: its entry is there.
+is never failed: its entry is there. It also loses the events this gateway had not read yet: a
+request that had streamed and that no scheduler holds lost its end, and one whose next event
+skips a number (RequestEvent.seq) lost part of its text; either ends with an error, never with a
+text that stops short or skips, nor waits for an end that will not come.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ READ_COUNT = 512
 TRIM_INTERVAL_S = 1.0
 MAX_BACKOFF_S = 2.0
 REDIS_RESTARTED = "Redis restarted and lost the request before a scheduler read it"
+OUTPUT_LOST = "Redis restarted and lost part of the request's output"
 
 
 @dataclass(slots=True)
@@ -270,7 +274,7 @@ class EngineClient:
         if (self._restart.schedulers | alive) - reported and time.monotonic() < self._restart.deadline:
             return
         self._restart = None
-        candidates = [r for r in self._queues if r not in self._started and r not in held and r in self._entry_ids]
+        candidates = [r for r in self._queues if r not in held and r in self._entry_ids]
         if not candidates:
             return
         pipe = self.redis.pipeline(transaction=False)
@@ -278,12 +282,15 @@ class EngineClient:
             entry_id = self._entry_ids[request_id]
             pipe.xrange(streams.REQUESTS, entry_id, entry_id, count=1)
         lost = [r for r, entries in zip(candidates, await pipe.execute()) if not entries]
+        started = {r for r in lost if r in self._started}
         await self._read_batch(block=False)  # a request that ended has its events out before its entry goes
-        lost = [r for r in lost if r in self._queues and r not in self._started]
+        # (an error queued behind a started request's last events is never read: it has ended by then)
+        lost = [r for r in lost if r in self._queues and (r in started or r not in self._started)]
         if lost:
             log.warning("Redis restarted: failing %d request(s) it lost (no scheduler holds them)", len(lost))
         for request_id in lost:
-            self._queues[request_id].put_nowait(RequestEvent(request_id, [], None, "error", REDIS_RESTARTED))
+            message = OUTPUT_LOST if request_id in started else REDIS_RESTARTED
+            self._queues[request_id].put_nowait(RequestEvent(request_id, [], None, "error", message))
             self.abort(request_id)
 
     async def _held_requests(self) -> tuple[set[str], set[str]]:
@@ -315,8 +322,15 @@ class EngineClient:
             return
         self._started.add(event.request_id)
         if event.seq:
-            if event.seq <= self._last_seq.get(event.request_id, 0):
+            last = self._last_seq.get(event.request_id, 0)
+            if event.seq <= last:
                 log.warning("dropped event %d of %s: already seen (a retried write)", event.seq, event.request_id)
                 return
             self._last_seq[event.request_id] = event.seq
+            if event.seq > last + 1:  # events in between were lost (Redis restarted before this gateway read them)
+                log.warning("request %s lost events %d to %d; failing it", event.request_id, last + 1, event.seq - 1)
+                queue.put_nowait(RequestEvent(event.request_id, [], None, "error", OUTPUT_LOST))
+                self._queues.pop(event.request_id)  # its end: nothing more goes to its handler
+                self.abort(event.request_id)
+                return
         queue.put_nowait(event)
