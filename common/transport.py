@@ -96,6 +96,10 @@ class WorkerLink:
         if not isinstance(hello, WorkerHello) or not 0 <= hello.rank < self.world_size:
             log.warning("dropped a hello for a rank outside the group: %r", hello)
             return None
+        if hello.world_size != self.world_size:  # its ranks would wait for each other forever
+            log.warning("dropped the hello of rank %d of a group of %d: this scheduler's group has %d ranks "
+                        "(--tensor-parallel-size)", hello.rank, hello.world_size, self.world_size)
+            return None
         known = self.hellos.get(hello.rank)
         if self.ready and known is not None and (self.ranks[hello.rank], known) != (identity, hello):
             log.warning("rank %d changed (restarted or replaced): the group starts over", hello.rank)

@@ -274,6 +274,11 @@ def _add_bench_serve(v: argparse.ArgumentParser) -> None:
     v.add_argument("--label", default="pagoda", help="the name of that gateway's run in the result")
     v.add_argument("--launch", action="store_true", help="start `pagoda up` once per --allocators entry")
     v.add_argument("--allocators", default="paged,orca-oracle", help="with --launch")
+    v.add_argument("--data-parallel-sizes", default=None,
+                   help="with --launch: compare these `pagoda up --data-parallel-size` values instead of allocators "
+                        "(paged), e.g. 1,2; the result adds each one's request throughput over the first's")
+    v.add_argument("--tensor-parallel-size", type=int, default=1, help="with --launch: worker ranks per engine group")
+    v.add_argument("--max-num-seqs", type=int, default=None, help="with --launch: each scheduler's batch limit")
     v.add_argument("--port", type=int, default=8100, help="with --launch: the port to serve on")
     v.add_argument("--model", default="default", help="with --launch: the model to serve")
     v.add_argument("--served-model", default=None, help="the model name to send (default: none, the served one)")
@@ -281,6 +286,8 @@ def _add_bench_serve(v: argparse.ArgumentParser) -> None:
     v.add_argument("--num-gpu-blocks", type=int, default=None, help="with --launch: the KV pool, in blocks")
     v.add_argument("--num-prompts", type=int, default=50, help="ShareGPT requests per rate")
     v.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
+    v.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="every request's output length instead of its recorded one (EOS ignored, as always)")
     v.add_argument("--request-rate", default="1,2,4", help="requests/s, comma-separated; inf sends all at once")
     v.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
     v.add_argument("--goodput", default=None, help="SLOs in ms, e.g. ttft:2000,tpot:500,e2e:30000")

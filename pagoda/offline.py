@@ -1,16 +1,32 @@
-"""The offline Python API: `LLM(model).generate(prompts, SamplingParams)`."""
+"""The offline Python API: `LLM(model).generate(prompts, SamplingParams)`.
+
+With `tensor_parallel_size=N` rank 0 of the group runs in this process and ranks 1..N-1 run as
+child processes (worker/tp_rank.py): each plan is handed to them over the group before rank 0
+executes it. `LLM.close()` (or the LLM's collection, or the interpreter's exit) stops them.
+"""
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import weakref
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from common.config import EngineConfig
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
 from worker.executor import Executor
+from worker.parallel import TensorParallelGroup
+from worker.tp_rank import OFFLINE_TIMEOUT_S, READY, RESET, STOP
+
+log = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict
 
@@ -59,10 +75,18 @@ class LLM:
     def __init__(self, model: str = "default", skip_tokenizer_init: bool = False, wire: bool = False, **config) -> None:
         self.wire = wire
         self.config = EngineConfig(model=model, **config)
-        self.executor = Executor(self.config)
-        hello = self.executor.hello()
+        self.ranks = None if self.config.tensor_parallel_size == 1 else RankProcesses(self.config)
+        if self.ranks is None:
+            self.executor = Executor(self.config)
+            self.step_executor = self.executor
+            hello = self.executor.hello()
+        else:
+            self.executor = self.ranks.start_first()
+            self.step_executor = GroupExecutor(self.executor)
+            hello = self.ranks.group_hello()
+        self.num_blocks = hello.num_gpu_blocks, hello.num_cpu_blocks  # the group's: its smallest rank's
         self.config = self.config.replace(max_model_len=hello.max_model_len)
-        self.engine = LLMEngine.from_hello(self.config, hello, self.executor, wire=wire)
+        self.engine = LLMEngine.from_hello(self.config, hello, self.step_executor, wire=wire)
         self.encoder = None
         if not skip_tokenizer_init and self.executor.runner.source.kind != "dummy":
             from gateway.tokenizer import PromptEncoder, load_tokenizer
@@ -74,12 +98,22 @@ class LLM:
         """A fresh scheduler over the loaded worker, forgetting every request: a smaller KV or
         swap pool (at most the worker's), another preemption mode, prefix caching on or off."""
         hello = self.executor.hello()
+        if self.ranks is not None:
+            hello = dataclasses.replace(hello, num_gpu_blocks=self.num_blocks[0], num_cpu_blocks=self.num_blocks[1])
         if num_gpu_blocks is not None:
             hello = dataclasses.replace(hello, num_gpu_blocks=min(num_gpu_blocks, hello.num_gpu_blocks))
         if num_cpu_blocks is not None:
             hello = dataclasses.replace(hello, num_cpu_blocks=min(num_cpu_blocks, hello.num_cpu_blocks))
+        if self.ranks is not None:
+            self.executor.group.broadcast_bytes(RESET)
         self.executor.reset()
-        self.engine = LLMEngine.from_hello(self.config.replace(**config_changes), hello, self.executor, wire=self.wire)
+        self.engine = LLMEngine.from_hello(self.config.replace(**config_changes), hello, self.step_executor,
+                                           wire=self.wire)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (nothing to do for one rank)."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     @property
     def scheduler(self):
@@ -141,3 +175,90 @@ class LLM:
             index, list(out.prompt_token_ids), first.text, first.token_ids, first.finish_reason,
             first.cumulative_logprob, first.logprobs, samples,
         )
+
+
+class GroupExecutor:
+    """Rank 0's Executor in the offline engine's group: each plan goes to the other ranks first."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.executor.group.broadcast_bytes(encode(plan))
+        return self.executor.execute(plan)
+
+
+class RankProcesses:
+    """Ranks 1..N-1 of the offline engine's group, as child processes rendezvousing with rank 0
+    (this process) at a free local port. They load while rank 0 does; `stop` ends them."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from worker.loader import load_config
+        from worker.model import check_shardable
+        from worker.model_runner import resolve_device
+        from common.models import resolve_model
+
+        check_shardable(load_config(resolve_model(config.model)), config.tensor_parallel_size)  # before any start
+        self.config = config
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        self.group = TensorParallelGroup(0, config.tensor_parallel_size, address, resolve_device(config.device, 0),
+                                         OFFLINE_TIMEOUT_S)  # hosts the store before the others look for it
+        self.procs: list[tuple[subprocess.Popen, int]] = []  # (process, the read end of its ready pipe)
+        for rank in range(1, config.tensor_parallel_size):
+            read, write = os.pipe()
+            command = [sys.executable, "-m", "worker.tp_rank", "--rank", str(rank), "--address", address,
+                       "--config", json.dumps(dataclasses.asdict(config)), "--ready-fd", str(write),
+                       "--parent-pid", str(os.getpid())]
+            self.procs.append((subprocess.Popen(command, pass_fds=(write,)), read))
+            os.close(write)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.group)
+
+    def start_first(self) -> Executor:
+        """Rank 0's Executor, once every rank has loaded and the group has formed."""
+        try:
+            executor = Executor(self.config, self.group)
+            for rank, (proc, read) in enumerate(self.procs, 1):
+                if os.read(read, len(READY)) != READY:  # end of file: it exited
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited while loading (code {proc.wait()})")
+            executor.form_group(0)
+        except BaseException:
+            self.stop()
+            raise
+        self.executor = executor
+        return executor
+
+    def group_hello(self):
+        """Rank 0's hello with the group's pool sizes: the smallest any rank holds."""
+        hello = self.executor.hello()
+        num_gpu_blocks, num_cpu_blocks = self.group.min_over_ranks(hello.num_gpu_blocks, hello.num_cpu_blocks)
+        return dataclasses.replace(hello, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+
+    def stop(self) -> None:
+        self._finalizer()
+
+
+def _stop(procs: list[tuple[subprocess.Popen, int]], group: TensorParallelGroup) -> None:
+    """Tell the ranks to stop (if the group formed; else end them), then make sure they did."""
+    told = False
+    if group.generation is not None and all(proc.poll() is None for proc, _ in procs):
+        try:
+            group.broadcast_bytes(STOP)
+            told = True
+        except Exception as exc:  # a broken group: they are ended below
+            log.warning("stopping the tensor-parallel ranks: %s", exc)
+    for proc, read in procs:
+        if not told and proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        os.close(read)
+    group.destroy()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

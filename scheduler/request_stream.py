@@ -357,6 +357,16 @@ class RequestStream:
             self.outbox.append(Ack(tracked.entry_id, request_id))
         self.flush()
 
+    def release_unstarted(self) -> list[str]:
+        """When the workers failed: requests that have not streamed are let go unacknowledged, so
+        they stay pending in Redis and any live scheduler takes them over after claim_idle_ms
+        (XAUTOCLAIM: each takeover counts as a delivery, so one that keeps failing its groups ends
+        after MAX_DELIVERIES). Returns their ids."""
+        released = [request_id for request_id, tracked in self.tracked.items() if not tracked.started]
+        for request_id in released:
+            del self.tracked[request_id]
+        return released
+
     def hand_back_unstarted(self) -> list[str]:
         """On drain: requests that have not streamed go back to the stream as new entries (the next
         scheduler reads them at once; a rolling restart is not a death). Returns their ids."""

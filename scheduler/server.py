@@ -9,8 +9,10 @@ workers go from one plan to the next without waiting on this process (scheduler/
 This module owns the worker group's life and the step; scheduler/request_stream.py owns the Redis
 side (reads, claims, takeover, the outbox of events).
 
-A step whose result misses its deadline, or a worker whose connection closes, fails every request
-the group holds; the epoch advances so workers drop their state. An exception raised while
+A step whose result misses its deadline, or a worker rank whose connection closes (killed, or
+hung: the ZeroMQ heartbeat), fails every request the group holds that has streamed; those that
+have not stay pending in Redis for any live scheduler to take over. The epoch advances so the
+ranks drop their state and form their group afresh once all are back. An exception raised while
 scheduling or updating one request fails that request alone; the others go on.
 
 SIGTERM drains: no new requests are read, requests that have not started are handed back to the
@@ -153,12 +155,9 @@ class SchedulerServer:
         self.group_generation = self.link.generation
         if hello.block_size != self.engine_config.block_size:
             log.warning("workers use block size %d; the scheduler follows", hello.block_size)
+        # async scheduling stays on for a group of ranks: rank 0 broadcasts its sampled ids over
+        # the group, so a PENDING_TOKEN means the same token on every rank (worker/executor.py)
         config = self.engine_config.replace(block_size=hello.block_size, max_model_len=hello.max_model_len)
-        if config.async_scheduling and config.tensor_parallel_size > 1:
-            # A PENDING_TOKEN is the token each rank drew itself; ranks agree only while their
-            # random streams do (a restarted rank's does not): a group of ranks plans serially.
-            log.info("async scheduling off: %d ranks each draw their own tokens", config.tensor_parallel_size)
-            config = config.replace(async_scheduling=False)
         self.scheduler = Scheduler.from_hello(config, dataclasses.replace(
             hello, num_gpu_blocks=min(h.num_gpu_blocks for h in hellos.values()),
             num_cpu_blocks=min(h.num_cpu_blocks for h in hellos.values()),
@@ -169,8 +168,12 @@ class SchedulerServer:
                  hello.model, hello.num_gpu_blocks, hello.block_size, hello.max_model_len)
 
     def _fail_group(self, message: str) -> None:
-        """The workers' KV state is lost: every request this group holds ends with an error."""
-        log.error("%s; failing %d request(s) and waiting for workers", message, len(self.stream.tracked))
+        """The workers' KV state is lost: every request this group holds that has streamed ends
+        with an error; those that have not are left to be taken over (by another engine group, or
+        by this one once its ranks are back)."""
+        released = self.stream.release_unstarted()
+        log.error("%s; failing %d request(s), releasing %d not started, and waiting for workers", message,
+                  len(self.stream.tracked), len(released))
         self.scheduler = None
         self._in_flight.clear()  # their results, if any come, are of the old epoch: dropped
         if self.link.generation == self.group_generation:  # else the link already took on new ranks
@@ -231,10 +234,11 @@ class SchedulerServer:
         plan = self._in_flight.popleft()
         result = self.link.gather(plan, self.serving.step_timeout_s, on_wait=self._heartbeats)
         if result is None or result.error:
-            if result is not None:
-                reason = result.error
-            elif self.link.lost is not None:
+            # a rank that died is the cause its peers' failed collectives report: name it first
+            if self.link.check_connections() is not None:
                 reason = _lost(self.link.lost)
+            elif result is not None:
+                reason = result.error
             elif self.link.generation != self.group_generation:  # gather saw a rank's new hello
                 reason = "a worker restarted mid-step"
             else:

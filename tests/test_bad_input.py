@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from gateway.app import ROUTES
+from pagoda.bench.stack import parse_samples
 from tests.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -272,9 +273,10 @@ def test_after_the_table_the_server_serves_and_holds_no_kv_block(stack, http):
 
 def served(http: httpx.Client) -> dict[tuple[str, str], float]:
     """The gateway's own count of its answers, by (route, status)."""
-    text = http.get("/metrics").text
-    return {(route, status): float(value) for route, status, value in re.findall(
-        r'^pagoda:http_requests_total\{route="([^"]*)",status="(\d+)"\} (\S+)$', text, re.M)}
+    counts = {(labels["route"], labels["status"]): value
+              for name, labels, value in parse_samples(http.get("/metrics").text) if name == "pagoda:http_requests_total"}
+    assert counts, "no pagoda:http_requests_total sample"  # /health answered before this: never empty
+    return counts
 
 
 def server_errors(http: httpx.Client) -> dict[tuple[str, str], float]:

@@ -1,13 +1,17 @@
 """`pagoda bench throughput` and `pagoda bench serve`: their metrics exactly, and runs through the
 real engine (tiny random Llama) and the real stack (tests/test_e2e.py drives `run_rate`)."""
+import argparse
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from pagoda.bench.serve import RequestResult, arrival_times, parse_rates, parse_slos, plot, summarize
-from pagoda.cli import main
+from pagoda.bench.serve import (
+    RequestResult, Target, arrival_times, data_parallel_summary, parse_rates, parse_sizes, parse_slos, plot, summarize,
+    targets,
+)
+from pagoda.cli import _add_bench_serve, main
 
 TINY = Path(__file__).parent / "data" / "tiny-llama.json"
 
@@ -46,6 +50,36 @@ def test_rates_and_slos_parse_and_bad_slos_are_errors():
     assert parse_slos("ttft:2000,tpot:500") == {"ttft": 2.0, "tpot": 0.5}
     with pytest.raises(ValueError, match="unknown SLO"):
         parse_slos("latency:3")
+
+
+def serve_args(*flags: str):
+    parser = argparse.ArgumentParser()
+    _add_bench_serve(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_bench_serve_launches_one_stack_per_allocator_or_per_data_parallel_size():
+    assert targets(serve_args("--base-url", "http://h:1", "--label", "x")) == [Target("x", "http://h:1")]
+    assert targets(serve_args("--launch")) == [Target("paged", allocator="paged"),
+                                               Target("orca-oracle", allocator="orca-oracle")]
+    assert targets(serve_args("--launch", "--data-parallel-sizes", "1,2")) == [
+        Target("data-parallel-1", data_parallel_size=1), Target("data-parallel-2", data_parallel_size=2)]
+    with pytest.raises(ValueError, match="--data-parallel-sizes must be sizes >= 1, comma-separated, not '0,2'"):
+        parse_sizes("0,2")
+
+
+def test_the_data_parallel_summary_gives_each_sizes_request_throughput_over_the_first():
+    chosen = [Target("data-parallel-1", data_parallel_size=1), Target("data-parallel-2", data_parallel_size=2)]
+    runs = {"data-parallel-1": [{"request_rate": 2.0, "request_throughput": 1.5},
+                                {"request_rate": "inf", "request_throughput": 2.0}],
+            "data-parallel-2": [{"request_rate": 2.0, "request_throughput": 1.5},
+                                {"request_rate": "inf", "request_throughput": 3.5}]}
+    assert data_parallel_summary(runs, chosen) == {"sizes": [1, 2], "per_rate": [
+        {"request_rate": 2.0, "request_throughput": {"1": 1.5, "2": 1.5}, "ratio_to_size_1": {"2": 1.0}},
+        {"request_rate": "inf", "request_throughput": {"1": 2.0, "2": 3.5}, "ratio_to_size_1": {"2": 1.75}}]}
+    runs["data-parallel-1"][0]["cpu_cores"] = {"worker": 0.5, "gateway": 0.1}
+    runs["data-parallel-2"][0]["cpu_cores"] = {"worker": 0.75}
+    assert data_parallel_summary(runs, chosen)["per_rate"][0]["worker_cores"] == {"1": 0.5, "2": 0.75}
 
 
 def test_plot_draws_normalized_latency_per_allocator(tmp_path):

@@ -347,7 +347,7 @@ def test_enforce_eager_reaches_the_worker_through_pagoda_up(tmp_path):
     args = parser_of("up").parse_args(["--enforce-eager", "--device", "cpu"])
     configs = [config_from_args(cls, args) for cls in (EngineConfig, ServingConfig, GatewayConfig)]
     children = {child.name: child for child in up._children(*configs, "redis://127.0.0.1:7000/0", tmp_path)}
-    worker = parser_of("worker").parse_args(children["worker"].command[4:])
+    worker = parser_of("worker").parse_args(children["worker-0.0"].command[4:])
     assert config_from_args(EngineConfig, worker) == EngineConfig(device="cpu", enforce_eager=True)
 
 

@@ -18,7 +18,8 @@ import scheduler.request_stream as request_stream
 from common import streams
 from common.config import EngineConfig, ServingConfig
 from common.protocol import (
-    PENDING_TOKEN, GenerateRequest, HeldRequests, RequestEvent, SamplingParams, SchedulerStatus, StepPlan, StepResult,
+    PENDING_TOKEN, GenerateRequest, HeldRequests, RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan,
+    StepResult,
     WorkerHello, decode, encode,
 )
 from common.redis_server import RedisServer, free_port
@@ -47,14 +48,15 @@ class FakeWorker:
     the next step with error="boom", then serve again), "exit" (close the socket and end)."""
 
     def __init__(self, address: str, block_size: int = BLOCK_SIZE, step_delay_s: float = 0.0,
-                 rehello_s: float = 2.0, rank: int = 0, world_size: int = 1) -> None:
+                 rehello_s: float = 2.0, rank: int = 0, world_size: int = 1,
+                 executor: FakeExecutor | None = None) -> None:
         self.address = address
         self.hello = WorkerHello(
             rank=rank, world_size=world_size, device="fake", model="fake-model", num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
             block_size=block_size, max_model_len=MAX_MODEL_LEN, vocab_size=1024, eos_token_ids=[EOS],
             kv_bytes_per_block=1024, host_bandwidth=1e9, prefill_tokens_per_s=1e5,
         )
-        self.executor = FakeExecutor(block_size)
+        self.executor = executor or FakeExecutor(block_size)
         self.step_delay_s = step_delay_s
         self.rehello_s = rehello_s
         self.mode = "serve"
@@ -314,20 +316,93 @@ def test_the_overlapped_loop_plans_each_step_before_the_last_result_with_the_sam
     harness.wait_until(lambda: harness.server.scheduler.num_in_flight == 0, 2.0, "the last plan's result to be applied")
 
 
-def test_a_group_of_two_ranks_plans_serially(redis_url, r):
-    """Each rank resolves a PENDING_TOKEN from its own draw, and ranks agree only while their random
-    streams do: a group of several ranks turns async scheduling off."""
+class SampledBroadcast:
+    """What rank 0 of a fake tensor-parallel group broadcasts to the others each step: its sampled
+    tokens (worker/parallel.py carries them over torch.distributed in the real group)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, int], list[SampledToken]] = {}
+        self.cond = threading.Condition()
+
+    def send(self, plan: StepPlan, sampled: list[SampledToken]) -> None:
+        with self.cond:
+            self.sent[plan.epoch, plan.step] = sampled
+            self.cond.notify_all()
+
+    def recv(self, plan: StepPlan) -> list[SampledToken]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: (plan.epoch, plan.step) in self.sent, timeout=5)
+            return self.sent[plan.epoch, plan.step]
+
+
+class RankExecutor(FakeExecutor):
+    """A rank of a fake tensor-parallel group, as the contract says: rank 0 samples, returns the
+    tokens and broadcasts them; a rank > 0 records rank 0's tokens (what a PENDING_TOKEN of its next
+    plan stands for) and returns an empty result. `steps`: each step's sequences and their tokens."""
+
+    def __init__(self, block_size: int, rank: int, broadcast: SampledBroadcast) -> None:
+        super().__init__(block_size)
+        self.rank = rank
+        self.broadcast = broadcast
+        self.steps: list[list[tuple[int, list[int]]]] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self.rank == 0:
+            result = super().execute(plan)
+            self.broadcast.send(plan, result.sampled)
+        else:
+            self.plans.append(plan)
+            self.state.apply(plan)
+            self.state.record_sampled(self.broadcast.recv(plan))
+            result = StepResult(plan.step, plan.epoch)
+        scheduled = [c.seq_id for c in plan.cached_seqs] + [n.seq_id for n in plan.new_seqs]
+        self.steps.append([(i, list(self.state.seqs[i].token_ids)) for i in sorted(scheduled)])
+        return result
+
+
+def test_a_group_of_two_ranks_plans_ahead_and_every_rank_holds_rank_0s_tokens(redis_url, r):
+    """Async scheduling stays on for a tensor-parallel group: rank 0 broadcasts its sampled tokens,
+    so rank 1 resolves each PENDING_TOKEN to rank 0's draw; the scheduler waits for both ranks'
+    results and streams rank 0's tokens."""
     harness = Harness(redis_url, r, tensor_parallel_size=2)
     try:
-        workers = [harness.worker(rank=rank, world_size=2, step_delay_s=0.005) for rank in (0, 1)]
+        broadcast = SampledBroadcast()
+        workers = [harness.worker(rank=rank, world_size=2, step_delay_s=0.005,
+                                  executor=RankExecutor(BLOCK_SIZE, rank, broadcast)) for rank in (0, 1)]
         harness.wait_ready()
-        assert harness.server.scheduler.config.async_scheduling is False
+        assert harness.server.scheduler.config.async_scheduling is True
         harness.submit("a", prompt(10), max_tokens=8)
-        done = harness.wait_finished("a")
+        harness.submit("b", prompt(20, start=500), max_tokens=5)
+        done = harness.wait_finished("a", "b")
         assert tokens(done["a"]) == expected_output(0, 10, 8)
+        assert tokens(done["b"]) == expected_output(1, 20, 5)
+        harness.wait_until(lambda: harness.server.scheduler.num_in_flight == 0, 2.0, "the last result to be applied")
+        rank0, rank1 = (w.executor for w in workers)
+        assert [p.step for p in rank1.plans] == [p.step for p in rank0.plans] == list(range(1, len(rank0.plans) + 1))
+        assert rank1.steps == rank0.steps  # the same tokens, step by step
+        last_of_a = [held for step in rank0.steps for seq_id, held in step if seq_id == 0][-1]
+        assert last_of_a == prompt(10) + expected_output(0, 10, 7)  # its 8th token drawn from the 7th
+        pending = [c.seq_id for p in rank1.plans for c in p.cached_seqs if c.last_token_id == PENDING_TOKEN]
+        assert pending.count(0) >= 6 and pending.count(1) >= 2  # planned ahead
         for worker in workers:
-            assert len(worker.plans) == 8 and not worker.failures
-            assert all(c.last_token_id != PENDING_TOKEN for plan in worker.plans for c in plan.cached_seqs)
+            assert not worker.failures
+        harness.assert_nothing_held()
+    finally:
+        harness.close()
+
+
+def test_a_rank_of_a_group_of_another_size_is_not_taken_on(redis_url, r):
+    """A rank started with another --tensor-parallel-size than its scheduler's would wait for peers
+    that never come: its hello is dropped, and the group forms only from ranks of the right size."""
+    harness = Harness(redis_url, r, tensor_parallel_size=2)
+    try:
+        harness.worker(rank=0, world_size=2, rehello_s=0.2)
+        stray = harness.worker(rank=1, world_size=3, rehello_s=0.2)
+        harness.wait_until(lambda: stray.num_hellos >= 3, 3.0, "the stray rank to say hello again")
+        assert harness.server.scheduler is None and sorted(harness.server.link.hellos) == [0]
+        harness.worker(rank=1, world_size=2)
+        harness.wait_ready()
+        assert [h.world_size for h in harness.server.link.hellos.values()] == [2, 2]
     finally:
         harness.close()
 
@@ -611,6 +686,30 @@ def test_a_worker_error_fails_the_requests_in_flight_and_service_resumes_after_i
     assert tokens(done["c"]) == expected_output(0, 10, 5)
     new_epochs = {p.epoch for p in worker.plans} - old_epochs
     assert len(new_epochs) == 1
+    harness.assert_nothing_held()
+
+
+def test_a_failed_group_leaves_the_requests_not_started_to_be_taken_over(make_harness):
+    """Only what has streamed fails with the group: a request that waited in the scheduler stays
+    pending in Redis and is taken over (here by the same scheduler once its worker is back), from
+    the start, with its full text."""
+    harness = make_harness(serving={"claim_idle_ms": 500, "claim_interval_s": 0.2}, max_num_seqs=1)
+    worker = harness.worker(step_delay_s=0.005, rehello_s=0.3)
+    harness.wait_ready()
+    harness.submit("a", prompt(10), max_tokens=400)
+    harness.wait_until(lambda: "a" in harness.events, 3.0, "a to start")
+    harness.submit("b", prompt(20, start=500), max_tokens=5)  # waits: one sequence at a time
+    harness.wait_until(lambda: len(harness.server.scheduler.waiting) == 1, 3.0, "b to wait in the scheduler")
+    group = harness.server.scheduler
+    worker.mode = "boom"
+    harness.wait_finished("a", timeout=2.0)
+    last = harness.events["a"][-1]
+    assert (last.finish_reason, last.error) == ("error", "the worker failed: boom")
+    assert "b" not in harness.events and harness.num_pending() == 1  # released, not failed
+    done = harness.wait_finished("b", timeout=5.0)
+    assert harness.server.scheduler is not group
+    assert tokens(done["b"]) == expected_output(0, 20, 5)  # the new group's first sequence
+    assert [e.error for e in done["b"]] == [None] * 5
     harness.assert_nothing_held()
 
 

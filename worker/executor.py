@@ -3,6 +3,11 @@
 The same Executor serves the offline engine (called in process) and the worker process (behind
 ZeroMQ). It keeps each sequence's tokens and block table between plans (common/plan_state.py),
 so a plan only needs to carry what changed.
+
+Tensor parallelism: every rank of a group executes every plan over its shard of the model. Rank 0
+samples from the logits gathered to it and broadcasts the sampled token ids (in draw order) to
+the other ranks, which return an empty StepResult: each rank's PlanState then knows what a
+PENDING_TOKEN of the next plan stands for, so async scheduling works for a group as for one rank.
 """
 from __future__ import annotations
 
@@ -16,18 +21,38 @@ from common.config import EngineConfig
 from common.plan_state import PlanState, ScheduledSequence
 from common.protocol import SampledToken, StepPlan, StepResult, WorkerHello
 from worker.model_runner import ModelRunner
+from worker.parallel import TensorParallelGroup, set_tp_group
 from worker.sampler import Sampler, SamplerOutput, SamplingRow
 
 
 class Executor:
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+    """One rank's executor. `group`: this rank's tensor-parallel group (None: a group of one); it
+    becomes the process's group before the model is built (the layers shard for it). The group
+    need not be formed yet: `form_group` joins it before the first plan."""
+
+    def __init__(self, config: EngineConfig, group: TensorParallelGroup | None = None) -> None:
+        group = group or TensorParallelGroup()
+        if group.world_size != config.tensor_parallel_size:
+            raise ValueError(f"a group of {group.world_size} ranks for --tensor-parallel-size "
+                             f"{config.tensor_parallel_size}")
         self.config = config
-        self.rank = rank
-        self.world_size = world_size
-        self.runner = ModelRunner(config)
+        self.group = group
+        self.rank = group.rank
+        self.world_size = group.world_size
+        set_tp_group(group)
+        self.runner = ModelRunner(config, rank=self.rank)
         self.eos_token_ids = _eos_token_ids(self.runner.hf_config)
-        self.sampler = Sampler(self.eos_token_ids, int(self.runner.hf_config.vocab_size), self.runner.device)
+        # only rank 0 samples: the others never hold the logits
+        self.sampler = (Sampler(self.eos_token_ids, int(self.runner.hf_config.vocab_size), self.runner.device)
+                        if group.is_first else None)
         self.state = PlanState(self.runner.block_size)
+
+    def form_group(self, generation: int) -> None:
+        """Join the group's incarnation `generation` (the worker: the plan's epoch), forgetting
+        every sequence: a new incarnation starts from a new epoch. The current one: nothing."""
+        if generation != self.group.generation:
+            self.group.form(generation)
+            self.reset()
 
     def hello(self) -> WorkerHello:
         runner = self.runner
@@ -44,12 +69,14 @@ class Executor:
         """Forget every sequence (a new epoch: the scheduler's state was lost)."""
         self.state.reset()
         self.runner.reset()
-        self.sampler.token_counts.reset()
+        if self.sampler is not None:
+            self.sampler.token_counts.reset()
 
     def execute(self, plan: StepPlan) -> StepResult:
         scheduled = self.state.apply(plan)
         self.runner.update_inputs(plan)
-        self._count_tokens(plan, scheduled)
+        if self.sampler is not None:
+            self._count_tokens(plan, scheduled)
         # swap-out first: a block leaving for the swap pool may be reused by this very step
         self.runner.swap_out(plan.blocks_to_swap_out)
         self.runner.swap_in(plan.blocks_to_swap_in)
@@ -61,10 +88,22 @@ class Executor:
         sampling = [s for s in scheduled if s.num_samples]
         if not sampling:
             return result
+        if self.sampler is None:  # rank > 0: rank 0's draws, for the next plan's PENDING_TOKENs
+            self.state.record_sampled(self._receive_sampled(sampling))
+            return result
         out = self.sampler(logits, _sampling_rows(sampling))
         result.sampled = _sampled_tokens(sampling, out)
+        if self.world_size > 1:
+            self.group.broadcast(torch.tensor(out.token_ids, dtype=torch.int64, device=self.runner.device))
         self.state.record_sampled(result.sampled)  # what a PENDING_TOKEN of the next plan stands for
         return result
+
+    def _receive_sampled(self, sampling: list[ScheduledSequence]) -> list[SampledToken]:
+        """Rank 0's sampled token ids, one per draw in draw order (each row draws num_samples)."""
+        token_ids = torch.empty(sum(s.num_samples for s in sampling), dtype=torch.int64, device=self.runner.device)
+        self.group.broadcast(token_ids)
+        seq_ids = [s.seq_id for s in sampling for _ in range(s.num_samples)]
+        return [SampledToken(seq_id, token_id, 0.0) for seq_id, token_id in zip(seq_ids, token_ids.tolist())]
 
     def _count_tokens(self, plan: StepPlan, scheduled: list[ScheduledSequence]) -> None:
         """The sampler's penalty counts follow the held sequences: dropped ones freed, new ones

@@ -1,12 +1,19 @@
-"""Build a model from a ModelSource: Hugging Face safetensors, GGUF (through transformers), or dummy."""
+"""Build a model from a ModelSource: Hugging Face safetensors, GGUF (through transformers), or dummy.
+
+In a tensor-parallel group each rank reads only its slice of each tensor (`LlamaForCausalLM.
+weight_slice`) from the safetensors files, never a whole tensor it shards; a GGUF file is
+converted to safetensors once and then read the same way. Dummy weights are drawn whole on every
+rank and sliced, so a group's dummy model is the same model as one rank's.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +24,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from common.models import ModelSource
 from worker.model import LlamaForCausalLM
+from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +76,71 @@ def _publish(tmp: Path, target: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+WeightSlice = Callable[[str], "tuple[int, int, int] | None"]  # LlamaForCausalLM.weight_slice
+
+
+def iter_safetensors(directory: Path, weight_slice: WeightSlice | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, or with `weight_slice` the slice of each it names (read
+    alone from the file)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {directory}")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in tqdm(list(f.keys()), desc=f"Loading {file.name}", unit="tensor", leave=False):
-                yield key, f.get_tensor(key)
+                spec = weight_slice(key) if weight_slice else None
+                yield key, f.get_tensor(key) if spec is None else read_slice(f.get_slice(key), spec)
+
+
+def read_slice(tensor_slice, spec: tuple[int, int, int]) -> torch.Tensor:
+    """Rows or columns [start, stop) of a safetensors slice (clipped to its end) and nothing else."""
+    dim, start, stop = spec
+    size = tensor_slice.get_shape()[dim]
+    start, stop = min(start, size), min(stop, size)
+    return tensor_slice[start:stop] if dim == 0 else tensor_slice[:, start:stop]
+
+
+@contextlib.contextmanager
+def _group_of_one() -> Iterator[None]:
+    saved = get_tp_group()
+    set_tp_group(TensorParallelGroup())
+    try:
+        yield
+    finally:
+        set_tp_group(saved)
+
+
+def _init_dummy(model: LlamaForCausalLM) -> None:
+    for name, param in model.named_parameters():
+        if "norm" not in name:  # norms stay at one
+            torch.nn.init.normal_(param, std=0.02)
+
+
+def dummy_weights(config: PretrainedConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole dummy model a group of one draws from `seed`, under Hugging Face names."""
+    with _group_of_one(), torch.device("cpu"):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    _init_dummy(model)
+    attn = model.layers[0].self_attn
+    split = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), [attn.q_size, attn.kv_size, attn.kv_size]),
+             "gate_up_proj": (("gate_proj", "up_proj"), [config.intermediate_size] * 2)}
+    for name, param in model.named_parameters():
+        for fused, (parts, sizes) in split.items():
+            if f".{fused}." in name:
+                for part, tensor in zip(parts, param.data.split(sizes)):
+                    yield name.replace(fused, part), tensor
+                break
+        else:
+            yield name, param.data
+
+
+def _slice(tensor: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
+    if spec is None:
+        return tensor
+    dim, start, stop = spec
+    size = tensor.shape[dim]
+    return tensor.narrow(dim, min(start, size), min(stop, size) - min(start, size))
 
 
 def load_model(
@@ -93,11 +158,11 @@ def load_model(
     with torch.device("cpu"):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    if source.kind == "dummy":
-        for name, param in model.named_parameters():
-            if "norm" not in name:  # norms stay at one
-                torch.nn.init.normal_(param, std=0.02)
+    if source.kind == "dummy" and model.tp.world_size == 1:
+        _init_dummy(model)
+    elif source.kind == "dummy":
+        model.load_weights((name, _slice(tensor, model.weight_slice(name))) for name, tensor in dummy_weights(config, seed))
     else:
-        model.load_weights(iter_safetensors(hf_directory(source)))
+        model.load_weights(iter_safetensors(hf_directory(source), model.weight_slice))
     model.init_rope_cache(max_positions)
     return model.to(device=device, dtype=dtype).eval(), config

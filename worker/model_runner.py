@@ -21,15 +21,18 @@ from worker.context import AttentionContext, attention_context
 from worker.cuda_graph import DecodeRunner, batch_size_buckets
 from worker.input_batch import InputBatch, StepTensors
 from worker.loader import load_model
+from worker.model import local_only
+from worker.parallel import get_tp_group
 
 log = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
     """The device with its index ("cuda" -> "cuda:N"): the kernels key per-device state (the
-    split-KV workspace, resident slots) by the device every tensor reports."""
+    split-KV workspace, resident slots) by the device every tensor reports. "auto" on a machine
+    with GPUs: rank r of a tensor-parallel group gets GPU r (modulo the visible ones)."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -86,9 +89,15 @@ def cuda_graph_bytes(max_batch: int, activation_bytes_per_token: float, num_grap
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's model and KV pool: in a tensor-parallel group (`get_tp_group()` when built) its
+    shard of the model and a pool of its KV heads, for the same block ids as every rank's."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, rank)
+        self.world_size = get_tp_group().world_size
+        if self.device.type == "cuda" and self.world_size > 1:
+            torch.cuda.set_device(self.device)  # NCCL and the kernels use the current device
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.source = resolve_model(config.model)
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed)
@@ -114,7 +123,16 @@ class ModelRunner:
         self.swap_caches = self._allocate_swap_pool(self.num_cpu_blocks)
         self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                       self.block_size, self.device)
-        self.decode_runner = None if config.enforce_eager else self._start_decode_runner()
+        self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
+
+    def _eager_decode(self) -> bool:
+        if self.config.enforce_eager:
+            return True
+        if self.device.type == "cuda" and self.world_size > 1:
+            # capturing NCCL collectives in CUDA graphs needs more care than it is worth here
+            log.info("tensor parallelism on CUDA: decode steps run eagerly (no CUDA graphs)")
+            return True
+        return False
 
     def _start_decode_runner(self) -> DecodeRunner:
         """The static decode buffers; on CUDA their graphs, captured now that the KV pool exists."""
@@ -134,7 +152,7 @@ class ModelRunner:
             config = self.config
             free, total = torch.cuda.mem_get_info(self.device)
             extra = sampler_peak_bytes(config.max_num_seqs, int(self.hf_config.vocab_size))
-            if not config.enforce_eager:
+            if not config.enforce_eager and self.world_size == 1:
                 extra += cuda_graph_bytes(config.max_num_seqs, self.activation_bytes_per_token,
                                           len(batch_size_buckets(config.max_num_seqs)))
             budget = kv_cache_budget(total, free, torch.cuda.memory_reserved(self.device),
@@ -178,13 +196,14 @@ class ModelRunner:
             step.logits_indices = torch.full((self.config.max_num_seqs,), num_tokens - 1, device=self.device)
             weights = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.forward_eager(step)  # warm up, and the memory peak
-        self._sync()
-        if self.device.type == "cuda":
-            self.activation_bytes_per_token = (torch.cuda.max_memory_allocated(self.device) - weights) / num_tokens
-        start = time.perf_counter()
-        self.forward_eager(step)
-        self._sync()
+        with local_only():  # each rank alone: its group forms only after every rank has loaded
+            self.forward_eager(step)  # warm up, and the memory peak
+            self._sync()
+            if self.device.type == "cuda":
+                self.activation_bytes_per_token = (torch.cuda.max_memory_allocated(self.device) - weights) / num_tokens
+            start = time.perf_counter()
+            self.forward_eager(step)
+            self._sync()
         elapsed = time.perf_counter() - start
         for attn in self.model.attention_layers():
             attn.kv_cache = None
@@ -211,14 +230,15 @@ class ModelRunner:
         return flatten_rows(rows, samples, self.block_size, self.device)
 
     @torch.inference_mode()
-    def forward(self, step: StepTensors) -> torch.Tensor:
-        """Returns the logits of the sampling positions: [num_sampled, vocab_size] float32."""
+    def forward(self, step: StepTensors) -> torch.Tensor | None:
+        """Returns the logits of the sampling positions: [num_sampled, vocab_size] float32 (in a
+        tensor-parallel group on rank 0; None on the others)."""
         if self.decode_runner is not None and self.decode_runner.can_run(step):
             return self.decode_runner.run(step)
         return self.forward_eager(step)
 
     @torch.inference_mode()
-    def forward_eager(self, step: StepTensors) -> torch.Tensor:
+    def forward_eager(self, step: StepTensors) -> torch.Tensor | None:
         """The model on the step's own shapes (prefill, mixed steps, and everything with enforce_eager)."""
         with attention_context(step.context):
             hidden = self.model(step.input_ids, step.positions)

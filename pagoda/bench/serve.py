@@ -9,13 +9,16 @@ request and token throughput, TTFT, TPOT, ITL and E2E (mean, median, p99), goodp
 With `--launch` it starts `pagoda up` itself once per `--allocators` entry (the paged allocator
 and the Orca-style contiguous baselines inside the same scheduler) and writes a PNG of normalized
 latency against request rate beside the JSON (the paper's figure 12); else it measures the
-gateway at `--base-url`.
+gateway at `--base-url`. With `--launch --data-parallel-sizes 1,2` it starts `pagoda up
+--data-parallel-size S` once per size instead (the paged allocator), waits until all S engine
+groups are ready, and the result adds each size's request throughput over the first size's.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
 import random
 import statistics
 import sys
@@ -147,12 +150,57 @@ async def run_rate(base_url: str, model: str, requests: list[tuple[list[int], in
 # ----------------------------------------------------------------------------- launching stacks
 
 
-def launch(args, allocator: str) -> Stack:
-    """`pagoda up` with `allocator` on --port, healthy."""
-    flags = ["--model", args.model, "--device", args.device, "--allocator", allocator, "--no-prefix-caching"]
+def launch(args, allocator: str, data_parallel_size: int = 1) -> Stack:
+    """`pagoda up` with `allocator` and `data_parallel_size` engine groups on --port, every group ready."""
+    flags = ["--model", args.model, "--device", args.device, "--allocator", allocator, "--no-prefix-caching",
+             "--tensor-parallel-size", str(args.tensor_parallel_size), "--data-parallel-size", str(data_parallel_size)]
     if args.num_gpu_blocks:
         flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
-    return Stack(*flags, port=args.port).wait_ready()
+    if args.max_num_seqs:
+        flags += ["--max-num-seqs", str(args.max_num_seqs)]
+    return Stack(*flags, port=args.port).wait_ready().wait_engines(data_parallel_size)
+
+
+@dataclass(slots=True)
+class Target:
+    """One run of the comparison: a running gateway, or a stack to launch."""
+
+    name: str
+    base_url: str | None = None  # None: launch
+    allocator: str = "paged"
+    data_parallel_size: int = 1
+
+
+def targets(args) -> list[Target]:
+    if not args.launch:
+        return [Target(args.label, args.base_url)]
+    if args.data_parallel_sizes:
+        return [Target(f"data-parallel-{size}", data_parallel_size=size) for size in parse_sizes(args.data_parallel_sizes)]
+    return [Target(a.strip(), allocator=a.strip()) for a in args.allocators.split(",")]
+
+
+def parse_sizes(text: str) -> list[int]:
+    sizes = [int(size) for size in text.split(",") if size.strip()]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--data-parallel-sizes must be sizes >= 1, comma-separated, not {text!r}")
+    return sizes
+
+
+def data_parallel_summary(runs: dict[str, list[dict]], targets: list[Target]) -> dict:
+    """Per request rate: each data-parallel size's request throughput, and its ratio to the first size's."""
+    first = targets[0]
+    rows = []
+    for i, rate in enumerate(r["request_rate"] for r in runs[first.name]):
+        throughput = {str(t.data_parallel_size): runs[t.name][i]["request_throughput"] for t in targets}
+        base = throughput[str(first.data_parallel_size)]
+        row = {"request_rate": rate, "request_throughput": throughput,
+               f"ratio_to_size_{first.data_parallel_size}": {size: value / base for size, value in throughput.items()
+                                                            if size != str(first.data_parallel_size)}}
+        cores = {str(t.data_parallel_size): runs[t.name][i].get("cpu_cores", {}).get("worker") for t in targets}
+        if all(cores.values()):  # on a shared machine: how many cores the workers actually got
+            row["worker_cores"] = cores
+        rows.append(row)
+    return {"sizes": [t.data_parallel_size for t in targets], "per_rate": rows}
 
 
 # ----------------------------------------------------------------------------- the command
@@ -201,22 +249,29 @@ def run(args) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     requests = load_requests(args, vocab_size=1 << 31)
+    if args.sharegpt_output_len:
+        requests = [(prompt, args.sharegpt_output_len) for prompt, _ in requests]
     rates, slos = parse_rates(args.request_rate), parse_slos(args.goodput)
-    targets = [(a.strip(), None) for a in args.allocators.split(",")] if args.launch else [(args.label, args.base_url)]
     runs: dict[str, list[dict]] = {}
-    for name, base_url in targets:
-        stack = None
+    for target in (chosen := targets(args)):
+        name, base_url, stack = target.name, target.base_url, None
         if base_url is None:
-            log(f"starting pagoda up with the {name} allocator")
-            stack = launch(args, name)
+            log(f"starting pagoda up with the {target.allocator} allocator, {target.data_parallel_size} engine group(s)")
+            stack = launch(args, target.allocator, target.data_parallel_size)
             base_url = stack.url
         try:
-            asyncio.run(run_rate(base_url, args.served_model, requests[:2], float("inf")))  # warm up
+            warm_up = requests[:2 * target.data_parallel_size]  # a request or two for each engine group
+            asyncio.run(run_rate(base_url, args.served_model, warm_up, float("inf")))
             for rate in rates:
+                cpu_before = stack.cpu_seconds() if stack else {}
                 results, duration = asyncio.run(run_rate(base_url, args.served_model, requests, rate,
                                                          args.burstiness, args.seed))
                 metrics = {"request_rate": rate if rate != float("inf") else "inf",
-                           **summarize(results, duration, slos)}
+                           **summarize(results, duration, slos),
+                           "load_average_1m": round(os.getloadavg()[0], 2)}  # others sharing the cores
+                if stack:  # the cores each role of the stack had, on average over the run
+                    metrics["cpu_cores"] = {role: round((used - cpu_before.get(role, 0.0)) / duration, 3)
+                                            for role, used in sorted(stack.cpu_seconds().items())}
                 errors = sorted({r.error for r in results if r.error})
                 if errors:
                     metrics["errors"] = errors[:5]
@@ -230,11 +285,16 @@ def run(args) -> int:
     result = {
         **header("serve", command_words("serve", args)), "model": args.model,
         "workload": {"name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed,
-                     "max_output_len": args.max_output_len, "burstiness": args.burstiness,
+                     "max_output_len": args.max_output_len, "sharegpt_output_len": args.sharegpt_output_len,
+                     "burstiness": args.burstiness,
                      "mean_prompt_tokens": sum(len(p) for p, _ in requests) / len(requests),
                      "mean_output_tokens": sum(n for _, n in requests) / len(requests)},
-        "slos_s": slos, "num_gpu_blocks": args.num_gpu_blocks, "runs": runs,
+        "slos_s": slos, "num_gpu_blocks": args.num_gpu_blocks, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "runs": runs,
     }
+    if args.launch and args.data_parallel_sizes:
+        result["data_parallel"] = data_parallel_summary(runs, chosen)
+        log(f"data parallel: {json.dumps(result['data_parallel']['per_rate'])}")
     write_result(result, args.output)
     if args.output and len(runs) and all(isinstance(r["request_rate"], float) for rs in runs.values() for r in rs):
         plot(result, Path(args.output).with_suffix(".png"))

@@ -76,9 +76,54 @@ class Stack:
             self.redis_url = json.loads(self.addresses.read_text())["redis_url"]
         return self
 
+    def engines(self) -> dict[str, bool]:
+        """The live engine groups, from the schedulers' status keys: {engine id: workers ready}."""
+        import redis
+
+        from common import streams
+        from common.protocol import SchedulerStatus, decode
+
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            keys = list(client.scan_iter(match=streams.STATUS_PREFIX + "*"))
+            statuses = [decode(raw) for raw in client.mget(keys) if raw is not None] if keys else []
+        finally:
+            client.close()
+        ready: dict[str, bool] = {}
+        for status in statuses:
+            if isinstance(status, SchedulerStatus):
+                ready[status.engine] = ready.get(status.engine, False) or status.workers_ready
+        return ready
+
+    def wait_engines(self, count: int, timeout: float = 600) -> Stack:
+        """Back once `count` engine groups have their workers ready (/health answers once one has)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagoda {self.command} exited with {self.process.returncode}")
+            engines = self.engines()
+            if sum(engines.values()) >= count:
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} engine groups were not ready within {timeout:g} s (ready: {engines})")
+            time.sleep(0.2)
+
     def children(self) -> dict[str, int]:
         """The pids of `pagoda up`'s children by role: scheduler, worker, gateway (redis-server if private)."""
         return {name: pid for name, pid in process_tree(self.process.pid).items() if name != "up"}
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each role's live children have used so far: {"worker": s, ...}."""
+        used: dict[str, float] = collections.defaultdict(float)
+        for name, pid in self.children().items():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # exited meanwhile
+                continue
+            utime, stime = stat[stat.rindex(")") + 2:].split()[11:13]
+            used[name.rstrip("'")] += (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+        return dict(used)
 
     def health(self) -> int:
         """/health's status, 0 when nothing listens."""
