@@ -7,11 +7,17 @@ One reader task per process XREADs the reply stream and fans events out to per-r
     XADD pagoda:aborts {id: request_id}         ──▶ every scheduler (disconnect, stop string)
     XADD pagoda:aborts {id, index}              ──▶ every scheduler (a stop string in one sample of n)
 
+An abort that cannot be sent (Redis down) is sent again once the reader reaches Redis: else its
+request would run on to max_tokens for no one, holding its KV blocks.
+
 Redis restarting empty (its run_id changes) loses the requests it queued. The schedulers then
 publish the ids they hold (pagoda:held:<id>); once every scheduler seen before the restart has,
 or after `restart_grace_s`, a request that no scheduler holds and whose entry the new Redis lacks
 ends with an error (503, retry) and is aborted in the schedulers. A request sent to the new Redis
-is never failed: its entry is there.
+is never failed: its entry is there. It also loses the events this gateway had not read yet: a
+request that had streamed and that no scheduler holds lost its end, and one whose next event
+skips a number (RequestEvent.seq) lost part of its text; either ends with an error, never with a
+text that stops short or skips, nor waits for an end that will not come.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ READ_COUNT = 512
 TRIM_INTERVAL_S = 1.0
 MAX_BACKOFF_S = 2.0
 REDIS_RESTARTED = "Redis restarted and lost the request before a scheduler read it"
+OUTPUT_LOST = "Redis restarted and lost part of the request's output"
 
 
 @dataclass(slots=True)
@@ -79,6 +86,13 @@ class Generation:
             self.finish(request_id, abort=True)
 
 
+def _abort_fields(request_id: str, index: int | None) -> dict[bytes, bytes]:
+    fields = {streams.ABORT_FIELD: request_id.encode()}
+    if index is not None:
+        fields[streams.ABORT_INDEX_FIELD] = str(index).encode()
+    return fields
+
+
 class EngineClient:
     def __init__(self, redis_url: str, gateway_id: str, restart_grace_s: float = 3.0) -> None:
         # retry_on_error: after a Redis restart each pooled connection fails once; reconnect and retry
@@ -96,6 +110,7 @@ class EngineClient:
         self.restart_grace_s = restart_grace_s
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._unsent_aborts: list[tuple[str, int | None]] = []  # (request id, output index): Redis was down
         self.num_unsubmitted = 0  # admitted here, XADD not yet done
         self.num_unstarted = 0  # submitted, no event back yet (queued in Redis or in a scheduler)
         self.status_ttl_s = 0.1  # admission reads scheduler status at most this often
@@ -162,13 +177,27 @@ class EngineClient:
         task.add_done_callback(self._background.discard)
 
     async def _abort(self, request_id: str, index: int | None) -> None:
-        fields = {streams.ABORT_FIELD: request_id.encode()}
-        if index is not None:
-            fields[streams.ABORT_INDEX_FIELD] = str(index).encode()
         try:
-            await self.redis.xadd(streams.ABORTS, fields, maxlen=streams.ABORTS_MAXLEN, approximate=True)
-        except Exception as exc:  # Redis down: the request ends by itself (max_tokens or its deadline)
-            log.warning("could not abort %s: %s", request_id, exc)
+            await self.redis.xadd(streams.ABORTS, _abort_fields(request_id, index), maxlen=streams.ABORTS_MAXLEN,
+                                  approximate=True)
+        except Exception as exc:  # Redis down: the reader sends it once Redis is back
+            log.warning("could not abort %s (%s); sending it again once Redis is back", request_id, exc)
+            if len(self._unsent_aborts) < streams.ABORTS_MAXLEN:
+                self._unsent_aborts.append((request_id, index))
+
+    async def _send_unsent_aborts(self) -> None:
+        """The aborts that found Redis down, in one pipeline (kept for the next try if it fails)."""
+        unsent, self._unsent_aborts = self._unsent_aborts, []
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id, index in unsent:
+            pipe.xadd(streams.ABORTS, _abort_fields(request_id, index), maxlen=streams.ABORTS_MAXLEN,
+                      approximate=True)
+        try:
+            await pipe.execute()
+        except BaseException:
+            self._unsent_aborts[:0] = unsent
+            raise
+        log.warning("sent %d abort(s) that had found Redis down", len(unsent))
 
     # ------------------------------------------------------------------ status
     async def statuses(self, fresh: bool = False) -> list[SchedulerStatus]:
@@ -198,6 +227,8 @@ class EngineClient:
         while True:
             try:
                 await self._read_batch(block=True)
+                if self._unsent_aborts:
+                    await self._send_unsent_aborts()
                 if time.monotonic() - last_trim > TRIM_INTERVAL_S:
                     if self._last_id != b"0-0":
                         await self.redis.xtrim(self.reply_stream, minid=self._last_id)  # drop what we have read
@@ -243,7 +274,7 @@ class EngineClient:
         if (self._restart.schedulers | alive) - reported and time.monotonic() < self._restart.deadline:
             return
         self._restart = None
-        candidates = [r for r in self._queues if r not in self._started and r not in held and r in self._entry_ids]
+        candidates = [r for r in self._queues if r not in held and r in self._entry_ids]
         if not candidates:
             return
         pipe = self.redis.pipeline(transaction=False)
@@ -251,12 +282,15 @@ class EngineClient:
             entry_id = self._entry_ids[request_id]
             pipe.xrange(streams.REQUESTS, entry_id, entry_id, count=1)
         lost = [r for r, entries in zip(candidates, await pipe.execute()) if not entries]
+        started = {r for r in lost if r in self._started}
         await self._read_batch(block=False)  # a request that ended has its events out before its entry goes
-        lost = [r for r in lost if r in self._queues and r not in self._started]
+        # (an error queued behind a started request's last events is never read: it has ended by then)
+        lost = [r for r in lost if r in self._queues and (r in started or r not in self._started)]
         if lost:
             log.warning("Redis restarted: failing %d request(s) it lost (no scheduler holds them)", len(lost))
         for request_id in lost:
-            self._queues[request_id].put_nowait(RequestEvent(request_id, [], None, "error", REDIS_RESTARTED))
+            message = OUTPUT_LOST if request_id in started else REDIS_RESTARTED
+            self._queues[request_id].put_nowait(RequestEvent(request_id, [], None, "error", message))
             self.abort(request_id)
 
     async def _held_requests(self) -> tuple[set[str], set[str]]:
@@ -288,8 +322,15 @@ class EngineClient:
             return
         self._started.add(event.request_id)
         if event.seq:
-            if event.seq <= self._last_seq.get(event.request_id, 0):
+            last = self._last_seq.get(event.request_id, 0)
+            if event.seq <= last:
                 log.warning("dropped event %d of %s: already seen (a retried write)", event.seq, event.request_id)
                 return
             self._last_seq[event.request_id] = event.seq
+            if event.seq > last + 1:  # events in between were lost (Redis restarted before this gateway read them)
+                log.warning("request %s lost events %d to %d; failing it", event.request_id, last + 1, event.seq - 1)
+                queue.put_nowait(RequestEvent(event.request_id, [], None, "error", OUTPUT_LOST))
+                self._queues.pop(event.request_id)  # its end: nothing more goes to its handler
+                self.abort(event.request_id)
+                return
         queue.put_nowait(event)

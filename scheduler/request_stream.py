@@ -447,7 +447,9 @@ class RequestStream:
         if run_id != self.redis_run_id:
             if self.redis_run_id is not None:
                 log.warning("Redis restarted: publishing the %d request(s) this scheduler holds", len(self.tracked))
-            held = HeldRequests(self.consumer, list(self.tracked))
+            # and those that ended while Redis was down: their last events wait in the outbox
+            unsent = [e.event.request_id for e in self.outbox if isinstance(e, SendEvent)]
+            held = HeldRequests(self.consumer, list(dict.fromkeys([*self.tracked, *unsent])))
             self.redis.set(streams.held_key(self.consumer), encode(held), ex=streams.HELD_TTL_S)
             self.redis_run_id = run_id
         self.redis.set(streams.status_key(self.consumer), status, px=int(streams.STATUS_TTL_S * 1000))

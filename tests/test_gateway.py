@@ -1084,3 +1084,82 @@ def test_gateway_config_validates_and_names_itself():
                 {"request_timeout_s": 0}, {"max_body_bytes": 10}, {"port": 70000}):
         with pytest.raises(ConfigError):
             GatewayConfig(**bad)
+
+
+def test_an_abort_that_finds_redis_down_is_sent_once_redis_is_back():
+    """A client that leaves while Redis is down: its abort (a whole request, or one output) is sent
+    to the Redis that comes back, else its request would run to max_tokens for no one."""
+    import asyncio
+
+    from gateway.engine_client import EngineClient
+
+    server = RedisServer().start()
+    r = redis.Redis.from_url(server.url)
+
+    async def leave_while_redis_is_down() -> None:
+        client = EngineClient(server.url, "gateway-test")
+        await client.start()
+        server.stop()
+        client.abort("cmpl-a-0")
+        client.abort("cmpl-b-0", 1)
+        await asyncio.sleep(0.5)
+        server.start()  # the same port, empty (no persistence): what it holds was sent after
+        deadline = time.monotonic() + 15
+        while r.xlen(streams.ABORTS) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await client.close()
+
+    try:
+        asyncio.run(leave_while_redis_is_down())
+        assert [fields for _, fields in r.xrange(streams.ABORTS)] == [
+            {streams.ABORT_FIELD: b"cmpl-a-0"}, {streams.ABORT_FIELD: b"cmpl-b-0", streams.ABORT_INDEX_FIELD: b"1"}]
+    finally:
+        r.close()
+        server.stop()
+
+
+def test_a_redis_restart_that_loses_a_started_requests_events_fails_it_instead_of_a_hang_or_a_gap():
+    """The events a gateway had not read die with Redis: a started request that no scheduler holds
+    lost its end (it would wait for it until request_timeout_s), and one whose next event skips a
+    seq lost part of its text. Both end with an error and are aborted in the schedulers."""
+    import asyncio
+
+    from gateway.engine_client import OUTPUT_LOST, EngineClient
+
+    server = RedisServer().start()
+    r = redis.Redis.from_url(server.url)
+
+    def event(request_id: str, seq: int) -> RequestEvent:
+        e = RequestEvent(request_id, [7], None)
+        e.seq = seq
+        return e
+
+    async def scenario() -> tuple[list[RequestEvent], list[RequestEvent]]:
+        client = EngineClient(server.url, "gateway-test", restart_grace_s=1.0)
+        await client.start()
+        ended = await client.submit([GenerateRequest("ended-0", [1, 2], SamplingParams(), client.reply_stream, 0.0)])
+        gapped = await client.submit([GenerateRequest("gapped-0", [1, 2], SamplingParams(), client.reply_stream, 0.0)])
+        for e in (event("ended-0", 1), event("gapped-0", 1)):
+            r.xadd(client.reply_stream, {streams.FIELD: encode(e)})
+        first = [await ended.next_event(10), await gapped.next_event(10)]
+        await asyncio.sleep(1.5)  # the reader has seen this Redis's run_id
+        server.stop()
+        server.start()  # empty: the end of "ended-0" (never written here) is what it lost
+        r.set(streams.held_key("scheduler-1"), encode(HeldRequests("scheduler-1", ["gapped-0"])))  # it runs on
+        r.xadd(client.reply_stream, {streams.FIELD: encode(event("gapped-0", 3))})  # seq 2 lost
+        then = [await ended.next_event(15), await gapped.next_event(15)]
+        await asyncio.sleep(0.2)  # the aborts go out
+        await client.close()
+        return first, then
+
+    try:
+        first, then = asyncio.run(scenario())
+        assert [(e.request_id, e.token_ids, e.finish_reason) for e in first] == [("ended-0", [7], None),
+                                                                                  ("gapped-0", [7], None)]
+        assert [(e.request_id, e.token_ids, e.finish_reason, e.error) for e in then] == [
+            ("ended-0", [], "error", OUTPUT_LOST), ("gapped-0", [], "error", OUTPUT_LOST)]
+        assert sorted(fields[streams.ABORT_FIELD] for _, fields in r.xrange(streams.ABORTS)) == [b"ended-0",
+                                                                                                 b"gapped-0"]
+    finally:
+        r.close()
+        server.stop()

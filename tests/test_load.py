@@ -5,7 +5,8 @@
   leftover entry in the requests stream; and every stream read to its end was right.
 - Admission control: beyond --max-pending-requests a request gets exactly 429 with Retry-After
   and the OpenAI error object; every request is answered 200 or 429, and the 200s are right.
-- A short soak (`python -m pagoda.bench.soak`) passes its verdict.
+- A short soak (`python -m pagoda.bench.soak`) passes its verdict, and so does a short chaos soak on two
+  engine groups (a worker, a scheduler and Redis killed during the load).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import collections
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -329,4 +331,49 @@ def test_short_soak_passes(tmp_path):
     assert set(result["rss"]) == {"up", "redis-server", "scheduler", "worker", "gateway"}
     assert all(m["ok"] and m["growth_mib"] <= m["allowed_mib"] for m in result["rss"].values())
     assert result["final_state"] == {**ZERO, "drained": True, "drain_s": result["final_state"]["drain_s"]}
+    assert result["stack_exit_code"] == 0
+
+
+def test_short_chaos_soak_passes(tmp_path):
+    """Two engine groups under load lose a worker, a scheduler and the private Redis (SIGKILL), one
+    each: every request is answered right, cancelled, or ended by a well-formed server error; the
+    stack is whole again after each kill and nothing leaks in any group."""
+    output = tmp_path / "chaos.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.bench.soak", "--duration", "30", "--warmup", "5", "--concurrency", "16",
+         "--chaos-interval", "3", "--chaos-kills", "3", "--chaos-seed", "3", "--output", str(output),
+         "--log", str(tmp_path / "stack.log"), "--device", "cpu", "--data-parallel-size", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    result = json.loads(output.read_text())
+    requests, chaos = result["requests"], result["chaos"]
+    assert result["verdict"] == "pass" and result["reasons"] == []
+    # seed 3: Redis first, then a scheduler, then a worker, each once the stack was whole again
+    assert [k["victim"] for k in chaos["kills"]] == ["redis-server", "scheduler", "worker"]
+    assert chaos["kills_by_victim"] == {"redis-server": 1, "scheduler": 1, "worker": 1}
+    children = ["engine 0 scheduler", "engine 0 worker rank 0", "engine 1 scheduler", "engine 1 worker rank 0",
+                "gateway", "redis-server"]
+    assert chaos["children_at_start"] == children and sorted(chaos["children_at_end"]) == children
+    for kill in chaos["kills"]:
+        assert kill["label"] in children and kill["whole_after_s"] is not None
+        assert chaos["children_at_end"][kill["label"]] != kill["pid"]  # restarted by `pagoda up`
+    assert chaos["settled"]
+    kill_times = [k["t"] for k in chaos["kills"]]
+    assert kill_times[0] >= 3 and all(b - a >= 3 for a, b in zip(kill_times, kill_times[1:]))
+    # no failure: each request right, cancelled on purpose, or a server error in the OpenAI shape
+    assert requests["failed"] == 0 and result["failures"] == []
+    assert requests["sent"] == requests["answered"] + requests["cancelled"] + requests["errored"] >= 40
+    assert requests["errored"] == sum(requests["errors_by_cause"].values())
+    assert all(re.fullmatch(r"(whole|stream|malformed \w+) (5\d\d )?(engine_error|service_unavailable): .+", cause)
+               for cause in requests["errors_by_cause"])
+    drawn = collections.Counter(Load("", 0, 1).kind_of(k)[0] for k in range(requests["sent"]))
+    assert {kind: sum(counts.values()) for kind, counts in requests["by_kind"].items()} == dict(drawn)
+    assert set(requests["by_status"]) <= {"200", "400", "404", "500", "503"}
+    # the killed processes are not judged; the gateway and `pagoda up` lived and did not grow
+    assert {name for name, m in result["rss"].items() if m.get("error") == "killed"} == {
+        k["label"] for k in chaos["kills"]}
+    assert all(result["rss"][name]["ok"] and "error" not in result["rss"][name] for name in ("up", "gateway"))
+    assert result["final_state"] == {**ZERO, "started": 0, "drained": True, "drain_s": result["final_state"]["drain_s"]}
     assert result["stack_exit_code"] == 0

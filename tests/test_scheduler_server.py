@@ -1065,3 +1065,25 @@ def test_after_a_redis_restart_the_scheduler_says_which_requests_it_holds_and_fi
         h.close()
         client.close()
         redis_server.stop()
+
+
+def test_after_a_redis_restart_a_scheduler_says_it_holds_the_requests_whose_last_events_wait_in_its_outbox():
+    """A request that ended while Redis was down has its last events in the outbox, not yet sent:
+    the gateways must not fail it as lost (they would queue an error ahead of its real end)."""
+    from scheduler.request_stream import Arrival, RequestStream, SendEvent
+
+    server = RedisServer().start()
+    try:
+        rs = RequestStream(ServingConfig(redis_url=server.url), "scheduler-1")
+        rs.track(Arrival(b"1-0", GenerateRequest("running-0", [1], SamplingParams(), "pagoda:replies:g", 0.0)))
+        rs.publish_status(b"status")
+        server.stop()
+        rs.outbox.append(SendEvent("pagoda:replies:g", RequestEvent("ended-0", [5], None, "length")))
+        server.start()  # empty, a new run_id
+        rs.publish_status(b"status")
+        client = redis.Redis.from_url(server.url)
+        assert decode(client.get(streams.held_key("scheduler-1"))) == HeldRequests("scheduler-1",
+                                                                                  ["running-0", "ended-0"])
+        client.close()
+    finally:
+        server.stop()
