@@ -18,6 +18,7 @@ from common.protocol import InvalidParamError
 SCHEDULER_EXCLUDES = frozenset({"heartbeat_file", "dist_init_address"})
 # the scheduler's Redis-side settings mean nothing to a worker (--drain-timeout stays: it always took it)
 WORKER_EXCLUDES = frozenset({"redis_url", "claim_interval_s", "claim_idle_ms", "worker_silence_s", "engine_id"})
+EXIT_CONFIG_ERROR = 2  # a command refused its configuration (pagoda up stops rather than restart it)
 UP_EXCLUDES = frozenset({"redis_url", "zmq_address", "dist_init_address", "engine_id", "heartbeat_file"})
 
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except (ConfigError, InvalidParamError, ValueError, FileNotFoundError) as exc:
         print(f"pagoda: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     except KeyboardInterrupt:
         return 130
 

@@ -105,6 +105,7 @@ class LLM:
         if num_cpu_blocks is not None:
             hello = dataclasses.replace(hello, num_cpu_blocks=min(num_cpu_blocks, hello.num_cpu_blocks))
         if self.ranks is not None:
+            self.ranks.check_usable()
             self.executor.group.broadcast_bytes(RESET)
         self.executor.reset()
         self.engine = LLMEngine.from_hello(self.config.replace(**config_changes), hello, self.step_executor,
@@ -185,6 +186,7 @@ class GroupExecutor:
         self.ranks = ranks
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self.ranks.check_usable()
         self.executor.group.broadcast_bytes(encode(plan))
         try:
             return self.executor.execute(plan)
@@ -210,7 +212,9 @@ class RankProcesses:
         check_shardable(load_config(resolve_model(config.model)), config.tensor_parallel_size)  # before any start
         self.config = config
         self.address = f"tcp://127.0.0.1:{_free_port()}"
-        self.group = TensorParallelGroup(0, config.tensor_parallel_size, self.address, resolve_device(config.device, 0),
+        device = resolve_device(config.device, 0)
+        _check_one_gpu_per_rank(device, config.tensor_parallel_size)
+        self.group = TensorParallelGroup(0, config.tensor_parallel_size, self.address, device,
                                          OFFLINE_TIMEOUT_S)  # hosts the store before the others look for it
         # the ranks share the cores unless OMP_NUM_THREADS says otherwise
         self.num_threads = int(os.environ.get("OMP_NUM_THREADS")
@@ -222,6 +226,13 @@ class RankProcesses:
         self._start_error: BaseException | None = None
         self._starter = threading.Thread(target=self._start_ranks, name="pagoda-tp-start", daemon=True)
         self._starter.start()
+
+    def check_usable(self) -> None:
+        """After a step failed on rank 0 the others wait in a collective rank 0 never reached:
+        nothing more can be said to them."""
+        if self.state["broken"]:
+            raise RuntimeError("a step failed on rank 0 of the tensor-parallel group, which cannot go on: "
+                               "close this LLM and build a new one")
 
     def _start_ranks(self) -> None:
         try:
@@ -272,6 +283,15 @@ class RankProcesses:
 
     def stop(self) -> None:
         self._finalizer()
+
+
+def _check_one_gpu_per_rank(device, world_size: int) -> None:
+    """Two ranks on one GPU would fail in NCCL's set-up with a message about duplicate GPUs."""
+    import torch
+
+    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"--tensor-parallel-size {world_size} needs a GPU per rank; "
+                         f"{torch.cuda.device_count()} visible")
 
 
 def _stop(procs: list[tuple[multiprocessing.Process, Connection]], group: TensorParallelGroup, state: dict) -> None:

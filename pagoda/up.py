@@ -9,7 +9,9 @@ Every scheduler reads the one Redis request stream (a consumer group spreads the
 group has its own ZeroMQ address and torch.distributed address. On a machine with GPUs, worker
 (g, r) gets the (g*N + r)-th visible GPU as its only one (CUDA_VISIBLE_DEVICES).
 
-A child that exits, or a worker whose heartbeat file goes stale (stopped, hung, or stuck in a step
+A child that exits with code 2 refused its configuration (a model the tensor-parallel size does not
+divide, say): the stack stops and `pagoda up` exits 2, since a restart would refuse again.
+A child that exits otherwise, or a worker whose heartbeat file goes stale (stopped, hung, or stuck in a step
 past --step-timeout), is restarted; the private Redis too, on its port. A child restarted more than
 MAX_RESTARTS times in RESTART_WINDOW_S is crash-looping: the stack stops and `pagoda up` exits 1.
 SIGINT or SIGTERM drains: the gateway first (requests in flight get --drain-timeout to finish),
@@ -35,7 +37,7 @@ from pathlib import Path
 from common.cli_args import config_to_argv
 from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from common.redis_server import RedisServer, free_port
-from pagoda.cli import SCHEDULER_EXCLUDES, WORKER_EXCLUDES
+from pagoda.cli import EXIT_CONFIG_ERROR, SCHEDULER_EXCLUDES, WORKER_EXCLUDES
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -244,6 +246,10 @@ def _supervise(children: list[Child], redis_server: RedisServer | None, args, st
             reason = child.failure(args.worker_timeout)
             if reason is None:
                 continue
+            if child.process.returncode == EXIT_CONFIG_ERROR:  # it would refuse again: do not loop
+                print(f"pagoda: the {child.name} refused its configuration (its error is above); stopping",
+                      file=sys.stderr)
+                return EXIT_CONFIG_ERROR
             print(f"pagoda: the {child.name} {reason}; restarting it", file=sys.stderr)
             if child.crash_looping():
                 print(f"pagoda: the {child.name} restarted {MAX_RESTARTS} times in {RESTART_WINDOW_S:g} s; giving up",

@@ -1,7 +1,10 @@
-"""The stack launcher (pagoda/bench/stack.py) and `pagoda up`'s health helpers, without a model."""
+"""The stack launcher (pagoda/bench/stack.py) and `pagoda up`'s health helpers, without a model (and
+`pagoda up` refusing a model it cannot shard)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -73,3 +76,17 @@ def test_parse_samples_keeps_each_samples_labels():
         ("pagoda:num_requests_running", {"engine": "0", "model_name": model}, 2.0),
         ("pagoda:num_requests_running", {"engine": "1", "model_name": model}, 3.0),
         ("pagoda:num_schedulers", {"model_name": "m"}, 2.0)]
+
+
+def test_pagoda_up_stops_with_exit_2_when_a_child_refuses_its_configuration():
+    """A worker that refuses the model (the default model's 9 heads do not split over 2 ranks)
+    exits 2; restarting it would refuse again, so the stack stops at once instead of crash-looping."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "up", "--device", "cpu", "--tensor-parallel-size", "2",
+         "--port", str(free_port())],
+        cwd=ROOT, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2
+    assert "pagoda: error: --tensor-parallel-size 2 does not divide the attention heads (9)" in proc.stderr
+    assert re.search(r"pagoda: the worker-0\.[01] refused its configuration \(its error is above\); stopping",
+                     proc.stderr)
+    assert "restarting it" not in proc.stderr

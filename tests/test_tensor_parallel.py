@@ -161,6 +161,42 @@ def test_each_rank_reads_only_its_slices_and_holds_that_slice(tiny, monkeypatch)
             assert torch.equal(p[name + "input_layernorm.weight"], fp[name + "input_layernorm.weight"])
 
 
+def test_ranks_starting_together_convert_a_gguf_file_once(tmp_path, monkeypatch):
+    """The ranks of a group start at once on a cold cache: one converts, the others wait for it
+    and read its result (the weights are published last, so a directory with them is whole)."""
+    import threading
+    import time
+
+    from common.models import ModelSource
+    from worker import loader
+
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    source = ModelSource("gguf", gguf, "model")
+    conversions = []
+
+    def convert(path, target):  # a slow conversion, published as the real one is
+        conversions.append(path)
+        time.sleep(0.3)
+        work = tmp_path / f"work-{len(conversions)}"
+        work.mkdir()
+        (work / "model.safetensors").write_bytes(b"weights")
+        (work / "config.json").write_text("{}")
+        loader._publish(work, target)
+
+    monkeypatch.setattr(loader, "convert_gguf", convert)
+    found = []
+    ranks = [threading.Thread(target=lambda: found.append(loader.hf_directory(source))) for _ in range(3)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    assert conversions == [gguf]
+    assert found == [source.converted_dir] * 3
+    assert sorted(p.name for p in source.converted_dir.iterdir()) == ["config.json", "model.safetensors"]
+
+
 # ----------------------------------------------------------------------------- a group vs one rank
 
 CASES = {  # name -> (model config, tensor-parallel size)
@@ -254,6 +290,32 @@ def test_a_group_pools_its_smallest_ranks_blocks_and_ranks_hold_their_kv_heads(p
     assert attn.num_heads == attn_one.num_heads // size
     assert attn.num_kv_heads == max(attn_one.num_kv_heads // size, 1)
     assert group.executor.runner.kv_caches[0].shape == (256, 2, BLOCK_SIZE, attn.num_kv_heads, 16)
+
+
+def test_a_step_that_fails_on_rank_0_ends_the_group_with_a_clear_error(tmp_path, monkeypatch):
+    """The other ranks then wait in a collective rank 0 never reached: nothing more is broadcast
+    to them (a reset or a plan would be read as the awaited tensor), and close() ends them."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TIED_QWEN))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    group = LLM(f"dummy:{path}", tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu",
+                block_size=BLOCK_SIZE, num_gpu_blocks=64, num_cpu_blocks=0)
+    try:
+        monkeypatch.setattr(type(group.executor.sampler), "__call__", lambda *_: (_ for _ in ()).throw(
+            RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="^boom$"):
+            group.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        message = ("a step failed on rank 0 of the tensor-parallel group, which cannot go on: "
+                   "close this LLM and build a new one")
+        with pytest.raises(RuntimeError) as info:
+            group.reset()
+        assert str(info.value) == message
+        with pytest.raises(RuntimeError) as info:
+            group.engine.step()  # the failed request is still held: the next step is refused too
+        assert str(info.value) == message
+    finally:
+        group.close()
+    assert [proc.is_alive() for proc, _ in group.ranks.procs] == [False]
 
 
 # ----------------------------------------------------------------------------- CUDA (NCCL)

@@ -8,6 +8,7 @@ rank and sliced, so a group's dummy model is the same model as one rank's.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -45,8 +46,23 @@ def hf_directory(source: ModelSource) -> Path:
     assert source.kind == "gguf", source
     target = source.converted_dir
     if not (target / "model.safetensors").is_file():
-        convert_gguf(source.path, target)
+        with _conversion_lock(target):  # the ranks of a group start together: one converts, the others wait
+            if not (target / "model.safetensors").is_file():
+                convert_gguf(source.path, target)
     return target
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """An exclusive lock beside the converted directory, across processes (released when the
+    holder exits, however it exits)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> None:
@@ -69,9 +85,10 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
 
 
 def _publish(tmp: Path, target: Path) -> None:
-    """Move a finished directory's files into place; whoever converts in parallel wins harmlessly."""
+    """Move a finished directory's files into place, the weights last: their presence says the
+    directory is complete."""
     target.mkdir(parents=True, exist_ok=True)
-    for item in tmp.iterdir():
+    for item in sorted(tmp.iterdir(), key=lambda item: item.name == "model.safetensors"):
         os.replace(item, target / item.name)
     shutil.rmtree(tmp, ignore_errors=True)
 
