@@ -239,8 +239,11 @@ def test_a_send_to_a_worker_that_failed_and_exited_raises_its_error_instead_of_h
     worker = context.socket(zmq.PAIR)
     worker.connect(f"tcp://127.0.0.1:{port}")
     worker.send_multipart([ERROR, b"Traceback: boom"])
-    worker.close(linger=2000)
     try:
+        # the error has arrived (so the two were connected) before the worker goes: else the
+        # wait below could end before the connection was ever made, and the send then succeed
+        assert parent.poll(10_000, zmq.POLLIN), "the worker's error never reached the parent"
+        worker.close(linger=2000)
         deadline = time.monotonic() + 10
         while parent.poll(0, zmq.POLLOUT):  # until the parent's socket has seen its peer go
             assert time.monotonic() < deadline, "the worker's disconnect never reached the parent"

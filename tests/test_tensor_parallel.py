@@ -197,6 +197,33 @@ def test_ranks_starting_together_convert_a_gguf_file_once(tmp_path, monkeypatch)
     assert sorted(p.name for p in source.converted_dir.iterdir()) == ["config.json", "model.safetensors"]
 
 
+def test_a_step_that_fails_on_rank_0_ends_the_group_with_a_clear_error(tmp_path, monkeypatch):
+    """The other ranks then wait in a collective rank 0 never reached: nothing more is broadcast
+    to them (a reset or a plan would be read as the awaited tensor), and close() ends them. (Before
+    the module's `pair` groups: one process holds one default process group at a time.)"""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TIED_QWEN))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    group = LLM(f"dummy:{path}", tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu",
+                block_size=BLOCK_SIZE, num_gpu_blocks=64, num_cpu_blocks=0)
+    try:
+        monkeypatch.setattr(type(group.executor.sampler), "__call__", lambda *_: (_ for _ in ()).throw(
+            RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="^boom$"):
+            group.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        message = ("a step failed on rank 0 of the tensor-parallel group, which cannot go on: "
+                   "close this LLM and build a new one")
+        with pytest.raises(RuntimeError) as info:
+            group.reset()
+        assert str(info.value) == message
+        with pytest.raises(RuntimeError) as info:
+            group.engine.step()  # the failed request is still held: the next step is refused too
+        assert str(info.value) == message
+    finally:
+        group.close()
+    assert [proc.is_alive() for proc, _ in group.ranks.procs] == [False]
+
+
 # ----------------------------------------------------------------------------- a group vs one rank
 
 CASES = {  # name -> (model config, tensor-parallel size)
@@ -290,32 +317,6 @@ def test_a_group_pools_its_smallest_ranks_blocks_and_ranks_hold_their_kv_heads(p
     assert attn.num_heads == attn_one.num_heads // size
     assert attn.num_kv_heads == max(attn_one.num_kv_heads // size, 1)
     assert group.executor.runner.kv_caches[0].shape == (256, 2, BLOCK_SIZE, attn.num_kv_heads, 16)
-
-
-def test_a_step_that_fails_on_rank_0_ends_the_group_with_a_clear_error(tmp_path, monkeypatch):
-    """The other ranks then wait in a collective rank 0 never reached: nothing more is broadcast
-    to them (a reset or a plan would be read as the awaited tensor), and close() ends them."""
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TIED_QWEN))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    group = LLM(f"dummy:{path}", tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu",
-                block_size=BLOCK_SIZE, num_gpu_blocks=64, num_cpu_blocks=0)
-    try:
-        monkeypatch.setattr(type(group.executor.sampler), "__call__", lambda *_: (_ for _ in ()).throw(
-            RuntimeError("boom")))
-        with pytest.raises(RuntimeError, match="^boom$"):
-            group.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
-        message = ("a step failed on rank 0 of the tensor-parallel group, which cannot go on: "
-                   "close this LLM and build a new one")
-        with pytest.raises(RuntimeError) as info:
-            group.reset()
-        assert str(info.value) == message
-        with pytest.raises(RuntimeError) as info:
-            group.engine.step()  # the failed request is still held: the next step is refused too
-        assert str(info.value) == message
-    finally:
-        group.close()
-    assert [proc.is_alive() for proc, _ in group.ranks.procs] == [False]
 
 
 # ----------------------------------------------------------------------------- CUDA (NCCL)
