@@ -1,6 +1,7 @@
 """The real stack for tests: pagoda/bench/stack.py's launcher on CPU, logging to .pytest_cache/."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from common.redis_server import free_port
@@ -29,3 +30,13 @@ class Gateway(launcher.Stack):
         port = free_port()
         super().__init__("--redis-url", redis_url, *flags, command="gateway", port=port, log=_log("gateway", port))
         self.redis_url = redis_url
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    """Seconds until `predicate()` held; AssertionError naming `what` after `timeout` seconds."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start

@@ -16,7 +16,7 @@ import redis
 from common import streams
 from pagoda.bench.soak import wait_drained
 from pagoda.bench.stack import parse_samples, process_tree
-from tests.stack import Stack
+from tests.stack import Stack, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -68,13 +68,6 @@ def scheduler_pid(stack: Stack, engine: str) -> int:
         if "scheduler" in words and f"--engine-id={engine}" in words:
             return pid
     raise AssertionError(f"no scheduler of engine {engine}")
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_both_engine_groups_take_requests_from_the_one_stream(stack):

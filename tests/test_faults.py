@@ -18,7 +18,7 @@ import redis
 
 from common import streams
 from pagoda.bench.soak import wait_drained
-from tests.stack import Stack
+from tests.stack import Stack, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -92,15 +92,6 @@ def start_streams(pool, stack: Stack, count: int) -> list[concurrent.futures.Fut
         futures.append(pool.submit(stream, stack.url, LONG, started))
         assert started.result(timeout=120), "the stream ended before its third token"
     return futures
-
-
-def wait_for(predicate, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def assert_nothing_leaked(stack: Stack, redis_server, r: redis.Redis) -> None:

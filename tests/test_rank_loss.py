@@ -32,12 +32,13 @@ import redis
 from common import streams
 from common.protocol import GenerateRequest, RequestEvent, SamplingParams, SchedulerStatus, decode, encode
 from common.redis_server import free_port
+from tests.conftest import TINY_LLAMA
+from tests.stack import ROOT, wait_for
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "tests" / "data" / "tiny-llama.json"  # 4 query heads, 2 KV heads: one KV head per rank
-ENGINE = ["--model", f"dummy:{TINY}", "--device", "cpu", "--tensor-parallel-size", "2", "--num-gpu-blocks", "128",
-          "--num-cpu-blocks", "0"]
+# TINY_LLAMA: 4 query heads, 2 KV heads: one KV head per rank
+ENGINE = ["--model", f"dummy:{TINY_LLAMA}", "--device", "cpu", "--tensor-parallel-size", "2", "--num-gpu-blocks",
+          "128", "--num-cpu-blocks", "0"]
 REPLIES = streams.reply_stream("test-rank-loss")
 LONG = list(range(100, 120))  # a prompt whose greedy stream runs long enough to strike mid-stream
 LONG_TOKENS = 160
@@ -175,15 +176,6 @@ def client(redis_server):
 def reference(groups, client) -> dict[str, list[int]]:
     """Greedy outputs before any fault (both groups run the same shards the same way: one answer)."""
     return {"long": client.run(LONG, LONG_TOKENS, "ref"), "short": client.run(SHORT, SHORT_TOKENS, "ref")}
-
-
-def wait_for(predicate, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def status(r: redis.Redis, group: EngineGroup) -> SchedulerStatus | None:
