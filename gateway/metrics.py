@@ -33,21 +33,26 @@ def _kv_cache_usage(statuses: list[SchedulerStatus]) -> float:
     return used / total_blocks if total_blocks else 0.0
 
 
+def _summed(field: str) -> Callable[[list[SchedulerStatus]], float]:
+    """The sum of a status field over one engine group's schedulers."""
+    return lambda statuses: sum(getattr(x, field) for x in statuses)
+
+
 # (family, name, help, the value of one engine group's statuses)
 ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[list[SchedulerStatus]], float]], ...] = (
     (GaugeMetricFamily, "pagoda:num_requests_running", "Requests in the running batch.",
-     lambda s: sum(x.num_running for x in s)),
+     _summed("num_running")),
     (GaugeMetricFamily, "pagoda:num_requests_waiting", "Requests waiting to be scheduled.",
-     lambda s: sum(x.num_waiting for x in s)),
+     _summed("num_waiting")),
     (GaugeMetricFamily, "pagoda:num_requests_swapped", "Requests swapped out to the CPU pool.",
-     lambda s: sum(x.num_swapped for x in s)),
+     _summed("num_swapped")),
     (GaugeMetricFamily, "pagoda:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", _kv_cache_usage),
     (CounterMetricFamily, "pagoda:num_preemptions", "Preemptions since the scheduler started.",
-     lambda s: sum(x.num_preemptions_total for x in s)),
+     _summed("num_preemptions_total")),
     (CounterMetricFamily, "pagoda:prefix_cache_queries", "Prefix cache lookups, in tokens.",
-     lambda s: sum(x.prefix_cache_queries_total for x in s)),
+     _summed("prefix_cache_queries_total")),
     (CounterMetricFamily, "pagoda:prefix_cache_hits", "Prefix cache hits, in tokens.",
-     lambda s: sum(x.prefix_cache_hits_total for x in s)),
+     _summed("prefix_cache_hits_total")),
 )
 
 
