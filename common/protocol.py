@@ -252,6 +252,9 @@ class RequestEvent:
     # The request's token-bearing events, numbered from 1 by its scheduler; 0 on events without
     # tokens. A gateway drops one it has already seen (a Redis write retried after a timeout).
     seq: int = 0
+    # time.time() at the scheduler when the request was first scheduled, on its first token-bearing
+    # event (0.0 otherwise): the gateway's queue and prefill times (vLLM's metrics)
+    scheduled_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -278,6 +281,22 @@ class SchedulerStatus:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     engine: str = "0"  # the scheduler's --engine-id: the `engine` label of its /metrics series
+    # [observability]: the swap pool, sharing and the memory counters (gateway/metrics.py)
+    num_cpu_blocks: int = 0
+    cpu_cache_usage: float = 0.0  # 0..1, the swap pool
+    num_shared_blocks: int = 0  # device blocks held by more than one table
+    num_blocks_saved_by_sharing: int = 0  # blocks in tables less distinct blocks held
+    num_cow_copies_total: int = 0
+    num_swapped_out_blocks_total: int = 0
+    num_swapped_in_blocks_total: int = 0
+    num_prefix_evictions_total: int = 0
+    # tokens per step, counted per bucket of ITERATION_TOKENS_BUCKETS and one more for +Inf (not cumulative)
+    iteration_tokens: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
+
+
+# vLLM's `iteration_tokens_total` buckets
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(slots=True)
@@ -289,17 +308,58 @@ class HeldRequests:
     request_ids: list[str]
 
 
+# ----------------------------------------------------------------------------- memory (dashboard)
+
+
+@dataclass(slots=True)
+class MemoryEvent:
+    """Something that happened to KV blocks (scheduler/memory_view.py lists the kinds)."""
+
+    id: int  # from 1, per scheduler
+    step: int
+    time: float  # time.time()
+    kind: str
+    request_id: str  # "" for prefix-cache evictions
+    seq_id: int  # -1 when the event is the request's, not one sequence's
+    blocks: list[int]  # the blocks concerned (cow: [src, dst]; swaps: the device blocks)
+
+
+@dataclass(slots=True)
+class MemorySnapshot:
+    """One scheduler's block manager as the dashboard draws it; JSON by common/memory_snapshot.py.
+
+    Reference counts travel as little-endian uint32 arrays, one per block id (the null block 0
+    included, always 0); `sequences` as rows [request_id, seq_id, status, num_tokens, num_slots,
+    pool, block_table] (pool "gpu" or "cpu").
+    """
+
+    engine: str
+    scheduler_id: str
+    time: float
+    step: int
+    version: int  # changes whenever the memory may have changed
+    block_size: int
+    num_gpu_blocks: int  # the device pool, the null block included
+    num_cpu_blocks: int
+    ref_counts: bytes
+    cpu_ref_counts: bytes
+    cached: list[int]  # device blocks held only by the prefix cache (reference count 0, evictable)
+    sequences: list[list]
+    events: list[MemoryEvent]  # the latest, oldest first
+    stats: dict  # common/memory_snapshot.py STATS
+
+
 # ----------------------------------------------------------------------------- codec
 
 _MESSAGE_TYPES: list[type] = [  # append only: a message's tag is its index
     SamplingParams, NewSequence, CachedSequence, StepPlan, SampledToken, StepResult, WorkerHello,
-    GenerateRequest, RequestEvent, SchedulerStatus, HeldRequests,
+    GenerateRequest, RequestEvent, SchedulerStatus, HeldRequests, MemoryEvent, MemorySnapshot,
 ]
 _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
-_ADDED_FIELDS: dict[type, int] = {SchedulerStatus: 1}  # engine
+_ADDED_FIELDS: dict[type, int] = {SchedulerStatus: 11, RequestEvent: 1}  # engine; [observability]
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step) travel as columns, one list per
 # field of the element type in declaration order, instead of one extension per element.

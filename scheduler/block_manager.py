@@ -54,6 +54,11 @@ class BlockManager(AllocatorBase):
         self.block_tokens: dict[int, tuple[int, ...]] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, ref 0; oldest first
         self.seq_keys: dict[int, list[bytes]] = {}  # keys of each sequence's leading full blocks
+        # for the dashboard (scheduler/memory_view.py): a counter bumped by every change of a
+        # table or a count, and the cached blocks evicted since the scheduler last took them
+        self.version = 0
+        self.num_prefix_evictions = 0
+        self.evicted: list[int] = []
 
     # ---------------------------------------------------------------- queries
     @property
@@ -95,6 +100,7 @@ class BlockManager(AllocatorBase):
             raise NoFreeBlocksError(f"{needed} blocks needed, {self.num_free_blocks - num_evictable_hits} free")
         for block in hits:
             self._hold(block)
+        self.version += 1
         table = hits + [self._take() for _ in range(needed)]
         self.block_tables[seq_id] = table
         self.num_slots[seq_id] = num_tokens
@@ -112,6 +118,7 @@ class BlockManager(AllocatorBase):
         table = self.block_tables[seq_id]
         num_slots = self.num_slots[seq_id]
         new_slots = num_slots + num_new_tokens
+        self.version += 1
         if new_slots <= len(table) * self.block_size and (
             num_slots % self.block_size == 0 or self.ref_counts[table[-1]] == 1
         ):  # the common decode step: the slots fit in the last block, which is this table's alone
@@ -148,6 +155,7 @@ class BlockManager(AllocatorBase):
         """Give `child_id` the parent's table; every block becomes shared (copy-on-write)."""
         assert child_id not in self.block_tables, f"sequence {child_id} already has a block table"
         table = list(self.block_tables[parent_id])
+        self.version += 1
         for block in table:
             self.ref_counts[block] += 1
         self.block_tables[child_id] = table
@@ -159,6 +167,7 @@ class BlockManager(AllocatorBase):
         """Release a sequence's table (device or swap pool), tail block first."""
         del self.num_slots[seq_id]
         self.seq_keys.pop(seq_id, None)
+        self.version += 1
         if seq_id in self.cpu_tables:
             for block in reversed(self.cpu_tables.pop(seq_id)):
                 self.cpu_ref_counts[block] -= 1
@@ -182,6 +191,8 @@ class BlockManager(AllocatorBase):
         else:
             block, _ = self.evictable.popitem(last=False)
             self._unregister(block)
+            self.num_prefix_evictions += 1
+            self.evicted.append(block)
         assert self.ref_counts[block] == 0
         self.ref_counts[block] = 1
         return block
@@ -242,6 +253,7 @@ class BlockManager(AllocatorBase):
         A block shared between them is copied once and stays shared."""
         if not self.can_swap_out(seq_ids):
             raise NoFreeBlocksError("the swap pool cannot hold these sequences")
+        self.version += 1
         mapping: dict[int, int] = {}
         for seq_id in seq_ids:
             table = self.block_tables.pop(seq_id)
@@ -264,6 +276,7 @@ class BlockManager(AllocatorBase):
         """Bring swapped sequences back to device blocks; returns the copies [cpu, device]."""
         if not self.can_swap_in(seq_ids):
             raise NoFreeBlocksError("the device pool cannot hold these sequences")
+        self.version += 1
         mapping: dict[int, int] = {}
         for seq_id in seq_ids:
             cpu_table = self.cpu_tables.pop(seq_id)

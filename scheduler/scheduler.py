@@ -24,20 +24,23 @@ are those of the serial loop; a sequence that ends in step N had one token compu
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import struct
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
 from common.protocol import (
-    PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
+    ITERATION_TOKENS_BUCKETS, PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
     num_beam_candidates, sample_seed,
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError
 from scheduler.block_manager import BlockManager
+from scheduler.memory_view import MemoryEventLog
 from scheduler.sequence import (
     BeamHypothesis, BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
 )
@@ -130,6 +133,13 @@ class Scheduler:
         self.num_recompute_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of them, tokens whose KV was there
+        # memory counters and events (scheduler/memory_view.py; the dashboard and /metrics)
+        self.memory_events = MemoryEventLog()
+        self.num_cow_copies = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, the last +Inf
+        self.iteration_tokens_sum = 0
         # True (the scheduler process): an exception raised for one request ends that request
         # alone, reported by take_failed(); False: it propagates.
         self.isolate_failures = False
@@ -285,7 +295,26 @@ class Scheduler:
                 self._schedule_waiting(plan, budget)
         self._in_flight.append(self._planning)
         self._ahead = {}
+        self._count_step(plan)
         return plan
+
+    def _count_step(self, plan: StepPlan) -> None:
+        num_tokens = plan.num_scheduled_tokens
+        if num_tokens:
+            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+            self.iteration_tokens_sum += num_tokens
+        evicted = getattr(self.block_manager, "evicted", None)
+        if evicted:
+            self.memory_events.record(self.step, "prefix_evict", "", -1, evicted)
+            evicted.clear()
+
+    def _record(self, kind: str, group: SequenceGroup, seq_id: int, blocks: list[int]) -> None:
+        self.memory_events.record(self.step, kind, group.request_id, seq_id, blocks)
+
+    def _copied_on_write(self, group: SequenceGroup, seq_id: int, copy: list[int], plan: StepPlan) -> None:
+        plan.blocks_to_copy.append(copy)
+        self.num_cow_copies += 1
+        self._record("cow", group, seq_id, copy)
 
     # A sequence with tokens in the plan in flight is scheduled ahead only when that plan draws
     # exactly one token for it that cannot end it by length; the rest of its group then goes on
@@ -378,7 +407,7 @@ class Scheduler:
             except NoFreeBlocksError:
                 return False
             if appended.copy_on_write is not None:
-                plan.blocks_to_copy.append(appended.copy_on_write)
+                self._copied_on_write(group, seq_id, appended.copy_on_write, plan)
             seq.num_sent_blocks = min(seq.num_sent_blocks, appended.first_changed_block)
         table = bm.block_table(seq_id)
         num_samples = 1 if seq.output_token_ids else group.best_of  # as in _add_to_plan
@@ -410,7 +439,10 @@ class Scheduler:
                 if num_new is None or not self.block_manager.can_swap_in(seq_ids):
                     return
                 self.swapped.pop(0)
-                plan.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_ids))
+                copies = self.block_manager.swap_in(seq_ids)
+                plan.blocks_to_swap_in.extend(copies)
+                self.num_swapped_in_blocks += len(copies)
+                self._record("swap_in", group, -1, [block for _, block in copies])
                 for seq in seqs:
                     seq.status = SequenceStatus.RUNNING
                 self._insert_running(group)
@@ -452,6 +484,11 @@ class Scheduler:
                     if bm.enable_prefix_caching:
                         self.prefix_cache_queries += seq.num_tokens
                         self.prefix_cache_hits += seq.num_computed_tokens
+                        if seq.num_computed_tokens:
+                            hit_blocks = bm.block_table(seq.seq_id)[:seq.num_computed_tokens // bm.block_size]
+                            self._record("prefix_hit", group, seq.seq_id, hit_blocks)
+                if group.first_scheduled_time is None:
+                    group.first_scheduled_time = time.time()
                 self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
                 self._insert_running(group)
             except Exception as exc:
@@ -503,7 +540,8 @@ class Scheduler:
             if n > 0:
                 appended = self.block_manager.append_slot(seq.seq_id, n)
                 if appended.copy_on_write is not None:
-                    plan.blocks_to_copy.append(appended.copy_on_write)
+                    group = self._group_of_seq[seq.seq_id]
+                    self._copied_on_write(group, seq.seq_id, appended.copy_on_write, plan)
                 # a copy-on-write replaced a block the workers hold: they get it again
                 seq.num_sent_blocks = min(seq.num_sent_blocks, appended.first_changed_block)
 
@@ -516,13 +554,18 @@ class Scheduler:
                 plan.preempted_seq_ids.append(seq.seq_id)
             seq.num_sent_blocks = 0
         if self._preemption_mode(seqs) == "swap":
-            plan.blocks_to_swap_out.extend(self.block_manager.swap_out([seq.seq_id for seq in seqs]))
+            copies = self.block_manager.swap_out([seq.seq_id for seq in seqs])
+            plan.blocks_to_swap_out.extend(copies)
+            self.num_swapped_out_blocks += len(copies)
+            self._record("swap_out", group, -1, [block for block, _ in copies])
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
             self.swapped.sort(key=lambda g: g.arrival_time)
             self.num_swap_preemptions += 1
         else:
+            freed = sorted({block for seq in seqs for block in self.block_manager.block_table(seq.seq_id)})
+            self._record("recompute", group, -1, freed)
             for seq in seqs:
                 self.block_manager.free(seq.seq_id)
                 seq.reset_for_recompute()
@@ -672,6 +715,7 @@ class Scheduler:
             SequenceStatus.RUNNING,
         )
         self.block_manager.fork(parent.seq_id, child.seq_id)
+        self._record("fork", group, child.seq_id, self.block_manager.block_table(child.seq_id))
         self._seqs[child.seq_id] = child
         self._group_of_seq[child.seq_id] = group
         group.seqs.append(child)

@@ -103,6 +103,7 @@ class SequenceGroup:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     beam: BeamState | None = None
+    first_scheduled_time: float | None = None  # time.time() when first scheduled (vLLM's queue time ends)
 
     @property
     def best_of(self) -> int:

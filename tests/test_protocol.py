@@ -8,7 +8,8 @@ import pytest
 from common import protocol
 from common.config import ConfigError, EngineConfig
 from common.protocol import (
-    PROTOCOL_VERSION, CachedSequence, GenerateRequest, HeldRequests, InvalidParamError, NewSequence, ProtocolError,
+    PROTOCOL_VERSION, CachedSequence, GenerateRequest, HeldRequests, InvalidParamError, MemoryEvent, MemorySnapshot,
+    NewSequence, ProtocolError,
     RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult, WorkerHello, decode, encode,
 )
 
@@ -43,11 +44,22 @@ STATUS = SchedulerStatus(
     max_request_tokens=1584,
     workers_ready=True, num_running=2, num_waiting=1, num_swapped=0, kv_cache_usage=0.25, num_preemptions_total=3,
     prefix_cache_queries_total=10, prefix_cache_hits_total=4, updated_at=1.7e9, engine="2",
+    num_cpu_blocks=8, cpu_cache_usage=0.5, num_shared_blocks=3, num_blocks_saved_by_sharing=6, num_cow_copies_total=2,
+    num_swapped_out_blocks_total=4, num_swapped_in_blocks_total=4, num_prefix_evictions_total=1,
+    iteration_tokens=[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], iteration_tokens_sum=5,
+)
+MEMORY_EVENT = MemoryEvent(3, 17, 1.7e9, "cow", "cmpl-1", 4, [3, 12])
+SNAPSHOT = MemorySnapshot(
+    engine="0", scheduler_id="host-1", time=1.7e9, step=17, version=5, block_size=16, num_gpu_blocks=4,
+    num_cpu_blocks=2, ref_counts=bytes(4) + (2).to_bytes(4, "little") * 2 + bytes(4), cpu_ref_counts=bytes(8),
+    cached=[3], sequences=[["cmpl-1", 4, "running", 20, 20, "gpu", [1, 2]], ["cmpl-1", 5, "running", 20, 20, "gpu", [1, 2]]],
+    events=[MEMORY_EVENT], stats={"num_running": 1},
 )
 MESSAGES = [
     SamplingParams(), FULL_PARAMS, NEW_SEQ, CACHED_SEQ, StepPlan(1, 0), PLAN, SAMPLED, RESULT,
     StepResult(3, 0, error="CUDA out of memory"), HELLO, REQUEST, EVENT,
     RequestEvent("cmpl-2", [], None, "error", "the worker failed"), STATUS, HeldRequests("host-1", ["cmpl-1", "cmpl-2"]),
+    MEMORY_EVENT, SNAPSHOT,
 ]
 
 
@@ -142,13 +154,23 @@ def test_a_wrong_field_count_is_a_protocol_error(values):
         decode(data)
 
 
-def test_a_status_from_a_scheduler_before_the_engine_field_decodes_as_engine_0():
-    old = _body(encode(STATUS))[1:-1]  # every field but the last, engine
+def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defaults():
+    """A scheduler older than [scale-out] (no `engine`) or than [observability] (no memory counters)."""
+    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-11:]
+    old = _body(encode(STATUS))[1:-11]  # every field but the 11 appended
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old)], use_bin_type=True)
-    assert decode(data) == dataclasses.replace(STATUS, engine="0")
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in new_fields}
+    assert decode(data) == dataclasses.replace(STATUS, **defaults)
+    assert decode(data).engine == "0"
     short = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old[:-1])], use_bin_type=True)
-    with pytest.raises(ProtocolError, match="SchedulerStatus expects 19 fields, got 17"):
+    with pytest.raises(ProtocolError, match="SchedulerStatus expects 29 fields, got 17"):
         decode(short)
+
+
+def test_an_event_from_a_scheduler_before_scheduled_at_decodes_as_0():
+    old = _body(encode(dataclasses.replace(EVENT, scheduled_at=1.5)))[1:-1]
+    data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(RequestEvent), *old)], use_bin_type=True)
+    assert decode(data) == EVENT and EVENT.scheduled_at == 0.0
 
 
 def test_a_wrong_field_count_deep_inside_a_plan_is_a_protocol_error():

@@ -1,0 +1,74 @@
+"""A MemorySnapshot (common/protocol.py, built by scheduler/memory_view.py) as the JSON the
+dashboard draws, served at /dashboard/snapshot and written by `pagoda generate --memory-trace`:
+
+    {"engine": "0", "scheduler_id": "...", "time": 1764041000.5, "step": 812, "version": 99,
+     "block_size": 16, "num_gpu_blocks": 30000, "num_cpu_blocks": 4096,
+     "ref_counts": [0, 2, 2, 1, 0, ...],      one per device block id, 0 (the null block) included
+     "cpu_ref_counts": [1, 1, 0, ...],        one per swap-pool block id
+     "cached": [17, 18],                      device blocks held only by the prefix cache
+     "sequences": [{"request_id": "cmpl-..", "seq_id": 4, "status": "running", "num_tokens": 37,
+                    "num_slots": 37, "pool": "gpu", "block_table": [1, 2, 3]}, ...],
+     "events": [{"id": 12, "step": 811, "time": ..., "kind": "cow", "request_id": "cmpl-..",
+                 "seq_id": 5, "blocks": [3, 9]}, ...],
+     "stats": {...}}                          the gauges named in STATS
+
+`num_slots` is how many slots of the table hold token states or are written this step (the last
+block's filled slots are num_slots - (len(block_table) - 1) * block_size).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from array import array
+
+from common.protocol import MemorySnapshot
+
+SEQUENCE_FIELDS = ("request_id", "seq_id", "status", "num_tokens", "num_slots", "pool", "block_table")
+STATS = (
+    "num_running", "num_waiting", "num_swapped",  # requests
+    "num_preemptions",
+    "allocated_slots",  # slots of the distinct device blocks in tables
+    "token_slots",  # of them, slots holding token states (internal fragmentation: the rest)
+    "num_free_blocks", "num_cached_blocks", "num_used_blocks", "num_shared_blocks",
+    "blocks_saved_by_sharing",  # blocks in tables less distinct blocks in tables
+    "num_cow_copies", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_prefix_evictions",  # since start
+)
+
+
+def _ints(data: bytes) -> list[int]:
+    values = array("I")
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
+
+
+def snapshot_json(snapshot: MemorySnapshot) -> dict:
+    out = dataclasses.asdict(snapshot)
+    out["ref_counts"] = _ints(snapshot.ref_counts)
+    out["cpu_ref_counts"] = _ints(snapshot.cpu_ref_counts)
+    out["sequences"] = [dict(zip(SEQUENCE_FIELDS, row)) for row in snapshot.sequences]
+    return out
+
+
+def check_snapshot(snapshot: dict) -> list[str]:
+    """What is wrong with a snapshot's JSON by its own invariants (empty when it agrees with itself):
+    each block's reference count is the number of tables holding it, in either pool, and a cached
+    block is held by no table."""
+    problems = []
+    for pool, counts_key in (("gpu", "ref_counts"), ("cpu", "cpu_ref_counts")):
+        counts = snapshot[counts_key]
+        holders = [0] * len(counts)
+        for seq in snapshot["sequences"]:
+            if seq["pool"] == pool:
+                for block in seq["block_table"]:
+                    holders[block] += 1
+        for block, (count, held) in enumerate(zip(counts, holders)):
+            if count != held:
+                problems.append(f"{pool} block {block}: reference count {count}, held by {held} table(s)")
+    if snapshot["ref_counts"] and snapshot["ref_counts"][0]:
+        problems.append("the null block 0 has a reference count")
+    for block in snapshot["cached"]:
+        if snapshot["ref_counts"][block]:
+            problems.append(f"cached block {block} is held by a table")
+    return problems
