@@ -258,6 +258,10 @@ def _add_bench_memory(m: argparse.ArgumentParser) -> None:
     m.add_argument("--sharing-max-tokens", type=int, default=64, help="cap on their output lengths (CPU time)")
     m.add_argument("--model", default="default", help="the model for the sharing runs")
     m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the sharing runs)")
+    m.add_argument("--plot", nargs="?", const="docs", metavar="DIR",
+                   help="draw the paper's figure 2 (memory-breakdown.png) and the sharing savings "
+                        "(sharing-savings.png) in DIR (default docs)")
+    m.add_argument("--from-result", metavar="FILE", help="only draw the --plot figures of a result JSON written before")
     m.add_argument("--output", help="write the result JSON here")
     m.set_defaults(handler=_bench_memory)
 
