@@ -103,3 +103,14 @@ def test_pagoda_generate_writes_a_trace_with_the_samples_sharing_their_prompt(tm
     events = [e for e in trace[-1]["events"] if e["kind"] in ("fork", "cow")]
     assert [e["kind"] for e in events] == ["fork"] * 3 + ["cow"] * 3
     assert held(trace[-1]) == {} and trace[-1]["sequences"] == []
+
+
+def test_an_abort_that_frees_the_blocks_is_written(tmp_path):
+    llm = tiny_llm(tmp_path / "trace.jsonl")
+    llm.engine.add_request("a", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.step()
+    assert llm.engine.abort_request("a")
+    llm.close()
+    trace = read_trace(tmp_path / "trace.jsonl")
+    assert [held(s) for s in trace] == [{1: 1, 2: 1, 3: 1}, {}]
+    assert [q["request_id"] for q in trace[0]["sequences"]] == ["a"] and trace[1]["sequences"] == []
