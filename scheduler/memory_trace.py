@@ -11,6 +11,7 @@ by id. With `interval_s` > 0, events older than the latest MAX_EVENTS at a writt
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -31,7 +32,7 @@ class MemoryTrace:
     _last_time: float = field(default=float("-inf"), repr=False)
 
     @classmethod
-    def open(cls, path: str, interval_s: float = 0.0) -> MemoryTrace:
+    def open(cls, path: str | os.PathLike, interval_s: float = 0.0) -> MemoryTrace:
         if interval_s < 0:
             raise ValueError(f"memory trace interval {interval_s}: give 0 (every step) or more seconds")
         return cls(open(path, "w", encoding="utf-8"), interval_s)
@@ -56,7 +57,7 @@ class MemoryTrace:
         self.file.close()
 
 
-def read_trace(path: str) -> list[dict]:
+def read_trace(path: str | os.PathLike) -> list[dict]:
     """The snapshots of a trace file, in order."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
