@@ -61,6 +61,11 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--early-stopping", default="false", choices=["true", "false", "never"],
                    help="beam search: when to stop (transformers' semantics)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, in input order")
+    p.add_argument("--memory-trace", metavar="FILE",
+                   help="write the KV memory's snapshots here as JSON Lines, one after each step that changed it "
+                        "(the /dashboard/snapshot object; `pagoda bench memory --replay FILE` draws them)")
+    p.add_argument("--memory-trace-interval", type=float, default=0.0, metavar="SECONDS",
+                   help="with --memory-trace: at most one snapshot this often (0: after every such step)")
     p.set_defaults(handler=_generate)
 
 
@@ -91,7 +96,8 @@ def _generate(args) -> int:
         beam_width=args.beam_width, length_penalty=args.length_penalty,
         early_stopping={"true": True, "false": False}.get(args.early_stopping, args.early_stopping),
     )
-    llm = LLM(**dataclasses.asdict(config_from_args(EngineConfig, args)))
+    llm = LLM(**dataclasses.asdict(config_from_args(EngineConfig, args)), memory_trace=args.memory_trace,
+              memory_trace_interval=args.memory_trace_interval)
     start = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params, use_tqdm=not args.json)
@@ -114,6 +120,8 @@ def _generate(args) -> int:
         f"{tokens} output tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s)",
         file=sys.stderr,
     )
+    if llm.memory_trace is not None:
+        print(f"pagoda: {llm.memory_trace.num_snapshots} memory snapshots in {args.memory_trace}", file=sys.stderr)
     return 0
 
 
@@ -250,6 +258,10 @@ def _add_bench_memory(m: argparse.ArgumentParser) -> None:
     m.add_argument("--sharing-max-tokens", type=int, default=64, help="cap on their output lengths (CPU time)")
     m.add_argument("--model", default="default", help="the model for the sharing runs")
     m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the sharing runs)")
+    m.add_argument("--plot", nargs="?", const="docs", metavar="DIR",
+                   help="draw the paper's figure 2 (memory-breakdown.png) and the sharing savings "
+                        "(sharing-savings.png) in DIR (default docs)")
+    m.add_argument("--from-result", metavar="FILE", help="only draw the --plot figures of a result JSON written before")
     m.add_argument("--output", help="write the result JSON here")
     m.set_defaults(handler=_bench_memory)
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from common.config import EngineConfig
 from common.protocol import SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
+from scheduler.memory_trace import MemoryTrace
 from worker.executor import Executor
 from worker.parallel import TensorParallelGroup
 from worker.tp_rank import OFFLINE_TIMEOUT_S, RESET, STOP, serve_rank
@@ -72,7 +73,10 @@ class LLM:
     codec, as they would cross ZeroMQ (the tests that hold the wire format to the engine).
     """
 
-    def __init__(self, model: str = "default", skip_tokenizer_init: bool = False, wire: bool = False, **config) -> None:
+    def __init__(self, model: str = "default", skip_tokenizer_init: bool = False, wire: bool = False,
+                 memory_trace: str | None = None, memory_trace_interval: float = 0.0, **config) -> None:
+        """`memory_trace`: a file to write the KV memory's snapshots to, one JSON line after each
+        step that changed it, at most every `memory_trace_interval` seconds (0: every such step)."""
         self.wire = wire
         self.config = EngineConfig(model=model, **config)
         self.ranks = None if self.config.tensor_parallel_size == 1 else RankProcesses(self.config)
@@ -86,7 +90,11 @@ class LLM:
             hello = self.ranks.group_hello()
         self.num_blocks = hello.num_gpu_blocks, hello.num_cpu_blocks  # the group's: its smallest rank's
         self.config = self.config.replace(max_model_len=hello.max_model_len)
-        self.engine = LLMEngine.from_hello(self.config, hello, self.step_executor, wire=wire)
+        self.memory_trace = MemoryTrace.open(memory_trace, memory_trace_interval) if memory_trace else None
+        if self.memory_trace is not None:
+            weakref.finalize(self, self.memory_trace.close)
+        self.engine = LLMEngine.from_hello(self.config, hello, self.step_executor, wire=wire,
+                                           memory_trace=self.memory_trace)
         self.encoder = None
         if not skip_tokenizer_init and self.executor.runner.source.kind != "dummy":
             from gateway.tokenizer import PromptEncoder, load_tokenizer
@@ -109,12 +117,15 @@ class LLM:
             self.executor.group.broadcast_bytes(RESET)
         self.executor.reset()
         self.engine = LLMEngine.from_hello(self.config.replace(**config_changes), hello, self.step_executor,
-                                           wire=self.wire)
+                                           wire=self.wire, memory_trace=self.memory_trace)
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel group (nothing to do for one rank)."""
+        """Stop the other ranks of a tensor-parallel group (nothing to do for one rank) and close
+        the memory trace."""
         if self.ranks is not None:
             self.ranks.stop()
+        if self.memory_trace is not None:
+            self.memory_trace.close()
 
     @property
     def scheduler(self):

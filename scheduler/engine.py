@@ -16,6 +16,7 @@ from collections import deque
 from typing import Protocol
 
 from common.protocol import SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
+from scheduler.memory_trace import MemoryTrace
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import RequestOutput
 
@@ -25,17 +26,20 @@ class StepExecutor(Protocol):
 
 
 class LLMEngine:
-    def __init__(self, scheduler: Scheduler, executor: StepExecutor, wire: bool = False) -> None:
+    def __init__(self, scheduler: Scheduler, executor: StepExecutor, wire: bool = False,
+                 memory_trace: MemoryTrace | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.wire = wire
+        self.memory_trace = memory_trace  # written after each step and abort that changed the memory
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         self._results: deque[StepResult] = deque()  # of the plans in flight, oldest first
 
     @classmethod
-    def from_hello(cls, config, hello: WorkerHello, executor: StepExecutor, wire: bool = False) -> LLMEngine:
-        return cls(Scheduler.from_hello(config, hello), executor, wire)
+    def from_hello(cls, config, hello: WorkerHello, executor: StepExecutor, wire: bool = False,
+                   memory_trace: MemoryTrace | None = None) -> LLMEngine:
+        return cls(Scheduler.from_hello(config, hello), executor, wire, memory_trace)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.scheduler.add_request(request_id, prompt_token_ids, params)
@@ -43,6 +47,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id)
         self._settle()
+        self._trace()
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -56,7 +61,13 @@ class LLMEngine:
             self._run(self.scheduler.schedule())
         if self.scheduler.config.async_scheduling:
             self._run(self.scheduler.schedule())
-        return self.scheduler.update(self._results.popleft()) + self._settle()
+        outputs = self.scheduler.update(self._results.popleft()) + self._settle()
+        self._trace()
+        return outputs
+
+    def _trace(self) -> None:
+        if self.memory_trace is not None:
+            self.memory_trace.record(self.scheduler, idle=not self.has_unfinished_requests())
 
     def _settle(self) -> list[RequestOutput]:
         """Once no request is left, apply the results still in flight (they end nothing new)."""

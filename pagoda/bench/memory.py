@@ -27,9 +27,11 @@ and, per step, the batch: the sequences the step schedules (mean_batch, max_batc
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.config import ALLOCATORS, EngineConfig
 from common.plan_state import HeldSequence, PlanState
@@ -193,6 +195,7 @@ def replay(
 SHARING_CASES = ("parallel-2", "parallel-4", "parallel-6", "beam-2", "beam-4", "beam-6", "prefix")
 # The paper (section 6.3, ShareGPT): parallel sampling saves 16.2-30.5% of KV blocks, beam search 44.3-66.3%.
 PAPER_SAVED = {"parallel": (0.162, 0.305), "beam": (0.443, 0.663)}
+PAPER_SAVED_ALPACA = {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)}  # the same section, on Alpaca
 
 
 def measure_sharing(llm, pairs, max_tokens: int, cases: tuple[str, ...] = SHARING_CASES, log=None) -> dict:
@@ -282,8 +285,113 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
+# ----------------------------------------------------------------------------- the paper's figures
+
+BREAKDOWN = (  # (key, label, colour): the paper's figure 2 legend, bottom to top
+    ("token_states", "token states", "#4c72b0"), ("reservation", "reservation", "#dd8452"),
+    ("internal_fragmentation", "internal fragmentation", "#c44e52"),
+    ("free", "external fragmentation & free", "#b0b0b0"),
+)
+ALLOCATOR_LABELS = {"orca-max": "Orca (Max)", "orca-pow2": "Orca (Pow2)", "orca-oracle": "Orca (Oracle)",
+                    "paged": "Pagoda"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _subtitle(result: dict) -> str:
+    device = result.get("device", "").split(" (")[0]
+    return f"{result['workload']['name']}, {device}, {result.get('date', '')}"
+
+
+def plot_breakdown(result: dict, path: Path) -> None:
+    """The paper's figure 2 from a result: the pool split four ways per allocator while requests
+    wait (the steady state), the paper's token-states share marked beside each bar."""
+    plt = _pyplot()
+    names = [name for name in ALLOCATOR_LABELS if name in result["allocators"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    for x, name in enumerate(names):
+        shares, bottom = result["allocators"][name]["breakdown_while_queued"], 0.0
+        for key, label, colour in BREAKDOWN:
+            share = shares[key]
+            ax.bar(x, share, 0.55, bottom=bottom, color=colour, label=label if x == 0 else None)
+            if share >= 0.04:
+                ax.text(x, bottom + share / 2, f"{share:.1%}", ha="center", va="center", fontsize=7, color="white")
+            bottom += share
+        if name in PAPER_TOKEN_STATES:
+            paper = PAPER_TOKEN_STATES[name]
+            ax.plot([x + 0.3, x + 0.42], [paper, paper], color="black", lw=2,
+                    label="paper, token states" if x == 0 else None)
+            ax.text(x + 0.44, paper, f"{paper:.1%}", va="center", fontsize=7)
+    ax.set_xticks(range(len(names)), [ALLOCATOR_LABELS[name] for name in names], fontsize=8)
+    ax.set_xlim(-0.5, len(names) - 0.2)
+    ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter(lambda y, _: f"{y:.0%}")
+    ax.set_ylabel("share of the KV pool while requests wait", fontsize=8)
+    ax.set_title(f"Where KV memory goes (the paper's figure 2)\n{_subtitle(result)}", fontsize=8)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_sharing(result: dict, path: Path) -> None:
+    """The share of KV blocks sharing saves per case, beside the paper's ranges (section 6.3)."""
+    plt = _pyplot()
+    cases = [case for case in SHARING_CASES if case in result["sharing"]]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+    for kind, colour in (("parallel", "#4c72b0"), ("beam", "#55a868"), ("prefix", "#8172b2")):
+        xs = [x for x, case in enumerate(cases) if case.startswith(kind)]
+        if not xs:
+            continue
+        for ranges, style, label in ((PAPER_SAVED, {"color": colour, "alpha": 0.2}, "paper, ShareGPT"),
+                                     (PAPER_SAVED_ALPACA, {"fill": False, "hatch": "////", "edgecolor": colour,
+                                                           "alpha": 0.6}, "paper, Alpaca")):
+            if kind in ranges:  # a band over the kind's bars
+                low, high = ranges[kind]
+                ax.bar((xs[0] + xs[-1]) / 2, high - low, xs[-1] - xs[0] + 0.8, bottom=low, lw=0, zorder=1, **style,
+                       label=f"{label}, {kind}: {low:.1%}-{high:.1%}")
+        saved = [result["sharing"][cases[x]]["saved_fraction"] for x in xs]
+        ax.bar(xs, saved, 0.5, color=colour, zorder=2)
+        for x, value in zip(xs, saved):
+            ax.text(x, value + 0.01, f"{value:.1%}", ha="center", fontsize=7, zorder=3)
+    ax.set_xticks(range(len(cases)), [case.replace("-", " ") for case in cases], fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter(lambda y, _: f"{y:.0%}")
+    ax.set_ylabel("KV blocks saved by sharing", fontsize=8)
+    ax.set_title(f"KV memory saved by sharing (the paper's section 6.3: its ranges over 2, 4 and 6 samples "
+                 f"or beams)\n{_subtitle(result)}", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot(result: dict, directory: str | Path) -> list[Path]:
+    """memory-breakdown.png, and sharing-savings.png when the result measured sharing, in `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / "memory-breakdown.png"]
+    plot_breakdown(result, paths[0])
+    if result.get("sharing"):
+        paths.append(directory / "sharing-savings.png")
+        plot_sharing(result, paths[1])
+    return paths
+
+
 def run(args) -> int:
     """The `pagoda bench memory` command."""
+    if args.from_result:  # only the figures, of a result written before
+        with open(args.from_result, encoding="utf-8") as f:
+            for path in plot(json.load(f), args.plot or "docs"):
+                print(path)
+        return 0
     from pagoda.bench.workloads import describe, sample_sharegpt, sharegpt_installed
 
     source = args.source if args.source != "auto" else ("package" if sharegpt_installed() else "trace")
@@ -337,4 +445,7 @@ def run(args) -> int:
     }
     write_result(result, args.output)  # before printing: a closed stdout must not lose the result
     print(table(result))
+    if args.plot:
+        for path in plot(result, args.plot):
+            log(f"wrote {path}")
     return 0
