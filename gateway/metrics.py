@@ -129,7 +129,8 @@ def iteration_tokens(statuses: list[SchedulerStatus]) -> tuple[list[int], int]:
 
 
 class SchedulerCollector(Collector):
-    """The schedulers' gauges and counters as of the last `render`, one sample per engine group."""
+    """The schedulers' gauges, counters and tokens-per-step histogram as of the last `render`, one
+    sample per engine group."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -149,9 +150,9 @@ class SchedulerCollector(Collector):
             yield metric
         steps = HistogramMetricFamily("pagoda:iteration_tokens_total", "Tokens scheduled per step (prompt and "
                                       "generated).", labels=["model_name", "engine"])
+        bounds = [floatToGoString(b) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]  # as Histogram writes `le`
         for engine, statuses in groups.items():
             counts, total = iteration_tokens(statuses)
-            bounds = [floatToGoString(b) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
             steps.add_metric([self.model_name, engine], list(zip(bounds, counts)), total)
         yield steps
 
