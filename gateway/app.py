@@ -33,7 +33,7 @@ from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, Generation
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics
 from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
 from gateway.serving import SSE_DONE, ChoiceState, EngineError, ResponseShape, sse, usage
@@ -177,6 +177,7 @@ class Gateway:
         except ClientDisconnect:  # left while sending the body: nothing was submitted
             return Response(status_code=499)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in parsed.prompts))
+        self.metrics.size_token_buckets(statuses)
         deadline = arrival + self.config.request_timeout_s
         if parsed.stream:
             async def close() -> None:  # also when the client leaves before the stream's first step
@@ -202,7 +203,7 @@ class Gateway:
             for i in range(parsed.n):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
                 choices.append(ChoiceState(p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival,
-                                           i, parsed.chosen_at_end))
+                                           i, parsed.chosen_at_end, num_prompt_tokens=len(prompt)))
         return requests, choices
 
     async def _complete(
@@ -266,6 +267,10 @@ class Gateway:
                 raise EngineError(
                     f"the request did not finish within request_timeout_s={self.config.request_timeout_s:g} s",
                     504, "timeout") from None
+            if event.scheduled_at:  # the request's first token-bearing event: when it was first scheduled
+                scheduled = time.monotonic() - max(0.0, time.time() - event.scheduled_at)
+                for c in by_request.get(event.request_id, ()):
+                    c.scheduled_at = scheduled
             if event.finish_reason in ("error", "abort"):
                 choice = next((c for c in by_request.get(event.request_id, ()) if not c.finished), None)
             else:
@@ -299,15 +304,13 @@ class Gateway:
             choice.first_token_at = now
             m.time_to_first_token.observe(now - choice.arrival)
         else:
-            gap = (now - choice.last_token_at) / len(event.token_ids)
-            for _ in event.token_ids:
-                m.inter_token_latency.observe(gap)
+            m.observe_tokens((now - choice.last_token_at) / len(event.token_ids), len(event.token_ids))
         choice.last_token_at = now
 
     def _observe_finish(self, choice: ChoiceState) -> None:
-        self.metrics.e2e_request_latency.observe(time.monotonic() - choice.arrival)
-        self.metrics.request_success.labels(choice.finish_reason).inc()
-        self.metrics.generation_tokens.inc(choice.num_tokens)
+        self.metrics.observe_finished(FinishedOutput(
+            choice.finish_reason, choice.arrival, time.monotonic(), choice.scheduled_at, choice.first_token_at,
+            choice.last_token_at, choice.num_prompt_tokens, choice.num_tokens))
 
     # ------------------------------------------------------------------ checks, in order
     def _check_open(self) -> None:

@@ -1,9 +1,32 @@
-"""Prometheus metrics with vLLM's names under `pagoda:`: this gateway's latencies and counts, plus
-the gauges and counters of every live scheduler, read from their status keys.
+"""Prometheus metrics with vLLM's names, types and buckets under `pagoda:` (a dashboard built for
+vLLM works after renaming the prefix): this gateway's latencies and counts, plus the gauges, counters
+and histograms of every live scheduler, read from their status keys.
 
 Every series carries `model_name` (the served model name, as vLLM's do). A scheduler's series also
 carry `engine` (its --engine-id): one sample per engine group, so a dashboard sums over `engine` for
 the whole deployment. Schedulers that share an engine id are summed into its one sample.
+
+    the gateway, per output          time_to_first_token_seconds, inter_token_latency_seconds,
+                                     time_per_output_token_seconds (vLLM's older name for the gaps
+                                     between tokens: the same observations), request_time_per_output_token_seconds,
+                                     e2e_request_latency_seconds, request_queue_time_seconds,
+                                     request_prefill_time_seconds, request_decode_time_seconds,
+                                     request_prompt_tokens, request_generation_tokens (histograms);
+                                     request_success_total{finished_reason}, prompt_tokens_total,
+                                     generation_tokens_total, http_requests_total{route,status}
+    the schedulers, per engine       num_requests_running/waiting/swapped, kv_cache_usage_perc,
+                                     cpu_cache_usage_perc, num_preemptions_total,
+                                     prefix_cache_queries_total, prefix_cache_hits_total,
+                                     iteration_tokens_total (histogram of tokens per step); Pagoda's own:
+                                     num_shared_blocks, num_blocks_saved_by_sharing,
+                                     num_cow_copies_total, num_swapped_out_blocks_total,
+                                     num_swapped_in_blocks_total, prefix_cache_evictions_total
+
+One output's phases, as vLLM times a request (the gateway's clock; the scheduler's first-scheduled
+time comes on the request's first token-bearing event, RequestEvent.scheduled_at):
+
+    arrival ──queue──▶ first scheduled ──prefill──▶ first token ──decode──▶ last token
+    └────────── time to first token ───────────────┘        request TPOT = decode / (tokens - 1)
 """
 from __future__ import annotations
 
@@ -11,11 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from common.protocol import SchedulerStatus
+from common.protocol import ITERATION_TOKENS_BUCKETS, SchedulerStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,12 +49,32 @@ ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.
                2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0)
+# vLLM's (vllm/v1/metrics/loggers.py): time per output token, and the phases of a request
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's `finished_reason` values, all exported from 0
 
 
-def _kv_cache_usage(statuses: list[SchedulerStatus]) -> float:
-    total_blocks = sum(x.num_gpu_blocks for x in statuses)
-    used = sum(x.kv_cache_usage * x.num_gpu_blocks for x in statuses)
-    return used / total_blocks if total_blocks else 0.0
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to max_value."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def _usage(usage: str, blocks: str) -> Callable[[list[SchedulerStatus]], float]:
+    """One engine group's used fraction of a pool: its schedulers' usage weighted by their pool sizes."""
+    def value(statuses: list[SchedulerStatus]) -> float:
+        total_blocks = sum(getattr(x, blocks) for x in statuses)
+        used = sum(getattr(x, usage) * getattr(x, blocks) for x in statuses)
+        return used / total_blocks if total_blocks else 0.0
+    return value
 
 
 def _summed(field: str) -> Callable[[list[SchedulerStatus]], float]:
@@ -46,18 +90,47 @@ ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[list[SchedulerStatus]], flo
      _summed("num_waiting")),
     (GaugeMetricFamily, "pagoda:num_requests_swapped", "Requests swapped out to the CPU pool.",
      _summed("num_swapped")),
-    (GaugeMetricFamily, "pagoda:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", _kv_cache_usage),
+    (GaugeMetricFamily, "pagoda:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+     _usage("kv_cache_usage", "num_gpu_blocks")),
+    (GaugeMetricFamily, "pagoda:cpu_cache_usage_perc", "Fraction of the CPU swap pool's blocks in use (1 = full).",
+     _usage("cpu_cache_usage", "num_cpu_blocks")),
     (CounterMetricFamily, "pagoda:num_preemptions", "Preemptions since the scheduler started.",
      _summed("num_preemptions_total")),
     (CounterMetricFamily, "pagoda:prefix_cache_queries", "Prefix cache lookups, in tokens.",
      _summed("prefix_cache_queries_total")),
     (CounterMetricFamily, "pagoda:prefix_cache_hits", "Prefix cache hits, in tokens.",
      _summed("prefix_cache_hits_total")),
+    (CounterMetricFamily, "pagoda:prefix_cache_evictions", "Prefix-cache blocks evicted to make room, in blocks.",
+     _summed("num_prefix_evictions_total")),
+    (GaugeMetricFamily, "pagoda:num_shared_blocks", "KV cache blocks held by more than one block table.",
+     _summed("num_shared_blocks")),
+    (GaugeMetricFamily, "pagoda:num_blocks_saved_by_sharing",
+     "KV cache blocks that sharing saves: blocks in block tables less the distinct blocks they hold.",
+     _summed("num_blocks_saved_by_sharing")),
+    (CounterMetricFamily, "pagoda:num_cow_copies", "Copy-on-write block copies.",
+     _summed("num_cow_copies_total")),
+    (CounterMetricFamily, "pagoda:num_swapped_out_blocks", "Blocks swapped out to the CPU pool.",
+     _summed("num_swapped_out_blocks_total")),
+    (CounterMetricFamily, "pagoda:num_swapped_in_blocks", "Blocks swapped in from the CPU pool.",
+     _summed("num_swapped_in_blocks_total")),
 )
 
 
+def iteration_tokens(statuses: list[SchedulerStatus]) -> tuple[list[int], int]:
+    """One engine group's steps per bucket of ITERATION_TOKENS_BUCKETS and +Inf (cumulative, as
+    Prometheus counts them), and their tokens summed."""
+    counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    for status in statuses:
+        for i, count in enumerate(status.iteration_tokens[:len(counts)]):  # [] from a scheduler without them
+            counts[i] += count
+    for i in range(1, len(counts)):
+        counts[i] += counts[i - 1]
+    return counts, sum(x.iteration_tokens_sum for x in statuses)
+
+
 class SchedulerCollector(Collector):
-    """The schedulers' gauges and counters as of the last `render`, one sample per engine group."""
+    """The schedulers' gauges, counters and tokens-per-step histogram as of the last `render`, one
+    sample per engine group."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -75,6 +148,13 @@ class SchedulerCollector(Collector):
             for engine, statuses in groups.items():
                 metric.add_metric([self.model_name, engine], value(statuses))
             yield metric
+        steps = HistogramMetricFamily("pagoda:iteration_tokens_total", "Tokens scheduled per step (prompt and "
+                                      "generated).", labels=["model_name", "engine"])
+        bounds = [floatToGoString(b) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]  # as Histogram writes `le`
+        for engine, statuses in groups.items():
+            counts, total = iteration_tokens(statuses)
+            steps.add_metric([self.model_name, engine], list(zip(bounds, counts)), total)
+        yield steps
 
 
 @dataclass(slots=True)
@@ -88,11 +168,30 @@ class ModelLabelled:
         return self.metric.labels(self.model_name, *values)
 
 
-class GatewayMetrics:
-    """One per app, in a private registry (several apps in one process do not collide)."""
+@dataclass(slots=True)
+class FinishedOutput:
+    """One output as it ended: its times (time.monotonic() at the gateway; None: never happened) and sizes."""
 
-    def __init__(self, model_name: str) -> None:
+    finish_reason: str
+    arrival: float
+    finished: float
+    scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class GatewayMetrics:
+    """One per app, in a private registry (several apps in one process do not collide).
+
+    The token-count histograms' buckets run up to the model's context length, as vLLM's: they are
+    made once it is known (`max_model_len` here, or the first statuses seen by `size_token_buckets`).
+    """
+
+    def __init__(self, model_name: str, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         r, model = self.registry, ["model_name"]
         self.time_to_first_token = Histogram(
             "pagoda:time_to_first_token_seconds", "Arrival at the gateway to the first token back.", model,
@@ -106,9 +205,31 @@ class GatewayMetrics:
         self.http_requests = ModelLabelled(Counter(
             "pagoda:http_requests", "HTTP requests answered, by route and status.", [*model, "route", "status"],
             registry=r), model_name)
+        self.time_per_output_token = Histogram(
+            "pagoda:time_per_output_token_seconds", "Time between tokens of a request (vLLM's older name of the "
+            "inter-token latency: the same observations, vLLM's buckets).", model,
+            buckets=TPOT_BUCKETS, registry=r).labels(model_name)
+        self.request_time_per_output_token = Histogram(
+            "pagoda:request_time_per_output_token_seconds", "Per output: decode time / (generated tokens - 1).",
+            model, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
+        self.request_queue_time = Histogram(
+            "pagoda:request_queue_time_seconds", "Per output: arrival at the gateway to first scheduled.", model,
+            buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.request_prefill_time = Histogram(
+            "pagoda:request_prefill_time_seconds", "Per output: first scheduled to its first token.", model,
+            buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.request_decode_time = Histogram(
+            "pagoda:request_decode_time_seconds", "Per output: its first token to its last.", model,
+            buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.request_prompt_tokens: Histogram | None = None
+        self.request_generation_tokens: Histogram | None = None
+        if max_model_len is not None:
+            self._token_histograms(max_model_len)
         self.request_success = ModelLabelled(Counter(
             "pagoda:request_success", "Generations finished, by finish reason.", [*model, "finished_reason"],
             registry=r), model_name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(reason)
         self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens submitted.", model,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", model,
@@ -116,6 +237,48 @@ class GatewayMetrics:
         self.schedulers = SchedulerCollector(model_name)
         r.register(self.schedulers)
 
+    def _token_histograms(self, max_model_len: int) -> None:
+        buckets, r = build_1_2_5_buckets(max_model_len), self.registry
+        self.request_prompt_tokens = Histogram(
+            "pagoda:request_prompt_tokens", "Per output: its prompt's tokens.", ["model_name"], buckets=buckets,
+            registry=r).labels(self.model_name)
+        self.request_generation_tokens = Histogram(
+            "pagoda:request_generation_tokens", "Per output: its generated tokens.", ["model_name"],
+            buckets=buckets, registry=r).labels(self.model_name)
+
+    def size_token_buckets(self, statuses: list[SchedulerStatus]) -> None:
+        """Make the token-count histograms from the schedulers' context length, unless made already."""
+        if self.request_prompt_tokens is None and statuses:
+            self._token_histograms(max(x.max_model_len for x in statuses))
+
+    def observe_tokens(self, gap: float, num_tokens: int) -> None:
+        """`num_tokens` tokens came `gap` seconds apart (one event's tokens share its wait)."""
+        for _ in range(num_tokens):
+            self.inter_token_latency.observe(gap)
+            self.time_per_output_token.observe(gap)
+
+    def observe_finished(self, out: FinishedOutput) -> None:
+        """vLLM's per-request observations; the phases only for an output that got a token, the queue
+        and prefill times only when the scheduler said when it was scheduled."""
+        self.e2e_request_latency.observe(out.finished - out.arrival)
+        self.request_success.labels(out.finish_reason).inc()
+        self.generation_tokens.inc(out.num_generation_tokens)
+        if self.request_prompt_tokens is not None:
+            self.request_prompt_tokens.observe(out.num_prompt_tokens)
+            self.request_generation_tokens.observe(out.num_generation_tokens)
+        if out.first_token is None or out.last_token is None:
+            return
+        ttft = out.first_token - out.arrival
+        if out.scheduled is not None:
+            queue = min(max(out.scheduled - out.arrival, 0.0), ttft)  # two clocks: queue + prefill = ttft
+            self.request_queue_time.observe(queue)
+            self.request_prefill_time.observe(ttft - queue)
+        decode = out.last_token - out.first_token
+        self.request_decode_time.observe(decode)
+        n = out.num_generation_tokens
+        self.request_time_per_output_token.observe(decode / (n - 1) if n > 1 else 0.0)
+
     def render(self, statuses: list[SchedulerStatus]) -> bytes:
+        self.size_token_buckets(statuses)
         self.schedulers.statuses = statuses  # no await between this and generate_latest
         return generate_latest(self.registry)

@@ -57,6 +57,8 @@ class ChoiceState:
     stopped_by_string: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0
+    num_prompt_tokens: int = 0
+    scheduled_at: float | None = None  # time.monotonic() here when the scheduler first scheduled the request
     first_token_at: float | None = None
     last_token_at: float | None = None
 

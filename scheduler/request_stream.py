@@ -397,6 +397,8 @@ class RequestStream:
                 if event.token_ids:
                     tracked.num_sent += 1
                     event.seq = tracked.num_sent
+                    if tracked.num_sent == 1:
+                        event.scheduled_at = out.first_scheduled_time or 0.0
                     if not tracked.started:
                         tracked.started = True
                         self.outbox.append(MarkStarted(out.request_id))

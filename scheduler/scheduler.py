@@ -840,7 +840,8 @@ class Scheduler:
                     seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
                     seq.output_logprobs if logprobs else None, seq.status.finish_reason,
                 ))
-            return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.is_finished)
+            return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.is_finished,
+                                 group.first_scheduled_time)
         if not group.is_finished:
             return None
         n = group.sampling_params.n
@@ -853,4 +854,4 @@ class Scheduler:
                     for s in seqs]
         outputs = [SequenceOutput(i, tokens, len(tokens), cum, lps, reason)
                    for i, (tokens, cum, lps, reason) in enumerate(best)]
-        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True, group.first_scheduled_time)

@@ -181,3 +181,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[SequenceOutput]
     finished: bool
+    first_scheduled_time: float | None = None  # SequenceGroup.first_scheduled_time (RequestEvent.scheduled_at)
