@@ -31,6 +31,7 @@ from common.admission import AdmissionLimits, check_admissible
 from common.config import GatewayConfig
 from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
+from gateway import dashboard_page
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, Generation
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -64,6 +65,8 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
             Route("/health", gateway.health, methods=["GET"]),
             Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
             Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+            Route("/dashboard", dashboard_page.page, methods=["GET"]),
+            Route("/dashboard/static/{name}", dashboard_page.static_file, methods=["GET"]),
         ],
         middleware=[Middleware(CountResponses, metrics=gateway.metrics), Middleware(RequestIds)],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
@@ -394,6 +397,22 @@ class Gateway:
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", code="service_unavailable",
                     headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+
+
+def require_dashboard_key(request: Request) -> Response | None:
+    """None when the request may see the dashboard (no --api-key, or the key given as the usual
+    bearer header or as `?api_key=`, which a browser's EventSource can send), else the 401."""
+    key = request.app.state.gateway.config.api_key
+    if key is None:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip() if scheme.lower() == "bearer" and token else request.query_params.get("api_key", "")
+    if not given:
+        return error_response(APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' or "
+                                            "add ?api_key=<key> to the URL", code="invalid_api_key"))
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        return error_response(APIError(401, "incorrect API key provided", code="invalid_api_key"))
+    return None
 
 
 def error_response(exc: APIError) -> JSONResponse:
