@@ -63,10 +63,10 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
             Route("/v1/models", gateway.models, methods=["GET"]),
             Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),  # an id may hold a '/'
             Route("/health", gateway.health, methods=["GET"]),
+            Route("/dashboard", dashboard_page.page, methods=["GET"]),  # the memory page (gateway/dashboard_page.py)
+            Route("/dashboard/static/{name}", dashboard_page.static_file, methods=["GET"]),
             Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
             Route("/openapi.json", openapi_endpoint, methods=["GET"]),
-            Route("/dashboard", dashboard_page.page, methods=["GET"]),
-            Route("/dashboard/static/{name}", dashboard_page.static_file, methods=["GET"]),
         ],
         middleware=[Middleware(CountResponses, metrics=gateway.metrics), Middleware(RequestIds)],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
@@ -328,6 +328,19 @@ class Gateway:
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
+    def authorize_dashboard(self, request: Request) -> None:
+        """The API key, if the gateway has one, in the header or else as `?api_key=` (a browser's
+        EventSource, and a page opened from a link, cannot send headers)."""
+        key = self.config.api_key
+        if key is None or "authorization" in request.headers:
+            return self._authorize(request)
+        given = request.query_params.get("api_key")
+        if given is None:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' or add "
+                                "?api_key=<key> to the URL", code="invalid_api_key")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
         too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
@@ -394,25 +407,19 @@ class Gateway:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
 
 
+def require_dashboard_key(request: Request) -> Response | None:
+    """None when the request may see the memory page and its data, else the 401 to answer with:
+    `if (denied := require_dashboard_key(request)) is not None: return denied`."""
+    try:
+        request.app.state.gateway.authorize_dashboard(request)
+    except APIError as exc:
+        return error_response(exc)
+    return None
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", code="service_unavailable",
                     headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
-
-
-def require_dashboard_key(request: Request) -> Response | None:
-    """None when the request may see the dashboard (no --api-key, or the key given as the usual
-    bearer header or as `?api_key=`, which a browser's EventSource can send), else the 401."""
-    key = request.app.state.gateway.config.api_key
-    if key is None:
-        return None
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    given = token.strip() if scheme.lower() == "bearer" and token else request.query_params.get("api_key", "")
-    if not given:
-        return error_response(APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' or "
-                                            "add ?api_key=<key> to the URL", code="invalid_api_key"))
-    if not hmac.compare_digest(given.encode(), key.encode()):
-        return error_response(APIError(401, "incorrect API key provided", code="invalid_api_key"))
-    return None
 
 
 def error_response(exc: APIError) -> JSONResponse:
