@@ -14,7 +14,7 @@
   const MAX_TABLE_ROWS = 100; // block tables listed (the selected request's first)
   const MAX_TABLE_BLOCKS = 32; // blocks drawn per table before "+N" and its last two
   const POLL_MS = 1000;
-  const MAP_HEIGHT = { gpu: 300, cpu: 300 }; // the most CSS pixels a pool's map may take
+  const MAP_HEIGHT = { gpu: 240, cpu: 240 }; // the most CSS pixels a pool's map may take
 
   // ---------------------------------------------------------------------------- errors into the page
   const errors = [];
@@ -106,12 +106,16 @@
     return { counts: refCounts, owner: owner, requests: requests, index: index, cached: isCached, seqs: seqs };
   }
 
+  function bySeq(seqs) {
+    return seqs.sort((a, b) => (a.request_id < b.request_id ? -1 : a.request_id > b.request_id ? 1 : a.seq_id - b.seq_id));
+  }
+
   function derive(engine) {
     if (!engine.view) {
       const s = engine.snapshot;
       engine.view = {
-        gpu: poolView(s.ref_counts, s.sequences.filter((q) => q.pool === "gpu"), s.cached),
-        cpu: poolView(s.cpu_ref_counts, s.sequences.filter((q) => q.pool === "cpu"), []),
+        gpu: poolView(s.ref_counts, bySeq(s.sequences.filter((q) => q.pool === "gpu")), s.cached),
+        cpu: poolView(s.cpu_ref_counts, bySeq(s.sequences.filter((q) => q.pool === "cpu")), []),
       };
     }
     return engine.view;
@@ -168,7 +172,7 @@
   const P_WHITE = pack(WHITE), P_SEVERAL = pack(SEVERAL), P_SEVERAL_DIM = pack([80, 84, 90]);
   function requestColour(requestId, shared, dim) {
     const h = hue(requestId);
-    if (dim) return hsl(h, 20, shared ? 30 : 22);
+    if (dim) return hsl(h, 30, shared ? 36 : 28);
     return shared ? hsl(h, 90, 72) : hsl(h, 65, 48);
   }
 
@@ -358,10 +362,12 @@
       }
       ctx.stroke();
     });
-    const now = values.map((v, i) => chart.lines[i][0] + " " + format(v[v.length - 1] || 0, chart.percent));
+    const latest = values.map((v) => format(v[v.length - 1] || 0, chart.percent));
+    let now = latest.map((value, i) => chart.lines[i][0] + " " + value).join(" · ");
+    if (ctx.measureText(now).width > width - pad.left - pad.right) now = latest.join(" · "); // too narrow: the values alone
     ctx.fillStyle = "#8a93a0";
     ctx.textAlign = "right";
-    ctx.fillText(now.join(" · "), width - pad.right, 10);
+    ctx.fillText(now, width - pad.right, 10);
     canvas.dataset.points = String(n);
     canvas.dataset.last = JSON.stringify(values.map((v) => v[v.length - 1] || 0));
   }
@@ -401,7 +407,7 @@
       const who = el("div", "who");
       const swatch = el("i");
       swatch.style.background = css(requestColour(row.request_id, false, false));
-      who.append(swatch, row.request_id + " ");
+      who.append(swatch, shortId(row.request_id) + " ");
       who.append(el("span", "status", "seq " + row.seq_id + " · " + row.status + " · " + row.num_tokens + " tokens"
         + (row.pool === "cpu" ? " · CPU" : "")));
       who.title = row.request_id;
@@ -438,6 +444,11 @@
     engine.drawn.tables = rows;
   }
 
+  function shortId(requestId) {
+    // cmpl-cebcae8ac15a454f99612013eecfc449-0 -> cmpl-cebcae8a…c449-0 (the whole id on hover)
+    return requestId.length > 24 ? requestId.slice(0, 13) + "…" + requestId.slice(-6) : requestId;
+  }
+
   function describeBlocks(event) {
     const b = event.blocks;
     if (event.kind === "cow") return b[0] + " → " + b[1];
@@ -459,9 +470,12 @@
       li.dataset.kind = event.kind;
       const when = new Date(event.time * 1000).toISOString().slice(11, 23);
       li.append(el("span", "dim", when + " step " + event.step + " "), el("span", "kind kind-" + event.kind, event.kind));
-      const who = event.request_id ? event.request_id + (event.seq_id >= 0 ? " seq " + event.seq_id : "") + ": " : "";
+      const who = event.request_id ? shortId(event.request_id) + (event.seq_id >= 0 ? " seq " + event.seq_id : "") + ": " : "";
       li.append(who + describeBlocks(event));
-      if (event.request_id) li.addEventListener("click", () => select(event.request_id));
+      if (event.request_id) {
+        li.title = event.request_id;
+        li.addEventListener("click", () => select(event.request_id));
+      }
       fragment.append(li);
     }
     if (!events.length) fragment.append(el("li", "dim", "none yet"));
