@@ -127,6 +127,8 @@ class Chromium:
                 found.append("console.error: " + " ".join(str(a.get("value", a.get("description"))) for a in params["args"]))
             elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
                 entry = params["entry"]
+                if entry.get("url", "").endswith("/favicon.ico"):
+                    continue  # asked by the browser for a page without an icon (a JSON answer); ours has one
                 found.append(f"log: {entry['text']} {entry.get('url', '')}")
         try:
             found += [f"page: {e}" for e in self.evaluate("window.pagoda ? window.pagoda.errors : []") or []]

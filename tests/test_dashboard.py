@@ -111,4 +111,30 @@ def test_the_page_in_chromium_shows_the_samples_of_a_request_sharing_its_prompt_
         assert browser.errors() == []
 
 
+def test_the_page_passes_the_api_key_on_and_polls_where_server_sent_events_do_not_work(stack):
+    """One more gateway with --api-key on the stack's Redis: the page needs the key and hands it to its
+    files and data; without EventSource it polls /dashboard/snapshot."""
+    import json
+
+    from tests.chromium import Chromium
+    from tests.stack import Gateway
+
+    key = "sk-memory-page"
+    gateway = Gateway(stack.redis_url, "--api-key", key).wait_ready()
+    try:
+        with Chromium() as browser:
+            browser.navigate(gateway.url + "/dashboard")
+            assert json.loads(browser.evaluate("document.body.innerText"))["error"]["code"] == "invalid_api_key"
+            drawn = "window.pagoda && pagoda.source === '%s' && pagoda.blocks('0') !== null && pagoda.blocks('0').length"
+            browser.navigate(gateway.url + f"/dashboard?api_key={key}")
+            assert browser.wait_for(drawn % "events", 30, "the page to draw engine 0 from its events") == 2048
+            assert browser.errors() == []
+            browser.send("Page.addScriptToEvaluateOnNewDocument", source="window.EventSource = undefined;")
+            browser.navigate(gateway.url + f"/dashboard?api_key={key}")
+            assert browser.wait_for(drawn % "polling", 30, "the page to draw engine 0 from /dashboard/snapshot") == 2048
+            assert browser.errors() == []
+    finally:
+        gateway.stop()
+
+
 # ----------------------------------------------------------------------------- metrics

@@ -675,6 +675,7 @@
     document.getElementById("replay-next").addEventListener("click", () => seek(position + 1));
     document.getElementById("replay-play").addEventListener("click", play);
     document.addEventListener("keydown", (event) => {
+      if (event.target.closest && event.target.closest("button, input")) return; // they have their own keys
       if (event.key === "ArrowLeft") seek(position - 1);
       else if (event.key === "ArrowRight") seek(position + 1);
       else if (event.key === " ") {
