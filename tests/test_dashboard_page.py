@@ -230,3 +230,8 @@ def test_the_replay_page_in_chromium_draws_each_snapshot_as_it_is(trace, tmp_pat
         assert {"swap_out", "swap_in", "cow"} <= {e["kind"] for e in events}
         assert browser.evaluate("pagoda.blocks('0')") == snapshots[-1]["ref_counts"]
         assert browser.errors() == []
+        # a script error is caught into the page, and seen by the test
+        browser.evaluate("setTimeout(() => { throw new Error('boom') }, 0)")
+        browser.wait_for("document.body.dataset.errors === '1'", 5, "the error in the page")
+        assert "boom" in browser.evaluate("document.getElementById('errors').textContent")
+        assert [e.split("\n")[0] for e in browser.errors()] == ["exception: Error: boom", "page: Error: boom"]

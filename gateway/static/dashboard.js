@@ -73,12 +73,12 @@
       const key = snapshot.scheduler_id + ":" + event.id; // ids increase per scheduler
       if (!engine.seen.has(key)) {
         engine.seen.add(key);
-        engine.events.push(event);
+        engine.events.push(Object.assign({ scheduler_id: snapshot.scheduler_id }, event));
       }
     }
     if (engine.events.length > MAX_EVENTS) {
       for (const event of engine.events.splice(0, engine.events.length - MAX_EVENTS)) {
-        engine.seen.delete(snapshot.scheduler_id + ":" + event.id);
+        engine.seen.delete(event.scheduler_id + ":" + event.id);
       }
     }
     return true;
@@ -600,6 +600,7 @@
 
   function poll() {
     setSource("polling", "live (polling /dashboard/snapshot)");
+    // a gateway that does not answer is retried; an error of the page's own is reported (unhandled)
     const once = () => fetch("/dashboard/snapshot" + dataQuery, { cache: "no-store" })
       .then((response) => {
         if (response.status === 401) {
@@ -607,6 +608,9 @@
           return null;
         }
         return response.ok ? response.json() : null;
+      }, () => {
+        setSource("polling", "the gateway does not answer; retrying");
+        return null;
       })
       .then((body) => {
         if (body) {
@@ -614,8 +618,7 @@
           body.engines.forEach(take);
         }
       })
-      .catch(() => setSource("polling", "the gateway does not answer; retrying"))
-      .then(() => setTimeout(once, POLL_MS));
+      .finally(() => setTimeout(once, POLL_MS));
     once();
   }
 
