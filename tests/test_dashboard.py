@@ -120,9 +120,9 @@ def test_the_page_passes_the_api_key_on_and_polls_where_server_sent_events_do_no
     from tests.stack import Gateway
 
     key = "sk-memory-page"
-    gateway = Gateway(stack.redis_url, "--api-key", key).wait_ready()
-    try:
-        with Chromium() as browser:
+    with Chromium() as browser:  # first: it skips without chromium
+        gateway = Gateway(stack.redis_url, "--api-key", key).wait_ready()
+        try:
             browser.navigate(gateway.url + "/dashboard")
             assert json.loads(browser.evaluate("document.body.innerText"))["error"]["code"] == "invalid_api_key"
             drawn = "window.pagoda && pagoda.source === '%s' && pagoda.blocks('0') !== null && pagoda.blocks('0').length"
@@ -133,8 +133,8 @@ def test_the_page_passes_the_api_key_on_and_polls_where_server_sent_events_do_no
             browser.navigate(gateway.url + f"/dashboard?api_key={key}")
             assert browser.wait_for(drawn % "polling", 30, "the page to draw engine 0 from /dashboard/snapshot") == 2048
             assert browser.errors() == []
-    finally:
-        gateway.stop()
+        finally:
+            gateway.stop()
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -220,6 +220,11 @@ def test_the_replay_page_in_chromium_draws_each_snapshot_as_it_is(trace, tmp_pat
         assert browser.evaluate(f"pagoda.renders > 0 && {draws}") == before
         browser.evaluate(f"pagoda.seek({at + 1})")
         assert browser.evaluate(draws) == before + 1
+        # the slider and the step buttons
+        browser.evaluate("(() => { const s = document.getElementById('replay-slider'); s.value = '3';"
+                         " s.dispatchEvent(new Event('input')); document.getElementById('replay-next').click(); })()")
+        assert browser.evaluate("document.body.dataset.position") == "4"
+        assert browser.evaluate("pagoda.blocks('0')") == snapshots[4]["ref_counts"]
         # back to the start and forward again: the event log holds each event once
         browser.evaluate("pagoda.seek(0)")
         browser.evaluate(f"pagoda.seek({len(snapshots) - 1})")
