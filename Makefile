@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	@# docker-compose validates compose.yaml in the tests; best effort where apt is ours to use
 	command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } || echo "docker-compose not installed"
+	@# headless Chromium loads the memory page in the tests (they skip without it); best effort too
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || echo "chromium not installed"
 	touch $(STAMP)
 
 run: setup

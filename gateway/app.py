@@ -31,6 +31,7 @@ from common.admission import AdmissionLimits, check_admissible
 from common.config import GatewayConfig
 from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
+from gateway import dashboard_page
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, Generation
 from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics
@@ -62,6 +63,8 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
             Route("/v1/models", gateway.models, methods=["GET"]),
             Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),  # an id may hold a '/'
             Route("/health", gateway.health, methods=["GET"]),
+            Route("/dashboard", dashboard_page.page, methods=["GET"]),  # the memory page (gateway/dashboard_page.py)
+            Route("/dashboard/static/{name}", dashboard_page.static_file, methods=["GET"]),
             Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
             Route("/openapi.json", openapi_endpoint, methods=["GET"]),
         ],
@@ -328,6 +331,19 @@ class Gateway:
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
+    def authorize_dashboard(self, request: Request) -> None:
+        """The API key, if the gateway has one, in the header or else as `?api_key=` (a browser's
+        EventSource, and a page opened from a link, cannot send headers)."""
+        key = self.config.api_key
+        if key is None or "authorization" in request.headers:
+            return self._authorize(request)
+        given = request.query_params.get("api_key")
+        if given is None:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' or add "
+                                "?api_key=<key> to the URL", code="invalid_api_key")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
         too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
@@ -392,6 +408,16 @@ class Gateway:
             return await self.engine.submit(requests)
         except Exception as exc:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
+
+
+def require_dashboard_key(request: Request) -> Response | None:
+    """None when the request may see the memory page and its data, else the 401 to answer with:
+    `if (denied := require_dashboard_key(request)) is not None: return denied`."""
+    try:
+        request.app.state.gateway.authorize_dashboard(request)
+    except APIError as exc:
+        return error_response(exc)
+    return None
 
 
 def unavailable(message: str) -> APIError:

@@ -243,6 +243,8 @@ def _bench_ops(args) -> int:
 
 
 def _add_bench_memory(m: argparse.ArgumentParser) -> None:
+    m.add_argument("--replay", metavar="TRACE", help="turn a memory trace (`pagoda generate --memory-trace`) into a "
+                   "standalone HTML page of the memory views (at --output, else TRACE with .html) and run nothing else")
     m.add_argument("--num-prompts", type=int, default=1000, help="ShareGPT requests, all arriving at once")
     m.add_argument("--num-blocks", type=int, default=1024, help="the KV pool, in blocks (with the null block)")
     m.add_argument("--block-size", type=int, default=16)
@@ -352,6 +354,10 @@ def _bench_throughput(args) -> int:
 
 
 def _bench_memory(args) -> int:
+    if args.replay:
+        from pagoda.bench.replay import run as replay
+
+        return replay(args)
     from pagoda.bench.memory import run
 
     return run(args)

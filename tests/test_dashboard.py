@@ -21,6 +21,120 @@ def stack():
 
 
 # ----------------------------------------------------------------------------- the page in Chromium
+# A request with n=4 over a long prompt, watched from the page itself (tests/chromium.py drives headless
+# Chromium over the DevTools protocol; skipped, visibly, without chromium). With
+# PAGODA_DASHBOARD_SCREENSHOT=docs/dashboard.png the test also runs three plain requests beside it
+# and saves the page as the README shows it.
+PAGE_PROMPT_LEN = 600  # 37 full blocks of 16 and 8 tokens: the samples share 37 blocks once each wrote its own
+PAGE_MAX_TOKENS = 48
+PAGE_STATE = """(() => {
+    const rows = (pagoda.tables('0') || []).filter((r) => r.request_id === %s);
+    if (rows.length !== 4 || rows.some((r) => r.status !== 'running' || r.num_tokens < %d)) return null;
+    return {rows: rows, counts: pagoda.blocks('0'), events: pagoda.events('0')};
+})()"""
+HOVER_AT = """(() => {
+    const canvas = document.querySelector('[data-engine="0"] .map-gpu'), r = canvas.getBoundingClientRect();
+    const d = pagoda.engines['0'].drawn.gpu, b = %d, scale = r.width / canvas.width;
+    return [r.left + ((b %% d.cols) + 0.5) * d.cell * scale, r.top + (Math.floor(b / d.cols) + 0.5) * d.cell * scale];
+})()"""
+
+
+def _stream_completion(stack, prompt, n: int, ids: list, errors: list, started) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, n=n, max_tokens=PAGE_MAX_TOKENS,
+                                           temperature=1.0, seed=7, stream=True, extra_body={"min_tokens": PAGE_MAX_TOKENS})
+        for chunk in stream:
+            if not ids:
+                ids.append(chunk.id)
+                started.set()
+    except Exception as exc:  # raised in the test
+        errors.append(exc)
+        started.set()
+
+
+def test_the_page_in_chromium_shows_the_samples_of_a_request_sharing_its_prompt_blocks(stack):
+    import json
+    import os
+    import threading
+
+    from tests.chromium import Chromium
+
+    screenshot = os.environ.get("PAGODA_DASHBOARD_SCREENSHOT")
+    with Chromium() as browser:
+        browser.navigate(stack.url + "/dashboard")
+        browser.wait_for("window.pagoda && pagoda.renders > 0 && pagoda.source === 'events'", 30,
+                         "the page to show an engine's snapshot from /dashboard/events")
+        prompt = [1000 + (7 * i) % 3000 for i in range(PAGE_PROMPT_LEN)]
+        ids, errors, started = [], [], threading.Event()
+        threads = [threading.Thread(target=_stream_completion, args=(stack, prompt, 4, ids, errors, started))]
+        if screenshot:  # company for the picture
+            threads += [threading.Thread(target=_stream_completion, args=(stack, [2000 + i] * (150 + 90 * i), 1, [], errors,
+                                                                          threading.Event())) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        assert started.wait(120) and not errors, errors
+        request_id = ids[0] + "-0"  # the gateway's one request per prompt
+        state = browser.wait_for(PAGE_STATE % (json.dumps(request_id), PAGE_PROMPT_LEN + 2), 60,
+                                 "the page to list the 4 samples decoding")
+        rows, counts = state["rows"], state["counts"]
+        full = PAGE_PROMPT_LEN // 16
+        prompt_blocks = rows[0]["block_table"][:full]
+        assert all(row["block_table"][:full] == prompt_blocks for row in rows)
+        assert [counts[b] for b in prompt_blocks] == [4] * full
+        own = [b for row in rows for b in row["block_table"][full:]]  # each sample's blocks past the shared ones
+        assert len(set(own)) == len(own) and [counts[b] for b in own] == [1] * len(own)
+        if not screenshot:  # no other request runs: the prompt's blocks are the only ones shared
+            assert sorted(b for b, count in enumerate(counts) if count > 1) == sorted(prompt_blocks)
+        forks = [e for e in state["events"] if e["request_id"] == request_id and e["kind"] == "fork"]
+        assert sorted(e["seq_id"] for e in forks) == sorted(row["seq_id"] for row in rows)[1:]
+        # the count on hover, over the real canvas
+        browser.mouse_move(*browser.evaluate(HOVER_AT % prompt_blocks[0]))
+        hover = browser.wait_for("!document.getElementById('tooltip').hidden && document.getElementById('tooltip').textContent",
+                                 5, "the tooltip")
+        assert hover.splitlines()[:2] == [f"GPU block {prompt_blocks[0]}", "reference count 4 (shared)"]
+        assert hover.splitlines()[2] == f"{request_id}: " + ", ".join(f"seq {row['seq_id']} [0]" for row in rows)
+        if screenshot:
+            browser.wait_for(PAGE_STATE % (json.dumps(request_id), PAGE_PROMPT_LEN + 20), 60, "the samples' own blocks")
+            browser.evaluate(f"pagoda.select({json.dumps(request_id)})")
+            browser.wait_for(f"document.body.dataset.selected === {json.dumps(request_id)}", 5)
+            browser.mouse_move(*browser.evaluate(HOVER_AT % prompt_blocks[5]))  # the tooltip in the picture
+            size = browser.screenshot(screenshot)
+            assert size < 300_000, f"{screenshot} is {size} bytes"
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors
+        browser.wait_for(f"!pagoda.tables('0').some((r) => r.request_id === {json.dumps(request_id)})", 30,
+                         "the finished request's tables to leave the page")
+        assert browser.errors() == []
+
+
+def test_the_page_passes_the_api_key_on_and_polls_where_server_sent_events_do_not_work(stack):
+    """One more gateway with --api-key on the stack's Redis: the page needs the key and hands it to its
+    files and data; without EventSource it polls /dashboard/snapshot."""
+    import json
+
+    from tests.chromium import Chromium
+    from tests.stack import Gateway
+
+    key = "sk-memory-page"
+    with Chromium() as browser:  # first: it skips without chromium
+        gateway = Gateway(stack.redis_url, "--api-key", key).wait_ready()
+        try:
+            browser.navigate(gateway.url + "/dashboard")
+            assert json.loads(browser.evaluate("document.body.innerText"))["error"]["code"] == "invalid_api_key"
+            drawn = "window.pagoda && pagoda.source === '%s' && pagoda.blocks('0') !== null && pagoda.blocks('0').length"
+            browser.navigate(gateway.url + f"/dashboard?api_key={key}")
+            assert browser.wait_for(drawn % "events", 30, "the page to draw engine 0 from its events") == 2048
+            assert browser.errors() == []
+            browser.send("Page.addScriptToEvaluateOnNewDocument", source="window.EventSource = undefined;")
+            browser.navigate(gateway.url + f"/dashboard?api_key={key}")
+            assert browser.wait_for(drawn % "polling", 30, "the page to draw engine 0 from /dashboard/snapshot") == 2048
+            assert browser.errors() == []
+        finally:
+            gateway.stop()
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -1,0 +1,80 @@
+"""`pagoda bench memory --replay TRACE [--output PAGE.html]`: a memory trace as one standalone page.
+
+A trace is JSON Lines, one engine snapshot per line (the JSON of common/memory_snapshot.py, as
+`pagoda generate --memory-trace` writes it). The page is the gateway's live memory page
+(gateway/static/) with its CSS and JavaScript inlined and the snapshots embedded, plus a slider
+to step through them: one file that opens in a browser with no server and no network.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+SNAPSHOT_KEYS = ("engine", "step", "block_size", "ref_counts", "cpu_ref_counts", "cached", "sequences", "events")
+STATIC = ("dashboard.html", "dashboard.css", "dashboard.js")
+CSS_LINK = '<link rel="stylesheet" href="/dashboard/static/dashboard.css__QUERY__">'
+JS_SCRIPT = '<script src="/dashboard/static/dashboard.js__QUERY__"></script>'
+
+
+def static_file(name: str) -> str:
+    """One of the page's files (gateway/static/NAME)."""
+    if name not in STATIC:
+        raise FileNotFoundError(name)
+    return (resources.files("gateway") / "static" / name).read_text(encoding="utf-8")
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """The snapshots of a JSON Lines trace, in order; ValueError naming the line that is not one."""
+    snapshots = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                snapshot = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            missing = [key for key in SNAPSHOT_KEYS if key not in snapshot] if isinstance(snapshot, dict) else SNAPSHOT_KEYS
+            if missing:
+                raise ValueError(f"{path}:{number}: not an engine snapshot (missing {', '.join(missing)})")
+            snapshots.append(snapshot)
+    return snapshots
+
+
+def _script_safe(text: str) -> str:
+    """JSON that cannot end the <script> element holding it ('<' appears only inside strings)."""
+    return text.replace("<", "\\u003c")
+
+
+def replay_page(snapshots: list[dict], title: str = "trace") -> str:
+    """The standalone HTML page of `snapshots`."""
+    page = static_file("dashboard.html")
+    for tag in (CSS_LINK, JS_SCRIPT):
+        if page.count(tag) != 1:
+            raise RuntimeError(f"gateway/static/dashboard.html no longer holds {tag}")
+    page = page.replace("<title>Pagoda · KV memory</title>", f"<title>Pagoda · KV memory · {_escape(title)}</title>")
+    page = page.replace(CSS_LINK, f"<style>\n{static_file('dashboard.css')}</style>")
+    data = _script_safe(json.dumps(snapshots, separators=(",", ":")))
+    return page.replace(JS_SCRIPT, f'<script type="application/json" id="pagoda-trace">{data}</script>\n'
+                                   f"<script>\n{static_file('dashboard.js')}</script>")
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def run(args) -> int:
+    """The `pagoda bench memory --replay` command."""
+    trace = Path(args.replay)
+    snapshots = read_trace(trace)
+    if not snapshots:
+        raise ValueError(f"{trace} holds no snapshot: write one with `pagoda generate --memory-trace {trace}`")
+    output = Path(args.output) if args.output else trace.with_suffix(".html")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(replay_page(snapshots, trace.name), encoding="utf-8")
+    engines = sorted({s["engine"] for s in snapshots})
+    print(f"wrote {output}: {len(snapshots)} snapshots of engine(s) {', '.join(engines)}, "
+          f"steps {snapshots[0]['step']} to {snapshots[-1]['step']}", file=sys.stderr, flush=True)
+    return 0
