@@ -35,18 +35,24 @@ STATS = (
 )
 
 
-def _ints(data: bytes) -> list[int]:
+def unpack_counts(data: bytes, num_blocks: int) -> list[int]:
+    """scheduler/memory_view.pack_counts's reference counts: one byte per block, or (a count past
+    255) little-endian uint32."""
+    if len(data) == num_blocks:
+        return list(data)
     values = array("I")
     values.frombytes(data)
     if sys.byteorder == "big":
         values.byteswap()
+    if len(values) != num_blocks:
+        raise ValueError(f"{len(data)} bytes of reference counts for {num_blocks} blocks")
     return values.tolist()
 
 
 def snapshot_json(snapshot: MemorySnapshot) -> dict:
     out = dataclasses.asdict(snapshot)
-    out["ref_counts"] = _ints(snapshot.ref_counts)
-    out["cpu_ref_counts"] = _ints(snapshot.cpu_ref_counts)
+    out["ref_counts"] = unpack_counts(snapshot.ref_counts, snapshot.num_gpu_blocks)
+    out["cpu_ref_counts"] = unpack_counts(snapshot.cpu_ref_counts, snapshot.num_cpu_blocks)
     out["sequences"] = [dict(zip(SEQUENCE_FIELDS, row)) for row in snapshot.sequences]
     return out
 
