@@ -3,6 +3,7 @@
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
     GET  /v1/models/{model}     GET  /health                     GET /metrics
     GET  /openapi.json
+    GET  /dashboard/snapshot    GET  /dashboard/events (SSE)     the memory page's data (not in /openapi.json)
 
 Every answer carries X-Request-Id: the client's own, echoed, or else the request's id (the hex
 part of a generation's `cmpl-`/`chatcmpl-` id).
@@ -46,6 +47,10 @@ RETRY_AFTER_UNAVAILABLE_S = 5
 SHUTTING_DOWN = "the server is shutting down"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
           "/openapi.json")
+# The memory page and its data: outside the OpenAI API and /openapi.json (an endless event stream)
+DASHBOARD_ROUTES = ("/dashboard", "/dashboard/snapshot", "/dashboard/events")
+DASHBOARD_POLL_S = 0.25  # how often an event stream looks for new snapshots (the schedulers publish as often)
+DASHBOARD_KEEPALIVE_S = 15.0
 REQUEST_ID = "X-Request-Id"
 
 
@@ -64,6 +69,8 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
             Route("/health", gateway.health, methods=["GET"]),
             Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
             Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+            Route("/dashboard/snapshot", gateway.dashboard_snapshot, methods=["GET"]),
+            Route("/dashboard/events", gateway.dashboard_events, methods=["GET"]),
         ],
         middleware=[Middleware(CountResponses, metrics=gateway.metrics), Middleware(RequestIds)],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
@@ -148,6 +155,44 @@ class Gateway:
         except Exception:  # Redis down: this gateway's own metrics still help
             statuses = []
         return Response(self.metrics.render(statuses), media_type=CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ the memory page's data
+    async def dashboard_snapshot(self, request: Request) -> Response:
+        """{"engines": [each scheduler's snapshot JSON (common/memory_snapshot.py)]}."""
+        if (denied := require_dashboard_key(request)) is not None:
+            return denied
+        try:
+            engines = await self.engine.memory_snapshots()
+        except Exception as exc:
+            return error_response(unavailable(f"Redis is unreachable ({exc}); no memory snapshot to show"))
+        body = '{"engines":[' + ",".join(memory.json for memory in engines) + "]}"
+        return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    async def dashboard_events(self, request: Request) -> Response:
+        """Server-Sent Events: each engine's snapshot at once, then again whenever its version
+        changes; a comment every DASHBOARD_KEEPALIVE_S. Ends when the gateway drains."""
+        if (denied := require_dashboard_key(request)) is not None:
+            return denied
+        return StreamingResponse(self._dashboard_events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _dashboard_events(self):
+        sent: dict[tuple[str, str], int] = {}  # (engine, scheduler id) -> the version sent last
+        quiet_since = time.monotonic()
+        while not self.draining:
+            try:
+                engines = await self.engine.memory_snapshots()
+            except Exception:  # Redis down: the stream stays open, the page keeps what it has
+                engines = []
+            for memory in engines:
+                if sent.get((memory.engine, memory.scheduler_id)) != memory.version:
+                    sent[memory.engine, memory.scheduler_id] = memory.version
+                    quiet_since = time.monotonic()
+                    yield f"event: snapshot\ndata: {memory.json}\n\n"
+            if time.monotonic() - quiet_since >= DASHBOARD_KEEPALIVE_S:
+                quiet_since = time.monotonic()
+                yield ": keepalive\n\n"
+            await asyncio.sleep(DASHBOARD_POLL_S)
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -325,6 +370,19 @@ class Gateway:
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
+    def authorize_dashboard(self, request: Request) -> None:
+        """The API key, if the gateway has one, in the header or else as `?api_key=` (a browser's
+        EventSource, and a page opened from a link, cannot send headers)."""
+        key = self.config.api_key
+        if key is None or "authorization" in request.headers:
+            return self._authorize(request)
+        given = request.query_params.get("api_key")
+        if given is None:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' or add "
+                                "?api_key=<key> to the URL", code="invalid_api_key")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
         too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
@@ -389,6 +447,16 @@ class Gateway:
             return await self.engine.submit(requests)
         except Exception as exc:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
+
+
+def require_dashboard_key(request: Request) -> Response | None:
+    """None when the request may see the memory page and its data, else the 401 to answer with:
+    `if (denied := require_dashboard_key(request)) is not None: return denied`."""
+    try:
+        request.app.state.gateway.authorize_dashboard(request)
+    except APIError as exc:
+        return error_response(exc)
+    return None
 
 
 def unavailable(message: str) -> APIError:
@@ -457,7 +525,12 @@ class CountResponses:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        if path in ROUTES or path in DASHBOARD_ROUTES:
+            route = path
+        elif path.startswith("/v1/models/"):
+            route = "/v1/models/{model}"
+        else:
+            route = "/dashboard/static/{file}" if path.startswith("/dashboard/static/") else "other"
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":

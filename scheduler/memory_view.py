@@ -92,6 +92,14 @@ def _sequence_rows(scheduler) -> list[list]:
     return rows
 
 
+def _held_and_shared(ref_counts: list[int], packed: bytes) -> tuple[int, int]:
+    """(distinct device blocks held by tables, those held by more than one), counted on the packed
+    bytes when they are one per block (bytes.count runs at C speed)."""
+    counts = packed if len(packed) == len(ref_counts) else ref_counts
+    held = len(ref_counts) - counts.count(0)
+    return held, held - counts.count(1)
+
+
 def _stats(scheduler, ref_counts: list[int], packed: bytes) -> dict:
     """common/memory_snapshot.STATS.
 
@@ -101,9 +109,7 @@ def _stats(scheduler, ref_counts: list[int], packed: bytes) -> dict:
     each distinct last block."""
     bm = scheduler.block_manager
     bs, num_slots = bm.block_size, bm.num_slots
-    counts = packed if len(packed) == len(ref_counts) else ref_counts  # bytes.count runs at C speed
-    num_zero, num_one = counts.count(0), counts.count(1)
-    held = len(ref_counts) - num_zero  # distinct device blocks in tables
+    held, num_shared = _held_and_shared(ref_counts, packed)
     logical = 0
     last_fill: dict[int, int] = {}
     for seq_id, table in bm.block_tables.items():
@@ -118,9 +124,30 @@ def _stats(scheduler, ref_counts: list[int], packed: bytes) -> dict:
         "num_swapped": len(scheduler.swapped), "num_preemptions": scheduler.num_preemptions,
         "allocated_slots": held * bs, "token_slots": held * bs - sum(bs - fill for fill in last_fill.values()),
         "num_free_blocks": bm.num_free_blocks - num_cached, "num_cached_blocks": num_cached,
-        "num_shared_blocks": held - num_one, "blocks_saved_by_sharing": logical - held,
+        "num_shared_blocks": num_shared, "blocks_saved_by_sharing": logical - held,
         "num_used_blocks": bm.num_total_blocks - bm.num_free_blocks,
         "num_cow_copies": scheduler.num_cow_copies, "num_swapped_out_blocks": scheduler.num_swapped_out_blocks,
         "num_swapped_in_blocks": scheduler.num_swapped_in_blocks,
         "num_prefix_evictions": getattr(bm, "num_prefix_evictions", 0),
+    }
+
+
+def status_counters(scheduler) -> dict:
+    """The memory fields of SchedulerStatus (common/protocol.py; /metrics), by their names there.
+    A contiguous allocator has no swap pool, no sharing and no prefix cache: those stay 0."""
+    bm = scheduler.block_manager
+    ref_counts = getattr(bm, "ref_counts", None)
+    num_shared = saved = 0
+    if ref_counts is not None:
+        held, num_shared = _held_and_shared(ref_counts, pack_counts(ref_counts))
+        saved = sum(len(table) for table in bm.block_tables.values()) - held
+    num_cpu_blocks = getattr(bm, "num_cpu_blocks", 0)
+    cpu_usage = 1 - bm.num_free_cpu_blocks / num_cpu_blocks if num_cpu_blocks else 0.0
+    return {
+        "num_cpu_blocks": num_cpu_blocks, "cpu_cache_usage": cpu_usage, "num_shared_blocks": num_shared,
+        "num_blocks_saved_by_sharing": saved, "num_cow_copies_total": scheduler.num_cow_copies,
+        "num_swapped_out_blocks_total": scheduler.num_swapped_out_blocks,
+        "num_swapped_in_blocks_total": scheduler.num_swapped_in_blocks,
+        "num_prefix_evictions_total": getattr(bm, "num_prefix_evictions", 0),
+        "iteration_tokens": list(scheduler.iteration_tokens), "iteration_tokens_sum": scheduler.iteration_tokens_sum,
     }

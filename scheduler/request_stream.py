@@ -441,8 +441,11 @@ class RequestStream:
         if refused:
             log.warning("redis refused %d command(s), e.g. %s", len(refused), refused[0])
 
-    def publish_status(self, status: bytes) -> None:
-        """The status (a heartbeat under a TTL); first, on a Redis that restarted, what this scheduler holds."""
+    def publish_status(self, status: bytes, has_memory: bool = True) -> bool:
+        """The status (a heartbeat under a TTL); first, on a Redis that restarted, what this scheduler
+        holds. The memory snapshot's TTL is refreshed with it, or the snapshot deleted when this
+        scheduler has no worker group (`has_memory` False: no memory to show). Returns whether a
+        snapshot is there (False: publish one even if nothing changed; Redis lost it)."""
         run_id = self.redis.info("server").get("run_id")
         if run_id != self.redis_run_id:
             if self.redis_run_id is not None:
@@ -452,10 +455,24 @@ class RequestStream:
             held = HeldRequests(self.consumer, list(dict.fromkeys([*self.tracked, *unsent])))
             self.redis.set(streams.held_key(self.consumer), encode(held), ex=streams.HELD_TTL_S)
             self.redis_run_id = run_id
-        self.redis.set(streams.status_key(self.consumer), status, px=int(streams.STATUS_TTL_S * 1000))
+        ttl_ms = int(streams.STATUS_TTL_S * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(streams.status_key(self.consumer), status, px=ttl_ms)
+        if has_memory:
+            pipe.pexpire(streams.memory_key(self.consumer), ttl_ms)
+        else:
+            pipe.delete(streams.memory_key(self.consumer))
+        _, memory = pipe.execute()
+        return has_memory and bool(memory)
+
+    def publish_memory(self, snapshot: bytes) -> None:
+        """The block manager's snapshot (an encoded MemorySnapshot) for the dashboard; it expires
+        with the status."""
+        self.redis.set(streams.memory_key(self.consumer), snapshot, px=int(streams.STATUS_TTL_S * 1000))
 
     def delete_status(self) -> None:
-        self.redis.delete(streams.status_key(self.consumer))
+        """At shutdown: the status and the memory snapshot."""
+        self.redis.delete(streams.status_key(self.consumer), streams.memory_key(self.consumer))
 
 
 def _recent_aborts_id() -> bytes:
