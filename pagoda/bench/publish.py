@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 from common.config import EngineConfig
 from common.plan_state import HeldSequence, PlanState
-from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult, encode
+from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult, decode, encode
 from pagoda.bench.common import command_words, header, write_result
-from scheduler.memory_view import build_snapshot, memory_version
+from scheduler.memory_view import build_snapshot
 from scheduler.scheduler import Scheduler
 
 EOS_TOKEN_IDS = [0, 2]
@@ -104,3 +104,147 @@ def add_mixed_requests(scheduler: Scheduler, count: int, rng: random.Random, max
         else:
             params = SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
         scheduler.add_request(f"r{i}", prompt, params)
+
+
+def engine_config(num_blocks: int, block_size: int = 16) -> EngineConfig:
+    """As a server runs: prefix caching and asynchronous scheduling on, 256 sequences a step."""
+    return EngineConfig(block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=256,
+                        max_num_batched_tokens=8192, max_model_len=8192)
+
+
+# ----------------------------------------------------------------------------- the measurement
+
+
+@dataclass
+class Loop:
+    """The scheduler process's step, one plan ahead (scheduler/server.py), the executor in process:
+    each step's host work is schedule + encode the plan + decode the result + update."""
+
+    scheduler: Scheduler
+    executor: ModelFreeExecutor
+    results: list[bytes] = field(default_factory=list)  # encoded, of the plans in flight
+
+    def step(self) -> dict[str, float]:
+        s, times = self.scheduler, {}
+        while len(self.results) < 2:  # (the first step sends two plans)
+            start = time.perf_counter()
+            data = encode(s.schedule())
+            times["schedule"] = times.get("schedule", 0.0) + time.perf_counter() - start
+            self.results.append(encode(self.executor.execute(decode(data))))  # the GPU's part: not timed
+        start = time.perf_counter()
+        s.update(decode(self.results.pop(0)))
+        times["update"] = time.perf_counter() - start
+        return times
+
+
+def publish_once(scheduler: Scheduler, stream) -> tuple[dict[str, float], bytes]:
+    """One publish as scheduler/server.py makes it; its parts' seconds and the bytes written."""
+    t0 = time.perf_counter()
+    snapshot = build_snapshot(scheduler, "0", stream.consumer)
+    t1 = time.perf_counter()
+    data = encode(snapshot)
+    t2 = time.perf_counter()
+    stream.publish_memory(data)
+    t3 = time.perf_counter()
+    return {"build": t1 - t0, "encode": t2 - t1, "redis": t3 - t2}, data
+
+
+def fill(loop: Loop, share: float, max_steps: int = 20_000) -> int:
+    """Step until `share` of the pool is held (or nothing waits); returns the steps taken."""
+    bm = loop.scheduler.block_manager
+    for steps in range(max_steps):
+        held = bm.num_total_blocks - bm.num_free_blocks
+        if held >= share * bm.num_total_blocks or not loop.scheduler.waiting:
+            return steps
+        loop.step()
+    raise RuntimeError(f"the pool was not {share:.0%} full after {max_steps} steps")
+
+
+def _ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1000, 4)
+
+
+def bench_publish(num_blocks: int, num_requests: int, steps: int, share: float = 0.9, interval_s: float = 0.25,
+                  seed: int = 0, redis_url: str | None = None, log=None) -> dict:
+    """Fill a pool, then measure `steps` steps and a publish after each (module docstring)."""
+    from common.config import ServingConfig
+    from common.redis_server import RedisServer
+    from scheduler.request_stream import RequestStream
+
+    config = engine_config(num_blocks)
+    scheduler = Scheduler(config, num_blocks, config.max_model_len, EOS_TOKEN_IDS, num_blocks // 8)
+    add_mixed_requests(scheduler, num_requests, random.Random(seed), max_tokens=4000, prompt_lens=(200, 3000))
+    loop = Loop(scheduler, ModelFreeExecutor(config.block_size, seed))
+    start = time.perf_counter()
+    fill_steps = fill(loop, share)
+    if log:
+        log(f"filled {share:.0%} of {num_blocks} blocks in {fill_steps} steps ({time.perf_counter() - start:.1f} s)")
+    server = None if redis_url else RedisServer().start()
+    try:
+        stream = RequestStream(ServingConfig(redis_url=redis_url or server.url), "bench-publish")
+        step_parts, publish_parts, sizes = [], [], []
+        for _ in range(steps):
+            step_parts.append(loop.step())
+            parts, data = publish_once(scheduler, stream)
+            publish_parts.append(parts)
+            sizes.append(len(data))
+        stream.delete_status()
+    finally:
+        if server is not None:
+            server.stop()
+    snapshot = build_snapshot(scheduler)
+    step_ms = _ms([sum(p.values()) for p in step_parts])
+    publish_ms = _ms([sum(p.values()) for p in publish_parts])
+    return {
+        "fill_steps": fill_steps,
+        "state": {
+            "sequences": len(snapshot.sequences), "requests_running": len(scheduler.running),
+            "requests_waiting": len(scheduler.waiting), "blocks_in_tables": sum(len(r[6]) for r in snapshot.sequences),
+            "events_in_snapshot": len(snapshot.events), **{k: snapshot.stats[k] for k in (
+                "num_used_blocks", "num_shared_blocks", "blocks_saved_by_sharing", "num_cached_blocks",
+                "num_free_blocks", "num_cow_copies")},
+        },
+        "steps": steps,
+        "publish_ms": publish_ms,
+        "publish_p90_ms": round(sorted(sum(p.values()) for p in publish_parts)[int(0.9 * steps)] * 1000, 4),
+        "publish_parts_ms": {k: _ms([p[k] for p in publish_parts]) for k in ("build", "encode", "redis")},
+        "scheduler_step_ms": step_ms,
+        "scheduler_step_parts_ms": {k: _ms([p[k] for p in step_parts]) for k in ("schedule", "update")},
+        "interval_s": interval_s,
+        "share_at_interval": round(publish_ms / max(interval_s * 1000, step_ms), 5),
+        "share_every_step": round(publish_ms / step_ms, 4),
+        "snapshot_bytes": int(statistics.median(sizes)),
+    }
+
+
+def run(args) -> int:
+    """The `pagoda bench publish` command."""
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    measured = bench_publish(args.num_blocks, args.num_requests, args.steps, args.fill, args.interval_s, args.seed,
+                             args.redis_url, log)
+    result = {
+        **header("publish", command_words("publish", args)),
+        "model": "none (ModelFreeExecutor: seeded random tokens with 16 candidates)",
+        "workload": {
+            "num_blocks": args.num_blocks, "block_size": 16, "num_cpu_blocks": args.num_blocks // 8,
+            "num_requests": args.num_requests, "prompt_tokens": "uniform in [200, 3000]",
+            "mix": "1/4 open with one of 4 shared 384-token system prompts (prefix cache); 1/8 n=4; 1/16 beam "
+                   "search width 4; the rest one sample; all decode past the measured steps",
+            "engine": "max_num_seqs 256, max_num_batched_tokens 8192, prefix caching, async scheduling",
+            "filled": f"{args.fill:.0%} of the pool held before measuring",
+        },
+        "metrics_doc": {
+            "publish_ms": "median of build_snapshot + encode + Redis SET (a private redis-server), one per step",
+            "scheduler_step_ms": "median host work of a step: schedule + encode plan + decode result + update "
+                                 "(no model: a real step is longer, so the shares are upper bounds)",
+            "share_at_interval": "publish_ms / max(interval, step): the server publishes at most every interval_s",
+            "share_every_step": "publish_ms / scheduler_step_ms",
+        },
+        **measured,
+    }
+    write_result(result, args.output)
+    print(f"publish {result['publish_ms']:.3f} ms (build {result['publish_parts_ms']['build']:.3f}, encode "
+          f"{result['publish_parts_ms']['encode']:.3f}, redis {result['publish_parts_ms']['redis']:.3f}); "
+          f"scheduler step {result['scheduler_step_ms']:.3f} ms; share at {args.interval_s:g} s: "
+          f"{result['share_at_interval']:.3%}, every step: {result['share_every_step']:.1%}")
+    return 0
