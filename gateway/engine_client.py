@@ -67,14 +67,15 @@ class EngineMemory:
 
 
 def _engine_memory(raw: bytes) -> EngineMemory | None:
+    """The snapshot's JSON, or None (logged once per value) for a value that is not one."""
     try:
         snapshot = decode(raw)
-    except ProtocolError as exc:
+        if not isinstance(snapshot, MemorySnapshot):
+            raise ProtocolError(f"a {type(snapshot).__name__}, not a MemorySnapshot")
+        text = json.dumps(snapshot_json(snapshot), separators=(",", ":"))
+    except (ProtocolError, ValueError, TypeError) as exc:
         log.warning("ignoring an undecodable memory snapshot: %s", exc)
         return None
-    if not isinstance(snapshot, MemorySnapshot):
-        return None
-    text = json.dumps(snapshot_json(snapshot), separators=(",", ":"))
     return EngineMemory(snapshot.engine, snapshot.scheduler_id, snapshot.version, text)
 
 
@@ -143,7 +144,7 @@ class EngineClient:
         self.num_unstarted = 0  # submitted, no event back yet (queued in Redis or in a scheduler)
         self.status_ttl_s = 0.1  # admission reads scheduler status at most this often
         self._status_cache: tuple[float, list[SchedulerStatus]] = (0.0, [])
-        self._memory: dict[bytes, tuple[bytes, EngineMemory]] = {}  # key -> (its value, decoded once)
+        self._memory: dict[bytes, tuple[bytes, EngineMemory | None]] = {}  # key -> (its value, decoded once)
         self._memory_read_at = 0.0
         self._memory_lock = asyncio.Lock()  # one read of Redis per interval, however many pages watch
         self.redis_ok = True
@@ -264,14 +265,10 @@ class EngineClient:
                     if raw is None:
                         continue  # expired between SCAN and MGET
                     entry = known.get(key)
-                    if entry is None or entry[0] != raw:
-                        memory = _engine_memory(raw)
-                        if memory is None:
-                            continue
-                        entry = (raw, memory)
-                    self._memory[key] = entry
+                    self._memory[key] = entry if entry is not None and entry[0] == raw else (raw, _engine_memory(raw))
                 self._memory_read_at = time.monotonic()
-            return sorted((memory for _, memory in self._memory.values()), key=lambda m: (m.engine, m.scheduler_id))
+            engines = [memory for _, memory in self._memory.values() if memory is not None]
+            return sorted(engines, key=lambda m: (m.engine, m.scheduler_id))
 
     # ------------------------------------------------------------------ the reader
     async def _read_replies(self) -> None:
