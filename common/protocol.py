@@ -321,7 +321,7 @@ class MemoryEvent:
     kind: str
     request_id: str  # "" for prefix-cache evictions
     seq_id: int  # -1 when the event is the request's, not one sequence's
-    blocks: list[int]  # the blocks concerned (cow: [src, dst]; swaps: the device blocks)
+    blocks: bytes  # the blocks concerned (cow: [src, dst]; swaps: the device blocks), as little-endian uint32
 
 
 @dataclass(slots=True)
@@ -331,7 +331,7 @@ class MemorySnapshot:
     Reference counts travel as bytes, one per block id (the null block 0 included, always 0), or
     as little-endian uint32 when a count passes 255 (scheduler/memory_view.pack_counts);
     `sequences` as rows [request_id, seq_id, status, num_tokens, num_slots, pool, block_table]
-    (pool "gpu" or "cpu").
+    (pool "gpu" or "cpu"; block_table as little-endian uint32 bytes, scheduler/memory_view.pack_table).
     """
 
     engine: str

@@ -325,10 +325,12 @@ def _add_bench_step(s: argparse.ArgumentParser) -> None:
 
 def _add_bench_publish(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=30_000, help="the KV pool, in blocks")
-    p.add_argument("--num-requests", type=int, default=300, help="requests of the mixed workload (see --help of the module)")
+    p.add_argument("--num-requests", type=int, default=300, help="requests of the mixed workload")
     p.add_argument("--fill", type=float, default=0.9, help="share of the pool held before measuring")
-    p.add_argument("--steps", type=int, default=200, help="steps measured, each followed by one publish")
+    p.add_argument("--publishes", type=int, default=30, help="publishes measured")
     p.add_argument("--interval-s", type=float, default=0.25, help="the server's publishing interval")
+    p.add_argument("--publish-every", type=int, default=0,
+                   help="steps between two publishes (0: those that take --interval-s at the measured step time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis-url", help="publish to this Redis (default: a private redis-server)")
     p.add_argument("--output", help="write the result JSON here")

@@ -36,7 +36,7 @@ from common.admission import AdmissionLimits
 from common.config import EngineConfig, ServingConfig
 from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, StepPlan, WorkerHello, encode
 from common.transport import WorkerLink
-from scheduler.memory_view import build_snapshot, memory_version, status_counters
+from scheduler.memory_view import PackedTables, build_snapshot, memory_version, status_counters
 from scheduler.request_stream import IDLE_BLOCK_MS, Arrival, RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
 
@@ -63,6 +63,7 @@ class SchedulerServer:
         self._last_status = 0.0
         self._last_memory = 0.0
         self._memory_version: tuple | None = None  # of the snapshot last published
+        self._memory_tables = PackedTables()  # its block tables, packed: the next publish packs what changed
         self._in_flight: deque[StepPlan] = deque()  # plans sent, oldest first
 
     # ------------------------------------------------------------------ lifecycle
@@ -169,7 +170,7 @@ class SchedulerServer:
         ))
         self.scheduler.epoch = self.epoch
         self.scheduler.isolate_failures = True
-        self._memory_version = None
+        self._memory_version, self._memory_tables = None, PackedTables()
         log.info("workers ready: %s, %d KV blocks of %d tokens, context %d",
                  hello.model, hello.num_gpu_blocks, hello.block_size, hello.max_model_len)
 
@@ -310,11 +311,9 @@ class SchedulerServer:
         if version == self._memory_version:
             return
         self._last_memory = now
-        try:
-            self.stream.publish_memory(encode(build_snapshot(s, self.serving.engine_id, self.id)))
-            self._memory_version = version
-        except redis.RedisError as exc:
-            log.warning("could not publish the memory snapshot: %s", exc)
+        self._memory_version = version
+        # written with the step's events, in their round trip (RequestStream.flush)
+        self.stream.publish_memory(encode(build_snapshot(s, self.serving.engine_id, self.id, self._memory_tables)))
 
 
 def _lost(rank: int) -> str:

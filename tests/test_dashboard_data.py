@@ -82,6 +82,8 @@ def test_the_server_publishes_the_snapshot_when_it_changed_at_most_every_interva
         assert r.get(key) is None
         server.scheduler, executor = running_scheduler()
         server._publish_memory()
+        assert r.get(key) is None  # written with the next flush, in the round trip of the step's events
+        server.stream.flush()
         published = decode(r.get(key))
         expected = build_snapshot(server.scheduler, "7", "s-1")
         assert snapshot_json(published) | {"time": 0} == snapshot_json(expected) | {"time": 0}
@@ -89,14 +91,17 @@ def test_the_server_publishes_the_snapshot_when_it_changed_at_most_every_interva
 
         step(server.scheduler, executor)
         server._publish_memory()  # within the interval: not yet
+        server.stream.flush()
         assert decode(r.get(key)).step == published.step
         server._last_memory -= server_interval()
         server._publish_memory()
+        server.stream.flush()
         assert decode(r.get(key)).step == published.step + 1
 
         r.delete(key)
         server._last_memory -= server_interval()
         server._publish_memory()  # nothing changed: nothing written
+        server.stream.flush()
         assert r.get(key) is None
         server._last_status = 0.0
         server._publish_status()  # the status finds the snapshot gone (Redis lost it)...
@@ -104,6 +109,7 @@ def test_the_server_publishes_the_snapshot_when_it_changed_at_most_every_interva
         assert (status.num_cpu_blocks, status.num_shared_blocks, status.num_blocks_saved_by_sharing) == (16, 2, 2)
         assert status.iteration_tokens_sum == 40 + 2 + 2 + 2 and sum(status.iteration_tokens) == 4
         server._publish_memory()  # ...so it is published again
+        server.stream.flush()
         assert decode(r.get(key)).step == published.step + 1
     finally:
         server._shutdown()

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.config import EngineConfig
-from common.memory_snapshot import check_snapshot, snapshot_json, unpack_counts
+from common.memory_snapshot import check_snapshot, pack_ints, pack_raw, snapshot_json, unpack_ints
 from common.protocol import SamplingParams, StepPlan, decode, encode
 from pagoda.bench.publish import EOS_TOKEN_IDS, ModelFreeExecutor
-from scheduler.memory_view import build_snapshot, memory_version, pack_counts, status_counters
+from scheduler.memory_view import PackedTables, build_snapshot, memory_version, status_counters
 from scheduler.scheduler import PreemptionCosts, RequestRejected, Scheduler
 
 BLOCK_SIZE = 8
@@ -58,6 +58,7 @@ WORKLOADS = st.fixed_dictionaries({
     "async_scheduling": st.booleans(),
     "eos_rate": st.sampled_from([0.0, 0.1]),
     "seed": st.integers(0, 2**16),
+    "publish_every": st.integers(2, 9),  # steps between a second publisher's snapshots
 })
 
 
@@ -74,7 +75,8 @@ class RecordingExecutor(ModelFreeExecutor):
 
 
 def make_scheduler(w: dict) -> tuple[Scheduler, RecordingExecutor]:
-    config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=96, max_model_len=MAX_MODEL_LEN,
+    config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=96,
+                          max_model_len=MAX_MODEL_LEN,
                           enable_prefix_caching=w["enable_prefix_caching"], async_scheduling=w["async_scheduling"],
                           preemption_mode=w["preemption_mode"])
     # the measured rates `auto` compares: swapping and recomputing cost alike, so both happen
@@ -145,8 +147,9 @@ def check_events(events: list[dict], plans: list[StepPlan]) -> None:
                 assert e["blocks"]
 
 
-def take_snapshot(scheduler: Scheduler) -> dict:
-    return snapshot_json(decode(encode(build_snapshot(scheduler, "0", "test"))))
+def take_snapshot(scheduler: Scheduler, tables: PackedTables) -> dict:
+    """Through the wire, its block tables packed by what `tables` packed before (as the server does)."""
+    return snapshot_json(decode(encode(build_snapshot(scheduler, "0", "test", tables))))
 
 
 # ----------------------------------------------------------------------------- the property
@@ -159,7 +162,7 @@ def run_workload(w: dict) -> set[str]:
     prefixes = [[rng.randrange(3, 1000) for _ in range(24)] for _ in range(2)]
     pending = sorted(enumerate(w["requests"]), key=lambda item: item[1]["arrival"])
     aborts: dict[int, list[str]] = {}
-    results, last_event_id, kinds = [], 0, set()
+    results, last_event_id, kinds, tables, sparse_tables = [], 0, set(), PackedTables(), PackedTables()
     for step in range(400):
         while pending and pending[0][1]["arrival"] <= step:
             i, r = pending.pop(0)
@@ -184,8 +187,10 @@ def run_workload(w: dict) -> set[str]:
         elif results:  # every request ended with a plan in flight: its result comes all the same
             scheduler.update(results.pop(0))
         scheduler.block_manager.check_integrity()
-        snapshot = take_snapshot(scheduler)
+        snapshot = take_snapshot(scheduler, tables)
         check_against_scheduler(scheduler, snapshot)
+        if step % w["publish_every"] == 0:  # what changed over several steps is packed right too
+            assert take_snapshot(scheduler, sparse_tables)["sequences"] == snapshot["sequences"]
         new_events = [e for e in snapshot["events"] if e["id"] > last_event_id]
         assert [e["id"] for e in new_events] == list(range(last_event_id + 1, last_event_id + 1 + len(new_events)))
         check_events(new_events, executor.plans)
@@ -194,7 +199,7 @@ def run_workload(w: dict) -> set[str]:
         last_event_id = new_events[-1]["id"] if new_events else last_event_id
     else:
         raise AssertionError("the workload did not end in 400 steps")
-    snapshot = take_snapshot(scheduler)
+    snapshot = take_snapshot(scheduler, tables)
     assert snapshot["sequences"] == [] and set(snapshot["ref_counts"]) == {0}
     return kinds
 
@@ -214,7 +219,7 @@ def crowded(mode: str) -> dict:
         "requests": [{"prefix": i % 2, "prompt_len": 5 + 3 * i, "params": kinds[i % 3], "arrival": i // 2,
                       "abort": 9 if i == 5 else None} for i in range(8)],
         "num_gpu_blocks": 24, "num_cpu_blocks": 48, "preemption_mode": mode, "enable_prefix_caching": True,
-        "async_scheduling": True, "eos_rate": 0.0, "seed": 7,
+        "async_scheduling": True, "eos_rate": 0.0, "seed": 7, "publish_every": 5,
     }
 
 
@@ -227,9 +232,20 @@ def test_a_crowded_pool_shows_every_kind_of_event(mode, expected):
     assert run_workload(crowded(mode)) == expected
 
 
-def test_a_reference_count_past_255_travels_as_uint32():
-    counts = [0, 1, 300, 2]
-    assert len(pack_counts(counts)) == 16 and len(pack_counts([0, 1, 255])) == 3
-    assert unpack_counts(pack_counts(counts), 4) == counts
-    with pytest.raises(ValueError, match="12 bytes of reference counts for 4 blocks"):
-        unpack_counts(bytes(12), 4)
+@pytest.mark.parametrize("values, width", [
+    ([], 1), ([0, 1, 255], 1), ([0, 1, 300, 2], 2), ([7, 65535], 2), ([65536, 3], 4), ([2**32 - 1], 4),
+])
+def test_ints_travel_in_the_narrowest_width_that_holds_them(values, width):
+    packed = pack_ints(values)
+    assert packed[0] == width and len(packed) == 1 + width * len(values)
+    assert unpack_ints(packed) == values
+    assert unpack_ints(packed[:1] + pack_raw(values, width)) == values
+
+
+def test_a_table_that_gains_a_wider_block_id_is_packed_again():
+    tables, table = PackedTables(), [1, 2]
+    assert tables.pack([(0, table)]) == [pack_ints([1, 2])]
+    table += [3, 70_000]
+    assert tables.pack([(0, table)]) == [pack_ints([1, 2, 3, 70_000])] and pack_ints(table)[0] == 4
+    table[-1] = 9  # copy-on-write of the last block
+    assert tables.pack([(0, table)]) == [pack_ints([1, 2, 3, 9])]

@@ -1,46 +1,55 @@
-"""`pagoda bench publish`: what publishing the dashboard's memory snapshot costs the scheduler.
+"""`pagoda bench publish`: what publishing the memory page's snapshot costs the scheduler.
 
 Runs on CPU, with no model: the real Scheduler and BlockManager (prefix caching on, a swap pool)
 are driven through schedule() / update() by ModelFreeExecutor, which follows the plans' diffs as
 a worker would (common/plan_state.py) and samples seeded random tokens, with top-k candidates so
 beam search runs. The workload fills a pool of `--num-blocks` blocks with a realistic mix: many
-requests (ShareGPT-like prompt lengths), a few system prompts shared through the prefix cache,
+requests (prompts of 200 to 3,000 tokens), a few system prompts shared through the prefix cache,
 parallel sampling (n=4) and beam search (width 4) forking shared blocks, all decoding past the
-measured steps (ignore_eos).
+measured steps (ignore_eos) until the pool is full and preemption sets in.
 
-Once the pool is filled (`--fill` of it held, or no request waiting), `--steps` steps are
-measured. In each: the scheduler's step (schedule + update, the executor not counted: it stands
-for the GPU) and one publish as scheduler/server.py does it: build_snapshot + encode + the Redis
-SET with its TTL, to a private redis-server (or `--redis-url`). The result:
+Once `--fill` of the pool is held, `--publishes` publishes are measured, each after the steps
+that take `--interval-s` at the measured step time (or `--publish-every` steps), as the server
+publishes at most every 0.25 s. Every step: its host work (schedule + update and the plan's and
+result's msgpack; the executor stands for the GPU and is not counted), then the flush of its token
+events to a private redis-server (or `--redis-url`), as the server sends them. Every publish, as
+scheduler/server.py makes it: build_snapshot (with its PackedTables) + encode, and the write,
+which rides in the next flush of the step's events (the SET of the snapshot less a SET of a few
+bytes: what it adds to that round trip). The result:
 
     publish_ms              median cost of one publish, and its parts (build, encode, redis)
-    scheduler_step_ms       median host time of a scheduler step (schedule + update), no model
-    share_at_interval       publish_ms / max(interval, step): the step time spent publishing when
-                            the server publishes at most every `--interval-s` (0.25 s), as it does
+    publish_cold_ms         the first publish, which packs every block table
+    scheduler_step_ms       median host work of a step (schedule + update, msgpack), no model
+    share_at_interval       publish_ms / max(interval, step): the share of the scheduler's time
+                            spent publishing at most every `--interval-s` (0.25 s), as it does
     share_every_step        publish_ms / scheduler_step_ms: were it published after every step
     snapshot_bytes          the encoded snapshot's size
 
 Step time here is the scheduler's own work alone, the smallest a real step can be (a step on a
-GPU also runs the model), so both shares are upper bounds.
+GPU also runs the model), so both shares are upper bounds. The load average before the run is in
+`load_1m`: on a shared machine every figure grows with it.
 
     pagoda bench publish --output benchmarks/results/2026-11-25-cpu-publish-overhead.json
 """
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
+from common import streams
 from common.config import EngineConfig
 from common.plan_state import HeldSequence, PlanState
-from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult, decode, encode
+from common.protocol import RequestEvent, SampledToken, SamplingParams, StepPlan, StepResult, decode, encode
 from pagoda.bench.common import command_words, header, write_result
-from scheduler.memory_view import build_snapshot
+from scheduler.memory_view import PackedTables, build_snapshot
 from scheduler.scheduler import Scheduler
 
 EOS_TOKEN_IDS = [0, 2]
+REPLIES = "pagoda:replies:bench-publish"
 VOCAB = 49_152
 NUM_CANDIDATES = 16  # top logprobs sent with each sample: enough for beam search of width 4
 
@@ -118,10 +127,12 @@ def engine_config(num_blocks: int, block_size: int = 16) -> EngineConfig:
 @dataclass
 class Loop:
     """The scheduler process's step, one plan ahead (scheduler/server.py), the executor in process:
-    each step's host work is schedule + encode the plan + decode the result + update."""
+    each step's host work is schedule + encode the plan + decode the result + update. With a
+    `stream`, each step's token events then go to Redis in one flush, as the server sends them."""
 
     scheduler: Scheduler
     executor: ModelFreeExecutor
+    stream: object | None = None  # a scheduler/request_stream.RequestStream
     results: list[bytes] = field(default_factory=list)  # encoded, of the plans in flight
 
     def step(self) -> dict[str, float]:
@@ -132,21 +143,46 @@ class Loop:
             times["schedule"] = times.get("schedule", 0.0) + time.perf_counter() - start
             self.results.append(encode(self.executor.execute(decode(data))))  # the GPU's part: not timed
         start = time.perf_counter()
-        s.update(decode(self.results.pop(0)))
+        outputs = s.update(decode(self.results.pop(0)))
         times["update"] = time.perf_counter() - start
+        if self.stream is not None:
+            from scheduler.request_stream import SendEvent  # (redis: not for the model-free executor's users)
+
+            self.stream.outbox += [
+                SendEvent(REPLIES, RequestEvent(out.request_id, seq.new_token_ids, None, seq.finish_reason, None,
+                                                seq.index))
+                for out in outputs for seq in out.outputs if seq.num_new_tokens]
         return times
 
+    def flush(self) -> float:
+        """Send the step's events (and a snapshot if one waits); the seconds it took."""
+        start = time.perf_counter()
+        self.stream.flush()
+        return time.perf_counter() - start
 
-def publish_once(scheduler: Scheduler, stream) -> tuple[dict[str, float], bytes]:
-    """One publish as scheduler/server.py makes it; its parts' seconds and the bytes written."""
+
+def publish_once(scheduler: Scheduler, stream, tables: PackedTables) -> tuple[dict[str, float], bytes]:
+    """Build and encode a snapshot as scheduler/server.py does, and queue it for the next flush;
+    its parts' seconds and the bytes."""
     t0 = time.perf_counter()
-    snapshot = build_snapshot(scheduler, "0", stream.consumer)
+    snapshot = build_snapshot(scheduler, "0", stream.consumer, tables)
     t1 = time.perf_counter()
     data = encode(snapshot)
-    t2 = time.perf_counter()
     stream.publish_memory(data)
-    t3 = time.perf_counter()
-    return {"build": t1 - t0, "encode": t2 - t1, "redis": t3 - t2}, data
+    return {"build": t1 - t0, "encode": time.perf_counter() - t1}, data
+
+
+def snapshot_write_cost(stream) -> float:
+    """What writing the waiting snapshot adds to the flush it rides in (RequestStream.flush sends it
+    with the step's events, in their one round trip): a SET of it less a SET of a few bytes, back to
+    back. The snapshot is written."""
+    key, ttl_ms = streams.memory_key(stream.consumer), int(streams.STATUS_TTL_S * 1000)
+    data, stream.memory = stream.memory, None
+    start = time.perf_counter()
+    stream.redis.set(key, data, px=ttl_ms)
+    middle = time.perf_counter()
+    stream.redis.set(key + ":probe", b"x", px=ttl_ms)
+    return max(0.0, (middle - start) - (time.perf_counter() - middle))
 
 
 def fill(loop: Loop, share: float, max_steps: int = 20_000) -> int:
@@ -164,9 +200,10 @@ def _ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1000, 4)
 
 
-def bench_publish(num_blocks: int, num_requests: int, steps: int, share: float = 0.9, interval_s: float = 0.25,
-                  seed: int = 0, redis_url: str | None = None, log=None) -> dict:
-    """Fill a pool, then measure `steps` steps and a publish after each (module docstring)."""
+def bench_publish(num_blocks: int, num_requests: int, publishes: int, share: float = 0.9, interval_s: float = 0.25,
+                  publish_every: int = 0, seed: int = 0, redis_url: str | None = None, log=None) -> dict:
+    """Fill a pool, then measure `publishes` publishes, each after `publish_every` steps (0: as many
+    as take `interval_s` at the measured step time, as the server publishes), and every step."""
     from common.config import ServingConfig
     from common.redis_server import RedisServer
     from scheduler.request_stream import RequestStream
@@ -177,37 +214,53 @@ def bench_publish(num_blocks: int, num_requests: int, steps: int, share: float =
     loop = Loop(scheduler, ModelFreeExecutor(config.block_size, seed))
     start = time.perf_counter()
     fill_steps = fill(loop, share)
+    warm_ms = _ms([sum(loop.step().values()) for _ in range(20)])
+    publish_every = publish_every or max(1, round(interval_s * 1000 / warm_ms))
     if log:
-        log(f"filled {share:.0%} of {num_blocks} blocks in {fill_steps} steps ({time.perf_counter() - start:.1f} s)")
+        log(f"filled {share:.0%} of {num_blocks} blocks in {fill_steps} steps ({time.perf_counter() - start:.1f} s); "
+            f"a step takes {warm_ms:.2f} ms: a publish every {publish_every} steps")
     server = None if redis_url else RedisServer().start()
     try:
-        stream = RequestStream(ServingConfig(redis_url=redis_url or server.url), "bench-publish")
-        step_parts, publish_parts, sizes = [], [], []
-        for _ in range(steps):
-            step_parts.append(loop.step())
-            parts, data = publish_once(scheduler, stream)
+        loop.stream = stream = RequestStream(ServingConfig(redis_url=redis_url or server.url), "bench-publish")
+        tables = PackedTables()
+        cold, _ = publish_once(scheduler, stream, tables)  # the first packs every table
+        loop.flush()
+        step_parts, publish_parts, sizes, flushes = [], [], [], []
+        for _ in range(publishes):
+            for _ in range(publish_every):
+                step_parts.append(loop.step())
+                flushes.append(loop.flush())
+            parts, data = publish_once(scheduler, stream, tables)
+            parts["redis"] = snapshot_write_cost(stream)
             publish_parts.append(parts)
             sizes.append(len(data))
-        stream.delete_status()
+        key = streams.memory_key(stream.consumer)
+        stream.redis.delete(REPLIES, key, key + ":probe")
     finally:
         if server is not None:
             server.stop()
     snapshot = build_snapshot(scheduler)
     step_ms = _ms([sum(p.values()) for p in step_parts])
-    publish_ms = _ms([sum(p.values()) for p in publish_parts])
+    publish_ms = _ms([p["build"] + p["encode"] + p["redis"] for p in publish_parts])
     return {
         "fill_steps": fill_steps,
         "state": {
             "sequences": len(snapshot.sequences), "requests_running": len(scheduler.running),
-            "requests_waiting": len(scheduler.waiting), "blocks_in_tables": sum(len(r[6]) for r in snapshot.sequences),
+            "requests_swapped": len(scheduler.swapped), "requests_waiting": len(scheduler.waiting),
+            "blocks_in_tables": sum(map(len, scheduler.block_manager.block_tables.values())),
             "events_in_snapshot": len(snapshot.events), **{k: snapshot.stats[k] for k in (
                 "num_used_blocks", "num_shared_blocks", "blocks_saved_by_sharing", "num_cached_blocks",
-                "num_free_blocks", "num_cow_copies")},
+                "num_free_blocks", "num_cow_copies", "num_preemptions")},
         },
-        "steps": steps,
+        "publishes": publishes,
+        "publish_every_steps": publish_every,
+        "steps": len(step_parts),
         "publish_ms": publish_ms,
-        "publish_p90_ms": round(sorted(sum(p.values()) for p in publish_parts)[int(0.9 * steps)] * 1000, 4),
+        "publish_p90_ms": round(sorted(p["build"] + p["encode"] + p["redis"] for p in publish_parts)[
+            int(0.9 * publishes)] * 1000, 4),
         "publish_parts_ms": {k: _ms([p[k] for p in publish_parts]) for k in ("build", "encode", "redis")},
+        "flush_ms": _ms(flushes),
+        "publish_cold_ms": round(sum(cold.values()) * 1000, 4),
         "scheduler_step_ms": step_ms,
         "scheduler_step_parts_ms": {k: _ms([p[k] for p in step_parts]) for k in ("schedule", "update")},
         "interval_s": interval_s,
@@ -220,10 +273,12 @@ def bench_publish(num_blocks: int, num_requests: int, steps: int, share: float =
 def run(args) -> int:
     """The `pagoda bench publish` command."""
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    measured = bench_publish(args.num_blocks, args.num_requests, args.steps, args.fill, args.interval_s, args.seed,
-                             args.redis_url, log)
+    load_1m = os.getloadavg()[0]  # a shared machine's load, before the run
+    measured = bench_publish(args.num_blocks, args.num_requests, args.publishes, args.fill, args.interval_s,
+                             args.publish_every, args.seed, args.redis_url, log)
     result = {
         **header("publish", command_words("publish", args)),
+        "load_1m": round(load_1m, 2),
         "model": "none (ModelFreeExecutor: seeded random tokens with 16 candidates)",
         "workload": {
             "num_blocks": args.num_blocks, "block_size": 16, "num_cpu_blocks": args.num_blocks // 8,
@@ -234,11 +289,16 @@ def run(args) -> int:
             "filled": f"{args.fill:.0%} of the pool held before measuring",
         },
         "metrics_doc": {
-            "publish_ms": "median of build_snapshot + encode + Redis SET (a private redis-server), one per step",
+            "publish_ms": "median of build_snapshot + encode + its Redis write (a private redis-server), one "
+                          "publish every publish_every_steps steps (the steps of interval_s at the measured step "
+                          "time); the write rides in the flush of the step's events: its cost is a SET of the "
+                          "snapshot less a SET of a few bytes, back to back",
+            "flush_ms": "median flush of a step's token events (not counted in the step, nor in the publish)",
+            "publish_cold_ms": "the first publish, which packs every block table (later ones pack what changed)",
             "scheduler_step_ms": "median host work of a step: schedule + encode plan + decode result + update "
                                  "(no model: a real step is longer, so the shares are upper bounds)",
             "share_at_interval": "publish_ms / max(interval, step): the server publishes at most every interval_s",
-            "share_every_step": "publish_ms / scheduler_step_ms",
+            "share_every_step": "publish_ms / scheduler_step_ms, were it published after every step",
         },
         **measured,
     }
