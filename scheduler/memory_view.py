@@ -13,13 +13,13 @@ The Scheduler records a MemoryEvent for each of these (the `kind`):
 changing anything; common/memory_snapshot.py turns one into the JSON the page draws.
 
 Its cost is what the scheduler pays to publish (`pagoda bench publish`): Python loops run per
-sequence and per event, never per block. Reference counts go as one byte per block; block tables
-as uint32 bytes that PackedTables re-packs only past what it packed at the last publish; an
-event's blocks as uint32 bytes packed when it is recorded. Run-length
-encoding was measured and does not pay here: at 30,000 blocks (`pagoda bench publish`'s state) the
-counts make some 4,000 runs and the tables' 40,000 entries some 13,000 runs of consecutive ids,
-but finding the runs in Python takes longer (about 2 ms) than building and encoding the whole
-snapshot.
+sequence and per event, never per block, and every int travels packed by C code
+(common/memory_snapshot.pack_ints: a reference count in one byte, a block id in two below 65,536
+blocks). PackedTables re-packs a table only past what the last publish packed; an event's blocks
+are packed once, when it is recorded. Run-length encoding was measured and does not pay here: at
+30,000 blocks (`pagoda bench publish`'s state) the counts make some 4,000 runs and the tables'
+40,000 entries some 13,000 runs of consecutive ids, but finding the runs in Python takes longer
+(about 2 ms) than building and encoding the whole snapshot.
 """
 from __future__ import annotations
 

@@ -239,3 +239,23 @@ def test_without_an_api_key_the_dashboard_is_open(gateway):
     request = Request({"type": "http", "method": "GET", "path": "/dashboard", "headers": [], "query_string": b"",
                        "app": app})
     assert require_dashboard_key(request) is None
+
+
+# ----------------------------------------------------------------------------- pagoda bench publish
+
+
+def test_bench_publish_writes_its_measurement(tmp_path):
+    from pagoda.cli import main
+
+    out = tmp_path / "publish.json"
+    assert main(["bench", "publish", "--num-blocks", "3000", "--num-requests", "40", "--publishes", "3",
+                 "--publish-every", "5", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("pagoda bench publish --num-blocks 3000 --num-requests 40")
+    assert (result["publishes"], result["publish_every_steps"], result["steps"]) == (3, 5, 15)
+    assert set(result["publish_parts_ms"]) == {"build", "encode", "redis"}
+    assert result["publish_ms"] > 0 and result["scheduler_step_ms"] > 0 and result["snapshot_bytes"] > 3000
+    assert result["share_at_interval"] == round(result["publish_ms"] / max(250, result["scheduler_step_ms"]), 5)
+    state = result["state"]
+    assert state["num_used_blocks"] >= 0.9 * 2999
+    assert state["num_shared_blocks"] > 0 and state["blocks_saved_by_sharing"] > 0
