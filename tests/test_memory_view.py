@@ -249,3 +249,22 @@ def test_a_table_that_gains_a_wider_block_id_is_packed_again():
     assert tables.pack([(0, table)]) == [pack_ints([1, 2, 3, 70_000])] and pack_ints(table)[0] == 4
     table[-1] = 9  # copy-on-write of the last block
     assert tables.pack([(0, table)]) == [pack_ints([1, 2, 3, 9])]
+
+
+def test_a_contiguous_allocator_is_drawn_from_its_tables():
+    """The Orca-style baselines (`--allocator orca-*`) keep no reference counts: they are counted."""
+    config = EngineConfig(block_size=BLOCK_SIZE, allocator="orca-max", enable_prefix_caching=False,
+                          async_scheduling=False, max_model_len=MAX_MODEL_LEN)
+    scheduler = Scheduler(config, 64, MAX_MODEL_LEN, EOS_TOKEN_IDS)
+    executor = ModelFreeExecutor(BLOCK_SIZE, seed=3)
+    for i in range(2):
+        scheduler.add_request(f"r{i}", list(range(3, 23 + i)), SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        scheduler.update(executor.execute(scheduler.schedule()))
+    snapshot = take_snapshot(scheduler, PackedTables())
+    bm = scheduler.block_manager
+    assert check_snapshot(snapshot) == [] and snapshot["cached"] == [] and snapshot["cpu_ref_counts"] == []
+    assert [(s["request_id"], s["block_table"]) for s in snapshot["sequences"]] == [
+        (f"r{i}", bm.block_tables[seq_id]) for i, seq_id in enumerate(bm.block_tables)]
+    assert sum(snapshot["ref_counts"]) == sum(map(len, bm.block_tables.values())) == 6  # 3 blocks of 8 each
+    assert status_counters(scheduler)["num_shared_blocks"] == 0
