@@ -260,12 +260,12 @@ class EngineClient:
             if time.monotonic() - self._memory_read_at >= MEMORY_READ_INTERVAL_S:
                 keys = [key async for key in self.redis.scan_iter(match=streams.MEMORY_PREFIX + "*", count=1000)]
                 values = await self.redis.mget(keys) if keys else []
-                known, self._memory = self._memory, {}
-                for key, raw in zip(keys, values):
-                    if raw is None:
-                        continue  # expired between SCAN and MGET
-                    entry = known.get(key)
-                    self._memory[key] = entry if entry is not None and entry[0] == raw else (raw, _engine_memory(raw))
+                live = {key: raw for key, raw in zip(keys, values) if raw is not None}  # (None: expired since SCAN)
+                changed = [raw for key, raw in live.items() if key not in self._memory or self._memory[key][0] != raw]
+                # off the event loop: some 20 ms at 30,000 blocks, which streams must not wait for
+                decoded = dict(zip(changed, await asyncio.to_thread(lambda: list(map(_engine_memory, changed)))))
+                self._memory = {key: (raw, decoded[raw]) if raw in decoded else self._memory[key]
+                                for key, raw in live.items()}
                 self._memory_read_at = time.monotonic()
             engines = [memory for _, memory in self._memory.values() if memory is not None]
             return sorted(engines, key=lambda m: (m.engine, m.scheduler_id))
