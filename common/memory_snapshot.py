@@ -35,19 +35,56 @@ STATS = (
 )
 
 
-def _ints(data: bytes) -> list[int]:
-    values = array("I")
-    values.frombytes(data)
+_TYPECODES = {2: "H", 4: "I"}
+
+
+def pack_ints(values: list[int], width: int | None = None) -> bytes:
+    """Non-negative ints as one byte giving their width, then each a little-endian unsigned int of
+    that width: the narrowest of 1, 2 and 4 bytes that holds them all (or `width`). How reference
+    counts, block tables and events' blocks travel: built at C speed, and small."""
+    for w in (width,) if width else (1, 2, 4):
+        try:
+            return bytes((w,)) + pack_raw(values, w)
+        except (OverflowError, ValueError):
+            continue
+    raise OverflowError("an int does not fit in 4 bytes")
+
+
+def pack_raw(values: list[int], width: int) -> bytes:
+    """pack_ints without the width byte (to extend bytes of that width)."""
+    if width == 1:
+        return bytes(values)  # ValueError past 255
+    data = array(_TYPECODES[width], values)  # OverflowError past the width
+    if sys.byteorder == "big":
+        data.byteswap()
+    return data.tobytes()
+
+
+def unpack_ints(data: bytes) -> list[int]:
+    width = data[0]
+    if width == 1:
+        return list(data[1:])
+    values = array(_TYPECODES[width])
+    values.frombytes(data[1:])
     if sys.byteorder == "big":
         values.byteswap()
     return values.tolist()
 
 
+def _counts(data: bytes, num_blocks: int) -> list[int]:
+    counts = unpack_ints(data)
+    if len(counts) != num_blocks:
+        raise ValueError(f"{len(counts)} reference counts for {num_blocks} blocks")
+    return counts
+
+
 def snapshot_json(snapshot: MemorySnapshot) -> dict:
     out = dataclasses.asdict(snapshot)
-    out["ref_counts"] = _ints(snapshot.ref_counts)
-    out["cpu_ref_counts"] = _ints(snapshot.cpu_ref_counts)
-    out["sequences"] = [dict(zip(SEQUENCE_FIELDS, row)) for row in snapshot.sequences]
+    out["ref_counts"] = _counts(snapshot.ref_counts, snapshot.num_gpu_blocks)
+    out["cpu_ref_counts"] = _counts(snapshot.cpu_ref_counts, snapshot.num_cpu_blocks)
+    out["sequences"] = [dict(zip(SEQUENCE_FIELDS, (*row[:-1], unpack_ints(row[-1])))) for row in snapshot.sequences]
+    for event in out["events"]:
+        event["blocks"] = unpack_ints(event["blocks"])
     return out
 
 

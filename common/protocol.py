@@ -321,16 +321,17 @@ class MemoryEvent:
     kind: str
     request_id: str  # "" for prefix-cache evictions
     seq_id: int  # -1 when the event is the request's, not one sequence's
-    blocks: list[int]  # the blocks concerned (cow: [src, dst]; swaps: the device blocks)
+    blocks: bytes  # the blocks concerned (cow: [src, dst]; swaps: the device blocks), as little-endian uint32
 
 
 @dataclass(slots=True)
 class MemorySnapshot:
     """One scheduler's block manager as the dashboard draws it; JSON by common/memory_snapshot.py.
 
-    Reference counts travel as little-endian uint32 arrays, one per block id (the null block 0
-    included, always 0); `sequences` as rows [request_id, seq_id, status, num_tokens, num_slots,
-    pool, block_table] (pool "gpu" or "cpu").
+    Reference counts travel as bytes, one per block id (the null block 0 included, always 0), or
+    as little-endian uint32 when a count passes 255 (scheduler/memory_view.pack_counts);
+    `sequences` as rows [request_id, seq_id, status, num_tokens, num_slots, pool, block_table]
+    (pool "gpu" or "cpu"; block_table as little-endian uint32 bytes, scheduler/memory_view.pack_table).
     """
 
     engine: str
@@ -361,11 +362,12 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {SchedulerStatus: 11, RequestEvent: 1}  # engine; [observability]
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
-# List fields of the hot messages (one entry per sequence of a step) travel as columns, one list per
-# field of the element type in declaration order, instead of one extension per element.
+# List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as
+# columns, one list per field of the element type in declaration order, not one extension per element.
 _COLUMNS_OF: dict[type, dict[int, type]] = {
     StepPlan: {_FIELDS_OF[StepPlan].index("cached_seqs"): CachedSequence},
     StepResult: {_FIELDS_OF[StepResult].index("sampled"): SampledToken},
+    MemorySnapshot: {_FIELDS_OF[MemorySnapshot].index("events"): MemoryEvent},
 }
 
 

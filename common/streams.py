@@ -5,6 +5,7 @@
                                  {id: request_id, index: i} to end that one output (sample) alone
     pagoda:replies:<gateway_id>  stream per gateway process; entries {m: RequestEvent}
     pagoda:scheduler:<id>        string, a SchedulerStatus, expires unless refreshed (heartbeat)
+    pagoda:memory:<id>           string, a MemorySnapshot (the dashboard), refreshed with the status
     pagoda:started               hash request_id -> scheduler id: requests that have streamed a token
     pagoda:held:<id>             string, a HeldRequests, written by a scheduler that finds Redis restarted
 """
@@ -17,6 +18,7 @@ STARTED = "pagoda:started"
 REPLIES_PREFIX = "pagoda:replies:"
 STATUS_PREFIX = "pagoda:scheduler:"
 HELD_PREFIX = "pagoda:held:"
+MEMORY_PREFIX = "pagoda:memory:"
 FIELD = b"m"  # the msgpack-encoded protocol message of a stream entry
 ABORT_FIELD = b"id"
 ABORT_INDEX_FIELD = b"index"
@@ -37,3 +39,7 @@ def status_key(scheduler_id: str) -> str:
 
 def held_key(scheduler_id: str) -> str:
     return HELD_PREFIX + scheduler_id
+
+
+def memory_key(scheduler_id: str) -> str:
+    return MEMORY_PREFIX + scheduler_id

@@ -3,6 +3,7 @@
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
     GET  /v1/models/{model}     GET  /health                     GET /metrics
     GET  /openapi.json
+    GET  /dashboard/snapshot    GET  /dashboard/events (SSE)     the memory page's data (not in /openapi.json)
 
 Every answer carries X-Request-Id: the client's own, echoed, or else the request's id (the hex
 part of a generation's `cmpl-`/`chatcmpl-` id).
@@ -47,6 +48,10 @@ RETRY_AFTER_UNAVAILABLE_S = 5
 SHUTTING_DOWN = "the server is shutting down"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
           "/openapi.json")
+# The memory page and its data: outside the OpenAI API and /openapi.json (an endless event stream)
+DASHBOARD_ROUTES = ("/dashboard", "/dashboard/snapshot", "/dashboard/events")
+DASHBOARD_POLL_S = 0.25  # how often an event stream looks for new snapshots (the schedulers publish as often)
+DASHBOARD_KEEPALIVE_S = 15.0
 REQUEST_ID = "X-Request-Id"
 
 
@@ -67,6 +72,8 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
             Route("/dashboard/static/{name}", dashboard_page.static_file, methods=["GET"]),
             Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
             Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+            Route("/dashboard/snapshot", gateway.dashboard_snapshot, methods=["GET"]),
+            Route("/dashboard/events", gateway.dashboard_events, methods=["GET"]),
         ],
         middleware=[Middleware(CountResponses, metrics=gateway.metrics), Middleware(RequestIds)],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
@@ -151,6 +158,44 @@ class Gateway:
         except Exception:  # Redis down: this gateway's own metrics still help
             statuses = []
         return Response(self.metrics.render(statuses), media_type=CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ the memory page's data
+    async def dashboard_snapshot(self, request: Request) -> Response:
+        """{"engines": [each scheduler's snapshot JSON (common/memory_snapshot.py)]}."""
+        if (denied := require_dashboard_key(request)) is not None:
+            return denied
+        try:
+            engines = await self.engine.memory_snapshots()
+        except Exception as exc:
+            return error_response(unavailable(f"Redis is unreachable ({exc}); no memory snapshot to show"))
+        body = '{"engines":[' + ",".join(memory.json for memory in engines) + "]}"
+        return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    async def dashboard_events(self, request: Request) -> Response:
+        """Server-Sent Events: each engine's snapshot at once, then again whenever its version
+        changes; a comment every DASHBOARD_KEEPALIVE_S. Ends when the gateway drains."""
+        if (denied := require_dashboard_key(request)) is not None:
+            return denied
+        return StreamingResponse(self._dashboard_events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _dashboard_events(self):
+        sent: dict[tuple[str, str], int] = {}  # (engine, scheduler id) -> the version sent last
+        quiet_since = time.monotonic()
+        while not self.draining:
+            try:
+                engines = await self.engine.memory_snapshots()
+            except Exception:  # Redis down: the stream stays open, the page keeps what it has
+                engines = []
+            for memory in engines:
+                if sent.get((memory.engine, memory.scheduler_id)) != memory.version:
+                    sent[memory.engine, memory.scheduler_id] = memory.version
+                    quiet_since = time.monotonic()
+                    yield f"event: snapshot\ndata: {memory.json}\n\n"
+            if time.monotonic() - quiet_since >= DASHBOARD_KEEPALIVE_S:
+                quiet_since = time.monotonic()
+                yield ": keepalive\n\n"
+            await asyncio.sleep(DASHBOARD_POLL_S)
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -486,7 +531,12 @@ class CountResponses:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        if path in ROUTES or path in DASHBOARD_ROUTES:
+            route = path
+        elif path.startswith("/v1/models/"):
+            route = "/v1/models/{model}"
+        else:
+            route = "/dashboard/static/{file}" if path.startswith("/dashboard/static/") else "other"
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":

@@ -6,6 +6,7 @@ One reader task per process XREADs the reply stream and fans events out to per-r
     XREAD pagoda:replies:<gateway_id>           ◀── RequestEvents ──▶ queue of the request's HTTP handler
     XADD pagoda:aborts {id: request_id}         ──▶ every scheduler (disconnect, stop string)
     XADD pagoda:aborts {id, index}              ──▶ every scheduler (a stop string in one sample of n)
+    GET pagoda:scheduler:<id>, pagoda:memory:<id> ◀── each scheduler's status and memory snapshot
 
 An abort that cannot be sent (Redis down) is sent again once the reader reaches Redis: else its
 request would run on to max_tokens for no one, holding its KV blocks.
@@ -22,6 +23,7 @@ text that stops short or skips, nor waits for an end that will not come.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -30,7 +32,10 @@ import redis
 import redis.asyncio as aioredis
 
 from common import streams
-from common.protocol import GenerateRequest, HeldRequests, ProtocolError, RequestEvent, SchedulerStatus, decode, encode
+from common.memory_snapshot import snapshot_json
+from common.protocol import (
+    GenerateRequest, HeldRequests, MemorySnapshot, ProtocolError, RequestEvent, SchedulerStatus, decode, encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,7 @@ READ_BLOCK_MS = 1000
 READ_COUNT = 512
 TRIM_INTERVAL_S = 1.0
 MAX_BACKOFF_S = 2.0
+MEMORY_READ_INTERVAL_S = 0.25  # the dashboard's snapshots are read from Redis at most this often
 REDIS_RESTARTED = "Redis restarted and lost the request before a scheduler read it"
 OUTPUT_LOST = "Redis restarted and lost part of the request's output"
 
@@ -48,6 +54,29 @@ class _RedisRestart:
 
     deadline: float  # monotonic: schedulers that have not said by then are not waited for
     schedulers: set[str]  # those alive before the restart
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMemory:
+    """One scheduler's latest memory snapshot, as the JSON text of common/memory_snapshot.snapshot_json."""
+
+    engine: str
+    scheduler_id: str
+    version: int
+    json: str
+
+
+def _engine_memory(raw: bytes) -> EngineMemory | None:
+    """The snapshot's JSON, or None (logged once per value) for a value that is not one."""
+    try:
+        snapshot = decode(raw)
+        if not isinstance(snapshot, MemorySnapshot):
+            raise ProtocolError(f"a {type(snapshot).__name__}, not a MemorySnapshot")
+        text = json.dumps(snapshot_json(snapshot), separators=(",", ":"))
+    except (ProtocolError, ValueError, TypeError) as exc:
+        log.warning("ignoring an undecodable memory snapshot: %s", exc)
+        return None
+    return EngineMemory(snapshot.engine, snapshot.scheduler_id, snapshot.version, text)
 
 
 class Generation:
@@ -115,6 +144,9 @@ class EngineClient:
         self.num_unstarted = 0  # submitted, no event back yet (queued in Redis or in a scheduler)
         self.status_ttl_s = 0.1  # admission reads scheduler status at most this often
         self._status_cache: tuple[float, list[SchedulerStatus]] = (0.0, [])
+        self._memory: dict[bytes, tuple[bytes, EngineMemory | None]] = {}  # key -> (its value, decoded once)
+        self._memory_read_at = 0.0
+        self._memory_lock = asyncio.Lock()  # one read of Redis per interval, however many pages watch
         self.redis_ok = True
 
     # ------------------------------------------------------------------ lifecycle
@@ -219,6 +251,24 @@ class EngineClient:
                 result.append(status)
         self._status_cache = (time.monotonic(), result)
         return result
+
+    async def memory_snapshots(self) -> list[EngineMemory]:
+        """The live schedulers' memory snapshots (their keys expire with their status), sorted by
+        engine then scheduler id. Redis is read at most every MEMORY_READ_INTERVAL_S, and each
+        snapshot decoded and made JSON once, however many callers ask."""
+        async with self._memory_lock:
+            if time.monotonic() - self._memory_read_at >= MEMORY_READ_INTERVAL_S:
+                keys = [key async for key in self.redis.scan_iter(match=streams.MEMORY_PREFIX + "*", count=1000)]
+                values = await self.redis.mget(keys) if keys else []
+                live = {key: raw for key, raw in zip(keys, values) if raw is not None}  # (None: expired since SCAN)
+                changed = [raw for key, raw in live.items() if key not in self._memory or self._memory[key][0] != raw]
+                # off the event loop: some 20 ms at 30,000 blocks, which streams must not wait for
+                decoded = dict(zip(changed, await asyncio.to_thread(lambda: list(map(_engine_memory, changed)))))
+                self._memory = {key: (raw, decoded[raw]) if raw in decoded else self._memory[key]
+                                for key, raw in live.items()}
+                self._memory_read_at = time.monotonic()
+            engines = [memory for _, memory in self._memory.values() if memory is not None]
+            return sorted(engines, key=lambda m: (m.engine, m.scheduler_id))
 
     # ------------------------------------------------------------------ the reader
     async def _read_replies(self) -> None:

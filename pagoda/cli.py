@@ -228,6 +228,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     o.set_defaults(handler=_bench_overhead)
     _add_bench_step(benches.add_parser(
         "step", help="host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"))
+    _add_bench_publish(benches.add_parser(
+        "publish", help="cost of publishing the memory page's snapshot against the scheduler's step (CPU, no model)"))
 
 
 def _bench_kernels(args) -> int:
@@ -333,6 +335,26 @@ def _add_bench_step(s: argparse.ArgumentParser) -> None:
     s.add_argument("--profile-dir", help="cProfile the measured steps: one .pstats per row and process (slows them)")
     s.add_argument("--output", help="write the result JSON here")
     s.set_defaults(handler=_bench_step)
+
+
+def _add_bench_publish(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-blocks", type=int, default=30_000, help="the KV pool, in blocks")
+    p.add_argument("--num-requests", type=int, default=300, help="requests of the mixed workload")
+    p.add_argument("--fill", type=float, default=0.9, help="share of the pool held before measuring")
+    p.add_argument("--publishes", type=int, default=30, help="publishes measured")
+    p.add_argument("--interval-s", type=float, default=0.25, help="the server's publishing interval")
+    p.add_argument("--publish-every", type=int, default=0,
+                   help="steps between two publishes (0: those that take --interval-s at the measured step time)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--redis-url", help="publish to this Redis (default: a private redis-server)")
+    p.add_argument("--output", help="write the result JSON here")
+    p.set_defaults(handler=_bench_publish)
+
+
+def _bench_publish(args) -> int:
+    from pagoda.bench.publish import run
+
+    return run(args)
 
 
 def _bench_step(args) -> int:

@@ -11,14 +11,22 @@ The Scheduler records a MemoryEvent for each of these (the `kind`):
 
 `build_snapshot` reads the block manager into a MemorySnapshot (common/protocol.py) without
 changing anything; common/memory_snapshot.py turns one into the JSON the page draws.
+
+Its cost is what the scheduler pays to publish (`pagoda bench publish`): Python loops run per
+sequence and per event, never per block, and every int travels packed by C code
+(common/memory_snapshot.pack_ints: a reference count in one byte, a block id in two below 65,536
+blocks). PackedTables re-packs a table only past what the last publish packed; an event's blocks
+are packed once, when it is recorded. Run-length encoding was measured and does not pay here: at
+30,000 blocks (`pagoda bench publish`'s state) the counts make some 4,000 runs and the tables'
+40,000 entries some 13,000 runs of consecutive ids, but finding the runs in Python takes longer
+(about 2 ms) than building and encoding the whole snapshot.
 """
 from __future__ import annotations
 
-import sys
 import time
-from array import array
 from collections import deque
 
+from common.memory_snapshot import pack_ints, pack_raw
 from common.protocol import MemoryEvent, MemorySnapshot
 
 EVENT_KINDS = ("fork", "cow", "swap_out", "swap_in", "recompute", "prefix_hit", "prefix_evict")
@@ -31,15 +39,43 @@ class MemoryEventLog:
         self.next_id = 1
 
     def record(self, step: int, kind: str, request_id: str, seq_id: int, blocks: list[int]) -> None:
-        self.events.append(MemoryEvent(self.next_id, step, time.time(), kind, request_id, seq_id, list(blocks)))
+        # packed once here (a few per step), not at every publish of the 256 kept
+        self.events.append(MemoryEvent(self.next_id, step, time.time(), kind, request_id, seq_id, pack_ints(blocks)))
         self.next_id += 1
 
 
-def _uint32(values: list[int]) -> bytes:
-    data = array("I", values)
-    if sys.byteorder == "big":
-        data.byteswap()
-    return data.tobytes()
+class PackedTables:
+    """Block tables packed by pack_ints, re-packing at each call only what changed since the last.
+
+    A table only grows, and of its entries only the last is ever replaced in place (copy-on-write);
+    every other change (swap, recompute, a new sequence) makes a new list. So the bytes packed for
+    a table's first n entries still hold while the table is the same list object and its n-th entry
+    the same id: only the entries past them are packed (a decode step appends one block in
+    `block_size` steps, so at one publish every 0.25 s most tables gain a few blocks or none)."""
+
+    def __init__(self) -> None:
+        self._packed: dict[int, tuple[list[int], int, int, bytes]] = {}  # seq_id -> (table, n, table[n-1], bytes)
+
+    def pack(self, tables: list[tuple[int, list[int]]]) -> list[bytes]:
+        """The bytes of each (seq_id, table), in order; forgets the sequences not in `tables`."""
+        old, new, out = self._packed, {}, []
+        for seq_id, table in tables:
+            n = len(table)
+            entry = old.get(seq_id)
+            data = None
+            if entry is not None and entry[0] is table and 0 < entry[1] <= n and table[entry[1] - 1] == entry[2]:
+                data = entry[3]
+                if entry[1] < n:
+                    try:
+                        data += pack_raw(table[entry[1]:], data[0])
+                    except (OverflowError, ValueError):  # a block id wider than the rest: pack it all
+                        data = None
+            if data is None:
+                data = pack_ints(table)
+            new[seq_id] = (table, n, table[-1] if n else -1, data)
+            out.append(data)
+        self._packed = new
+        return out
 
 
 def memory_version(scheduler) -> tuple:
@@ -49,8 +85,12 @@ def memory_version(scheduler) -> tuple:
             len(scheduler.groups))
 
 
-def build_snapshot(scheduler, engine: str = "0", scheduler_id: str = "") -> MemorySnapshot:
-    """The block manager's pools, tables and recent events, and the gauges the page plots."""
+def build_snapshot(scheduler, engine: str = "0", scheduler_id: str = "",
+                   tables: PackedTables | None = None) -> MemorySnapshot:
+    """The block manager's pools, tables and recent events, and the gauges the page plots.
+
+    `tables`: the PackedTables of the previous snapshot of this scheduler (a publisher keeps one),
+    else every table is packed."""
     bm = scheduler.block_manager
     ref_counts = getattr(bm, "ref_counts", None)
     if ref_counts is None:  # a contiguous baseline: count the tables
@@ -58,39 +98,90 @@ def build_snapshot(scheduler, engine: str = "0", scheduler_id: str = "") -> Memo
         for table in bm.block_tables.values():
             for block in table:
                 ref_counts[block] += 1
+    gpu_counts = pack_ints(ref_counts)  # one byte per block unless a count passes 255
     cpu_ref_counts = getattr(bm, "cpu_ref_counts", [])
-    seqs = scheduler._seqs
-    rows, fill = [], {}  # fill: device block -> slots holding token states, the most any holder fills
-    bs = bm.block_size
-    for pool, tables in (("gpu", bm.block_tables), ("cpu", getattr(bm, "cpu_tables", {}))):
-        for seq_id, table in tables.items():
-            seq = seqs.get(seq_id)
-            num_slots = bm.num_slots[seq_id]
-            request_id = scheduler._group_of_seq[seq_id].request_id if seq is not None else ""
-            status = seq.status.value if seq is not None else "unknown"
-            rows.append([request_id, seq_id, status, seq.num_tokens if seq is not None else num_slots, num_slots,
-                         pool, list(table)])
-            if pool == "gpu" and table:
-                for block in table[:-1]:
-                    fill[block] = bs
-                last = table[-1]
-                fill[last] = max(fill.get(last, 0), num_slots - (len(table) - 1) * bs)
-    logical = sum(len(table) for table in bm.block_tables.values())
-    physical = bm.num_total_blocks - bm.num_free_blocks
-    num_shared = sum(1 for count in ref_counts if count > 1)
-    stats = {
+    return MemorySnapshot(
+        engine, scheduler_id, time.time(), scheduler.step, hash(memory_version(scheduler)) & 0x7FFFFFFF,
+        bm.block_size, bm.num_blocks, len(cpu_ref_counts), gpu_counts, pack_ints(cpu_ref_counts),
+        list(getattr(bm, "evictable", ())), _sequence_rows(scheduler, tables or PackedTables()),
+        list(scheduler.memory_events.events),
+        _stats(scheduler, ref_counts, gpu_counts),
+    )
+
+
+def _sequence_rows(scheduler, tables: PackedTables) -> list[list]:
+    """[request_id, seq_id, status, num_tokens, num_slots, pool, block_table] per table, device first."""
+    bm, seqs, group_of_seq = scheduler.block_manager, scheduler._seqs, scheduler._group_of_seq
+    held = [("gpu", seq_id, table) for seq_id, table in bm.block_tables.items()]
+    held += [("cpu", seq_id, table) for seq_id, table in getattr(bm, "cpu_tables", {}).items()]
+    rows = []
+    for (pool, seq_id, _), packed in zip(held, tables.pack([(seq_id, table) for _, seq_id, table in held])):
+        num_slots = bm.num_slots[seq_id]
+        seq = seqs.get(seq_id)
+        if seq is None:  # (not while the scheduler holds the table)
+            rows.append(["", seq_id, "unknown", num_slots, num_slots, pool, packed])
+        else:
+            rows.append([group_of_seq[seq_id].request_id, seq_id, seq.status.value, seq.num_tokens, num_slots,
+                         pool, packed])
+    return rows
+
+
+def _held_and_shared(ref_counts: list[int], packed: bytes) -> tuple[int, int]:
+    """(distinct device blocks held by tables, those held by more than one), counted on the packed
+    bytes when they are one per block (bytes.count runs at C speed)."""
+    counts = packed[1:] if packed[0] == 1 else ref_counts  # pack_ints: a byte per count
+    held = len(ref_counts) - counts.count(0)
+    return held, held - counts.count(1)
+
+
+def _stats(scheduler, ref_counts: list[int], packed: bytes) -> dict:
+    """common/memory_snapshot.STATS.
+
+    Of the device blocks in tables only a table's last block can be partly filled, and a block
+    last in several tables (forked, not written since: a write copies it first) is filled alike
+    in each: the slots holding token states are the held blocks' slots less the spare slots of
+    each distinct last block."""
+    bm = scheduler.block_manager
+    bs, num_slots = bm.block_size, bm.num_slots
+    held, num_shared = _held_and_shared(ref_counts, packed)
+    logical = 0
+    last_fill: dict[int, int] = {}
+    for seq_id, table in bm.block_tables.items():
+        if table:
+            logical += len(table)
+            fill = num_slots[seq_id] - (len(table) - 1) * bs
+            if last_fill.get(table[-1], 0) < fill:
+                last_fill[table[-1]] = fill
+    num_cached = getattr(bm, "num_cached_blocks", 0)
+    return {
         "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
         "num_swapped": len(scheduler.swapped), "num_preemptions": scheduler.num_preemptions,
-        "allocated_slots": len(fill) * bs, "token_slots": sum(fill.values()),
-        "num_free_blocks": bm.num_free_blocks - getattr(bm, "num_cached_blocks", 0),
-        "num_cached_blocks": getattr(bm, "num_cached_blocks", 0), "num_shared_blocks": num_shared,
-        "blocks_saved_by_sharing": logical - len(fill), "num_used_blocks": physical,
+        "allocated_slots": held * bs, "token_slots": held * bs - sum(bs - fill for fill in last_fill.values()),
+        "num_free_blocks": bm.num_free_blocks - num_cached, "num_cached_blocks": num_cached,
+        "num_shared_blocks": num_shared, "blocks_saved_by_sharing": logical - held,
+        "num_used_blocks": bm.num_total_blocks - bm.num_free_blocks,
         "num_cow_copies": scheduler.num_cow_copies, "num_swapped_out_blocks": scheduler.num_swapped_out_blocks,
         "num_swapped_in_blocks": scheduler.num_swapped_in_blocks,
         "num_prefix_evictions": getattr(bm, "num_prefix_evictions", 0),
     }
-    return MemorySnapshot(
-        engine, scheduler_id, time.time(), scheduler.step, hash(memory_version(scheduler)) & 0x7FFFFFFF, bs,
-        bm.num_blocks, len(cpu_ref_counts), _uint32(ref_counts), _uint32(cpu_ref_counts),
-        list(getattr(bm, "evictable", ())), rows, list(scheduler.memory_events.events), stats,
-    )
+
+
+def status_counters(scheduler) -> dict:
+    """The memory fields of SchedulerStatus (common/protocol.py; /metrics), by their names there.
+    A contiguous allocator has no swap pool, no sharing and no prefix cache: those stay 0."""
+    bm = scheduler.block_manager
+    ref_counts = getattr(bm, "ref_counts", None)
+    num_shared = saved = 0
+    if ref_counts is not None:
+        held, num_shared = _held_and_shared(ref_counts, pack_ints(ref_counts))
+        saved = sum(len(table) for table in bm.block_tables.values()) - held
+    num_cpu_blocks = getattr(bm, "num_cpu_blocks", 0)
+    cpu_usage = 1 - bm.num_free_cpu_blocks / num_cpu_blocks if num_cpu_blocks else 0.0
+    return {
+        "num_cpu_blocks": num_cpu_blocks, "cpu_cache_usage": cpu_usage, "num_shared_blocks": num_shared,
+        "num_blocks_saved_by_sharing": saved, "num_cow_copies_total": scheduler.num_cow_copies,
+        "num_swapped_out_blocks_total": scheduler.num_swapped_out_blocks,
+        "num_swapped_in_blocks_total": scheduler.num_swapped_in_blocks,
+        "num_prefix_evictions_total": getattr(bm, "num_prefix_evictions", 0),
+        "iteration_tokens": list(scheduler.iteration_tokens), "iteration_tokens_sum": scheduler.iteration_tokens_sum,
+    }

@@ -4,6 +4,7 @@
     XAUTOCLAIM entries idle > claim_idle_ms (a dead scheduler's)              ─▶ Arrival, before any newer one
     XREAD pagoda:aborts                                                       ─▶ request ids to abort
     outbox ─▶ XADD events to reply streams, HSET pagoda:started, XACK + XDEL  (one pipeline per flush)
+              and SET pagoda:memory:<id>, the latest memory snapshot if one waits
 
 A request is acknowledged in the requests stream only when it ends, so a request held by a
 scheduler that dies stays pending in Redis: a live scheduler re-claims its own entries every
@@ -121,6 +122,7 @@ class RequestStream:
         self.tracked: dict[str, Tracked] = {}
         self.early_aborts: dict[str, float] = {}  # aborts that arrived before their request
         self.outbox: list[OutboxEntry] = []  # Redis writes not yet done
+        self.memory: bytes | None = None  # the latest memory snapshot, not yet written (sent with the outbox)
         self.orphans = False  # a dead scheduler's requests wait to be taken over: read nothing new
         self.aborts_cursor = _recent_aborts_id()
         self.redis_run_id: str | None = None
@@ -419,7 +421,7 @@ class RequestStream:
     def flush(self) -> None:
         """Send the outbox in one pipeline. On a connection error it is kept, in order, for the next
         try; a command Redis refuses (XACK after Redis restarted empty: no group) is logged, not retried."""
-        if not self.outbox:
+        if not self.outbox and self.memory is None:
             return
         pipe = self.redis.pipeline(transaction=False)
         for entry in self.outbox:
@@ -437,14 +439,20 @@ class RequestStream:
                     pipe.xdel(streams.REQUESTS, entry_id)
                     if request_id is not None:
                         pipe.hdel(streams.STARTED, request_id)
+        if self.memory is not None:
+            pipe.set(streams.memory_key(self.consumer), self.memory, px=int(streams.STATUS_TTL_S * 1000))
         results = pipe.execute(raise_on_error=False)
         self.outbox.clear()
+        self.memory = None
         refused = [r for r in results if isinstance(r, redis.ResponseError)]
         if refused:
             log.warning("redis refused %d command(s), e.g. %s", len(refused), refused[0])
 
-    def publish_status(self, status: bytes) -> None:
-        """The status (a heartbeat under a TTL); first, on a Redis that restarted, what this scheduler holds."""
+    def publish_status(self, status: bytes, has_memory: bool = True) -> bool:
+        """The status (a heartbeat under a TTL); first, on a Redis that restarted, what this scheduler
+        holds. The memory snapshot's TTL is refreshed with it, or the snapshot deleted when this
+        scheduler has no worker group (`has_memory` False: no memory to show). Returns whether a
+        snapshot is there (False: publish one even if nothing changed; Redis lost it)."""
         run_id = self.redis.info("server").get("run_id")
         if run_id != self.redis_run_id:
             if self.redis_run_id is not None:
@@ -454,10 +462,25 @@ class RequestStream:
             held = HeldRequests(self.consumer, list(dict.fromkeys([*self.tracked, *unsent])))
             self.redis.set(streams.held_key(self.consumer), encode(held), ex=streams.HELD_TTL_S)
             self.redis_run_id = run_id
-        self.redis.set(streams.status_key(self.consumer), status, px=int(streams.STATUS_TTL_S * 1000))
+        ttl_ms = int(streams.STATUS_TTL_S * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(streams.status_key(self.consumer), status, px=ttl_ms)
+        if has_memory:
+            pipe.pexpire(streams.memory_key(self.consumer), ttl_ms)
+        else:
+            pipe.delete(streams.memory_key(self.consumer))
+        _, memory = pipe.execute()
+        return has_memory and bool(memory)
+
+    def publish_memory(self, snapshot: bytes) -> None:
+        """The block manager's snapshot (an encoded MemorySnapshot) for the dashboard, written by the
+        next flush, in the round trip of the step's events (it replaces one still waiting); it
+        expires with the status."""
+        self.memory = snapshot
 
     def delete_status(self) -> None:
-        self.redis.delete(streams.status_key(self.consumer))
+        """At shutdown: the status and the memory snapshot."""
+        self.redis.delete(streams.status_key(self.consumer), streams.memory_key(self.consumer))
 
 
 def _recent_aborts_id() -> bytes:

@@ -36,12 +36,14 @@ from common.admission import AdmissionLimits
 from common.config import EngineConfig, ServingConfig
 from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, StepPlan, WorkerHello, encode
 from common.transport import WorkerLink
+from scheduler.memory_view import PackedTables, build_snapshot, memory_version, status_counters
 from scheduler.request_stream import IDLE_BLOCK_MS, Arrival, RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
 
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5
+MEMORY_INTERVAL_S = 0.25  # the dashboard's snapshot, at most this often and only when it changed
 
 
 class SchedulerServer:
@@ -59,6 +61,9 @@ class SchedulerServer:
         self.drain_deadline: float | None = None  # set by SIGTERM
         self._drain_logged = False
         self._last_status = 0.0
+        self._last_memory = 0.0
+        self._memory_version: tuple | None = None  # of the snapshot last published
+        self._memory_tables = PackedTables()  # its block tables, packed: the next publish packs what changed
         self._in_flight: deque[StepPlan] = deque()  # plans sent, oldest first
 
     # ------------------------------------------------------------------ lifecycle
@@ -87,6 +92,7 @@ class SchedulerServer:
     def _iterate(self) -> None:
         self.stream.flush()
         self._publish_status()
+        self._publish_memory()
         if self.drain_deadline is not None and self._drained():
             self.stopping = True
             return
@@ -164,6 +170,7 @@ class SchedulerServer:
         ))
         self.scheduler.epoch = self.epoch
         self.scheduler.isolate_failures = True
+        self._memory_version, self._memory_tables = None, PackedTables()
         log.info("workers ready: %s, %d KV blocks of %d tokens, context %d",
                  hello.model, hello.num_gpu_blocks, hello.block_size, hello.max_model_len)
 
@@ -286,12 +293,27 @@ class SchedulerServer:
             kv_cache_usage=s.block_manager.usage if s else 0.0, num_preemptions_total=s.num_preemptions if s else 0,
             prefix_cache_queries_total=s.prefix_cache_queries if s else 0,
             prefix_cache_hits_total=s.prefix_cache_hits if s else 0, updated_at=now, **dataclasses.asdict(limits),
-            engine=self.serving.engine_id,
+            engine=self.serving.engine_id, **(status_counters(s) if s else {}),
         )
         try:
-            self.stream.publish_status(encode(status))
+            if not self.stream.publish_status(encode(status), has_memory=s is not None):
+                self._memory_version = None  # none published yet, or Redis lost it
         except redis.RedisError as exc:
             log.warning("could not publish status: %s", exc)
+
+    def _publish_memory(self) -> None:
+        """The block manager's snapshot for the dashboard (scheduler/memory_view.py), at most every
+        MEMORY_INTERVAL_S and only when it changed (`pagoda bench publish` measures its cost)."""
+        s, now = self.scheduler, time.monotonic()
+        if s is None or now - self._last_memory < MEMORY_INTERVAL_S:
+            return
+        version = memory_version(s)
+        if version == self._memory_version:
+            return
+        self._last_memory = now
+        self._memory_version = version
+        # written with the step's events, in their round trip (RequestStream.flush)
+        self.stream.publish_memory(encode(build_snapshot(s, self.serving.engine_id, self.id, self._memory_tables)))
 
 
 def _lost(rank: int) -> str:
