@@ -35,7 +35,7 @@ from common.protocol import GenerateRequest, SchedulerStatus
 from gateway import dashboard_page
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, Generation
-from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics
+from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
 from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
 from gateway.serving import SSE_DONE, ChoiceState, EngineError, ResponseShape, sse, usage
@@ -315,8 +315,8 @@ class Gateway:
                 raise EngineError(
                     f"the request did not finish within request_timeout_s={self.config.request_timeout_s:g} s",
                     504, "timeout") from None
-            if event.scheduled_at:  # the request's first token-bearing event: when it was first scheduled
-                scheduled = time.monotonic() - max(0.0, time.time() - event.scheduled_at)
+            scheduled = scheduled_monotonic(event.scheduled_at, time.time(), time.monotonic())
+            if scheduled is not None:  # the request's first token-bearing event: when it was first scheduled
                 for c in by_request.get(event.request_id, ()):
                     c.scheduled_at = scheduled
             if event.finish_reason in ("error", "abort"):

@@ -43,13 +43,10 @@ from common.protocol import ITERATION_TOKENS_BUCKETS, SchedulerStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py): time to first token; the gaps between tokens
+# (inter-token latency, time per output token, and per request); a request's latency and its phases
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-               2.5, 5.0)
-E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0)
-# vLLM's (vllm/v1/metrics/loggers.py): time per output token, and the phases of a request
+                40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
@@ -66,6 +63,14 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
                 return tuple(buckets)
             buckets.append(mantissa * scale)
         scale *= 10
+
+
+def scheduled_monotonic(scheduled_at: float, wall_now: float, monotonic_now: float) -> float | None:
+    """A RequestEvent's `scheduled_at` (the scheduler's time.time(); 0.0: not on this event) on the
+    gateway's time.monotonic(), both clocks read now; a time ahead of the gateway's wall clock is now."""
+    if not scheduled_at:
+        return None
+    return monotonic_now - max(0.0, wall_now - scheduled_at)
 
 
 def _usage(usage: str, blocks: str) -> Callable[[list[SchedulerStatus]], float]:
@@ -198,10 +203,10 @@ class GatewayMetrics:
             buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.inter_token_latency = Histogram(
             "pagoda:inter_token_latency_seconds", "Time between tokens of a request, as seen by the gateway.", model,
-            buckets=ITL_BUCKETS, registry=r).labels(model_name)
+            buckets=TPOT_BUCKETS, registry=r).labels(model_name)
         self.e2e_request_latency = Histogram(
             "pagoda:e2e_request_latency_seconds", "Arrival at the gateway to the request's end.", model,
-            buckets=E2E_BUCKETS, registry=r).labels(model_name)
+            buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.http_requests = ModelLabelled(Counter(
             "pagoda:http_requests", "HTTP requests answered, by route and status.", [*model, "route", "status"],
             registry=r), model_name)

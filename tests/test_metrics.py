@@ -10,9 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import EngineConfig, ServingConfig
 from common.protocol import ITERATION_TOKENS_BUCKETS, GenerateRequest, SamplingParams, SchedulerStatus
-from gateway.metrics import (
-    REQUEST_LATENCY_BUCKETS, TPOT_BUCKETS, FinishedOutput, GatewayMetrics, build_1_2_5_buckets,
-)
+from gateway.metrics import FinishedOutput, GatewayMetrics, build_1_2_5_buckets, scheduled_monotonic
 from scheduler.engine import LLMEngine
 from scheduler.request_stream import Arrival, RequestStream, SendEvent
 from scheduler.scheduler import Scheduler
@@ -21,6 +19,8 @@ from tests.fakes import FakeExecutor
 
 MODEL = "m"
 # vLLM's boundaries, copied from vllm/v1/metrics/loggers.py (not from gateway/metrics.py)
+VLLM_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0, 160.0, 640.0, 2560.0]
 VLLM_TPOT = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 VLLM_REQUEST_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                         240.0, 480.0, 960.0, 1920.0, 7680.0]
@@ -69,19 +69,22 @@ def histogram(family, engine: str | None = None) -> tuple[list[float], float, fl
 # ----------------------------------------------------------------------------- the gateway's families
 
 
-def test_the_new_gateway_histograms_have_vllms_names_and_bucket_boundaries():
+def test_every_gateway_histogram_has_vllms_name_and_bucket_boundaries():
     metrics = GatewayMetrics(MODEL, max_model_len=2048)
     found = families(metrics)
-    assert list(TPOT_BUCKETS) == VLLM_TPOT and list(REQUEST_LATENCY_BUCKETS) == VLLM_REQUEST_LATENCY
     expected = {
+        "pagoda:time_to_first_token_seconds": VLLM_TTFT,
+        "pagoda:inter_token_latency_seconds": VLLM_TPOT,
         "pagoda:time_per_output_token_seconds": VLLM_TPOT,
         "pagoda:request_time_per_output_token_seconds": VLLM_TPOT,
+        "pagoda:e2e_request_latency_seconds": VLLM_REQUEST_LATENCY,
         "pagoda:request_queue_time_seconds": VLLM_REQUEST_LATENCY,
         "pagoda:request_prefill_time_seconds": VLLM_REQUEST_LATENCY,
         "pagoda:request_decode_time_seconds": VLLM_REQUEST_LATENCY,
         "pagoda:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],
         "pagoda:request_generation_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],
     }
+    assert {name for name, f in found.items() if f.type == "histogram"} == {*expected, "pagoda:iteration_tokens_total"}
     for name, bounds in expected.items():
         assert found[name].type == "histogram", name
         assert bucket_bounds(found[name]) == [*bounds, float("inf")], name
@@ -153,6 +156,37 @@ def test_queue_and_prefill_add_up_to_the_time_to_first_token(scheduled, queue, p
     assert histogram(found["pagoda:request_time_per_output_token_seconds"])[1:] == (1.0, 0.0)  # one token
 
 
+WALL_OFFSET = 1_764_000_000.0  # the gateway's time.time() - time.monotonic(): any offset will do
+
+
+@pytest.mark.parametrize("scheduled_after, queue, prefill", [
+    (0.1, 0.1, 0.2),
+    (0.5, 0.3, 0.0),  # the scheduler's clock ahead of the gateway's: scheduled when the token came
+    (-0.2, 0.0, 0.3),  # behind it: scheduled on arrival
+])
+def test_the_events_scheduled_at_gives_the_queue_and_prefill_times(scheduled_after, queue, prefill):
+    """Arrival at 50 s on the gateway's monotonic clock; the scheduler says (on its wall clock) that
+    it first scheduled the request `scheduled_after` s later, on the first token, which comes at 50.3 s."""
+    arrival, first_token, metrics = 50.0, 50.3, GatewayMetrics(MODEL, max_model_len=64)
+    scheduled = scheduled_monotonic(WALL_OFFSET + arrival + scheduled_after, WALL_OFFSET + first_token, first_token)
+    metrics.observe_finished(FinishedOutput("length", arrival, 50.6, scheduled, first_token, 50.5, 4, 3))
+    found = families(metrics)
+    count, total = histogram(found["pagoda:request_queue_time_seconds"])[1:]
+    assert count == 1 and total == pytest.approx(queue, abs=1e-6)
+    count, total = histogram(found["pagoda:request_prefill_time_seconds"])[1:]
+    assert count == 1 and total == pytest.approx(prefill, abs=1e-6)
+
+
+def test_an_event_without_scheduled_at_gives_no_queue_or_prefill_time():
+    assert scheduled_monotonic(0.0, WALL_OFFSET + 50.3, 50.3) is None  # 0.0: not the first token-bearing event
+    metrics = GatewayMetrics(MODEL, max_model_len=64)
+    metrics.observe_finished(FinishedOutput("length", 50.0, 50.6, None, 50.3, 50.5, 4, 3))
+    found = families(metrics)
+    for name in ("pagoda:request_queue_time_seconds", "pagoda:request_prefill_time_seconds"):
+        assert histogram(found[name])[1:] == (0.0, 0.0), name
+    assert histogram(found["pagoda:request_decode_time_seconds"])[1:] == (1.0, pytest.approx(0.2))
+
+
 def test_an_output_without_tokens_or_a_scheduled_time_skips_the_phases_it_lacks():
     metrics = GatewayMetrics(MODEL, max_model_len=64)
     metrics.observe_finished(FinishedOutput("error", 0.0, 1.0, None, None, None, 4, 0))  # failed before a token
@@ -172,7 +206,7 @@ def test_each_token_gap_is_an_inter_token_latency_and_a_time_per_output_token():
     found = families(metrics)
     for name in ("pagoda:inter_token_latency_seconds", "pagoda:time_per_output_token_seconds"):
         assert histogram(found[name])[1:] == (3.0, 0.1875), name
-    assert histogram(found["pagoda:time_per_output_token_seconds"])[0][:5] == [0, 0, 0, 3, 3]  # le 0.075
+        assert histogram(found[name])[0][:5] == [0, 0, 0, 3, 3], name  # le 0.075
 
 
 # ----------------------------------------------------------------------------- the schedulers' families
