@@ -1,6 +1,7 @@
 """The memory page without the real stack: its routes (GET /dashboard, /dashboard/static/<file>) on
-the gateway app, and `pagoda bench memory --replay`'s standalone page, made from a trace of a real
-Scheduler (no model) and checked in headless Chromium (skipped visibly without chromium).
+the gateway app; `pagoda bench memory --replay`'s standalone page, made from a trace of a real
+Scheduler (no model), and a synthetic 100,000-block snapshot on it; the live page's panels fed by a
+scripted EventSource and fetch: all checked in headless Chromium (skipped visibly without chromium).
 The live page against `pagoda up` is tested in tests/test_dashboard.py."""
 from __future__ import annotations
 
