@@ -7,24 +7,16 @@ its files (the __QUERY__ marks in dashboard.html) and to its data requests.
 """
 from __future__ import annotations
 
-from importlib import resources
 from urllib.parse import urlencode
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-STATIC_TYPES = {
-    "dashboard.html": "text/html; charset=utf-8",
-    "dashboard.css": "text/css; charset=utf-8",
-    "dashboard.js": "text/javascript; charset=utf-8",
-}
+from gateway.static_files import STATIC_TYPES, read_static
+
 QUERY_MARK = "__QUERY__"
 NO_CACHE = {"Cache-Control": "no-cache"}  # a new release's page must not run last release's script
-
-
-def _static(name: str) -> str:
-    return (resources.files("gateway") / "static" / name).read_text(encoding="utf-8")
 
 
 def _denied(request: Request) -> Response | None:
@@ -38,7 +30,7 @@ async def page(request: Request) -> Response:
         return denied
     key = request.query_params.get("api_key")
     query = "?" + urlencode({"api_key": key}) if key else ""  # percent-encoded: safe inside an HTML attribute
-    return Response(_static("dashboard.html").replace(QUERY_MARK, query), media_type=STATIC_TYPES["dashboard.html"],
+    return Response(read_static("dashboard.html").replace(QUERY_MARK, query), media_type=STATIC_TYPES["dashboard.html"],
                     headers=NO_CACHE)
 
 
@@ -48,4 +40,4 @@ async def static_file(request: Request) -> Response:
     name = request.path_params["name"]
     if name not in STATIC_TYPES or name.endswith(".html"):
         raise HTTPException(404)  # the gateway's own 404: "no route /dashboard/static/NAME"
-    return Response(_static(name), media_type=STATIC_TYPES[name], headers=NO_CACHE)
+    return Response(read_static(name), media_type=STATIC_TYPES[name], headers=NO_CACHE)

@@ -109,7 +109,7 @@ PAGE_STATE = """(() => {
 })()"""
 HOVER_AT = """(() => {
     const canvas = document.querySelector('[data-engine="0"] .map-gpu'), r = canvas.getBoundingClientRect();
-    const d = pagoda.engines['0'].drawn.gpu, b = %d, scale = r.width / canvas.width;
+    const d = pagoda.panel('0').drawn.gpu, b = %d, scale = r.width / canvas.width;
     return [r.left + ((b %% d.cols) + 0.5) * d.cell * scale, r.top + (Math.floor(b / d.cols) + 0.5) * d.cell * scale];
 })()"""
 
@@ -203,6 +203,7 @@ def test_the_page_passes_the_api_key_on_and_polls_where_server_sent_events_do_no
             drawn = "window.pagoda && pagoda.source === '%s' && pagoda.blocks('0') !== null && pagoda.blocks('0').length"
             browser.navigate(gateway.url + f"/dashboard?api_key={key}")
             assert browser.wait_for(drawn % "events", 30, "the page to draw engine 0 from its events") == 2048
+            assert browser.evaluate("location.href") == gateway.url + "/dashboard"  # the key left the address bar
             assert browser.errors() == []
             browser.send("Page.addScriptToEvaluateOnNewDocument", source="window.EventSource = undefined;")
             browser.navigate(gateway.url + f"/dashboard?api_key={key}")

@@ -1,6 +1,7 @@
 """The memory page without the real stack: its routes (GET /dashboard, /dashboard/static/<file>) on
-the gateway app, and `pagoda bench memory --replay`'s standalone page, made from a trace of a real
-Scheduler (no model) and checked in headless Chromium (skipped visibly without chromium).
+the gateway app; `pagoda bench memory --replay`'s standalone page, made from a trace of a real
+Scheduler (no model), and a synthetic 100,000-block snapshot on it; the live page's panels fed by a
+scripted EventSource and fetch: all checked in headless Chromium (skipped visibly without chromium).
 The live page against `pagoda up` is tested in tests/test_dashboard.py."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gateway.app import create_app
 from gateway.tokenizer import load_tokenizer
 from pagoda import cli
 from pagoda.bench.replay import read_trace, replay_page
+from pagoda.bench.synthetic_trace import synthetic_trace
 from scheduler.engine import LLMEngine
 from scheduler.memory_view import build_snapshot, memory_version
 from scheduler.scheduler import Scheduler
@@ -198,7 +200,7 @@ def test_the_replay_page_in_chromium_draws_each_snapshot_as_it_is(trace, tmp_pat
         # hovering a shared block tells its count and its holders
         box = browser.evaluate(f"""(() => {{
             const canvas = document.querySelector('[data-engine="0"] .map-gpu'), r = canvas.getBoundingClientRect();
-            const d = pagoda.engines['0'].drawn.gpu, b = {prompt_blocks[2]}, scale = r.width / canvas.width;
+            const d = pagoda.panel('0').drawn.gpu, b = {prompt_blocks[2]}, scale = r.width / canvas.width;
             return [r.left + ((b % d.cols) + 0.5) * d.cell * scale, r.top + (Math.floor(b / d.cols) + 0.5) * d.cell * scale];
         }})()""")
         browser.mouse_move(*box)
@@ -240,3 +242,201 @@ def test_the_replay_page_in_chromium_draws_each_snapshot_as_it_is(trace, tmp_pat
         browser.wait_for("document.body.dataset.errors === '1'", 5, "the error in the page")
         assert "boom" in browser.evaluate("document.getElementById('errors').textContent")
         assert [e.split("\n")[0] for e in browser.errors()] == ["exception: Error: boom", "page: Error: boom"]
+
+
+# ----------------------------------------------------------------------------- 100,000 blocks
+
+
+def test_a_pool_of_100000_blocks_is_drawn_one_cell_per_block_in_its_class(tmp_path):
+    """A synthetic snapshot (pagoda/bench/synthetic_trace.py, as the README's timing command uses) on
+    the replay page: the canvas's pixels, one per block, counted by colour class."""
+    (snapshot,) = synthetic_trace(100_000, 1)
+    assert check_snapshot(snapshot) == []
+    counts, cached = snapshot["ref_counts"], set(snapshot["cached"])
+    owners: dict[int, set[str]] = {}
+    for seq in snapshot["sequences"]:
+        if seq["pool"] == "gpu":
+            for block in seq["block_table"]:
+                owners.setdefault(block, set()).add(seq["request_id"])
+    expected = {"null": 1, "cached": len(cached),
+                "free": sum(1 for b, c in enumerate(counts) if b and not c and b not in cached),
+                "several requests": sum(1 for o in owners.values() if len(o) > 1),
+                "shared": sum(1 for b, o in owners.items() if len(o) == 1 and counts[b] > 1),
+                "owned": sum(1 for b, o in owners.items() if len(o) == 1 and counts[b] == 1)}
+    assert sum(expected.values()) == 100_000 and min(expected.values()) > 0
+    page = tmp_path / "big.html"
+    page.write_text(replay_page([snapshot]))
+    with Chromium() as browser:
+        browser.navigate(page.as_uri())
+        browser.wait_for("window.pagoda && pagoda.renders > 0", 20, "the page's first render")
+        browser.evaluate(f"window.__requests = {json.dumps(sorted({s['request_id'] for s in snapshot['sequences']}))}; 0")
+        drawn = browser.evaluate("""(() => {
+            const rgb = (c) => c.join(",");
+            const classes = new Map([["0,0,0", "null"], ["38,43,51", "free"], ["89,97,109", "cached"],
+                                     ["205,210,218", "several requests"]]);
+            for (const r of window.__requests) {
+                classes.set(rgb(pagoda.colour(r, false)), "owned");
+                classes.set(rgb(pagoda.colour(r, true)), "shared");
+            }
+            const canvas = document.querySelector('.map-gpu'), d = pagoda.panel().drawn.gpu;
+            const pixels = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+            const found = {};
+            for (let b = 0; b < d.n; b++) {  // a cell's top-left pixel (a shared cell's mark is in its middle)
+                const i = 4 * (Math.floor(b / d.cols) * d.cell * canvas.width + (b % d.cols) * d.cell);
+                const name = classes.get(pixels[i] + "," + pixels[i + 1] + "," + pixels[i + 2]) || "unknown";
+                found[name] = (found[name] || 0) + 1;
+            }
+            return {found: found, cell: d.cell, blocks: canvas.dataset.blocks, used: canvas.dataset.used,
+                    shared: canvas.dataset.shared};
+        })()""")
+        assert drawn["found"] == expected
+        assert drawn["cell"] == 1  # one pixel per block at this width
+        stats = snapshot["stats"]
+        assert (drawn["blocks"], drawn["used"], drawn["shared"]) == (
+            "100000", str(stats["num_used_blocks"]), str(stats["num_shared_blocks"]))
+        assert stats["num_shared_blocks"] == expected["several requests"] + expected["shared"]
+        assert browser.errors() == []
+
+
+# ----------------------------------------------------------------------------- the live page, scripted data
+# The gateway's page routes under uvicorn (no Redis: the data routes are not called), its EventSource
+# and fetch replaced by scripts the test drives.
+
+KEY = "sk-live&page"
+FAKE_EVENT_SOURCE = """
+window.__sources = [];
+window.EventSource = class {
+  constructor(url) { this.url = url; this.listeners = new Map(); this.readyState = 1; window.__sources.push(this); }
+  addEventListener(type, f) { if (!this.listeners.has(type)) this.listeners.set(type, []); this.listeners.get(type).push(f); }
+  close() { this.readyState = 2; }
+  emit(type, data) { for (const f of this.listeners.get(type) || []) f({ data: JSON.stringify(data) }); }
+};
+window.EventSource.CLOSED = 2;
+"""
+FAKE_FETCH = """
+window.EventSource = undefined;
+window.__fetched = [];
+window.__reply = { engines: [] };
+window.fetch = (url) => { window.__fetched.push(url); return Promise.resolve(new Response(JSON.stringify(window.__reply))); };
+"""
+PANELS = """Array.from(document.querySelectorAll('section.engine')).map((e) => {
+    const title = e.querySelector('h2').cloneNode(true);
+    title.querySelectorAll('small').forEach((small) => small.remove());
+    return [e.dataset.engine, e.dataset.scheduler, title.textContent.trim(), e.dataset.stale];
+})"""
+
+
+def _snap(engine: str, scheduler_id: str, version: int, time: float, events: list[dict] = (), holder: int = 1) -> dict:
+    """A consistent snapshot of 8 device blocks: one sequence holding block `holder` and block 5."""
+    counts = [0] * 8
+    counts[holder] = counts[5] = 1
+    return {"engine": engine, "scheduler_id": scheduler_id, "time": time, "step": version, "version": version,
+            "block_size": 16, "num_gpu_blocks": 8, "num_cpu_blocks": 0, "ref_counts": counts, "cpu_ref_counts": [],
+            "cached": [], "events": list(events), "stats": {},
+            "sequences": [{"request_id": f"cmpl-{scheduler_id}", "seq_id": 0, "status": "running", "num_tokens": 20,
+                           "num_slots": 20, "pool": "gpu", "block_table": [holder, 5]}]}
+
+
+def _event(i: int, blocks: list[int] | None = None, num_blocks: int | None = None) -> dict:
+    event = {"id": i, "step": i, "time": 1000.0, "kind": "swap_out", "request_id": "cmpl-x", "seq_id": -1,
+             "blocks": blocks if blocks is not None else [i % 7 + 1]}
+    if num_blocks is not None:
+        event["num_blocks"] = num_blocks
+    return event
+
+
+@pytest.fixture(scope="module")
+def gateway_url(tokenizer):
+    import threading
+    import time
+
+    import uvicorn
+
+    from common.redis_server import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(GatewayConfig(api_key=KEY), tokenizer=tokenizer), host="127.0.0.1",
+                                           port=port, lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_the_live_page_keys_panels_by_scheduler_and_drops_those_that_leave(gateway_url):
+    with Chromium() as browser:
+        script = browser.send("Page.addScriptToEvaluateOnNewDocument", source=FAKE_EVENT_SOURCE)["identifier"]
+        browser.navigate(f"{gateway_url}/dashboard?api_key=sk-live%26page&view=1#here")
+        # the key left the address bar, and is still given to the data requests (and was to the script)
+        assert browser.evaluate("location.href") == f"{gateway_url}/dashboard?view=1#here"
+        assert browser.evaluate("__sources.map((s) => s.url)") == ["/dashboard/events?api_key=sk-live%26page"]
+        send = lambda kind, data: browser.evaluate(f"__sources[0].emit({json.dumps(kind)}, {json.dumps(data)})")  # noqa: E731
+        send("open", None)
+        # one engine group, two schedulers: two panels; ids that are Object.prototype's names work
+        send("snapshot", _snap("0", "sched-b", 1, 1000.0, [_event(i) for i in range(50, 53)], holder=2))
+        send("snapshot", _snap("0", "sched-a", 1, 1000.0, [_event(1), _event(2), _event(3)]))
+        send("snapshot", _snap("__proto__", "constructor", 1, 1000.0))
+        browser.wait_for("document.querySelectorAll('section.engine').length === 3", 5, "three panels")
+        assert browser.evaluate(PANELS) == [
+            ["0", "sched-a", "engine 0 · scheduler sched-a", "0"], ["0", "sched-b", "engine 0 · scheduler sched-b", "0"],
+            ["__proto__", "constructor", "engine __proto__ · scheduler constructor", "0"]]
+        assert browser.evaluate("pagoda.blocks('sched-b')") == [0, 0, 1, 0, 0, 1, 0, 0]
+        assert browser.evaluate("pagoda.blocks('sched-a')") == [0, 1, 0, 0, 0, 1, 0, 0]
+        assert browser.evaluate("pagoda.tables('constructor')[0].request_id") == "cmpl-constructor"
+        assert browser.evaluate("pagoda.panel('__proto__').id") == "constructor"
+        assert browser.evaluate("[Object.prototype.constructor === Object, pagoda.panels.size]") == [True, 3]
+        # events: a jump in one scheduler's ids is a gap line; the first snapshot's ids are no gap
+        send("snapshot", _snap("0", "sched-a", 2, 1001.0, [_event(i) for i in range(8, 11)]
+                               + [_event(11, list(range(1, 33)), 40), _event(12, [4, 5, 6])]))
+        browser.wait_for("document.querySelector('[data-scheduler=\"sched-a\"]').dataset.version === '2'", 5)
+        assert [e["id"] for e in browser.evaluate("pagoda.events('sched-a')")] == [1, 2, 3, 8, 9, 10, 11, 12]
+        assert browser.evaluate("pagoda.gaps('sched-a')") == [{"gap": 4, "before": 8}]
+        assert browser.evaluate("pagoda.gaps('sched-b')") == []
+        rows = browser.evaluate("Array.from(document.querySelectorAll('[data-scheduler=\"sched-a\"] .events li'))"
+                                ".map((li) => li.textContent)")
+        assert len(rows) == 9 and rows[5] == "4 events not shown"
+        assert rows[0].endswith("cmpl-x: [4, 5, 6]") and rows[1].endswith("cmpl-x: [1, 2, 3, 4, 5, 6] +34 more")
+        # a snapshot more than 5 s older than the newest greys its panel
+        send("snapshot", _snap("__proto__", "constructor", 2, 1006.5))
+        browser.wait_for("document.querySelector('[data-scheduler=\"sched-b\"]').dataset.stale === '1'", 5)
+        assert [p[3] for p in browser.evaluate(PANELS)] == ["1", "1", "0"]  # 5.5 s and 6.5 s behind
+        send("snapshot", _snap("0", "sched-a", 3, 1006.0))
+        browser.wait_for("document.querySelector('[data-scheduler=\"sched-a\"]').dataset.stale === '0'", 5)
+        # a scheduler that leaves takes its panel along
+        send("gone", {"engine": "0", "scheduler_id": "sched-b"})
+        browser.wait_for("document.querySelectorAll('section.engine').length === 2", 5, "sched-b's panel to go")
+        assert [p[1] for p in browser.evaluate(PANELS)] == ["sched-a", "constructor"]
+        # after a reconnect, a panel no snapshot names at once left meanwhile
+        send("open", None)
+        send("snapshot", _snap("__proto__", "constructor", 2, 1006.5))
+        browser.wait_for("document.querySelectorAll('section.engine').length === 1", 6, "sched-a's panel to go")
+        assert browser.evaluate("Array.from(pagoda.panels.keys())") == ["constructor"]
+        assert browser.errors() == []
+        # polling: a scheduler missing from /dashboard/snapshot's reply is gone
+        browser.send("Page.removeScriptToEvaluateOnNewDocument", identifier=script)
+        browser.send("Page.addScriptToEvaluateOnNewDocument", source=FAKE_FETCH)
+        browser.navigate(f"{gateway_url}/dashboard?api_key=sk-live%26page")
+        assert browser.evaluate("location.href") == f"{gateway_url}/dashboard"
+        browser.evaluate(f"window.__reply = {json.dumps({'engines': [_snap('0', 'p-1', 1, 1.0), _snap('0', 'p-2', 1, 1.0)]})}")
+        browser.wait_for("document.querySelectorAll('section.engine').length === 2", 5, "two polled panels")
+        browser.evaluate(f"window.__reply = {json.dumps({'engines': [_snap('0', 'p-2', 2, 2.0)]})}")
+        browser.wait_for("document.querySelectorAll('section.engine').length === 1", 5, "p-1's panel to go")
+        assert [p[1] for p in browser.evaluate(PANELS)] == ["p-2"]
+        assert set(browser.evaluate("__fetched")) == {"/dashboard/snapshot?api_key=sk-live%26page"}
+        assert browser.errors() == []
+
+
+def test_the_page_and_replay_share_one_reader_of_the_static_files_and_replay_needs_no_starlette():
+    from gateway import dashboard_page
+    from gateway.static_files import read_static
+    from tests.test_layering import NETWORKING, imported_after
+
+    assert dashboard_page.read_static is read_static and replay_page.__globals__["read_static"] is read_static
+    with pytest.raises(FileNotFoundError, match="not one of the memory page's files"):
+        read_static("../app.py")
+    assert imported_after("import pagoda.bench.replay, pagoda.bench.synthetic_trace", NETWORKING | {"torch"}) == []

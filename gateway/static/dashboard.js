@@ -2,9 +2,15 @@
 // to polling /dashboard/snapshot), or replayed from snapshots embedded in the page (`pagoda bench
 // memory --replay`). Plain JavaScript, no dependencies. Snapshots carry token counts only, never text.
 //
-// For tests and the curious, window.pagoda holds the page's state: engines, errors, blocks(engine,
-// pool) (the reference counts as last drawn), tables(engine) (the block tables as listed),
-// highlighted(engine), blockInfo(engine, block, pool) (the hover text), events(engine), select(id).
+// One panel per scheduler (keyed by its scheduler_id: two schedulers of one engine group are two
+// panels), removed when the scheduler leaves (`event: gone`, or missing from a polled reply).
+//
+// For tests and the curious, window.pagoda holds the page's state: panels (scheduler_id -> panel),
+// errors, panel(key), blocks(key, pool) (the reference counts as last drawn), tables(key) (the
+// block tables as listed), highlighted(key), blockInfo(key, block, pool) (the hover text),
+// events(key), gaps(key), select(id), take(snapshot), gone(scheduler_id), seek(index), timings
+// (median milliseconds per part of the page's last draws). A key is a scheduler_id, or an engine
+// id naming that engine's first panel, or nothing: the first panel.
 (function () {
   "use strict";
 
@@ -14,6 +20,9 @@
   const MAX_TABLE_ROWS = 100; // block tables listed (the selected request's first)
   const MAX_TABLE_BLOCKS = 32; // blocks drawn per table before "+N" and its last two
   const POLL_MS = 1000;
+  const STALE_S = 5; // a panel whose snapshot is this much older than the newest is greyed
+  const ROLL_CALL_MS = 3000; // after (re)connecting, a panel no snapshot names in this long is gone
+  const MAX_TIMINGS = 50; // draws per part kept for the median
   const MAP_HEIGHT = { gpu: 240, cpu: 240 }; // the most CSS pixels a pool's map may take
 
   // ---------------------------------------------------------------------------- errors into the page
@@ -33,55 +42,79 @@
   });
 
   // ---------------------------------------------------------------------------- state
-  const engines = {}; // engine name -> Engine
+  const panels = new Map(); // scheduler_id -> Panel (never a plain object: any id must work as a key)
   let selected = null; // the selected request id
   let source = "connecting";
   const params = new URLSearchParams(location.search);
-  const dataQuery = params.get("api_key") ? "?api_key=" + encodeURIComponent(params.get("api_key")) : "";
+  const apiKey = params.get("api_key");
+  const dataQuery = apiKey ? "?api_key=" + encodeURIComponent(apiKey) : "";
+  if (params.has("api_key")) { // kept in memory for the data requests, out of the address bar and history
+    params.delete("api_key");
+    const rest = params.toString();
+    history.replaceState(history.state, "", location.pathname + (rest ? "?" + rest : "") + location.hash);
+  }
 
-  function Engine(name) {
-    this.name = name;
+  function Panel(engine, schedulerId) {
+    this.engine = engine; // the engine group's id
+    this.id = schedulerId;
     this.snapshot = null;
     this.series = []; // {step, time, stats}
-    this.events = []; // oldest first, de-duplicated by (scheduler_id, id)
-    this.seen = new Set();
+    this.events = []; // oldest first, each once; {gap: N} where N events were not seen
+    this.lastEventId = null; // the newest event id taken
     this.view = null; // derived from snapshot: per pool owners (see derive)
     this.drawn = { gpu: null, cpu: null, tables: null }; // what each map and the tables show now
     this.rendered = {}; // keys of what the DOM shows, to redraw only on change
     this.el = null;
   }
 
-  function engineFor(name) {
-    if (!engines[name]) {
-      engines[name] = new Engine(name);
-    }
-    return engines[name];
+  function byPanel(a, b) { // by engine, then scheduler_id (as /dashboard/snapshot lists them)
+    return a.engine < b.engine ? -1 : a.engine > b.engine ? 1 : a.id < b.id ? -1 : a.id > b.id ? 1 : 0;
   }
 
-  // Take one engine's snapshot; false when it is the one already shown.
+  function sortedPanels() {
+    return Array.from(panels.values()).sort(byPanel);
+  }
+
+  // Take one scheduler's snapshot; false when it is the one already shown.
   function apply(snapshot) {
-    const engine = engineFor(snapshot.engine);
-    const old = engine.snapshot;
-    if (old && old.scheduler_id === snapshot.scheduler_id && old.version === snapshot.version && old.step === snapshot.step) {
-      return false;
+    let panel = panels.get(snapshot.scheduler_id);
+    if (!panel) {
+      panel = new Panel(snapshot.engine, snapshot.scheduler_id);
+      panels.set(snapshot.scheduler_id, panel);
     }
-    engine.snapshot = snapshot;
-    engine.view = null;
-    engine.series.push({ step: snapshot.step, time: snapshot.time, stats: snapshot.stats });
-    if (engine.series.length > MAX_POINTS) engine.series.splice(0, engine.series.length - MAX_POINTS);
-    for (const event of snapshot.events) {
-      const key = snapshot.scheduler_id + ":" + event.id; // ids increase per scheduler
-      if (!engine.seen.has(key)) {
-        engine.seen.add(key);
-        engine.events.push(Object.assign({ scheduler_id: snapshot.scheduler_id }, event));
-      }
-    }
-    if (engine.events.length > MAX_EVENTS) {
-      for (const event of engine.events.splice(0, engine.events.length - MAX_EVENTS)) {
-        engine.seen.delete(event.scheduler_id + ":" + event.id);
-      }
-    }
+    if (rollCall) rollCall.add(snapshot.scheduler_id);
+    const old = panel.snapshot;
+    if (old && old.version === snapshot.version && old.step === snapshot.step) return false;
+    panel.snapshot = snapshot;
+    panel.view = null;
+    panel.series.push({ step: snapshot.step, time: snapshot.time, stats: snapshot.stats });
+    if (panel.series.length > MAX_POINTS) panel.series.splice(0, panel.series.length - MAX_POINTS);
+    takeEvents(panel, snapshot.events);
     return true;
+  }
+
+  // A scheduler's event ids increase by one per event and never restart: an id past the last one
+  // taken is new, and a jump past last + 1 is events that left the snapshot's window (its latest
+  // 256) between two snapshots, shown as one gap line.
+  function takeEvents(panel, events) {
+    for (const event of events) {
+      const last = panel.lastEventId;
+      if (last !== null && event.id <= last) continue;
+      if (last !== null && event.id > last + 1) panel.events.push({ gap: event.id - last - 1, before: event.id });
+      panel.events.push(Object.assign({ scheduler_id: panel.id }, event));
+      panel.lastEventId = event.id;
+    }
+    if (panel.events.length > MAX_EVENTS) panel.events.splice(0, panel.events.length - MAX_EVENTS);
+  }
+
+  // The scheduler left: its panel goes.
+  function gone(schedulerId) {
+    const panel = panels.get(schedulerId);
+    if (!panel) return;
+    if (panel.el) panel.el.remove();
+    panels.delete(schedulerId);
+    document.getElementById("no-engines").hidden = panels.size > 0;
+    scheduleRender();
   }
 
   // Per pool: which request holds each block (-1 none, -2 several), the tables holding each block.
@@ -110,15 +143,15 @@
     return seqs.sort((a, b) => (a.request_id < b.request_id ? -1 : a.request_id > b.request_id ? 1 : a.seq_id - b.seq_id));
   }
 
-  function derive(engine) {
-    if (!engine.view) {
-      const s = engine.snapshot;
-      engine.view = {
+  function derive(panel) {
+    if (!panel.view) {
+      const s = panel.snapshot;
+      panel.view = {
         gpu: poolView(s.ref_counts, bySeq(s.sequences.filter((q) => q.pool === "gpu")), s.cached),
         cpu: poolView(s.cpu_ref_counts, bySeq(s.sequences.filter((q) => q.pool === "cpu")), []),
       };
     }
-    return engine.view;
+    return panel.view;
   }
 
   // The selected request's blocks in a pool, and of them those its samples or beams share.
@@ -177,13 +210,12 @@
   }
 
   // ---------------------------------------------------------------------------- block maps
-  function drawMap(engine, pool, canvas) {
-    const view = derive(engine)[pool];
+  function drawMap(panel, pool, canvas, width) {
+    const view = derive(panel)[pool];
     const n = view.counts.length;
-    const width = Math.max(100, Math.floor(canvas.parentElement.clientWidth));
-    const key = [engine.snapshot.scheduler_id, engine.snapshot.version, engine.snapshot.step, selected, width].join("|");
-    if (engine.rendered["map-" + pool] === key) return;
-    engine.rendered["map-" + pool] = key;
+    const key = [panel.snapshot.scheduler_id, panel.snapshot.version, panel.snapshot.step, selected, width].join("|");
+    if (panel.rendered["map-" + pool] === key) return;
+    panel.rendered["map-" + pool] = key;
     const cell = n ? Math.max(1, Math.min(16, Math.floor(Math.sqrt((width * MAP_HEIGHT[pool]) / n)))) : 16;
     const cols = Math.max(1, Math.floor(width / cell));
     const rows = Math.max(1, Math.ceil(n / cols));
@@ -231,17 +263,17 @@
       }
     }
     ctx.putImageData(image, 0, 0);
-    engine.drawn[pool] = { counts: view.counts, cached: view.cached, cell: cell, cols: cols, n: n, lit: lit };
+    panel.drawn[pool] = { counts: view.counts, cached: view.cached, cell: cell, cols: cols, n: n, lit: lit };
     canvas.dataset.blocks = String(n);
     canvas.dataset.used = String(used);
     canvas.dataset.shared = String(shared);
     canvas.dataset.draws = String(Number(canvas.dataset.draws || 0) + 1);
-    const meta = engine.el.querySelector(".pool-" + pool + "-meta");
+    const meta = panel.el.querySelector(".pool-" + pool + "-meta");
     meta.textContent = n ? n + " blocks · " + used + " used · " + cell + " px per block" : "none";
   }
 
-  function blockInfo(engine, block, pool) {
-    const view = derive(engine)[pool];
+  function blockInfo(panel, block, pool) {
+    const view = derive(panel)[pool];
     if (block < 0 || block >= view.counts.length) return "";
     const count = view.counts[block];
     const lines = [(pool === "gpu" ? "GPU" : "CPU") + " block " + block];
@@ -260,8 +292,8 @@
     return lines.join("\n");
   }
 
-  function blockAt(engine, pool, canvas, event) {
-    const drawn = engine.drawn[pool];
+  function blockAt(panel, pool, canvas, event) {
+    const drawn = panel.drawn[pool];
     if (!drawn) return -1;
     const rect = canvas.getBoundingClientRect();
     const x = ((event.clientX - rect.left) * canvas.width) / rect.width;
@@ -272,15 +304,15 @@
     return block < drawn.n ? block : -1;
   }
 
-  function wireMap(engine, pool, canvas) {
+  function wireMap(panel, pool, canvas) {
     const tooltip = document.getElementById("tooltip");
     canvas.addEventListener("mousemove", function (event) {
-      const block = blockAt(engine, pool, canvas, event);
+      const block = blockAt(panel, pool, canvas, event);
       if (block < 0) {
         tooltip.hidden = true;
         return;
       }
-      tooltip.textContent = blockInfo(engine, block, pool);
+      tooltip.textContent = blockInfo(panel, block, pool);
       tooltip.dataset.block = String(block);
       tooltip.hidden = false;
       tooltip.style.left = Math.min(event.clientX + 14, window.innerWidth - tooltip.offsetWidth - 4) + "px";
@@ -290,9 +322,9 @@
       tooltip.hidden = true;
     });
     canvas.addEventListener("click", function (event) {
-      const block = blockAt(engine, pool, canvas, event);
+      const block = blockAt(panel, pool, canvas, event);
       if (block < 0) return;
-      const view = derive(engine)[pool];
+      const view = derive(panel)[pool];
       const owner = view.owner[block];
       select(owner >= 0 ? view.requests[owner] : null);
     });
@@ -321,12 +353,11 @@
     ] },
   };
 
-  function drawChart(engine, name, canvas) {
-    const width = Math.max(100, Math.floor(canvas.parentElement.clientWidth));
-    const last = engine.series[engine.series.length - 1];
-    const key = [engine.series.length, last && last.step, last && last.time, width].join("|");
-    if (engine.rendered["chart-" + name] === key) return;
-    engine.rendered["chart-" + name] = key;
+  function drawChart(panel, name, canvas, width) {
+    const last = panel.series[panel.series.length - 1];
+    const key = [panel.series.length, last && last.step, last && last.time, width].join("|");
+    if (panel.rendered["chart-" + name] === key) return;
+    panel.rendered["chart-" + name] = key;
     const chart = CHARTS[name];
     const height = 110;
     canvas.width = width;
@@ -334,7 +365,7 @@
     const ctx = canvas.getContext("2d");
     const style = getComputedStyle(document.documentElement);
     ctx.clearRect(0, 0, width, height);
-    const points = engine.series;
+    const points = panel.series;
     const values = chart.lines.map((line) => points.map((p) => Number(line[2](p.stats || {})) || 0));
     let top = chart.percent ? 1 : Math.max(1, ...values.map((v) => Math.max(0, ...v)));
     const pad = { left: 4, right: 4, top: 14, bottom: 4 };
@@ -377,8 +408,8 @@
   }
 
   // ---------------------------------------------------------------------------- block tables, events
-  function tableRows(engine) {
-    const s = engine.snapshot;
+  function tableRows(panel) {
+    const s = panel.snapshot;
     const rows = s.sequences.slice();
     rows.sort((a, b) => (b.request_id === selected) - (a.request_id === selected)
       || (a.request_id < b.request_id ? -1 : a.request_id > b.request_id ? 1 : a.seq_id - b.seq_id));
@@ -389,15 +420,15 @@
     }));
   }
 
-  function renderTables(engine) {
-    const s = engine.snapshot;
+  function renderTables(panel) {
+    const s = panel.snapshot;
     const key = [s.scheduler_id, s.version, s.step, selected].join("|");
-    if (engine.rendered.tables === key) return;
-    engine.rendered.tables = key;
-    const box = engine.el.querySelector(".tables");
+    if (panel.rendered.tables === key) return;
+    panel.rendered.tables = key;
+    const box = panel.el.querySelector(".tables");
     const counts = { gpu: s.ref_counts, cpu: s.cpu_ref_counts };
     const fragment = document.createDocumentFragment();
-    const rows = tableRows(engine);
+    const rows = tableRows(panel);
     for (const row of rows) {
       const div = el("div", "table-row" + (row.request_id === selected ? " selected" : ""));
       div.dataset.requestId = row.request_id;
@@ -441,7 +472,7 @@
     if (!rows.length) fragment.append(el("p", "dim", "no sequence holds blocks"));
     box.replaceChildren(fragment);
     box.dataset.rows = String(rows.length);
-    engine.drawn.tables = rows;
+    panel.drawn.tables = rows;
   }
 
   function shortId(requestId) {
@@ -449,22 +480,33 @@
     return requestId.length > 24 ? requestId.slice(0, 13) + "…" + requestId.slice(-6) : requestId;
   }
 
+  // "[3, 4, 5, 6, 7, 8] +34 more": the first blocks, and how many of num_blocks are not listed (an
+  // event carries at most its first 32 blocks; num_blocks counts them all, and may be absent).
+  const LISTED_BLOCKS = 6;
   function describeBlocks(event) {
     const b = event.blocks;
     if (event.kind === "cow") return b[0] + " → " + b[1];
-    if (b.length <= 6) return "[" + b.join(", ") + "]";
-    return b.length + " blocks [" + b.slice(0, 4).join(", ") + ", …]";
+    const total = Math.max(b.length, event.num_blocks === undefined ? 0 : event.num_blocks);
+    const listed = b.slice(0, LISTED_BLOCKS);
+    return "[" + listed.join(", ") + "]" + (total > listed.length ? " +" + (total - listed.length) + " more" : "");
   }
 
-  function renderEvents(engine) {
-    const last = engine.events[engine.events.length - 1];
-    const key = [engine.events.length, last && last.id, selected].join("|");
-    if (engine.rendered.events === key) return;
-    engine.rendered.events = key;
-    const list = engine.el.querySelector(".events");
+  function renderEvents(panel) {
+    const last = panel.events[panel.events.length - 1];
+    const key = [panel.events.length, last && last.id, selected].join("|");
+    if (panel.rendered.events === key) return;
+    panel.rendered.events = key;
+    const list = panel.el.querySelector(".events");
     const fragment = document.createDocumentFragment();
-    const events = engine.events.slice(-MAX_EVENT_ROWS).reverse();
+    const events = panel.events.slice(-MAX_EVENT_ROWS).reverse();
     for (const event of events) {
+      if (event.gap !== undefined) {
+        const li = el("li", "gap dim", event.gap + (event.gap === 1 ? " event" : " events") + " not shown");
+        li.dataset.gap = String(event.gap);
+        li.title = "they left the scheduler's window of its latest events between two snapshots";
+        fragment.append(li);
+        continue;
+      }
       const li = el("li", event.request_id && event.request_id === selected ? "selected" : "");
       li.dataset.eventId = String(event.id);
       li.dataset.kind = event.kind;
@@ -472,19 +514,26 @@
       li.append(el("span", "dim", when + " step " + event.step + " "), el("span", "kind kind-" + event.kind, event.kind));
       const who = event.request_id ? shortId(event.request_id) + (event.seq_id >= 0 ? " seq " + event.seq_id : "") + ": " : "";
       li.append(who + describeBlocks(event));
+      const blocks = event.kind === "cow" ? "" : (event.num_blocks || event.blocks.length) + " blocks: " + event.blocks.join(", ")
+        + (event.num_blocks > event.blocks.length ? ", … (the first " + event.blocks.length + " listed)" : "");
+      li.title = [event.request_id, blocks].filter(Boolean).join("\n");
       if (event.request_id) {
-        li.title = event.request_id;
         li.addEventListener("click", () => select(event.request_id));
       }
       fragment.append(li);
     }
     if (!events.length) fragment.append(el("li", "dim", "none yet"));
     list.replaceChildren(fragment);
-    list.dataset.count = String(engine.events.length);
+    list.dataset.count = String(panel.events.length);
   }
 
-  function renderStats(engine) {
-    const s = engine.snapshot, st = s.stats || {};
+  function renderStats(panel, newest) {
+    const s = panel.snapshot, st = s.stats || {};
+    const behind = newest - s.time;
+    const stale = behind > STALE_S; // idle, or no longer publishing (a scheduler that left is removed)
+    panel.el.classList.toggle("stale", stale);
+    panel.el.dataset.stale = stale ? "1" : "0";
+    panel.el.querySelector(".engine-age").textContent = stale ? behind.toFixed(0) + " s behind the newest snapshot" : "";
     const usable = Math.max(1, s.num_gpu_blocks - 1);
     const parts = [
       ["step", s.step],
@@ -495,16 +544,15 @@
       ["running", st.num_running || 0], ["waiting", st.num_waiting || 0], ["swapped", st.num_swapped || 0],
       ["preemptions", st.num_preemptions || 0],
     ];
-    const box = engine.el.querySelector(".stats");
+    const box = panel.el.querySelector(".stats");
     box.replaceChildren(...parts.map((p) => {
       const span = el("span", "", p[0] + " ");
       span.append(el("b", "", String(p[1])));
       return span;
     }));
-    engine.el.querySelector(".engine-meta").textContent = "scheduler " + s.scheduler_id + " · block size " + s.block_size
-      + " · " + s.num_gpu_blocks + " GPU blocks (the null block included) · " + s.num_cpu_blocks + " CPU blocks";
-    engine.el.dataset.step = String(s.step);
-    engine.el.dataset.version = String(s.version);
+    panel.el.querySelector(".engine-meta").textContent = "block size " + s.block_size + " · " + s.num_gpu_blocks + " GPU blocks (the null block included) · " + s.num_cpu_blocks + " CPU blocks";
+    panel.el.dataset.step = String(s.step);
+    panel.el.dataset.version = String(s.version);
   }
 
   function el(tag, className, text) {
@@ -515,24 +563,46 @@
   }
 
   // ---------------------------------------------------------------------------- rendering
-  function mount(engine) {
+  function mount(panel) {
     const node = document.getElementById("engine-template").content.firstElementChild.cloneNode(true);
-    node.dataset.engine = engine.name;
-    node.querySelector(".engine-name").textContent = engine.name;
-    engine.el = node;
-    const main = document.getElementById("engines");
-    const after = Array.from(main.querySelectorAll(".engine")).find((e) => e.dataset.engine > engine.name);
-    main.insertBefore(node, after || null);
-    wireMap(engine, "gpu", node.querySelector(".map-gpu"));
-    wireMap(engine, "cpu", node.querySelector(".map-cpu"));
+    node.dataset.engine = panel.engine;
+    node.dataset.scheduler = panel.id;
+    node.querySelector(".engine-name").textContent = panel.engine;
+    node.querySelector(".scheduler-name").textContent = panel.id;
+    panel.el = node;
+    const after = sortedPanels().find((other) => other.el && byPanel(other, panel) > 0);
+    document.getElementById("engines").insertBefore(node, after ? after.el : null);
+    wireMap(panel, "gpu", node.querySelector(".map-gpu"));
+    wireMap(panel, "cpu", node.querySelector(".map-cpu"));
     document.getElementById("no-engines").hidden = true;
   }
 
-  const timings = {}; // milliseconds the last render spent per part
+  const spent = new Map(); // part -> milliseconds of the last MAX_TIMINGS renders that drew it
   function timed(part, draw) {
     const start = performance.now();
     draw();
-    timings[part] = performance.now() - start;
+    const ms = performance.now() - start;
+    if (!spent.has(part)) spent.set(part, []);
+    const list = spent.get(part);
+    list.push(ms);
+    if (list.length > MAX_TIMINGS) list.shift();
+    return ms;
+  }
+  function median(values) {
+    const sorted = values.slice().sort((a, b) => a - b);
+    const mid = sorted.length >> 1;
+    return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+  }
+  function timings() { // median milliseconds per part, "page" the whole render
+    const out = {};
+    for (const [part, list] of spent) out[part] = Math.round(median(list) * 100) / 100;
+    out.renders = (spent.get("page") || []).length;
+    return out;
+  }
+
+  function measure(panel) { // CSS pixels across each canvas's box
+    const across = (selector) => Math.max(100, Math.floor(panel.el.querySelector(selector).parentElement.clientWidth));
+    return { gpu: across(".map-gpu"), cpu: across(".map-cpu"), chart: across(".chart-slots") };
   }
 
   let pending = false;
@@ -544,21 +614,27 @@
 
   function render() {
     pending = false;
-    for (const name of Object.keys(engines).sort()) {
-      const engine = engines[name];
-      if (!engine.snapshot) continue;
-      if (!engine.el) mount(engine);
-      timed("stats", () => renderStats(engine));
-      timed("maps", () => {
-        drawMap(engine, "gpu", engine.el.querySelector(".map-gpu"));
-        drawMap(engine, "cpu", engine.el.querySelector(".map-cpu"));
+    timed("page", () => {
+      const shown = sortedPanels().filter((panel) => panel.snapshot);
+      const newest = Math.max(...shown.map((panel) => panel.snapshot.time));
+      for (const panel of shown) if (!panel.el) mount(panel);
+      // every width read before any write: one layout per render, not one per canvas
+      const widths = [];
+      timed("layout", () => shown.forEach((panel) => widths.push(measure(panel))));
+      shown.forEach((panel, i) => {
+        const width = widths[i];
+        timed("stats", () => renderStats(panel, newest));
+        timed("maps", () => {
+          drawMap(panel, "gpu", panel.el.querySelector(".map-gpu"), width.gpu);
+          drawMap(panel, "cpu", panel.el.querySelector(".map-cpu"), width.cpu);
+        });
+        timed("charts", () => {
+          for (const chart of Object.keys(CHARTS)) drawChart(panel, chart, panel.el.querySelector(".chart-" + chart), width.chart);
+        });
+        timed("tables", () => renderTables(panel));
+        timed("events", () => renderEvents(panel));
       });
-      timed("charts", () => {
-        for (const chart of Object.keys(CHARTS)) drawChart(engine, chart, engine.el.querySelector(".chart-" + chart));
-      });
-      timed("tables", () => renderTables(engine));
-      timed("events", () => renderEvents(engine));
-    }
+    });
     document.body.dataset.selected = selected || "";
     window.pagoda.renders += 1;
   }
@@ -579,6 +655,18 @@
     document.getElementById("status").textContent = text;
   }
 
+  // On (re)connecting, /dashboard/events sends every live scheduler's snapshot at once; a panel none
+  // of them names in ROLL_CALL_MS left while the page was not listening (it saw no `event: gone`).
+  let rollCall = null; // the scheduler_ids named since the last connect, while counting
+  function startRollCall() {
+    const present = (rollCall = new Set());
+    setTimeout(() => {
+      if (rollCall !== present) return; // a newer connect counts again
+      rollCall = null;
+      for (const id of Array.from(panels.keys())) if (!present.has(id)) gone(id);
+    }, ROLL_CALL_MS);
+  }
+
   function connect() {
     if (!window.EventSource) return poll();
     const events = new EventSource("/dashboard/events" + dataQuery);
@@ -586,8 +674,10 @@
     events.addEventListener("open", () => {
       opened = true;
       setSource("events", "live (server-sent events)");
+      startRollCall();
     });
     events.addEventListener("snapshot", (message) => take(JSON.parse(message.data)));
+    events.addEventListener("gone", (message) => gone(JSON.parse(message.data).scheduler_id));
     events.addEventListener("error", () => {
       if (!opened || events.readyState === EventSource.CLOSED) {
         events.close(); // never opened or gave up: poll instead
@@ -615,6 +705,8 @@
       .then((body) => {
         if (body) {
           setSource("polling", "live (polling /dashboard/snapshot)");
+          const live = new Set(body.engines.map((snapshot) => snapshot.scheduler_id));
+          for (const id of Array.from(panels.keys())) if (!live.has(id)) gone(id); // the reply lists every live one
           body.engines.forEach(take);
         }
       })
@@ -628,10 +720,8 @@
   let timer = null;
 
   function reset() {
-    for (const name of Object.keys(engines)) {
-      if (engines[name].el) engines[name].el.remove();
-      delete engines[name];
-    }
+    for (const panel of panels.values()) if (panel.el) panel.el.remove();
+    panels.clear();
     document.getElementById("no-engines").hidden = false;
   }
 
@@ -646,7 +736,7 @@
     const s = trace[index];
     document.getElementById("replay-slider").value = String(index);
     document.getElementById("replay-label").textContent = "snapshot " + (index + 1) + " / " + trace.length
-      + " · engine " + s.engine + " · step " + s.step + " · +" + (s.time - trace[0].time).toFixed(2) + " s";
+      + " · engine " + s.engine + " · scheduler " + s.scheduler_id + " · step " + s.step + " · +" + (s.time - trace[0].time).toFixed(2) + " s";
     document.body.dataset.position = String(index);
     render();
   }
@@ -689,34 +779,52 @@
     // open where the most blocks are in use (a trace usually ends with every request done)
     let fullest = 0;
     snapshots.forEach((s, i) => { if ((s.stats || {}).num_used_blocks > ((snapshots[fullest].stats || {}).num_used_blocks || 0)) fullest = i; });
-    if (snapshots.length) seek(fullest);
+    if (!snapshots.length) return;
+    if (location.hash === "#timings") drawEach();
+    seek(fullest);
+  }
+
+  // `page.html#timings`: draw every snapshot once, in order, and write the median draw times into the
+  // status line (`chromium --headless --dump-dom 'file:///…/page.html#timings'` prints them).
+  function drawEach() {
+    for (let i = 0; i < trace.length; i++) seek(i);
+    const t = timings();
+    const status = "drew " + trace.length + " snapshots; median ms per draw: page " + t.page + " (layout " + t.layout
+      + ", block maps " + t.maps + ", block tables " + t.tables + ", events " + t.events + ", charts " + t.charts
+      + ", stats " + t.stats + ")";
+    setSource("replay", status);
+    document.body.dataset.timings = JSON.stringify(t);
   }
 
   // ---------------------------------------------------------------------------- the page's state, for tests
-  function named(engine) {
-    const e = engines[engine === undefined ? Object.keys(engines).sort()[0] : engine];
-    if (!e) throw new Error("no engine " + engine);
-    return e;
+  function panelOf(key) { // a scheduler_id, or an engine id (its first panel), or nothing (the first panel)
+    const panel = key === undefined ? sortedPanels()[0] : panels.get(key) || sortedPanels().find((p) => p.engine === key);
+    if (!panel) throw new Error("no panel " + key);
+    return panel;
   }
   window.pagoda = {
-    engines: engines,
+    panels: panels,
     errors: errors,
     renders: 0,
-    timings: timings,
+    get timings() { return timings(); },
     get source() { return source; },
     get selected() { return selected; },
+    panel: panelOf,
     select: select,
     take: take,
+    gone: gone,
     seek: (index) => seek(index),
-    blocks: (engine, pool) => { const d = named(engine).drawn[pool || "gpu"]; return d ? d.counts : null; },
-    cached: (engine) => { const d = named(engine).drawn.gpu; return d ? Array.from(d.cached).flatMap((c, b) => (c ? [b] : [])) : null; },
-    tables: (engine) => named(engine).drawn.tables,
-    highlighted: (engine, pool) => {
-      const d = named(engine).drawn[pool || "gpu"];
+    blocks: (panel, pool) => { const d = panelOf(panel).drawn[pool || "gpu"]; return d ? d.counts : null; },
+    cached: (panel) => { const d = panelOf(panel).drawn.gpu; return d ? Array.from(d.cached).flatMap((c, b) => (c ? [b] : [])) : null; },
+    tables: (panel) => panelOf(panel).drawn.tables,
+    highlighted: (panel, pool) => {
+      const d = panelOf(panel).drawn[pool || "gpu"];
       return d ? { blocks: Array.from(d.lit.blocks).sort((a, b) => a - b), shared: Array.from(d.lit.shared).sort((a, b) => a - b) } : null;
     },
-    blockInfo: (engine, block, pool) => blockInfo(named(engine), block, pool || "gpu"),
-    events: (engine) => named(engine).events.slice(),
+    blockInfo: (panel, block, pool) => blockInfo(panelOf(panel), block, pool || "gpu"),
+    events: (panel) => panelOf(panel).events.filter((event) => event.gap === undefined),
+    gaps: (panel) => panelOf(panel).events.filter((event) => event.gap !== undefined),
+    colour: (requestId, shared) => requestColour(requestId, shared, false),
   };
 
   window.addEventListener("resize", scheduleRender);

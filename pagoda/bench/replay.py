@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 
+from gateway.static_files import read_static
+
 SNAPSHOT_KEYS = ("engine", "step", "block_size", "ref_counts", "cpu_ref_counts", "cached", "sequences", "events")
-STATIC = ("dashboard.html", "dashboard.css", "dashboard.js")
 CSS_LINK = '<link rel="stylesheet" href="/dashboard/static/dashboard.css__QUERY__">'
 JS_SCRIPT = '<script src="/dashboard/static/dashboard.js__QUERY__"></script>'
-
-
-def static_file(name: str) -> str:
-    """One of the page's files (gateway/static/NAME)."""
-    if name not in STATIC:
-        raise FileNotFoundError(name)
-    return (resources.files("gateway") / "static" / name).read_text(encoding="utf-8")
 
 
 def read_trace(path: str | Path) -> list[dict]:
@@ -50,15 +43,15 @@ def _script_safe(text: str) -> str:
 
 def replay_page(snapshots: list[dict], title: str = "trace") -> str:
     """The standalone HTML page of `snapshots`."""
-    page = static_file("dashboard.html")
+    page = read_static("dashboard.html")
     for tag in (CSS_LINK, JS_SCRIPT):
         if page.count(tag) != 1:
             raise RuntimeError(f"gateway/static/dashboard.html no longer holds {tag}")
     page = page.replace("<title>Pagoda · KV memory</title>", f"<title>Pagoda · KV memory · {_escape(title)}</title>")
-    page = page.replace(CSS_LINK, f"<style>\n{static_file('dashboard.css')}</style>")
+    page = page.replace(CSS_LINK, f"<style>\n{read_static('dashboard.css')}</style>")
     data = _script_safe(json.dumps(snapshots, separators=(",", ":")))
     return page.replace(JS_SCRIPT, f'<script type="application/json" id="pagoda-trace">{data}</script>\n'
-                                   f"<script>\n{static_file('dashboard.js')}</script>")
+                                   f"<script>\n{read_static('dashboard.js')}</script>")
 
 
 def _escape(text: str) -> str:
