@@ -9,11 +9,13 @@ dashboard draws, served at /dashboard/snapshot and written by `pagoda generate -
      "sequences": [{"request_id": "cmpl-..", "seq_id": 4, "status": "running", "num_tokens": 37,
                     "num_slots": 37, "pool": "gpu", "block_table": [1, 2, 3]}, ...],
      "events": [{"id": 12, "step": 811, "time": ..., "kind": "cow", "request_id": "cmpl-..",
-                 "seq_id": 5, "blocks": [3, 9]}, ...],
+                 "seq_id": 5, "blocks": [3, 9], "num_blocks": 2}, ...],
      "stats": {...}}                          the gauges named in STATS
 
 `num_slots` is how many slots of the table hold token states or are written this step (the last
-block's filled slots are num_slots - (len(block_table) - 1) * block_size).
+block's filled slots are num_slots - (len(block_table) - 1) * block_size). An event's `blocks` are
+the first 32 (scheduler/memory_view.MAX_EVENT_BLOCKS) of its `num_blocks`. `version` advances
+with each snapshot of one publisher (a scheduler, or a trace) whose memory may have changed.
 """
 from __future__ import annotations
 
@@ -61,11 +63,17 @@ def pack_raw(values: list[int], width: int) -> bytes:
 
 
 def unpack_ints(data: bytes) -> list[int]:
+    """pack_ints' ints back; ValueError for bytes it did not make (no width byte, a width other
+    than 1, 2 or 4, or a length that is no whole number of ints)."""
+    if not isinstance(data, bytes) or not data:
+        raise ValueError(f"packed ints are bytes starting with their width, not {type(data).__name__} {data!r:.20}")
     width = data[0]
     if width == 1:
         return list(data[1:])
+    if width not in _TYPECODES:
+        raise ValueError(f"packed ints of width {width}: 1, 2 or 4 expected")
     values = array(_TYPECODES[width])
-    values.frombytes(data[1:])
+    values.frombytes(data[1:])  # ValueError unless a whole number of ints
     if sys.byteorder == "big":
         values.byteswap()
     return values.tolist()

@@ -321,24 +321,27 @@ class MemoryEvent:
     kind: str
     request_id: str  # "" for prefix-cache evictions
     seq_id: int  # -1 when the event is the request's, not one sequence's
-    blocks: bytes  # the blocks concerned (cow: [src, dst]; swaps: the device blocks), as little-endian uint32
+    # the blocks concerned (cow: [src, dst]; swaps: the device blocks), packed by
+    # common/memory_snapshot.pack_ints: the first scheduler/memory_view.MAX_EVENT_BLOCKS (32) of them
+    blocks: bytes
+    num_blocks: int  # how many blocks are concerned: more than `blocks` holds past the first 32
 
 
 @dataclass(slots=True)
 class MemorySnapshot:
     """One scheduler's block manager as the dashboard draws it; JSON by common/memory_snapshot.py.
 
-    Reference counts travel as bytes, one per block id (the null block 0 included, always 0), or
-    as little-endian uint32 when a count passes 255 (scheduler/memory_view.pack_counts);
-    `sequences` as rows [request_id, seq_id, status, num_tokens, num_slots, pool, block_table]
-    (pool "gpu" or "cpu"; block_table as little-endian uint32 bytes, scheduler/memory_view.pack_table).
+    Reference counts travel packed by common/memory_snapshot.pack_ints, one per block id (the null
+    block 0 included, always 0): one byte each unless a count passes 255; `sequences` as rows
+    [request_id, seq_id, status, num_tokens, num_slots, pool, block_table] (pool "gpu" or "cpu";
+    block_table packed by pack_ints). common/memory_snapshot.snapshot_json unpacks them all.
     """
 
     engine: str
     scheduler_id: str
     time: float
     step: int
-    version: int  # changes whenever the memory may have changed
+    version: int  # per publisher, from 1: advances whenever the memory may have changed
     block_size: int
     num_gpu_blocks: int  # the device pool, the null block included
     num_cpu_blocks: int

@@ -6,6 +6,8 @@
     pagoda:replies:<gateway_id>  stream per gateway process; entries {m: RequestEvent}
     pagoda:scheduler:<id>        string, a SchedulerStatus, expires unless refreshed (heartbeat)
     pagoda:memory:<id>           string, a MemorySnapshot (the dashboard), refreshed with the status
+    pagoda:memory-watch          string, set by a gateway serving the dashboard's data: schedulers
+                                 publish their MemorySnapshot only while it exists
     pagoda:started               hash request_id -> scheduler id: requests that have streamed a token
     pagoda:held:<id>             string, a HeldRequests, written by a scheduler that finds Redis restarted
 """
@@ -19,6 +21,7 @@ REPLIES_PREFIX = "pagoda:replies:"
 STATUS_PREFIX = "pagoda:scheduler:"
 HELD_PREFIX = "pagoda:held:"
 MEMORY_PREFIX = "pagoda:memory:"
+MEMORY_WATCH = "pagoda:memory-watch"  # set by gateways serving the dashboard (outside MEMORY_PREFIX: no scheduler id meets it)
 FIELD = b"m"  # the msgpack-encoded protocol message of a stream entry
 ABORT_FIELD = b"id"
 ABORT_INDEX_FIELD = b"index"
@@ -26,6 +29,7 @@ ABORT_INDEX_FIELD = b"index"
 STATUS_TTL_S = 3.0  # a scheduler silent this long is dead
 REPLY_STREAM_TTL_S = 600  # a reply stream no one writes to expires
 HELD_TTL_S = 60  # long past every gateway's grace period after a Redis restart
+MEMORY_WATCH_TTL_S = 10  # the dashboard's data unserved this long: the schedulers stop publishing
 ABORTS_MAXLEN = 10_000
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 import uuid
 
+import redis
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -34,7 +36,7 @@ from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
 from gateway import dashboard_page
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
-from gateway.engine_client import REDIS_RESTARTED, EngineClient, Generation
+from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, Generation
 from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
 from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
@@ -166,14 +168,16 @@ class Gateway:
             return denied
         try:
             engines = await self.engine.memory_snapshots()
-        except Exception as exc:
+        except (redis.RedisError, OSError) as exc:  # anything else is a bug: a 500 (_unexpected)
             return error_response(unavailable(f"Redis is unreachable ({exc}); no memory snapshot to show"))
         body = '{"engines":[' + ",".join(memory.json for memory in engines) + "]}"
         return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
 
     async def dashboard_events(self, request: Request) -> Response:
         """Server-Sent Events: each engine's snapshot at once, then again whenever its version
-        changes; a comment every DASHBOARD_KEEPALIVE_S. Ends when the gateway drains."""
+        changes, and `event: gone` ({"engine", "scheduler_id"}) once its snapshot is no longer
+        there (the scheduler stopped, or lost its workers); a comment every DASHBOARD_KEEPALIVE_S.
+        Ends when the gateway drains."""
         if (denied := require_dashboard_key(request)) is not None:
             return denied
         return StreamingResponse(self._dashboard_events(), media_type="text/event-stream",
@@ -184,14 +188,12 @@ class Gateway:
         quiet_since = time.monotonic()
         while not self.draining:
             try:
-                engines = await self.engine.memory_snapshots()
-            except Exception:  # Redis down: the stream stays open, the page keeps what it has
-                engines = []
-            for memory in engines:
-                if sent.get((memory.engine, memory.scheduler_id)) != memory.version:
-                    sent[memory.engine, memory.scheduler_id] = memory.version
-                    quiet_since = time.monotonic()
-                    yield f"event: snapshot\ndata: {memory.json}\n\n"
+                events = _dashboard_changes(sent, await self.engine.memory_snapshots())
+            except (redis.RedisError, OSError):  # Redis down: the stream stays open, the page keeps what it has
+                events = []
+            for event in events:
+                quiet_since = time.monotonic()
+                yield event
             if time.monotonic() - quiet_since >= DASHBOARD_KEEPALIVE_S:
                 quiet_since = time.monotonic()
                 yield ": keepalive\n\n"
@@ -373,8 +375,7 @@ class Gateway:
         if scheme.lower() != "bearer" or not token:
             raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        _check_key(token.strip(), key)
 
     def authorize_dashboard(self, request: Request) -> None:
         """The API key, if the gateway has one, in the header or else as `?api_key=` (a browser's
@@ -386,8 +387,7 @@ class Gateway:
         if given is None:
             raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' or add "
                                 "?api_key=<key> to the URL", code="invalid_api_key")
-        if not hmac.compare_digest(given.encode(), key.encode()):
-            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        _check_key(given, key)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -453,6 +453,26 @@ class Gateway:
             return await self.engine.submit(requests)
         except Exception as exc:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
+
+
+def _check_key(given: str, key: str) -> None:
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+def _dashboard_changes(sent: dict[tuple[str, str], int], engines: list[EngineMemory]) -> list[str]:
+    """The SSE events that bring a page that saw `sent` ((engine, scheduler id) -> version) up to
+    `engines` (EngineClient.memory_snapshots); `sent` is updated."""
+    events = []
+    for memory in engines:
+        if sent.get((memory.engine, memory.scheduler_id)) != memory.version:
+            sent[memory.engine, memory.scheduler_id] = memory.version
+            events.append(f"event: snapshot\ndata: {memory.json}\n\n")
+    for engine, scheduler_id in sorted(sent.keys() - {(memory.engine, memory.scheduler_id) for memory in engines}):
+        del sent[engine, scheduler_id]
+        gone = json.dumps({"engine": engine, "scheduler_id": scheduler_id}, separators=(",", ":"))
+        events.append(f"event: gone\ndata: {gone}\n\n")
+    return events
 
 
 def require_dashboard_key(request: Request) -> Response | None:

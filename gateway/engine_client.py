@@ -7,6 +7,7 @@ One reader task per process XREADs the reply stream and fans events out to per-r
     XADD pagoda:aborts {id: request_id}         ──▶ every scheduler (disconnect, stop string)
     XADD pagoda:aborts {id, index}              ──▶ every scheduler (a stop string in one sample of n)
     GET pagoda:scheduler:<id>, pagoda:memory:<id> ◀── each scheduler's status and memory snapshot
+    SET pagoda:memory-watch                     ──▶ while the dashboard's data is served: schedulers publish it
 
 An abort that cannot be sent (Redis down) is sent again once the reader reaches Redis: else its
 request would run on to max_tokens for no one, holding its KV blocks.
@@ -44,6 +45,7 @@ READ_COUNT = 512
 TRIM_INTERVAL_S = 1.0
 MAX_BACKOFF_S = 2.0
 MEMORY_READ_INTERVAL_S = 0.25  # the dashboard's snapshots are read from Redis at most this often
+MEMORY_WATCH_INTERVAL_S = 2.0  # streams.MEMORY_WATCH is set at most this often while they are read
 REDIS_RESTARTED = "Redis restarted and lost the request before a scheduler read it"
 OUTPUT_LOST = "Redis restarted and lost part of the request's output"
 
@@ -66,15 +68,20 @@ class EngineMemory:
     json: str
 
 
-def _engine_memory(raw: bytes) -> EngineMemory | None:
-    """The snapshot's JSON, or None (logged once per value) for a value that is not one."""
+def _engine_memory(key: bytes, raw: bytes) -> EngineMemory | None:
+    """The snapshot's JSON, or None (logged once per value: each is decoded once) for a value that
+    is not one: one bad key must not hide the others."""
     try:
         snapshot = decode(raw)
         if not isinstance(snapshot, MemorySnapshot):
             raise ProtocolError(f"a {type(snapshot).__name__}, not a MemorySnapshot")
+        if not (isinstance(snapshot.engine, str) and isinstance(snapshot.scheduler_id, str)
+                and type(snapshot.version) is int):
+            raise ProtocolError("engine and scheduler_id must be strings, version an int")
         text = json.dumps(snapshot_json(snapshot), separators=(",", ":"))
-    except (ProtocolError, ValueError, TypeError) as exc:
-        log.warning("ignoring an undecodable memory snapshot: %s", exc)
+    except Exception as exc:  # whatever a malformed value raises
+        log.warning("ignoring the undecodable memory snapshot in %s: %s: %s", key.decode(errors="replace"),
+                    type(exc).__name__, exc)
         return None
     return EngineMemory(snapshot.engine, snapshot.scheduler_id, snapshot.version, text)
 
@@ -146,6 +153,7 @@ class EngineClient:
         self._status_cache: tuple[float, list[SchedulerStatus]] = (0.0, [])
         self._memory: dict[bytes, tuple[bytes, EngineMemory | None]] = {}  # key -> (its value, decoded once)
         self._memory_read_at = 0.0
+        self._memory_watched_at = float("-inf")
         self._memory_lock = asyncio.Lock()  # one read of Redis per interval, however many pages watch
         self.redis_ok = True
 
@@ -255,16 +263,21 @@ class EngineClient:
     async def memory_snapshots(self) -> list[EngineMemory]:
         """The live schedulers' memory snapshots (their keys expire with their status), sorted by
         engine then scheduler id. Redis is read at most every MEMORY_READ_INTERVAL_S, and each
-        snapshot decoded and made JSON once, however many callers ask."""
+        snapshot decoded and made JSON once, however many callers ask. Asking is watching: the
+        schedulers publish only while streams.MEMORY_WATCH, set here, lives."""
         async with self._memory_lock:
+            if time.monotonic() - self._memory_watched_at >= MEMORY_WATCH_INTERVAL_S:
+                await self.redis.set(streams.MEMORY_WATCH, b"1", ex=streams.MEMORY_WATCH_TTL_S)
+                self._memory_watched_at = time.monotonic()
             if time.monotonic() - self._memory_read_at >= MEMORY_READ_INTERVAL_S:
                 keys = [key async for key in self.redis.scan_iter(match=streams.MEMORY_PREFIX + "*", count=1000)]
                 values = await self.redis.mget(keys) if keys else []
                 live = {key: raw for key, raw in zip(keys, values) if raw is not None}  # (None: expired since SCAN)
-                changed = [raw for key, raw in live.items() if key not in self._memory or self._memory[key][0] != raw]
+                changed = {key: raw for key, raw in live.items()
+                           if key not in self._memory or self._memory[key][0] != raw}
                 # off the event loop: some 20 ms at 30,000 blocks, which streams must not wait for
-                decoded = dict(zip(changed, await asyncio.to_thread(lambda: list(map(_engine_memory, changed)))))
-                self._memory = {key: (raw, decoded[raw]) if raw in decoded else self._memory[key]
+                decoded = await asyncio.to_thread(lambda: {key: _engine_memory(key, raw) for key, raw in changed.items()})
+                self._memory = {key: (raw, decoded[key]) if key in decoded else self._memory[key]
                                 for key, raw in live.items()}
                 self._memory_read_at = time.monotonic()
             engines = [memory for _, memory in self._memory.values() if memory is not None]

@@ -64,8 +64,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-trace", metavar="FILE",
                    help="write the KV memory's snapshots here as JSON Lines, one after each step that changed it "
                         "(the /dashboard/snapshot object; `pagoda bench memory --replay FILE` draws them)")
-    p.add_argument("--memory-trace-interval", type=float, default=0.0, metavar="SECONDS",
-                   help="with --memory-trace: at most one snapshot this often (0: after every such step)")
+    p.add_argument("--memory-trace-interval", type=float, default=0.25, metavar="SECONDS",
+                   help="with --memory-trace: at most one snapshot this often (default 0.25, as the scheduler "
+                        "publishes; 0: after every such step)")
     p.set_defaults(handler=_generate)
 
 

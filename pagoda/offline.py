@@ -22,7 +22,9 @@ from tqdm import tqdm
 from common.config import EngineConfig
 from common.protocol import SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
+from scheduler.memory_trace import INTERVAL_S as MEMORY_TRACE_INTERVAL_S
 from scheduler.memory_trace import MemoryTrace
+from scheduler.memory_view import MemoryEventLog
 from worker.executor import Executor
 from worker.parallel import TensorParallelGroup
 from worker.tp_rank import OFFLINE_TIMEOUT_S, RESET, STOP, serve_rank
@@ -74,9 +76,10 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", skip_tokenizer_init: bool = False, wire: bool = False,
-                 memory_trace: str | None = None, memory_trace_interval: float = 0.0, **config) -> None:
-        """`memory_trace`: a file to write the KV memory's snapshots to, one JSON line after each
-        step that changed it, at most every `memory_trace_interval` seconds (0: every such step)."""
+                 memory_trace: str | None = None, memory_trace_interval: float = MEMORY_TRACE_INTERVAL_S,
+                 **config) -> None:
+        """`memory_trace`: a file to write the KV memory's snapshots to, one JSON line after a step
+        that changed it, at most every `memory_trace_interval` seconds (0: after every such step)."""
         self.wire = wire
         self.config = EngineConfig(model=model, **config)
         self.ranks = None if self.config.tensor_parallel_size == 1 else RankProcesses(self.config)
@@ -93,8 +96,9 @@ class LLM:
         self.memory_trace = MemoryTrace.open(memory_trace, memory_trace_interval) if memory_trace else None
         if self.memory_trace is not None:
             weakref.finalize(self, self.memory_trace.close)
+        self.memory_events = MemoryEventLog()  # every reset()'s engine's: event ids never restart
         self.engine = LLMEngine.from_hello(self.config, hello, self.step_executor, wire=wire,
-                                           memory_trace=self.memory_trace)
+                                           memory_trace=self.memory_trace, memory_events=self.memory_events)
         self.encoder = None
         if not skip_tokenizer_init and self.executor.runner.source.kind != "dummy":
             from gateway.tokenizer import PromptEncoder, load_tokenizer
@@ -117,7 +121,8 @@ class LLM:
             self.executor.group.broadcast_bytes(RESET)
         self.executor.reset()
         self.engine = LLMEngine.from_hello(self.config.replace(**config_changes), hello, self.step_executor,
-                                           wire=self.wire, memory_trace=self.memory_trace)
+                                           wire=self.wire, memory_trace=self.memory_trace,
+                                           memory_events=self.memory_events)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel group (nothing to do for one rank) and close

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from common.protocol import SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
 from scheduler.memory_trace import MemoryTrace
+from scheduler.memory_view import MemoryEventLog
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import RequestOutput
 
@@ -38,8 +39,9 @@ class LLMEngine:
 
     @classmethod
     def from_hello(cls, config, hello: WorkerHello, executor: StepExecutor, wire: bool = False,
-                   memory_trace: MemoryTrace | None = None) -> LLMEngine:
-        return cls(Scheduler.from_hello(config, hello), executor, wire, memory_trace)
+                   memory_trace: MemoryTrace | None = None, memory_events: MemoryEventLog | None = None) -> LLMEngine:
+        """`memory_events`: the event log of the engine this one replaces (its ids go on)."""
+        return cls(Scheduler.from_hello(config, hello, memory_events), executor, wire, memory_trace)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.scheduler.add_request(request_id, prompt_token_ids, params)

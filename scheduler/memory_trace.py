@@ -2,11 +2,12 @@
 
 JSON Lines, one engine snapshot per line: the object `GET /dashboard/snapshot` lists per engine
 (common/memory_snapshot.py), with engine "0" and scheduler_id "offline". A line is written after
-each step (or abort) that changed `memory_version`, at most every `interval_s` seconds; the step
-that leaves the engine idle is always written, so a trace ends with the memory as the engine left it.
+each step (or abort) that changed `memory_version`, at most every `interval_s` seconds (0.25 by
+default, as the scheduler process publishes; 0: after every such step); the step that leaves the
+engine idle is always written, so a trace ends with the memory as the engine left it.
 
-Each line carries the latest MAX_EVENTS memory events (ids increase): a reader de-duplicates them
-by id. With `interval_s` > 0, events older than the latest MAX_EVENTS at a written step are lost.
+Each line carries the latest MAX_EVENTS memory events (ids increase, across LLM.reset() too): a
+reader de-duplicates them by id. Events older than the latest MAX_EVENTS at a written step are lost.
 """
 from __future__ import annotations
 
@@ -17,22 +18,25 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from common.memory_snapshot import snapshot_json
-from scheduler.memory_view import build_snapshot, memory_version
+from scheduler.memory_view import PackedTables, build_snapshot, memory_version
 
 ENGINE = "0"
 SCHEDULER_ID = "offline"
+INTERVAL_S = 0.25  # the scheduler process's MEMORY_INTERVAL_S
+SNAPSHOT_KEYS = ("engine", "step", "block_size", "ref_counts", "cpu_ref_counts", "cached", "sequences", "events")
 
 
 @dataclass(slots=True)
 class MemoryTrace:
     file: TextIO
-    interval_s: float = 0.0
-    num_snapshots: int = 0
+    interval_s: float = INTERVAL_S
+    num_snapshots: int = 0  # written: each snapshot's `version`
     _last_version: tuple | None = field(default=None, repr=False)
     _last_time: float = field(default=float("-inf"), repr=False)
+    _tables: PackedTables = field(default_factory=PackedTables, repr=False)  # as the last line packed them
 
     @classmethod
-    def open(cls, path: str | os.PathLike, interval_s: float = 0.0) -> MemoryTrace:
+    def open(cls, path: str | os.PathLike, interval_s: float = INTERVAL_S) -> MemoryTrace:
         if interval_s < 0:
             raise ValueError(f"memory trace interval {interval_s}: give 0 (every step) or more seconds")
         return cls(open(path, "w", encoding="utf-8"), interval_s)
@@ -46,11 +50,11 @@ class MemoryTrace:
         now = time.monotonic()
         if not idle and now - self._last_time < self.interval_s:
             return False
-        snapshot = snapshot_json(build_snapshot(scheduler, engine=ENGINE, scheduler_id=SCHEDULER_ID))
+        self.num_snapshots += 1
+        snapshot = snapshot_json(build_snapshot(scheduler, ENGINE, SCHEDULER_ID, self._tables, self.num_snapshots))
         self.file.write(json.dumps(snapshot, separators=(",", ":")) + "\n")
         self.file.flush()
         self._last_version, self._last_time = version, now
-        self.num_snapshots += 1
         return True
 
     def close(self) -> None:
@@ -58,6 +62,18 @@ class MemoryTrace:
 
 
 def read_trace(path: str | os.PathLike) -> list[dict]:
-    """The snapshots of a trace file, in order."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The snapshots of a trace file, in order; ValueError naming the line that is not one."""
+    snapshots = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                snapshot = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            missing = [key for key in SNAPSHOT_KEYS if key not in snapshot] if isinstance(snapshot, dict) else SNAPSHOT_KEYS
+            if missing:
+                raise ValueError(f"{path}:{number}: not an engine snapshot (missing {', '.join(missing)})")
+            snapshots.append(snapshot)
+    return snapshots

@@ -9,6 +9,8 @@ The Scheduler records a MemoryEvent for each of these (the `kind`):
     prefix_hit    a new sequence found leading blocks in the prefix cache (`blocks`: those blocks)
     prefix_evict  cached blocks evicted to make room (`blocks`: those blocks; no request)
 
+An event's `blocks` keep the first MAX_EVENT_BLOCKS of them, `num_blocks` counts them all.
+
 `build_snapshot` reads the block manager into a MemorySnapshot (common/protocol.py) without
 changing anything; common/memory_snapshot.py turns one into the JSON the page draws.
 
@@ -31,16 +33,22 @@ from common.protocol import MemoryEvent, MemorySnapshot
 
 EVENT_KINDS = ("fork", "cow", "swap_out", "swap_in", "recompute", "prefix_hit", "prefix_evict")
 MAX_EVENTS = 256  # kept, and sent with each snapshot; the page drops those it has by id
+MAX_EVENT_BLOCKS = 32  # an event keeps its first blocks only (a fork of a long table names hundreds)
 
 
 class MemoryEventLog:
+    """The latest events of one scheduler. Their ids never restart: a scheduler process keeps one
+    log for its life and hands it to each Scheduler it builds (a worker group restarted, the
+    offline LLM reset), so a page that de-duplicates by id misses none."""
+
     def __init__(self, max_events: int = MAX_EVENTS) -> None:
         self.events: deque[MemoryEvent] = deque(maxlen=max_events)
         self.next_id = 1
 
     def record(self, step: int, kind: str, request_id: str, seq_id: int, blocks: list[int]) -> None:
         # packed once here (a few per step), not at every publish of the 256 kept
-        self.events.append(MemoryEvent(self.next_id, step, time.time(), kind, request_id, seq_id, pack_ints(blocks)))
+        self.events.append(MemoryEvent(self.next_id, step, time.time(), kind, request_id, seq_id,
+                                       pack_ints(blocks[:MAX_EVENT_BLOCKS]), len(blocks)))
         self.next_id += 1
 
 
@@ -86,11 +94,12 @@ def memory_version(scheduler) -> tuple:
 
 
 def build_snapshot(scheduler, engine: str = "0", scheduler_id: str = "",
-                   tables: PackedTables | None = None) -> MemorySnapshot:
+                   tables: PackedTables | None = None, version: int = 0) -> MemorySnapshot:
     """The block manager's pools, tables and recent events, and the gauges the page plots.
 
     `tables`: the PackedTables of the previous snapshot of this scheduler (a publisher keeps one),
-    else every table is packed."""
+    else every table is packed. `version`: the publisher's count of the snapshots it made as
+    `memory_version` changed (a reader sends a snapshot on when its version is new)."""
     bm = scheduler.block_manager
     ref_counts = getattr(bm, "ref_counts", None)
     if ref_counts is None:  # a contiguous baseline: count the tables
@@ -101,7 +110,7 @@ def build_snapshot(scheduler, engine: str = "0", scheduler_id: str = "",
     gpu_counts = pack_ints(ref_counts)  # one byte per block unless a count passes 255
     cpu_ref_counts = getattr(bm, "cpu_ref_counts", [])
     return MemorySnapshot(
-        engine, scheduler_id, time.time(), scheduler.step, hash(memory_version(scheduler)) & 0x7FFFFFFF,
+        engine, scheduler_id, time.time(), scheduler.step, version,
         bm.block_size, bm.num_blocks, len(cpu_ref_counts), gpu_counts, pack_ints(cpu_ref_counts),
         list(getattr(bm, "evictable", ())), _sequence_rows(scheduler, tables or PackedTables()),
         list(scheduler.memory_events.events),

@@ -123,6 +123,7 @@ class RequestStream:
         self.early_aborts: dict[str, float] = {}  # aborts that arrived before their request
         self.outbox: list[OutboxEntry] = []  # Redis writes not yet done
         self.memory: bytes | None = None  # the latest memory snapshot, not yet written (sent with the outbox)
+        self.memory_watched = False  # a gateway serves the dashboard's data (streams.MEMORY_WATCH), as of the status
         self.orphans = False  # a dead scheduler's requests wait to be taken over: read nothing new
         self.aborts_cursor = _recent_aborts_id()
         self.redis_run_id: str | None = None
@@ -450,9 +451,11 @@ class RequestStream:
 
     def publish_status(self, status: bytes, has_memory: bool = True) -> bool:
         """The status (a heartbeat under a TTL); first, on a Redis that restarted, what this scheduler
-        holds. The memory snapshot's TTL is refreshed with it, or the snapshot deleted when this
+        holds. Whether a gateway watches the memory (`memory_watched`) is read with it, and the
+        memory snapshot's TTL refreshed, or the snapshot deleted when nobody watches or this
         scheduler has no worker group (`has_memory` False: no memory to show). Returns whether a
-        snapshot is there (False: publish one even if nothing changed; Redis lost it)."""
+        snapshot is there and watched (False: publish one at once even if nothing changed, when
+        watched; a page began watching, or Redis lost it)."""
         run_id = self.redis.info("server").get("run_id")
         if run_id != self.redis_run_id:
             if self.redis_run_id is not None:
@@ -463,14 +466,19 @@ class RequestStream:
             self.redis.set(streams.held_key(self.consumer), encode(held), ex=streams.HELD_TTL_S)
             self.redis_run_id = run_id
         ttl_ms = int(streams.STATUS_TTL_S * 1000)
+        key = streams.memory_key(self.consumer)
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(streams.status_key(self.consumer), status, px=ttl_ms)
+        pipe.exists(streams.MEMORY_WATCH)
         if has_memory:
-            pipe.pexpire(streams.memory_key(self.consumer), ttl_ms)
+            pipe.pexpire(key, ttl_ms)
         else:
-            pipe.delete(streams.memory_key(self.consumer))
-        _, memory = pipe.execute()
-        return has_memory and bool(memory)
+            pipe.delete(key)
+        _, watched, memory = pipe.execute()
+        self.memory_watched = bool(watched)
+        if has_memory and memory and not watched:  # no page for MEMORY_WATCH_TTL_S: the snapshot goes (once)
+            self.redis.delete(key)
+        return has_memory and bool(watched) and bool(memory)
 
     def publish_memory(self, snapshot: bytes) -> None:
         """The block manager's snapshot (an encoded MemorySnapshot) for the dashboard, written by the

@@ -107,7 +107,10 @@ class Scheduler:
     def __init__(
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
+        memory_events: MemoryEventLog | None = None,
     ) -> None:
+        """`memory_events`: the log of a scheduler this one follows (a worker group restarted, the
+        offline LLM reset), whose event ids it goes on from; else a new one."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -134,8 +137,9 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of them, tokens whose KV was there
         # memory counters and events (scheduler/memory_view.py; the dashboard and /metrics)
-        self.memory_events = MemoryEventLog()
+        self.memory_events = MemoryEventLog() if memory_events is None else memory_events
         self.num_cow_copies = 0
+        self._copies: list[tuple[SequenceGroup, int, list[int]]] = []  # of the plan being built: (group, seq_id, copy)
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, the last +Inf
@@ -146,9 +150,11 @@ class Scheduler:
         self._failed: list[FailedRequest] = []
 
     @classmethod
-    def from_hello(cls, config: EngineConfig, hello: WorkerHello) -> Scheduler:
+    def from_hello(cls, config: EngineConfig, hello: WorkerHello,
+                   memory_events: MemoryEventLog | None = None) -> Scheduler:
         costs = PreemptionCosts(hello.kv_bytes_per_block, hello.host_bandwidth, hello.prefill_tokens_per_s)
-        return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs)
+        return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
+                   memory_events)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -286,6 +292,7 @@ class Scheduler:
         plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop)
         self._to_drop = []
         self._planning = _InFlight(self.step)
+        self._copies = []
         self._ahead = dict(self._in_flight[-1].scheduled) if self._in_flight else {}
         budget = _Budget(self.config.max_num_batched_tokens)
         preempted = self._schedule_running(plan, budget)
@@ -299,6 +306,7 @@ class Scheduler:
         return plan
 
     def _count_step(self, plan: StepPlan) -> None:
+        self._count_copies(plan)
         num_tokens = plan.num_scheduled_tokens
         if num_tokens:
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
@@ -313,8 +321,16 @@ class Scheduler:
 
     def _copied_on_write(self, group: SequenceGroup, seq_id: int, copy: list[int], plan: StepPlan) -> None:
         plan.blocks_to_copy.append(copy)
-        self.num_cow_copies += 1
-        self._record("cow", group, seq_id, copy)
+        self._copies.append((group, seq_id, copy))
+
+    def _count_copies(self, plan: StepPlan) -> None:
+        """Count and log the copies the final plan makes: those of a group that failed while the
+        plan was made are out of it (`_fail`)."""
+        planned = {id(copy) for copy in plan.blocks_to_copy}
+        for group, seq_id, copy in self._copies:
+            if id(copy) in planned:
+                self.num_cow_copies += 1
+                self._record("cow", group, seq_id, copy)
 
     # A sequence with tokens in the plan in flight is scheduled ahead only when that plan draws
     # exactly one token for it that cannot end it by length; the rest of its group then goes on

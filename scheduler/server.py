@@ -36,14 +36,14 @@ from common.admission import AdmissionLimits
 from common.config import EngineConfig, ServingConfig
 from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, StepPlan, WorkerHello, encode
 from common.transport import WorkerLink
-from scheduler.memory_view import PackedTables, build_snapshot, memory_version, status_counters
+from scheduler.memory_view import MemoryEventLog, PackedTables, build_snapshot, memory_version, status_counters
 from scheduler.request_stream import IDLE_BLOCK_MS, Arrival, RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
 
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5
-MEMORY_INTERVAL_S = 0.25  # the dashboard's snapshot, at most this often and only when it changed
+MEMORY_INTERVAL_S = 0.25  # the dashboard's snapshot, at most this often, only when it changed and is watched
 
 
 class SchedulerServer:
@@ -64,6 +64,8 @@ class SchedulerServer:
         self._last_memory = 0.0
         self._memory_version: tuple | None = None  # of the snapshot last published
         self._memory_tables = PackedTables()  # its block tables, packed: the next publish packs what changed
+        self._num_snapshots = 0  # published: each snapshot's `version`
+        self.memory_events = MemoryEventLog()  # every worker group's: event ids never restart
         self._in_flight: deque[StepPlan] = deque()  # plans sent, oldest first
 
     # ------------------------------------------------------------------ lifecycle
@@ -90,9 +92,7 @@ class SchedulerServer:
             self.drain_deadline = time.monotonic() + timeout_s
 
     def _iterate(self) -> None:
-        self.stream.flush()
-        self._publish_status()
-        self._publish_memory()
+        self._publish()
         if self.drain_deadline is not None and self._drained():
             self.stopping = True
             return
@@ -167,7 +167,7 @@ class SchedulerServer:
         self.scheduler = Scheduler.from_hello(config, dataclasses.replace(
             hello, num_gpu_blocks=min(h.num_gpu_blocks for h in hellos.values()),
             num_cpu_blocks=min(h.num_cpu_blocks for h in hellos.values()),
-        ))
+        ), self.memory_events)
         self.scheduler.epoch = self.epoch
         self.scheduler.isolate_failures = True
         self._memory_version, self._memory_tables = None, PackedTables()
@@ -276,6 +276,13 @@ class SchedulerServer:
                 log.warning("could not renew claims: %s", exc)
 
     # ------------------------------------------------------------------ status
+    def _publish(self) -> None:
+        """Each loop: the outbox (with the memory snapshot made last loop), then the status and the
+        memory snapshot when due."""
+        self.stream.flush()
+        self._publish_status()
+        self._publish_memory()
+
     def _publish_status(self) -> None:
         now = time.time()
         if now - self._last_status < STATUS_INTERVAL_S:
@@ -297,23 +304,27 @@ class SchedulerServer:
         )
         try:
             if not self.stream.publish_status(encode(status), has_memory=s is not None):
-                self._memory_version = None  # none published yet, or Redis lost it
+                # none published yet, a page began watching, or Redis lost it: publish at once
+                self._memory_version, self._last_memory = None, float("-inf")
         except redis.RedisError as exc:
             log.warning("could not publish status: %s", exc)
 
     def _publish_memory(self) -> None:
         """The block manager's snapshot for the dashboard (scheduler/memory_view.py), at most every
-        MEMORY_INTERVAL_S and only when it changed (`pagoda bench publish` measures its cost)."""
+        MEMORY_INTERVAL_S, only when it changed, and only while a gateway serves the dashboard's
+        data (it sets streams.MEMORY_WATCH; the status finds it): unwatched, it costs nothing
+        (`pagoda bench publish` measures what it costs watched)."""
         s, now = self.scheduler, time.monotonic()
-        if s is None or now - self._last_memory < MEMORY_INTERVAL_S:
+        if s is None or not self.stream.memory_watched or now - self._last_memory < MEMORY_INTERVAL_S:
             return
         version = memory_version(s)
         if version == self._memory_version:
             return
         self._last_memory = now
         self._memory_version = version
-        # written with the step's events, in their round trip (RequestStream.flush)
-        self.stream.publish_memory(encode(build_snapshot(s, self.serving.engine_id, self.id, self._memory_tables)))
+        self._num_snapshots += 1
+        snapshot = build_snapshot(s, self.serving.engine_id, self.id, self._memory_tables, self._num_snapshots)
+        self.stream.publish_memory(encode(snapshot))  # written with the step's events, in their round trip
 
 
 def _lost(rank: int) -> str:

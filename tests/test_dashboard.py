@@ -64,11 +64,14 @@ def test_the_snapshot_shows_the_samples_of_n4_sharing_the_prompts_blocks_and_the
     with httpx.Client(base_url=stack.url, timeout=httpx.Timeout(30.0, read=20.0)) as http:
         with http.stream("GET", "/dashboard/events") as events:  # opened first: it sees the request start
             assert events.status_code == 200
+            lines = events.iter_lines()
+            # the scheduler publishes once a page watches (its next status, within 0.5 s)
+            streamed.append(json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):]))
             threads = [threading.Thread(target=complete), threading.Thread(
                 target=_poll_snapshot, args=(stack.url, polled, done))]
             for thread in threads:
                 thread.start()
-            for line in events.iter_lines():  # until the 4 samples have come and gone
+            for line in lines:  # until the 4 samples have come and gone
                 if line.startswith("data: "):
                     streamed.append(json.loads(line[len("data: "):]))
                     if not streamed[-1]["sequences"] and any(len(_samples(s)) == 4 for s in streamed):

@@ -34,7 +34,7 @@ def strings(value) -> set[str]:
 
 
 def test_n4_shares_the_prompt_blocks_at_4_then_copies_the_last_on_write_and_ends_with_nothing_held(tmp_path):
-    llm = tiny_llm(tmp_path / "trace.jsonl")
+    llm = tiny_llm(tmp_path / "trace.jsonl", memory_trace_interval=0)  # every step that changed the memory
     [out] = llm.generate([PROMPT], N4, use_tqdm=False)
     llm.close()
     assert [len(sample.token_ids) for sample in out.outputs] == [4] * 4
@@ -44,6 +44,7 @@ def test_n4_shares_the_prompt_blocks_at_4_then_copies_the_last_on_write_and_ends
         ("0", "offline", 32, 16)}
     steps = [s["step"] for s in trace]
     assert steps == sorted(set(steps))  # one line per step that changed the memory, in order
+    assert [s["version"] for s in trace] == list(range(1, len(trace) + 1))
     # the first step written: the prompt prefilled and forked into 4 samples sharing its 3 blocks
     first = trace[0]
     assert held(first) == {1: 4, 2: 4, 3: 4}
@@ -55,8 +56,8 @@ def test_n4_shares_the_prompt_blocks_at_4_then_copies_the_last_on_write_and_ends
     # the next: each sample's first token goes into the shared last block, copied for three of them
     second = trace[1]
     assert held(second) == {1: 4, 2: 4, 3: 1, 4: 1, 5: 1, 6: 1}
-    assert [(e["id"], e["kind"], e["seq_id"], e["blocks"]) for e in second["events"][3:]] == [
-        (4, "cow", 0, [3, 4]), (5, "cow", 1, [3, 5]), (6, "cow", 2, [3, 6])]
+    assert [(e["id"], e["kind"], e["seq_id"], e["blocks"], e["num_blocks"]) for e in second["events"][3:]] == [
+        (4, "cow", 0, [3, 4], 2), (5, "cow", 1, [3, 5], 2), (6, "cow", 2, [3, 6], 2)]
     last = trace[-1]
     assert held(last) == {} and last["sequences"] == [] and last["stats"]["num_running"] == 0
     assert sorted(last["cached"]) == [1, 2]  # the prompt's full blocks stay in the prefix cache
@@ -79,6 +80,47 @@ def test_an_interval_writes_the_first_change_and_the_idle_end_only(tmp_path):
 def test_a_negative_interval_is_refused(tmp_path):
     with pytest.raises(ValueError, match="memory trace interval -1"):
         tiny_llm(tmp_path / "trace.jsonl", memory_trace_interval=-1)
+
+
+def test_the_trace_is_written_at_most_every_quarter_second_by_default(tmp_path, monkeypatch):
+    """As the scheduler process publishes (scheduler/server.MEMORY_INTERVAL_S), from LLM and the CLI."""
+    from pagoda import offline
+    from pagoda.cli import main
+    from scheduler.server import MEMORY_INTERVAL_S
+
+    llm = tiny_llm(tmp_path / "trace.jsonl")
+    llm.close()
+    assert llm.memory_trace.interval_s == MEMORY_INTERVAL_S == 0.25
+    given = {}
+
+    class Given(Exception):
+        pass
+
+    def llm_of(**kwargs):
+        given.update(kwargs)
+        raise Given  # enough: what the CLI passes on is known
+
+    monkeypatch.setattr(offline, "LLM", llm_of)
+    with pytest.raises(Given):
+        main(["generate", "--prompt", "hi", "--memory-trace", str(tmp_path / "cli.jsonl")])
+    assert (given["memory_trace"], given["memory_trace_interval"]) == (str(tmp_path / "cli.jsonl"), 0.25)
+
+
+def test_event_ids_and_versions_go_on_across_a_reset(tmp_path):
+    """LLM.reset() builds a new Scheduler: it takes over the event log, so the page loses no event."""
+    llm = tiny_llm(tmp_path / "trace.jsonl", memory_trace_interval=0)
+    llm.generate([PROMPT], N4, use_tqdm=False)
+    before = read_trace(tmp_path / "trace.jsonl")[-1]["events"]
+    llm.reset(num_gpu_blocks=16)
+    llm.generate([PROMPT], N4, use_tqdm=False)
+    llm.close()
+    trace = read_trace(tmp_path / "trace.jsonl")
+    assert [s["version"] for s in trace] == list(range(1, len(trace) + 1))
+    after = [e for e in trace[-1]["events"] if e["id"] > before[-1]["id"]]
+    assert [e["id"] for e in before] == list(range(1, 7))  # 3 forks, 3 copies
+    assert [(e["id"], e["kind"]) for e in after] == [(7, "fork"), (8, "fork"), (9, "fork"), (10, "cow"), (11, "cow"),
+                                                      (12, "cow")]
+    assert trace[-1]["events"][:6] == before  # the events before the reset are still there
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ the plans.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +20,7 @@ from common.config import EngineConfig
 from common.memory_snapshot import check_snapshot, pack_ints, pack_raw, snapshot_json, unpack_ints
 from common.protocol import SamplingParams, StepPlan, decode, encode
 from pagoda.bench.publish import EOS_TOKEN_IDS, ModelFreeExecutor
+from scheduler import memory_view
 from scheduler.memory_view import PackedTables, build_snapshot, memory_version, status_counters
 from scheduler.scheduler import PreemptionCosts, RequestRejected, Scheduler
 
@@ -134,17 +136,27 @@ def check_gauges(scheduler: Scheduler, snapshot: dict) -> None:
 
 
 def check_events(events: list[dict], plans: list[StepPlan]) -> None:
-    """The plans' copies and swaps are the events of their steps, in order."""
+    """The plans' copies and swaps are the events of their steps, in order; an event keeps the
+    first MAX_EVENT_BLOCKS of its blocks and counts them all."""
+    for e in events:
+        assert len(e["blocks"]) == min(e["num_blocks"], memory_view.MAX_EVENT_BLOCKS)
     for plan in plans:
         of_step = [e for e in events if e["step"] == plan.step]
         assert [e["blocks"] for e in of_step if e["kind"] == "cow"] == plan.blocks_to_copy
-        assert [b for e in of_step if e["kind"] == "swap_out" for b in e["blocks"]] == [
-            gpu for gpu, _ in plan.blocks_to_swap_out]
-        assert [b for e in of_step if e["kind"] == "swap_in" for b in e["blocks"]] == [
-            gpu for _, gpu in plan.blocks_to_swap_in]
+        check_blocks([e for e in of_step if e["kind"] == "swap_out"], [gpu for gpu, _ in plan.blocks_to_swap_out])
+        check_blocks([e for e in of_step if e["kind"] == "swap_in"], [gpu for _, gpu in plan.blocks_to_swap_in])
         for e in of_step:
             if e["kind"] == "recompute":  # its sequences leave the workers in that plan
                 assert e["blocks"]
+
+
+def check_blocks(events: list[dict], blocks: list[int]) -> None:
+    """`blocks`, in order, are those of `events`, each event's first ones kept."""
+    start = 0
+    for e in events:
+        assert e["blocks"] == blocks[start:start + e["num_blocks"]][:memory_view.MAX_EVENT_BLOCKS]
+        start += e["num_blocks"]
+    assert start == len(blocks)
 
 
 def take_snapshot(scheduler: Scheduler, tables: PackedTables) -> dict:
@@ -227,9 +239,54 @@ def crowded(mode: str) -> dict:
     ("swap", {"fork", "cow", "swap_out", "swap_in", "prefix_hit", "prefix_evict"}),
     ("recompute", {"fork", "cow", "recompute", "prefix_hit", "prefix_evict"}),
 ])
-def test_a_crowded_pool_shows_every_kind_of_event(mode, expected):
-    """The property's checks do meet each kind of event (a random workload may miss some)."""
+def test_a_crowded_pool_shows_every_kind_of_event(mode, expected, monkeypatch):
+    """The property's checks do meet each kind of event (a random workload may miss some), with
+    events of more blocks than an event keeps (3 here, 32 in earnest)."""
+    monkeypatch.setattr(memory_view, "MAX_EVENT_BLOCKS", 3)
     assert run_workload(crowded(mode)) == expected
+
+
+def test_a_copy_on_write_of_a_request_that_fails_while_planned_is_neither_counted_nor_logged():
+    """Scheduler._fail takes a failed group's copies out of the plan: its counter and events follow."""
+    config = EngineConfig(block_size=16, async_scheduling=False)
+    scheduler = Scheduler(config, 64, 512, EOS_TOKEN_IDS)
+    scheduler.isolate_failures = True
+    executor = ModelFreeExecutor(16, seed=1)
+    scheduler.add_request("n2", list(range(3, 43)), SamplingParams(n=2, max_tokens=8, ignore_eos=True))
+    scheduler.add_request("solo", list(range(50, 90)), SamplingParams(max_tokens=8, ignore_eos=True))
+    scheduler.update(executor.execute(scheduler.schedule()))  # prefilled; n2 forked, sharing its 3 blocks
+    add_to_plan = scheduler._add_to_plan
+
+    def fail_n2(seqs, *args):
+        if scheduler._group_of_seq[seqs[0].seq_id].request_id == "n2":
+            raise RuntimeError("planned to fail")
+        return add_to_plan(seqs, *args)
+
+    scheduler._add_to_plan = fail_n2  # after _grow copied n2's shared last block on write
+    plan = scheduler.schedule()
+    assert [(f.request_id, f.error) for f in scheduler.take_failed()] == [("n2", "RuntimeError: planned to fail")]
+    assert plan.blocks_to_copy == [] and scheduler.num_cow_copies == 0
+    assert [e.kind for e in scheduler.memory_events.events] == ["fork"]
+    del scheduler._add_to_plan
+    scheduler.update(executor.execute(plan))
+    scheduler.add_request("n2-again", list(range(3, 43)), SamplingParams(n=2, max_tokens=8, ignore_eos=True))
+    for _ in range(2):
+        scheduler.update(executor.execute(scheduler.schedule()))
+    cows = [e for e in scheduler.memory_events.events if e.kind == "cow"]
+    assert len(cows) == scheduler.num_cow_copies == 1  # a copy the plan makes is counted and logged
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "packed ints are bytes starting with their width, not bytes b''"),
+    ([1, 2], "packed ints are bytes starting with their width, not list [1, 2]"),
+    (b"\x03\x01\x02\x03", "packed ints of width 3: 1, 2 or 4 expected"),
+    (b"\x00", "packed ints of width 0: 1, 2 or 4 expected"),
+    (b"\x02\x01\x02\x03", "bytes length not a multiple of item size"),
+])
+def test_ints_that_pack_ints_did_not_make_are_a_value_error(data, message):
+    """What the gateway skips, per key, in a malformed snapshot (gateway/engine_client.py)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        unpack_ints(data)
 
 
 @pytest.mark.parametrize("values, width", [

@@ -48,7 +48,7 @@ STATUS = SchedulerStatus(
     num_swapped_out_blocks_total=4, num_swapped_in_blocks_total=4, num_prefix_evictions_total=1,
     iteration_tokens=[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], iteration_tokens_sum=5,
 )
-MEMORY_EVENT = MemoryEvent(3, 17, 1.7e9, "cow", "cmpl-1", 4, [3, 12])
+MEMORY_EVENT = MemoryEvent(3, 17, 1.7e9, "cow", "cmpl-1", 4, [3, 12], 2)
 SNAPSHOT = MemorySnapshot(
     engine="0", scheduler_id="host-1", time=1.7e9, step=17, version=5, block_size=16, num_gpu_blocks=4,
     num_cpu_blocks=2, ref_counts=bytes(4) + (2).to_bytes(4, "little") * 2 + bytes(4), cpu_ref_counts=bytes(8),

@@ -12,28 +12,10 @@ import sys
 from pathlib import Path
 
 from gateway.static_files import read_static
+from scheduler.memory_trace import read_trace
 
-SNAPSHOT_KEYS = ("engine", "step", "block_size", "ref_counts", "cpu_ref_counts", "cached", "sequences", "events")
 CSS_LINK = '<link rel="stylesheet" href="/dashboard/static/dashboard.css__QUERY__">'
 JS_SCRIPT = '<script src="/dashboard/static/dashboard.js__QUERY__"></script>'
-
-
-def read_trace(path: str | Path) -> list[dict]:
-    """The snapshots of a JSON Lines trace, in order; ValueError naming the line that is not one."""
-    snapshots = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                snapshot = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
-            missing = [key for key in SNAPSHOT_KEYS if key not in snapshot] if isinstance(snapshot, dict) else SNAPSHOT_KEYS
-            if missing:
-                raise ValueError(f"{path}:{number}: not an engine snapshot (missing {', '.join(missing)})")
-            snapshots.append(snapshot)
-    return snapshots
 
 
 def _script_safe(text: str) -> str:
