@@ -54,6 +54,22 @@ def redis_server():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def r(redis_url):
+    """A client of the module's redis-server, emptied for each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="where the model tests (tests/test_parity.py) run: cpu or cuda")
 

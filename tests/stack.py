@@ -1,7 +1,9 @@
 """The real stack for tests: pagoda/bench/stack.py's launcher on CPU, logging to .pytest_cache/."""
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from common.redis_server import free_port
@@ -40,3 +42,23 @@ def wait_for(predicate, timeout: float, what: str) -> float:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+@contextmanager
+def serve_app(app, port: int, **config):
+    """An ASGI app under uvicorn on 127.0.0.1:`port` in a thread, as `pagoda gateway` runs it;
+    yields the uvicorn Server once it has started, and stops it on exit."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -8,12 +8,10 @@ import copy
 import dataclasses
 import itertools
 import json
-import threading
 import time
 
 import pytest
 import redis
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 
@@ -26,7 +24,7 @@ from common import streams
 from common.config import EngineConfig, GatewayConfig, ServingConfig
 from common.memory_snapshot import snapshot_json
 from common.protocol import SamplingParams, WorkerHello, decode, encode
-from common.redis_server import RedisServer, free_port
+from common.redis_server import free_port
 from gateway import app as gateway_app
 from gateway.app import create_app, require_dashboard_key
 from gateway.tokenizer import load_tokenizer
@@ -35,6 +33,7 @@ from pagoda.bench.stack import parse_samples
 from scheduler.memory_view import build_snapshot
 from scheduler.scheduler import Scheduler
 from scheduler.server import SchedulerServer
+from tests.stack import serve_app
 
 API_KEY = "sk-dash"
 
@@ -55,21 +54,6 @@ def step(scheduler: Scheduler, executor: ModelFreeExecutor) -> None:
 
 
 # ----------------------------------------------------------------------------- the scheduler's side
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = RedisServer().start()
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture
-def r(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.close()
 
 
 def test_the_server_publishes_the_snapshot_when_it_changed_at_most_every_interval_and_deletes_it_at_shutdown(
@@ -196,16 +180,8 @@ def server_interval() -> float:
 def gateway(redis_url):
     config = GatewayConfig(redis_url=redis_url, port=free_port(), api_key=API_KEY)
     app = create_app(config, tokenizer=load_tokenizer("default"))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield app.state.gateway
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(app, config.port):
+        yield app.state.gateway
 
 
 @pytest.fixture

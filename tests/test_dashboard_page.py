@@ -347,25 +347,12 @@ def _event(i: int, blocks: list[int] | None = None, num_blocks: int | None = Non
 
 @pytest.fixture(scope="module")
 def gateway_url(tokenizer):
-    import threading
-    import time
-
-    import uvicorn
-
     from common.redis_server import free_port
+    from tests.stack import serve_app
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(GatewayConfig(api_key=KEY), tokenizer=tokenizer), host="127.0.0.1",
-                                           port=port, lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(create_app(GatewayConfig(api_key=KEY), tokenizer=tokenizer), port, lifespan="off"):
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_the_live_page_keys_panels_by_scheduler_and_drops_those_that_leave(gateway_url):

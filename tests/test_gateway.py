@@ -15,7 +15,6 @@ import time
 
 import pytest
 import redis
-import uvicorn
 from starlette.testclient import TestClient
 
 try:  # the client the openai package and starlette's TestClient use now; httpx before it
@@ -32,6 +31,7 @@ from common.redis_server import RedisServer, free_port
 from gateway.app import create_app
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.tokenizer import PromptEncoder, load_tokenizer
+from tests.stack import serve_app
 
 API_KEY = "sk-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -132,13 +132,6 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def redis_url():
-    server = RedisServer().start()
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def fake(redis_url, tokenizer):
     scheduler = FakeScheduler(redis_url, tokenizer)
     scheduler.publish()
@@ -154,17 +147,9 @@ def gateway(redis_url, tokenizer, fake):
     config = GatewayConfig(redis_url=redis_url, port=free_port(), api_key=API_KEY,
                            max_pending_requests=MAX_PENDING, request_timeout_s=TIMEOUT_S)
     app = create_app(config, tokenizer=tokenizer)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    app.state.gateway.engine.status_ttl_s = 0.0  # every request sees the status the test just wrote
-    yield app.state.gateway
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(app, config.port):
+        app.state.gateway.engine.status_ttl_s = 0.0  # every request sees the status the test just wrote
+        yield app.state.gateway
 
 
 @pytest.fixture(scope="module")

@@ -123,21 +123,6 @@ class FakeWorker:
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    server = RedisServer().start()
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture
-def r(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    yield client
-    client.close()
-
-
 class Harness:
     def __init__(self, redis_url: str, r: redis.Redis, scheduler_id: str = SCHEDULER_ID,
                  serving: dict | None = None, **engine) -> None:
