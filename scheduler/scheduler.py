@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
 from common.protocol import (
-    ITERATION_TOKENS_BUCKETS, PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan, StepResult, WorkerHello,
-    num_beam_candidates, sample_seed,
+    ITERATION_TOKENS_BUCKETS, PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan,
+    StepResult, WorkerHello, num_beam_candidates, sample_seed,
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError
 from scheduler.block_manager import BlockManager
@@ -306,7 +306,8 @@ class Scheduler:
         return plan
 
     def _count_step(self, plan: StepPlan) -> None:
-        self._count_copies(plan)
+        if self._copies:
+            self._count_copies(plan)
         num_tokens = plan.num_scheduled_tokens
         if num_tokens:
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
