@@ -167,7 +167,7 @@ class Gateway:
         if (denied := require_dashboard_key(request)) is not None:
             return denied
         try:
-            engines = await self.engine.memory_snapshots()
+            engines = await self.engine.first_memory_snapshots()
         except (redis.RedisError, OSError) as exc:  # anything else is a bug: a 500 (_unexpected)
             return error_response(unavailable(f"Redis is unreachable ({exc}); no memory snapshot to show"))
         body = '{"engines":[' + ",".join(memory.json for memory in engines) + "]}"

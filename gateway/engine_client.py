@@ -46,6 +46,7 @@ TRIM_INTERVAL_S = 1.0
 MAX_BACKOFF_S = 2.0
 MEMORY_READ_INTERVAL_S = 0.25  # the dashboard's snapshots are read from Redis at most this often
 MEMORY_WATCH_INTERVAL_S = 2.0  # streams.MEMORY_WATCH is set at most this often while they are read
+FIRST_SNAPSHOT_WAIT_S = 1.5  # a watch just begun: the schedulers see it with their status (every 0.5 s), then publish
 REDIS_RESTARTED = "Redis restarted and lost the request before a scheduler read it"
 OUTPUT_LOST = "Redis restarted and lost part of the request's output"
 
@@ -154,6 +155,7 @@ class EngineClient:
         self._memory: dict[bytes, tuple[bytes, EngineMemory | None]] = {}  # key -> (its value, decoded once)
         self._memory_read_at = 0.0
         self._memory_watched_at = float("-inf")
+        self._memory_watch_began = float("-inf")  # when this gateway found no watch and set one
         self._memory_lock = asyncio.Lock()  # one read of Redis per interval, however many pages watch
         self.redis_ok = True
 
@@ -267,8 +269,13 @@ class EngineClient:
         schedulers publish only while streams.MEMORY_WATCH, set here, lives."""
         async with self._memory_lock:
             if time.monotonic() - self._memory_watched_at >= MEMORY_WATCH_INTERVAL_S:
-                await self.redis.set(streams.MEMORY_WATCH, b"1", ex=streams.MEMORY_WATCH_TTL_S)
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.exists(streams.MEMORY_WATCH)
+                pipe.set(streams.MEMORY_WATCH, b"1", ex=streams.MEMORY_WATCH_TTL_S)
+                watched, _ = await pipe.execute()
                 self._memory_watched_at = time.monotonic()
+                if not watched:
+                    self._memory_watch_began = self._memory_watched_at
             if time.monotonic() - self._memory_read_at >= MEMORY_READ_INTERVAL_S:
                 keys = [key async for key in self.redis.scan_iter(match=streams.MEMORY_PREFIX + "*", count=1000)]
                 values = await self.redis.mget(keys) if keys else []
@@ -282,6 +289,17 @@ class EngineClient:
                 self._memory_read_at = time.monotonic()
             engines = [memory for _, memory in self._memory.values() if memory is not None]
             return sorted(engines, key=lambda m: (m.engine, m.scheduler_id))
+
+    async def first_memory_snapshots(self) -> list[EngineMemory]:
+        """`memory_snapshots`, waiting up to FIRST_SNAPSHOT_WAIT_S for the ready schedulers to publish
+        when this call began the watch (nobody watched: none had published)."""
+        engines = await self.memory_snapshots()
+        ready = {s.scheduler_id for s in await self.statuses() if s.workers_ready}
+        while (ready - {m.scheduler_id for m in engines}
+               and time.monotonic() - self._memory_watch_began < FIRST_SNAPSHOT_WAIT_S):
+            await asyncio.sleep(MEMORY_READ_INTERVAL_S)
+            engines = await self.memory_snapshots()
+        return engines
 
     # ------------------------------------------------------------------ the reader
     async def _read_replies(self) -> None:

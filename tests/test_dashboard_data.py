@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import itertools
 import json
+import threading
 import time
 
 import pytest
@@ -25,6 +26,7 @@ from common.config import EngineConfig, GatewayConfig, ServingConfig
 from common.memory_snapshot import snapshot_json
 from common.protocol import SamplingParams, WorkerHello, decode, encode
 from common.redis_server import free_port
+from common.transport import WorkerLink
 from gateway import app as gateway_app
 from gateway.app import create_app, require_dashboard_key
 from gateway.tokenizer import load_tokenizer
@@ -33,7 +35,7 @@ from pagoda.bench.stack import parse_samples
 from scheduler.memory_view import build_snapshot
 from scheduler.scheduler import Scheduler
 from scheduler.server import SchedulerServer
-from tests.stack import serve_app
+from tests.stack import serve_app, wait_for
 
 API_KEY = "sk-dash"
 
@@ -165,6 +167,38 @@ def test_nothing_is_published_while_no_page_watches_and_a_watcher_sees_it_within
         assert r.get(key) is None
     finally:
         server._shutdown()
+
+
+def test_the_first_snapshot_request_waits_for_the_ready_schedulers_it_began_watching(
+        redis_url, r, gateway, client, monkeypatch):
+    """Nobody watched, so no scheduler had published: the request that begins the watch answers
+    with every ready scheduler's snapshot, not an empty list (a user's first curl)."""
+    monkeypatch.setattr(WorkerLink, "ready", True)  # its workers said hello (the status: workers_ready)
+    serving = ServingConfig(redis_url=redis_url, zmq_address=f"tcp://127.0.0.1:{free_port()}", scheduler_id="s-4",
+                            engine_id="4")
+    server = SchedulerServer(EngineConfig(block_size=16), serving)
+    server.scheduler, _ = running_scheduler()
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            server._publish()
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        gateway.engine._memory_watched_at = float("-inf")  # (an earlier test's request set it within 2 s)
+        wait_for(lambda: r.exists(streams.status_key("s-4")), 5, "the scheduler's status")
+        time.sleep(0.2)  # (the gateway's status cache)
+        assert r.exists(streams.MEMORY_WATCH) == 0 and r.get(streams.memory_key("s-4")) is None
+        engines = client.get("/dashboard/snapshot").json()["engines"]
+        assert [(e["engine"], e["scheduler_id"]) for e in engines] == [("4", "s-4")]
+    finally:
+        stop.set()
+        thread.join(5)
+        server._shutdown()
+        gateway.engine._memory_read_at = float("-inf")  # the next test reads Redis afresh
 
 
 def server_interval() -> float:
