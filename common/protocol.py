@@ -53,6 +53,10 @@ class SamplingParams:
     beam_width: int = 0  # > 0: beam search (deterministic; the n best beams are returned)
     length_penalty: float = 1.0  # beam score = sum of logprobs / generated length ** length_penalty
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
+    # [openai-api] (appended: an older peer's SamplingParams still decodes)
+    logit_bias: list[list] = field(default_factory=list)  # [[token_id, bias], ...]: added to the logits
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob, rank and top k
+    structured_output: StructuredOutput | None = None  # a grammar the output must follow (worker/grammar.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -82,8 +86,8 @@ class SamplingParams:
         _require(abs(self.frequency_penalty) <= MAX_PENALTY, "frequency_penalty",
                  f"frequency_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         _require(self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be > 0")
-        _require(self.max_tokens is None or 1 <= self.max_tokens <= MAX_INT_PARAM, "max_tokens",
-                 f"max_tokens must be in [1, {MAX_INT_PARAM}]")
+        _require(self.max_tokens is None or 0 <= self.max_tokens <= MAX_INT_PARAM, "max_tokens",
+                 f"max_tokens must be in [0, {MAX_INT_PARAM}] (0: score the prompt, generate nothing)")
         _require(0 <= self.min_tokens <= MAX_INT_PARAM, "min_tokens", f"min_tokens must be in [0, {MAX_INT_PARAM}]")
         _require(self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "seed must fit in 64 bits")
         _require(all(0 <= t < 2**31 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be token ids")
@@ -93,6 +97,19 @@ class SamplingParams:
         )
         _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                  f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        _require(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
+        _require(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+                 f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
+        _require(all(isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], int) and 0 <= e[0] < 2**31
+                     and isinstance(e[1], (int, float)) and abs(e[1]) <= MAX_LOGIT_BIAS_VALUE for e in self.logit_bias),
+                 "logit_bias", f"logit_bias must map token ids to biases in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                               f"{MAX_LOGIT_BIAS_VALUE:g}]")
+        if self.structured_output is not None:
+            _require(isinstance(self.structured_output, StructuredOutput)
+                     and self.structured_output.kind in STRUCTURED_OUTPUT_KINDS, "structured_output",
+                     f"structured_output.kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+            _require(not self.beam_width, "structured_output", "structured output does not apply to beam search")
 
 
 MAX_INT_PARAM = 1 << 24  # bounds every count a request names, so none overflows a tensor
@@ -104,6 +121,21 @@ MAX_BEAM_WIDTH = 32
 MAX_LENGTH_PENALTY = 5.0
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty|, as OpenAI's
 MAX_LOGPROBS = 20  # top alternatives reported per token
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI's
+MAX_LOGIT_BIAS_VALUE = 100.0
+# json_schema: spec is the schema as JSON text (keys sorted: the grammar cache's key); json_object:
+# any JSON object, spec ""; regex: spec is the pattern; choice: spec is a JSON list of the strings
+# allowed; grammar: spec is an EBNF grammar (xgrammar's dialect, vLLM's guided_grammar)
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class StructuredOutput:
+    """What a constrained request's output must follow, compiled once per distinct (kind, spec) by
+    the worker (worker/grammar.py) and checked by the gateway before the request is queued."""
+
+    kind: str
+    spec: str = ""
 
 
 def num_beam_candidates(beam_width: int, num_eos_tokens: int) -> int:
@@ -193,11 +225,25 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """The logprobs of prompt tokens one step computed for one sequence (prompt_logprobs): the
+    tokens at positions [start, start + len(logprobs)), each scored by the logits of the position
+    before it, so start >= 1 (the first prompt token has none)."""
+
+    seq_id: int
+    start: int
+    logprobs: list[float]
+    ranks: list[int]  # 1 + how many tokens the model found likelier than the prompt's
+    top: list[list[list]]  # per token: [[token_id, logprob], ...], best first (prompt_logprobs of them)
+
+
+@dataclass(slots=True)
 class StepResult:
     step: int
     epoch: int
     sampled: list[SampledToken] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # only sequences that ask
 
 
 @dataclass(slots=True)
@@ -255,6 +301,9 @@ class RequestEvent:
     # time.time() at the scheduler when the request was first scheduled, on its first token-bearing
     # event (0.0 otherwise): the gateway's queue and prefill times (vLLM's metrics)
     scheduled_at: float = 0.0
+    # prompt_logprobs, on the request's first event that carries an output's tokens or its end (index
+    # 0): per prompt token, None for the first, else [logprob, rank, [[token_id, logprob], ...]]
+    prompt_logprobs: list | None = None
 
 
 @dataclass(slots=True)
@@ -358,12 +407,15 @@ class MemorySnapshot:
 _MESSAGE_TYPES: list[type] = [  # append only: a message's tag is its index
     SamplingParams, NewSequence, CachedSequence, StepPlan, SampledToken, StepResult, WorkerHello,
     GenerateRequest, RequestEvent, SchedulerStatus, HeldRequests, MemoryEvent, MemorySnapshot,
+    StructuredOutput, PromptLogprobs,
 ]
 _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
-_ADDED_FIELDS: dict[type, int] = {SchedulerStatus: 11, RequestEvent: 1}  # engine; [observability]
+_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]
+    SchedulerStatus: 11, RequestEvent: 2, SamplingParams: 3, StepResult: 1,
+}
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as
 # columns, one list per field of the element type in declaration order, not one extension per element.

@@ -19,12 +19,18 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from common.protocol import MAX_BEAM_WIDTH, MAX_INT_PARAM, MAX_LENGTH_PENALTY, MAX_LOGPROBS, MAX_PENALTY, MAX_SAMPLES
+from common.protocol import (
+    MAX_BEAM_WIDTH, MAX_INT_PARAM, MAX_LENGTH_PENALTY, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS, MAX_PENALTY,
+    MAX_SAMPLES,
+)
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_CHOICES = 256  # guided_choice entries
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema's JSON text, a regex or a grammar
 SEED_MAX = 2**63 - 1  # the samples of a seeded request use sample_seed(seed, i) (common/protocol.py)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Per gateway: GET /openapi.json replaces these markers with the served model's id and vocabulary
@@ -53,6 +59,24 @@ def _in_vocabulary(token_id: int, info: ValidationInfo) -> int:
     return token_id
 
 
+def _logit_bias(bias: dict[str, float], info: ValidationInfo) -> list[list]:
+    """{"token id": bias} -> [[token_id, bias], ...], checked as OpenAI checks it."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise PydanticCustomError("logit_bias", "may hold at most {limit} entries, got {n}",
+                                  {"limit": MAX_LOGIT_BIAS, "n": len(bias)})
+    vocab_size = (info.context or {}).get("vocab_size", 2**31)
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab_size:
+            raise PydanticCustomError("logit_bias", "has key {key}, which is not a token id in [0, {vocab_size})",
+                                      {"key": json.dumps(key), "vocab_size": vocab_size})
+        if not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
+            raise PydanticCustomError("logit_bias", "has bias {value} for token {key}, outside [-{limit}, {limit}]",
+                                      {"value": value, "key": key, "limit": int(MAX_LOGIT_BIAS_VALUE)})
+        out.append([int(key), float(value)])
+    return out
+
+
 def _unsupported(value: Any) -> Any:
     if value:  # absent, null, false, 0, "", [] and {} are all fine
         raise PydanticCustomError("unsupported", "is not supported yet")
@@ -66,6 +90,12 @@ NonEmpty = Annotated[T, Field(min_length=1)]
 TokenIds = NonEmpty[list[TokenId]]
 Text = NonEmpty[str]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+LogitBias = Annotated[dict[str, float], AfterValidator(_logit_bias), WithJsonSchema({
+    "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE, "maximum": MAX_LOGIT_BIAS_VALUE},
+    "description": f"Token id (as a string) to a bias in [-100, 100] added to its logit before sampling; at most "
+                   f"{MAX_LOGIT_BIAS} entries. -100 bans a token, 100 all but forces it."})]
+GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
 Unsupported = Annotated[Any, AfterValidator(_unsupported), WithJsonSchema({
     "enum": [None, False, 0, "", [], {}], "description": "Not supported: only a value that means 'off'."})]
 
@@ -105,6 +135,9 @@ class ChatMessage(Strict):
 
     role: Literal[CHAT_ROLES]
     content: str | list[TextPart] | None = Field(None, validate_default=True)
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls (then content may be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -114,8 +147,48 @@ class ChatMessage(Strict):
         return content
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no arguments
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class SamplingRequest(Strict):
@@ -125,8 +198,9 @@ class SamplingRequest(Strict):
         None, description="The served model's id (GET /v1/models); another is a 404.")
     max_tokens: optional(int, "Tokens to generate at most. Default: 16 for completions, the rest of the context for "
                               "chat. The prompt plus max_tokens must fit the model's context length, else 400 "
-                              "(code context_length_exceeded).", ge=1, le=MAX_INT_PARAM)
-    max_completion_tokens: optional(int, "Same as max_tokens, and takes precedence.", ge=1, le=MAX_INT_PARAM)
+                              "(code context_length_exceeded). 0 only on completions with echo or "
+                              "prompt_logprobs: score the prompt, generate nothing.", ge=0, le=MAX_INT_PARAM)
+    max_completion_tokens: optional(int, "Same as max_tokens, and takes precedence.", ge=0, le=MAX_INT_PARAM)
     temperature: optional(float, "Default 1 (0 with use_beam_search, which allows only 0); 0 is greedy.", ge=0)
     top_p: optional(float, "Default 1.", gt=0, le=1)
     top_k: optional(int, "Default 0; 0 and -1 are off.", ge=-1, le=MAX_INT_PARAM)
@@ -156,36 +230,56 @@ class SamplingRequest(Strict):
     stream: optional(bool, "Answer with Server-Sent Events (text/event-stream).")
     stream_options: optional(StreamOptions, "Only with stream: true. include_usage adds a last chunk with the usage.")
     user: optional(str, "Ignored; accepted for compatibility.")
+    logit_bias: optional(LogitBias, "Token id to a bias in [-100, 100] added to its logit; at most 300 entries.")
+    prompt_logprobs: optional(int, "vLLM's: each prompt token's logprob, rank and this many alternatives "
+                                   "(the first token has none). The prompt is then not served from the prefix "
+                                   "cache.", ge=0, le=MAX_LOGPROBS)
+    guided_json: optional(dict[str, Any] | GrammarText, "vLLM's: the output is JSON that validates against this "
+                                                       "JSON schema (an object, or its JSON text).")
+    guided_regex: optional(GrammarText, "vLLM's: the output matches this regular expression.")
+    guided_choice: optional(Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)],
+                            "vLLM's: the output is exactly one of these strings.")
+    guided_grammar: optional(GrammarText, "vLLM's: the output follows this EBNF grammar (xgrammar's dialect).")
 
 
 class CompletionRequest(SamplingRequest):
-    """echo, suffix and logit_bias are not supported: a 400 unless absent, null, false or empty."""
+    """suffix is not supported: a 400 unless absent, null or empty."""
 
     prompt: Text | NonEmpty[list[Text]] | TokenIds | NonEmpty[list[TokenIds]] = Field(
         description="Text, texts, token ids, or lists of token ids; each must be at least one token.")
-    logprobs: optional(int, "Return the logprob of each token and of this many alternatives.",
-                       ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: Unsupported = None
+    logprobs: optional(int, "Return the logprob of each token and of this many alternatives; with echo, the "
+                            "prompt's tokens' too (the first one's null).", ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: optional(bool, "Put the prompt before each choice's text (and, with logprobs, its tokens' logprobs "
+                         "first). With max_tokens 0: score the prompt, generate nothing.")
     suffix: Unsupported = None
-    logit_bias: Unsupported = None
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """tools, functions and logit_bias are not supported: a 400 unless absent, null, false or empty.
-    The messages are rendered with the model's chat template."""
+    """functions (the legacy form of tools) is not supported: a 400 unless absent, null or empty.
+    The messages are rendered with the model's chat template (with the tools, where it takes them)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: optional(bool, "Return the logprob of each token.")
     top_logprobs: optional(int, "Alternatives per token; needs logprobs.", ge=0, le=MAX_LOGPROBS)
-    response_format: optional(ResponseFormat, 'Only {"type": "text"} is supported.')
-    logit_bias: Unsupported = None
-    tools: Unsupported = None
+    response_format: optional(ResponseFormat, '{"type": "text"} (the default), {"type": "json_object"} (the '
+                                              'output is a JSON object) or {"type": "json_schema", "json_schema": '
+                                              '{"name": ..., "schema": {...}}} (the output validates against it).')
+    tools: optional(Annotated[list[Tool], Field(max_length=MAX_TOOLS)],
+                    f"Functions the model may call (at most {MAX_TOOLS}).")
+    tool_choice: optional(Literal["none", "auto", "required"] | NamedToolChoice,
+                          '"none", "auto" (the default with tools: the model\'s chat template\'s tool format), '
+                          '"required" (at least one call, constrained by a grammar) or {"type": "function", '
+                          '"function": {"name": ...}} (that function, constrained by a grammar).')
+    parallel_tool_calls: optional(bool, "Default true; false: at most one call.")
     functions: Unsupported = None
 
 
+ChatMessage.model_rebuild()
+ChatCompletionRequest.model_rebuild()
 Request = TypeVar("Request", CompletionRequest, ChatCompletionRequest)
 _FIELD_NAMES = {name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
-                                   ResponseFormat) for name in model.model_fields}
+                                   ResponseFormat, JSONSchemaFormat, Tool, FunctionDefinition, NamedToolChoice,
+                                   ToolCall, FunctionCall) for name in model.model_fields} | {"schema"}
 
 
 class InvalidField(ValueError):
@@ -251,7 +345,7 @@ def _path(loc: tuple) -> str:
     return out
 
 
-_CUSTOM = ("token_id", "unsupported", "missing")  # errors that name the field, not the item
+_CUSTOM = ("token_id", "unsupported", "missing", "logit_bias")  # errors that name the field, not the item
 
 
 def _is_shape_error(error: dict) -> bool:

@@ -182,3 +182,5 @@ class RequestOutput:
     outputs: list[SequenceOutput]
     finished: bool
     first_scheduled_time: float | None = None  # SequenceGroup.first_scheduled_time (RequestEvent.scheduled_at)
+    # prompt_logprobs once every prompt position has them (RequestEvent.prompt_logprobs's shape), else None
+    prompt_logprobs: list | None = None

@@ -9,14 +9,15 @@ from common import protocol
 from common.config import ConfigError, EngineConfig
 from common.protocol import (
     PROTOCOL_VERSION, CachedSequence, GenerateRequest, HeldRequests, InvalidParamError, MemoryEvent, MemorySnapshot,
-    NewSequence, ProtocolError,
+    NewSequence, PromptLogprobs, ProtocolError, StructuredOutput,
     RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult, WorkerHello, decode, encode,
 )
 
 FULL_PARAMS = SamplingParams(
     n=1, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=1234, presence_penalty=0.5,
     frequency_penalty=-0.5, repetition_penalty=1.1, max_tokens=None, min_tokens=3,
-    stop_token_ids=[7, 8], ignore_eos=True, logprobs=5,
+    stop_token_ids=[7, 8], ignore_eos=True, logprobs=5, logit_bias=[[5, -100.0], [6, 2.5]], prompt_logprobs=2,
+    structured_output=StructuredOutput("json_schema", '{"type": "object"}'),
 )
 NEW_SEQ = NewSequence(
     seq_id=3, prompt_token_ids=[1, 2, 3, 4], output_token_ids=[9], block_ids=[5, 6],
@@ -59,7 +60,9 @@ MESSAGES = [
     SamplingParams(), FULL_PARAMS, NEW_SEQ, CACHED_SEQ, StepPlan(1, 0), PLAN, SAMPLED, RESULT,
     StepResult(3, 0, error="CUDA out of memory"), HELLO, REQUEST, EVENT,
     RequestEvent("cmpl-2", [], None, "error", "the worker failed"), STATUS, HeldRequests("host-1", ["cmpl-1", "cmpl-2"]),
-    MEMORY_EVENT, SNAPSHOT,
+    MEMORY_EVENT, SNAPSHOT, StructuredOutput("json_object"), PromptLogprobs(2, 3, [-1.5], [4], [[]]),
+    StepResult(4, 0, [SAMPLED], None, [PromptLogprobs(4, 1, [-0.5, -2.0], [1, 7], [[[9, -0.25]], [[3, -1.0]]])]),
+    RequestEvent("cmpl-3", [], None, "length", prompt_logprobs=[None, [-0.5, 1, [[9, -0.25]]]]),
 ]
 
 
@@ -168,9 +171,30 @@ def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defa
 
 
 def test_an_event_from_a_scheduler_before_scheduled_at_decodes_as_0():
-    old = _body(encode(dataclasses.replace(EVENT, scheduled_at=1.5)))[1:-1]
+    old = _body(encode(dataclasses.replace(EVENT, scheduled_at=1.5, prompt_logprobs=[None])))[1:-2]
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(RequestEvent), *old)], use_bin_type=True)
-    assert decode(data) == EVENT and EVENT.scheduled_at == 0.0
+    assert decode(data) == EVENT and EVENT.scheduled_at == 0.0 and EVENT.prompt_logprobs is None
+
+
+def test_sampling_params_from_a_gateway_before_openai_api_decode_with_the_defaults():
+    """A gateway older than [openai-api] sends SamplingParams without its last 3 fields."""
+    old = _body(encode(FULL_PARAMS))[1:-3]
+    data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SamplingParams), *old)], use_bin_type=True)
+    assert decode(data) == dataclasses.replace(FULL_PARAMS, logit_bias=[], prompt_logprobs=None,
+                                               structured_output=None)
+
+
+@pytest.mark.parametrize("params, param", [
+    (dict(logit_bias=[[1, 2.0]] * 301), "logit_bias"), (dict(logit_bias=[[1, 100.5]]), "logit_bias"),
+    (dict(logit_bias=[[-1, 1.0]]), "logit_bias"), (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(structured_output=StructuredOutput("yaml")), "structured_output"),
+    (dict(structured_output=StructuredOutput("json_object"), beam_width=2), "structured_output"),
+    (dict(max_tokens=-1), "max_tokens"),
+])
+def test_openai_api_params_out_of_bounds_name_the_param(params, param):
+    with pytest.raises(InvalidParamError) as info:
+        SamplingParams(**params)
+    assert info.value.param == param
 
 
 def test_a_wrong_field_count_deep_inside_a_plan_is_a_protocol_error():
@@ -256,7 +280,6 @@ def test_invalid_sampling_params_on_the_wire_are_a_protocol_error():
     ({"frequency_penalty": 2.01}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"),
-    ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -5}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
@@ -282,7 +305,7 @@ def test_validate_catches_a_value_changed_after_construction():
 @pytest.mark.parametrize("kwargs", [
     {"temperature": 0.0}, {"top_p": 1.0}, {"top_k": -1}, {"top_k": 0}, {"min_p": 1.0},
     {"presence_penalty": -2.0}, {"frequency_penalty": 2.0}, {"max_tokens": None, "min_tokens": 1000},
-    {"max_tokens": 4, "min_tokens": 4}, {"logprobs": 0}, {"logprobs": 20}, {"max_tokens": 1},
+    {"max_tokens": 4, "min_tokens": 4}, {"logprobs": 0}, {"logprobs": 20}, {"max_tokens": 1}, {"max_tokens": 0},
 ])
 def test_boundary_sampling_params_are_accepted(kwargs):
     SamplingParams(**kwargs)
