@@ -31,6 +31,7 @@ TOKEN = 504  # any id in the vocabulary
 ROOT = Path(__file__).resolve().parent.parent
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 INVALID = "invalid_request_error"
 CTX = "context_length_exceeded"
 
@@ -180,6 +181,22 @@ CASES = [
     Bad("top-logprobs-without-logprobs", CHAT, 400, "top_logprobs", body=chat(top_logprobs=2)),
     Bad("response-format-unknown-type", CHAT, 400, "response_format", body=chat(response_format={"type": "yaml"})),
     Bad("tool-without-function", CHAT, 400, "tools", body=chat(tools=[{"type": "function"}])),
+    # --- tools: tool_choice's rules (the default model's template has no tool-call format)
+    Bad("tool-choice-without-tools", CHAT, 400, "tool_choice", body=chat(tool_choice="none")),
+    Bad("tools-auto-without-a-tool-format", CHAT, 400, "tool_choice", body=chat(tools=TOOLS)),
+    Bad("tool-choice-unknown-function", CHAT, 400, "tool_choice",
+        body=chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_news"}})),
+    Bad("tools-twice-the-same-function", CHAT, 400, "tools", body=chat(tools=TOOLS * 2, tool_choice="required")),
+    Bad("tool-choice-required-and-response-format", CHAT, 400, "response_format",
+        body=chat(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})),
+    Bad("tool-choice-named-and-beam-search", CHAT, 400, "use_beam_search",
+        body=chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                  use_beam_search=True, n=2, temperature=0)),
+    Bad("tool-message-without-tool-call-id", CHAT, 400, "messages[1].tool_call_id",
+        body=chat(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "15 C"}])),
+    Bad("tool-call-arguments-not-json", CHAT, 400, "messages[1].tool_calls",
+        body=chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}])),
     Bad("chat-max-tokens-zero", CHAT, 400, "max_tokens", body=chat(max_tokens=0)),
     Bad("chat-max-completion-tokens-negative", CHAT, 400, "max_completion_tokens",
         body=chat(max_completion_tokens=-1)),

@@ -251,11 +251,12 @@ def test_tool_choice_decides_the_tools_the_grammar_and_the_parser():
     assert tool_calling(request(tools=TOOLS, tool_choice="auto"), "llama3_json").parser == Llama3JsonParser()
     required = tool_calling(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), None)
     assert required.parser == RequiredParser() and required.max_calls == 1
-    assert required.structured_output == json_schema_spec({"type": "array", "minItems": 1, "maxItems": 1, "items": {
+    assert json.loads(required.structured_output.spec) == ({"type": "array", "minItems": 1, "maxItems": 1, "items": {
         "anyOf": [{"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER},
                    "required": ["name", "parameters"]},
                   {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": NO_ARGUMENTS},
                    "required": ["name", "parameters"]}]}})
+    assert required.structured_output.kind == "json_schema"
     named = tool_calling(request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
                          None)
     assert (named.structured_output, named.parser) == (json_schema_spec(WEATHER), NamedParser("get_weather"))
