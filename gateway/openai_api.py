@@ -13,6 +13,7 @@ from common.protocol import MAX_BEAM_WIDTH, MAX_SAMPLES, SamplingParams
 from gateway.models import (
     ChatCompletionRequest, CompletionRequest, InvalidField, Request, SamplingRequest, TextPart, validate,
 )
+from gateway.structured import requested_structured_output
 
 
 class APIError(Exception):
@@ -51,6 +52,8 @@ class ParsedRequest:
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
     skip_special_tokens: bool = True
     user: str | None = None
+    # the request field that asked for params.structured_output (a 400 about it names this field)
+    structured_param: str | None = None
 
     @property
     def num_choices(self) -> int:
@@ -160,6 +163,13 @@ def _common(
         if early_stopping is not False:
             raise bad_request("early_stopping applies only to beam search (use_beam_search: true)", "early_stopping")
     chosen_at_end = beam_search or width > n
+    try:
+        structured = requested_structured_output(request)
+    except InvalidField as exc:
+        raise bad_request(str(exc), exc.param) from None
+    if structured is not None and beam_search:
+        raise bad_request(f"{structured[0]} is not supported with use_beam_search (beam search ranks beams by the "
+                          "model's own logprobs)", structured[0])
     stream = bool(request.stream)
     if request.stream_options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -196,6 +206,7 @@ def _common(
         logprobs=logprobs,
         logit_bias=request.logit_bias or [],
         prompt_logprobs=request.prompt_logprobs,
+        structured_output=None if structured is None else structured[1],
     )
     if beam_search:
         _check_beam_search(params)
@@ -204,6 +215,7 @@ def _common(
         kind=kind, model=request.model, prompts=prompts, params=params, n=n, stop=list(dict.fromkeys(stop)),
         stream=stream, include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=logprobs, skip_special_tokens=_default(request.skip_special_tokens, True), user=request.user,
+        structured_param=None if structured is None else structured[0],
     )
 
 
