@@ -31,8 +31,9 @@ class InvalidStructuredOutput(ValueError):
 
 
 def json_schema_spec(schema: dict | str) -> StructuredOutput:
-    """A json_schema StructuredOutput in canonical text (sorted keys, no spaces): equal schemas share
-    one compiled grammar in the worker's cache. Text that is not JSON raises InvalidStructuredOutput."""
+    """A json_schema StructuredOutput in canonical text (no spaces): equal schemas share one compiled
+    grammar in the worker's cache. Keys keep their order: the output's properties come in the order
+    the schema declares them, as OpenAI's do. Text that is not JSON raises InvalidStructuredOutput."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -40,7 +41,7 @@ def json_schema_spec(schema: dict | str) -> StructuredOutput:
             raise InvalidStructuredOutput("json_schema", f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidStructuredOutput("json_schema", "a JSON schema must be a JSON object")
-    return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 def choice_spec(choices: list[str]) -> StructuredOutput:

@@ -17,9 +17,9 @@ def toy_compiler():
     return xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, vocab_size=12, stop_token_ids=[8]))
 
 
-def test_json_schema_spec_is_canonical_and_rejects_text_that_is_not_json():
-    assert json_schema_spec({"b": 1, "a": [1, 2]}) == StructuredOutput("json_schema", '{"a":[1,2],"b":1}')
-    assert json_schema_spec('{ "b": 1,\n "a": [1, 2] }') == json_schema_spec({"a": [1, 2], "b": 1})
+def test_json_schema_spec_is_compact_keeps_the_key_order_and_rejects_text_that_is_not_json():
+    assert json_schema_spec({"b": 1, "a": [1, 2]}) == StructuredOutput("json_schema", '{"b":1,"a":[1,2]}')
+    assert json_schema_spec('{ "b": 1,\n "a": [1, 2] }') == json_schema_spec({"b": 1, "a": [1, 2]})
     with pytest.raises(InvalidStructuredOutput, match="not valid JSON"):
         json_schema_spec("{x")
     with pytest.raises(InvalidStructuredOutput, match="JSON object"):
