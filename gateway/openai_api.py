@@ -235,6 +235,7 @@ def _check_beam_search(params: SamplingParams) -> None:
         ("repetition_penalty", params.repetition_penalty != 1.0),
         ("min_tokens", params.min_tokens != 0), ("stop_token_ids", bool(params.stop_token_ids)),
         ("ignore_eos", params.ignore_eos), ("logprobs", params.logprobs is not None),
+        ("logit_bias", bool(params.logit_bias)),  # the beams are ranked by the raw logprobs
     ]
     for name, given in unsupported:
         if given:
