@@ -38,9 +38,11 @@ from gateway import dashboard_page
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, Generation
 from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
+from gateway.models import InvalidField
 from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
 from gateway.serving import SSE_DONE, ChoiceState, EngineError, ResponseShape, sse, usage
+from gateway.structured import StructuredOutputChecker
 from gateway.tokenizer import PromptEncoder, load_tokenizer
 from gateway.tools import ToolCallStream
 
@@ -95,6 +97,7 @@ class Gateway:
         self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser)
         self.vocab_size = len(self.tokenizer)
         self.token_text = token_text_cache(self.tokenizer)
+        self.structured = StructuredOutputChecker(self.tokenizer)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
         self.metrics = GatewayMetrics(self.served_model_name)
@@ -214,8 +217,7 @@ class Gateway:
             self._authorize(request)
             body = parse_json(await self._read_body(request))
             self._check_model(body.get("model"))
-            parse = parse_completion if kind == "completion" else parse_chat
-            parsed = await asyncio.to_thread(parse, body, self.encoder, self.vocab_size)  # a long prompt must not stall streams
+            parsed = await asyncio.to_thread(self._parse, kind, body)  # a long prompt must not stall streams
             statuses = await self._statuses()
             self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses)
@@ -238,6 +240,15 @@ class Gateway:
             return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(close),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, shape, parsed, generation, choices, deadline)
+
+    def _parse(self, kind: str, body: dict) -> ParsedRequest:
+        """The request, tokenized, and its structured output compiled as the worker will (in a thread)."""
+        parsed = (parse_completion if kind == "completion" else parse_chat)(body, self.encoder, self.vocab_size)
+        try:
+            self.structured.check(parsed.params.structured_output, parsed.structured_param)
+        except InvalidField as exc:
+            raise bad_request(str(exc), exc.param) from None
+        return parsed
 
     def _sub_requests(
         self, response_id: str, parsed: ParsedRequest, arrival_time: float, arrival: float,

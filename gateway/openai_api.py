@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from common.protocol import MAX_BEAM_WIDTH, MAX_SAMPLES, SamplingParams
 from gateway.models import ChatCompletionRequest, CompletionRequest, InvalidField, Request, SamplingRequest, validate
+from gateway.structured import requested_structured_output
 from gateway.tools import ToolCalling, ToolParser, chat_messages, renders_tool_calls, tool_calling
 
 
@@ -50,6 +51,8 @@ class ParsedRequest:
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
     skip_special_tokens: bool = True
     user: str | None = None
+    # the request field that asked for params.structured_output (a 400 about it names this field)
+    structured_param: str | None = None
     tool_parser: ToolParser | None = None  # chat with tools: how each choice's output becomes tool_calls
     max_tool_calls: int | None = None  # parallel_tool_calls false: 1
 
@@ -122,7 +125,7 @@ def _with_tool_calling(parsed: ParsedRequest, calling: ToolCalling, encoder) -> 
     output (tool_calling refused any other beside it). Tags that the tokenizer marks special stay
     in the text, for the parser to see (vLLM's rule)."""
     if calling.structured_output is not None:
-        parsed.params.structured_output = calling.structured_output
+        parsed.params.structured_output, parsed.structured_param = calling.structured_output, "tools"
     if calling.parser is not None and any(encoder.is_special_token(tag) for tag in calling.parser.tags):
         parsed.skip_special_tokens = False
     parsed.tool_parser, parsed.max_tool_calls = calling.parser, calling.max_calls
@@ -171,6 +174,13 @@ def _common(
         if early_stopping is not False:
             raise bad_request("early_stopping applies only to beam search (use_beam_search: true)", "early_stopping")
     chosen_at_end = beam_search or width > n
+    try:
+        structured = requested_structured_output(request)
+    except InvalidField as exc:
+        raise bad_request(str(exc), exc.param) from None
+    if structured is not None and beam_search:
+        raise bad_request(f"{structured[0]} is not supported with use_beam_search (beam search ranks beams by the "
+                          "model's own logprobs)", structured[0])
     stream = bool(request.stream)
     if request.stream_options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -207,6 +217,7 @@ def _common(
         logprobs=logprobs,
         logit_bias=request.logit_bias or [],
         prompt_logprobs=request.prompt_logprobs,
+        structured_output=None if structured is None else structured[1],
     )
     if beam_search:
         _check_beam_search(params)
@@ -215,6 +226,7 @@ def _common(
         kind=kind, model=request.model, prompts=prompts, params=params, n=n, stop=list(dict.fromkeys(stop)),
         stream=stream, include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=logprobs, skip_special_tokens=_default(request.skip_special_tokens, True), user=request.user,
+        structured_param=None if structured is None else structured[0],
     )
 
 
@@ -234,6 +246,7 @@ def _check_beam_search(params: SamplingParams) -> None:
         ("repetition_penalty", params.repetition_penalty != 1.0),
         ("min_tokens", params.min_tokens != 0), ("stop_token_ids", bool(params.stop_token_ids)),
         ("ignore_eos", params.ignore_eos), ("logprobs", params.logprobs is not None),
+        ("logit_bias", bool(params.logit_bias)),  # the beams are ranked by the raw logprobs
     ]
     for name, given in unsupported:
         if given:

@@ -3,6 +3,10 @@ prompt logprobs), logit_bias, structured output and tool calls over HTTP, and th
 (lm-evaluation-harness, the openai SDK)."""
 from __future__ import annotations
 
+import json
+import re
+
+import httpx
 import pytest
 
 from tests.stack import Stack
@@ -23,6 +27,87 @@ def stack():
 
 # ----------------------------------------------------------------------------- structured output, logit_bias, tools over HTTP
 # (helper "api")
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=stack.url, timeout=120) as client:
+        yield client
+
+
+def post(http: httpx.Client, path: str, **body) -> dict:
+    response = http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_chat_response_format_json_schema_answers_json_that_validates(http):
+    import jsonschema  # the test extra
+
+    body = post(http, CHAT, messages=[{"role": "user", "content": "Describe a person: name and age."}],
+                response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+                max_tokens=40, temperature=0)
+    choice = body["choices"][0]
+    person = json.loads(choice["message"]["content"])
+    jsonschema.validate(person, PERSON)
+    assert list(person) == ["name", "age"] and choice["finish_reason"] == "stop"
+
+
+def test_completions_guided_choice_and_guided_regex_follow_the_constraint(http):
+    choices = ["Paris", "London", "Berlin", "a city"]
+    body = post(http, C, prompt="The capital of France is", guided_choice=choices, max_tokens=8, n=2, seed=1,
+                temperature=1.0)
+    assert sorted(c["index"] for c in body["choices"]) == [0, 1]
+    for choice in body["choices"]:
+        assert choice["text"] in choices and choice["finish_reason"] == "stop", choice
+    body = post(http, C, prompt="Call me at", guided_regex=r" [0-9]{3}-[0-9]{4}", max_tokens=12, temperature=0.7,
+                seed=3)
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", body["choices"][0]["text"]), body
+
+
+def test_a_constrained_stream_concatenates_to_valid_json(http):
+    import jsonschema
+
+    text, finish = "", None
+    with http.stream("POST", CHAT, json={
+            "messages": [{"role": "user", "content": "Give me a person as JSON."}], "guided_json": PERSON,
+            "max_tokens": 40, "temperature": 0, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+    finish = chunks[-1]["choices"][0]["finish_reason"]
+    text = "".join(pieces)
+    assert sum(1 for p in pieces if p) >= 3, pieces  # it streamed: several pieces, not one at the end
+    jsonschema.validate(json.loads(text), PERSON)
+    assert finish == "stop"
+
+
+def test_logit_bias_of_100_forces_its_token_and_minus_100_bans_one(http):
+    from gateway.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    forced, = tokenizer.encode(" banana")
+    body = post(http, C, prompt="The capital of France is", max_tokens=3, temperature=1.0, seed=0, logprobs=1,
+                logit_bias={str(forced): 100})
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [tokenizer.decode([forced])] * 3
+    # the logprobs reported are the model's own, before the bias: the forced token is not its likeliest
+    assert all(lp < -1.0 for lp in logprobs["token_logprobs"]), logprobs
+    greedy = post(http, C, prompt="The capital of France is", max_tokens=1, temperature=0)["choices"][0]["text"]
+    banned, = tokenizer.encode(greedy)
+    other = post(http, C, prompt="The capital of France is", max_tokens=1, temperature=0,
+                 logit_bias={str(banned): -100})["choices"][0]["text"]
+    assert other != greedy and tokenizer.encode(other) != [banned]
+
+
+# -- tools
 
 
 # ----------------------------------------------------------------------------- real clients: lm-evaluation-harness, the openai SDK
