@@ -189,6 +189,9 @@ CASES = [
     Bad("tools-twice-the-same-function", CHAT, 400, "tools", body=chat(tools=TOOLS * 2, tool_choice="required")),
     Bad("tool-choice-required-and-response-format", CHAT, 400, "response_format",
         body=chat(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})),
+    Bad("tool-parameters-the-grammar-library-rejects", CHAT, 400, "tools", body=chat(tool_choice="required", tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 5, "maximum": 1}}}}}])),
     Bad("tool-choice-named-and-beam-search", CHAT, 400, "use_beam_search",
         body=chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
                   use_beam_search=True, n=2, temperature=0)),

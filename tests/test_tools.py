@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from common.config import ConfigError, GatewayConfig
 from common.protocol import RequestEvent
 from common.structured_output import json_schema_spec
+from gateway.app import Gateway
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.models import ChatCompletionRequest, InvalidField
 from gateway.openai_api import APIError, parse_chat
@@ -321,6 +323,7 @@ def test_a_round_trip_renders_with_the_default_template_as_hermes_text(tokenizer
         "<|im_start|>tool\n15 C, sunny<|im_end|>\n"
         "<|im_start|>assistant\n")
     assert parsed.params.structured_output.kind == "json_schema" and parsed.tool_parser == RequiredParser()
+    assert parsed.structured_param == "tools"  # the gateway's grammar check names the field
 
 
 def test_a_template_that_renders_tool_calls_gets_them_with_their_arguments_as_objects(tokenizer):
@@ -340,6 +343,16 @@ def test_a_chat_template_file_with_a_tool_format_serves_auto(tokenizer):
     parsed = parse_chat({"messages": CONVERSATION[:1], "tools": TOOLS}, encoder, len(tokenizer))
     assert parsed.tool_parser == HermesParser() and parsed.params.structured_output is None
     assert parsed.skip_special_tokens  # <tool_call> is no special token of this tokenizer: nothing to keep
+
+
+def test_the_gateway_serves_the_chat_template_file_and_the_parser_it_is_given(tokenizer, tmp_path):
+    template = tmp_path / "tools.jinja"
+    template.write_text(HERMES_TEMPLATE + "{{ messages[0].content }}")
+    encoder = Gateway(GatewayConfig(chat_template=str(template)), tokenizer).encoder
+    assert (encoder.chat_template, encoder.tool_call_format) == (template.read_text(), "hermes")
+    assert Gateway(GatewayConfig(tool_call_parser="llama3_json"), tokenizer).encoder.tool_call_format == "llama3_json"
+    with pytest.raises(ConfigError, match="chat_template must be a file"):
+        GatewayConfig(chat_template=str(tmp_path / "missing.jinja"))
 
 
 @pytest.mark.parametrize("messages, param, text", [
