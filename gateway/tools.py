@@ -24,6 +24,7 @@ from common.config import TOOL_CALL_PARSERS
 from common.protocol import StructuredOutput
 from common.structured_output import json_schema_spec
 from gateway.models import ChatCompletionRequest, ChatMessage, InvalidField, TextPart, Tool
+from gateway.structured import STRUCTURED_FIELDS
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what follows is a call
@@ -235,16 +236,14 @@ def tool_calling(request: ChatCompletionRequest, format: str | None) -> ToolCall
 
 def _check_no_other_grammar(request: ChatCompletionRequest) -> None:
     """A required or named tool_choice is a grammar already: another one beside it is a 400."""
-    if request.response_format is not None and request.response_format.type != "text":
-        raise InvalidField(f"response_format {request.response_format.type!r} cannot be combined with tool_choice "
-                           f"{_show_choice(request.tool_choice)}: the output is the call's JSON", "response_format")
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(request, name) is not None:
-            raise InvalidField(f"{name} cannot be combined with tool_choice {_show_choice(request.tool_choice)}: "
-                               "the output is the call's JSON", name)
+    shown = _show_choice(request.tool_choice)
+    for name in STRUCTURED_FIELDS:
+        value = getattr(request, name)
+        if value is not None and not (name == "response_format" and value.type == "text"):
+            raise InvalidField(f"{name} cannot be combined with tool_choice {shown}: the output is the call's JSON",
+                               name)
     if request.use_beam_search:
-        raise InvalidField(f"tool_choice {_show_choice(request.tool_choice)} is not supported with use_beam_search",
-                           "use_beam_search")
+        raise InvalidField(f"tool_choice {shown} is not supported with use_beam_search", "use_beam_search")
 
 
 def _show_choice(choice) -> str:

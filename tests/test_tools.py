@@ -274,14 +274,17 @@ def test_tool_choice_decides_the_tools_the_grammar_and_the_parser():
     (dict(tools=TOOLS + TOOLS[:1], tool_choice="required"), "tools",
      "tools declares the function 'get_weather' more than once"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format",
-     "response_format 'json_object' cannot be combined with tool_choice \"required\": the output is the call's JSON"),
+     "response_format cannot be combined with tool_choice \"required\": the output is the call's JSON"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, guided_regex="a+"),
      "guided_regex", "guided_regex cannot be combined with tool_choice {function: 'get_time'}: the output is the "
                      "call's JSON"),
     (dict(tools=TOOLS, tool_choice="required", use_beam_search=True), "use_beam_search",
      'tool_choice "required" is not supported with use_beam_search'),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "text"}, use_beam_search=True),
+     "use_beam_search", 'tool_choice "required" is not supported with use_beam_search'),
 ], ids=["choice-without-tools", "auto-by-default-without-a-format", "auto-without-a-format", "unknown-function",
-        "duplicate-function", "required-and-response-format", "named-and-guided-regex", "required-and-beam-search"])
+        "duplicate-function", "required-and-response-format", "named-and-guided-regex", "required-and-beam-search",
+        "response-format-text-is-no-grammar"])
 def test_tool_choice_errors(fields, param, text):
     with pytest.raises(InvalidField) as error:
         tool_calling(request(**fields), None)
