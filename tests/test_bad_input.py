@@ -146,6 +146,17 @@ CASES = [
     Bad("logit-bias-301-entries", C, 400, "logit_bias", body=completion(logit_bias={str(i): 1 for i in range(301)})),
     Bad("prompt-logprobs-above-20", C, 400, "prompt_logprobs", body=completion(prompt_logprobs=21)),
     Bad("guided-choice-empty", C, 400, "guided_choice", body=completion(guided_choice=[])),
+    # structured output: two at once names the second; what xgrammar rejects is a 400 before queueing
+    Bad("guided-regex-and-guided-choice", C, 400, "guided_choice",
+        body=completion(guided_regex="a", guided_choice=["a"])),
+    Bad("guided-json-unsupported-type", C, 400, "guided_json", body=completion(guided_json={"type": "foo"})),
+    Bad("guided-json-not-json", C, 400, "guided_json", body=completion(guided_json="{")),
+    Bad("guided-regex-unclosed", C, 400, "guided_regex", body=completion(guided_regex="(ab")),
+    Bad("guided-grammar-undefined-rule", C, 400, "guided_grammar", body=completion(guided_grammar="root ::= x")),
+    Bad("beam-search-with-guided-json", C, 400, "guided_json",
+        body=completion(use_beam_search=True, n=2, guided_json={"type": "object"})),
+    Bad("beam-search-with-logit-bias", C, 400, "logit_bias",
+        body=completion(use_beam_search=True, n=2, logit_bias={"5": 1})),
     Bad("user-a-number", C, 400, "user", body=completion(user=5)),
     Bad("length-penalty-without-beam-search", C, 400, "length_penalty", body=completion(length_penalty=2)),
     # both used to kill the scheduler (division by zero, overflow in its beam step)
@@ -180,6 +191,13 @@ CASES = [
     Bad("top-logprobs-above-20", CHAT, 400, "top_logprobs", body=chat(logprobs=True, top_logprobs=21)),
     Bad("top-logprobs-without-logprobs", CHAT, 400, "top_logprobs", body=chat(top_logprobs=2)),
     Bad("response-format-unknown-type", CHAT, 400, "response_format", body=chat(response_format={"type": "yaml"})),
+    Bad("response-format-and-guided-json", CHAT, 400, "guided_json",
+        body=chat(response_format={"type": "json_object"}, guided_json={"type": "object"})),
+    Bad("response-format-json-schema-without-schema", CHAT, 400, "response_format",
+        body=chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}})),
+    Bad("response-format-schema-xgrammar-rejects", CHAT, 400, "response_format",
+        body=chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}})),
     Bad("tool-without-function", CHAT, 400, "tools", body=chat(tools=[{"type": "function"}])),
     # --- tools: tool_choice's rules (the default model's template has no tool-call format)
     Bad("tool-choice-without-tools", CHAT, 400, "tool_choice", body=chat(tool_choice="none")),

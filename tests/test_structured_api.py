@@ -23,7 +23,8 @@ VOCAB_SIZE = 49152
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 # compact, in the schema's own key order (xgrammar emits the properties in it)
-CANONICAL = '{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"]}'
+CANONICAL = ('{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},'
+             '"required":["name","age"]}')
 
 
 def chat(**fields) -> ChatCompletionRequest:
@@ -58,7 +59,8 @@ def gateway(tokenizer):
     (completion(guided_json=json.dumps(SCHEMA, indent=2)), ("guided_json", StructuredOutput("json_schema", CANONICAL))),
     (completion(guided_json={}), ("guided_json", StructuredOutput("json_schema", "{}"))),
     (completion(guided_regex=r"\d{3}-[a-z]+"), ("guided_regex", StructuredOutput("regex", r"\d{3}-[a-z]+"))),
-    (completion(guided_choice=["yes", 'no "way"']), ("guided_choice", StructuredOutput("choice", '["yes","no \\"way\\""]'))),
+    (completion(guided_choice=["yes", 'no "way"']),
+     ("guided_choice", StructuredOutput("choice", '["yes","no \\"way\\""]'))),
     (chat(guided_grammar='root ::= "a" | "b"'), ("guided_grammar", StructuredOutput("grammar", 'root ::= "a" | "b"'))),
 ], ids=["none", "text", "json-object", "json-schema", "guided-json", "guided-json-text", "guided-json-empty",
         "guided-regex", "guided-choice", "guided-grammar"])
@@ -192,3 +194,43 @@ def test_each_spec_is_compiled_once_and_the_oldest_verdict_is_forgotten(tokenize
         checker.check(bad, "guided_regex")
     assert (caught.value.param, str(caught.value)) == ("guided_regex", f"guided_regex: {message}")
     checker.check(None, None)  # nothing to check
+
+
+# ----------------------------------------------------------------------------- the OpenAPI document
+
+
+def test_the_openapi_document_describes_the_new_fields_and_answers():
+    import jsonschema
+
+    from gateway.openapi import openapi_document
+
+    document = openapi_document("m", VOCAB_SIZE, 1 << 20)
+    schemas = document["components"]["schemas"]
+    for name, fields in [("CompletionRequest", ["echo", "logit_bias", "prompt_logprobs", "guided_json", "guided_regex",
+                                                "guided_choice", "guided_grammar"]),
+                         ("ChatCompletionRequest", ["logit_bias", "prompt_logprobs", "guided_json", "response_format",
+                                                    "tools", "tool_choice", "parallel_tool_calls"])]:
+        properties = schemas[name]["properties"]
+        assert all(properties[f]["description"] for f in fields), name
+    assert schemas["ResponseFormat"]["properties"]["type"]["enum"] == ["text", "json_object", "json_schema"]
+    assert "schema" in schemas["JSONSchemaFormat"]["properties"]  # the alias, as clients send it
+
+    def valid(instance: dict, schema: str) -> None:
+        jsonschema.validate(instance, {"$ref": f"#/components/schemas/{schema}", "components": document["components"]})
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    valid({"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m", "usage": {
+        "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]}, "logprobs": None,
+            "finish_reason": "tool_calls", "prompt_logprobs": [None, {"5": {"logprob": -1.0, "rank": 2,
+                                                                           "decoded_token": "x"}}]}]},
+          "ChatCompletionResponse")
+    valid({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [{
+        "index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"a"}}]}, "logprobs": None,
+        "finish_reason": None}]}, "ChatCompletionChunk")
+    valid({"tokens": ["a", "b"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {"b": -0.5}],
+           "text_offset": [0, 1]}, "CompletionLogprobs")  # echo: the prompt's first token has no logprob
+    with pytest.raises(jsonschema.ValidationError):
+        valid({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "usage": {
+            "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "choices": [{
+                "index": 0, "text": "x", "logprobs": None, "finish_reason": "tool_calls"}]}, "CompletionResponse")
