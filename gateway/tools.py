@@ -269,22 +269,19 @@ def required_schema(tools: list[Tool], max_calls: int | None) -> dict:
 def chat_messages(messages: list[ChatMessage], renders_tool_calls: bool) -> list[dict]:
     """Messages as transformers' chat templates take them: developer as system, content parts
     joined, an assistant's tool_calls with their arguments as objects, a tool result's
-    tool_call_id. For a template that does not render tool_calls, the calls become Hermes text
+    tool_call_id (and name). For a template that does not render tool_calls, the calls become Hermes text
     in the assistant's content, so that a conversation with calls renders on any model."""
     out = []
     for i, m in enumerate(messages):
         message = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
         if m.role == "tool":
-            if m.tool_call_id is None:
-                raise InvalidField(f"messages[{i}].tool_call_id is required in a tool message: the id of the call "
-                                   "it answers", f"messages[{i}].tool_call_id")
-            message["tool_call_id"] = m.tool_call_id
-            if m.name is not None:
-                message["name"] = m.name
+            for key in ("tool_call_id", "name"):
+                if getattr(m, key) is not None:
+                    message[key] = getattr(m, key)
         if m.role == "assistant" and m.tool_calls:
             calls = [{"id": c.id, "type": "function",
-                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, i, j)}}
-                     for j, c in enumerate(m.tool_calls)]
+                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                     for c in m.tool_calls]
             if renders_tool_calls:
                 message["tool_calls"] = calls
             else:
@@ -298,9 +295,10 @@ def renders_tool_calls(template: str) -> bool:
 
 
 def hermes_text(content: str, calls: list[dict]) -> str:
-    blocks = [f"{HERMES_START}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n{HERMES_END}"
+    """An assistant's content and calls as Hermes text: `<tool_call>\n{"name", "arguments"}\n</tool_call>` each."""
+    blocks = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
               for c in calls]
-    return "\n".join(([content] if content else []) + blocks)
+    return "\n".join(([content] if content else []) + [f"{HERMES_START}\n{b}\n{HERMES_END}" for b in blocks])
 
 
 def _text(content: str | list[TextPart] | None) -> str:
@@ -309,13 +307,11 @@ def _text(content: str | list[TextPart] | None) -> str:
     return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
-def _arguments(text: str, i: int, j: int) -> dict:
+def _arguments(text: str) -> dict | str:
+    """A call's arguments as an object, as templates take them; text that is not the JSON of one (a
+    model can make such a call, and its client sends it back) stays text."""
     arguments = _loads(text)
-    if not isinstance(arguments, dict):
-        shown = text if len(text) <= 64 else text[:61] + "..."
-        raise InvalidField(f"messages[{i}].tool_calls[{j}].function.arguments must be the JSON text of an object, "
-                           f"got {json.dumps(shown)}", f"messages[{i}].tool_calls")
-    return arguments
+    return arguments if isinstance(arguments, dict) else text
 
 
 # ----------------------------------------------------------------------------- the output
