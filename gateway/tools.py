@@ -2,11 +2,11 @@
 sampler, how a conversation's calls and results reach the chat template, and how the output
 becomes OpenAI's `tool_calls`.
 
-    tool_choice  the template gets  the output is                                   parsed by
-    "none"       no tools           text                                            nothing
-    "auto"       the tools          text and/or calls in the template's format      HermesParser, Llama3JsonParser
-    "required"   the tools          [{"name": ..., "parameters": {...}}, ...] (a grammar)   RequiredParser
-    named        the tools          that function's arguments (a grammar)           NamedParser
+    tool_choice  the template gets  the output                                     parsed by
+    "none"       no tools           text                                           nothing
+    "auto"       the tools          text and/or calls in the template's format     HermesParser, Llama3JsonParser
+    "required"   the tools          [{"name", "parameters"}, ...] under a grammar  RequiredParser
+    named        the tools          that function's arguments under a grammar      NamedParser
 
 A parser scans the output so far (`scan(text, final)`): how much of it is content for sure, and
 the calls complete so far. The whole body (`ToolCallStream.message`) and the streamed deltas

@@ -162,7 +162,8 @@ def test_llama3_json_calls_separated_by_semicolons():
 
 
 @pytest.mark.parametrize("text, reason", [
-    ("It is sunny in Paris.", "stop"), ('{"answer": 42}', "stop"), ('{"name": "get_weather", "parameters": {"ci', "length"),
+    ("It is sunny in Paris.", "stop"), ('{"answer": 42}', "stop"),
+    ('{"name": "get_weather", "parameters": {"ci', "length"),
 ], ids=["text", "json-not-a-call", "cut-off"])
 def test_llama3_json_anything_else_is_content(text, reason):
     assert message(Llama3JsonParser(), text, reason) == ({"role": "assistant", "content": text}, reason)
