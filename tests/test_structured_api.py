@@ -259,3 +259,13 @@ def test_a_json_schema_nested_past_64_levels_is_refused_before_any_conversion(ga
         "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}}) == (
         400, "response_format",
         "response_format: the JSON schema is nested 801 levels deep, more than the 64 this server compiles")
+
+
+def test_a_schema_too_deep_to_write_out_is_invalid_not_an_error():
+    deep: dict = {}
+    for _ in range(5000):  # past Python's recursion limit (a body that parses can come close to it)
+        deep = {"not": deep}
+    request = CompletionRequest.model_construct(prompt="hi", guided_json=deep)
+    with pytest.raises(InvalidField) as caught:
+        requested_structured_output(request)
+    assert (caught.value.param, str(caught.value)) == ("guided_json", "guided_json: the JSON schema is nested too deeply")
