@@ -97,7 +97,7 @@ class Gateway:
         self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser)
         self.vocab_size = len(self.tokenizer)
         self.token_text = token_text_cache(self.tokenizer)
-        self.structured = StructuredOutputChecker(self.tokenizer)
+        self.structured = StructuredOutputChecker()
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
         self.metrics = GatewayMetrics(self.served_model_name)
@@ -242,7 +242,7 @@ class Gateway:
         return await self._complete(request, shape, parsed, generation, choices, deadline)
 
     def _parse(self, kind: str, body: dict) -> ParsedRequest:
-        """The request, tokenized, and its structured output compiled as the worker will (in a thread)."""
+        """The request, tokenized, and its structured output checked by the worker's rule (in a thread)."""
         parsed = (parse_completion if kind == "completion" else parse_chat)(body, self.encoder, self.vocab_size)
         try:
             self.structured.check(parsed.params.structured_output, parsed.structured_param)

@@ -39,7 +39,7 @@ COMPLETION_LOGPROBS = {
     "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
     "properties": {
         "tokens": {"type": "array", "items": {"type": "string"}},
-        # with echo the prompt's tokens come first, the very first with null (nothing scores it)
+        # with echo the prompt's first token has neither (null)
         "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
         "top_logprobs": {"type": "array", "items": {"anyOf": [
             {"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}]}},
@@ -70,6 +70,21 @@ CHAT_LOGPROBS = {
 }
 
 
+PROMPT_LOGPROBS = {  # vLLM's: per prompt token null (the first) or token id -> its entry (its own, then the top k)
+    "description": "With prompt_logprobs: per prompt token null (the first) or {\"<token id>\": {logprob, rank, "
+                   "decoded_token}}: the prompt token's own entry, then the top prompt_logprobs.",
+    "anyOf": [{"type": "array", "items": {"anyOf": [{"type": "null"}, {
+        "type": "object",
+        "additionalProperties": {
+            "type": "object",
+            "required": ["logprob", "rank", "decoded_token"],
+            "properties": {"logprob": {"type": "number"}, "rank": {"type": "integer", "minimum": 1},
+                           "decoded_token": {"type": "string"}},
+        },
+    }]}}, {"type": "null"}],
+}
+
+
 def _completion_body(kind: str, obj: str, choice: dict, chunk: bool = False) -> dict:
     """A whole answer, or (`chunk`) one streamed event's: its choices carry what is new since the
     last event, and with stream_options.include_usage a last chunk has no choices and the usage."""
@@ -85,18 +100,6 @@ def _completion_body(kind: str, obj: str, choice: dict, chunk: bool = False) -> 
             "usage": {"anyOf": [_ref("Usage"), {"type": "null"}]} if chunk else _ref("Usage"),
         },
     }
-
-
-PROMPT_LOGPROBS = {
-    "description": "vLLM's prompt_logprobs, when asked: per prompt token null (the first) or, keyed by token id, "
-                   "the prompt token's own entry and the top alternatives (streamed in a choice's first chunk).",
-    "anyOf": [{"type": "array", "items": {"anyOf": [{"type": "null"}, {"type": "object", "additionalProperties": {
-        "type": "object",
-        "required": ["logprob", "rank", "decoded_token"],
-        "properties": {"logprob": {"type": "number"}, "rank": {"type": "integer", "minimum": 1},
-                       "decoded_token": {"type": "string"}},
-    }}]}}, {"type": "null"}],
-}
 
 
 def _choice(content: dict, chunk: bool = False) -> dict:

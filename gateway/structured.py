@@ -4,11 +4,17 @@ tokens with, and the gateway's check that turns what the worker would reject int
 request is queued.
 
 The check is the worker's own rule (common/structured_output.py's compile_structured_output) run
-with a GrammarCompiler on the gateway's tokenizer, so the gateway rejects exactly what the worker
-could not compile; each distinct spec is compiled once and only its verdict is kept.
+with a "compiler" that stops at xgrammar's parse of the spec into a Grammar: every spec xgrammar
+rejects fails there, with the words the worker's compile would give (tests/test_structured_api.py
+checks both on bad and good specs of every kind), and the parse takes well under a millisecond,
+where the worker's compile against the tokenizer (its token masks) can take seconds for some
+schemas. Each distinct spec is parsed once and only its verdict is kept. Beyond the worker's rule,
+a JSON schema nested more than MAX_SCHEMA_DEPTH levels deep is refused (its conversion alone takes
+seconds).
 """
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 
@@ -20,6 +26,10 @@ from gateway.models import InvalidField, SamplingRequest
 # two of them, the error names the later one.
 STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 VERDICTS_KEPT = 4096  # distinct specs whose verdict a gateway remembers
+# JSON levels (objects and lists) of a JSON schema, about half as many levels of nested objects:
+# xgrammar's conversion of a schema grows with the cube of its depth (100 objects deep take 0.5 s
+# here, 200 take 3 s, in the gateway and again in the worker's step), so deeper ones are refused
+MAX_SCHEMA_DEPTH = 64
 
 
 def requested_structured_output(request: SamplingRequest) -> tuple[str, StructuredOutput] | None:
@@ -40,6 +50,8 @@ def requested_structured_output(request: SamplingRequest) -> tuple[str, Structur
         return name, _spec(name, value)
     except InvalidStructuredOutput as exc:
         raise InvalidField(f"{name}: {exc}", name) from None
+    except RecursionError:  # a schema within the body's own nesting limit, too deep to write out again
+        raise InvalidField(f"{name}: the JSON schema is nested too deeply", name) from None
 
 
 def structured_output_of(request: SamplingRequest) -> StructuredOutput | None:
@@ -66,30 +78,30 @@ def _spec(name: str, value) -> StructuredOutput:
 
 
 class StructuredOutputChecker:
-    """Compiles a StructuredOutput as the worker will (on the same tokenizer) and remembers the
-    verdict per (kind, spec). The GrammarCompiler is built on first use: a gateway that never sees
-    a constrained request never loads xgrammar. Thread-safe (parsing runs in worker threads)."""
+    """Checks a StructuredOutput by the worker's rule and remembers the verdict per (kind, spec).
+    xgrammar is imported on first use: a gateway that never sees a constrained request never loads
+    it. Thread-safe (parsing runs in worker threads)."""
 
-    def __init__(self, tokenizer, verdicts_kept: int = VERDICTS_KEPT) -> None:
-        self._tokenizer = tokenizer
-        self._compiler = None
+    def __init__(self, verdicts_kept: int = VERDICTS_KEPT) -> None:
+        self._parser: GrammarParser | None = None
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[tuple[str, str], str | None] = OrderedDict()
         self._kept = verdicts_kept
 
     def error(self, spec: StructuredOutput) -> str | None:
-        """What the grammar library says is wrong with `spec`; None when it compiles."""
+        """What the grammar library says is wrong with `spec`; None when the worker can compile it."""
         key = (spec.kind, spec.spec)
         with self._lock:
             if key in self._verdicts:
                 self._verdicts.move_to_end(key)
                 return self._verdicts[key]
-            compiler = self._compiler = self._compiler or _grammar_compiler(self._tokenizer)
-        try:
-            compile_structured_output(compiler, spec)
-            verdict = None
-        except InvalidStructuredOutput as exc:
-            verdict = str(exc)
+            parser = self._parser = self._parser or GrammarParser()
+        verdict = _too_deep(spec)
+        if verdict is None:
+            try:
+                compile_structured_output(parser, spec)
+            except InvalidStructuredOutput as exc:
+                verdict = str(exc)
         with self._lock:
             self._verdicts[key] = verdict
             if len(self._verdicts) > self._kept:
@@ -102,9 +114,37 @@ class StructuredOutputChecker:
             raise InvalidField(f"{param}: {error}" if param else error, param)
 
 
-def _grammar_compiler(tokenizer):
-    import xgrammar as xgr  # imports torch: only a gateway that serves a constrained request pays for it
+def _too_deep(spec: StructuredOutput) -> str | None:
+    if spec.kind != "json_schema":
+        return None
+    try:
+        level = [json.loads(spec.spec)]
+    except ValueError:
+        return None  # compile_structured_output says what is wrong with it
+    depth = 0
+    while level := [node for node in level if isinstance(node, (dict, list))]:
+        depth += 1
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)]
+    if depth > MAX_SCHEMA_DEPTH:
+        return f"the JSON schema is nested {depth} levels deep, more than the {MAX_SCHEMA_DEPTH} this server compiles"
+    return None
 
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
-    # the verdicts are kept here, not the compiled grammars (the worker holds those)
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+class GrammarParser:
+    """The part of an xgrammar GrammarCompiler that compile_structured_output calls, up to the
+    Grammar: the same parse and conversion (and errors) as GrammarCompiler.compile_*, without the
+    tokenizer-dependent compile that follows it."""
+
+    def __init__(self) -> None:
+        import xgrammar as xgr  # imports torch: only a gateway that serves a constrained request pays for it
+
+        self._grammar = xgr.Grammar
+
+    def compile_json_schema(self, schema: str, **options):
+        return self._grammar.from_json_schema(schema, **options)
+
+    def compile_regex(self, regex: str):
+        return self._grammar.from_regex(regex)
+
+    def compile_grammar(self, ebnf: str, **options):
+        return self._grammar.from_ebnf(ebnf, **options)

@@ -11,7 +11,7 @@ import pytest
 
 from common.config import GatewayConfig
 from common.protocol import GenerateRequest, StructuredOutput, decode, encode
-from common.structured_output import compile_structured_output
+from common.structured_output import InvalidStructuredOutput, compile_structured_output, json_schema_spec
 from gateway import structured
 from gateway.app import Gateway
 from gateway.models import ChatCompletionRequest, CompletionRequest, InvalidField, validate
@@ -136,13 +136,17 @@ def test_a_constrained_request_carries_its_structured_output_and_logit_bias_to_t
 
 # ----------------------------------------------------------------------------- the check: the worker's rule, once per spec
 
-# Bad and good specs of every kind: the gateway's verdict must be the worker's on each.
+# Bad and good specs of every kind: the gateway's verdict (xgrammar's parse only) must be the
+# worker's (its full compile against the tokenizer), word for word.
 SPECS = [
     StructuredOutput("json_schema", '{"type":"foo"}'),
     StructuredOutput("json_schema", '{"minimum":"x","type":"integer"}'),
     StructuredOutput("json_schema", '{"properties":{"a":{"$ref":"#/nope"}},"type":"object"}'),
+    StructuredOutput("json_schema", '{"type":"string","pattern":"(("}'),
+    StructuredOutput("json_schema", '{"type":"integer","minimum":5,"maximum":1}'),
     StructuredOutput("json_schema", CANONICAL),
     StructuredOutput("json_schema", '{"format":"nope","type":"string"}'),  # an unknown format is ignored
+    StructuredOutput("json_schema", '{"type":"string","maxLength":8}'),
     StructuredOutput("json_object", ""),
     StructuredOutput("regex", "a{2,1}"),
     StructuredOutput("regex", r"\p{L}+"),
@@ -155,25 +159,25 @@ SPECS = [
 ]
 
 
-def test_the_gateway_rejects_exactly_what_a_compiler_on_the_worker_rejects(tokenizer):
+def test_the_gateway_rejects_exactly_what_the_worker_rejects_in_the_same_words(tokenizer):
     from worker.grammar import GrammarState
 
     # the worker's own compiler: the model's vocabulary size and its end-of-sequence token
     worker = GrammarState(lambda: tokenizer, VOCAB_SIZE, [tokenizer.eos_token_id]).compiler
-    checker = StructuredOutputChecker(tokenizer)
+    checker = StructuredOutputChecker()
     verdicts = []
     for spec in SPECS:
         try:
             compile_structured_output(worker, spec)
-            compiles = True
-        except ValueError:
-            compiles = False
-        verdicts.append(compiles)
-        assert (checker.error(spec) is None) == compiles, spec
-    assert verdicts == [False, False, False, True, True, True, False, False, True, False, True, False, False, True]
+            verdicts.append(None)
+        except InvalidStructuredOutput as exc:
+            verdicts.append(str(exc))
+        assert checker.error(spec) == verdicts[-1], spec
+    assert [v is None for v in verdicts] == [False] * 5 + [True] * 4 + [False, False, True, False, True, False, False,
+                                                                          True]
 
 
-def test_each_spec_is_compiled_once_and_the_oldest_verdict_is_forgotten(tokenizer, monkeypatch):
+def test_each_spec_is_checked_once_and_the_oldest_verdict_is_forgotten(monkeypatch):
     compiled = []
 
     def counting(compiler, spec):
@@ -181,7 +185,7 @@ def test_each_spec_is_compiled_once_and_the_oldest_verdict_is_forgotten(tokenize
         return compile_structured_output(compiler, spec)
 
     monkeypatch.setattr(structured, "compile_structured_output", counting)
-    checker = StructuredOutputChecker(tokenizer, verdicts_kept=2)
+    checker = StructuredOutputChecker(verdicts_kept=2)
     bad, good, other = (StructuredOutput("regex", "(a"), StructuredOutput("regex", "a+"),
                         StructuredOutput("regex", "b+"))
     message = "invalid regular expression: Regex parsing error at position 3: The parenthesis is not closed."
@@ -234,3 +238,34 @@ def test_the_openapi_document_describes_the_new_fields_and_answers():
         valid({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "usage": {
             "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "choices": [{
                 "index": 0, "text": "x", "logprobs": None, "finish_reason": "tool_calls"}]}, "CompletionResponse")
+
+
+def nested_schema(objects: int, inner: dict | None = None) -> dict:
+    """`objects` objects, one inside the other's property "a", around `inner`: 2 JSON levels each."""
+    schema = inner or {"type": "string"}
+    for _ in range(objects):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_json_schema_nested_past_64_levels_is_refused_before_any_conversion(gateway):
+    checker = StructuredOutputChecker()
+    assert checker.error(json_schema_spec(nested_schema(31))) is None  # 63 levels
+    assert checker.error(json_schema_spec(nested_schema(31, {"enum": ["x"]}))) is None  # 64: a list is a level too
+    assert checker.error(json_schema_spec({"anyOf": [nested_schema(31)]})) == \
+        "the JSON schema is nested 65 levels deep, more than the 64 this server compiles"
+    deep = nested_schema(400)  # xgrammar would take about a minute to convert it
+    assert parse_error(gateway, "chat", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}}) == (
+        400, "response_format",
+        "response_format: the JSON schema is nested 801 levels deep, more than the 64 this server compiles")
+
+
+def test_a_schema_too_deep_to_write_out_is_invalid_not_an_error():
+    deep: dict = {}
+    for _ in range(5000):  # past Python's recursion limit (a body that parses can come close to it)
+        deep = {"not": deep}
+    request = CompletionRequest.model_construct(prompt="hi", guided_json=deep)
+    with pytest.raises(InvalidField) as caught:
+        requested_structured_output(request)
+    assert (caught.value.param, str(caught.value)) == ("guided_json", "guided_json: the JSON schema is nested too deeply")
