@@ -38,10 +38,13 @@ from gateway import dashboard_page
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, Generation
 from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
+from gateway.models import InvalidField
 from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
 from gateway.serving import SSE_DONE, ChoiceState, EngineError, ResponseShape, sse, usage
+from gateway.structured import StructuredOutputChecker
 from gateway.tokenizer import PromptEncoder, load_tokenizer
+from gateway.tools import ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +94,10 @@ class Gateway:
         source = resolve_model(config.model)
         self.served_model_name = config.served_model_name or source.name
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
-        self.encoder = PromptEncoder(self.tokenizer)
+        self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser)
         self.vocab_size = len(self.tokenizer)
         self.token_text = token_text_cache(self.tokenizer)
+        self.structured = StructuredOutputChecker()
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
         self.metrics = GatewayMetrics(self.served_model_name)
@@ -213,8 +217,7 @@ class Gateway:
             self._authorize(request)
             body = parse_json(await self._read_body(request))
             self._check_model(body.get("model"))
-            parse = parse_completion if kind == "completion" else parse_chat
-            parsed = await asyncio.to_thread(parse, body, self.encoder, self.vocab_size)  # a long prompt must not stall streams
+            parsed = await asyncio.to_thread(self._parse, kind, body)  # a long prompt must not stall streams
             statuses = await self._statuses()
             self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses)
@@ -238,6 +241,15 @@ class Gateway:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, shape, parsed, generation, choices, deadline)
 
+    def _parse(self, kind: str, body: dict) -> ParsedRequest:
+        """The request, tokenized, and its structured output checked by the worker's rule (in a thread)."""
+        parsed = (parse_completion if kind == "completion" else parse_chat)(body, self.encoder, self.vocab_size)
+        try:
+            self.structured.check(parsed.params.structured_output, parsed.structured_param)
+        except InvalidField as exc:
+            raise bad_request(str(exc), exc.param) from None
+        return parsed
+
     def _sub_requests(
         self, response_id: str, parsed: ParsedRequest, arrival_time: float, arrival: float,
     ) -> tuple[list[GenerateRequest], list[ChoiceState]]:
@@ -252,8 +264,9 @@ class Gateway:
             requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream, arrival_time))
             for i in range(parsed.n):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
+                tools = ToolCallStream(parsed.tool_parser, parsed.max_tool_calls) if parsed.tool_parser else None
                 choices.append(ChoiceState(p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival,
-                                           i, parsed.chosen_at_end, num_prompt_tokens=len(prompt)))
+                                           i, parsed.chosen_at_end, num_prompt_tokens=len(prompt), tools=tools))
         return requests, choices
 
     async def _complete(
@@ -291,9 +304,7 @@ class Gateway:
                 for c in choices:
                     yield shape.chunk(shape.choice_delta(c.index, "", [], None, role=True), include_usage)
             async for choice in self._events(generation, choices, deadline):
-                text, entries = choice.take_delta()
-                if text or entries or choice.finished:
-                    delta = shape.choice_delta(choice.index, text, entries, choice.finish_reason)
+                for delta in shape.choice_deltas(choice, *choice.take_delta()):
                     yield shape.chunk(delta, include_usage)
             if include_usage:
                 yield shape.chunk(None, True, usage(parsed.prompts, choices))
@@ -453,6 +464,13 @@ class Gateway:
             return await self.engine.submit(requests)
         except Exception as exc:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
+
+
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def _check_key(given: str, key: str) -> None:

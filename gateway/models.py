@@ -180,10 +180,13 @@ class NamedToolChoice(Strict):
 
 
 class JSONSchemaFormat(Strict):
+    """response_format's json_schema: the output is JSON that validates against `schema` (required)."""
+
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema; a schema the grammar "
+                                                                            "library rejects is a 400.")
+    strict: bool | None = Field(None, description="Accepted; the output always follows the schema.")
 
 
 class ResponseFormat(Strict):

@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass, field
 
 from common.protocol import MAX_BEAM_WIDTH, MAX_SAMPLES, SamplingParams
-from gateway.models import (
-    ChatCompletionRequest, CompletionRequest, InvalidField, Request, SamplingRequest, TextPart, validate,
-)
+from gateway.models import ChatCompletionRequest, CompletionRequest, InvalidField, Request, SamplingRequest, validate
+from gateway.structured import requested_structured_output
+from gateway.tools import ToolCalling, ToolParser, chat_messages, renders_tool_calls, tool_calling
 
 
 class APIError(Exception):
@@ -51,6 +51,10 @@ class ParsedRequest:
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
     skip_special_tokens: bool = True
     user: str | None = None
+    # the request field that asked for params.structured_output (a 400 about it names this field)
+    structured_param: str | None = None
+    tool_parser: ToolParser | None = None  # chat with tools: how each choice's output becomes tool_calls
+    max_tool_calls: int | None = None  # parallel_tool_calls false: 1
 
     @property
     def num_choices(self) -> int:
@@ -96,10 +100,13 @@ def parse_completion(body: dict, encoder, vocab_size: int) -> ParsedRequest:
 
 def parse_chat(body: dict, encoder, vocab_size: int) -> ParsedRequest:
     request = _validate(ChatCompletionRequest, body, vocab_size)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
-                for m in request.messages]
     try:
-        prompt = encoder.encode_chat(messages)
+        calling = tool_calling(request, encoder.tool_call_format)
+        messages = chat_messages(request.messages, renders_tool_calls(encoder.template_text))
+    except InvalidField as exc:
+        raise bad_request(str(exc), exc.param) from None
+    try:
+        prompt = encoder.encode_chat(messages, calling.tools)
     except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
     if not prompt:
@@ -109,7 +116,20 @@ def parse_chat(body: dict, encoder, vocab_size: int) -> ParsedRequest:
         logprobs = request.top_logprobs or 0
     elif request.top_logprobs is not None:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    return _common(request, "chat", [prompt], _max_tokens(request), logprobs)
+    parsed = _common(request, "chat", [prompt], _max_tokens(request), logprobs)
+    return _with_tool_calling(parsed, calling, encoder)
+
+
+def _with_tool_calling(parsed: ParsedRequest, calling: ToolCalling, encoder) -> ParsedRequest:
+    """tool_choice "required" or a named function: the call's grammar is the request's structured
+    output (tool_calling refused any other beside it). Tags that the tokenizer marks special stay
+    in the text, for the parser to see (vLLM's rule)."""
+    if calling.structured_output is not None:
+        parsed.params.structured_output, parsed.structured_param = calling.structured_output, "tools"
+    if calling.parser is not None and any(encoder.is_special_token(tag) for tag in calling.parser.tags):
+        parsed.skip_special_tokens = False
+    parsed.tool_parser, parsed.max_tool_calls = calling.parser, calling.max_calls
+    return parsed
 
 
 def _validate(model: type[Request], body: dict, vocab_size: int) -> Request:
@@ -126,12 +146,6 @@ def _default(value, default):
 def _max_tokens(request: SamplingRequest) -> int | None:
     """max_completion_tokens takes precedence (both are validated)."""
     return _default(request.max_completion_tokens, request.max_tokens)
-
-
-def _text(content: str | list[TextPart] | None) -> str:
-    if content is None:  # an assistant message without content
-        return ""
-    return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
 def _common(
@@ -160,6 +174,13 @@ def _common(
         if early_stopping is not False:
             raise bad_request("early_stopping applies only to beam search (use_beam_search: true)", "early_stopping")
     chosen_at_end = beam_search or width > n
+    try:
+        structured = requested_structured_output(request)
+    except InvalidField as exc:
+        raise bad_request(str(exc), exc.param) from None
+    if structured is not None and beam_search:
+        raise bad_request(f"{structured[0]} is not supported with use_beam_search (beam search ranks beams by the "
+                          "model's own logprobs)", structured[0])
     stream = bool(request.stream)
     if request.stream_options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -196,6 +217,7 @@ def _common(
         logprobs=logprobs,
         logit_bias=request.logit_bias or [],
         prompt_logprobs=request.prompt_logprobs,
+        structured_output=None if structured is None else structured[1],
     )
     if beam_search:
         _check_beam_search(params)
@@ -204,6 +226,7 @@ def _common(
         kind=kind, model=request.model, prompts=prompts, params=params, n=n, stop=list(dict.fromkeys(stop)),
         stream=stream, include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=logprobs, skip_special_tokens=_default(request.skip_special_tokens, True), user=request.user,
+        structured_param=None if structured is None else structured[0],
     )
 
 
@@ -223,6 +246,7 @@ def _check_beam_search(params: SamplingParams) -> None:
         ("repetition_penalty", params.repetition_penalty != 1.0),
         ("min_tokens", params.min_tokens != 0), ("stop_token_ids", bool(params.stop_token_ids)),
         ("ignore_eos", params.ignore_eos), ("logprobs", params.logprobs is not None),
+        ("logit_bias", bool(params.logit_bias)),  # the beams are ranked by the raw logprobs
     ]
     for name, given in unsupported:
         if given:

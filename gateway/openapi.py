@@ -5,8 +5,9 @@ validate the requests); the answers, the stream's events and the errors are writ
 Per gateway, the served model's id, its vocabulary size and the body size limit are filled in.
 Fields not listed are ignored by the gateway, so no object here forbids additional properties.
 What one field's range cannot say (a prompt that does not fit the context, `best_of` below `n`,
-beam search options without `use_beam_search`, `top_logprobs` without `logprobs`, ...) is a 400
-with the error object.
+beam search options without `use_beam_search`, `top_logprobs` without `logprobs`, two structured
+outputs at once, a JSON schema, regex or grammar the grammar library rejects, ...) is a 400 with the
+error object.
 """
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ COMPLETION_LOGPROBS = {
     "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
     "properties": {
         "tokens": {"type": "array", "items": {"type": "string"}},
-        "token_logprobs": {"type": "array", "items": {"type": "number"}},
-        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+        # with echo the prompt's first token has neither (null)
+        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+        "top_logprobs": {"type": "array", "items": {"anyOf": [
+            {"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}]}},
         "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     },
 }
@@ -67,6 +70,21 @@ CHAT_LOGPROBS = {
 }
 
 
+PROMPT_LOGPROBS = {  # vLLM's: per prompt token null (the first) or token id -> its entry (its own, then the top k)
+    "description": "With prompt_logprobs: per prompt token null (the first) or {\"<token id>\": {logprob, rank, "
+                   "decoded_token}}: the prompt token's own entry, then the top prompt_logprobs.",
+    "anyOf": [{"type": "array", "items": {"anyOf": [{"type": "null"}, {
+        "type": "object",
+        "additionalProperties": {
+            "type": "object",
+            "required": ["logprob", "rank", "decoded_token"],
+            "properties": {"logprob": {"type": "number"}, "rank": {"type": "integer", "minimum": 1},
+                           "decoded_token": {"type": "string"}},
+        },
+    }]}}, {"type": "null"}],
+}
+
+
 def _completion_body(kind: str, obj: str, choice: dict, chunk: bool = False) -> dict:
     """A whole answer, or (`chunk`) one streamed event's: its choices carry what is new since the
     last event, and with stream_options.include_usage a last chunk has no choices and the usage."""
@@ -87,6 +105,7 @@ def _completion_body(kind: str, obj: str, choice: dict, chunk: bool = False) -> 
 def _choice(content: dict, chunk: bool = False) -> dict:
     (name, schema), = content.items()
     logprobs = "CompletionLogprobs" if name == "text" else "ChatLogprobs"
+    finish_reason = FINISH_REASON["enum"] + (["tool_calls"] if name != "text" else [])
     return {
         "type": "object",
         "required": ["index", name, "logprobs", "finish_reason"],
@@ -94,9 +113,33 @@ def _choice(content: dict, chunk: bool = False) -> dict:
             "index": {"type": "integer", "minimum": 0},
             name: schema,
             "logprobs": {"anyOf": [_ref(logprobs), {"type": "null"}]},
-            "finish_reason": {"enum": ["stop", "length", None]} if chunk else FINISH_REASON,
+            "finish_reason": {"enum": finish_reason + [None] if chunk else finish_reason},
+            "prompt_logprobs": PROMPT_LOGPROBS,
         },
     }
+
+
+TOOL_CALL = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text."}}},
+    },
+}
+TOOL_CALL_DELTA = {
+    "type": "object",
+    "required": ["index"],
+    "description": "A call's first delta has its id, type and function name; later ones pieces of its arguments.",
+    "properties": {
+        "index": {"type": "integer", "minimum": 0},
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}},
+    },
+}
 
 
 COMPLETION_RESPONSE = _completion_body("cmpl", "text_completion", _choice({"text": {"type": "string"}}))
@@ -104,13 +147,16 @@ COMPLETION_CHUNK = _completion_body("cmpl", "text_completion", _choice({"text": 
 CHAT_RESPONSE = _completion_body("chatcmpl", "chat.completion", _choice({"message": {
     "type": "object",
     "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+    "description": "With tool calls (finish_reason tool_calls) the content is null, or the text before the calls.",
+    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                   "tool_calls": {"type": "array", "items": TOOL_CALL}},
 }}))
 CHAT_CHUNK = _completion_body("chatcmpl", "chat.completion.chunk", _choice({"delta": {
     "type": "object",
     "description": "The first chunk of each choice holds its role and an empty content; later ones the new "
-                   "text, if any.",
-    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                   "text, if any, or the tool calls' deltas.",
+    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                   "tool_calls": {"type": "array", "items": TOOL_CALL_DELTA}},
 }}, True), True)
 
 
@@ -181,8 +227,9 @@ def _generation(summary: str, request: str, response: str, chunk: str, max_body_
                         "text/event-stream": {"schema": _sse_event(chunk)},
                     },
                 },
-                "400": _error("A malformed body, a field out of its range, or a prompt that does not fit the "
-                              "context or the KV cache; `param` names the field."),
+                "400": _error("A malformed body, a field out of its range, a structured output (response_format, "
+                              "guided_*) the grammar library rejects, or a prompt that does not fit the context or "
+                              "the KV cache; `param` names the field."),
                 "401": UNAUTHORIZED,
                 "404": _error("An unknown model (code model_not_found)."),
                 "413": _error(f"The body is larger than {max_body_bytes} bytes (code request_too_large)."),

@@ -31,6 +31,9 @@ TOKEN = 504  # any id in the vocabulary
 ROOT = Path(__file__).resolve().parent.parent
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+NO_ARGUMENTS_TOOL = [{"type": "function", "function": {"name": "get_time"}}]
+GET_TIME = {"type": "function", "function": {"name": "get_time"}}
 INVALID = "invalid_request_error"
 CTX = "context_length_exceeded"
 
@@ -145,6 +148,17 @@ CASES = [
     Bad("logit-bias-301-entries", C, 400, "logit_bias", body=completion(logit_bias={str(i): 1 for i in range(301)})),
     Bad("prompt-logprobs-above-20", C, 400, "prompt_logprobs", body=completion(prompt_logprobs=21)),
     Bad("guided-choice-empty", C, 400, "guided_choice", body=completion(guided_choice=[])),
+    # structured output: two at once names the second; what xgrammar rejects is a 400 before queueing
+    Bad("guided-regex-and-guided-choice", C, 400, "guided_choice",
+        body=completion(guided_regex="a", guided_choice=["a"])),
+    Bad("guided-json-unsupported-type", C, 400, "guided_json", body=completion(guided_json={"type": "foo"})),
+    Bad("guided-json-not-json", C, 400, "guided_json", body=completion(guided_json="{")),
+    Bad("guided-regex-unclosed", C, 400, "guided_regex", body=completion(guided_regex="(ab")),
+    Bad("guided-grammar-undefined-rule", C, 400, "guided_grammar", body=completion(guided_grammar="root ::= x")),
+    Bad("beam-search-with-guided-json", C, 400, "guided_json",
+        body=completion(use_beam_search=True, n=2, guided_json={"type": "object"})),
+    Bad("beam-search-with-logit-bias", C, 400, "logit_bias",
+        body=completion(use_beam_search=True, n=2, logit_bias={"5": 1})),
     Bad("user-a-number", C, 400, "user", body=completion(user=5)),
     Bad("length-penalty-without-beam-search", C, 400, "length_penalty", body=completion(length_penalty=2)),
     # both used to kill the scheduler (division by zero, overflow in its beam step)
@@ -179,7 +193,28 @@ CASES = [
     Bad("top-logprobs-above-20", CHAT, 400, "top_logprobs", body=chat(logprobs=True, top_logprobs=21)),
     Bad("top-logprobs-without-logprobs", CHAT, 400, "top_logprobs", body=chat(top_logprobs=2)),
     Bad("response-format-unknown-type", CHAT, 400, "response_format", body=chat(response_format={"type": "yaml"})),
+    Bad("response-format-and-guided-json", CHAT, 400, "guided_json",
+        body=chat(response_format={"type": "json_object"}, guided_json={"type": "object"})),
+    Bad("response-format-json-schema-without-schema", CHAT, 400, "response_format",
+        body=chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}})),
+    Bad("response-format-schema-xgrammar-rejects", CHAT, 400, "response_format",
+        body=chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}})),
     Bad("tool-without-function", CHAT, 400, "tools", body=chat(tools=[{"type": "function"}])),
+    # --- tools: tool_choice's rules (the default model's template has no tool-call format)
+    Bad("tool-choice-without-tools", CHAT, 400, "tool_choice", body=chat(tool_choice="none")),
+    Bad("tools-auto-without-a-tool-format", CHAT, 400, "tool_choice", body=chat(tools=TOOLS)),
+    Bad("tool-choice-unknown-function", CHAT, 400, "tool_choice",
+        body=chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_news"}})),
+    Bad("tools-twice-the-same-function", CHAT, 400, "tools", body=chat(tools=TOOLS * 2, tool_choice="required")),
+    Bad("tool-choice-required-and-response-format", CHAT, 400, "response_format",
+        body=chat(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})),
+    Bad("tool-parameters-the-grammar-library-rejects", CHAT, 400, "tools", body=chat(tool_choice="required", tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 5, "maximum": 1}}}}}])),
+    Bad("tool-choice-named-and-beam-search", CHAT, 400, "use_beam_search",
+        body=chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                  use_beam_search=True, n=2, temperature=0)),
     Bad("chat-max-tokens-zero", CHAT, 400, "max_tokens", body=chat(max_tokens=0)),
     Bad("chat-max-completion-tokens-negative", CHAT, 400, "max_completion_tokens",
         body=chat(max_completion_tokens=-1)),
@@ -316,8 +351,12 @@ STREAMED = {"stream": True, "stream_options": {"include_usage": True}}
     (CHAT, chat(messages=[{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
                           {"role": "user", "content": "hi"}, {"role": "assistant"}], max_tokens=2, stream=True)),
     (CHAT, chat(model="nope")),
+    # a named function without parameters: its call's arguments are `{}`, one or two tokens
+    (CHAT, chat(tools=NO_ARGUMENTS_TOOL, tool_choice=GET_TIME, max_tokens=4)),
+    (CHAT, chat(tools=NO_ARGUMENTS_TOOL, tool_choice=GET_TIME, max_tokens=4, **STREAMED)),
 ], ids=["completion", "completion-stream", "completion-two-prompts-stream", "completion-best-of",
-        "completion-400", "chat", "chat-stream", "chat-parts-stream", "chat-404"])
+        "completion-400", "chat", "chat-stream", "chat-parts-stream", "chat-404", "chat-named-function",
+        "chat-named-function-stream"])
 def test_real_answers_match_the_documented_schemas(stack, path, body):
     """Each answer, whole or each streamed event, against /openapi.json (schemathesis validates it)."""
     import schemathesis  # the test extra

@@ -1,0 +1,150 @@
+"""A request's structured output: which field asks for one (response_format, vLLM's guided_json /
+guided_regex / guided_choice / guided_grammar), the StructuredOutput the worker constrains the
+tokens with, and the gateway's check that turns what the worker would reject into a 400 before the
+request is queued.
+
+The check is the worker's own rule (common/structured_output.py's compile_structured_output) run
+with a "compiler" that stops at xgrammar's parse of the spec into a Grammar: every spec xgrammar
+rejects fails there, with the words the worker's compile would give (tests/test_structured_api.py
+checks both on bad and good specs of every kind), and the parse takes well under a millisecond,
+where the worker's compile against the tokenizer (its token masks) can take seconds for some
+schemas. Each distinct spec is parsed once and only its verdict is kept. Beyond the worker's rule,
+a JSON schema nested more than MAX_SCHEMA_DEPTH levels deep is refused (its conversion alone takes
+seconds).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+from common.protocol import StructuredOutput
+from common.structured_output import InvalidStructuredOutput, choice_spec, compile_structured_output, json_schema_spec
+from gateway.models import InvalidField, SamplingRequest
+
+# The request fields that ask for a structured output, in the order a conflict is reported in: with
+# two of them, the error names the later one.
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+VERDICTS_KEPT = 4096  # distinct specs whose verdict a gateway remembers
+# JSON levels (objects and lists) of a JSON schema, about half as many levels of nested objects:
+# xgrammar's conversion of a schema grows with the cube of its depth (100 objects deep take 0.5 s
+# here, 200 take 3 s, in the gateway and again in the worker's step), so deeper ones are refused
+MAX_SCHEMA_DEPTH = 64
+
+
+def requested_structured_output(request: SamplingRequest) -> tuple[str, StructuredOutput] | None:
+    """The field that asks for a structured output and what it asks for; None when none does
+    (response_format {"type": "text"} asks for none). Two fields at once, or a spec that is not one
+    (a guided_json that is not JSON, a json_schema without its schema), raise InvalidField."""
+    given = [(name, value) for name in STRUCTURED_FIELDS
+             if (value := getattr(request, name, None)) is not None
+             and not (name == "response_format" and value.type == "text")]
+    if not given:
+        return None
+    if len(given) > 1:
+        (first, _), (second, _) = given[:2]
+        raise InvalidField(f"{second} cannot be combined with {first}: a request follows one structured output",
+                           second)
+    name, value = given[0]
+    try:
+        return name, _spec(name, value)
+    except InvalidStructuredOutput as exc:
+        raise InvalidField(f"{name}: {exc}", name) from None
+    except RecursionError:  # a schema within the body's own nesting limit, too deep to write out again
+        raise InvalidField(f"{name}: the JSON schema is nested too deeply", name) from None
+
+
+def structured_output_of(request: SamplingRequest) -> StructuredOutput | None:
+    """The StructuredOutput a request asks for (requested_structured_output without the field)."""
+    requested = requested_structured_output(request)
+    return None if requested is None else requested[1]
+
+
+def _spec(name: str, value) -> StructuredOutput:
+    if name == "response_format":
+        if value.type == "json_object":
+            return StructuredOutput("json_object", "")
+        if value.json_schema is None or value.json_schema.schema_ is None:
+            raise InvalidStructuredOutput("json_schema", 'type "json_schema" needs json_schema.schema, the JSON '
+                                                         "schema the output must validate against")
+        return json_schema_spec(value.json_schema.schema_)
+    if name == "guided_json":
+        return json_schema_spec(value)
+    if name == "guided_regex":
+        return StructuredOutput("regex", value)
+    if name == "guided_choice":
+        return choice_spec(list(value))
+    return StructuredOutput("grammar", value)
+
+
+class StructuredOutputChecker:
+    """Checks a StructuredOutput by the worker's rule and remembers the verdict per (kind, spec).
+    xgrammar is imported on first use: a gateway that never sees a constrained request never loads
+    it. Thread-safe (parsing runs in worker threads)."""
+
+    def __init__(self, verdicts_kept: int = VERDICTS_KEPT) -> None:
+        self._parser: GrammarParser | None = None
+        self._lock = threading.Lock()
+        self._verdicts: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+        self._kept = verdicts_kept
+
+    def error(self, spec: StructuredOutput) -> str | None:
+        """What the grammar library says is wrong with `spec`; None when the worker can compile it."""
+        key = (spec.kind, spec.spec)
+        with self._lock:
+            if key in self._verdicts:
+                self._verdicts.move_to_end(key)
+                return self._verdicts[key]
+            parser = self._parser = self._parser or GrammarParser()
+        verdict = _too_deep(spec)
+        if verdict is None:
+            try:
+                compile_structured_output(parser, spec)
+            except InvalidStructuredOutput as exc:
+                verdict = str(exc)
+        with self._lock:
+            self._verdicts[key] = verdict
+            if len(self._verdicts) > self._kept:
+                self._verdicts.popitem(last=False)
+        return verdict
+
+    def check(self, spec: StructuredOutput | None, param: str | None) -> None:
+        """Raise InvalidField naming `param` when the worker could not compile `spec`."""
+        if spec is not None and (error := self.error(spec)) is not None:
+            raise InvalidField(f"{param}: {error}" if param else error, param)
+
+
+def _too_deep(spec: StructuredOutput) -> str | None:
+    if spec.kind != "json_schema":
+        return None
+    try:
+        level = [json.loads(spec.spec)]
+    except ValueError:
+        return None  # compile_structured_output says what is wrong with it
+    depth = 0
+    while level := [node for node in level if isinstance(node, (dict, list))]:
+        depth += 1
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)]
+    if depth > MAX_SCHEMA_DEPTH:
+        return f"the JSON schema is nested {depth} levels deep, more than the {MAX_SCHEMA_DEPTH} this server compiles"
+    return None
+
+
+class GrammarParser:
+    """The part of an xgrammar GrammarCompiler that compile_structured_output calls, up to the
+    Grammar: the same parse and conversion (and errors) as GrammarCompiler.compile_*, without the
+    tokenizer-dependent compile that follows it."""
+
+    def __init__(self) -> None:
+        import xgrammar as xgr  # imports torch: only a gateway that serves a constrained request pays for it
+
+        self._grammar = xgr.Grammar
+
+    def compile_json_schema(self, schema: str, **options):
+        return self._grammar.from_json_schema(schema, **options)
+
+    def compile_regex(self, regex: str):
+        return self._grammar.from_regex(regex)
+
+    def compile_grammar(self, ebnf: str, **options):
+        return self._grammar.from_ebnf(ebnf, **options)
