@@ -40,7 +40,7 @@ from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, G
 from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
 from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
-from gateway.serving import SSE_DONE, ChoiceState, EngineError, ResponseShape, sse, usage
+from gateway.serving import SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, sse, usage
 from gateway.tokenizer import PromptEncoder, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,9 @@ class Gateway:
             self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses)
             shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text,
-                                      request_id(request))
-            requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival)
+                                      request_id(request), parsed.prompt_logprobs)
+            echoes = await asyncio.to_thread(self._echoes, parsed) if parsed.echo else None
+            requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival, echoes)
             generation = await self._submit(requests)
         except APIError as exc:
             return error_response(exc)
@@ -238,8 +239,13 @@ class Gateway:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, shape, parsed, generation, choices, deadline)
 
+    def _echoes(self, parsed: ParsedRequest) -> list[Echo]:
+        """Each prompt's echoed text (completions `echo`), decoded as the choices' text is."""
+        return [Echo.of(self.tokenizer, prompt, parsed.skip_special_tokens) for prompt in parsed.prompts]
+
     def _sub_requests(
         self, response_id: str, parsed: ParsedRequest, arrival_time: float, arrival: float,
+        echoes: list[Echo] | None = None,
     ) -> tuple[list[GenerateRequest], list[ChoiceState]]:
         """One request per prompt, `<response id>-<prompt index>`, whose n outputs are the prompt's
         choices: one sequence group in the scheduler, its samples forked from the prompt's blocks
@@ -252,8 +258,11 @@ class Gateway:
             requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream, arrival_time))
             for i in range(parsed.n):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
-                choices.append(ChoiceState(p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival,
-                                           i, parsed.chosen_at_end, num_prompt_tokens=len(prompt)))
+                choices.append(ChoiceState(
+                    p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival, i, parsed.chosen_at_end,
+                    num_prompt_tokens=len(prompt), echo=echoes[p] if echoes else None,
+                    prompt_token_ids=prompt if parsed.prompt_logprobs is not None else [],
+                ))
         return requests, choices
 
     async def _complete(
@@ -294,6 +303,9 @@ class Gateway:
                 text, entries = choice.take_delta()
                 if text or entries or choice.finished:
                     delta = shape.choice_delta(choice.index, text, entries, choice.finish_reason)
+                    if shape.prompt_logprobs is not None and not choice.prompt_logprobs_sent:  # in the first chunk
+                        choice.prompt_logprobs_sent = True
+                        delta["prompt_logprobs"] = shape.choice_prompt_logprobs(choice)
                     yield shape.chunk(delta, include_usage)
             if include_usage:
                 yield shape.chunk(None, True, usage(parsed.prompts, choices))
@@ -321,6 +333,9 @@ class Gateway:
             if scheduled is not None:  # the request's first token-bearing event: when it was first scheduled
                 for c in by_request.get(event.request_id, ()):
                     c.scheduled_at = scheduled
+            if event.prompt_logprobs is not None:  # on one output's event: every choice of the request reports them
+                for c in by_request.get(event.request_id, ()):
+                    c.prompt_logprobs = event.prompt_logprobs
             if event.finish_reason in ("error", "abort"):
                 choice = next((c for c in by_request.get(event.request_id, ()) if not c.finished), None)
             else:
