@@ -38,9 +38,11 @@ from gateway import dashboard_page
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, Generation
 from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
+from gateway.models import InvalidField
 from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
 from gateway.serving import SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, sse, usage
+from gateway.structured import StructuredOutputChecker
 from gateway.tokenizer import PromptEncoder, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,7 @@ class Gateway:
         self.encoder = PromptEncoder(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.token_text = token_text_cache(self.tokenizer)
+        self.structured = StructuredOutputChecker(self.tokenizer)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
         self.metrics = GatewayMetrics(self.served_model_name)
@@ -213,8 +216,7 @@ class Gateway:
             self._authorize(request)
             body = parse_json(await self._read_body(request))
             self._check_model(body.get("model"))
-            parse = parse_completion if kind == "completion" else parse_chat
-            parsed = await asyncio.to_thread(parse, body, self.encoder, self.vocab_size)  # a long prompt must not stall streams
+            parsed = await asyncio.to_thread(self._parse, kind, body)  # a long prompt must not stall streams
             statuses = await self._statuses()
             self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses)
@@ -242,6 +244,15 @@ class Gateway:
     def _echoes(self, parsed: ParsedRequest) -> list[Echo]:
         """Each prompt's echoed text (completions `echo`), decoded as the choices' text is."""
         return [Echo.of(self.tokenizer, prompt, parsed.skip_special_tokens) for prompt in parsed.prompts]
+
+    def _parse(self, kind: str, body: dict) -> ParsedRequest:
+        """The request, tokenized, and its structured output compiled as the worker will (in a thread)."""
+        parsed = (parse_completion if kind == "completion" else parse_chat)(body, self.encoder, self.vocab_size)
+        try:
+            self.structured.check(parsed.params.structured_output, parsed.structured_param)
+        except InvalidField as exc:
+            raise bad_request(str(exc), exc.param) from None
+        return parsed
 
     def _sub_requests(
         self, response_id: str, parsed: ParsedRequest, arrival_time: float, arrival: float,

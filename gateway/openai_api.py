@@ -13,6 +13,7 @@ from common.protocol import MAX_BEAM_WIDTH, MAX_SAMPLES, SamplingParams
 from gateway.models import (
     ChatCompletionRequest, CompletionRequest, InvalidField, Request, SamplingRequest, TextPart, validate,
 )
+from gateway.structured import requested_structured_output
 
 
 class APIError(Exception):
@@ -53,6 +54,8 @@ class ParsedRequest:
     user: str | None = None
     echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' entries) first
     prompt_logprobs: int | None = None  # vLLM's: each choice carries the prompt's logprobs, this many alternatives
+    # the request field that asked for params.structured_output (a 400 about it names this field)
+    structured_param: str | None = None
 
     @property
     def num_choices(self) -> int:
@@ -166,6 +169,13 @@ def _common(
         if early_stopping is not False:
             raise bad_request("early_stopping applies only to beam search (use_beam_search: true)", "early_stopping")
     chosen_at_end = beam_search or width > n
+    try:
+        structured = requested_structured_output(request)
+    except InvalidField as exc:
+        raise bad_request(str(exc), exc.param) from None
+    if structured is not None and beam_search:
+        raise bad_request(f"{structured[0]} is not supported with use_beam_search (beam search ranks beams by the "
+                          "model's own logprobs)", structured[0])
     stream = bool(request.stream)
     if request.stream_options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -202,6 +212,7 @@ def _common(
         logprobs=logprobs,
         logit_bias=request.logit_bias or [],
         prompt_logprobs=request.prompt_logprobs,
+        structured_output=None if structured is None else structured[1],
     )
     if beam_search:
         _check_beam_search(params)
@@ -211,6 +222,7 @@ def _common(
         stream=stream, include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=logprobs, skip_special_tokens=_default(request.skip_special_tokens, True), user=request.user,
         prompt_logprobs=request.prompt_logprobs,
+        structured_param=None if structured is None else structured[0],
     )
 
 

@@ -174,6 +174,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         encoded = [self.encode(prompt) for prompt in prompts]
+        for p in params:  # a grammar xgrammar rejects is a ValueError before anything runs, as the API's 400
+            if p.structured_output is not None:
+                self.executor.grammar.compile(p.structured_output)
         request_ids = {}
         try:
             for index, (ids, p) in enumerate(zip(encoded, params)):

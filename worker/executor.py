@@ -20,6 +20,7 @@ import torch
 from common.config import EngineConfig
 from common.plan_state import PlanState, ScheduledSequence
 from common.protocol import SampledToken, StepPlan, StepResult, WorkerHello
+from worker.grammar import GrammarState, TokenMask
 from worker.model_runner import ModelRunner
 from worker.parallel import TensorParallelGroup, set_tp_group
 from worker.prompt_logprobs import extra_logits_indices, prompt_logprobs, scored_spans
@@ -45,6 +46,9 @@ class Executor:
         self.eos_token_ids = _eos_token_ids(self.runner.hf_config)
         # only rank 0 samples: the others never hold the logits
         self.sampler = (Sampler(self.eos_token_ids, int(self.runner.hf_config.vocab_size), self.runner.device)
+                        if group.is_first else None)
+        # the matchers of constrained sequences live where the sampler does
+        self.grammar = (GrammarState(self._load_tokenizer, int(self.runner.hf_config.vocab_size), self.eos_token_ids)
                         if group.is_first else None)
         self.state = PlanState(self.runner.block_size)
 
@@ -72,6 +76,12 @@ class Executor:
         self.runner.reset()
         if self.sampler is not None:
             self.sampler.token_counts.reset()
+            self.grammar.reset()
+
+    def _load_tokenizer(self):
+        from gateway.tokenizer import load_tokenizer  # only once a constrained request arrives
+
+        return load_tokenizer(self.runner.source)
 
     def execute(self, plan: StepPlan) -> StepResult:
         scheduled = self.state.apply(plan)
@@ -96,7 +106,7 @@ class Executor:
         if self.sampler is None:  # rank > 0: rank 0's draws, for the next plan's PENDING_TOKENs
             self.state.record_sampled(self._receive_sampled(sampling))
             return result
-        out = self.sampler(logits, _sampling_rows(sampling))
+        out = self.sampler(logits, _sampling_rows(sampling), self._token_mask(sampling))
         result.sampled = _sampled_tokens(sampling, out)
         if self.world_size > 1:
             self.group.broadcast(torch.tensor(out.token_ids, dtype=torch.int64, device=self.runner.device))
@@ -114,8 +124,20 @@ class Executor:
         """The sampler's penalty counts follow the held sequences: dropped ones freed, new ones
         counted from their tokens, continued ones from the token appended to them."""
         counts = self.sampler.token_counts
-        counts.free(plan.finished_seq_ids + plan.preempted_seq_ids)
+        dropped = plan.finished_seq_ids + plan.preempted_seq_ids
+        counts.free(dropped)
         counts.sync((s.seq_id, s.held) for s in scheduled)
+        if self.grammar.matchers:
+            self.grammar.free(dropped)
+
+    def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
+        """The grammar masks of the step's constrained rows, their matchers brought up to date
+        first (a sequence met first replays its output): None when no row is constrained."""
+        constrained = [(row, s) for row, s in enumerate(sampling) if s.held.sampling_params.structured_output]
+        if not constrained:
+            return None
+        self.grammar.sync((s.seq_id, s.held) for _, s in constrained)
+        return self.grammar.fill([(row, s.seq_id) for row, s in constrained])
 
 
 def _sampling_rows(sampling: list[ScheduledSequence]) -> list[SamplingRow]:

@@ -1,7 +1,8 @@
 """Turns the logits of the sampling positions into tokens, logprobs and top logprobs, batched.
 
 Per row, in order: penalties (repetition over prompt and output, presence and frequency over
-output, read from TokenCounts), EOS and stop tokens masked until min_tokens, then greedy argmax,
+output, read from TokenCounts), logit_bias, EOS and stop tokens masked until min_tokens, the
+grammar's mask (structured output: worker/grammar.py), then greedy argmax,
 or temperature, top-k, top-p and min-p followed by a draw. Logprobs are those of the model's raw
 distribution: the sampled token's for every row (it feeds cumulative_logprob), the top ones only
 for the rows that ask (logprobs, beam search).
@@ -32,6 +33,7 @@ import torch
 
 from common.plan_state import HeldSequence
 from common.protocol import SamplingParams, num_beam_candidates, sample_seed
+from worker.grammar import TokenMask
 
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
@@ -225,6 +227,7 @@ class Sampler:
         self.token_counts = TokenCounts(vocab_size, self.device)
         self._token_hash = _premix(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
         self._scratch_rows = torch.empty(0, vocab_size, dtype=torch.float32, device=self.device)
+        self._bit_table: torch.Tensor | None = None  # [256, 8]: a mask byte's 8 tokens, 0.0 or -inf
 
     def _scratch(self, num_rows: int) -> torch.Tensor:
         """A [num_rows, vocab] float32 buffer for a step's penalized logits. On the CPU one buffer
@@ -237,15 +240,19 @@ class Sampler:
         return self._scratch_rows[:num_rows]
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [num_rows, vocab_size]. A row of `num_samples` k gives k outputs in a row."""
-        return self.sample(logits, rows).to_host()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMask | None = None) -> SamplerOutput:
+        """logits: [num_rows, vocab_size]. A row of `num_samples` k gives k outputs in a row, all
+        from its one distribution. `mask`: the grammar masks of the constrained rows."""
+        return self.sample(logits, rows, mask).to_host()
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMask | None = None) -> SampledBatch:
         """The same as __call__, leaving the results on the device (no host sync)."""
         raw = logits.float()
-        logits = self._mask_stops_before_min_tokens(*self._apply_penalties(raw, rows), rows)
+        logits, owned = self._apply_logit_bias(*self._apply_penalties(raw, rows), rows)
+        logits, owned = self._mask_stops_before_min_tokens(logits, owned, rows)
+        if mask is not None:
+            logits = self._apply_token_mask(logits, owned, mask)
         paths, sample_rows = self._plan_draws(rows)
         token_ids = self._choose(logits, paths, len(sample_rows))
         chosen = self._chosen_logprobs(raw, token_ids, sample_rows)
@@ -281,7 +288,46 @@ class Sampler:
             return x, True
         return logits.index_copy(0, _to_device(penalized, torch.int64, device), x), True
 
-    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, owned: bool, rows: list[SamplingRow]) -> torch.Tensor:
+    def _apply_logit_bias(self, logits: torch.Tensor, owned: bool,
+                          rows: list[SamplingRow]) -> tuple[torch.Tensor, bool]:
+        """Each row's logit_bias added to its logits, all rows in one scatter (a row without costs nothing)."""
+        row_ids, token_ids, biases = [], [], []
+        vocab_size = logits.shape[1]
+        for i, r in enumerate(rows):
+            for token_id, bias in r.params.logit_bias:
+                if token_id < vocab_size:  # the gateway refuses the others; the vocabulary may be padded
+                    row_ids.append(i)
+                    token_ids.append(token_id)
+                    biases.append(bias)
+        if not row_ids:
+            return logits, owned
+        index = _to_device([row_ids, token_ids], torch.int64, logits.device)
+        biased = logits if owned else logits.clone()
+        return biased.index_put_((index[0], index[1]), _to_device(biases, torch.float32, logits.device),
+                                 accumulate=True), True
+
+    def _apply_token_mask(self, logits: torch.Tensor, owned: bool, mask: TokenMask) -> torch.Tensor:
+        """-inf at the tokens each constrained row's grammar forbids, in one op: every byte of the
+        packed bitmask looks up its 8 tokens' (0 or -inf) in a 256-row table, added to the rows."""
+        if self._bit_table is None:
+            bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+            self._bit_table = torch.where(bits.bool(), 0.0, float("-inf")).to(self.device)
+        bitmask = mask.bitmask
+        if self.device.type == "cuda":
+            bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
+        else:
+            bitmask = bitmask.to(self.device)
+        vocab_size = logits.shape[1]
+        # little-endian int32 words: byte j of word w holds tokens 32w + 8j .. 32w + 8j + 7
+        add = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), self._bit_table)
+        add = add.view(len(mask.rows), -1)[:, :vocab_size]
+        masked = logits if owned else logits.clone()
+        if mask.rows == list(range(logits.shape[0])):
+            return masked.add_(add)
+        return masked.index_add_(0, _to_device(mask.rows, torch.int64, logits.device), add)
+
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, owned: bool,
+                                      rows: list[SamplingRow]) -> tuple[torch.Tensor, bool]:
         row_ids, token_ids = [], []
         for i, r in enumerate(rows):
             if r.num_output_tokens < r.params.min_tokens:
@@ -290,10 +336,10 @@ class Sampler:
                 row_ids += [i] * len(stops)
                 token_ids += stops
         if not row_ids:
-            return logits
+            return logits, owned
         index = _to_device([row_ids, token_ids], torch.int64, logits.device)
         masked = logits if owned else logits.clone()
-        return masked.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))
+        return masked.index_put_((index[0], index[1]), logits.new_full((), float("-inf"))), True
 
     # ------------------------------------------------------------------------- choosing
 

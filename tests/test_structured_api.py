@@ -1,0 +1,195 @@
+"""The gateway's side of structured output (gateway/structured.py): which request field asks for
+what StructuredOutput, the 400s for two fields at once, a spec that is not one, beam search, and a
+schema, pattern or grammar xgrammar rejects (checked with the worker's own compile rule on the
+gateway's tokenizer, once per spec); logit_bias and the StructuredOutput on the wire to the worker.
+The real stack's answers are tests/test_openai_api.py's ("api" section) and test_bad_input.py's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config import GatewayConfig
+from common.protocol import GenerateRequest, StructuredOutput, decode, encode
+from common.structured_output import compile_structured_output
+from gateway import structured
+from gateway.app import Gateway
+from gateway.models import ChatCompletionRequest, CompletionRequest, InvalidField, validate
+from gateway.openai_api import APIError
+from gateway.structured import StructuredOutputChecker, requested_structured_output, structured_output_of
+from gateway.tokenizer import load_tokenizer
+
+VOCAB_SIZE = 49152
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+CANONICAL = ('{"properties":{"age":{"type":"integer"},"name":{"type":"string"}},"required":["name","age"],'
+             '"type":"object"}')
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **fields}, VOCAB_SIZE)
+
+
+def completion(**fields) -> CompletionRequest:
+    return validate(CompletionRequest, {"prompt": "hi", **fields}, VOCAB_SIZE)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("default")
+
+
+@pytest.fixture(scope="module")
+def gateway(tokenizer):
+    """The gateway's request path up to the queue (parse, tokenize, the structured output's check)."""
+    return Gateway(GatewayConfig(), tokenizer)
+
+
+# ----------------------------------------------------------------------------- which field asks for what
+
+
+@pytest.mark.parametrize("request_, expected", [
+    (chat(), None),
+    (chat(response_format={"type": "text"}), None),
+    (chat(response_format={"type": "json_object"}), ("response_format", StructuredOutput("json_object", ""))),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}),
+     ("response_format", StructuredOutput("json_schema", CANONICAL))),
+    (chat(guided_json=SCHEMA), ("guided_json", StructuredOutput("json_schema", CANONICAL))),
+    (completion(guided_json=json.dumps(SCHEMA, indent=2)), ("guided_json", StructuredOutput("json_schema", CANONICAL))),
+    (completion(guided_json={}), ("guided_json", StructuredOutput("json_schema", "{}"))),
+    (completion(guided_regex=r"\d{3}-[a-z]+"), ("guided_regex", StructuredOutput("regex", r"\d{3}-[a-z]+"))),
+    (completion(guided_choice=["yes", 'no "way"']), ("guided_choice", StructuredOutput("choice", '["yes","no \\"way\\""]'))),
+    (chat(guided_grammar='root ::= "a" | "b"'), ("guided_grammar", StructuredOutput("grammar", 'root ::= "a" | "b"'))),
+], ids=["none", "text", "json-object", "json-schema", "guided-json", "guided-json-text", "guided-json-empty",
+        "guided-regex", "guided-choice", "guided-grammar"])
+def test_the_field_that_asks_and_its_structured_output(request_, expected):
+    assert requested_structured_output(request_) == expected
+    assert structured_output_of(request_) == (None if expected is None else expected[1])
+
+
+@pytest.mark.parametrize("request_, param, message", [
+    (chat(response_format={"type": "json_object"}, guided_json=SCHEMA), "guided_json",
+     "guided_json cannot be combined with response_format: a request follows one structured output"),
+    (completion(guided_regex="a+", guided_choice=["a"], guided_grammar='root ::= "a"'), "guided_choice",
+     "guided_choice cannot be combined with guided_regex: a request follows one structured output"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format",
+     'response_format: type "json_schema" needs json_schema.schema, the JSON schema the output must validate against'),
+    (chat(response_format={"type": "json_schema"}), "response_format",
+     'response_format: type "json_schema" needs json_schema.schema, the JSON schema the output must validate against'),
+    (completion(guided_json="{'type': 'object'}"), "guided_json",
+     "guided_json: the JSON schema is not valid JSON: Expecting property name enclosed in double quotes: "
+     "line 1 column 2 (char 1)"),
+    (completion(guided_json="[1, 2]"), "guided_json", "guided_json: a JSON schema must be a JSON object"),
+], ids=["response-format-and-guided-json", "three-guided-fields", "json-schema-without-schema",
+        "json-schema-without-json-schema", "guided-json-not-json", "guided-json-a-list"])
+def test_what_is_not_one_structured_output_is_invalid(request_, param, message):
+    with pytest.raises(InvalidField) as caught:
+        requested_structured_output(request_)
+    assert (caught.value.param, str(caught.value)) == (param, message)
+
+
+# ----------------------------------------------------------------------------- the request path: 400s and params
+
+
+def parse_error(gateway, kind: str, body: dict) -> tuple[int, str | None, str]:
+    with pytest.raises(APIError) as caught:
+        gateway._parse(kind, body)
+    return caught.value.status, caught.value.param, caught.value.message
+
+
+@pytest.mark.parametrize("kind, body, param, message", [
+    ("completion", {"guided_json": {"type": "foo"}}, "guided_json",
+     'guided_json: invalid JSON schema: Unsupported type "foo"'),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}},
+     "response_format", "response_format: invalid JSON schema: Cannot find field $defs in #/$defs/missing"),
+    ("completion", {"guided_regex": "(ab"}, "guided_regex",
+     "guided_regex: invalid regular expression: Regex parsing error at position 4: The parenthesis is not closed."),
+    ("chat", {"guided_regex": "(?<=a)b"}, "guided_regex",
+     "guided_regex: invalid regular expression: Regex parsing error at position 3: Lookbehind is not supported yet."),
+    ("completion", {"guided_grammar": "root ::= value"}, "guided_grammar",
+     'guided_grammar: invalid grammar: EBNF parser error at line 1, column 10: Rule "value" is not defined'),
+    ("completion", {"guided_json": SCHEMA, "use_beam_search": True, "n": 2}, "guided_json",
+     "guided_json is not supported with use_beam_search (beam search ranks beams by the model's own logprobs)"),
+], ids=["schema-type-foo", "json-schema-dangling-ref", "regex-unclosed", "regex-lookbehind", "grammar-undefined-rule",
+        "beam-search"])
+def test_what_the_worker_would_reject_is_a_400_naming_the_field(gateway, kind, body, param, message):
+    base = {"prompt": "hi"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_error(gateway, kind, {**base, **body}) == (400, param, message)
+
+
+def test_a_constrained_request_carries_its_structured_output_and_logit_bias_to_the_worker(gateway):
+    parsed = gateway._parse("completion", {"prompt": "hi", "guided_choice": ["yes", "no"],
+                                           "logit_bias": {"42": -100, "7": 5.5}})
+    assert parsed.structured_param == "guided_choice"
+    assert parsed.params.structured_output == StructuredOutput("choice", '["yes","no"]')
+    assert parsed.params.logit_bias == [[42, -100.0], [7, 5.5]]
+    # the scheduler and the worker get the params over msgpack (common/protocol.py)
+    sent = decode(encode(GenerateRequest("r-0", parsed.prompts[0], parsed.params, "replies", 0.0)))
+    assert sent.sampling_params.structured_output == StructuredOutput("choice", '["yes","no"]')
+    assert sent.sampling_params.logit_bias == [[42, -100.0], [7, 5.5]]
+    plain = gateway._parse("chat", {"messages": [{"role": "user", "content": "hi"}]})
+    assert (plain.structured_param, plain.params.structured_output, plain.params.logit_bias) == (None, None, [])
+
+
+# ----------------------------------------------------------------------------- the check: the worker's rule, once per spec
+
+# Bad and good specs of every kind: the gateway's verdict must be the worker's on each.
+SPECS = [
+    StructuredOutput("json_schema", '{"type":"foo"}'),
+    StructuredOutput("json_schema", '{"minimum":"x","type":"integer"}'),
+    StructuredOutput("json_schema", '{"properties":{"a":{"$ref":"#/nope"}},"type":"object"}'),
+    StructuredOutput("json_schema", CANONICAL),
+    StructuredOutput("json_schema", '{"format":"nope","type":"string"}'),  # an unknown format is ignored
+    StructuredOutput("json_object", ""),
+    StructuredOutput("regex", "a{2,1}"),
+    StructuredOutput("regex", r"\p{L}+"),
+    StructuredOutput("regex", r"[0-9]{3}-[a-z]+"),
+    StructuredOutput("choice", '["a",""]'),
+    StructuredOutput("choice", '["a","b c"]'),
+    StructuredOutput("grammar", 'x ::= "a"'),
+    StructuredOutput("grammar", 'root ::= "a" |'),
+    StructuredOutput("grammar", 'root ::= "a" item*\nitem ::= [0-9]'),
+]
+
+
+def test_the_gateway_rejects_exactly_what_a_compiler_on_the_worker_rejects(tokenizer):
+    import xgrammar as xgr
+
+    # a worker's compiler: the model's full vocabulary size and its end-of-sequence token
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE, stop_token_ids=[tokenizer.eos_token_id])
+    worker = xgr.GrammarCompiler(info)
+    checker = StructuredOutputChecker(tokenizer)
+    verdicts = []
+    for spec in SPECS:
+        try:
+            compile_structured_output(worker, spec)
+            compiles = True
+        except ValueError:
+            compiles = False
+        verdicts.append(compiles)
+        assert (checker.error(spec) is None) == compiles, spec
+    assert verdicts == [False, False, False, True, True, True, False, False, True, False, True, False, False, True]
+
+
+def test_each_spec_is_compiled_once_and_the_oldest_verdict_is_forgotten(tokenizer, monkeypatch):
+    compiled = []
+
+    def counting(compiler, spec):
+        compiled.append(spec.spec)
+        return compile_structured_output(compiler, spec)
+
+    monkeypatch.setattr(structured, "compile_structured_output", counting)
+    checker = StructuredOutputChecker(tokenizer, verdicts_kept=2)
+    bad, good, other = (StructuredOutput("regex", "(a"), StructuredOutput("regex", "a+"),
+                        StructuredOutput("regex", "b+"))
+    message = "invalid regular expression: Regex parsing error at position 3: The parenthesis is not closed."
+    assert [checker.error(bad), checker.error(good), checker.error(bad), checker.error(good)] == [message, None] * 2
+    assert compiled == ["(a", "a+"]
+    checker.error(other)  # a third spec: the least recently used one, "(a", is forgotten
+    assert [checker.error(good), checker.error(bad)] == [None, message]
+    assert compiled == ["(a", "a+", "b+", "(a"]
+    with pytest.raises(InvalidField) as caught:
+        checker.check(bad, "guided_regex")
+    assert (caught.value.param, str(caught.value)) == ("guided_regex", f"guided_regex: {message}")
+    checker.check(None, None)  # nothing to check
