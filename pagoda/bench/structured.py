@@ -35,14 +35,16 @@ def load_schemas(path: Path = SCHEMAS, limit: int | None = None) -> list[dict]:
 
 
 def schema_text(schema: dict) -> str:
-    """The canonical text the gateway sends (common/structured_output.json_schema_spec's)."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    """The text the gateway sends the worker (common/structured_output.json_schema_spec's)."""
+    from common.structured_output import json_schema_spec
+
+    return json_schema_spec(schema).spec
 
 
 def example_text(example) -> str:
-    """A document in the form the grammar admits: keys in sorted (canonical schema) order,
-    no free whitespace, xgrammar's default separators."""
-    return json.dumps(example, sort_keys=True, separators=(", ", ": "))
+    """A document in the form the grammar admits: keys in the schema's order (the examples are
+    written so), no free whitespace, xgrammar's default separators."""
+    return json.dumps(example, separators=(", ", ": "))
 
 
 def quantiles(values: list[float]) -> dict:
@@ -230,9 +232,9 @@ def prompt_of(entry: dict) -> str:
 
 
 def structured(entry: dict):
-    from common.protocol import StructuredOutput
+    from common.structured_output import json_schema_spec
 
-    return StructuredOutput("json_schema", schema_text(entry["schema"]))
+    return json_schema_spec(entry["schema"])
 
 
 def validate(llm, schemas: list[dict], seeds: int, max_tokens: int, temperature: float) -> dict:
