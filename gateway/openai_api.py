@@ -14,6 +14,7 @@ from gateway.models import (
     ChatCompletionRequest, CompletionRequest, InvalidField, Request, SamplingRequest, TextPart, validate,
 )
 from gateway.structured import requested_structured_output
+from gateway.tools import ToolCalling, ToolParser, chat_messages, renders_tool_calls, tool_calling
 
 
 class APIError(Exception):
@@ -56,6 +57,8 @@ class ParsedRequest:
     prompt_logprobs: int | None = None  # vLLM's: each choice carries the prompt's logprobs, this many alternatives
     # the request field that asked for params.structured_output (a 400 about it names this field)
     structured_param: str | None = None
+    tool_parser: ToolParser | None = None  # chat with tools: how each choice's output becomes tool_calls
+    max_tool_calls: int | None = None  # parallel_tool_calls false: 1
 
     @property
     def num_choices(self) -> int:
@@ -105,10 +108,13 @@ def parse_completion(body: dict, encoder, vocab_size: int) -> ParsedRequest:
 
 def parse_chat(body: dict, encoder, vocab_size: int) -> ParsedRequest:
     request = _validate(ChatCompletionRequest, body, vocab_size)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
-                for m in request.messages]
     try:
-        prompt = encoder.encode_chat(messages)
+        calling = tool_calling(request, encoder.tool_call_format)
+        messages = chat_messages(request.messages, renders_tool_calls(encoder.template_text))
+    except InvalidField as exc:
+        raise bad_request(str(exc), exc.param) from None
+    try:
+        prompt = encoder.encode_chat(messages, calling.tools)
     except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
     if not prompt:
@@ -118,7 +124,20 @@ def parse_chat(body: dict, encoder, vocab_size: int) -> ParsedRequest:
         logprobs = request.top_logprobs or 0
     elif request.top_logprobs is not None:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    return _common(request, "chat", [prompt], _max_tokens(request), logprobs)
+    parsed = _common(request, "chat", [prompt], _max_tokens(request), logprobs)
+    return _with_tool_calling(parsed, calling, encoder)
+
+
+def _with_tool_calling(parsed: ParsedRequest, calling: ToolCalling, encoder) -> ParsedRequest:
+    """tool_choice "required" or a named function: the call's grammar is the request's structured
+    output (tool_calling refused any other beside it). Tags that the tokenizer marks special stay
+    in the text, for the parser to see (vLLM's rule)."""
+    if calling.structured_output is not None:
+        parsed.params.structured_output = calling.structured_output
+    if calling.parser is not None and any(encoder.is_special_token(tag) for tag in calling.parser.tags):
+        parsed.skip_special_tokens = False
+    parsed.tool_parser, parsed.max_tool_calls = calling.parser, calling.max_calls
+    return parsed
 
 
 def _validate(model: type[Request], body: dict, vocab_size: int) -> Request:
@@ -135,12 +154,6 @@ def _default(value, default):
 def _max_tokens(request: SamplingRequest) -> int | None:
     """max_completion_tokens takes precedence (both are validated)."""
     return _default(request.max_completion_tokens, request.max_tokens)
-
-
-def _text(content: str | list[TextPart] | None) -> str:
-    if content is None:  # an assistant message without content
-        return ""
-    return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
 def _common(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common.protocol import RequestEvent
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.tools import ToolCallStream
 
 
 class EngineError(Exception):
@@ -99,6 +100,7 @@ class ChoiceState:
 
     def output_logprobs(self, with_prompt: bool) -> list[TokenLogprob]:
         return self.echo.entries(self.prompt_logprobs) + self.logprobs if with_prompt else self.logprobs
+    tools: ToolCallStream | None = None  # chat with tools: the output as tool_calls
 
     @property
     def finished(self) -> bool:
@@ -219,10 +221,12 @@ class ResponseShape:
             entry = {"index": c.index}
             if self.kind == "completion":
                 entry["text"] = c.output_text
+            elif c.tools is not None:
+                entry["message"] = c.tools.message(c.text)
             else:
                 entry["message"] = {"role": "assistant", "content": c.text}
             entry["logprobs"] = self._logprobs(c.output_logprobs(c.echo is not None and self.logprobs is not None))
-            entry["finish_reason"] = c.finish_reason
+            entry["finish_reason"] = c.tools.finish_reason(c.text, c.finish_reason) if c.tools else c.finish_reason
             if self.prompt_logprobs is not None:
                 entry["prompt_logprobs"] = self.choice_prompt_logprobs(c)
             out.append(entry)
@@ -246,6 +250,23 @@ class ResponseShape:
         delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
         return {"index": index, "delta": delta, "logprobs": self._logprobs(entries) if entries else None,
                 "finish_reason": finish_reason}
+
+    def choice_deltas(self, choice: ChoiceState, text: str, entries: list[TokenLogprob]) -> list[dict]:
+        """The chunks' choices for what `choice` released (take_delta): one, or none when there is
+        nothing to send; with tools, a chunk per content or tool_calls delta (the logprobs and the
+        finish_reason on the last)."""
+        if choice.tools is None:
+            if text or entries or choice.finished:
+                return [self.choice_delta(choice.index, text, entries, choice.finish_reason)]
+            return []
+        deltas = choice.tools.feed(text, choice.finished)
+        if not deltas and (entries or choice.finished):
+            deltas = [{}]
+        out = [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if out:
+            out[-1]["logprobs"] = self._logprobs(entries) if entries else None
+            out[-1]["finish_reason"] = choice.tools.finish_reason(choice.text, choice.finish_reason)
+        return out
 
 
 def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> dict:

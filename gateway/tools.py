@@ -1,0 +1,397 @@
+"""Tool calls on /v1/chat/completions: what `tools` and `tool_choice` ask of the prompt and of the
+sampler, how a conversation's calls and results reach the chat template, and how the output
+becomes OpenAI's `tool_calls`.
+
+    tool_choice  the template gets  the output is                                   parsed by
+    "none"       no tools           text                                            nothing
+    "auto"       the tools          text and/or calls in the template's format      HermesParser, Llama3JsonParser
+    "required"   the tools          [{"name": ..., "parameters": {...}}, ...] (a grammar)   RequiredParser
+    named        the tools          that function's arguments (a grammar)           NamedParser
+
+A parser scans the output so far (`scan(text, final)`): how much of it is content for sure, and
+the calls complete so far. The whole body (`ToolCallStream.message`) and the streamed deltas
+(`ToolCallStream.feed`) both come from it, so the deltas of a stream add up to the body.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from common.config import TOOL_CALL_PARSERS
+from common.protocol import StructuredOutput
+from common.structured_output import json_schema_spec
+from gateway.models import ChatCompletionRequest, ChatMessage, InvalidField, TextPart, Tool
+
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what follows is a call
+NO_ARGUMENTS = {"type": "object", "properties": {}}  # a function declared without parameters
+FORMAT_MISSING = (
+    'tool_choice "auto" (the default with tools) needs a chat template with a tool-call format, and the '
+    'served one has none: pass tool_choice "required" or {"type": "function", "function": {"name": ...}} '
+    "(the call is then constrained by a grammar, with any model), or serve a template that has one "
+    "(--chat-template FILE, --tool-call-parser)")
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass(slots=True)
+class Scan:
+    content_end: int  # text[:content_end] is content for sure (after a final scan: the content)
+    calls: list[Call]  # the calls complete so far, in order; a later scan of a longer text starts with them
+
+
+class ToolParser(Protocol):
+    streams_arguments: bool  # the arguments stream as generated (else each call comes whole)
+    tags: tuple[str, ...]  # the format's markers: they must stay in the text
+
+    def scan(self, text: str, final: bool) -> Scan: ...
+
+
+# ----------------------------------------------------------------------------- the parsers
+
+def _call(obj: Any, keys: tuple[str, ...]) -> Call | None:
+    """{"name": str, <one of keys>: {...}} -> a Call; anything else is not a call."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = next((obj[k] for k in keys if k in obj), None)
+    if not isinstance(arguments, dict):
+        return None
+    return Call(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that could be the start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class HermesParser:
+    """Hermes (SmolLM2-1.7B, Qwen 2.5): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+    one block per call, after optional text (the content). A block that is not a call is left out;
+    an output with no call at all is all content. At the end, an unclosed last block counts if its
+    JSON is whole (the model stopped before the closing tag)."""
+
+    streams_arguments = False
+    tags = (HERMES_START, HERMES_END)
+    _block = re.compile(re.escape(HERMES_START) + r"(.*?)" + re.escape(HERMES_END), re.DOTALL)
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = text.find(HERMES_START)
+        if start < 0:
+            end = len(text) if final else len(text[:len(text) - _partial_suffix(text, HERMES_START)].rstrip())
+            return Scan(end, [])
+        blocks, tail = [], start
+        for match in self._block.finditer(text, start):
+            blocks.append(match.group(1))
+            tail = match.end()
+        if final and (last := text.find(HERMES_START, tail)) >= 0:
+            blocks.append(text[last + len(HERMES_START):])
+        calls = [c for c in (_call(_loads(b), ("arguments", "parameters")) for b in blocks) if c is not None]
+        if final and not calls:
+            return Scan(len(text), [])
+        return Scan(len(text[:start].rstrip()), calls)
+
+
+@dataclass(frozen=True, slots=True)
+class Llama3JsonParser:
+    """Llama 3.1's JSON calls: the output is `{"name": ..., "parameters": {...}}` (optionally after
+    `<|python_tag|>`; several separated by ';'), or it is all content."""
+
+    streams_arguments = False
+    tags = ()  # <|python_tag|> may be left out of the text: the JSON alone says it is a call
+
+    def scan(self, text: str, final: bool) -> Scan:
+        body = text.lstrip()
+        tagged = body.startswith(PYTHON_TAG)
+        if tagged:
+            body = body[len(PYTHON_TAG):].lstrip()
+        if not final and (not body or not tagged and PYTHON_TAG.startswith(body)):  # too early to tell
+            return Scan(0, [])
+        if not body.startswith("{"):
+            return Scan(len(text), [])
+        calls, decoder, at = [], json.JSONDecoder(), 0
+        while at < len(body):
+            try:
+                obj, at = decoder.raw_decode(body, at)
+            except (ValueError, RecursionError):
+                break  # not complete yet, or not JSON
+            call = _call(obj, ("parameters", "arguments"))
+            if call is None:
+                break
+            calls.append(call)
+            while at < len(body) and (body[at].isspace() or body[at] == ";"):
+                at += 1
+        if final and not calls:
+            return Scan(len(text), [])
+        return Scan(0, calls)
+
+
+@dataclass(frozen=True, slots=True)
+class RequiredParser:
+    """tool_choice "required": the grammar makes the output a JSON array of {"name", "parameters"}."""
+
+    streams_arguments = False
+    tags = ()
+
+    def scan(self, text: str, final: bool) -> Scan:
+        items = _loads(text) if text.rstrip().endswith("]") else None
+        calls = [_call(item, ("parameters",)) for item in items] if isinstance(items, list) else []
+        if calls and None not in calls:
+            return Scan(0, calls)
+        return Scan(len(text) if final else 0, [])
+
+
+@dataclass(frozen=True, slots=True)
+class NamedParser:
+    """A named function: the grammar makes the output that function's arguments, which stream as
+    they are generated. Cut off (finish_reason "length"), the output is not a call."""
+
+    name: str
+    streams_arguments = True
+    tags = ()
+
+    def scan(self, text: str, final: bool) -> Scan:
+        if final and isinstance(_loads(text), dict):
+            return Scan(0, [Call(self.name, text)])
+        return Scan(len(text) if final else 0, [])
+
+
+PARSERS = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
+
+
+def detect_tool_call_format(template: str) -> str | None:
+    """The tool-call format a chat template teaches its model, from the template's text."""
+    if HERMES_START in template:
+        return "hermes"
+    if PYTHON_TAG in template or '"parameters": dictionary' in template:
+        return "llama3_json"
+    return None
+
+
+def tool_call_format(tool_call_parser: str, template: str) -> str | None:
+    """--tool-call-parser: "auto" detects the format from the template (None: it has none)."""
+    if tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
+    return detect_tool_call_format(template) if tool_call_parser == "auto" else tool_call_parser
+
+
+# ----------------------------------------------------------------------------- the request
+
+@dataclass(slots=True)
+class ToolCalling:
+    """What a chat request's tools ask: the tools for the template, the grammar, the parser."""
+
+    tools: list[dict] | None = None  # OpenAI's tool objects, for apply_chat_template(tools=...)
+    structured_output: StructuredOutput | None = None
+    parser: ToolParser | None = None
+    max_calls: int | None = None  # parallel_tool_calls false: 1
+
+
+def tool_calling(request: ChatCompletionRequest, format: str | None) -> ToolCalling:
+    """tools and tool_choice (OpenAI's rules between them) -> ToolCalling; InvalidField for a 400.
+    `format`: the served template's tool-call format (tool_call_format)."""
+    tools, choice = request.tools or [], request.tool_choice
+    if choice is not None and not tools:
+        raise InvalidField("tool_choice is only allowed when tools are given", "tool_choice")
+    if not tools or choice == "none":
+        return ToolCalling()
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise InvalidField(f"tools declares the function {twice!r} more than once", "tools")
+    rendered = [t.model_dump(exclude_none=True) for t in tools]
+    max_calls = 1 if request.parallel_tool_calls is False else None
+    if choice in (None, "auto"):
+        if format is None:
+            raise InvalidField(FORMAT_MISSING, "tool_choice")
+        return ToolCalling(rendered, None, PARSERS[format], max_calls)
+    _check_no_other_grammar(request)
+    if choice == "required":
+        schema = required_schema(tools, max_calls)
+        return ToolCalling(rendered, json_schema_spec(schema), RequiredParser(), max_calls)
+    tool = next((t for t in tools if t.function.name == choice.function.name), None)
+    if tool is None:
+        raise InvalidField(f"tool_choice names the function {choice.function.name!r}, which is not among tools "
+                           f"({', '.join(names)})", "tool_choice")
+    return ToolCalling(rendered, json_schema_spec(parameters(tool)), NamedParser(tool.function.name), 1)
+
+
+def _check_no_other_grammar(request: ChatCompletionRequest) -> None:
+    """A required or named tool_choice is a grammar already: another one beside it is a 400."""
+    if request.response_format is not None and request.response_format.type != "text":
+        raise InvalidField(f"response_format {request.response_format.type!r} cannot be combined with tool_choice "
+                           f"{_show_choice(request.tool_choice)}: the output is the call's JSON", "response_format")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(request, name) is not None:
+            raise InvalidField(f"{name} cannot be combined with tool_choice {_show_choice(request.tool_choice)}: "
+                               "the output is the call's JSON", name)
+    if request.use_beam_search:
+        raise InvalidField(f"tool_choice {_show_choice(request.tool_choice)} is not supported with use_beam_search",
+                           "use_beam_search")
+
+
+def _show_choice(choice) -> str:
+    return json.dumps(choice) if isinstance(choice, str) else f"{{function: {choice.function.name!r}}}"
+
+
+def parameters(tool: Tool) -> dict:
+    return tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
+
+
+def required_schema(tools: list[Tool], max_calls: int | None) -> dict:
+    """vLLM's form: an array of calls, each {"name": one tool's name, "parameters": its schema}."""
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": parameters(t)},
+              "required": ["name", "parameters"]} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return schema
+
+
+# ----------------------------------------------------------------------------- the conversation
+
+def chat_messages(messages: list[ChatMessage], renders_tool_calls: bool) -> list[dict]:
+    """Messages as transformers' chat templates take them: developer as system, content parts
+    joined, an assistant's tool_calls with their arguments as objects, a tool result's
+    tool_call_id. For a template that does not render tool_calls, the calls become Hermes text
+    in the assistant's content, so that a conversation with calls renders on any model."""
+    out = []
+    for i, m in enumerate(messages):
+        message = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise InvalidField(f"messages[{i}].tool_call_id is required in a tool message: the id of the call "
+                                   "it answers", f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+        if m.role == "assistant" and m.tool_calls:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, i, j)}}
+                     for j, c in enumerate(m.tool_calls)]
+            if renders_tool_calls:
+                message["tool_calls"] = calls
+            else:
+                message["content"] = hermes_text(message["content"], calls)
+        out.append(message)
+    return out
+
+
+def renders_tool_calls(template: str) -> bool:
+    return "tool_calls" in template
+
+
+def hermes_text(content: str, calls: list[dict]) -> str:
+    blocks = [f"{HERMES_START}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n{HERMES_END}"
+              for c in calls]
+    return "\n".join(([content] if content else []) + blocks)
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None:  # an assistant message without content
+        return ""
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
+
+
+def _arguments(text: str, i: int, j: int) -> dict:
+    arguments = _loads(text)
+    if not isinstance(arguments, dict):
+        shown = text if len(text) <= 64 else text[:61] + "..."
+        raise InvalidField(f"messages[{i}].tool_calls[{j}].function.arguments must be the JSON text of an object, "
+                           f"got {json.dumps(shown)}", f"messages[{i}].tool_calls")
+    return arguments
+
+
+# ----------------------------------------------------------------------------- the output
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def tool_call(call: Call, call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+@dataclass(slots=True)
+class ToolCallStream:
+    """One choice's output as OpenAI's chat message (`message`) or as deltas (`feed`):
+
+        text[:content_sent]   sent as content
+        calls[:calls_sent]    sent as tool_calls deltas (a named function: its header, then its arguments)
+    """
+
+    parser: ToolParser
+    max_calls: int | None = None
+    text: str = ""
+    content_sent: int = 0
+    calls_sent: int = 0
+    arguments_sent: int = 0  # a named function's: characters of the output sent as arguments
+    ids: list[str] = field(default_factory=list)
+
+    def message(self, text: str) -> dict:
+        """The whole output as the chat message."""
+        scan = self._scan(text, True)
+        if not scan.calls:
+            return {"role": "assistant", "content": text}
+        content = text[:scan.content_end] or None
+        return {"role": "assistant", "content": content,
+                "tool_calls": [tool_call(c, new_call_id()) for c in scan.calls]}
+
+    def finish_reason(self, text: str, reason: str | None) -> str | None:
+        """"tool_calls" when the output (stopped or cut) holds calls; else the scheduler's reason."""
+        if reason in ("stop", "length") and self._scan(text, True).calls:
+            return "tool_calls"
+        return reason
+
+    def feed(self, delta: str, final: bool) -> list[dict]:
+        """The chat deltas for `delta`, the output's next released text (`final`: its last)."""
+        self.text += delta
+        if self.parser.streams_arguments:
+            return self._feed_arguments()
+        scan = self._scan(self.text, final)
+        out = []
+        if scan.content_end > self.content_sent:
+            out.append({"content": self.text[self.content_sent:scan.content_end]})
+            self.content_sent = scan.content_end
+        for index in range(self.calls_sent, len(scan.calls)):
+            call = scan.calls[index]
+            self.ids.append(new_call_id())
+            out.append({"tool_calls": [{"index": index, "id": self.ids[index], "type": "function",
+                                        "function": {"name": call.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+        self.calls_sent = len(scan.calls)
+        return out
+
+    def _feed_arguments(self) -> list[dict]:
+        out = []
+        if not self.ids:
+            self.ids.append(new_call_id())
+            out.append({"tool_calls": [{"index": 0, "id": self.ids[0], "type": "function",
+                                        "function": {"name": self.parser.name, "arguments": ""}}]})
+        if len(self.text) > self.arguments_sent:
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": self.text[self.arguments_sent:]}}]})
+            self.arguments_sent = len(self.text)
+        return out
+
+    def _scan(self, text: str, final: bool) -> Scan:
+        scan = self.parser.scan(text, final)
+        if self.max_calls is not None:
+            scan.calls = scan.calls[:self.max_calls]
+        return scan

@@ -1,0 +1,376 @@
+"""Tool calls (gateway/tools.py): the parsers of each format on exact outputs, the streamed deltas
+and the whole message they make (the deltas add up to the message), tool_choice's rules, and the
+conversation with calls as the default model's chat template renders it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.protocol import RequestEvent
+from common.structured_output import json_schema_spec
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.models import ChatCompletionRequest, InvalidField
+from gateway.openai_api import APIError, parse_chat
+from gateway.serving import ChoiceState, ResponseShape
+from gateway.tokenizer import PromptEncoder, load_tokenizer
+from gateway.tools import (
+    FORMAT_MISSING, NO_ARGUMENTS, HermesParser, Llama3JsonParser, NamedParser, RequiredParser, ToolCallStream,
+    chat_messages, detect_tool_call_format, tool_call_format, tool_calling,
+)
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+PARIS = '{"city": "Paris"}'
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+HERMES_TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+# the parts of the templates that say which format they teach (Qwen 2.5's and Llama 3.1's words)
+HERMES_TEMPLATE = ("{%- if tools %}For each function call, return a json object with function name and arguments "
+                   "within <tool_call></tool_call> XML tags{%- endif %}")
+LLAMA31_TEMPLATE = ('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
+                    'its value}.{%- if builtin_tools is defined %}<|python_tag|>{%- endif %}')
+# a template that renders tools and tool_calls itself (the arguments with tojson, as Qwen 2.5's does)
+TOOLS_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def message(parser, text: str, reason: str = "stop", max_calls: int | None = None) -> tuple[dict, str]:
+    """The whole message (call ids left out) and the finish_reason."""
+    stream = ToolCallStream(parser, max_calls)
+    body = stream.message(text)
+    for call in body.get("tool_calls", []):
+        assert call.pop("id").startswith("call_") and len(call["function"]) == 2
+    return body, stream.finish_reason(text, reason)
+
+
+def call(name: str, arguments: str) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def feed(parser, pieces: list[str], max_calls: int | None = None) -> list[dict]:
+    """The deltas for each released piece (the last one final), each call id checked and left out."""
+    stream = ToolCallStream(parser, max_calls)
+    out = []
+    for i, piece in enumerate(pieces):
+        deltas = stream.feed(piece, i == len(pieces) - 1)
+        for delta in deltas:
+            for entry in delta.get("tool_calls", []):
+                if "id" in entry:
+                    assert entry.pop("id") == stream.ids[entry["index"]]
+        out.append(deltas)
+    return out
+
+
+def concatenated(deltas: list[list[dict]]) -> tuple[str | None, list[dict]]:
+    """What a client makes of the deltas: the content, and each call's name and arguments joined."""
+    content, calls = None, {}
+    for delta in (d for step in deltas for d in step):
+        if "content" in delta:
+            content = (content or "") + delta["content"]
+        for entry in delta.get("tool_calls", []):
+            joined = calls.setdefault(entry["index"], {"type": "function", "function": {"name": "", "arguments": ""}})
+            joined["function"]["name"] += entry["function"].get("name", "")
+            joined["function"]["arguments"] += entry["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)]
+
+
+# ----------------------------------------------------------------------------- Hermes
+
+def test_hermes_a_call_alone_has_no_content():
+    assert message(HermesParser(), HERMES_CALL) == (
+        {"role": "assistant", "content": None, "tool_calls": [call("get_weather", PARIS)]}, "tool_calls")
+
+
+def test_hermes_text_before_the_calls_is_the_content_and_each_block_a_call():
+    text = f"Let me look.\n{HERMES_CALL}\n{HERMES_TIME}"
+    assert message(HermesParser(), text) == ({"role": "assistant", "content": "Let me look.", "tool_calls": [
+        call("get_weather", PARIS), call("get_time", "{}")]}, "tool_calls")
+
+
+def test_hermes_parallel_tool_calls_false_keeps_the_first_call():
+    body, reason = message(HermesParser(), f"{HERMES_CALL}\n{HERMES_TIME}", max_calls=1)
+    assert body["tool_calls"] == [call("get_weather", PARIS)] and reason == "tool_calls"
+
+
+def test_hermes_text_without_a_call_is_all_content():
+    assert message(HermesParser(), "It is sunny.") == ({"role": "assistant", "content": "It is sunny."}, "stop")
+
+
+def test_hermes_a_block_cut_off_is_content_and_keeps_length():
+    text = '<tool_call>\n{"name": "get_weather", "argu'
+    assert message(HermesParser(), text, "length") == ({"role": "assistant", "content": text}, "length")
+
+
+def test_hermes_a_whole_call_without_its_closing_tag_is_a_call():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert message(HermesParser(), text)[0]["tool_calls"] == [call("get_weather", PARIS)]
+
+
+def test_hermes_a_block_that_is_not_a_call_is_left_out():
+    text = f'<tool_call>\n{{"arguments": {{}}}}\n</tool_call>\n{HERMES_CALL}'
+    assert message(HermesParser(), text)[0]["tool_calls"] == [call("get_weather", PARIS)]
+    assert message(HermesParser(), "<tool_call>\nnot json\n</tool_call>") == (
+        {"role": "assistant", "content": "<tool_call>\nnot json\n</tool_call>"}, "stop")
+
+
+def test_hermes_streams_the_content_then_each_call_when_its_block_closes():
+    pieces = ["Let me", " look. <tool", '_call>\n{"name": "get_weather", ',
+              '"arguments": {"city": "Paris"}}\n</tool_call>', "\n<tool_call>", HERMES_TIME[11:], ""]
+    assert feed(HermesParser(), pieces) == [
+        [{"content": "Let me"}],
+        [{"content": " look."}],  # "<tool" could begin a call, and the space before it could end the content
+        [],
+        [{"tool_calls": [{"index": 0, "type": "function", "function": {"name": "get_weather", "arguments": ""}}]},
+         {"tool_calls": [{"index": 0, "function": {"arguments": PARIS}}]}],
+        [],
+        [{"tool_calls": [{"index": 1, "type": "function", "function": {"name": "get_time", "arguments": ""}}]},
+         {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}],
+        [],
+    ]
+
+
+def test_hermes_held_text_that_was_no_call_is_sent_at_the_end():
+    assert feed(HermesParser(), ["a <tool", "box> b", " <tool_call>\nnot json", ""]) == [
+        [{"content": "a"}], [{"content": " <toolbox> b"}], [], [{"content": " <tool_call>\nnot json"}]]
+
+
+# ----------------------------------------------------------------------------- Llama 3.1 JSON
+
+@pytest.mark.parametrize("text", [
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    ' \n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+], ids=["json", "after-python-tag", "arguments-key"])
+def test_llama3_json_a_call(text):
+    assert message(Llama3JsonParser(), text) == (
+        {"role": "assistant", "content": None, "tool_calls": [call("get_weather", PARIS)]}, "tool_calls")
+
+
+def test_llama3_json_calls_separated_by_semicolons():
+    text = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+    assert message(Llama3JsonParser(), text)[0]["tool_calls"] == [call("get_weather", PARIS), call("get_time", "{}")]
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("It is sunny in Paris.", "stop"), ('{"answer": 42}', "stop"), ('{"name": "get_weather", "parameters": {"ci', "length"),
+], ids=["text", "json-not-a-call", "cut-off"])
+def test_llama3_json_anything_else_is_content(text, reason):
+    assert message(Llama3JsonParser(), text, reason) == ({"role": "assistant", "content": text}, reason)
+
+
+def test_llama3_json_streams_text_at_once_and_a_call_when_its_object_closes():
+    assert feed(Llama3JsonParser(), ["It is", " sunny.", ""]) == [[{"content": "It is"}], [{"content": " sunny."}], []]
+    pieces = ["<|python", '_tag|>{"name": "get_weather", "parameters": ', '{"city": "Paris"}', "}", ""]
+    assert feed(Llama3JsonParser(), pieces) == [[], [], [], [
+        {"tool_calls": [{"index": 0, "type": "function", "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": PARIS}}]}], []]
+    assert feed(Llama3JsonParser(), ['{"answer":', " 42}", ""]) == [[], [], [{"content": '{"answer": 42}'}]]
+
+
+# ----------------------------------------------------------------------------- required, named
+
+def test_required_the_array_is_the_calls():
+    text = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{}}]'
+    assert message(RequiredParser(), text) == ({"role": "assistant", "content": None, "tool_calls": [
+        call("get_weather", PARIS), call("get_time", "{}")]}, "tool_calls")
+    cut = '[{"name":"get_weather","parameters":{"ci'
+    assert message(RequiredParser(), cut, "length") == ({"role": "assistant", "content": cut}, "length")
+
+
+def test_required_streams_the_calls_when_the_array_closes():
+    pieces = ['[{"name":"get_weather",', '"parameters":{"city":"Paris"}}', "]", ""]
+    assert feed(RequiredParser(), pieces) == [[], [], [
+        {"tool_calls": [{"index": 0, "type": "function", "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": PARIS}}]}], []]
+
+
+def test_named_the_output_is_the_arguments_and_streams_as_generated():
+    parser = NamedParser("get_weather")
+    assert message(parser, '{"city":"Paris"}') == (
+        {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city":"Paris"}')]}, "tool_calls")
+    assert message(parser, '{"city":"Pa', "length") == ({"role": "assistant", "content": '{"city":"Pa'}, "length")
+    assert feed(parser, ['{"city":', '"Paris"}', ""]) == [
+        [{"tool_calls": [{"index": 0, "type": "function", "function": {"name": "get_weather", "arguments": ""}}]},
+         {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]}],
+        [{"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}],
+        [],
+    ]
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesParser(), f"Sure, I will check the weather <tools> for you.\n{HERMES_CALL}\n{HERMES_TIME}"),
+    (HermesParser(), "No <tool_call> here after all"),
+    (Llama3JsonParser(), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                         '{"name": "get_time", "parameters": {}}'),
+    (Llama3JsonParser(), "  <|python_ta and then text"),
+    (RequiredParser(), '[{"name":"get_weather","parameters":{"city":"Paris"}}]'),
+    (NamedParser("get_weather"), '{"city":"Paris"}'),
+], ids=["hermes", "hermes-no-call", "llama3-json", "llama3-json-no-call", "required", "named"])
+def test_the_deltas_add_up_to_the_message_however_the_text_is_cut(parser, text):
+    body, _ = message(parser, text)
+    for cut in range(len(text) + 1):
+        for pieces in ([text[:cut], text[cut:], ""], [*text, ""]):
+            content, calls = concatenated(feed(parser, pieces))
+            assert (content, calls) == (body["content"], body.get("tool_calls", []))
+
+
+def test_a_streamed_choice_carries_its_logprobs_and_the_finish_reason_on_its_last_chunk(tokenizer):
+    shape = ResponseShape.new("chat", "m", 0, lambda t: tokenizer.decode([t]), "abc")
+    choice = ChoiceState(0, "r", IncrementalDetokenizer(tokenizer), [], frozenset(), 0.0,
+                         tools=ToolCallStream(RequiredParser()))
+    ids = tokenizer.encode('[{"name":"get_time","parameters":{}}]')
+    choice.add(RequestEvent("r", ids, [[-0.5, [[i, -0.5]]] for i in ids], "stop"))
+    chunks = shape.choice_deltas(choice, *choice.take_delta())
+    assert [c["finish_reason"] for c in chunks] == [None, "tool_calls"]
+    assert chunks[0]["logprobs"] is None and len(chunks[1]["logprobs"]["content"]) == len(ids)
+    assert chunks[1]["delta"] == {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}
+    body = shape.body([choice], {})["choices"][0]
+    assert body["finish_reason"] == "tool_calls" and body["message"]["tool_calls"][0]["function"] == {
+        "name": "get_time", "arguments": "{}"}
+
+
+# ----------------------------------------------------------------------------- tool_choice
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def test_tool_choice_decides_the_tools_the_grammar_and_the_parser():
+    none = tool_calling(request(tools=TOOLS, tool_choice="none"), "hermes")
+    assert (none.tools, none.structured_output, none.parser) == (None, None, None)
+    auto = tool_calling(request(tools=TOOLS), "hermes")
+    assert auto.tools == TOOLS and auto.structured_output is None and auto.parser == HermesParser()
+    assert tool_calling(request(tools=TOOLS, tool_choice="auto"), "llama3_json").parser == Llama3JsonParser()
+    required = tool_calling(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), None)
+    assert required.parser == RequiredParser() and required.max_calls == 1
+    assert required.structured_output == json_schema_spec({"type": "array", "minItems": 1, "maxItems": 1, "items": {
+        "anyOf": [{"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER},
+                   "required": ["name", "parameters"]},
+                  {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": NO_ARGUMENTS},
+                   "required": ["name", "parameters"]}]}})
+    named = tool_calling(request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                         None)
+    assert (named.structured_output, named.parser) == (json_schema_spec(WEATHER), NamedParser("get_weather"))
+    assert tool_calling(request(), None).parser is None
+
+
+@pytest.mark.parametrize("fields, param, text", [
+    (dict(tool_choice="none"), "tool_choice", "tool_choice is only allowed when tools are given"),
+    (dict(tools=TOOLS), "tool_choice", FORMAT_MISSING),
+    (dict(tools=TOOLS, tool_choice="auto"), "tool_choice", FORMAT_MISSING),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_news"}}), "tool_choice",
+     "tool_choice names the function 'get_news', which is not among tools (get_weather, get_time)"),
+    (dict(tools=TOOLS + TOOLS[:1], tool_choice="required"), "tools",
+     "tools declares the function 'get_weather' more than once"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format",
+     "response_format 'json_object' cannot be combined with tool_choice \"required\": the output is the call's JSON"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, guided_regex="a+"),
+     "guided_regex", "guided_regex cannot be combined with tool_choice {function: 'get_time'}: the output is the "
+                     "call's JSON"),
+    (dict(tools=TOOLS, tool_choice="required", use_beam_search=True), "use_beam_search",
+     'tool_choice "required" is not supported with use_beam_search'),
+], ids=["choice-without-tools", "auto-by-default-without-a-format", "auto-without-a-format", "unknown-function",
+        "duplicate-function", "required-and-response-format", "named-and-guided-regex", "required-and-beam-search"])
+def test_tool_choice_errors(fields, param, text):
+    with pytest.raises(InvalidField) as error:
+        tool_calling(request(**fields), None)
+    assert (error.value.param, str(error.value)) == (param, text)
+
+
+def test_the_format_is_detected_from_the_template_unless_named(tokenizer):
+    assert detect_tool_call_format(HERMES_TEMPLATE) == "hermes"
+    assert detect_tool_call_format(LLAMA31_TEMPLATE) == "llama3_json"
+    assert detect_tool_call_format(tokenizer.chat_template) is None  # the default model's: plain ChatML
+    assert tool_call_format("auto", "{{ messages }}") is None
+    assert tool_call_format("hermes", "{{ messages }}") == "hermes"
+    with pytest.raises(ValueError):
+        tool_call_format("mistral", HERMES_TEMPLATE)
+
+
+# ----------------------------------------------------------------------------- the conversation
+
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "15 C, sunny"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("default")
+
+
+def test_a_round_trip_renders_with_the_default_template_as_hermes_text(tokenizer):
+    encoder = PromptEncoder(tokenizer)
+    parsed = parse_chat({"messages": CONVERSATION, "tools": TOOLS, "tool_choice": "required"}, encoder, len(tokenizer))
+    assert tokenizer.decode(parsed.prompts[0]) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        f"<|im_start|>assistant\n{HERMES_CALL}<|im_end|>\n"
+        "<|im_start|>tool\n15 C, sunny<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert parsed.params.structured_output.kind == "json_schema" and parsed.tool_parser == RequiredParser()
+
+
+def test_a_template_that_renders_tool_calls_gets_them_with_their_arguments_as_objects(tokenizer):
+    encoder = PromptEncoder(tokenizer, TOOLS_TEMPLATE)
+    parsed = parse_chat({"messages": CONVERSATION + [{"role": "assistant", "content": "Sunny."}], "tools": TOOLS,
+                         "tool_choice": "none"}, encoder, len(tokenizer))
+    assert tokenizer.decode(parsed.prompts[0]) == (
+        "user: Weather in Paris?\nassistant: [get_weather {\"city\": \"Paris\"}]\ntool: 15 C, sunny (call_1)\n"
+        "assistant: Sunny.\nassistant:")  # "none": the tools are not rendered
+    parsed = parse_chat({"messages": CONVERSATION[:1], "tools": TOOLS, "tool_choice": "required"}, encoder,
+                        len(tokenizer))
+    assert tokenizer.decode(parsed.prompts[0]) == "tools: get_weather get_time\nuser: Weather in Paris?\nassistant:"
+
+
+def test_a_chat_template_file_with_a_tool_format_serves_auto(tokenizer):
+    encoder = PromptEncoder(tokenizer, HERMES_TEMPLATE + "{{ messages[0].content }}")
+    parsed = parse_chat({"messages": CONVERSATION[:1], "tools": TOOLS}, encoder, len(tokenizer))
+    assert parsed.tool_parser == HermesParser() and parsed.params.structured_output is None
+    assert parsed.skip_special_tokens  # <tool_call> is no special token of this tokenizer: nothing to keep
+
+
+@pytest.mark.parametrize("messages, param, text", [
+    ([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]}],
+     "messages[0].tool_calls", 'messages[0].tool_calls[0].function.arguments must be the JSON text of an object, '
+                               'got "[1]"'),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "15 C"}], "messages[1].tool_call_id",
+     "messages[1].tool_call_id is required in a tool message: the id of the call it answers"),
+], ids=["arguments-not-an-object", "tool-message-without-its-call-id"])
+def test_a_conversation_with_broken_calls_is_a_400(tokenizer, messages, param, text):
+    with pytest.raises(APIError) as error:
+        parse_chat({"messages": messages}, PromptEncoder(tokenizer), len(tokenizer))
+    assert (error.value.status, error.value.param, error.value.message) == (400, param, text)
+
+
+def test_chat_messages_without_tools_are_as_before():
+    messages = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant"}]}).messages
+    assert chat_messages(messages, True) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""}]
+
+
+def test_the_required_grammar_accepts_a_call_and_refuses_an_unknown_function(tokenizer):
+    xgr = pytest.importorskip("xgrammar")
+    from common.structured_output import compile_structured_output
+
+    spec = tool_calling(request(tools=TOOLS, tool_choice="required"), None).structured_output
+    compiled = compile_structured_output(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer)), spec)
+    assert xgr.GrammarMatcher(compiled).accept_string('[{"name": "get_weather", "parameters": {"city": "Paris"}}]')
+    assert not xgr.GrammarMatcher(compiled).accept_string('[{"name":"get_news"')
+    body, _ = message(RequiredParser(), '[{"name":"get_weather","parameters":{"city":"Paris"}}]')
+    assert json.loads(body["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
