@@ -68,16 +68,30 @@ class Out:
     finish_reason: str
 
 
-class ScriptedLLM:
-    """Answers each prompt with the next scripted (text, finish_reason); records the params."""
+@dataclass
+class Engine:
+    num_steps: int = 0
 
-    def __init__(self, answers):
-        self.answers = answers
-        self.params = None
+
+class ScriptedLLM:
+    """Answers each prompt with the next scripted (text, finish_reason), or a constrained request
+    with as many tokens as its seed + 1 and any other with its max_tokens; records each call."""
+
+    def __init__(self, answers=()):
+        self.answers = list(answers)
+        self.calls = []
+        self.engine = Engine()
+
+    @property
+    def params(self):
+        return self.calls[-1][1]
 
     def generate(self, prompts, params, use_tqdm=False):
-        self.params = params
-        return [Out(text, [0] * 5, reason) for text, reason in self.answers[:len(prompts)]]
+        self.calls.append((prompts, params))
+        self.engine.num_steps += 10
+        if self.answers:
+            return [Out(text, [0] * 5, reason) for text, reason in self.answers[:len(prompts)]]
+        return [Out("", [0] * (p.seed + 1 if p.structured_output else p.max_tokens), "stop") for p in params]
 
 
 def test_validate_counts_only_closed_valid_documents():
@@ -112,3 +126,22 @@ def test_the_command_compares_the_libraries(tmp_path, capsys):
         entry = result["compare"][name]
         assert entry["compile_ms"]["n"] == 2 and entry["mask_batched"]["step_ms"]["n"] == 3
         assert list(entry["per_schema_compile_ms"]) == ["person", "enum_status"]
+
+
+def test_throughput_holds_the_unconstrained_run_to_the_constrained_lengths():
+    llm = ScriptedLLM()
+    result = structured.throughput(llm, structured.load_schemas()[:3], batch_size=5, max_tokens=9, temperature=0.7,
+                                   repeats=2)
+    warmup, constrained, free = llm.calls[0], llm.calls[1], llm.calls[2]
+    assert len(warmup[0]) == 2 and len(llm.calls) == 5  # warm-up, then constrained and unconstrained twice
+    assert constrained[0] == free[0] and len(free[0]) == 5  # the same prompts
+    assert [p.structured_output.spec for p in constrained[1]] == [
+        structured.schema_text(s["schema"]) for s in structured.load_schemas()[:3] + structured.load_schemas()[:2]]
+    assert [(p.max_tokens, p.seed) for p in constrained[1]] == [(9, i) for i in range(5)]
+    # held to each request's constrained length: 1..5 tokens, EOS ignored, no grammar
+    assert [(p.min_tokens, p.max_tokens, p.ignore_eos, p.structured_output, p.seed) for p in free[1]] == [
+        (n, n, True, None, n - 1) for n in range(1, 6)]
+    assert result["constrained"]["output_tokens"] == result["unconstrained"]["output_tokens"] == 15
+    assert result["constrained"]["steps"] == 10 and result["same_lengths"]
+    assert result["ratio"] == pytest.approx(
+        result["constrained"]["output_tokens_per_s"] / result["unconstrained"]["output_tokens_per_s"])

@@ -274,8 +274,9 @@ def _timed(llm, prompts: list[str], params: list) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-            "steps": llm.engine.num_steps - steps, "lengths": [len(o.token_ids) for o in outputs]}
+    steps = llm.engine.num_steps - steps
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed, "steps": steps,
+            "ms_per_step": elapsed / steps * 1e3, "lengths": [len(o.token_ids) for o in outputs]}
 
 
 def throughput(llm, schemas: list[dict], batch_size: int, max_tokens: int, temperature: float, repeats: int) -> dict:
@@ -297,14 +298,17 @@ def throughput(llm, schemas: list[dict], batch_size: int, max_tokens: int, tempe
         free_params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, min_tokens=n, ignore_eos=True)
                        for i, n in enumerate(lengths)]
         runs["unconstrained"].append(_timed(llm, prompts, free_params))
+    # seeded: every run of either kind decodes the same lengths
+    same_lengths = all(r["lengths"] == lengths for rs in runs.values() for r in rs)
     best = {kind: max(rs, key=lambda r: r["output_tokens_per_s"]) for kind, rs in runs.items()}
-    for run in best.values():
-        run.pop("lengths")
+    for rs in runs.values():
+        for run in rs:
+            run.pop("lengths", None)
     ratio = best["constrained"]["output_tokens_per_s"] / best["unconstrained"]["output_tokens_per_s"]
     return {"batch_size": batch_size, "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats,
             "constrained": best["constrained"], "unconstrained": best["unconstrained"],
             "all_runs_tokens_per_s": {k: [round(r["output_tokens_per_s"], 2) for r in rs] for k, rs in runs.items()},
-            "ratio": ratio, "cost": 1 - ratio}
+            "same_lengths": same_lengths, "ratio": ratio, "cost": 1 - ratio}
 
 
 # ----------------------------------------------------------------------------- the command
