@@ -133,7 +133,9 @@ def test_throughput_holds_the_unconstrained_run_to_the_constrained_lengths():
     result = structured.throughput(llm, structured.load_schemas()[:3], batch_size=5, max_tokens=9, temperature=0.7,
                                    repeats=2)
     warmup, constrained, free = llm.calls[0], llm.calls[1], llm.calls[2]
-    assert len(warmup[0]) == 2 and len(llm.calls) == 5  # warm-up, then constrained and unconstrained twice
+    # a warm-up that compiles each of the 3 grammars, then constrained and unconstrained twice
+    assert len(llm.calls) == 5 and sorted(p.seed for p in warmup[1]) == [0, 1, 2]
+    assert all(p.max_tokens == 2 for p in warmup[1])
     assert constrained[0] == free[0] and len(free[0]) == 5  # the same prompts
     assert [p.structured_output.spec for p in constrained[1]] == [
         structured.schema_text(s["schema"]) for s in structured.load_schemas()[:3] + structured.load_schemas()[:2]]

@@ -13,6 +13,7 @@ prompts and batch shape, and the ratio is the grammar's cost.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -288,7 +289,10 @@ def throughput(llm, schemas: list[dict], batch_size: int, max_tokens: int, tempe
     prompts = [prompt_of(e) for e in cases]
     constrained_params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
                                          structured_output=structured(e)) for i, e in enumerate(cases)]
-    llm.generate(prompts[:2], constrained_params[:2], use_tqdm=False)  # warm up (and compile two grammars)
+    # warm up, compiling every grammar: the worker caches them, and --compare times compilation
+    first = {e["name"]: i for i, e in reversed(list(enumerate(cases)))}
+    llm.generate([prompts[i] for i in first.values()],
+                 [dataclasses.replace(constrained_params[i], max_tokens=2) for i in first.values()], use_tqdm=False)
     runs = {"constrained": [], "unconstrained": []}
     lengths = None
     for _ in range(repeats):
