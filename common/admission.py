@@ -74,8 +74,10 @@ def check_admissible(
 
 
 def final_len(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
-    """The most tokens a sequence of this request may reach (max_tokens None: the rest of the context)."""
-    return min(num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len)
+    """The most tokens a sequence of this request may reach (max_tokens None: the rest of the context;
+    0: the prompt alone)."""
+    max_tokens = params.max_tokens
+    return min(num_prompt_tokens + (max_model_len if max_tokens is None else max_tokens), max_model_len)
 
 
 def _check_kv_pool(num_prompt_tokens: int, params: SamplingParams, limits: AdmissionLimits, where: str):
@@ -94,7 +96,7 @@ def _check_kv_pool(num_prompt_tokens: int, params: SamplingParams, limits: Admis
 
 def _check_context(num_prompt_tokens: int, params: SamplingParams, limits: AdmissionLimits, where: str):
     max_tokens, max_model_len = params.max_tokens, limits.max_model_len
-    needed = num_prompt_tokens + (max_tokens or 1)
+    needed = num_prompt_tokens + (1 if max_tokens is None else max_tokens)  # 0: the prompt alone (scoring)
     if needed <= max_model_len:
         return None
     asked = f"{num_prompt_tokens} in the {where}" + (f", {max_tokens} for the completion" if max_tokens else "")

@@ -41,7 +41,7 @@ from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, schedu
 from gateway.models import InvalidField
 from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
-from gateway.serving import SSE_DONE, ChoiceState, EngineError, ResponseShape, sse, usage
+from gateway.serving import SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, sse, usage
 from gateway.structured import StructuredOutputChecker
 from gateway.tokenizer import PromptEncoder, load_tokenizer
 from gateway.tools import ToolCallStream
@@ -222,8 +222,9 @@ class Gateway:
             self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses)
             shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text,
-                                      request_id(request))
-            requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival)
+                                      request_id(request), parsed.prompt_logprobs)
+            echoes = await asyncio.to_thread(self._echoes, parsed) if parsed.echo else None
+            requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival, echoes)
             generation = await self._submit(requests)
         except APIError as exc:
             return error_response(exc)
@@ -241,6 +242,10 @@ class Gateway:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, shape, parsed, generation, choices, deadline)
 
+    def _echoes(self, parsed: ParsedRequest) -> list[Echo]:
+        """Each prompt's echoed text (completions `echo`), decoded as the choices' text is."""
+        return [Echo.of(self.tokenizer, prompt, parsed.skip_special_tokens) for prompt in parsed.prompts]
+
     def _parse(self, kind: str, body: dict) -> ParsedRequest:
         """The request, tokenized, and its structured output checked by the worker's rule (in a thread)."""
         parsed = (parse_completion if kind == "completion" else parse_chat)(body, self.encoder, self.vocab_size)
@@ -252,6 +257,7 @@ class Gateway:
 
     def _sub_requests(
         self, response_id: str, parsed: ParsedRequest, arrival_time: float, arrival: float,
+        echoes: list[Echo] | None = None,
     ) -> tuple[list[GenerateRequest], list[ChoiceState]]:
         """One request per prompt, `<response id>-<prompt index>`, whose n outputs are the prompt's
         choices: one sequence group in the scheduler, its samples forked from the prompt's blocks
@@ -265,8 +271,11 @@ class Gateway:
             for i in range(parsed.n):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
                 tools = ToolCallStream(parsed.tool_parser, parsed.max_tool_calls) if parsed.tool_parser else None
-                choices.append(ChoiceState(p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival,
-                                           i, parsed.chosen_at_end, num_prompt_tokens=len(prompt), tools=tools))
+                choices.append(ChoiceState(
+                    p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival, i, parsed.chosen_at_end,
+                    num_prompt_tokens=len(prompt), echo=echoes[p] if echoes else None,
+                    prompt_token_ids=prompt if parsed.prompt_logprobs is not None else [], tools=tools,
+                ))
         return requests, choices
 
     async def _complete(
@@ -305,6 +314,9 @@ class Gateway:
                     yield shape.chunk(shape.choice_delta(c.index, "", [], None, role=True), include_usage)
             async for choice in self._events(generation, choices, deadline):
                 for delta in shape.choice_deltas(choice, *choice.take_delta()):
+                    if shape.prompt_logprobs is not None and not choice.prompt_logprobs_sent:  # in the first chunk
+                        choice.prompt_logprobs_sent = True
+                        delta["prompt_logprobs"] = shape.choice_prompt_logprobs(choice)
                     yield shape.chunk(delta, include_usage)
             if include_usage:
                 yield shape.chunk(None, True, usage(parsed.prompts, choices))
@@ -332,6 +344,9 @@ class Gateway:
             if scheduled is not None:  # the request's first token-bearing event: when it was first scheduled
                 for c in by_request.get(event.request_id, ()):
                     c.scheduled_at = scheduled
+            if event.prompt_logprobs is not None:  # on one output's event: every choice of the request reports them
+                for c in by_request.get(event.request_id, ()):
+                    c.prompt_logprobs = event.prompt_logprobs
             if event.finish_reason in ("error", "abort"):
                 choice = next((c for c in by_request.get(event.request_id, ()) if not c.finished), None)
             else:

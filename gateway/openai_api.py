@@ -51,6 +51,8 @@ class ParsedRequest:
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
     skip_special_tokens: bool = True
     user: str | None = None
+    echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' entries) first
+    prompt_logprobs: int | None = None  # vLLM's: each choice carries the prompt's logprobs, this many alternatives
     # the request field that asked for params.structured_output (a 400 about it names this field)
     structured_param: str | None = None
     tool_parser: ToolParser | None = None  # chat with tools: how each choice's output becomes tool_calls
@@ -95,7 +97,11 @@ def parse_completion(body: dict, encoder, vocab_size: int) -> ParsedRequest:
     if any(not p for p in prompts):
         raise bad_request("prompt must not be empty (it tokenizes to no tokens)", "prompt")
     max_tokens = _default(_max_tokens(request), 16)
-    return _common(request, "completion", prompts, max_tokens, request.logprobs)
+    parsed = _common(request, "completion", prompts, max_tokens, request.logprobs)
+    parsed.echo = bool(request.echo)
+    if parsed.echo and parsed.logprobs is not None:  # the prompt tokens' entries come from prompt logprobs
+        parsed.params.prompt_logprobs = max(parsed.params.prompt_logprobs or 0, parsed.logprobs)
+    return parsed
 
 
 def parse_chat(body: dict, encoder, vocab_size: int) -> ParsedRequest:
@@ -226,6 +232,7 @@ def _common(
         kind=kind, model=request.model, prompts=prompts, params=params, n=n, stop=list(dict.fromkeys(stop)),
         stream=stream, include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=logprobs, skip_special_tokens=_default(request.skip_special_tokens, True), user=request.user,
+        prompt_logprobs=request.prompt_logprobs,
         structured_param=None if structured is None else structured[0],
     )
 

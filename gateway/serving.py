@@ -26,9 +26,34 @@ class EngineError(Exception):
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
-    top: list  # [[token_id, logprob], ...], best first
-    text_offset: int  # characters of the choice's text before this token
+    logprob: float | None  # None: the prompt's first token (echo)
+    top: list | None  # [[token_id, logprob], ...], best first; None with logprob
+    text_offset: int  # characters of the choice's text (the echoed prompt's included) before this token
+
+
+@dataclass(slots=True)
+class Echo:
+    """The prompt a completion choice puts before its text (`echo`): the prompt decoded as the
+    choice's own text is, and where each of its tokens starts in that text."""
+
+    token_ids: list[int]
+    text: str
+    offsets: list[int]
+
+    @staticmethod
+    def of(tokenizer, token_ids: list[int], skip_special_tokens: bool) -> Echo:
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        text, offsets = "", []
+        for token_id in token_ids:
+            offsets.append(len(text))
+            text += detokenizer.add(token_id)
+        return Echo(token_ids, text + detokenizer.flush(), offsets)
+
+    def entries(self, prompt_logprobs: list | None) -> list[TokenLogprob]:
+        """The prompt tokens' logprob entries (RequestEvent.prompt_logprobs; the first token's null)."""
+        scored = prompt_logprobs or [None] * len(self.token_ids)
+        return [TokenLogprob(t, None, None, offset) if entry is None else TokenLogprob(t, entry[0], entry[2], offset)
+                for t, offset, entry in zip(self.token_ids, self.offsets, scored)]
 
 
 @dataclass(slots=True)
@@ -62,6 +87,19 @@ class ChoiceState:
     scheduled_at: float | None = None  # time.monotonic() here when the scheduler first scheduled the request
     first_token_at: float | None = None
     last_token_at: float | None = None
+    echo: Echo | None = None  # completions `echo`: the prompt goes first (in the first chunk when streaming)
+    echo_sent: bool = False
+    prompt_token_ids: list[int] = field(default_factory=list)  # set when prompt logprobs are reported
+    prompt_logprobs: list | None = None  # the request's RequestEvent.prompt_logprobs, once it came
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def output_text(self) -> str:
+        """The choice's text as a whole body gives it: the echoed prompt first."""
+        return self.text if self.echo is None else self.echo.text + self.text
+
+    def output_logprobs(self, with_prompt: bool) -> list[TokenLogprob]:
+        return self.echo.entries(self.prompt_logprobs) + self.logprobs if with_prompt else self.logprobs
     tools: ToolCallStream | None = None  # chat with tools: the output as tool_calls
 
     @property
@@ -75,7 +113,8 @@ class ChoiceState:
             self.num_tokens += 1
             if event.logprobs is not None and i < len(event.logprobs):
                 logprob, top = event.logprobs[i]
-                self.logprobs.append(TokenLogprob(token_id, logprob, top, len(self.text)))
+                echoed = len(self.echo.text) if self.echo is not None else 0
+                self.logprobs.append(TokenLogprob(token_id, logprob, top, echoed + len(self.text)))
             last_of_stop = event.finish_reason == "stop" and i == len(event.token_ids) - 1
             if not (last_of_stop and token_id in self.hidden_token_ids):
                 self._append(self.detokenizer.add(token_id))
@@ -100,6 +139,9 @@ class ChoiceState:
         released = max(self.sent, len(self.text) - hold)
         text, self.sent = self.text[self.sent:released], released
         logprobs, self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
+        if self.echo is not None and not self.echo_sent:  # the first chunk: the prompt first
+            self.echo_sent = True
+            text, logprobs = self.echo.text + text, self.echo.entries(self.prompt_logprobs) + logprobs
         return text, logprobs
 
 
@@ -110,7 +152,7 @@ def completion_logprobs(entries: list[TokenLogprob], token_text, k: int) -> dict
     return {
         "tokens": [token_text(e.token_id) for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(t): lp for t, lp in e.top[:k]} for e in entries],
+        "top_logprobs": [None if e.top is None else {token_text(t): lp for t, lp in e.top[:k]} for e in entries],
         "text_offset": [e.text_offset for e in entries],
     }
 
@@ -122,6 +164,22 @@ def chat_logprobs(entries: list[TokenLogprob], token_text, k: int) -> dict:
 
     return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top[:k]]}
                         for e in entries]}
+
+
+def vllm_prompt_logprobs(prompt_token_ids: list[int], entries: list, token_text, k: int) -> list:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token null (the first) or {"<token id>":
+    {"logprob", "rank", "decoded_token"}}: the prompt token's own entry, then the top k."""
+    shaped = []
+    for token_id, entry in zip(prompt_token_ids, entries):
+        if entry is None:
+            shaped.append(None)
+            continue
+        logprob, rank, top = entry
+        one = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)}}
+        for i, (top_id, top_logprob) in enumerate(top[:k]):
+            one.setdefault(str(top_id), {"logprob": top_logprob, "rank": i + 1, "decoded_token": token_text(top_id)})
+        shaped.append(one)
+    return shaped
 
 
 # ----------------------------------------------------------------------------- bodies
@@ -136,11 +194,20 @@ class ResponseShape:
     model: str
     logprobs: int | None
     token_text: object  # token_id -> str
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs asked: each choice carries them
 
     @staticmethod
-    def new(kind: str, model: str, logprobs: int | None, token_text, request_uid: str) -> ResponseShape:
+    def new(kind: str, model: str, logprobs: int | None, token_text, request_uid: str,
+            prompt_logprobs: int | None = None) -> ResponseShape:
         prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
-        return ResponseShape(kind, prefix + request_uid, int(time.time()), model, logprobs, token_text)
+        return ResponseShape(kind, prefix + request_uid, int(time.time()), model, logprobs, token_text,
+                             prompt_logprobs)
+
+    def choice_prompt_logprobs(self, choice: ChoiceState) -> list | None:
+        if choice.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(choice.prompt_token_ids, choice.prompt_logprobs, self.token_text,
+                                    self.prompt_logprobs)
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self.logprobs is None:
@@ -153,13 +220,15 @@ class ResponseShape:
         for c in choices:
             entry = {"index": c.index}
             if self.kind == "completion":
-                entry["text"] = c.text
+                entry["text"] = c.output_text
             elif c.tools is not None:
                 entry["message"] = c.tools.message(c.text)
             else:
                 entry["message"] = {"role": "assistant", "content": c.text}
-            entry["logprobs"] = self._logprobs(c.logprobs)
+            entry["logprobs"] = self._logprobs(c.output_logprobs(c.echo is not None and self.logprobs is not None))
             entry["finish_reason"] = c.tools.finish_reason(c.text, c.finish_reason) if c.tools else c.finish_reason
+            if self.prompt_logprobs is not None:
+                entry["prompt_logprobs"] = self.choice_prompt_logprobs(c)
             out.append(entry)
         obj = "text_completion" if self.kind == "completion" else "chat.completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": out,

@@ -229,6 +229,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     o.set_defaults(handler=_bench_overhead)
     _add_bench_step(benches.add_parser(
         "step", help="host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"))
+    _add_bench_structured(benches.add_parser(
+        "structured", help="JSON-schema constrained decoding: xgrammar vs llguidance, validity, throughput cost"))
     _add_bench_publish(benches.add_parser(
         "publish", help="cost of publishing the memory page's snapshot against the scheduler's step (CPU, no model)"))
 
@@ -350,6 +352,32 @@ def _add_bench_publish(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="publish to this Redis (default: a private redis-server)")
     p.add_argument("--output", help="write the result JSON here")
     p.set_defaults(handler=_bench_publish)
+
+
+def _add_bench_structured(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--compare", action="store_true", help="xgrammar vs llguidance: compile and mask-fill times")
+    s.add_argument("--validate", action="store_true", help="seeded constrained generations checked with jsonschema")
+    s.add_argument("--throughput", action="store_true", help="output tokens/s constrained vs unconstrained")
+    s.add_argument("--model", default="default")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--schemas", default=None, help="a JSON list of {name, schema, example} (default: the 20 in "
+                                                  "benchmarks/data/structured-schemas.json)")
+    s.add_argument("--num-schemas", type=int, default=None, help="only the first N schemas")
+    s.add_argument("--batch-size", type=int, default=64, help="sequences per step (--compare, --throughput)")
+    s.add_argument("--steps", type=int, default=50, help="--compare: mask-fill steps measured")
+    s.add_argument("--repeats", type=int, default=3, help="compilations per schema; throughput runs of each kind")
+    s.add_argument("--threads", type=int, default=1, help="--compare: the libraries' threads")
+    s.add_argument("--seeds", type=int, default=10, help="--validate: seeded generations per schema")
+    s.add_argument("--max-tokens", type=int, default=256, help="--validate, --throughput: each request's cap")
+    s.add_argument("--temperature", type=float, default=0.7)
+    s.add_argument("--output", help="write the result JSON here")
+    s.set_defaults(handler=_bench_structured)
+
+
+def _bench_structured(args) -> int:
+    from pagoda.bench.structured import run
+
+    return run(args)
 
 
 def _bench_publish(args) -> int:

@@ -50,6 +50,16 @@ class Sample:
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's entry of prompt_logprobs (vLLM's Logprob): its logprob, its rank (1 + how many
+    tokens were likelier) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """A prompt's outputs; the first one's fields repeated at the top for the common n=1 case.
     With best_of > n or beam search the outputs are best first, else in sample order."""
@@ -62,6 +72,9 @@ class CompletionOutput:
     cumulative_logprob: float
     logprobs: list | None = None
     outputs: list[Sample] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs asked: per prompt token None (the first) or {token_id: Logprob}:
+    # the prompt token's own entry, then the top k (vLLM's RequestOutput.prompt_logprobs)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def to_json(self) -> dict:
         return {"index": self.index, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -191,10 +204,29 @@ class LLM:
             for seq in sorted(out.outputs, key=lambda seq: seq.index)
         ]
         first = samples[0]
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = self._prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)
         return CompletionOutput(
             index, list(out.prompt_token_ids), first.text, first.token_ids, first.finish_reason,
-            first.cumulative_logprob, first.logprobs, samples,
+            first.cumulative_logprob, first.logprobs, samples, prompt_logprobs,
         )
+
+    def _prompt_logprobs(self, prompt_token_ids: list[int], entries: list) -> list[dict[int, Logprob] | None]:
+        def text(token_id: int) -> str | None:
+            return self.encoder.tokenizer.decode([token_id]) if self.encoder else None
+
+        shaped: list[dict[int, Logprob] | None] = []
+        for token_id, entry in zip(prompt_token_ids, entries):
+            if entry is None:
+                shaped.append(None)
+                continue
+            logprob, rank, top = entry
+            one = {token_id: Logprob(logprob, rank, text(token_id))}
+            for i, (top_id, top_logprob) in enumerate(top):
+                one.setdefault(top_id, Logprob(top_logprob, i + 1, text(top_id)))
+            shaped.append(one)
+        return shaped
 
 
 class GroupExecutor:

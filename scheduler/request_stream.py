@@ -60,6 +60,7 @@ class Tracked:
     ended: set[int] = field(default_factory=set)  # outputs whose last event went out
     started: bool = False  # a token went out: the request can no longer be run again from the start
     num_sent: int = 0  # token-bearing events sent (RequestEvent.seq)
+    prompt_logprobs_sent: bool = False
 
 
 @dataclass(slots=True)
@@ -397,6 +398,9 @@ class RequestStream:
                 if tracked.logprobs and seq.logprobs is not None and seq.num_new_tokens:
                     logprobs = [[lp, top] for lp, top in seq.logprobs[-seq.num_new_tokens:]]
                 event = RequestEvent(out.request_id, seq.new_token_ids, logprobs, seq.finish_reason, None, seq.index)
+                if seq.index == 0 and out.prompt_logprobs is not None and not tracked.prompt_logprobs_sent:
+                    event.prompt_logprobs = out.prompt_logprobs
+                    tracked.prompt_logprobs_sent = True
                 if event.token_ids:
                     tracked.num_sent += 1
                     event.seq = tracked.num_sent

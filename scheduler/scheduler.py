@@ -171,6 +171,9 @@ class Scheduler:
             )
         if arrival_time is not None:
             group.arrival_time = arrival_time
+        if sampling_params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
+            group.num_prompt_logprobs_missing = len(prompt_token_ids) - 1
         self.groups[request_id] = group
         self._seqs[seq.seq_id] = seq
         self._group_of_seq[seq.seq_id] = group
@@ -478,10 +481,11 @@ class Scheduler:
                 seqs = group.seqs_with(SequenceStatus.WAITING)
                 if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
                     return
-                tokens = [TokenView(seq) for seq in seqs]
+                # a group still scoring its prompt computes every position: no prefix-cache lookup
+                tokens = [None if group.needs_prompt_logprobs else TokenView(seq) for seq in seqs]
                 final_tokens = self._final_tokens(group)
                 if len(seqs) == 1:
-                    hits = [bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens)]
+                    hits = [0 if tokens[0] is None else bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens)]
                     fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], final_tokens)
                 else:  # a preempted group recomputing: hits are a bonus, not counted on
                     hits = [0] * len(seqs)
@@ -498,7 +502,7 @@ class Scheduler:
                 for seq, view in zip(seqs, tokens):
                     seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens)
                     seq.status = SequenceStatus.RUNNING
-                    if bm.enable_prefix_caching:
+                    if bm.enable_prefix_caching and view is not None:
                         self.prefix_cache_queries += seq.num_tokens
                         self.prefix_cache_hits += seq.num_computed_tokens
                         if seq.num_computed_tokens:
@@ -655,6 +659,8 @@ class Scheduler:
             raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
         done = self._in_flight.popleft()
         self._apply_computed(done.scheduled)
+        if result.prompt_logprobs:
+            self._collect_prompt_logprobs(result)
         planned_samples = done.samples
         samples: dict[int, list[SampledToken]] = {}
         for sampled in result.sampled:
@@ -673,6 +679,9 @@ class Scheduler:
             self._check_due(result.step, seq, len(sampled), planned_samples.get(seq_id, 0))
             touched[group.request_id] = group
             try:
+                if group.sampling_params.max_tokens == 0:  # scoring only: the draw is discarded
+                    self._finish_scored(group)
+                    continue
                 if group.beam is not None:
                     group.beam.pending[seq_id] = sampled[0]
                     continue
@@ -697,6 +706,29 @@ class Scheduler:
         for group in ended:
             self._retire(group)
         return outputs
+
+    def _collect_prompt_logprobs(self, result: StepResult) -> None:
+        """Each scored position once: a recompute after preemption scores held positions again."""
+        for scored in result.prompt_logprobs:
+            group = self._group_of_seq.get(scored.seq_id)
+            if group is None or not group.needs_prompt_logprobs:
+                continue
+            held = group.prompt_logprobs
+            for position, logprob, rank, top in zip(
+                range(scored.start, scored.start + len(scored.logprobs)), scored.logprobs, scored.ranks, scored.top,
+            ):
+                if 0 < position < len(held) and held[position] is None:
+                    held[position] = [logprob, rank, top]
+                    group.num_prompt_logprobs_missing -= 1
+
+    def _finish_scored(self, group: SequenceGroup) -> None:
+        """max_tokens 0: the prompt was computed (and scored); every output ends with no token."""
+        for seq in group.seqs:
+            if not seq.status.finished:
+                self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+        if group.beam is not None:
+            group.beam.pending.clear()
+            group.beam.done = True
 
     def _apply_computed(self, scheduled: dict[int, int]) -> None:
         """The KV a step wrote is now in the cache; full blocks join the prefix cache."""
@@ -849,6 +881,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ outputs
     def _output(self, group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput | None:
+        prompt_logprobs = group.complete_prompt_logprobs
+        if group.sampling_params.max_tokens == 0:  # every choice empty
+            logprobs = [] if group.sampling_params.logprobs is not None else None
+            outputs = [SequenceOutput(i, [], 0, 0.0, logprobs, "length") for i in range(group.sampling_params.n)]
+            return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True, group.first_scheduled_time,
+                                 prompt_logprobs)
         if not group.selects_at_end:
             logprobs = group.sampling_params.logprobs is not None
             outputs = []
@@ -858,7 +896,7 @@ class Scheduler:
                     seq.output_logprobs if logprobs else None, seq.status.finish_reason,
                 ))
             return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.is_finished,
-                                 group.first_scheduled_time)
+                                 group.first_scheduled_time, prompt_logprobs)
         if not group.is_finished:
             return None
         n = group.sampling_params.n
@@ -871,4 +909,5 @@ class Scheduler:
                     for s in seqs]
         outputs = [SequenceOutput(i, tokens, len(tokens), cum, lps, reason)
                    for i, (tokens, cum, lps, reason) in enumerate(best)]
-        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True, group.first_scheduled_time)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True, group.first_scheduled_time,
+                             prompt_logprobs)

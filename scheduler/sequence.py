@@ -104,6 +104,19 @@ class SequenceGroup:
     arrival_time: float = field(default_factory=time.monotonic)
     beam: BeamState | None = None
     first_scheduled_time: float | None = None  # time.time() when first scheduled (vLLM's queue time ends)
+    # prompt_logprobs asked: per prompt position None (the first, or not yet scored) else
+    # [logprob, rank, top]; complete once `num_prompt_logprobs_missing` is 0
+    prompt_logprobs: list | None = None
+    num_prompt_logprobs_missing: int = 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions still to score: the prefill must compute every position (no prefix-cache hit)."""
+        return self.num_prompt_logprobs_missing > 0
+
+    @property
+    def complete_prompt_logprobs(self) -> list | None:
+        return self.prompt_logprobs if self.num_prompt_logprobs_missing == 0 else None
 
     @property
     def best_of(self) -> int:

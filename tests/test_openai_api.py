@@ -23,6 +23,106 @@ def stack():
 
 # ----------------------------------------------------------------------------- scoring: echo, prompt_logprobs, max_tokens 0
 # (helper "scoring")
+import json  # noqa: E402 (each section imports what it uses: the sections merge apart)
+
+import httpx  # noqa: E402
+
+from gateway.tokenizer import load_tokenizer  # noqa: E402
+
+SCORING_PROMPT = "The capital of France is Paris. The capital of Italy is"
+
+
+def _post(stack, body: dict, path: str = "/v1/completions") -> dict:
+    response = httpx.post(stack.url + path, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.fixture(scope="module")
+def scoring_prompt_ids():
+    return load_tokenizer("default").encode(SCORING_PROMPT)
+
+
+def test_echo_logprobs_max_tokens_0_scores_the_prompt(stack, scoring_prompt_ids):
+    """lm-evaluation-harness's loglikelihood body, with max_tokens 0: the prompt's text, one entry per
+    prompt token (the first null), nothing generated."""
+    body = _post(stack, {"prompt": scoring_prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 0,
+                         "temperature": 0})
+    [choice] = body["choices"]
+    assert choice["text"] == SCORING_PROMPT and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]
+    n = len(scoring_prompt_ids)
+    assert [len(logprobs[key]) for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")] == [n] * 4
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(lp <= 0.0 for lp in logprobs["token_logprobs"][1:])
+    assert all(len(top) == 1 and max(top.values()) >= lp
+               for top, lp in zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:]))
+    tokenizer = load_tokenizer("default")
+    assert logprobs["text_offset"] == [len(tokenizer.decode(scoring_prompt_ids[:i])) for i in range(n)]
+    assert logprobs["tokens"] == [tokenizer.decode([t]) for t in scoring_prompt_ids]
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+    # lm-eval's own body (max_tokens 1): the prompt's entries, then the generated token's
+    lm_eval = _post(stack, {"prompt": [scoring_prompt_ids], "echo": True, "logprobs": 1, "max_tokens": 1,
+                            "temperature": 0, "seed": 1234})
+    [choice_1] = lm_eval["choices"]
+    assert len(choice_1["logprobs"]["token_logprobs"]) == n + 1
+    assert choice_1["logprobs"]["token_logprobs"][:n] == logprobs["token_logprobs"]
+    assert choice_1["logprobs"]["top_logprobs"][:n] == logprobs["top_logprobs"]
+    assert choice_1["text"].startswith(SCORING_PROMPT) and len(choice_1["text"]) > len(SCORING_PROMPT)
+    # what lm-eval reads of it: the continuation's summed logprobs, greedy when each token ranked first
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    ranks = _post(stack, {"prompt": scoring_prompt_ids, "prompt_logprobs": 0, "max_tokens": 0,
+                          "echo": True})["choices"][0]["prompt_logprobs"]
+    ranks = [None] + [entry[str(t)]["rank"] for t, entry in zip(scoring_prompt_ids[1:], ranks[1:])]
+    for ctxlen in (1, n - 3, n - 1):
+        [(total, greedy)] = LocalCompletionsAPI.parse_logprobs(lm_eval, ctxlens=[ctxlen])
+        assert total == sum(logprobs["token_logprobs"][ctxlen:])
+        assert greedy == all(rank == 1 for rank in ranks[ctxlen:])
+
+
+def test_echo_with_generation_streams_the_prompt_first(stack):
+    request = {"prompt": SCORING_PROMPT, "echo": True, "max_tokens": 4, "temperature": 0, "n": 2}
+    whole = _post(stack, request)
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    for choice in whole["choices"]:
+        assert choice["text"].startswith(SCORING_PROMPT) and len(choice["text"]) > len(SCORING_PROMPT)
+        assert choice["logprobs"] is None
+    firsts: dict[int, str] = {}
+    texts: dict[int, str] = {0: "", 1: ""}
+    with httpx.stream("POST", stack.url + "/v1/completions", json={**request, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                [choice] = json.loads(line[6:])["choices"]
+                firsts.setdefault(choice["index"], choice["text"])
+                texts[choice["index"]] += choice["text"]
+    assert all(first.startswith(SCORING_PROMPT) for first in firsts.values()) and set(firsts) == {0, 1}
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+
+
+def test_prompt_logprobs_shape(stack, scoring_prompt_ids):
+    """vLLM's prompt_logprobs in each choice: [null, {"<id>": {logprob, rank, decoded_token}}, ...]:
+    the prompt token's own entry first, then the top 2; on chat too."""
+    body = _post(stack, {"prompt": scoring_prompt_ids, "prompt_logprobs": 2, "max_tokens": 1, "temperature": 0})
+    [choice] = body["choices"]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(scoring_prompt_ids) and entries[0] is None
+    for token_id, entry in zip(scoring_prompt_ids[1:], entries[1:]):
+        keys = list(entry)
+        assert keys[0] == str(token_id) and len(keys) in (2, 3)
+        own = entry[str(token_id)]
+        assert set(own) == {"logprob", "rank", "decoded_token"} and own["rank"] >= 1 and own["logprob"] <= 0
+        tops = [entry[key] for key in keys[1:]]
+        assert [t["rank"] for t in tops] == sorted(t["rank"] for t in tops)
+        if own["rank"] <= 2:  # then it is one of the top 2 itself
+            assert len(keys) == 2
+    assert "prompt_logprobs" not in _post(stack, {"prompt": "Hi", "max_tokens": 1})["choices"][0]
+    chat = _post(stack, {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 0, "max_tokens": 1},
+                 "/v1/chat/completions")
+    [chat_choice] = chat["choices"]
+    assert chat_choice["prompt_logprobs"][0] is None
+    assert len(chat_choice["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in chat_choice["prompt_logprobs"][1:])
 
 
 # ----------------------------------------------------------------------------- structured output, logit_bias, tools over HTTP
@@ -197,4 +297,140 @@ def test_a_tool_result_goes_back_to_the_model_and_it_answers(http):
 
 
 # ----------------------------------------------------------------------------- real clients: lm-evaluation-harness, the openai SDK
-# (helper "clients")
+# (helper "clients"; its imports here, so that the sections merge apart)
+import json  # noqa: E402
+import os  # noqa: E402
+import urllib.request  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+LM_EVAL_TASKS = Path(__file__).resolve().parent / "data" / "lm_eval"  # pagoda_mc (multiple choice), pagoda_gen
+LM_EVAL_TOLERANCE = 1e-4  # per-request loglikelihood, Pagoda's server against lm-eval's transformers backend
+
+
+def _lm_evaluate(lm) -> dict:
+    """lm-eval's simple_evaluate of `lm` on the two local tasks, offline, with every request's sample."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_path=str(LM_EVAL_TASKS), include_defaults=False)
+    return simple_evaluate(model=lm, tasks=["pagoda_mc", "pagoda_gen"], task_manager=tasks, log_samples=True,
+                           bootstrap_iters=0)
+
+
+def _default_hf_directory() -> Path:
+    from common.models import resolve_model
+    from worker.loader import hf_directory
+
+    return hf_directory(resolve_model("default"))
+
+
+@pytest.fixture(scope="module")
+def hf_lm_eval() -> dict:
+    """lm-eval's own transformers backend (HFLM) on the default model's weights, float32 on CPU."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = _default_hf_directory()
+    # the model object itself: HFLM's from_pretrained(..., quantization_config=None) trips over the
+    # converted config's record of its GGUF source
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(directory / "tokenizer"), batch_size=1,
+              device="cpu")
+    return _lm_evaluate(lm)
+
+
+def _served_model(stack) -> str:
+    with urllib.request.urlopen(stack.url + "/v1/models", timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def _responses(results: dict, task: str) -> list:
+    return [sample["filtered_resps"] for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def test_lm_eval_local_completions_scores_as_lm_evals_transformers_backend(stack, hf_lm_eval):
+    """`lm_eval --model local-completions` against /v1/completions (echo + logprobs for the
+    loglikelihoods, stop strings for generate-until) answers each request as lm-eval's transformers
+    backend does on the same weights, so both score the tasks alike."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(base_url=stack.url + "/v1/completions", model=_served_model(stack),
+                             tokenizer=str(_default_hf_directory() / "tokenizer"), tokenizer_backend="huggingface",
+                             tokenized_requests=True, num_concurrent=4, max_retries=1, timeout=120)
+    served = _lm_evaluate(lm)
+
+    choices = _responses(served, "pagoda_mc")
+    expected = _responses(hf_lm_eval, "pagoda_mc")
+    assert [len(c) for c in choices] == [4] * 10
+    for doc, (got, want) in enumerate(zip(choices, expected)):
+        for (loglikelihood, greedy), (hf_loglikelihood, hf_greedy) in zip(got, want):
+            assert abs(loglikelihood - hf_loglikelihood) <= LM_EVAL_TOLERANCE, (doc, got, want)
+            assert greedy == hf_greedy, (doc, got, want)
+    assert _responses(served, "pagoda_gen") == _responses(hf_lm_eval, "pagoda_gen")
+    metrics = {"pagoda_mc": ("acc,none", "acc_norm,none"), "pagoda_gen": ("exact_match,strip",)}
+    for task, names in metrics.items():
+        assert {n: served["results"][task][n] for n in names} == {n: hf_lm_eval["results"][task][n] for n in names}
+    assert 0 < hf_lm_eval["results"]["pagoda_mc"]["acc,none"] < 1  # the scores can tell the two apart
+
+
+@pytest.fixture(scope="module")
+def openai_client(stack):
+    import openai
+
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_sdk_parses_a_pydantic_response_format(stack, openai_client):
+    """The openai SDK's structured parsing: response_format = a pydantic model (a strict json_schema)."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=16)
+        population: int = Field(ge=0, le=50_000_000)
+        continent: Literal["Africa", "America", "Asia", "Europe", "Oceania"]
+        coastal: bool
+
+    completion = openai_client.beta.chat.completions.parse(
+        model=_served_model(stack), response_format=City, temperature=0, max_tokens=80,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    city = choice.message.parsed
+    assert isinstance(city, City)
+    assert type(city.name) is str and len(city.name) <= 16
+    assert type(city.population) is int and type(city.coastal) is bool
+    assert City.model_validate_json(choice.message.content) == city
+
+
+def test_openai_sdk_tool_call_round_trip(stack, openai_client):
+    """A named tool_choice gives message.tool_calls; the assistant message and the tool's result go
+    back and the model answers in text."""
+    model = _served_model(stack)
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                       "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = openai_client.chat.completions.create(
+        model=model, messages=messages, tools=tools, temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    arguments = json.loads(call.function.arguments)
+    assert list(arguments) == ["city"] and isinstance(arguments["city"], str)
+
+    messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 22 C"}]
+    final = openai_client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="none",
+                                                  temperature=0, max_tokens=24)
+    answer = final.choices[0]
+    assert answer.finish_reason in ("stop", "length")
+    assert isinstance(answer.message.content, str) and answer.message.content
+    assert answer.message.tool_calls in (None, [])

@@ -231,9 +231,15 @@ class ModelRunner:
         return flatten_rows(rows, samples, self.block_size, self.device)
 
     @torch.inference_mode()
-    def forward(self, step: StepTensors) -> torch.Tensor | None:
+    def forward(self, step: StepTensors, extra_logits_indices: list[int] | None = None) -> torch.Tensor | None:
         """Returns the logits of the sampling positions: [num_sampled, vocab_size] float32 (in a
-        tensor-parallel group on rank 0; None on the others)."""
+        tensor-parallel group on rank 0; None on the others). `extra_logits_indices`: flat rows
+        whose logits follow the sampling rows' (prompt logprobs), in one compute_logits call; such
+        a step runs eagerly. Every rank of a group passes the same indices."""
+        if extra_logits_indices:
+            extra = torch.tensor(extra_logits_indices, dtype=torch.int64, device=self.device)
+            step.logits_indices = torch.cat([step.logits_indices, extra])
+            return self.forward_eager(step)
         if self.decode_runner is not None and self.decode_runner.can_run(step):
             return self.decode_runner.run(step)
         return self.forward_eager(step)
