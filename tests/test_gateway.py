@@ -771,7 +771,7 @@ def test_a_body_over_the_limit_is_413_by_header_or_by_size(client):
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", None),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage",
      None),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo", None),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo", None),
     ("/v1/completions", {"prompt": [1, 49152]}, "prompt", None),
     ("/v1/completions", {"prompt": []}, "prompt", None),
     ("/v1/completions", {"prompt": "", "max_tokens": 1}, "prompt", None),
