@@ -38,8 +38,10 @@ COMPLETION_LOGPROBS = {
     "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
     "properties": {
         "tokens": {"type": "array", "items": {"type": "string"}},
-        "token_logprobs": {"type": "array", "items": {"type": "number"}},
-        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+        # with echo the prompt's first token has neither (null)
+        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+        "top_logprobs": {"type": "array", "items": {"anyOf": [
+            {"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}]}},
         "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     },
 }
@@ -64,6 +66,21 @@ CHAT_LOGPROBS = {
             "properties": {"top_logprobs": {"type": "array", "items": TOKEN_LOGPROB}},
         }},
     },
+}
+
+
+PROMPT_LOGPROBS = {  # vLLM's: per prompt token null (the first) or token id -> its entry (its own, then the top k)
+    "description": "With prompt_logprobs: per prompt token null (the first) or {\"<token id>\": {logprob, rank, "
+                   "decoded_token}}: the prompt token's own entry, then the top prompt_logprobs.",
+    "anyOf": [{"type": "array", "items": {"anyOf": [{"type": "null"}, {
+        "type": "object",
+        "additionalProperties": {
+            "type": "object",
+            "required": ["logprob", "rank", "decoded_token"],
+            "properties": {"logprob": {"type": "number"}, "rank": {"type": "integer", "minimum": 1},
+                           "decoded_token": {"type": "string"}},
+        },
+    }]}}, {"type": "null"}],
 }
 
 
@@ -95,6 +112,7 @@ def _choice(content: dict, chunk: bool = False) -> dict:
             name: schema,
             "logprobs": {"anyOf": [_ref(logprobs), {"type": "null"}]},
             "finish_reason": {"enum": ["stop", "length", None]} if chunk else FINISH_REASON,
+            "prompt_logprobs": PROMPT_LOGPROBS,
         },
     }
 

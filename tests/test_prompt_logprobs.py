@@ -163,3 +163,35 @@ def test_a_tensor_parallel_group_scores_as_one_rank_does(one_torch_thread, monke
         for got, want in zip(out.prompt_logprobs[1:], expected.prompt_logprobs[1:]):
             assert list(got) == list(want) and [e.rank for e in got.values()] == [e.rank for e in want.values()]
             assert [e.logprob for e in got.values()] == pytest.approx([e.logprob for e in want.values()], abs=1e-4)
+
+
+def test_a_group_preempted_mid_prefill_keeps_the_positions_it_scored(one_torch_thread):
+    """A later request preempted (recompute) after its first chunk scores its prompt again from
+    the start: the positions it held are kept, the rest filled, as a run without preemption gives."""
+    import random
+
+    from pagoda.offline import LLM
+    from tests.conftest import TINY_LLAMA
+
+    rng = random.Random(0)
+    decoding, scored = [rng.randrange(3, 500) for _ in range(8)], [rng.randrange(3, 500) for _ in range(60)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)]
+    llm = LLM(f"dummy:{TINY_LLAMA}", skip_tokenizer_init=True, device="cpu", block_size=8, num_gpu_blocks=64,
+              num_cpu_blocks=0, max_num_batched_tokens=16, async_scheduling=False, enable_prefix_caching=False)
+    expected = llm.generate([decoding, scored], params, use_tqdm=False)
+    llm.reset(num_gpu_blocks=10)  # the decoding request's growth preempts the scored one mid-prefill
+    scheduler, preempted = llm.scheduler, []
+    preempt = scheduler._preempt
+
+    def record(group, plan):
+        preempted.append((group.request_id, group.seqs[0].num_computed_tokens, group.num_prompt_logprobs_missing))
+        preempt(group, plan)
+
+    scheduler._preempt = record
+    outs = llm.generate([decoding, scored], params, use_tqdm=False)
+    assert [(missing, computed) for _, computed, missing in preempted] == [(59 - 8, 8)]
+    assert outs[0].token_ids == expected[0].token_ids
+    for got, want in zip(outs[1].prompt_logprobs[1:], expected[1].prompt_logprobs[1:]):
+        assert list(got) == list(want) and [e.rank for e in got.values()] == [e.rank for e in want.values()]
+        assert [e.logprob for e in got.values()] == pytest.approx([e.logprob for e in want.values()], abs=1e-5)
