@@ -85,8 +85,8 @@ class Executor:
         result = StepResult(plan.step, plan.epoch)
         if not scheduled:
             return result
-        spans = scored_spans(scheduled)
-        logits = self.runner.forward(self.runner.prepare(scheduled), scored_indices(spans) if spans else None)
+        step, spans = self.runner.prepare(scheduled), scored_spans(scheduled)
+        logits = self.runner.forward(step, scored_indices(spans)) if spans else self.runner.forward(step)
         if spans:  # every rank: the scored rows' logits are gathered to rank 0 chunk by chunk
             result.prompt_logprobs = prompt_logprobs(self.runner.scored_logits, spans)
             self.runner.scored_hidden = None
