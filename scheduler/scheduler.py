@@ -631,9 +631,12 @@ class Scheduler:
                     seq_id, table[first_new:], first_new, n, last_token_id, num_samples,
                 ))
             else:
+                params = seq.sampling_params
+                if params.prompt_logprobs is not None and not group.needs_prompt_logprobs:  # a recompute: scored
+                    params = replace(params, prompt_logprobs=None)
                 plan.new_seqs.append(NewSequence(
                     seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
-                    seq.num_computed_tokens, n, seq.sampling_params, num_samples,
+                    seq.num_computed_tokens, n, params, num_samples,
                 ))
                 held.add(seq_id)
             seq.num_sent_blocks = len(table)

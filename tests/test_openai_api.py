@@ -81,23 +81,32 @@ def test_echo_logprobs_max_tokens_0_scores_the_prompt(stack, scoring_prompt_ids)
         assert greedy == all(rank == 1 for rank in ranks[ctxlen:])
 
 
-def test_echo_with_generation_streams_the_prompt_first(stack):
-    request = {"prompt": SCORING_PROMPT, "echo": True, "max_tokens": 4, "temperature": 0, "n": 2}
+def test_echo_with_generation_streams_the_prompt_first(stack, scoring_prompt_ids):
+    """n = 2: each choice echoes the prompt (its logprobs from the one request's prompt logprobs),
+    streamed in each choice's first chunk; the chunks add up to the whole body."""
+    request = {"prompt": SCORING_PROMPT, "echo": True, "max_tokens": 4, "temperature": 0, "n": 2, "logprobs": 1}
     whole = _post(stack, request)
     assert [c["index"] for c in whole["choices"]] == [0, 1]
+    n = len(scoring_prompt_ids)
     for choice in whole["choices"]:
         assert choice["text"].startswith(SCORING_PROMPT) and len(choice["text"]) > len(SCORING_PROMPT)
-        assert choice["logprobs"] is None
-    firsts: dict[int, str] = {}
-    texts: dict[int, str] = {0: "", 1: ""}
+        token_logprobs = choice["logprobs"]["token_logprobs"]
+        assert len(token_logprobs) == n + 4 and token_logprobs[0] is None and None not in token_logprobs[1:]
+        assert choice["logprobs"]["text_offset"][n] == len(SCORING_PROMPT)  # the first generated token's
+    firsts: dict[int, dict] = {}
+    texts, logprobs = {0: "", 1: ""}, {0: [], 1: []}
     with httpx.stream("POST", stack.url + "/v1/completions", json={**request, "stream": True}, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 [choice] = json.loads(line[6:])["choices"]
-                firsts.setdefault(choice["index"], choice["text"])
+                firsts.setdefault(choice["index"], choice)
                 texts[choice["index"]] += choice["text"]
-    assert all(first.startswith(SCORING_PROMPT) for first in firsts.values()) and set(firsts) == {0, 1}
+                logprobs[choice["index"]] += choice["logprobs"]["token_logprobs"] if choice["logprobs"] else []
+    assert set(firsts) == {0, 1}
+    assert all(first["text"].startswith(SCORING_PROMPT) and len(first["logprobs"]["tokens"]) >= n
+               for first in firsts.values())
     assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert logprobs == {c["index"]: c["logprobs"]["token_logprobs"] for c in whole["choices"]}
 
 
 def test_prompt_logprobs_shape(stack, scoring_prompt_ids):

@@ -59,7 +59,8 @@ def _check_against_hf(prompt_logprobs, prompt_ids, hf):
             assert entry[t].rank == rank
 
 
-def test_prompt_logprobs_equal_transformers(llm, prompt_ids, hf_logprobs):
+def test_prompt_logprobs_equal_transformers(llm, prompt_ids, hf_logprobs, monkeypatch):
+    monkeypatch.setattr("worker.prompt_logprobs.ROW_CHUNK", 4)  # the logits a few rows at a time
     llm.reset()
     out = _score(llm, prompt_ids, max_tokens=0)
     _check_against_hf(out.prompt_logprobs, prompt_ids, hf_logprobs)
@@ -118,11 +119,11 @@ def test_prefix_cache_is_not_used_for_prompt_logprobs(llm, prompt_ids):
 def test_max_tokens_0_finishes_with_no_token_and_frees_every_block(llm, prompt_ids):
     llm.reset(enable_prefix_caching=False, async_scheduling=False)
     free = llm.scheduler.block_manager.num_free_blocks
-    outs = llm.generate([prompt_ids, llm.encode(PARITY_PROMPTS[0])],
-                        [SamplingParams(max_tokens=0, prompt_logprobs=0), SamplingParams(max_tokens=0, n=3, prompt_logprobs=1)],
-                        use_tqdm=False)
+    params = [SamplingParams(max_tokens=0, prompt_logprobs=0), SamplingParams(max_tokens=0, n=3, prompt_logprobs=1)]
+    outs = llm.generate([prompt_ids, llm.encode(PARITY_PROMPTS[0])], params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [[], []]
-    assert [[(s.token_ids, s.finish_reason) for s in o.outputs] for o in outs] == [[([], "length")], [([], "length")] * 3]
+    assert [[(s.token_ids, s.finish_reason) for s in o.outputs] for o in outs] == [
+        [([], "length")], [([], "length")] * 3]
     assert all(len(entry) == 1 for entry in outs[0].prompt_logprobs[1:])  # k 0: the token's own entry only
     assert llm.scheduler.block_manager.num_free_blocks == free
     assert not llm.scheduler.has_unfinished_requests() and llm.engine.num_steps == 1
@@ -134,3 +135,63 @@ def test_max_tokens_0_under_async_scheduling_is_never_run_ahead(llm, prompt_ids)
     out = llm.generate([prompt_ids], SamplingParams(max_tokens=0), use_tqdm=False)[0]
     assert (out.token_ids, out.finish_reason, out.prompt_logprobs) == ([], "length", None)
     assert llm.scheduler.block_manager.num_free_blocks == free
+
+
+def test_a_tensor_parallel_group_scores_as_one_rank_does(one_torch_thread, monkeypatch):
+    """Every rank computes the scored rows' logits alike (a gather per chunk of ROW_CHUNK rows);
+    rank 0's prompt logprobs equal one rank's, through chunked prefill, for a prompt of two chunks."""
+    import random
+
+    from pagoda.offline import LLM
+    from tests.conftest import TINY_LLAMA
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 500) for _ in range(300)]  # > ROW_CHUNK (256) scored rows in one step
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    kwargs = dict(skip_tokenizer_init=True, device="cpu", num_gpu_blocks=64, num_cpu_blocks=0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # per rank
+    group = LLM(f"dummy:{TINY_LLAMA}", tensor_parallel_size=2, **kwargs)
+    try:
+        outs = [group.generate([prompt], params, use_tqdm=False)[0]]
+        group.reset(max_num_batched_tokens=100)
+        outs.append(group.generate([prompt], params, use_tqdm=False)[0])
+    finally:
+        group.close()
+    expected = LLM(f"dummy:{TINY_LLAMA}", **kwargs).generate([prompt], params, use_tqdm=False)[0]
+    for out in outs:
+        assert out.token_ids == expected.token_ids and out.prompt_logprobs[0] is None
+        for got, want in zip(out.prompt_logprobs[1:], expected.prompt_logprobs[1:]):
+            assert list(got) == list(want) and [e.rank for e in got.values()] == [e.rank for e in want.values()]
+            assert [e.logprob for e in got.values()] == pytest.approx([e.logprob for e in want.values()], abs=1e-4)
+
+
+def test_a_group_preempted_mid_prefill_keeps_the_positions_it_scored(one_torch_thread):
+    """A later request preempted (recompute) after its first chunk scores its prompt again from
+    the start: the positions it held are kept, the rest filled, as a run without preemption gives."""
+    import random
+
+    from pagoda.offline import LLM
+    from tests.conftest import TINY_LLAMA
+
+    rng = random.Random(0)
+    decoding, scored = [rng.randrange(3, 500) for _ in range(8)], [rng.randrange(3, 500) for _ in range(60)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)]
+    llm = LLM(f"dummy:{TINY_LLAMA}", skip_tokenizer_init=True, device="cpu", block_size=8, num_gpu_blocks=64,
+              num_cpu_blocks=0, max_num_batched_tokens=16, async_scheduling=False, enable_prefix_caching=False)
+    expected = llm.generate([decoding, scored], params, use_tqdm=False)
+    llm.reset(num_gpu_blocks=10)  # the decoding request's growth preempts the scored one mid-prefill
+    scheduler, preempted = llm.scheduler, []
+    preempt = scheduler._preempt
+
+    def record(group, plan):
+        preempted.append((group.request_id, group.seqs[0].num_computed_tokens, group.num_prompt_logprobs_missing))
+        preempt(group, plan)
+
+    scheduler._preempt = record
+    outs = llm.generate([decoding, scored], params, use_tqdm=False)
+    assert [(missing, computed) for _, computed, missing in preempted] == [(59 - 8, 8)]
+    assert outs[0].token_ids == expected[0].token_ids
+    for got, want in zip(outs[1].prompt_logprobs[1:], expected[1].prompt_logprobs[1:]):
+        assert list(got) == list(want) and [e.rank for e in got.values()] == [e.rank for e in want.values()]
+        assert [e.logprob for e in got.values()] == pytest.approx([e.logprob for e in want.values()], abs=1e-5)

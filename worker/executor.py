@@ -23,7 +23,7 @@ from common.protocol import SampledToken, StepPlan, StepResult, WorkerHello
 from worker.grammar import GrammarState, TokenMask
 from worker.model_runner import ModelRunner
 from worker.parallel import TensorParallelGroup, set_tp_group
-from worker.prompt_logprobs import extra_logits_indices, prompt_logprobs, scored_spans
+from worker.prompt_logprobs import prompt_logprobs, scored_indices, scored_spans
 from worker.sampler import Sampler, SamplerOutput, SamplingRow
 
 
@@ -95,12 +95,12 @@ class Executor:
         result = StepResult(plan.step, plan.epoch)
         if not scheduled:
             return result
-        spans = scored_spans(scheduled)
-        logits = self.runner.forward(self.runner.prepare(scheduled), extra_logits_indices(spans) if spans else None)
+        step, spans = self.runner.prepare(scheduled), scored_spans(scheduled)
+        logits = self.runner.forward(step, scored_indices(spans)) if spans else self.runner.forward(step)
+        if spans:  # every rank: the scored rows' logits are gathered to rank 0 chunk by chunk
+            result.prompt_logprobs = prompt_logprobs(self.runner.scored_logits, spans)
+            self.runner.scored_hidden = None
         sampling = [s for s in scheduled if s.num_samples]
-        if spans and logits is not None:  # rank 0: the scored rows follow the sampling rows
-            result.prompt_logprobs = prompt_logprobs(logits[len(sampling):], spans)
-            logits = logits[:len(sampling)]
         if not sampling:
             return result
         if self.sampler is None:  # rank > 0: rank 0's draws, for the next plan's PENDING_TOKENs

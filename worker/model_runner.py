@@ -125,6 +125,7 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                       self.block_size, self.device)
         self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
+        self.scored_hidden: torch.Tensor | None = None  # the last forward's rows prompt logprobs score
 
     def _eager_decode(self) -> bool:
         if self.config.enforce_eager:
@@ -231,25 +232,30 @@ class ModelRunner:
         return flatten_rows(rows, samples, self.block_size, self.device)
 
     @torch.inference_mode()
-    def forward(self, step: StepTensors, extra_logits_indices: list[int] | None = None) -> torch.Tensor | None:
+    def forward(self, step: StepTensors, scored_indices: list[int] | None = None) -> torch.Tensor | None:
         """Returns the logits of the sampling positions: [num_sampled, vocab_size] float32 (in a
-        tensor-parallel group on rank 0; None on the others). `extra_logits_indices`: flat rows
-        whose logits follow the sampling rows' (prompt logprobs), in one compute_logits call; such
-        a step runs eagerly. Every rank of a group passes the same indices."""
-        if extra_logits_indices:
-            extra = torch.tensor(extra_logits_indices, dtype=torch.int64, device=self.device)
-            step.logits_indices = torch.cat([step.logits_indices, extra])
-            return self.forward_eager(step)
+        tensor-parallel group on rank 0; None on the others). `scored_indices`: flat rows whose
+        logits prompt logprobs need; their hidden states are kept for `scored_logits`, and such a
+        step runs eagerly. Every rank of a group passes the same indices."""
+        if scored_indices:
+            return self.forward_eager(step, torch.tensor(scored_indices, dtype=torch.int64, device=self.device))
         if self.decode_runner is not None and self.decode_runner.can_run(step):
             return self.decode_runner.run(step)
         return self.forward_eager(step)
 
     @torch.inference_mode()
-    def forward_eager(self, step: StepTensors) -> torch.Tensor | None:
+    def forward_eager(self, step: StepTensors, scored_indices: torch.Tensor | None = None) -> torch.Tensor | None:
         """The model on the step's own shapes (prefill, mixed steps, and everything with enforce_eager)."""
         with attention_context(step.context):
             hidden = self.model(step.input_ids, step.positions)
+        self.scored_hidden = None if scored_indices is None else hidden[scored_indices]
         return self.model.compute_logits(hidden[step.logits_indices])
+
+    @torch.inference_mode()
+    def scored_logits(self, start: int, stop: int) -> torch.Tensor | None:
+        """The logits of the scored rows [start, stop) of the last forward: [rows, vocab_size]
+        float32 on rank 0 (None on the others, which must call it alike: it gathers over the group)."""
+        return self.model.compute_logits(self.scored_hidden[start:stop])
 
     @torch.inference_mode()
     def copy_blocks(self, src_to_dst: list[list[int]]) -> None:
