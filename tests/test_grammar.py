@@ -254,3 +254,21 @@ def test_constrained_requests_share_prefix_blocks(llm):
     assert llm.scheduler.prefix_cache_hits == (num_prompt_tokens - 1) // 16 * 16  # every full block but the last token's
     assert_valid(first, json_schema_spec(NUMBER))
     assert_valid(second, StructuredOutput("regex", COLORS))
+
+
+def test_pagoda_generate_guided_flags(tmp_path):
+    import argparse
+
+    from pagoda import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_generate(parser)
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON, indent=2))
+    of = lambda *argv: cli._structured_output(parser.parse_args(list(argv)))  # noqa: E731
+    assert of("--guided-json", str(schema)) == json_schema_spec(PERSON)
+    assert of("--guided-regex", r"\d+") == StructuredOutput("regex", r"\d+")
+    assert of("--guided-choice", "yes", "--guided-choice", "no") == choice_spec(["yes", "no"])
+    assert of() is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--guided-regex", "a", "--guided-choice", "b"])  # one constraint at a time
