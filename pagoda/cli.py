@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from common.cli_args import add_config_args, config_from_args
 from common.config import ALLOCATORS, DTYPES, ConfigError, EngineConfig, GatewayConfig, ServingConfig
@@ -60,6 +61,11 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score / length ** this")
     p.add_argument("--early-stopping", default="false", choices=["true", "false", "never"],
                    help="beam search: when to stop (transformers' semantics)")
+    guided = p.add_mutually_exclusive_group()
+    guided.add_argument("--guided-json", metavar="FILE", help="constrain the output to this JSON schema (a file)")
+    guided.add_argument("--guided-regex", metavar="PATTERN", help="constrain the output to this regular expression")
+    guided.add_argument("--guided-choice", action="append", metavar="TEXT",
+                        help="constrain the output to one of these strings (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, in input order")
     p.add_argument("--memory-trace", metavar="FILE",
                    help="write the KV memory's snapshots here as JSON Lines, one after each step that changed it "
@@ -86,6 +92,19 @@ def _read_prompts(args) -> list:
     return prompts
 
 
+def _structured_output(args):
+    from common.protocol import StructuredOutput
+    from common.structured_output import choice_spec, json_schema_spec
+
+    if args.guided_json:
+        return json_schema_spec(Path(args.guided_json).read_text())
+    if args.guided_regex:
+        return StructuredOutput("regex", args.guided_regex)
+    if args.guided_choice:
+        return choice_spec(args.guided_choice)
+    return None
+
+
 def _generate(args) -> int:
     from common.protocol import SamplingParams
     from pagoda.offline import LLM
@@ -96,6 +115,7 @@ def _generate(args) -> int:
         min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, n=args.n, best_of=args.best_of,
         beam_width=args.beam_width, length_penalty=args.length_penalty,
         early_stopping={"true": True, "false": False}.get(args.early_stopping, args.early_stopping),
+        structured_output=_structured_output(args),
     )
     llm = LLM(**dataclasses.asdict(config_from_args(EngineConfig, args)), memory_trace=args.memory_trace,
               memory_trace_interval=args.memory_trace_interval)

@@ -716,3 +716,98 @@ def test_the_executor_keeps_the_counts_in_step_with_the_held_sequences(monkeypat
     llm.generate(prompts, [penalized, plain, penalized, plain], use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
     assert max(checked) >= 4 and checked[-1] == 0
+
+
+# ----------------------------------------------------------------------------- logit_bias and grammar masks
+
+
+def test_logit_bias_adds_exactly_per_row_batched_with_unbiased_rows(sampler):
+    logits = torch.stack([logits_of(1.0, 3.0)] * 5)
+    out = sampler(logits, [
+        row(temperature=0, logit_bias=[[0, 2.5]]),  # 3.5 > 3.0: token 0
+        row(temperature=0, logit_bias=[[0, 1.5]]),  # 2.5 < 3.0: still token 1
+        row(temperature=0),  # unbiased, between biased rows
+        row(temperature=0, logit_bias=[[1, -100], [0, -100]]),  # both best gone: the first of the -10s
+        row(temperature=0, logit_bias=[[7, 100], [VOCAB + 5, 100]]),  # -10 + 100; an id past the vocabulary: ignored
+    ])
+    assert out.token_ids == [0, 1, 1, 2, 7]
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.logprobs == pytest.approx([raw[0].item(), raw[1].item(), raw[1].item(), raw[2].item(), raw[7].item()])
+
+
+def test_logit_bias_applies_after_penalties_and_before_min_tokens(sampler):
+    logits = torch.stack([logits_of(3.0, 2.0)] * 2)
+    out = sampler(logits, [
+        row(temperature=0, output=[0], presence_penalty=2.0, logit_bias=[[0, 0.5]]),  # 3 - 2 + 0.5 < 2: token 1
+        row(temperature=0, min_tokens=1, logit_bias=[[EOS, 100]]),  # EOS stays masked before min_tokens
+    ])
+    assert out.token_ids == [1, 0]
+
+
+def bitmask_of(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """xgrammar's packing: bit t % 32 of int32 word t // 32 set where token t is allowed."""
+    words = torch.zeros(len(allowed), (vocab + 31) // 32, dtype=torch.int64)
+    for i, tokens in enumerate(allowed):
+        for t in tokens:
+            words[i, t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+@pytest.mark.parametrize("constrained_rows", [[0, 2], [0, 1, 2]], ids=["some rows", "every row"])
+def test_a_grammar_mask_makes_the_draws_pick_allowed_tokens(constrained_rows):
+    from worker.grammar import TokenMask
+
+    vocab = 100
+    torch.manual_seed(0)
+    logits = torch.randn(3, vocab)
+    allowed = {0: {3, 7, 40}, 1: {99}, 2: {64}}
+    mask = TokenMask(constrained_rows, bitmask_of([allowed[r] for r in constrained_rows], vocab))
+    rows = [SamplingRow(0, SamplingParams(temperature=0, logprobs=1), 0),
+            SamplingRow(1, SamplingParams(temperature=0), 0),
+            SamplingRow(2, SamplingParams(temperature=1.0, best_of=3, n=1), 0, num_samples=3)]
+    before = logits.clone()
+    out = Sampler([EOS], vocab)(logits, rows, mask)
+    assert torch.equal(logits, before)  # the runner's logits are not written
+    best_of_0 = max(allowed[0], key=lambda t: logits[0, t].item())
+    expected_1 = 99 if 1 in constrained_rows else logits[1].argmax().item()
+    assert out.token_ids == [best_of_0, expected_1, 64, 64, 64]  # the 3 samples of row 2 share its mask
+    raw = torch.log_softmax(logits, dim=-1)  # logprobs stay the unconstrained distribution's
+    assert out.logprobs == pytest.approx([raw[0, best_of_0].item(), raw[1, expected_1].item()] + [raw[2, 64].item()] * 3)
+    assert out.top_logprobs[0] == [[raw[0].argmax().item(), pytest.approx(raw[0].max().item())]]
+
+
+def test_the_grammar_mask_equals_xgrammars_own():
+    xgr = pytest.importorskip("xgrammar")
+    from worker.grammar import TokenMask
+
+    vocab = 1000
+    torch.manual_seed(1)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32)
+    logits = torch.randn(6, vocab)
+    reference = logits.clone()
+    reference[[1, 2, 4, 5]] = torch.where(
+        ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :vocab],
+        logits[[1, 2, 4, 5]], float("-inf"))
+    sampler = Sampler([EOS], vocab)
+    masked = sampler._apply_token_mask(logits, False, TokenMask([1, 2, 4, 5], bitmask))
+    assert torch.equal(masked, reference)
+    one = logits[[1, 2, 4, 5]].clone()
+    xgr.apply_token_bitmask_inplace(one, bitmask)
+    assert torch.equal(masked[[1, 2, 4, 5]], one)
+
+
+@pytest.mark.gpu
+def test_grammar_masks_and_logit_bias_on_the_gpu_draw_as_on_the_cpu():
+    from worker.grammar import TokenMask
+
+    vocab = 512
+    torch.manual_seed(2)
+    logits = torch.randn(4, vocab)
+    rows = [SamplingRow(0, SamplingParams(temperature=0, logit_bias=[[5, 100]]), 0),
+            SamplingRow(1, SamplingParams(temperature=0), 0),
+            SamplingRow(2, SamplingParams(temperature=0.9, seed=3, logit_bias=[[9, -100]]), 0),
+            SamplingRow(3, SamplingParams(temperature=0.9, seed=4, best_of=2), 0, num_samples=2)]
+    mask = TokenMask([1, 2, 3], bitmask_of([{1, 300}, {9, 10, 11, 400}, {17, 18}], vocab))
+    expected = Sampler([EOS], vocab)(logits, rows, mask)
+    out = Sampler([EOS], vocab, "cuda")(logits.cuda(), rows, mask)
+    assert out.token_ids == expected.token_ids and out.token_ids[0] == 5 and out.token_ids[2] in (10, 11, 400)
