@@ -85,9 +85,10 @@ def test_a_killed_groups_started_requests_fail_and_the_rest_are_served(stack, re
     """Engine 1's scheduler is killed while it runs 2 requests and holds 1-2 more unstarted: those it
     had started streaming end with an error event (their text so far the greedy text), the others
     complete, taken over; /health stays 200 throughout (engine 0 serves) and nothing leaks."""
-    references = {p: stream(stack.url, p)["tokens"] for p in PROMPTS}
-    killed = scheduler_pid(stack, "1")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        references = {p: r["tokens"] for p, r in zip(PROMPTS, pool.map(lambda p: stream(stack.url, p), PROMPTS))}
+        wait_for(lambda: engine_samples(stack, "pagoda:num_requests_running") == {"0": 0, "1": 0}, 5, "both idle")
+        killed = scheduler_pid(stack, "1")
         futures = [pool.submit(stream, stack.url, p) for p in PROMPTS * 2]
         wait_for(lambda: engine_samples(stack, "pagoda:num_requests_waiting").get("1", 0) >= 1, 60,
                  "engine 1 to hold a request it has not started")
