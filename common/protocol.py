@@ -123,9 +123,10 @@ MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty|, as OpenAI's
 MAX_LOGPROBS = 20  # top alternatives reported per token
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI's
 MAX_LOGIT_BIAS_VALUE = 100.0
-# json_schema: spec is the schema as JSON text (in its own key order, which the output keeps; with the kind, the grammar cache key); json_object:
+# json_schema: spec is the schema as JSON text, in its own key order (the output keeps it); json_object:
 # any JSON object, spec ""; regex: spec is the pattern; choice: spec is a JSON list of the strings
-# allowed; grammar: spec is an EBNF grammar (xgrammar's dialect, vLLM's guided_grammar)
+# allowed; grammar: spec is an EBNF grammar (xgrammar's dialect, vLLM's guided_grammar). (kind, spec)
+# is the worker's grammar cache key.
 STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
