@@ -149,8 +149,8 @@ def test_a_choice_with_min_tokens_ends_after_the_choice_with_eos(tokenizer):
     yes = tokenizer.encode("yes", add_special_tokens=False)
     logits = torch.zeros(1, 49152)
     logits[0, yes[0]], logits[0, 0] = 5.0, 9.0  # the model prefers token 0, which the grammar never allows
-    seq = held([], choice_spec(["yes", "no"]))
-    seq.sampling_params = SamplingParams(temperature=0, min_tokens=5, structured_output=seq.sampling_params.structured_output)
+    seq = held([], None)
+    seq.sampling_params = SamplingParams(temperature=0, min_tokens=5, structured_output=choice_spec(["yes", "no"]))
     output = []
     for _ in range(len(yes) + 1):
         state.sync([(1, seq)])
