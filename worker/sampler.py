@@ -1,8 +1,9 @@
 """Turns the logits of the sampling positions into tokens, logprobs and top logprobs, batched.
 
 Per row, in order: penalties (repetition over prompt and output, presence and frequency over
-output, read from TokenCounts), logit_bias, EOS and stop tokens masked until min_tokens, the
-grammar's mask (structured output: worker/grammar.py), then greedy argmax,
+output, read from TokenCounts), logit_bias, EOS and stop tokens masked until min_tokens (unless the
+row's grammar allows nothing else: it ends), the grammar's mask (structured output:
+worker/grammar.py), then greedy argmax,
 or temperature, top-k, top-p and min-p followed by a draw. Logprobs are those of the model's raw
 distribution: the sampled token's for every row (it feeds cumulative_logprob), the top ones only
 for the rows that ask (logprobs, beam search).
