@@ -139,6 +139,86 @@ def test_compiled_grammars_are_cached_least_recently_used_first_out(tokenizer):
     assert list(state.compiled) == [("regex", "a+"), ("regex", "c+")]
 
 
+def test_a_choice_with_min_tokens_ends_after_the_choice_with_eos(tokenizer):
+    """The grammar wins over min_tokens: once "yes" is out, the grammar allows only EOS, which
+    min_tokens 5 would mask; the sequence ends there instead of taking a token the grammar forbids."""
+    from common.protocol import SamplingParams
+    from worker.sampler import Sampler, SamplingRow
+
+    state, sampler = grammar_state(tokenizer), Sampler([EOS], 49152)
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    logits = torch.zeros(1, 49152)
+    logits[0, yes[0]], logits[0, 0] = 5.0, 9.0  # the model prefers token 0, which the grammar never allows
+    seq = held([], None)
+    seq.sampling_params = SamplingParams(temperature=0, min_tokens=5, structured_output=choice_spec(["yes", "no"]))
+    output = []
+    for _ in range(len(yes) + 1):
+        state.sync([(1, seq)])
+        [token] = sampler(logits, [SamplingRow(1, seq.sampling_params, len(output))], state.fill([(0, 1)])).token_ids
+        output.append(token)
+        seq.token_ids.append(token)
+    assert output == [*yes, EOS]
+
+
+def test_a_compile_runs_on_its_thread_from_sync_and_fill_waits_for_it(tokenizer):
+    """sync starts the compile and returns while it runs (here: held in the tokenizer's load);
+    fill waits for it, then replays the sequence's output into its new matcher."""
+    import threading
+
+    from worker.grammar import GrammarState
+
+    go = threading.Event()
+    state = GrammarState(lambda: go.wait(30) and tokenizer, 49152, [EOS])
+    no = tokenizer.encode("no", add_special_tokens=False)
+    spec = choice_spec(["yes", "no"])
+    state.sync([(1, held(no, spec)), (2, held([], spec))])
+    [compiling] = state.compiling.values()
+    assert not compiling.done() and state.matchers[1].matcher is None  # one compile for the two
+    go.set()
+    mask = state.fill([(0, 1), (1, 2)])
+    assert allowed(mask, 0) == {EOS} and EOS not in allowed(mask, 1)
+    assert list(state.compiled) == [("choice", '["yes","no"]')] and not state.compiling
+
+
+def test_a_compiler_that_cannot_be_built_fails_no_step_and_is_not_retried(caplog):
+    """The tokenizer's load raises: every constrained sequence may only end (its mask: EOS), the
+    load is tried once, the failure logged once; offline, compile raises it."""
+    from worker.grammar import GrammarState
+
+    calls = []
+
+    def load_tokenizer():
+        calls.append(1)
+        raise OSError("no tokenizer")
+
+    state = GrammarState(load_tokenizer, 100, [EOS])
+    with caplog.at_level("ERROR", logger="worker.grammar"):
+        state.sync([(1, held([5], StructuredOutput("regex", "a+"))), (2, held([], choice_spec(["x"])))])
+        mask = state.fill([(0, 1), (1, 2)])
+        state.sync([(3, held([], StructuredOutput("regex", "b+")))])
+        assert allowed(state.fill([(0, 3)]), 0) == {EOS}
+        with pytest.raises(RuntimeError, match="no grammar compiler for this model"):
+            state.compile(StructuredOutput("regex", "c+"))
+    assert [allowed(mask, i) for i in range(2)] == [{EOS}, {EOS}]
+    assert calls == [1]
+    assert [r.getMessage() for r in caplog.records] == [
+        "no grammar compiler for this model (OSError: no tokenizer); constrained sequences may only end"]
+
+
+def test_a_spec_that_fails_to_compile_is_remembered(tokenizer, caplog):
+    state = grammar_state(tokenizer)
+    bad = StructuredOutput("regex", "(ab")
+    with caplog.at_level("ERROR", logger="worker.grammar"):
+        state.sync([(1, held([], bad))])
+        assert allowed(state.fill([(0, 1)]), 0) == {EOS}
+        state.sync([(2, held([], bad))])
+        assert not state.compiling  # from the cache: not compiled again
+        assert allowed(state.fill([(0, 2)]), 0) == {EOS}
+    assert len(caplog.records) == 1 and "invalid regular expression" in caplog.records[0].getMessage()
+    with pytest.raises(InvalidStructuredOutput, match="invalid regular expression"):
+        state.compile(bad)
+
+
 # ----------------------------------------------------------------------------- the real default model, offline
 
 ITEM = {"type": "object", "properties": {"item": {"type": "string", "maxLength": 12},
@@ -181,6 +261,7 @@ def assert_valid(output, spec: StructuredOutput) -> None:
         assert output.text in json.loads(spec.spec)
 
 
+@pytest.mark.slow
 def test_constrained_outputs_parse_validate_and_match(llm):
     specs = [json_schema_spec(PERSON), json_schema_spec(ITEM), StructuredOutput("regex", r"\d{3}-\d{4}"),
              choice_spec(["yes", "no", "maybe"]), StructuredOutput("json_object")]
@@ -228,6 +309,7 @@ def preempted_params():
     return [params(spec, 24, seed=i, temperature=t) for i, (_, spec, t) in enumerate(PREEMPTED)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_constrained_requests_survive_preemption(llm, unpreempted, mode):
     """Each preempted sequence comes back as a NewSequence: its matcher replays its output, and
@@ -244,6 +326,7 @@ def test_constrained_requests_survive_preemption(llm, unpreempted, mode):
         assert_valid(output, spec)
 
 
+@pytest.mark.slow
 def test_constrained_requests_share_prefix_blocks(llm):
     llm.reset()
     prompt = chat("Answer in JSON. " + "We are counting the things in the kitchen, one at a time. " * 2)

@@ -59,6 +59,7 @@ def _check_against_hf(prompt_logprobs, prompt_ids, hf):
             assert entry[t].rank == rank
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_transformers(llm, prompt_ids, hf_logprobs, monkeypatch):
     monkeypatch.setattr("worker.prompt_logprobs.ROW_CHUNK", 4)  # the logits a few rows at a time
     llm.reset()
@@ -69,6 +70,7 @@ def test_prompt_logprobs_equal_transformers(llm, prompt_ids, hf_logprobs, monkey
                for t, entry in zip(prompt_ids[1:], out.prompt_logprobs[1:]))
 
 
+@pytest.mark.slow
 def test_chunked_prefill_scores_every_token_once(llm, prompt_ids, hf_logprobs):
     """Chunks of 7 tokens: each chunk's last position scores the next chunk's first token."""
     llm.reset(max_num_batched_tokens=7)
@@ -83,6 +85,7 @@ def test_chunked_prefill_scores_every_token_once(llm, prompt_ids, hf_logprobs):
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
 
 
+@pytest.mark.slow
 def test_prefix_cache_is_not_used_for_prompt_logprobs(llm, prompt_ids):
     """The same prompt again: a plain request hits the cache, one asking for prompt logprobs
     computes every position (no hit counted, fresh blocks), and still gets every logprob."""
@@ -116,6 +119,7 @@ def test_prefix_cache_is_not_used_for_prompt_logprobs(llm, prompt_ids):
     assert tables[1][0] == full_blocks * block_size and set(tables[1][1][:full_blocks]) <= cached
 
 
+@pytest.mark.slow
 def test_max_tokens_0_finishes_with_no_token_and_frees_every_block(llm, prompt_ids):
     llm.reset(enable_prefix_caching=False, async_scheduling=False)
     free = llm.scheduler.block_manager.num_free_blocks
@@ -129,6 +133,7 @@ def test_max_tokens_0_finishes_with_no_token_and_frees_every_block(llm, prompt_i
     assert not llm.scheduler.has_unfinished_requests() and llm.engine.num_steps == 1
 
 
+@pytest.mark.slow
 def test_max_tokens_0_under_async_scheduling_is_never_run_ahead(llm, prompt_ids):
     llm.reset(async_scheduling=True, enable_prefix_caching=False)
     free = llm.scheduler.block_manager.num_free_blocks

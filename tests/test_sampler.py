@@ -796,6 +796,24 @@ def test_the_grammar_mask_equals_xgrammars_own():
     assert torch.equal(masked[[1, 2, 4, 5]], one)
 
 
+def test_a_finished_grammar_wins_over_min_tokens():
+    """Rows under min_tokens: one whose grammar allows only EOS ends (its stops are not masked, the
+    row is never all -inf, top-p draws no NaN); one whose grammar allows EOS and 5 keeps EOS masked;
+    an unconstrained one keeps min_tokens' mask."""
+    from worker.grammar import TokenMask
+
+    logits = logits_of(4.0, 1.0, 0.5, 0.2, 0.1, 0.3)[None].expand(4, -1).contiguous()
+    mask = TokenMask([0, 1, 2], bitmask_of([{EOS}, {EOS}, {EOS, 5}], VOCAB))
+    rows = [SamplingRow(0, SamplingParams(temperature=0, min_tokens=5), 1),
+            SamplingRow(1, SamplingParams(temperature=1.0, top_p=0.5, min_tokens=5, seed=3), 1),
+            SamplingRow(2, SamplingParams(temperature=0, min_tokens=5), 1),
+            SamplingRow(3, SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[0]), 1)]
+    out = Sampler([EOS], VOCAB)(logits, rows, mask)
+    assert out.token_ids == [EOS, EOS, 5, 1]
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.logprobs == pytest.approx([raw[EOS].item(), raw[EOS].item(), raw[5].item(), raw[1].item()])
+
+
 @pytest.mark.gpu
 def test_grammar_masks_and_logit_bias_on_the_gpu_draw_as_on_the_cpu():
     from worker.grammar import TokenMask

@@ -88,6 +88,7 @@ class Executor:
         self.runner.update_inputs(plan)
         if self.sampler is not None:
             self._count_tokens(plan, scheduled)
+            self._sync_grammars(scheduled)
         # swap-out first: a block leaving for the swap pool may be reused by this very step
         self.runner.swap_out(plan.blocks_to_swap_out)
         self.runner.swap_in(plan.blocks_to_swap_in)
@@ -130,14 +131,18 @@ class Executor:
         if self.grammar.matchers:
             self.grammar.free(dropped)
 
+    def _sync_grammars(self, scheduled: list[ScheduledSequence]) -> None:
+        """Before the forward: the matchers of the step's constrained sequences brought up to their
+        tokens, and the grammar of one met first set compiling (it overlaps the forward)."""
+        constrained = [(s.seq_id, s.held) for s in scheduled if s.held.sampling_params.structured_output]
+        if constrained:
+            self.grammar.sync(constrained)
+
     def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
-        """The grammar masks of the step's constrained rows, their matchers brought up to date
-        first (a sequence met first replays its output): None when no row is constrained."""
-        constrained = [(row, s) for row, s in enumerate(sampling) if s.held.sampling_params.structured_output]
-        if not constrained:
-            return None
-        self.grammar.sync((s.seq_id, s.held) for _, s in constrained)
-        return self.grammar.fill([(row, s.seq_id) for row, s in constrained])
+        """The grammar masks of the step's constrained rows (waiting for a grammar still
+        compiling): None when no row is constrained."""
+        constrained = [(row, s.seq_id) for row, s in enumerate(sampling) if s.held.sampling_params.structured_output]
+        return self.grammar.fill(constrained) if constrained else None
 
 
 def _sampling_rows(sampling: list[ScheduledSequence]) -> list[SamplingRow]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +32,27 @@ log = logging.getLogger(__name__)
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (a JSON schema's is ~10-100 KB)
 
 
+class _Failed:
+    """A grammar that could not be had (the compiler could not be built, or the spec not compiled):
+    kept in the cache like a CompiledGrammar, so a spec that failed is not compiled again."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    @property
+    def reason(self) -> str:
+        return str(self.error)
+
+
 @dataclass(slots=True)
 class _Matched:
     matcher: Any  # xgr.GrammarMatcher, or None when the grammar failed to compile or a token broke it
     num_tokens: int  # tokens of the sequence consumed: prompt tokens count as consumed
+    # while its grammar compiles: the compile, and the sequence whose tokens are replayed once it is done
+    compiling: Future | None = None
+    held: HeldSequence | None = None
 
 
 @dataclass(slots=True)
@@ -49,7 +67,13 @@ class TokenMask:
 class GrammarState:
     """`load_tokenizer`: returns the served model's tokenizer (called once, on the first
     constrained sequence). `vocab_size`: the model's (the logits' width, past the tokenizer's
-    own tokens where the embedding is padded). `stop_token_ids`: what ends a finished grammar."""
+    own tokens where the embedding is padded). `stop_token_ids`: what ends a finished grammar.
+
+    Grammars compile on one background thread (xgrammar releases the GIL while it compiles):
+    `sync` starts the compile of a sequence's new spec, before the step's forward, and `fill`
+    waits for it only when the sequence first samples, so a compile overlaps the prefill and the
+    forward. A failure (the tokenizer, the compiler, the spec) never fails the step: the
+    sequence's matcher is None (it may only end), and the failure is remembered, logged once."""
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int],
                  cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
@@ -57,37 +81,85 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
-        self.compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # CompiledGrammar or _Failed
+        self.compiling: dict[tuple[str, str], Future] = {}  # one compile per spec at a time
         self.matchers: dict[int, _Matched] = {}
         self._compiler = None
+        self._compiler_error: str | None = None
         self._batch = None
         self._xgr = None
+        self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------------- grammars
 
     @property
     def compiler(self):
+        """Built once, on the compile thread. Raises _CompilerUnavailable once it failed (the
+        failure is logged the first time only)."""
+        if self._compiler_error is not None:
+            raise _CompilerUnavailable(self._compiler_error)
         if self._compiler is None:
-            import xgrammar as xgr
+            try:
+                import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
-            # one cache, ours (bounded by count); one thread: a compile runs inside a step
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-            self._xgr = xgr
+                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                # one cache, ours (bounded by count); one thread: compiles run one at a time
+                compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+            except Exception as e:  # noqa: BLE001 - a tokenizer or xgrammar failure: constrained sequences may only end
+                self._compiler_error = f"no grammar compiler for this model ({type(e).__name__}: {e})"
+                log.error("%s; constrained sequences may only end", self._compiler_error)
+                raise _CompilerUnavailable(self._compiler_error) from e
+            self._xgr, self._compiler = xgr, compiler
         return self._compiler
 
     def compile(self, spec: StructuredOutput):
-        """The CompiledGrammar of `spec`, from the cache. Raises InvalidStructuredOutput."""
+        """The CompiledGrammar of `spec`, from the cache; compiled now (waiting for the compile
+        thread) if it is not there. Raises InvalidStructuredOutput, or RuntimeError when there is
+        no compiler for this model."""
+        compiled = self._result(self.start_compile(spec), (spec.kind, spec.spec))
+        if isinstance(compiled, _Failed):
+            raise compiled.error
+        return compiled
+
+    def start_compile(self, spec: StructuredOutput) -> Future:
+        """A future of `spec`'s CompiledGrammar or _Failed: done at once from the cache, else the
+        compile already running for that spec, else a new one on the compile thread."""
         key = (spec.kind, spec.spec)
         compiled = self.compiled.get(key)
         if compiled is not None:
             self.compiled.move_to_end(key)
-            return compiled
-        compiled = self.compiled[key] = compile_structured_output(self.compiler, spec)
-        if len(self.compiled) > self.cache_size:
-            self.compiled.popitem(last=False)
+            done: Future = Future()
+            done.set_result(compiled)
+            return done
+        future = self.compiling.get(key)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+            future = self.compiling[key] = self._pool.submit(self._compile_now, spec)
+        return future
+
+    def _compile_now(self, spec: StructuredOutput):
+        """On the compile thread: the CompiledGrammar, or a _Failed for any failure."""
+        try:
+            return compile_structured_output(self.compiler, spec)
+        except (_CompilerUnavailable, InvalidStructuredOutput) as e:  # the gateway checks specs by the same rule
+            return _Failed(e)
+        except Exception as e:  # noqa: BLE001 - xgrammar's own failure: the step goes on
+            return _Failed(RuntimeError(f"{type(e).__name__}: {e}"))
+
+    def _result(self, future: Future, key: tuple[str, str]):
+        """`future`'s grammar (waiting for it), cached: the first to see a compile's result moves
+        it from `compiling` into the LRU, logging a failure then (once per spec)."""
+        compiled = future.result()
+        if self.compiling.get(key) is future:
+            del self.compiling[key]
+            if isinstance(compiled, _Failed) and compiled.reason != self._compiler_error:
+                log.error("grammar %s %.200r: %s; its sequences may only end", *key, compiled.reason)
+            self.compiled[key] = compiled
+            if len(self.compiled) > self.cache_size:
+                self.compiled.popitem(last=False)
         return compiled
 
     # ------------------------------------------------------------------------- matchers
@@ -100,27 +172,40 @@ class GrammarState:
             self.matchers.pop(seq_id, None)
 
     def sync(self, seqs: Iterable[tuple[int, HeldSequence]]) -> None:
-        """Bring the matchers of these sequences up to their tokens (a sequence met first: a new
-        matcher replaying its output). Unconstrained sequences are skipped."""
+        """Bring the matchers of these sequences up to their tokens. A sequence met first gets a new
+        matcher replaying its output once its grammar is compiled: the compile starts here, and
+        the matcher is made when the sequence samples (`fill`). Unconstrained sequences are skipped."""
+        for key, future in list(self.compiling.items()):  # the compiles done whose sequences left before sampling
+            if future.done():
+                self._result(future, key)
         for seq_id, held in seqs:
             spec = held.sampling_params.structured_output
             if spec is None:
                 continue
             matched = self.matchers.get(seq_id)
             if matched is None:
-                matched = self.matchers[seq_id] = _Matched(self._new_matcher(seq_id, spec), held.num_prompt_tokens)
-            token_ids = held.token_ids
-            if matched.num_tokens < len(token_ids):
-                self._consume(seq_id, matched, token_ids[matched.num_tokens:])
-                matched.num_tokens = len(token_ids)
+                matched = self.matchers[seq_id] = _Matched(None, held.num_prompt_tokens, self.start_compile(spec))
+            if matched.compiling is not None:
+                matched.held = held  # its tokens are replayed once the grammar is there
+                continue
+            self._catch_up(seq_id, matched, held)
 
-    def _new_matcher(self, seq_id: int, spec: StructuredOutput):
-        try:
-            compiled = self.compile(spec)
-        except InvalidStructuredOutput as e:  # the gateway checks by the same rule: not expected here
-            log.error("sequence %d: %s; it may only end", seq_id, e)
-            return None
-        return self._xgr.GrammarMatcher(compiled)
+    def _catch_up(self, seq_id: int, matched: _Matched, held: HeldSequence) -> None:
+        token_ids = held.token_ids
+        if matched.num_tokens < len(token_ids):
+            self._consume(seq_id, matched, token_ids[matched.num_tokens:])
+            matched.num_tokens = len(token_ids)
+
+    def _finish_compile(self, seq_id: int, matched: _Matched) -> None:
+        """Wait for the sequence's grammar; make its matcher and replay its tokens."""
+        held = matched.held
+        spec = held.sampling_params.structured_output
+        compiled = self._result(matched.compiling, (spec.kind, spec.spec))
+        matched.compiling = matched.held = None
+        if isinstance(compiled, _Failed):
+            return  # matcher None: it may only end
+        matched.matcher = self._xgr.GrammarMatcher(compiled)
+        self._catch_up(seq_id, matched, held)
 
     def _consume(self, seq_id: int, matched: _Matched, token_ids: list[int]) -> None:
         matcher = matched.matcher
@@ -145,7 +230,10 @@ class GrammarState:
         bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         live, live_at, ended_at = [], [], []
         for i, (_, seq_id) in enumerate(rows):
-            matcher = self.matchers[seq_id].matcher
+            matched = self.matchers[seq_id]
+            if matched.compiling is not None:
+                self._finish_compile(seq_id, matched)
+            matcher = matched.matcher
             if matcher is None or matcher.is_terminated():
                 ended_at.append(i)
             else:
@@ -164,3 +252,7 @@ def _only(token_ids: list[int], num_words: int) -> torch.Tensor:
         if t // 32 < num_words:
             words[t // 32] |= 1 << (t % 32)
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+class _CompilerUnavailable(RuntimeError):
+    """The grammar compiler could not be built (tokenizer, TokenizerInfo): remembered, not retried."""

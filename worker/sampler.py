@@ -1,8 +1,9 @@
 """Turns the logits of the sampling positions into tokens, logprobs and top logprobs, batched.
 
 Per row, in order: penalties (repetition over prompt and output, presence and frequency over
-output, read from TokenCounts), logit_bias, EOS and stop tokens masked until min_tokens, the
-grammar's mask (structured output: worker/grammar.py), then greedy argmax,
+output, read from TokenCounts), logit_bias, EOS and stop tokens masked until min_tokens (unless the
+row's grammar allows nothing else: it ends), the grammar's mask (structured output:
+worker/grammar.py), then greedy argmax,
 or temperature, top-k, top-p and min-p followed by a draw. Logprobs are those of the model's raw
 distribution: the sampled token's for every row (it feeds cumulative_logprob), the top ones only
 for the rows that ask (logprobs, beam search).
@@ -250,7 +251,7 @@ class Sampler:
         """The same as __call__, leaving the results on the device (no host sync)."""
         raw = logits.float()
         logits, owned = self._apply_logit_bias(*self._apply_penalties(raw, rows), rows)
-        logits, owned = self._mask_stops_before_min_tokens(logits, owned, rows)
+        logits, owned = self._mask_stops_before_min_tokens(logits, owned, rows, mask)
         if mask is not None:
             logits = self._apply_token_mask(logits, owned, mask)
         paths, sample_rows = self._plan_draws(rows)
@@ -326,13 +327,18 @@ class Sampler:
             return masked.add_(add)
         return masked.index_add_(0, _to_device(mask.rows, torch.int64, logits.device), add)
 
-    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, owned: bool,
-                                      rows: list[SamplingRow]) -> tuple[torch.Tensor, bool]:
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, owned: bool, rows: list[SamplingRow],
+                                      mask: TokenMask | None = None) -> tuple[torch.Tensor, bool]:
+        """A row's stop tokens at -inf until it has min_tokens outputs, unless its grammar allows
+        nothing else (a finished grammar): the grammar wins, the row ends."""
         row_ids, token_ids = [], []
+        mask_rows = {row: j for j, row in enumerate(mask.rows)} if mask is not None else {}
         for i, r in enumerate(rows):
             if r.num_output_tokens < r.params.min_tokens:
                 stops = r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids)
                 stops = [t for t in stops if t < logits.shape[1]]
+                if i in mask_rows and not _allows_more_than(mask.bitmask[mask_rows[i]], stops, logits.shape[1]):
+                    continue
                 row_ids += [i] * len(stops)
                 token_ids += stops
         if not row_ids:
@@ -485,6 +491,13 @@ class Sampler:
 # 2**31, so no product overflows and no right shift sees a negative number.
 
 _MIX = (0x7FEB352D, 0x2C1B3C6D)
+
+
+def _allows_more_than(bitmask_row: torch.Tensor, token_ids: list[int], vocab_size: int) -> bool:
+    """Whether a grammar's packed mask row allows a token below vocab_size other than `token_ids`."""
+    allowed = ((bitmask_row[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()[:vocab_size]
+    allowed[token_ids] = False
+    return bool(allowed.any())
 
 
 def _splitmix64(x: int) -> int:
