@@ -999,6 +999,20 @@ def test_after_a_redis_restart_only_what_no_scheduler_holds_fails_and_is_aborted
         server.stop()
 
 
+def test_logit_bias_keys_name_each_token_once_and_max_tokens_0_is_for_completions_only(client, fake):
+    for bias in ({"01": 1}, {"1": 50, "01": 50}, {"00": -1}):  # "01" and "1" would add up on token 1
+        e = error(client.post("/v1/completions", json={"prompt": "x", "logit_bias": bias}), 400, param="logit_bias")
+        key = next(k for k in bias if k.startswith("0"))
+        assert e["message"] == f'logit_bias has key "{key}": write a token id without leading zeros'
+    body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logit_bias": {"0": 5, "10": -5}})
+    assert fake.requests[body.json()["id"] + "-0"].sampling_params.logit_bias == [[0, 5.0], [10, -5.0]]
+    chat = {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}
+    for param in ("max_tokens", "max_completion_tokens"):
+        e = error(client.post("/v1/chat/completions", json={**chat, param: 0}), 400, param=param)
+        assert e["message"] == (f"{param} must be >= 1; 0 (score the prompt, generate nothing) is allowed only on "
+                                "completions, with echo or prompt_logprobs")
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
