@@ -302,8 +302,8 @@ class RequestEvent:
     # time.time() at the scheduler when the request was first scheduled, on its first token-bearing
     # event (0.0 otherwise): the gateway's queue and prefill times (vLLM's metrics)
     scheduled_at: float = 0.0
-    # prompt_logprobs, on the request's first event that carries an output's tokens or its end (index
-    # 0): per prompt token, None for the first, else [logprob, rank, [[token_id, logprob], ...]]
+    # prompt_logprobs, on the request's first event that carries an output's tokens or its end (any
+    # index): per prompt token, None for the first, else [logprob, rank, [[token_id, logprob], ...]]
     prompt_logprobs: list | None = None
 
 

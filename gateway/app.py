@@ -314,7 +314,9 @@ class Gateway:
                     yield shape.chunk(shape.choice_delta(c.index, "", [], None, role=True), include_usage)
             async for choice in self._events(generation, choices, deadline):
                 for delta in shape.choice_deltas(choice, *choice.take_delta()):
-                    if shape.prompt_logprobs is not None and not choice.prompt_logprobs_sent:  # in the first chunk
+                    # in the first chunk after they came (the request's first event brings them)
+                    if shape.prompt_logprobs is not None and choice.prompt_logprobs is not None \
+                            and not choice.prompt_logprobs_sent:
                         choice.prompt_logprobs_sent = True
                         delta["prompt_logprobs"] = shape.choice_prompt_logprobs(choice)
                     yield shape.chunk(delta, include_usage)

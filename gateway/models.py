@@ -70,6 +70,9 @@ def _logit_bias(bias: dict[str, float], info: ValidationInfo) -> list[list]:
         if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab_size:
             raise PydanticCustomError("logit_bias", "has key {key}, which is not a token id in [0, {vocab_size})",
                                       {"key": json.dumps(key), "vocab_size": vocab_size})
+        if key != str(int(key)):  # "01" and "1" would both bias token 1 (and add up)
+            raise PydanticCustomError("logit_bias", "has key {key}: write a token id without leading zeros",
+                                      {"key": json.dumps(key)})
         if not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
             raise PydanticCustomError("logit_bias", "has bias {value} for token {key}, outside [-{limit}, {limit}]",
                                       {"value": value, "key": key, "limit": int(MAX_LOGIT_BIAS_VALUE)})
@@ -91,7 +94,7 @@ TokenIds = NonEmpty[list[TokenId]]
 Text = NonEmpty[str]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 LogitBias = Annotated[dict[str, float], AfterValidator(_logit_bias), WithJsonSchema({
-    "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]+$"},
+    "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
     "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE, "maximum": MAX_LOGIT_BIAS_VALUE},
     "description": f"Token id (as a string) to a bias in [-100, 100] added to its logit before sampling; at most "
                    f"{MAX_LOGIT_BIAS} entries. -100 bans a token, 100 all but forces it."})]

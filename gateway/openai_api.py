@@ -194,10 +194,10 @@ def _common(
         what = "use_beam_search" if beam_search else "best_of > n"
         raise bad_request(f"stream is not supported with {what}: the outputs are chosen only when the request ends",
                           "stream")
-    if max_tokens == 0 and not (getattr(request, "echo", None) or request.prompt_logprobs is not None):
+    if max_tokens == 0 and (kind == "chat" or not (request.echo or request.prompt_logprobs is not None)):
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        raise bad_request(f"{param} must be >= 1; 0 (score the prompt, generate nothing) needs echo or "
-                          "prompt_logprobs on completions", param)
+        raise bad_request(f"{param} must be >= 1; 0 (score the prompt, generate nothing) is allowed only on "
+                          "completions, with echo or prompt_logprobs", param)
     min_tokens = _default(request.min_tokens, 0)
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(f"min_tokens must be <= max_tokens, got min_tokens={min_tokens}, max_tokens={max_tokens}",

@@ -92,6 +92,7 @@ class ChoiceState:
     prompt_token_ids: list[int] = field(default_factory=list)  # set when prompt logprobs are reported
     prompt_logprobs: list | None = None  # the request's RequestEvent.prompt_logprobs, once it came
     prompt_logprobs_sent: bool = False
+    tools: ToolCallStream | None = None  # chat with tools: the output as tool_calls
 
     @property
     def output_text(self) -> str:
@@ -100,7 +101,6 @@ class ChoiceState:
 
     def output_logprobs(self, with_prompt: bool) -> list[TokenLogprob]:
         return self.echo.entries(self.prompt_logprobs) + self.logprobs if with_prompt else self.logprobs
-    tools: ToolCallStream | None = None  # chat with tools: the output as tool_calls
 
     @property
     def finished(self) -> bool:

@@ -5,12 +5,12 @@ import logging
 import os
 import shutil
 import tempfile
+from functools import cached_property
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.models import ModelSource, resolve_model
-from gateway.tools import tool_call_format
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class PromptEncoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None,
                  tool_call_parser: str = "auto") -> None:
+        # here, not at module level: the worker loads tokenizers (load_tokenizer) without the API's modules
+        from gateway.tools import tool_call_format
+
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.tool_call_format = tool_call_format(tool_call_parser, self.template_text)
@@ -69,8 +72,12 @@ class PromptEncoder:
 
     def is_special_token(self, text: str) -> bool:
         """Whether `text` is one token that decoding with skip_special_tokens leaves out."""
-        return text in self.tokenizer.get_vocab() and \
-            self.tokenizer.convert_tokens_to_ids(text) in self.tokenizer.all_special_ids
+        return text in self._special_tokens
+
+    @cached_property
+    def _special_tokens(self) -> frozenset[str]:
+        special_ids = set(self.tokenizer.all_special_ids)
+        return frozenset(token for token, token_id in self.tokenizer.get_vocab().items() if token_id in special_ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

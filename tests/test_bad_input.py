@@ -247,6 +247,12 @@ CASES = [
     Bad("delete-health", "/health", 405, method="DELETE"),
     Bad("unknown-route", "/v1/nope", 404, method="GET"),
     Bad("legacy-engines-route", "/v1/engines/x/completions", 404, body=completion()),
+    # --- logit_bias keys name each token once; max_tokens 0 is for completions only
+    Bad("logit-bias-key-with-a-leading-zero", C, 400, "logit_bias", body=completion(logit_bias={"01": 1})),
+    Bad("logit-bias-one-token-under-two-keys", CHAT, 400, "logit_bias", body=chat(logit_bias={"1": 50, "01": 50})),
+    Bad("chat-max-tokens-0-with-prompt-logprobs", CHAT, 400, "max_tokens", body=chat(max_tokens=0, prompt_logprobs=1)),
+    Bad("chat-max-completion-tokens-0", CHAT, 400, "max_completion_tokens",
+        body=without(chat(max_completion_tokens=0, prompt_logprobs=0), "max_tokens")),
 ]
 
 

@@ -481,6 +481,25 @@ def test_eos_is_counted_but_never_shown(client, fake, tokenizer):
     assert body["usage"]["completion_tokens"] == 2
 
 
+def test_streamed_prompt_logprobs_go_to_each_choice_once_they_came_whichever_output_brought_them(
+        client, fake, gateway, tokenizer):
+    """Output 1's first chunk goes before the event that brings the prompt logprobs (output 0's):
+    it has none, and its next chunk carries them; each choice gets them exactly once."""
+    prompt = tokenizer.encode("@pl-order@")
+    scored = [None] + [[-0.5 * i, 1, [[t, -0.5 * i]]] for i, t in enumerate(prompt) if i]
+    fake.scripts["@pl-order@"] = [
+        RequestEvent("", [19556], None, index=1), RequestEvent("", [19556], None, index=0, prompt_logprobs=scored),
+        RequestEvent("", [905], None, "length", index=1), RequestEvent("", [905], None, "length", index=0)]
+    events = stream(client, "/v1/completions", {"prompt": "@pl-order@", "n": 2, "max_tokens": 2,
+                                                "prompt_logprobs": 1})
+    expected = [None] + [{str(t): {"logprob": -0.5 * i, "rank": 1, "decoded_token": gateway.token_text(t)}}
+                         for i, t in enumerate(prompt) if i]
+    chunks = [(c["choices"][0]["index"], c["choices"][0]["text"], c["choices"][0].get("prompt_logprobs", "absent"))
+              for c in events[:-1]]
+    assert chunks == [(1, "Hello", "absent"), (0, "Hello", expected), (1, " world", expected), (0, " world", "absent")]
+    assert events[-1] == "[DONE]"
+
+
 # ----------------------------------------------------------------------------- best_of and beam search
 # Such a request is one GenerateRequest per prompt; the scheduler sends its n outputs whole, in one
 # step at the end, best first, each an event with its index, all its token ids and its finish_reason.
@@ -978,6 +997,20 @@ def test_after_a_redis_restart_only_what_no_scheduler_holds_fails_and_is_aborted
     finally:
         r.close()
         server.stop()
+
+
+def test_logit_bias_keys_name_each_token_once_and_max_tokens_0_is_for_completions_only(client, fake):
+    for bias in ({"01": 1}, {"1": 50, "01": 50}, {"00": -1}):  # "01" and "1" would add up on token 1
+        e = error(client.post("/v1/completions", json={"prompt": "x", "logit_bias": bias}), 400, param="logit_bias")
+        key = next(k for k in bias if k.startswith("0"))
+        assert e["message"] == f'logit_bias has key "{key}": write a token id without leading zeros'
+    body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logit_bias": {"0": 5, "10": -5}})
+    assert fake.requests[body.json()["id"] + "-0"].sampling_params.logit_bias == [[0, 5.0], [10, -5.0]]
+    chat = {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}
+    for param in ("max_tokens", "max_completion_tokens"):
+        e = error(client.post("/v1/chat/completions", json={**chat, param: 0}), 400, param=param)
+        assert e["message"] == (f"{param} must be >= 1; 0 (score the prompt, generate nothing) is allowed only on "
+                                "completions, with echo or prompt_logprobs")
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -66,3 +66,9 @@ def test_memory_benchmark_and_workloads_import_no_torch_and_no_networking():
     benchmarks' shared module and the stack launcher need neither either."""
     statement = "import pagoda.bench.memory, pagoda.bench.workloads, pagoda.bench.common, pagoda.bench.stack"
     assert imported_after(statement, NETWORKING | {"torch", "transformers"}) == []
+
+
+def test_the_tokenizer_module_imports_no_other_module_of_the_gateway():
+    """The worker loads its grammar's tokenizer with gateway.tokenizer.load_tokenizer: that must pull
+    transformers and common only, not the API's modules (tools, models, structured, ...)."""
+    assert imported_after("import gateway.tokenizer", {"gateway"}) == ["gateway", "gateway.tokenizer"]

@@ -23,11 +23,7 @@ def stack():
 
 # ----------------------------------------------------------------------------- scoring: echo, prompt_logprobs, max_tokens 0
 # (helper "scoring")
-import json  # noqa: E402 (each section imports what it uses: the sections merge apart)
-
-import httpx  # noqa: E402
-
-from gateway.tokenizer import load_tokenizer  # noqa: E402
+from gateway.tokenizer import load_tokenizer  # noqa: E402 (each section imports what it uses: the sections merge apart)
 
 SCORING_PROMPT = "The capital of France is Paris. The capital of Italy is"
 
@@ -199,8 +195,6 @@ def test_a_constrained_stream_concatenates_to_valid_json(http):
 
 
 def test_logit_bias_of_100_forces_its_token_and_minus_100_bans_one(http):
-    from gateway.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer("default")
     forced, = tokenizer.encode(" banana")
     body = post(http, C, prompt="The capital of France is", max_tokens=3, temperature=1.0, seed=0, logprobs=1,
@@ -295,19 +289,27 @@ def test_tool_choice_auto_on_the_default_model_says_its_template_has_no_tool_for
 
 
 def test_a_tool_result_goes_back_to_the_model_and_it_answers(http):
+    from gateway.openai_api import parse_chat
+    from gateway.tokenizer import PromptEncoder
+
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "15 degrees, sunny"}]
-    choice = post(http, CHAT, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8,
-                  temperature=0)["choices"][0]
+    body = post(http, CHAT, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0)
+    choice = body["choices"][0]
     assert choice["message"]["content"] and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] in ("stop", "length")
+    # the model read the conversation the gateway renders, the tool's result in it, token for token
+    tokenizer = load_tokenizer("default")
+    prompt, = parse_chat({"messages": messages, "tools": TOOLS, "tool_choice": "none"}, PromptEncoder(tokenizer),
+                         len(tokenizer)).prompts
+    assert tokenizer.decode(prompt).count("15 degrees, sunny") == 1
+    assert body["usage"]["prompt_tokens"] == len(prompt)
 
 
 # ----------------------------------------------------------------------------- real clients: lm-evaluation-harness, the openai SDK
 # (helper "clients"; its imports here, so that the sections merge apart)
-import json  # noqa: E402
 import os  # noqa: E402
 import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402

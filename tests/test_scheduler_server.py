@@ -1072,3 +1072,25 @@ def test_after_a_redis_restart_a_scheduler_says_it_holds_the_requests_whose_last
         client.close()
     finally:
         server.stop()
+
+
+def test_prompt_logprobs_ride_on_the_requests_first_event_whichever_output_it_is(redis_url):
+    """Output 1 has a token in the step that completes the prompt logprobs, output 0 none: output 1's
+    event carries them, and no later event does (the gateway gives them to every choice)."""
+    from scheduler.request_stream import Arrival, RequestStream, SendEvent
+    from scheduler.sequence import RequestOutput, SequenceOutput
+
+    rs = RequestStream(ServingConfig(redis_url=redis_url), "scheduler-1")
+    rs.flush = lambda: None  # keep the outbox to read it
+    rs.track(Arrival(b"1-0", GenerateRequest("r-0", [1, 2], SamplingParams(n=2, prompt_logprobs=0),
+                                             "pagoda:replies:g", 0.0)))
+    scored = [None, [-1.5, 3, []]]
+
+    def step(tokens: dict[int, list[int]]) -> list:
+        outputs = [SequenceOutput(i, t, len(t), 0.0, None, None) for i, t in tokens.items()]
+        rs.emit([RequestOutput("r-0", [1, 2], outputs, False, 0.0, scored)])
+        sent, rs.outbox[:] = [e.event for e in rs.outbox if isinstance(e, SendEvent)], []
+        return [(e.index, e.token_ids, e.prompt_logprobs) for e in sent]
+
+    assert step({0: [], 1: [7]}) == [(1, [7], scored)]
+    assert step({0: [5], 1: [8]}) == [(0, [5], None), (1, [8], None)]
