@@ -107,7 +107,9 @@ class Executor:
         if self.sampler is None:  # rank > 0: rank 0's draws, for the next plan's PENDING_TOKENs
             self.state.record_sampled(self._receive_sampled(sampling))
             return result
-        out = self.sampler(logits, _sampling_rows(sampling), self._token_mask(sampling))
+        mask = self._token_mask(sampling)
+        rows = _sampling_rows(sampling)
+        out = self.sampler(logits, rows) if mask is None else self.sampler(logits, rows, mask)
         result.sampled = _sampled_tokens(sampling, out)
         if self.world_size > 1:
             self.group.broadcast(torch.tensor(out.token_ids, dtype=torch.int64, device=self.runner.device))
