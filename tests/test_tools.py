@@ -393,17 +393,22 @@ def test_the_required_grammar_accepts_a_call_and_refuses_an_unknown_function(tok
     assert json.loads(body["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
 
 
-def accepts(tokenizer, spec, text: str) -> bool:
-    """Whether the grammar of `spec`, compiled as the worker does, accepts `text` and then the end."""
+@pytest.fixture(scope="module")
+def accepts(tokenizer):
+    """Whether the grammar of a spec, compiled as the worker does, accepts a text and then the end."""
     xgr = pytest.importorskip("xgrammar")
     from common.structured_output import compile_structured_output
 
-    compiled = compile_structured_output(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer)), spec)
-    matcher = xgr.GrammarMatcher(compiled)
-    return matcher.accept_string(text) and matcher.accept_token(tokenizer.eos_token_id)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer))
+
+    def accepts(spec, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compile_structured_output(compiler, spec))
+        return matcher.accept_string(text) and matcher.accept_token(tokenizer.eos_token_id)
+
+    return accepts
 
 
-def test_required_lifts_each_tools_defs_to_the_root_so_a_pydantic_model_compiles(tokenizer):
+def test_required_lifts_each_tools_defs_to_the_root_so_a_pydantic_model_compiles(accepts):
     import jsonschema
     from pydantic import BaseModel
 
@@ -435,17 +440,17 @@ def test_required_lifts_each_tools_defs_to_the_root_so_a_pydantic_model_compiles
     calls = ('[{"name": "plan_trip", "parameters": {"start": {"city": "Paris"}, "stops": [{"city": "Lyon"}]}}, '
              '{"name": "tree", "parameters": {"value": 1, "children": [{"value": 2}], "left": 3}}]')
     jsonschema.validate(json.loads(calls), schema)
-    assert accepts(tokenizer, spec, calls)
-    assert not accepts(tokenizer, spec, '[{"name": "plan_trip", "parameters": {"start": {"town": "Paris"}')
+    assert accepts(spec, calls)
+    assert not accepts(spec, '[{"name": "plan_trip", "parameters": {"start": {"town": "Paris"}')
 
 
 @pytest.mark.parametrize("parameters_", [{}, {"properties": {"city": {"type": "string"}}}], ids=["empty", "no-type"])
-def test_parameters_without_a_type_are_an_object(tokenizer, parameters_):
+def test_parameters_without_a_type_are_an_object(accepts, parameters_):
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters_}}]
     named = tool_calling(request(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}), None)
     assert named.structured_output == json_schema_spec({"type": "object", **parameters_})
-    assert accepts(tokenizer, named.structured_output, '{"city": "Paris"}')
-    assert not accepts(tokenizer, named.structured_output, '"Paris"')
+    assert accepts(named.structured_output, '{"city": "Paris"}')
+    assert not accepts(named.structured_output, '"Paris"')
     required = tool_calling(request(tools=tools, tool_choice="required"), None)
     assert json.loads(required.structured_output.spec)["items"]["anyOf"][0]["properties"]["parameters"] == {
         "type": "object", **parameters_}
