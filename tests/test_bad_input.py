@@ -247,6 +247,12 @@ CASES = [
     Bad("delete-health", "/health", 405, method="DELETE"),
     Bad("unknown-route", "/v1/nope", 404, method="GET"),
     Bad("legacy-engines-route", "/v1/engines/x/completions", 404, body=completion()),
+    # --- structured output: the 64 KiB limit on every spec's compact text
+    Bad("guided-json-object-over-64-kib", C, 400, "guided_json",
+        body=completion(guided_json={"enum": ["x" * 1000] * 66})),
+    Bad("tools-parameters-over-64-kib", CHAT, 400, "tools", body=chat(tool_choice="required", tools=[
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+            "a": {"enum": ["x" * 1000] * 17}}}}} for i in range(4)])),
 ]
 
 
