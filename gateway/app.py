@@ -97,7 +97,7 @@ class Gateway:
         self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser)
         self.vocab_size = len(self.tokenizer)
         self.token_text = token_text_cache(self.tokenizer)
-        self.structured = StructuredOutputChecker()
+        self.structured = StructuredOutputChecker(self.tokenizer, self.vocab_size)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
         self.metrics = GatewayMetrics(self.served_model_name)

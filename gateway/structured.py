@@ -4,23 +4,32 @@ tokens with, and the gateway's check that turns what the worker would reject int
 request is queued.
 
 The check is the worker's own rule (common/structured_output.py's compile_structured_output) run
-with a "compiler" that stops at xgrammar's parse of the spec into a Grammar: every spec xgrammar
+first with a "compiler" that stops at xgrammar's parse of the spec into a Grammar: every spec xgrammar
 rejects fails there, with the words the worker's compile would give (tests/test_structured_api.py
-checks both on bad and good specs of every kind), and the parse takes well under a millisecond,
-where the worker's compile against the tokenizer (its token masks) can take seconds for some
-schemas. Each distinct spec is parsed once and only its verdict is kept. Beyond the worker's rule,
-a JSON schema nested more than MAX_SCHEMA_DEPTH levels deep is refused (its conversion alone takes
+checks both on bad and good specs of every kind), and the parse takes well under a millisecond.
+A spec that parses is then compiled for real against the gateway's tokenizer (its token masks: the
+worker's compile) on a small thread pool, within GRAMMAR_COMPILE_BUDGET_S: the worker compiles inside
+its step, so a spec that takes longer (a string maxLength of 100 takes ~1 s, thousands of optional
+properties a minute) would stall every sequence; it is refused instead. Each distinct spec is checked
+once and only its verdict is kept. Beyond the worker's rule, a spec's text is at most
+MAX_GRAMMAR_CHARS and a JSON schema at most MAX_SCHEMA_DEPTH levels deep (its conversion alone takes
 seconds).
 """
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
 
 from common.protocol import StructuredOutput
 from common.structured_output import InvalidStructuredOutput, choice_spec, compile_structured_output, json_schema_spec
-from gateway.models import InvalidField, SamplingRequest
+from gateway.models import MAX_GRAMMAR_CHARS, InvalidField, SamplingRequest
+
+log = logging.getLogger(__name__)
 
 # The request fields that ask for a structured output, in the order a conflict is reported in: with
 # two of them, the error names the later one.
@@ -30,6 +39,14 @@ VERDICTS_KEPT = 4096  # distinct specs whose verdict a gateway remembers
 # xgrammar's conversion of a schema grows with the cube of its depth (100 objects deep take 0.5 s
 # here, 200 take 3 s, in the gateway and again in the worker's step), so deeper ones are refused
 MAX_SCHEMA_DEPTH = 64
+# the longest a spec may take to compile into a token mask (the worker does it inside its step, once
+# per distinct spec); at most COMPILE_THREADS compiles run at once, each on a thread (xgrammar
+# releases the GIL). One past the budget cannot be stopped: it runs on, and an exit waits for it
+# (xgrammar aborts the process when it exits during a compile)
+GRAMMAR_COMPILE_BUDGET_S = 5.0
+COMPILE_THREADS = 2
+NOUNS = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
+         "choice": "choice list", "grammar": "grammar"}
 
 
 def requested_structured_output(request: SamplingRequest) -> tuple[str, StructuredOutput] | None:
@@ -79,29 +96,40 @@ def _spec(name: str, value) -> StructuredOutput:
 
 class StructuredOutputChecker:
     """Checks a StructuredOutput by the worker's rule and remembers the verdict per (kind, spec).
+    With a `tokenizer` (the served model's; `vocab_size` the model's), a spec that parses is also
+    compiled into a token mask within GRAMMAR_COMPILE_BUDGET_S; without one only the parse runs.
     xgrammar is imported on first use: a gateway that never sees a constrained request never loads
-    it. Thread-safe (parsing runs in worker threads)."""
+    it. Thread-safe (checks run in worker threads)."""
 
-    def __init__(self, verdicts_kept: int = VERDICTS_KEPT) -> None:
+    def __init__(self, tokenizer: Any = None, vocab_size: int | None = None,
+                 verdicts_kept: int = VERDICTS_KEPT) -> None:
         self._parser: GrammarParser | None = None
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[tuple[str, str], str | None] = OrderedDict()
         self._kept = verdicts_kept
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._compiler: Any = None  # xgr.GrammarCompiler, made on the first spec that parses
+        self._slots = threading.BoundedSemaphore(COMPILE_THREADS)  # compiles at once
+        self._compiling: dict[tuple[str, str], _Compile] = {}  # one compile per spec, its checks wait on it
 
     def error(self, spec: StructuredOutput) -> str | None:
-        """What the grammar library says is wrong with `spec`; None when the worker can compile it."""
+        """What is wrong with `spec` (the grammar library's words, or too long, too deep, too slow to
+        compile); None when the worker can compile it in time."""
         key = (spec.kind, spec.spec)
         with self._lock:
             if key in self._verdicts:
                 self._verdicts.move_to_end(key)
                 return self._verdicts[key]
             parser = self._parser = self._parser or GrammarParser()
-        verdict = _too_deep(spec)
+        verdict = _too_long(spec) or _too_deep(spec)
         if verdict is None:
             try:
                 compile_structured_output(parser, spec)
             except InvalidStructuredOutput as exc:
                 verdict = str(exc)
+        if verdict is None and self._tokenizer is not None:
+            verdict = self._compile_error(spec)
         with self._lock:
             self._verdicts[key] = verdict
             if len(self._verdicts) > self._kept:
@@ -112,6 +140,69 @@ class StructuredOutputChecker:
         """Raise InvalidField naming `param` when the worker could not compile `spec`."""
         if spec is not None and (error := self.error(spec)) is not None:
             raise InvalidField(f"{param}: {error}" if param else error, param)
+
+    def _compile_error(self, spec: StructuredOutput) -> str | None:
+        """The real compile's verdict: None, the library's words, or over the budget (counted from
+        the compile's start: a check queued behind COMPILE_THREADS others waits its turn). A compile
+        past the budget runs on to its end on its own thread, and is dropped."""
+        key = (spec.kind, spec.spec)
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = _grammar_compiler(self._tokenizer, self._vocab_size)
+            if self._compiler is False:  # a tokenizer xgrammar cannot read: the parse's verdict stands
+                return None
+            job = self._compiling.get(key)
+            if job is None:
+                job = self._compiling[key] = _Compile()
+                threading.Thread(target=self._compile, args=(key, job, spec), name="grammar-compile").start()
+        job.started.wait()
+        budget = GRAMMAR_COMPILE_BUDGET_S
+        if not job.done.wait(max(0.0, job.start + budget - time.monotonic())):
+            return (f"the {NOUNS[spec.kind]} takes more than {budget:g} s to compile into a token mask: lower its "
+                    "maxLength/maxItems/repetition bounds or simplify it")
+        return job.error
+
+    def _compile(self, key: tuple[str, str], job: _Compile, spec: StructuredOutput) -> None:
+        with self._slots:
+            job.start = time.monotonic()
+            job.started.set()
+            try:
+                compile_structured_output(self._compiler, spec)  # dropped: the worker compiles its own
+            except InvalidStructuredOutput as exc:
+                job.error = str(exc)
+            finally:
+                with self._lock:
+                    self._compiling.pop(key, None)
+                job.done.set()
+
+
+@dataclass(slots=True)
+class _Compile:
+    started: threading.Event = field(default_factory=threading.Event)  # a thread began the compile
+    start: float = 0.0  # time.monotonic() then
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None  # the library's words, when it rejects the spec
+
+
+def _grammar_compiler(tokenizer: Any, vocab_size: int | None) -> Any:
+    """The worker's kind of GrammarCompiler for `tokenizer`, or False when xgrammar cannot read it."""
+    import xgrammar as xgr
+
+    eos = getattr(tokenizer, "eos_token_id", None)
+    try:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=[eos] if isinstance(eos, int) else None)
+    except Exception as exc:  # a tokenizer without a vocabulary xgrammar knows (a test's fake)
+        log.warning("structured output is checked without the compile budget: %s", exc)
+        return False
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def _too_long(spec: StructuredOutput) -> str | None:
+    if len(spec.spec) <= MAX_GRAMMAR_CHARS:
+        return None
+    return (f"the {NOUNS.get(spec.kind, spec.kind)} is {len(spec.spec)} characters long written compactly, more than "
+            f"the {MAX_GRAMMAR_CHARS} this server compiles")
 
 
 def _too_deep(spec: StructuredOutput) -> str | None:

@@ -24,7 +24,7 @@ from common.config import TOOL_CALL_PARSERS
 from common.protocol import StructuredOutput
 from common.structured_output import json_schema_spec
 from gateway.models import ChatCompletionRequest, ChatMessage, InvalidField, TextPart, Tool
-from gateway.structured import STRUCTURED_FIELDS
+from gateway.structured import requested_structured_output
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what follows is a call
@@ -237,11 +237,13 @@ def tool_calling(request: ChatCompletionRequest, format: str | None) -> ToolCall
 def _check_no_other_grammar(request: ChatCompletionRequest) -> None:
     """A required or named tool_choice is a grammar already: another one beside it is a 400."""
     shown = _show_choice(request.tool_choice)
-    for name in STRUCTURED_FIELDS:
-        value = getattr(request, name)
-        if value is not None and not (name == "response_format" and value.type == "text"):
-            raise InvalidField(f"{name} cannot be combined with tool_choice {shown}: the output is the call's JSON",
-                               name)
+    try:
+        requested = requested_structured_output(request)
+    except InvalidField as exc:  # two of them, or one that is no spec: one too many either way
+        requested = (exc.param, None)
+    if requested is not None:
+        raise InvalidField(f"{requested[0]} cannot be combined with tool_choice {shown}: the output is the call's "
+                           "JSON", requested[0])
     if request.use_beam_search:
         raise InvalidField(f"tool_choice {shown} is not supported with use_beam_search", "use_beam_search")
 
@@ -251,17 +253,88 @@ def _show_choice(choice) -> str:
 
 
 def parameters(tool: Tool) -> dict:
-    return tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
+    """The schema of a tool's arguments: always an object's (a schema without "type", {} included,
+    would let a string or a number through)."""
+    params = tool.function.parameters
+    if params is None:
+        return NO_ARGUMENTS
+    return params if "type" in params else {"type": "object", **params}
 
 
 def required_schema(tools: list[Tool], max_calls: int | None) -> dict:
-    """vLLM's form: an array of calls, each {"name": one tool's name, "parameters": its schema}."""
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": parameters(t)},
-              "required": ["name", "parameters"]} for t in tools]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    """vLLM's form: an array of calls, each {"name": one tool's name, "parameters": its schema}.
+    References resolve from the root: each tool's $defs / definitions move to the root's under
+    "<tool>.<name>", and parameters that refer into themselves ("#", "#/properties/...") move to
+    "#/$defs/<tool>" (xgrammar's pointers cannot step into anyOf's list), the references following."""
+    calls, lifted = [], {}
+    for tool in tools:
+        name, params = tool.function.name, dict(parameters(tool))
+        into_itself = any(not ref.startswith(_DEF_PREFIXES) for ref in _local_refs(params))
+        defs = {container: params.pop(container) for container in REF_CONTAINERS
+                if isinstance(params.get(container), dict)}
+        at = f"#/$defs/{name}"
+        for container, named in defs.items():
+            for def_name, schema in named.items():
+                lifted.setdefault(container, {})[f"{name}.{def_name}"] = _moved_refs(schema, name, at)
+        params = _moved_refs(params, name, at)
+        if into_itself:
+            lifted.setdefault("$defs", {})[name], params = params, {"$ref": at}
+        calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                      "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if max_calls is not None:
         schema["maxItems"] = max_calls
-    return schema
+    return schema | lifted
+
+
+REF_CONTAINERS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s name (2020-12's, draft 7's)
+_VALUES = ("const", "enum", "default", "examples")  # keywords whose values are data, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", *REF_CONTAINERS)  # name -> schema
+_DEF_PREFIXES = tuple(f"#/{container}/" for container in REF_CONTAINERS)
+
+
+def _moved_refs(node: Any, tool: str, at: str) -> Any:
+    """`node` (part of `tool`'s parameters) with its local "$ref"s pointing where the parts went:
+    "#/$defs/X..." to the root's "#/$defs/<tool>.X...", any other "#..." ("#" itself included) to
+    the parameters' new place `at`."""
+    if isinstance(node, list):
+        return [_moved_refs(item, tool, at) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = _moved_ref(value, tool, at)
+        elif key in _VALUES:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # a property may be named "default"
+            out[key] = {name: _moved_refs(schema, tool, at) for name, schema in value.items()}
+        else:
+            out[key] = _moved_refs(value, tool, at)
+    return out
+
+
+def _local_refs(node: Any):
+    """Every local "$ref" in the schema `node`, its definitions' included."""
+    if isinstance(node, list):
+        for item in node:
+            yield from _local_refs(item)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                yield value
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                for schema in value.values():
+                    yield from _local_refs(schema)
+            elif key not in _VALUES:
+                yield from _local_refs(value)
+
+
+def _moved_ref(ref: str, tool: str, at: str) -> str:
+    for prefix in _DEF_PREFIXES:
+        if ref.startswith(prefix):
+            return f"{prefix}{tool}.{ref[len(prefix):]}"
+    return at + ref[1:]
 
 
 # ----------------------------------------------------------------------------- the conversation

@@ -253,6 +253,12 @@ CASES = [
     Bad("chat-max-tokens-0-with-prompt-logprobs", CHAT, 400, "max_tokens", body=chat(max_tokens=0, prompt_logprobs=1)),
     Bad("chat-max-completion-tokens-0", CHAT, 400, "max_completion_tokens",
         body=without(chat(max_completion_tokens=0, prompt_logprobs=0), "max_tokens")),
+    # --- structured output: the 64 KiB limit on every spec's compact text
+    Bad("guided-json-object-over-64-kib", C, 400, "guided_json",
+        body=completion(guided_json={"enum": ["x" * 1000] * 66})),
+    Bad("tools-parameters-over-64-kib", CHAT, 400, "tools", body=chat(tool_choice="required", tools=[
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+            "a": {"enum": ["x" * 1000] * 17}}}}} for i in range(4)])),
 ]
 
 

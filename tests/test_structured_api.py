@@ -269,3 +269,44 @@ def test_a_schema_too_deep_to_write_out_is_invalid_not_an_error():
     with pytest.raises(InvalidField) as caught:
         requested_structured_output(request)
     assert (caught.value.param, str(caught.value)) == ("guided_json", "guided_json: the JSON schema is nested too deeply")
+
+
+# ----------------------------------------------------------------------------- the limits: size and compile time
+
+BIG_ENUM = {"enum": ["x" * 1000] * 66}  # 66,208 characters written compactly, over 64 KiB
+
+
+@pytest.mark.parametrize("kind, body, param, message", [
+    ("completion", {"guided_json": BIG_ENUM}, "guided_json",
+     "guided_json: the JSON schema is 66208 characters long written compactly, more than the 65536 this server "
+     "compiles"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": BIG_ENUM}}},
+     "response_format", "response_format: the JSON schema is 66208 characters long written compactly, more than "
+                        "the 65536 this server compiles"),
+    ("completion", {"guided_choice": ["y" * 300] * 220}, "guided_choice",
+     "guided_choice: the choice list is 66661 characters long written compactly, more than the 65536 this server "
+     "compiles"),
+    ("chat", {"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+            "a": {"enum": ["x" * 1000] * 17}}}}} for i in range(4)]}, "tools",
+     "tools: the JSON schema is 68849 characters long written compactly, more than the 65536 this server compiles"),
+], ids=["guided-json-object", "response-format-schema", "guided-choice", "tools-parameters"])
+def test_a_spec_over_64_kib_written_compactly_is_a_400_naming_the_field(gateway, kind, body, param, message):
+    base = {"prompt": "hi"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_error(gateway, kind, {**base, **body}) == (400, param, message)
+
+
+def test_a_spec_that_compiles_past_the_budget_is_refused_and_the_verdict_kept(gateway, monkeypatch):
+    # a string of at most 60 characters compiles in ~0.5 s against the default model's 49,152 tokens
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+                "type": "string", "maxLength": 60}}}}
+    refused = (400, "response_format", "response_format: the JSON schema takes more than 0.05 s to compile into a "
+                                       "token mask: lower its maxLength/maxItems/repetition bounds or simplify it")
+    monkeypatch.setattr(structured, "GRAMMAR_COMPILE_BUDGET_S", 0.05)
+    assert parse_error(gateway, "chat", body) == refused
+    monkeypatch.setattr(structured, "GRAMMAR_COMPILE_BUDGET_S", 60.0)
+    assert parse_error(gateway, "chat", body) == refused  # kept: the spec is not compiled again
+    fast = gateway._parse("chat", {**body, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "string", "maxLength": 4}}}})  # ~10 ms: within any budget here
+    assert fast.params.structured_output == StructuredOutput("json_schema", '{"type":"string","maxLength":4}')

@@ -391,3 +391,74 @@ def test_the_required_grammar_accepts_a_call_and_refuses_an_unknown_function(tok
     assert not xgr.GrammarMatcher(compiled).accept_string('[{"name":"get_news"')
     body, _ = message(RequiredParser(), '[{"name":"get_weather","parameters":{"city":"Paris"}}]')
     assert json.loads(body["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.fixture(scope="module")
+def accepts(tokenizer):
+    """Whether the grammar of a spec, compiled as the worker does, accepts a text and then the end."""
+    xgr = pytest.importorskip("xgrammar")
+    from common.structured_output import compile_structured_output
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer))
+
+    def accepts(spec, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compile_structured_output(compiler, spec))
+        return matcher.accept_string(text) and matcher.accept_token(tokenizer.eos_token_id)
+
+    return accepts
+
+
+def test_required_lifts_each_tools_defs_to_the_root_so_a_pydantic_model_compiles(accepts):
+    import jsonschema
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        city: str
+
+    class Trip(BaseModel):
+        start: Place
+        stops: list[Place]
+
+    tree = {"type": "object", "properties": {"value": {"type": "integer"}, "children": {"type": "array", "items": {
+        "$ref": "#"}}, "left": {"$ref": "#/definitions/Node"}}, "required": ["value"],
+        "definitions": {"Node": {"$ref": "#/properties/value"}}}  # draft 7's container, "#" and a path from the root
+    tools = [{"type": "function", "function": {"name": "plan_trip", "parameters": Trip.model_json_schema()}},
+             {"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    spec = tool_calling(request(tools=tools, tool_choice="required"), None).structured_output
+    schema = json.loads(spec.spec)
+    place = {"properties": {"city": {"title": "City", "type": "string"}}, "required": ["city"], "title": "Place",
+             "type": "object"}
+    # parameters that refer to themselves ("#", "#/properties/...") move to the root's $defs too
+    moved_tree = {**tree, "properties": {**tree["properties"], "children": {"type": "array", "items": {
+        "$ref": "#/$defs/tree"}}, "left": {"$ref": "#/definitions/tree.Node"}}}
+    del moved_tree["definitions"]
+    assert schema["$defs"] == {"plan_trip.Place": place, "tree": moved_tree}
+    assert schema["definitions"] == {"tree.Node": {"$ref": "#/$defs/tree/properties/value"}}
+    trip, tree_call = (call["properties"]["parameters"] for call in schema["items"]["anyOf"])
+    assert trip["properties"]["start"] == {"$ref": "#/$defs/plan_trip.Place"} and "$defs" not in trip
+    assert tree_call == {"$ref": "#/$defs/tree"}
+    calls = ('[{"name": "plan_trip", "parameters": {"start": {"city": "Paris"}, "stops": [{"city": "Lyon"}]}}, '
+             '{"name": "tree", "parameters": {"value": 1, "children": [{"value": 2}], "left": 3}}]')
+    jsonschema.validate(json.loads(calls), schema)
+    assert accepts(spec, calls)
+    assert not accepts(spec, '[{"name": "plan_trip", "parameters": {"start": {"town": "Paris"}')
+
+
+@pytest.mark.parametrize("parameters_", [{}, {"properties": {"city": {"type": "string"}}}], ids=["empty", "no-type"])
+def test_parameters_without_a_type_are_an_object(accepts, parameters_):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters_}}]
+    named = tool_calling(request(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}), None)
+    assert named.structured_output == json_schema_spec({"type": "object", **parameters_})
+    assert accepts(named.structured_output, '{"city": "Paris"}')
+    assert not accepts(named.structured_output, '"Paris"')
+    required = tool_calling(request(tools=tools, tool_choice="required"), None)
+    assert json.loads(required.structured_output.spec)["items"]["anyOf"][0]["properties"]["parameters"] == {
+        "type": "object", **parameters_}
+
+
+def test_two_structured_fields_beside_a_tool_choice_name_the_second():
+    with pytest.raises(InvalidField) as error:
+        tool_calling(request(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"},
+                             guided_regex="a+"), None)
+    assert (error.value.param, str(error.value)) == (
+        "guided_regex", "guided_regex cannot be combined with tool_choice \"required\": the output is the call's JSON")
