@@ -20,6 +20,9 @@ _CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
 _JSON_OBJECT_SCHEMA = '{"type":"object"}'
 # JSON without free whitespace: the output is as valid and a small model cannot loop on blank lines
 ANY_WHITESPACE = False
+# An integer the schema leaves unbounded is held to int64's range (what JSON parsers round-trip): the
+# grammar then ends its digits after 19, where a small model could otherwise write digits for ever
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class InvalidStructuredOutput(ValueError):
@@ -70,7 +73,7 @@ def compile_structured_output(compiler: Any, spec: StructuredOutput) -> Any:
     kind = spec.kind
     try:
         if kind == "json_schema":
-            return compiler.compile_json_schema(spec.spec, any_whitespace=ANY_WHITESPACE)
+            return compiler.compile_json_schema(bounded_integers(spec.spec), any_whitespace=ANY_WHITESPACE)
         if kind == "json_object":
             return compiler.compile_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=ANY_WHITESPACE)
         if kind == "regex":
@@ -84,6 +87,34 @@ def compile_structured_output(compiler: Any, spec: StructuredOutput) -> Any:
     except (RuntimeError, ValueError, TypeError) as e:  # xgr.InvalidJSONError is a ValueError
         raise InvalidStructuredOutput(kind, f"invalid {_NOUN[kind]}: {_library_message(e)}") from None
     raise InvalidStructuredOutput(kind, f"unknown structured output kind {kind!r}")
+
+
+def bounded_integers(schema_text: str) -> str:
+    """The schema with INT64_MIN / INT64_MAX as the bounds of every integer subschema that has none
+    (text that is not JSON is returned as it is, for the library to reject)."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text
+    _bound_integers(schema)
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def _bound_integers(node: Any) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _bound_integers(item)
+        return
+    if not isinstance(node, dict):
+        return
+    kind = node.get("type")
+    if kind == "integer" or isinstance(kind, list) and "integer" in kind:
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            node["minimum"] = INT64_MIN
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            node["maximum"] = INT64_MAX
+    for value in node.values():
+        _bound_integers(value)
 
 
 _NOUN = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",

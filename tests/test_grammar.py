@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from common.protocol import StructuredOutput
-from common.structured_output import (InvalidStructuredOutput, choice_spec, compile_structured_output,
-                                      json_schema_spec)
+from common.structured_output import (INT64_MAX, INT64_MIN, InvalidStructuredOutput, bounded_integers, choice_spec,
+                                      compile_structured_output, json_schema_spec)
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -58,6 +58,23 @@ def test_choice_accepts_exactly_its_strings(toy_compiler):
         assert matcher.accept_string(text)
         assert matcher.is_completed() == complete  # a choice ends where its string does
     assert not xgr.GrammarMatcher(compiled).accept_string("b")
+
+
+def test_an_unbounded_integer_is_held_to_int64_and_its_digits_end():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "m": {"type": ["integer", "null"],
+                                                                               "minimum": 0},
+                                               "x": {"items": {"type": "integer", "exclusiveMaximum": 5}}}}
+    assert json.loads(bounded_integers(json.dumps(schema))) == {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX},
+        "m": {"type": ["integer", "null"], "minimum": 0, "maximum": INT64_MAX},
+        "x": {"items": {"type": "integer", "exclusiveMaximum": 5, "minimum": INT64_MIN}}}}
+    assert bounded_integers("{x") == "{x"  # not JSON: left for the library to reject
+    digits = ["0", "1", "9", '"', "{", "}", ":", " ", "n", ",", "<eos>"]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(digits, vocab_size=11, stop_token_ids=[10]))
+    compiled = compile_structured_output(compiler, json_schema_spec(
+        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
+    assert xgr.GrammarMatcher(compiled).accept_string('{"n": ' + "9" * 18 + "}")
+    assert not xgr.GrammarMatcher(compiled).accept_string('{"n": ' + "1" * 20)
 
 
 # ----------------------------------------------------------------------------- the worker's grammar state
