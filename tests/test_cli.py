@@ -216,6 +216,19 @@ def test_up_gives_each_child_its_config_as_flags(tmp_path):
         api_key="sk-1", request_timeout_s=9.0, drain_timeout_s=4.0))
 
 
+def test_up_shares_the_cores_among_cpu_workers_unless_omp_num_threads_is_set(tmp_path, monkeypatch):
+    args = parser_of("up").parse_args(["--device", "cpu", "--data-parallel-size", "2", "--tensor-parallel-size", "2"])
+    configs = [config_from_args(cls, args) for cls in (EngineConfig, ServingConfig, GatewayConfig)]
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    children = up._children(*configs, "redis://127.0.0.1:7000/0", tmp_path, 2, [])
+    assert {c.name: c.env for c in children if c.role == "worker"} == {
+        f"worker-{g}.{r}": {"OMP_NUM_THREADS": "2"} for g in (0, 1) for r in (0, 1)}
+    assert all(c.env == {} for c in children if c.role != "worker")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert all(c.env == {} for c in up._children(*configs, "redis://127.0.0.1:7000/0", tmp_path, 2, []))
+
+
 def test_up_starts_each_engine_group_with_its_own_addresses_ranks_and_gpus(tmp_path):
     """--data-parallel-size 2 --tensor-parallel-size 2: per group a scheduler (its engine id) and two
     ranks on the group's ZeroMQ and torch.distributed addresses; worker (g, r) gets GPU g*2 + r."""
