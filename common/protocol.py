@@ -264,6 +264,9 @@ class WorkerHello:
     kv_bytes_per_block: int
     host_bandwidth: float  # bytes/s between device and swap pool, measured
     prefill_tokens_per_s: float  # measured
+    # Every layer attends only to its last `sliding_window` keys (Mistral v0.1): the scheduler frees
+    # the blocks wholly outside the window as a sequence grows. None when any layer is global.
+    sliding_window: int | None = None
 
 
 # ----------------------------------------------------------------------------- requests (Redis)
@@ -414,8 +417,8 @@ _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
-_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]
-    SchedulerStatus: 11, RequestEvent: 2, SamplingParams: 3, StepResult: 1,
+_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]
+    SchedulerStatus: 11, RequestEvent: 2, SamplingParams: 3, StepResult: 1, WorkerHello: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as
