@@ -27,8 +27,8 @@ from kernels.triton_common import freeze_workspace, interpreting  # no triton im
 Impl = Literal["triton", "torch"] | None
 
 __all__ = [
-    "BlockSwapper", "copy_blocks", "freeze_workspace", "fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
-    "silu_and_mul", "swap_blocks", "warmup", "write_kv",
+    "BlockSwapper", "copy_blocks", "freeze_workspace", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul",
+    "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "swap_blocks", "warmup", "write_kv",
 ]
 
 
@@ -50,6 +50,7 @@ def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, impl: Impl = None,
     max_seqlen_k: int | None = None, kv_splits: int | None = None, step_cache: dict | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV: prefill, queries after a
     cached prefix, and decode, mixed in one batch (semantics: `reference.paged_attention`).
@@ -59,15 +60,21 @@ def paged_attention(
     head_dim] (`out` when given). Triton only: `max_seqlen_k` (an upper bound on seq_lens, for the
     split-KV choice; default the block table's width) and `kv_splits` (force a split count).
     `step_cache`: a dict that lives for one step, where the torch path keeps its bucketing of the
-    step's sequences for every layer.
+    step's sequences for every layer. `sliding_window` W: a query at position p sees keys
+    (p - W, p] only; `logit_softcap` c: scores become c * tanh(score / c) before the mask.
     """
     if _use_triton(query, impl):
         from kernels import triton_attention
 
+        if sliding_window or logit_softcap:
+            raise NotImplementedError("the Triton paged attention has no sliding window or soft-capping yet")
         return triton_attention.paged_attention(
             query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
             max_seqlen_k=max_seqlen_k, kv_splits=kv_splits,
         )
+    if sliding_window or logit_softcap:
+        return reference.paged_attention_masked(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
+                                                sliding_window=sliding_window, logit_softcap=logit_softcap)
     plan = None
     if step_cache is not None:
         plan = step_cache.get("reference_plan")
@@ -178,6 +185,34 @@ def silu_and_mul(x: torch.Tensor, *, impl: Impl = None) -> torch.Tensor:
 
         return triton_fused.silu_and_mul(x)
     return fused.silu_and_mul_reference(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * d] = [gate | up] -> gelu_tanh(gate) * up [..., d] (Gemma's GeGLU), as
+    transformers' `gelu_pytorch_tanh` activation computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def fused_moe(
+    hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, *, activation: str = "silu", impl: Impl = None,
+) -> torch.Tensor:
+    """The routed experts of a MoE layer: sum over each token's top-k experts e of
+    `weight * w2[e] @ (act(gate_e) * up_e)` with [gate_e; up_e] = w13[e] @ x.
+
+    hidden_states [num_tokens, hidden]; w13 [num_experts, 2 * intermediate, hidden]; w2
+    [num_experts, hidden, intermediate]; topk_weights [num_tokens, top_k]; topk_ids [num_tokens,
+    top_k]. CUDA: the fused Triton kernel (tokens grouped by expert, one launch per projection);
+    elsewhere the reference, `kernels.moe.fused_moe_reference`.
+    """
+    from kernels import moe
+
+    if _use_triton(hidden_states, impl):
+        from kernels import triton_moe
+
+        return triton_moe.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=activation)
+    return moe.fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation)
 
 
 def _check_impl(impl: Impl) -> None:

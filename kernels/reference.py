@@ -23,6 +23,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, plan: AttentionPlan | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV.
 
@@ -31,7 +32,15 @@ def paged_attention(
     block_tables: [num_seqs, max_blocks] int32 padded with the null block 0.
     Returns [num_tokens, num_heads, head_dim], written into `out` when one is given. `plan` (from
     `plan_attention` on the same metadata) saves every layer of a step from redoing the bucketing.
+
+    `sliding_window` W: the query at position p sees only keys (p - W, p] (transformers'
+    sliding_window_overlay); blocks wholly before a sequence's window may be the null block or
+    another sequence's and are never read. `logit_softcap` c: scores become c * tanh(score / c)
+    (Gemma 2), after the scale and before the mask.
     """
+    if sliding_window or logit_softcap:
+        return paged_attention_masked(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
+                                      sliding_window=sliding_window, logit_softcap=logit_softcap)
     out = torch.empty_like(query) if out is None else out
     plan = plan or plan_attention(block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2])
     for bucket in plan.decode_buckets:
@@ -131,6 +140,49 @@ def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out) ->
         mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[start:start + q_len] = o[0].transpose(0, 1)
+
+
+def paged_attention_masked(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """`paged_attention` with a sliding window and/or logit soft-capping, one sequence at a time
+    in float32, as transformers' eager attention computes it (scores, cap, mask, softmax, @ V).
+
+    Only the blocks that hold a key some query of the sequence sees are gathered:
+
+        keys [lo, seq_len)   lo = first query's position - W + 1 (0 without a window)
+        blocks [lo // block_size, ceil(seq_len / block_size))
+    """
+    out = torch.empty_like(query) if out is None else out
+    block_size, num_heads = kv_cache.shape[2], query.shape[1]
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, q_len = starts[i], starts[i + 1] - starts[i]
+        if q_len == 0:
+            continue
+        first = seq_len - q_len  # the first query's position
+        lo = max(first - sliding_window + 1, 0) if sliding_window else 0
+        first_block = lo // block_size
+        index = block_tables[i, first_block:-(-seq_len // block_size)].long()
+        k, v = (torch.index_select(kv_cache[:, j], 0, index).flatten(0, 1).float() for j in (0, 1))
+        key_pos = torch.arange(first_block * block_size, first_block * block_size + k.shape[0], device=query.device)
+        q_pos = torch.arange(first, seq_len, device=query.device)
+        mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len)  # [q_len, keys]
+        if sliding_window:
+            mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
+        seen = mask.any(0)  # keys no query sees may hold anything, NaN included: zeroed
+        k, v = k.masked_fill(~seen[:, None, None], 0), v.masked_fill(~seen[:, None, None], 0)
+        group = num_heads // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [keys, num_heads, hd]
+        q = query[start:start + q_len].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logit_softcap:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
