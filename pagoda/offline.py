@@ -257,7 +257,7 @@ class RankProcesses:
     def __init__(self, config: EngineConfig) -> None:
         from common.models import resolve_model
         from worker.loader import load_config
-        from worker.model import check_shardable
+        from worker.models import check_shardable
         from worker.model_runner import resolve_device
 
         check_shardable(load_config(resolve_model(config.model)), config.tensor_parallel_size)  # before any start

@@ -62,21 +62,22 @@ def unfused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor) -> 
     from worker.context import get_context
 
     cos, sin = model.cos_cache[positions], model.sin_cache[positions]
-    x = model.embed_tokens(input_ids)
+    x = model.model.embed_tokens(input_ids)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        paged = attn.attn
         h = unfused_rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
         q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = unfused_rope(q.view(-1, attn.num_heads, attn.head_dim), k.view(-1, attn.num_kv_heads, attn.head_dim),
+        q, k = unfused_rope(q.view(-1, paged.num_heads, attn.head_dim), k.view(-1, paged.num_kv_heads, attn.head_dim),
                             cos, sin)
         ctx = get_context()
-        kernels.write_kv(k, v.view(-1, attn.num_kv_heads, attn.head_dim), attn.kv_cache, ctx.slot_mapping)
-        o = kernels.paged_attention(q, attn.kv_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, attn.scale,
+        kernels.write_kv(k, v.view(-1, paged.num_kv_heads, attn.head_dim), paged.kv_cache, ctx.slot_mapping)
+        o = kernels.paged_attention(q, paged.kv_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, paged.scale,
                                     step_cache=ctx.kernel_cache)
         x = x + attn.o_proj(o.reshape(-1, attn.q_size))
         h = unfused_rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         x = x + mlp.down_proj(unfused_silu_and_mul(mlp.gate_up_proj(h)))
-    return unfused_rms_norm(x, model.norm.weight, model.norm.eps)
+    return unfused_rms_norm(x, model.model.norm.weight, model.model.norm.eps)
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -347,7 +348,7 @@ def _two_steps(model, forward, block_size: int = 16) -> list[torch.Tensor]:
     blocks = 4
     for attn in model.attention_layers():
         attn.kv_cache = torch.zeros((1 + len(lens) * blocks, 2, block_size, attn.num_kv_heads, attn.head_dim),
-                                    dtype=model.embed_tokens.weight.dtype)
+                                    dtype=model.model.embed_tokens.weight.dtype)
     tables = torch.tensor([[1 + i * blocks + b for b in range(blocks)] for i in range(len(lens))], dtype=torch.int32)
     gen = torch.Generator().manual_seed(7)
     steps = [[list(range(n)) for n in lens], [[n] for n in lens]]  # positions per sequence

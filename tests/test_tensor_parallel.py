@@ -20,7 +20,8 @@ from common.protocol import SamplingParams
 from pagoda import cli
 from pagoda.offline import LLM
 from tests.conftest import TINY_LLAMA
-from worker.model import AttentionShard, check_shardable, vocab_shard
+from worker.models import check_shardable
+from worker.models.layers import AttentionShard, vocab_shard
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -126,12 +127,13 @@ def _model_at(directory, rank: int, size: int, monkeypatch=None):
 def test_each_rank_reads_only_its_slices_and_holds_that_slice(tiny, monkeypatch):
     """Size 4 of tiny-llama (4 query heads, 2 KV heads): every sharded tensor is read by slice,
     only the norms whole; each rank's parameters are its rows or columns of size 1's."""
-    import worker.loader
+    import worker.models.weights
 
     directory = tiny[0]
     full = _model_at(directory, 0, 1)
     whole, sliced = [], []
-    monkeypatch.setattr(worker.loader, "safe_open", _RecordingSafeOpen(worker.loader.safe_open, whole, sliced))
+    monkeypatch.setattr(worker.models.weights, "safe_open",
+                        _RecordingSafeOpen(worker.models.weights.safe_open, whole, sliced))
     shards = [_model_at(directory, rank, 4) for rank in range(4)]
     assert whole and all("norm" in name for name in whole)
     assert len(sliced) == 4 * (2 + 7 * 2)  # embed and lm_head, 7 projections per layer, per rank
@@ -141,11 +143,11 @@ def test_each_rank_reads_only_its_slices_and_holds_that_slice(tiny, monkeypatch)
     for rank, shard in enumerate(shards):
         p = dict(shard.named_parameters())
         kv_head = rank // 2
-        assert p["embed_tokens.weight"].shape == (128, 64)
-        assert torch.equal(p["embed_tokens.weight"], fp["embed_tokens.weight"][rank * 128:(rank + 1) * 128])
+        assert p["model.embed_tokens.weight"].shape == (128, 64)
+        assert torch.equal(p["model.embed_tokens.weight"], fp["model.embed_tokens.weight"][rank * 128:(rank + 1) * 128])
         assert torch.equal(p["lm_head.weight"], fp["lm_head.weight"][rank * 128:(rank + 1) * 128])
         for i in range(2):
-            name = f"layers.{i}."
+            name = f"model.layers.{i}."
             full_qkv = fp[name + "self_attn.qkv_proj.weight"].split([64, 32, 32])
             expected_qkv = torch.cat([full_qkv[0][rank * q:(rank + 1) * q], full_qkv[1][kv_head * kv:(kv_head + 1) * kv],
                                       full_qkv[2][kv_head * kv:(kv_head + 1) * kv]])

@@ -1,7 +1,8 @@
 """Build a model from a ModelSource: Hugging Face safetensors, GGUF (through transformers), or dummy.
 
-In a tensor-parallel group each rank reads only its slice of each tensor (`LlamaForCausalLM.
-weight_slice`) from the safetensors files, never a whole tensor it shards; a GGUF file is
+The model's class comes from the registry (worker/models/__init__.py). In a tensor-parallel
+group each rank reads only its slice of each tensor from the safetensors files (each parameter's
+`weight_loader` narrows a lazy CheckpointTensor), never a whole tensor it shards; a GGUF file is
 converted to safetensors once and then read the same way. Dummy weights are drawn whole on every
 rank and sliced, so a group's dummy model is the same model as one rank's.
 """
@@ -14,22 +15,19 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from common.models import ModelSource
-from worker.model import LlamaForCausalLM
+from worker.models import model_class
+from worker.models.weights import in_memory, iter_safetensors
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
@@ -93,30 +91,6 @@ def _publish(tmp: Path, target: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-WeightSlice = Callable[[str], "tuple[int, int, int] | None"]  # LlamaForCausalLM.weight_slice
-
-
-def iter_safetensors(directory: Path, weight_slice: WeightSlice | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, or with `weight_slice` the slice of each it names (read
-    alone from the file)."""
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {directory}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in tqdm(list(f.keys()), desc=f"Loading {file.name}", unit="tensor", leave=False):
-                spec = weight_slice(key) if weight_slice else None
-                yield key, f.get_tensor(key) if spec is None else read_slice(f.get_slice(key), spec)
-
-
-def read_slice(tensor_slice, spec: tuple[int, int, int]) -> torch.Tensor:
-    """Rows or columns [start, stop) of a safetensors slice (clipped to its end) and nothing else."""
-    dim, start, stop = spec
-    size = tensor_slice.get_shape()[dim]
-    start, stop = min(start, size), min(stop, size)
-    return tensor_slice[start:stop] if dim == 0 else tensor_slice[:, start:stop]
-
-
 @contextlib.contextmanager
 def _group_of_one() -> Iterator[None]:
     saved = get_tp_group()
@@ -127,37 +101,25 @@ def _group_of_one() -> Iterator[None]:
         set_tp_group(saved)
 
 
-def _init_dummy(model: LlamaForCausalLM) -> None:
+def _init_dummy(model: torch.nn.Module) -> None:
     for name, param in model.named_parameters():
         if "norm" not in name:  # norms stay at one
             torch.nn.init.normal_(param, std=0.02)
 
 
+def _build(config: PretrainedConfig, device: str) -> torch.nn.Module:
+    with torch.device(device):
+        return model_class(config)(config)
+
+
 def dummy_weights(config: PretrainedConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole dummy model a group of one draws from `seed`, under Hugging Face names."""
-    with _group_of_one(), torch.device("cpu"):
+    """The whole dummy model a group of one draws from `seed`, under our parameter names (the
+    fused ones whole: each rank's loaders take their slices)."""
+    with _group_of_one():
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = _build(config, "cpu")
     _init_dummy(model)
-    attn = model.layers[0].self_attn
-    split = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), [attn.q_size, attn.kv_size, attn.kv_size]),
-             "gate_up_proj": (("gate_proj", "up_proj"), [config.intermediate_size] * 2)}
-    for name, param in model.named_parameters():
-        for fused, (parts, sizes) in split.items():
-            if f".{fused}." in name:
-                for part, tensor in zip(parts, param.data.split(sizes)):
-                    yield name.replace(fused, part), tensor
-                break
-        else:
-            yield name, param.data
-
-
-def _slice(tensor: torch.Tensor, spec: tuple[int, int, int] | None) -> torch.Tensor:
-    if spec is None:
-        return tensor
-    dim, start, stop = spec
-    size = tensor.shape[dim]
-    return tensor.narrow(dim, min(start, size), min(stop, size) - min(start, size))
+    yield from ((name, param.data) for name, param in model.named_parameters())
 
 
 def load_model(
@@ -166,25 +128,33 @@ def load_model(
     """Returns (model, hf_config): weights loaded, a rope cache of the context length, on `device` in `dtype`."""
     config = load_config(source)
     model_len = int(getattr(config, "max_position_embeddings", 2048))
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window and config.model_type == "mistral":  # no sliding-window attention: stay inside the window
-        model_len = min(model_len, int(window))
     max_positions = min(max_model_len or model_len, model_len)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {config.model_type!r} is not supported (only {SUPPORTED_MODEL_TYPES})")
+    check_rope_scaling(config)
     if source.kind == "dummy":
-        with torch.device("cpu"):
-            torch.manual_seed(seed)
-            model = LlamaForCausalLM(config)
+        torch.manual_seed(seed)
+        model = _build(config, "cpu")
     else:  # every parameter comes from the checkpoint: no initialization to compute first
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        model = model.to_empty(device="cpu")
+        model = _build(config, "meta").to_empty(device="cpu")
     if source.kind == "dummy" and model.tp.world_size == 1:
         _init_dummy(model)
     elif source.kind == "dummy":
-        model.load_weights((name, _slice(tensor, model.weight_slice(name))) for name, tensor in dummy_weights(config, seed))
+        model.load_weights(in_memory(dummy_weights(config, seed)))
     else:
-        model.load_weights(iter_safetensors(hf_directory(source), model.weight_slice))
+        model.load_weights(iter_safetensors(hf_directory(source)))
     model.init_rope_cache(max_positions)
     return model.to(device=device, dtype=dtype).eval(), config
+
+
+# rope_type -> the families whose transformers modeling uses it (all run through the family's own
+# rotary module: worker/models/layers.py RotaryEmbedding)
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+def check_rope_scaling(config: PretrainedConfig) -> None:
+    """Refuse, by name, a RoPE scaling this engine does not implement."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested = parameters.values() if all(isinstance(v, dict) for v in parameters.values()) and parameters else [parameters]
+    for params in nested:
+        rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"RoPE scaling {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})")

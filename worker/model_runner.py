@@ -21,7 +21,7 @@ from worker.context import AttentionContext, attention_context
 from worker.cuda_graph import DecodeRunner, batch_size_buckets
 from worker.input_batch import InputBatch, StepTensors
 from worker.loader import load_model
-from worker.model import local_only
+from worker.models.layers import local_only
 from worker.parallel import get_tp_group
 
 log = logging.getLogger(__name__)
@@ -102,12 +102,13 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.source = resolve_model(config.model)
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed)
-        self.max_model_len = self.model.cos_cache.shape[0]
+        self.max_model_len = self.model.max_positions
+        self.sliding_window = self.model.sliding_window()  # every layer's, or None
         self.block_size = config.block_size
         attn = self.model.attention_layers()[0]
         self.kv_shape = (2, self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_bytes_per_block = (
-            len(self.model.layers) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
+            len(self.model.attention_layers()) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
             * torch.finfo(self.dtype).bits // 8
         )
         kernels.warmup(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,

@@ -85,7 +85,7 @@ def decode_forward(model, batch: int, context_len: int, block_size: int = 16) ->
     blocks_per_seq = -(-context_len // block_size)
     for attn in model.attention_layers():
         attn.kv_cache = torch.zeros((1 + batch * blocks_per_seq, 2, block_size, attn.num_kv_heads, attn.head_dim),
-                                    dtype=model.embed_tokens.weight.dtype, device=device)
+                                    dtype=model.model.embed_tokens.weight.dtype, device=device)
     block_tables = 1 + torch.arange(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq)
     last = context_len - 1
     slot_mapping = block_tables[:, last // block_size] * block_size + last % block_size
@@ -107,12 +107,12 @@ def decode_forward(model, batch: int, context_len: int, block_size: int = 16) ->
 
 @contextlib.contextmanager
 def first_layers(model, n: int) -> Iterator[None]:
-    layers = model.layers
-    model.layers = torch.nn.ModuleList(list(layers)[:n])
+    layers = model.model.layers
+    model.model.layers = torch.nn.ModuleList(list(layers)[:n])
     try:
         yield
     finally:
-        model.layers = layers
+        model.model.layers = layers
 
 
 def count_decode(model, batch: int, context_len: int, counter: Callable) -> dict:
@@ -185,7 +185,7 @@ def time_fused_ops(model, num_tokens: int) -> list[dict]:
     from kernels import fused
 
     layer, device = model.layers[0], model.cos_cache.device
-    attn, dtype, eps = layer.self_attn, model.embed_tokens.weight.dtype, layer.input_layernorm.eps
+    attn, dtype, eps = layer.self_attn, model.model.embed_tokens.weight.dtype, layer.input_layernorm.eps
     hidden, weight = model.config.hidden_size, layer.input_layernorm.weight
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -194,8 +194,8 @@ def time_fused_ops(model, num_tokens: int) -> list[dict]:
 
     x, residual = randn(num_tokens, hidden), randn(num_tokens, hidden)
     qkv = randn(num_tokens, attn.q_size + 2 * attn.kv_size)
-    q = qkv[:, : attn.q_size].view(-1, attn.num_heads, attn.head_dim)
-    k = qkv[:, attn.q_size: attn.q_size + attn.kv_size].view(-1, attn.num_kv_heads, attn.head_dim)
+    q = qkv[:, : attn.q_size].view(-1, attn.attn.num_heads, attn.head_dim)
+    k = qkv[:, attn.q_size: attn.q_size + attn.kv_size].view(-1, attn.attn.num_kv_heads, attn.head_dim)
     positions = torch.randint(0, model.cos_cache.shape[0], (num_tokens,), generator=gen, device=device)
     gate_up = randn(num_tokens, 2 * model.config.intermediate_size)
     cases = {  # name: (the unfused expression, its arguments, the fused op's call)

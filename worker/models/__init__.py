@@ -1,0 +1,93 @@
+"""The model registry: each Hugging Face architecture Pagoda runs, its module, and what it supports.
+
+`pagoda models` prints this table; an architecture not in it fails with it. Importing this module
+imports no torch: the family modules are imported when a model is built (`model_class`).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    architecture: str  # config.json's "architectures"[0]
+    model_type: str  # config.json's "model_type" (dummy configs name only this)
+    module: str  # under worker.models
+    example: str  # a Hub id of the family
+    sliding_window: bool = False  # some or all layers attend to a window of keys
+    moe: bool = False
+    tensor_parallel: bool = True
+    quantization: tuple[str, ...] = ()  # formats beyond full precision (none yet)
+    notes: str = ""
+
+    @property
+    def class_name(self) -> str:
+        return self.architecture
+
+
+MODELS: tuple[ModelInfo, ...] = (
+    ModelInfo("LlamaForCausalLM", "llama", "llama", "meta-llama/Llama-3.1-8B-Instruct",
+              notes="Llama 2/3/3.1/3.2/3.3, SmolLM2 (the default model)"),
+    ModelInfo("MistralForCausalLM", "mistral", "llama", "mistralai/Mistral-7B-Instruct-v0.3", sliding_window=True,
+              notes="v0.1's sliding window frees the blocks outside it"),
+    ModelInfo("Qwen2ForCausalLM", "qwen2", "llama", "Qwen/Qwen2.5-7B-Instruct", sliding_window=True),
+    ModelInfo("Qwen3ForCausalLM", "qwen3", "qwen3", "Qwen/Qwen3-8B", sliding_window=True),
+    ModelInfo("Gemma2ForCausalLM", "gemma2", "gemma", "google/gemma-2-9b-it", sliding_window=True,
+              notes="local and global layers; attention and final logit soft-capping"),
+    ModelInfo("Gemma3ForCausalLM", "gemma3_text", "gemma", "google/gemma-3-1b-it", sliding_window=True,
+              notes="text only; local and global layers, two RoPE bases"),
+    ModelInfo("Phi3ForCausalLM", "phi3", "llama", "microsoft/Phi-4-mini-instruct", sliding_window=True,
+              notes="Phi-3, Phi-3.5, Phi-4(-mini); LongRoPE"),
+    ModelInfo("MixtralForCausalLM", "mixtral", "moe", "mistralai/Mixtral-8x7B-Instruct-v0.1", sliding_window=True,
+              moe=True),
+    ModelInfo("Qwen2MoeForCausalLM", "qwen2_moe", "moe", "Qwen/Qwen1.5-MoE-A2.7B-Chat", sliding_window=True, moe=True,
+              notes="with its shared expert"),
+    ModelInfo("Qwen3MoeForCausalLM", "qwen3_moe", "moe", "Qwen/Qwen3-30B-A3B", sliding_window=True, moe=True),
+)
+_BY_ARCHITECTURE = {info.architecture: info for info in MODELS}
+_BY_MODEL_TYPE = {info.model_type: info for info in MODELS}
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+def model_info(config) -> ModelInfo:
+    """The registry's entry for a transformers config: by its architecture, else its model_type."""
+    architectures = getattr(config, "architectures", None) or []
+    for architecture in architectures:
+        if architecture in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[architecture]
+    model_type = getattr(config, "model_type", None)
+    if not architectures and model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    named = ", ".join(architectures) or f"model_type {model_type!r}"
+    raise UnsupportedModel(f"{named} is not supported. Pagoda runs: "
+                           + "; ".join(f"{info.architecture} ({info.model_type})" for info in MODELS)
+                           + " (`pagoda models` prints the table)")
+
+
+def model_class(config) -> type:
+    """The family class that builds this config's model."""
+    info = model_info(config)
+    return getattr(importlib.import_module(f"worker.models.{info.module}"), info.class_name)
+
+
+def table() -> list[dict]:
+    """The registry as rows, for `pagoda models` and the README."""
+    return [{"architecture": info.architecture, "model_type": info.model_type, "example": info.example,
+             "tensor_parallel": info.tensor_parallel, "sliding_window": info.sliding_window, "moe": info.moe,
+             "quantization": list(info.quantization), "notes": info.notes} for info in MODELS]
+
+
+def check_shardable(config, world_size: int) -> None:
+    """Raise the clear error a rank would when building the model, before any rank starts."""
+    from worker.models.layers import AttentionShard
+    from worker.parallel import divide
+
+    AttentionShard.of(config.num_attention_heads, config.num_key_value_heads, 0, world_size)
+    divide(config.intermediate_size, world_size, "the MLP's intermediate size")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(config, name, None):
+            divide(getattr(config, name), world_size, f"the experts' {name.replace('_', ' ')}")

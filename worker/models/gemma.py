@@ -1,0 +1,80 @@
+"""Gemma 2 and Gemma 3 (text): the Llama decoder with
+
+- every norm an RMSNorm by (1 + weight), and norms after attention and after the MLP as well as
+  before each (four per layer);
+- the embeddings scaled by sqrt(hidden_size); GeGLU (gelu-tanh) MLPs;
+- attention scaled by query_pre_attn_scalar**-0.5, scores and final logits soft-capped where the
+  config sets it;
+- local sliding-window layers interleaved with global ones (`layer_types`);
+- Gemma 3: q and k normed per head, and two rotary bases: the local layers' own
+  (rope_local_base_freq) and the global layers' (rope_theta, with its scaling).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+from worker.models.layers import GemmaRMSNorm, RotaryEmbedding
+from worker.models.llama import DecoderModel, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from worker.models.qwen3 import QKNormAttention
+
+
+class GemmaAttention(LlamaAttention):
+    def scale(self, config) -> float:
+        return config.query_pre_attn_scalar**-0.5
+
+
+class Gemma3Attention(QKNormAttention):
+    norm = GemmaRMSNorm
+
+    def scale(self, config) -> float:
+        return config.query_pre_attn_scalar**-0.5
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, self_attn: nn.Module, mlp: nn.Module, rope_key: str) -> None:
+        super().__init__()
+        self.self_attn, self.mlp, self.rope_key = self_attn, mlp, rope_key
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, rotary))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    rotary_class = Gemma2RotaryEmbedding
+    attention_class = GemmaAttention
+
+    def build_model(self, config) -> DecoderModel:
+        layers = (self.build_layer(config, i) for i in range(config.num_hidden_layers))
+        return DecoderModel(config, layers, norm=GemmaRMSNorm, embed_scale=config.hidden_size**0.5)
+
+    def build_layer(self, config, layer_idx: int) -> nn.Module:
+        bias = bool(getattr(config, "attention_bias", False))
+        attn = self.attention_class(config, layer_idx, qkv_bias=bias, o_bias=bias)
+        mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
+        return GemmaDecoderLayer(config, layer_idx, attn, mlp, self.rope_key(config, layer_idx))
+
+    def rope_key(self, config, layer_idx: int) -> str:
+        return "default"
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    rotary_class = Gemma3RotaryEmbedding
+    attention_class = Gemma3Attention
+
+    def rope_key(self, config, layer_idx: int) -> str:
+        return config.layer_types[layer_idx]  # "sliding_attention" or "full_attention": Gemma3RotaryEmbedding's
