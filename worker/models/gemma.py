@@ -3,8 +3,8 @@
 - every norm an RMSNorm by (1 + weight), and norms after attention and after the MLP as well as
   before each (four per layer);
 - the embeddings scaled by sqrt(hidden_size); GeGLU (gelu-tanh) MLPs;
-- attention scaled by query_pre_attn_scalar**-0.5, scores and final logits soft-capped where the
-  config sets it;
+- attention scaled by query_pre_attn_scalar**-0.5; final logits soft-capped where the config
+  sets it, and Gemma 2's attention scores too;
 - local sliding-window layers interleaved with global ones (`layer_types`);
 - Gemma 3: q and k normed per head, and two rotary bases: the local layers' own
   (rope_local_base_freq) and the global layers' (rope_theta, with its scaling).
@@ -25,8 +25,14 @@ class GemmaAttention(LlamaAttention):
     def scale(self, config) -> float:
         return config.query_pre_attn_scalar**-0.5
 
+    def logit_softcap(self, config) -> float | None:
+        return config.attn_logit_softcapping
+
 
 class Gemma3Attention(QKNormAttention):
+    """Gemma 3's configs carry attn_logit_softcapping, but its attention does not cap (as in
+    transformers and vLLM): only the final logits are capped."""
+
     norm = GemmaRMSNorm
 
     def scale(self, config) -> float:

@@ -63,10 +63,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
         shard = self.qkv_proj.shard
         self.attn = Attention(shard.num_heads, shard.num_kv_heads, head_dim, self.scale(config),
-                              layer_sliding_window(config, layer_idx), getattr(config, "attn_logit_softcapping", None))
+                              layer_sliding_window(config, layer_idx), self.logit_softcap(config))
 
     def scale(self, config) -> float:
         return self.head_dim**-0.5
+
+    def logit_softcap(self, config) -> float | None:
+        return None
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3 and Gemma 3 norm each head of q and k here; Llama does not."""
