@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_scheduler(commands.add_parser("scheduler", help="run a scheduler process"))
     _add_worker(commands.add_parser("worker", help="run a worker process (one per device)"))
     _add_bench(commands.add_parser("bench", help="benchmarks that write JSON results (see docs/architecture.md)"))
+    _add_models(commands.add_parser("models", help="the model architectures Pagoda runs, and what each supports"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -55,6 +56,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each output token's logprob and the top K's (0: its own only)")
     p.add_argument("--n", type=int, default=1, help="outputs per prompt")
     p.add_argument("--best-of", type=int, default=None, help="sample this many, keep the n most likely (default n)")
     p.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (0: off)")
@@ -112,7 +115,8 @@ def _generate(args) -> int:
     prompts = _read_prompts(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, n=args.n, best_of=args.best_of,
+        min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, n=args.n,
+        best_of=args.best_of,
         beam_width=args.beam_width, length_penalty=args.length_penalty,
         early_stopping={"true": True, "false": False}.get(args.early_stopping, args.early_stopping),
         structured_output=_structured_output(args),
@@ -143,6 +147,35 @@ def _generate(args) -> int:
     )
     if llm.memory_trace is not None:
         print(f"pagoda: {llm.memory_trace.num_snapshots} memory snapshots in {args.memory_trace}", file=sys.stderr)
+    return 0
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object per architecture")
+    p.set_defaults(handler=_models)
+
+
+def _models(args) -> int:
+    from worker.models import table
+
+    rows = table()
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    columns = [("architecture", "architecture"), ("model_type", "model_type"), ("example", "e.g."),
+               ("tensor_parallel", "TP"), ("sliding_window", "window"), ("moe", "MoE"), ("quantization", "quant."),
+               ("notes", "notes")]
+
+    def cell(row: dict, key: str) -> str:
+        value = row[key]
+        return ("yes" if value else "-") if isinstance(value, bool) else (", ".join(value) or "-") \
+            if isinstance(value, list) else str(value)
+
+    cells = [[title for _, title in columns]] + [[cell(row, key) for key, _ in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    for line in cells:
+        print("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip())
     return 0
 
 

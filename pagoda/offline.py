@@ -45,8 +45,11 @@ class Sample:
     logprobs: list | None = None
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "cumulative_logprob": self.cumulative_logprob,
-                "finish_reason": self.finish_reason}
+        out = {"text": self.text, "token_ids": self.token_ids, "cumulative_logprob": self.cumulative_logprob,
+               "finish_reason": self.finish_reason}
+        if self.logprobs is not None:  # per token [logprob, [[token_id, logprob], ...top k]]
+            out["logprobs"] = self.logprobs
+        return out
 
 
 @dataclass(slots=True)
@@ -77,8 +80,11 @@ class CompletionOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def to_json(self) -> dict:
-        return {"index": self.index, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "outputs": [sample.to_json() for sample in self.outputs]}
+        out = {"index": self.index, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "outputs": [sample.to_json() for sample in self.outputs]}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out
 
 
 class LLM:

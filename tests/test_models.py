@@ -1,0 +1,138 @@
+"""Every architecture of the registry equals transformers: greedy tokens exactly, each token's
+logprob within 1e-4, in float32, on the tiny random models of tests/families.py (8 prompts, each
+longer than the family's sliding window).
+
+Per family: `pagoda generate` in one rank; the same engine with a pool too small for the batch,
+preempting by swap and then by recompute; a tensor-parallel group of 2 (`pagoda generate
+--tensor-parallel-size 2`, swapping); and the served API (`pagoda up --tensor-parallel-size 2`, a
+small pool) through the openai client.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from common.protocol import SamplingParams
+from pagoda import cli
+from tests import families
+from tests.families import FAMILIES, MAX_TOKENS
+from tests.stack import Stack
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+TOLERANCE = 1e-4
+SMALL_POOL = 24  # blocks of 8 tokens: the 8 prompts need 55, so the batch preempts
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    return families.prompts()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, prompt_ids):
+    """family -> (its directory, transformers' reference outputs)."""
+    out = {}
+    for name in FAMILIES:
+        directory = tmp_path_factory.mktemp(name)
+        model = families.build(name, directory)
+        out[name] = directory, families.reference(model, prompt_ids)
+    return out
+
+
+def assert_matches(reference: families.Reference, token_ids: list[list[int]], logprobs: list[list[float]]) -> None:
+    assert token_ids == reference.token_ids
+    for mine, theirs in zip(logprobs, reference.logprobs, strict=True):
+        assert mine == pytest.approx(theirs, abs=TOLERANCE)
+
+
+def generate_json(capsys, directory, prompts_file, *flags: str) -> list[dict]:
+    argv = ["generate", "--model", str(directory), "--prompts-file", str(prompts_file), "--json", "--temperature", "0",
+            "--max-tokens", str(MAX_TOKENS), "--logprobs", "0", "--device", "cpu", "--dtype", "float32",
+            "--block-size", "8", *flags]
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    return [json.loads(line) for line in captured.out.splitlines()], captured.err
+
+
+def test_the_registry_names_every_family_and_pagoda_models_prints_it(capsys):
+    from worker.models import MODELS
+
+    assert {info.model_type for info in MODELS} >= set(FAMILIES) | {"llama", "qwen2"}
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    for info in MODELS:
+        assert info.architecture in out and info.example in out
+
+
+def test_an_unsupported_architecture_fails_with_the_list(tmp_path, capsys):
+    config = json.loads((families.ROOT / "tests" / "data" / "tiny-llama.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
+    assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "w5", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "pagoda: error: LlamaForSequenceClassification is not supported. Pagoda runs: LlamaForCausalLM (llama);" in err
+    assert "Qwen3MoeForCausalLM (qwen3_moe)" in err
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_matches_transformers(family, built, prompt_ids, tmp_path, capsys):
+    directory, reference = built[family]
+    prompts_file = families.write_prompts(tmp_path / "prompts.jsonl", prompt_ids)
+    results, _ = generate_json(capsys, directory, prompts_file)
+    assert_matches(reference, [r["token_ids"] for r in results], [[t[0] for t in r["logprobs"]] for r in results])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_preemption_by_swap_and_by_recompute_matches_transformers(family, built, prompt_ids):
+    from pagoda.offline import LLM
+
+    directory, reference = built[family]
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=SMALL_POOL,
+              num_cpu_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    for mode in ("swap", "recompute"):
+        llm.reset(preemption_mode=mode)
+        outputs = llm.generate(prompt_ids, params, use_tqdm=False)
+        s = llm.scheduler
+        assert (s.num_swap_preemptions if mode == "swap" else s.num_recompute_preemptions) > 0
+        assert_matches(reference, [o.token_ids for o in outputs], [[t[0] for t in o.logprobs] for o in outputs])
+        s.block_manager.check_integrity()
+        assert s.block_manager.num_free_blocks == s.block_manager.num_total_blocks
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tensor_parallel_group_of_two_matches_transformers(family, built, prompt_ids, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    directory, reference = built[family]
+    prompts_file = families.write_prompts(tmp_path / "prompts.jsonl", prompt_ids)
+    results, err = generate_json(capsys, directory, prompts_file, "--tensor-parallel-size", "2",
+                                 "--num-gpu-blocks", str(SMALL_POOL), "--preemption-mode", "swap")
+    assert_matches(reference, [r["token_ids"] for r in results], [[t[0] for t in r["logprobs"]] for r in results])
+    assert re.search(r"steps, [1-9]\d* preemptions \([1-9]\d* swap, 0 recompute\)", err), err
+
+
+SERVED = [name for name in FAMILIES if name != "mistral"]  # mistral's path is llama's; its window has its own test
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SERVED)
+def test_served_api_matches_transformers(family, built, prompt_ids, redis_url):
+    """`pagoda up --tensor-parallel-size 2` with a small pool, the 8 prompts at once through the
+    openai client: each choice's text is its tokens' words, its token_logprobs transformers'."""
+    directory, reference = built[family]
+    stack = Stack("--model", str(directory), "--redis-url", redis_url, "--tensor-parallel-size", "2",
+                  "--block-size", "8", "--num-gpu-blocks", str(SMALL_POOL), "--dtype", "float32").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [directory.name]
+        response = client.completions.create(model=directory.name, prompt=[families.prompt_text(p) for p in prompt_ids],
+                                             max_tokens=MAX_TOKENS, temperature=0, logprobs=0)
+        choices = sorted(response.choices, key=lambda c: c.index)
+        assert [c.text for c in choices] == [families.prompt_text(ids) for ids in reference.token_ids]
+        for choice, theirs in zip(choices, reference.logprobs, strict=True):
+            assert choice.logprobs.token_logprobs == pytest.approx(theirs, abs=TOLERANCE)
+    finally:
+        assert stack.stop() == 0
