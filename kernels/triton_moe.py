@@ -107,7 +107,8 @@ def max_num_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_size: int, num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`kernels.moe.moe_align_block_size` on the device in two launches, without a host sync.
+    """`kernels.moe.moe_align_block_size` on the device in two launches, without a host sync
+    (block_size a power of two).
 
     Returns (sorted_ids [max_num_padded] int32, expert_ids [max_num_padded // block_size] int32,
     num_padded [1] int32): their first num_padded rows (num_padded // block_size blocks) are the
@@ -118,9 +119,9 @@ def moe_align_block_size(
     bound = max_num_padded(num_pairs, num_experts, block_size)
     sorted_ids = torch.empty(max(bound, block_size), dtype=torch.int32, device=device)
     expert_ids = torch.empty(max(bound, block_size) // block_size, dtype=torch.int32, device=device)
-    num_padded = torch.zeros(1, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)  # written by the align kernel's program 0
     if num_pairs == 0 or num_experts == 0:
-        return sorted_ids, expert_ids, num_padded
+        return sorted_ids, expert_ids, num_padded.zero_()
     flat = flat.contiguous()
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     _count_kernel[(num_experts,)](flat, counts, num_pairs, SCAN_BLOCK=SCAN_BLOCK, num_warps=4)
@@ -135,7 +136,11 @@ def _align_constexprs(block_m: int, num_experts: int) -> dict:
     return dict(BLOCK_M=block_m, EXPERTS_P2=triton.next_power_of_2(num_experts), SCAN_BLOCK=SCAN_BLOCK)
 
 
-@triton.jit
+# Sizes that change from call to call (num_pairs, num_m_blocks, top_k) are left unspecialized, and
+# so is the alignment of the routing tensors (a caller's views), so that one compiled variant per
+# tile config serves every batch (`launch_variants` lists them all) and a CUDA graph captured at
+# one batch size compiles nothing at another. Weights, activations and strides keep their hints.
+@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["topk_ids_ptr"])
 def _count_kernel(topk_ids_ptr, counts_ptr, num_pairs, SCAN_BLOCK: tl.constexpr):
     """counts[e] = pairs routed to expert e: one program per expert."""
     expert = tl.program_id(0)
@@ -147,7 +152,7 @@ def _count_kernel(topk_ids_ptr, counts_ptr, num_pairs, SCAN_BLOCK: tl.constexpr)
     tl.store(counts_ptr + expert, count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_experts"], do_not_specialize_on_alignment=["topk_ids_ptr"])
 def _align_kernel(
     topk_ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, num_experts,
     BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, SCAN_BLOCK: tl.constexpr,
@@ -224,8 +229,8 @@ def launch_variants(hidden: int, intermediate: int, num_experts: int, dtype: tor
     for tiles in all_tile_configs(hidden, intermediate, dtype):
         variants.append((_align_kernel, _align_constexprs(tiles.block_m, num_experts), 4, 3))
         for gated, tile in ((True, tiles.gated), (False, tiles.down)):
-            variants.append((_moe_gemm_kernel, _constexprs(gated, activation, tiles.block_m, tiles.group_m, tile, dtype),
-                             tile.num_warps, tile.num_stages))
+            consts = _constexprs(gated, activation, tiles.block_m, tiles.group_m, tile, dtype)
+            variants.append((_moe_gemm_kernel, consts, tile.num_warps, tile.num_stages))
     return variants
 
 
@@ -257,7 +262,8 @@ def _act(x, GELU_TANH: tl.constexpr):
         return x / (1.0 + tl.exp(-x))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks", "top_k"],
+            do_not_specialize_on_alignment=["topk_weights_ptr"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_pairs, num_m_blocks, top_k,
@@ -294,7 +300,7 @@ def _moe_gemm_kernel(
         b = tl.load(b_ptrs, mask=k_live[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
         if GATED:
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_live[:, None], other=0.0)
+            b_up = tl.load(b_ptrs + N.to(tl.int64) * stride_bn, mask=k_live[:, None], other=0.0)
             acc_up = tl.dot(a, b_up, acc=acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
