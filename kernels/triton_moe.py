@@ -1,5 +1,5 @@
-"""Triton fused MoE: the routed experts of a layer in five launches, whatever the expert count
-(semantics: `kernels.moe.fused_moe_reference`; design after vLLM's fused_moe).
+"""Triton fused MoE: the routed experts of a layer in five launches (four at top-1), whatever the
+expert count (semantics: `kernels.moe.fused_moe_reference`; design after vLLM's fused_moe).
 
     topk_ids [T, k] --count, align--> sorted_ids, expert_ids, num_padded   (moe_align_block_size)
     x [T, H] --w13, act(gate) * up--> cache13 [T * k, I]      one grouped GEMM, the activation fused
@@ -19,7 +19,8 @@ output, so padding rows (pair == T * k) are masked out and never written or summ
 Host synchronisation: none. The aligned size (num_padded) stays on the device: the buffers and
 grids are sized by its host-known bound, T * k + min(E, T * k) * (BLOCK_M - 1), and a program
 whose tile starts past num_padded exits at once (as vLLM pads to its bound). So a call can be
-captured in a CUDA graph for a fixed T; its tile config depends only on T, E and k.
+captured in a CUDA graph for a fixed T and replayed with new routing (a gpu test checks it); its
+tile config depends only on T, E, k and the shapes.
 
 Tiles: `tile_configs` picks BLOCK_M by the pairs per expert (T * k / E), and the GEMMs' N and K
 tiles from a small table (vLLM's default config in spirit), clamped to the problem (>= 16 for
@@ -28,8 +29,8 @@ tl.dot). Not tuned on a GPU yet: `pagoda bench kernels --moe` records the config
 Rounding follows the reference (transformers' expert loop), one rounding to the activation dtype
 per op: the gate and up GEMM outputs, the activation, its product with up, the down GEMM output,
 its product with the routing weight. The sum over k accumulates in float32 (torch.sum), where
-the reference adds the experts into a zeroed sum in the activation dtype: the two differ by an
-ulp of the output at most per term.
+the reference adds the experts one by one into a sum kept in the activation dtype: the two differ
+by about an ulp of the output per expert added.
 """
 from __future__ import annotations
 
