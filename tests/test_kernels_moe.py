@@ -199,8 +199,10 @@ def test_triton_fused_moe_walks_partial_n_and_k_tiles(block_m, group_m, dtype):
 def test_triton_fused_moe_at_prefill_tiles_gelu_int32_ids_and_weights_in_the_activation_dtype():
     """300 tokens x 4 / 4 experts = 300 pairs per expert: the 128-row tiles; GeGLU; topk_ids as
     int32 (vLLM's) and routing weights in float16 (the reference takes either)."""
+    from kernels.triton_moe import tile_configs
+
     x, w13, w2, weights, ids = moe_inputs(300, 4, 4, 72, 40, torch.float16, DEVICE)
-    assert kernels.triton_moe.tile_configs(300, 4, 4, 72, 40, torch.float16).block_m == 128
+    assert tile_configs(300, 4, 4, 72, 40, torch.float16).block_m == 128
     weights, ids = weights.half(), ids.int()
     for activation in ("silu", "gelu_tanh"):
         torch.testing.assert_close(kernels.fused_moe(x, w13, w2, weights, ids, activation=activation, impl="triton"),
@@ -338,7 +340,7 @@ def test_bench_moe_row_times_both_calls_and_reports_their_figures(monkeypatch):
 
     monkeypatch.setattr(bench, "time_eager", clock(eager_seconds))
     monkeypatch.setattr(bench, "time_per_call", clock(iter([1e-6])))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(DEVICE).manual_seed(0)
     weights = bench.moe_weights(bench.MOE_SHAPES["tiny"], torch.float32, torch.device(DEVICE), gen)
     row = bench.bench_moe_row("tiny", 3, weights, torch.float32, torch.device(DEVICE), 100.0, gen)
     assert [len(calls) for calls in timed] == [bench.MOE_ROUTINGS] * 3  # fused eager, loop eager, fused graph
