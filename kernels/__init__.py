@@ -12,6 +12,10 @@ with it set, the default is the references on every device (the interpreter is f
 The fused elementwise ops of a layer (`fused.py`: rms_norm, fused_add_rms_norm, rotary_embedding,
 silu_and_mul) are torch custom ops (`torch.ops.pagoda.*`) that dispatch by device themselves;
 their wrappers here take the same `impl=` override.
+
+`fused_moe` runs a MoE layer's routed experts: on CUDA the Triton kernel of `triton_moe.py` (tokens
+grouped by expert, one grouped-GEMM launch per projection, no host sync: CUDA-graph safe),
+elsewhere the loop over experts of `moe.py`, its reference.
 """
 from __future__ import annotations
 

@@ -251,8 +251,10 @@ def _up(args) -> int:
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
     benches = p.add_subparsers(dest="bench", required=True)
-    k = benches.add_parser("kernels", help="Triton paged decode attention vs copy bandwidth and SDPA (CUDA only)")
-    k.add_argument("--models", default="llama-3.1-8b,smollm2-135m", help="attention shapes, comma-separated")
+    k = benches.add_parser("kernels", help="Triton paged decode attention vs copy bandwidth and SDPA (CUDA only); "
+                                           "--moe: the fused MoE kernel vs a loop over experts")
+    k.add_argument("--models", help="attention shapes, comma-separated (default llama-3.1-8b,smollm2-135m); with "
+                                    "--moe, MoE shapes (default mixtral-8x7b,qwen3-30b-a3b; tiny without CUDA)")
     k.add_argument("--batch-sizes", default="1,16,64,256")
     k.add_argument("--context-lens", default="512,2048,8192")
     k.add_argument("--block-size", type=int, default=16)
@@ -261,6 +263,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     k.add_argument("--tune", action="store_true",
                    help="time every attention tile config instead, and write the best per phase to the tuned table")
     k.add_argument("--tune-output", help="the tuned table to merge into (default: kernels/tuned/attention.json)")
+    k.add_argument("--moe", action="store_true",
+                   help="time the fused MoE kernel against a loop over experts instead (without CUDA: "
+                        "the loop alone, on a tiny shape)")
     k.set_defaults(handler=_bench_kernels)
     c = benches.add_parser("ops", help="ops (CPU, dispatch counter) or CUDA kernels (profiler) of one decode forward")
     c.add_argument("--model", default="default")

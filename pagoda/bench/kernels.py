@@ -17,6 +17,17 @@ median) for each model's (head_dim, group), decode launches over the batch sizes
 and prefill launches over prompts of those lengths, picks per phase the config with the lowest
 geometric mean of time / the case's best time, and merges it into the tuned table
 (kernels/tuned/attention.json by default) under this GPU's name: commit that file to ship it.
+
+`--moe` instead times the fused MoE kernel (`kernels.fused_moe`, Triton) against the loop over
+experts it replaces (`kernels.moe.fused_moe_reference`: one GEMM pair per expert hit, a host sync
+to list them) at Mixtral-8x7B's shape (hidden 4096, intermediate 14336, 8 experts, top-2) and
+Qwen3-30B-A3B's (2048, 768, 128 experts, top-8), per batch size: both eager (what the loop can
+do), the fused kernel also in a CUDA graph (it never syncs the host). Each row cycles a few random
+routings, so calls read other experts' weights as successive layers do; it reports the experts
+hit, their weight bytes over time beside the copy bandwidth (decode is bound by them), TFLOP/s,
+the tile config, and the largest difference between the two outputs. Without CUDA it times the
+loop alone on a tiny shape and says so. GPU results belong in
+benchmarks/results/<date>-<device>-kernels-moe.json.
 """
 from __future__ import annotations
 
@@ -25,7 +36,8 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +47,7 @@ from pagoda.bench.common import command_words, header, write_result
 
 # (num_heads, num_kv_heads, head_dim), as in worker/configs/*.json
 ATTENTION_SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+ATTENTION_MODELS = "llama-3.1-8b,smollm2-135m"  # --models' default
 GOAL = {"model": "llama-3.1-8b", "batch": 64, "context": 2048, "min_fraction_of_copy": 0.80, "max_time_vs_sdpa": 1.05}
 MAX_INPUT_COPIES = 512
 CALLS_PER_GRAPH = 10
@@ -175,6 +188,8 @@ def goal_check(rows: list[dict]) -> dict | None:
 
 def run(args) -> int:
     """The `pagoda bench kernels` handler: the JSON result on stdout (and in --output), a table on stderr."""
+    if args.moe:
+        return run_moe(args)
     if not torch.cuda.is_available():
         raise ValueError("bench kernels times the Triton kernels on a CUDA GPU, and torch sees none here; "
                          "run it on a GPU host (the kernels' CPU tests are `make test`)")
@@ -190,7 +205,7 @@ def run(args) -> int:
         return tune(args, device, dtype)
     copy = copy_bandwidth(device)
     rows = []
-    for model in args.models.split(","):
+    for model in (args.models or ATTENTION_MODELS).split(","):
         if model not in ATTENTION_SHAPES:
             raise ValueError(f"unknown model {model!r}: choose from {', '.join(ATTENTION_SHAPES)}")
         for batch in map(int, args.batch_sizes.split(",")):
@@ -295,7 +310,7 @@ def tune(args, device: torch.device, dtype: torch.dtype) -> int:
 
     name = device_name(device)
     entries = {}
-    for model in args.models.split(","):
+    for model in (args.models or ATTENTION_MODELS).split(","):
         if model not in ATTENTION_SHAPES:
             raise ValueError(f"unknown model {model!r}: choose from {', '.join(ATTENTION_SHAPES)}")
         num_heads, num_kv_heads, head_dim = ATTENTION_SHAPES[model]
@@ -313,3 +328,195 @@ def tune(args, device: torch.device, dtype: torch.dtype) -> int:
     write_result(result, args.output)
     print(json.dumps(result, indent=2))
     return 0
+
+
+# ----------------------------------------------------------------------------- --moe
+
+# (hidden, intermediate per expert, num_experts, top_k), as in the models' config.json
+MOE_SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8), "tiny": (64, 96, 8, 2)}
+MOE_GPU_MODELS = "mixtral-8x7b,qwen3-30b-a3b"
+MOE_ROUTINGS = 4  # routings cycled per row: consecutive calls read other experts' weights, as layers do
+MOE_CPU_REPEATS = 5
+
+
+@dataclass
+class MoeRouting:
+    hidden_states: torch.Tensor  # [batch, hidden]
+    topk_weights: torch.Tensor  # [batch, top_k] float32, renormalized
+    topk_ids: torch.Tensor  # [batch, top_k] int64
+
+
+def moe_weights(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2 * I, H] and w2 [E, H, I], random, scaled so every GEMM's output is O(1)."""
+    hidden, intermediate, num_experts, _ = shape
+    w13 = torch.randn((num_experts, 2 * intermediate, hidden), dtype=dtype, device=device, generator=gen)
+    w2 = torch.randn((num_experts, hidden, intermediate), dtype=dtype, device=device, generator=gen)
+    return w13.mul_(hidden**-0.5), w2.mul_(intermediate**-0.5)
+
+
+def moe_routing(batch: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
+                gen: torch.Generator) -> MoeRouting:
+    """Random tokens routed as Mixtral and Qwen3-MoE route: softmax over the experts, top-k,
+    renormalized (float32 weights, int64 ids: what torch.topk returns)."""
+    hidden, _, num_experts, top_k = shape
+    x = torch.randn((batch, hidden), dtype=dtype, device=device, generator=gen)
+    logits = torch.randn((batch, num_experts), device=device, generator=gen)
+    weights, ids = torch.topk(logits.softmax(-1), top_k)
+    return MoeRouting(x, weights / weights.sum(-1, keepdim=True), ids)
+
+
+def moe_work(routings: list[MoeRouting], shape: tuple[int, int, int, int], dtype: torch.dtype) -> dict:
+    """Per call, averaged over the routings: experts hit, their weight bytes (read once each by
+    the fused kernel), and the GEMMs' flops (2 x pairs x 3 x hidden x intermediate)."""
+    hidden, intermediate, _, top_k = shape
+    hit = statistics.mean(len(r.topk_ids.unique()) for r in routings)
+    expert_bytes = 3 * hidden * intermediate * (torch.finfo(dtype).bits // 8)
+    batch = routings[0].topk_ids.shape[0]
+    flops = 2 * batch * top_k * 3 * hidden * intermediate
+    return {"experts_hit": hit, "weight_bytes": hit * expert_bytes, "flops": flops}
+
+
+def time_eager(calls: list) -> float:
+    """Seconds per call, launched eagerly (host syncs inside a call, as the loop's, included):
+    CALLS_PER_GRAPH calls cycling through `calls` between two events; median of REPLAYS."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(CALLS_PER_GRAPH):
+            calls[i % len(calls)]()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / CALLS_PER_GRAPH)
+    return statistics.median(times)
+
+
+def bench_moe_row(model: str, batch: int, weights: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
+                  device: torch.device, copy_GBps: float, gen: torch.Generator) -> dict:
+    import kernels
+    from kernels.moe import fused_moe_reference
+    from kernels.triton_moe import tile_configs
+
+    shape = MOE_SHAPES[model]
+    hidden, intermediate, num_experts, top_k = shape
+    w13, w2 = weights
+    routings = [moe_routing(batch, shape, dtype, device, gen) for _ in range(MOE_ROUTINGS)]
+    fused = [lambda r=r: kernels.fused_moe(r.hidden_states, w13, w2, r.topk_weights, r.topk_ids, impl="triton")
+             for r in routings]
+    loop = [lambda r=r: fused_moe_reference(r.hidden_states, w13, w2, r.topk_weights, r.topk_ids) for r in routings]
+    fused_s, loop_s = time_eager(fused), time_eager(loop)
+    try:
+        graph_s, graph_error = time_per_call(fused), None
+    except RuntimeError as e:  # the docstring's claim that a call captures, checked where it is timed
+        graph_s, graph_error = None, f"{type(e).__name__}: {e}"
+    diff = (fused[0]().float() - loop[0]().float()).abs().max().item()
+    work = moe_work(routings, shape, dtype)
+    tiles = tile_configs(batch, num_experts, top_k, hidden, intermediate, dtype)
+
+    def figures(seconds: float) -> dict:
+        bandwidth = work["weight_bytes"] / seconds / 1e9
+        return {"time_us": seconds * 1e6, "weight_bandwidth_GBps": bandwidth,
+                "fraction_of_copy_bandwidth": bandwidth / copy_GBps, "TFLOPs": work["flops"] / seconds / 1e12}
+
+    return {
+        "model": model, "hidden": hidden, "intermediate": intermediate, "num_experts": num_experts, "top_k": top_k,
+        "batch": batch, **work, "tiles": asdict(tiles),
+        "pagoda": {"name": "kernels.fused_moe (Triton, eager)", **figures(fused_s),
+                   "graph_time_us": None if graph_s is None else graph_s * 1e6, "graph_error": graph_error},
+        "baseline": {"name": "kernels.moe.fused_moe_reference: a loop over the experts hit (torch, eager)",
+                     **figures(loop_s)},
+        "time_ratio_vs_loop": fused_s / loop_s, "max_abs_diff_vs_loop": diff,
+    }
+
+
+def bench_moe_cpu_row(batch: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
+    """The tiny shape on CPU: the reference alone (the fused kernel needs a GPU)."""
+    from kernels.moe import fused_moe_reference
+
+    shape = MOE_SHAPES["tiny"]
+    hidden, intermediate, num_experts, top_k = shape
+    w13, w2 = moe_weights(shape, dtype, torch.device("cpu"), gen)
+    r = moe_routing(batch, shape, dtype, torch.device("cpu"), gen)
+    times = []
+    for _ in range(MOE_CPU_REPEATS + 1):
+        start = time.perf_counter()
+        fused_moe_reference(r.hidden_states, w13, w2, r.topk_weights, r.topk_ids)
+        times.append(time.perf_counter() - start)
+    return {
+        "model": "tiny", "hidden": hidden, "intermediate": intermediate, "num_experts": num_experts, "top_k": top_k,
+        "batch": batch, **moe_work([r], shape, dtype), "pagoda": None,
+        "baseline": {"name": "kernels.moe.fused_moe_reference: a loop over the experts hit (torch, eager)",
+                     "time_us": statistics.median(times[1:]) * 1e6},
+        "time_ratio_vs_loop": None,
+    }
+
+
+def run_moe(args) -> int:
+    """`pagoda bench kernels --moe`: the fused MoE kernel against the loop over experts (CUDA); on
+    a machine without CUDA, the loop alone on the tiny shape."""
+    cuda = torch.cuda.is_available()
+    models = (args.models or (MOE_GPU_MODELS if cuda else "tiny")).split(",")
+    for model in models:
+        if model not in MOE_SHAPES:
+            raise ValueError(f"unknown MoE model {model!r}: choose from {', '.join(MOE_SHAPES)}")
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    benchmark, command = "kernels: fused MoE vs a loop over experts", command_words("kernels", args)
+    if not cuda:
+        if models != ["tiny"]:
+            raise ValueError("bench kernels --moe: the fused MoE kernel needs a CUDA GPU and torch sees none; "
+                             "only the tiny shape runs on CPU (the reference loop alone): drop --models, "
+                             "or run it on a GPU host")
+        print("bench kernels --moe: the fused Triton kernel needs a CUDA GPU and torch sees none here: timing the "
+              "reference loop over experts alone, on the tiny shape", file=sys.stderr, flush=True)
+        gen = torch.Generator().manual_seed(0)
+        rows = [bench_moe_cpu_row(batch, dtype, gen) for batch in batches]
+        result = {**header(benchmark, command, "cpu"), "torch": torch.__version__, "dtype": args.dtype,
+                  "timer": f"time.perf_counter around one call; median of {MOE_CPU_REPEATS} after a warm-up",
+                  "note": "no CUDA GPU: the reference alone, on the tiny shape; the fused kernel's figures "
+                          "need a GPU host", "results": rows}
+        write_result(result, args.output)
+        print(json.dumps(result, indent=2))
+        return 0
+    from kernels.triton_common import interpreting
+
+    if interpreting():
+        raise ValueError("TRITON_INTERPRET=1 is set: the kernels would run in Triton's interpreter; unset it")
+    import triton
+
+    device = torch.device("cuda")
+    copy = copy_bandwidth(device)
+    rows = []
+    for model in models:
+        gen = torch.Generator(device).manual_seed(0)
+        weights = moe_weights(MOE_SHAPES[model], dtype, device, gen)
+        for batch in batches:
+            rows.append(bench_moe_row(model, batch, weights, dtype, device, copy["bandwidth_GBps"], gen))
+            _print_moe_row(rows[-1])
+        del weights
+        torch.cuda.empty_cache()
+    result = {
+        **header(benchmark, command, str(device)), "torch": torch.__version__, "triton": triton.__version__,
+        "dtype": args.dtype,
+        "timer": f"eager: {CALLS_PER_GRAPH} calls cycling {MOE_ROUTINGS} routings between CUDA events, median of "
+                 f"{REPLAYS}; graph (fused only: the loop syncs the host): the same calls in a CUDA graph",
+        "copy": copy, "results": rows,
+    }
+    write_result(result, args.output)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _print_moe_row(row: dict) -> None:
+    graph = row["pagoda"]["graph_time_us"]
+    print(
+        f"{row['model']:>14} batch {row['batch']:>3}: fused {row['pagoda']['time_us']:8.1f} us "
+        f"(graph {'-' if graph is None else f'{graph:.1f}'} us, {row['pagoda']['weight_bandwidth_GBps']:5.0f} GB/s "
+        f"of weights), loop {row['baseline']['time_us']:8.1f} us -> {row['time_ratio_vs_loop']:.2f}x, "
+        f"BLOCK_M {row['tiles']['block_m']}, max diff {row['max_abs_diff_vs_loop']:.2g}",
+        file=sys.stderr, flush=True,
+    )
