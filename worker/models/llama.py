@@ -13,6 +13,7 @@ Layers pass the residual stream beside the hidden states, as vLLM's do:
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -134,11 +135,16 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None
-        if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        if self.embed_scale is not None:  # a host scalar (capturable), rounded to the dtype as transformers' is
+            h = h * _rounded(self.embed_scale, h.dtype)
         for layer in self.layers:
             h, residual = layer(positions, h, residual, self.rotary_embs[layer.rope_key])
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=dtype))
 
 
 class CausalLM(nn.Module):
