@@ -236,6 +236,24 @@ def test_triton_rotary_matches_the_reference_in_place(num_tokens, num_heads, num
 
 @triton_test
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
+def test_triton_partial_rotary_rotates_only_the_leading_dims(dtype):
+    """Partial rotary (Phi-4-mini: 0.75 of the head): the views q[..., :rotary_dim] are rotated in
+    place by caches of rotary_dim columns, the other dims untouched."""
+    num_heads, num_kv_heads, head_dim, rotary_dim = 4, 2, 32, 24
+    qkv, q, k, positions, _, _ = _rope_inputs(9, num_heads, num_kv_heads, head_dim, dtype, DEVICE, max_positions=64)
+    _, _, _, _, cos_cache, sin_cache = _rope_inputs(9, num_heads, num_kv_heads, rotary_dim, dtype, DEVICE,
+                                                    max_positions=64)
+    want_qkv = qkv.clone()
+    want_q = want_qkv[:, : num_heads * head_dim].view_as(q)
+    want_k = want_qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view_as(k)
+    fused.rotary_embedding_reference(positions, want_q[..., :rotary_dim], want_k[..., :rotary_dim], cos_cache, sin_cache)
+    kernels.rotary_embedding(positions, q[..., :rotary_dim], k[..., :rotary_dim], cos_cache, sin_cache, impl="triton")
+    torch.testing.assert_close(qkv, want_qkv, **tolerance(dtype))
+    assert torch.equal(q[..., rotary_dim:], want_q[..., rotary_dim:])
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("num_tokens,d", [(1, 128), (45, 1536), (3, 1500), (2, 2 * 1024 + 5)])
 def test_triton_silu_and_mul_matches_the_reference(num_tokens, d, dtype):
     x = (torch.randn(num_tokens, 2 * d, generator=torch.Generator().manual_seed(d)) * 4).to(DEVICE, dtype)
