@@ -136,3 +136,35 @@ def test_served_api_matches_transformers(family, built, prompt_ids, redis_url):
             assert choice.logprobs.token_logprobs == pytest.approx(theirs, abs=TOLERANCE)
     finally:
         assert stack.stop() == 0
+
+
+ROPE_SCALINGS = {  # family, rope parameters: each as transformers computes it
+    "llama3": ("qwen3", {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "linear": ("qwen3", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "dynamic": ("qwen3", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    "yarn": ("qwen3_moe", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 256}),
+}
+
+
+@pytest.mark.parametrize("scaling", list(ROPE_SCALINGS))
+def test_rope_scalings_match_transformers(scaling, tmp_path, prompt_ids, monkeypatch):
+    from pagoda.offline import LLM
+
+    family, parameters = ROPE_SCALINGS[scaling]
+    monkeypatch.setitem(FAMILIES, family, (*FAMILIES[family][:2], {**FAMILIES[family][2], "rope_parameters": parameters}))
+    model = families.build(family, tmp_path)
+    reference = families.reference(model, prompt_ids[:3])
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=8)
+    outputs = llm.generate(prompt_ids[:3], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False)
+    assert_matches(reference, [o.token_ids for o in outputs], [[t[0] for t in o.logprobs] for o in outputs])
+
+
+def test_an_unknown_rope_scaling_is_refused_by_name(tmp_path, capsys):
+    config = json.loads((families.ROOT / "tests" / "data" / "tiny-llama.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "mrope",
+                                                                                 "mrope_section": [2, 3, 3]}}))
+    assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "w5", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "pagoda: error: RoPE scaling 'mrope' is not supported (only default, linear, dynamic, llama3, yarn, longrope)")
