@@ -67,7 +67,7 @@ class Executor:
             max_model_len=runner.max_model_len, vocab_size=int(runner.hf_config.vocab_size),
             eos_token_ids=self.eos_token_ids, kv_bytes_per_block=runner.kv_bytes_per_block,
             host_bandwidth=_measure_host_bandwidth(runner),
-            prefill_tokens_per_s=runner.prefill_tokens_per_s,
+            prefill_tokens_per_s=runner.prefill_tokens_per_s, sliding_window=runner.sliding_window,
         )
 
     def reset(self) -> None:
