@@ -34,6 +34,7 @@ from common.admission import AdmissionLimits, check_admissible
 from common.config import GatewayConfig
 from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
+from common.tokenizer import load_tokenizer
 from gateway import dashboard_page
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, Generation
@@ -43,7 +44,7 @@ from gateway.openapi import openapi_endpoint
 from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
 from gateway.serving import SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, sse, usage
 from gateway.structured import StructuredOutputChecker
-from gateway.tokenizer import PromptEncoder, load_tokenizer
+from gateway.tokenizer import PromptEncoder
 from gateway.tools import ToolCallStream
 
 log = logging.getLogger(__name__)

@@ -1,39 +1,10 @@
-"""Tokenization exactly as transformers does it, for every path (offline, API, tests)."""
+"""Prompts to token ids and back, exactly as transformers does it, for the API and the offline engine
+(the tokenizer itself comes from common/tokenizer.py)."""
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import tempfile
 from functools import cached_property
-from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from common.models import ModelSource, resolve_model
-
-log = logging.getLogger(__name__)
-
-
-def load_tokenizer(model: str | ModelSource) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; a GGUF file's is converted once and cached beside its weights."""
-    source = resolve_model(model) if isinstance(model, str) else model
-    if source.kind == "hf":
-        return AutoTokenizer.from_pretrained(source.path)
-    if source.kind == "dummy":
-        raise ValueError("a dummy model has no tokenizer: pass token ids")
-    cached = source.converted_dir / "tokenizer"
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
-    tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tok-"))
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, cached)
-    except OSError:  # another process cached it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
+from transformers import PreTrainedTokenizerBase
 
 
 class PromptEncoder:
@@ -45,7 +16,7 @@ class PromptEncoder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None,
                  tool_call_parser: str = "auto") -> None:
-        # here, not at module level: the worker loads tokenizers (load_tokenizer) without the API's modules
+        # here, not at module level: the offline engine encodes prompts without the API's modules
         from gateway.tools import tool_call_format
 
         self.tokenizer = tokenizer

@@ -120,7 +120,8 @@ class LLM:
                                            memory_trace=self.memory_trace, memory_events=self.memory_events)
         self.encoder = None
         if not skip_tokenizer_init and self.executor.runner.source.kind != "dummy":
-            from gateway.tokenizer import PromptEncoder, load_tokenizer
+            from common.tokenizer import load_tokenizer
+            from gateway.tokenizer import PromptEncoder
 
             self.encoder = PromptEncoder(load_tokenizer(self.executor.runner.source))
         self._ids = itertools.count()

@@ -26,10 +26,10 @@ from common.config import EngineConfig, GatewayConfig, ServingConfig
 from common.memory_snapshot import snapshot_json
 from common.protocol import SamplingParams, WorkerHello, decode, encode
 from common.redis_server import free_port
+from common.tokenizer import load_tokenizer
 from common.transport import WorkerLink
 from gateway import app as gateway_app
 from gateway.app import create_app, require_dashboard_key
-from gateway.tokenizer import load_tokenizer
 from pagoda.bench.publish import EOS_TOKEN_IDS, VOCAB, ModelFreeExecutor
 from pagoda.bench.stack import parse_samples
 from scheduler.memory_view import build_snapshot

@@ -15,8 +15,8 @@ from starlette.testclient import TestClient
 from common.config import EngineConfig, GatewayConfig
 from common.memory_snapshot import check_snapshot, snapshot_json
 from common.protocol import SamplingParams
+from common.tokenizer import load_tokenizer
 from gateway.app import create_app
-from gateway.tokenizer import load_tokenizer
 from pagoda import cli
 from pagoda.bench.replay import read_trace, replay_page
 from pagoda.bench.synthetic_trace import synthetic_trace

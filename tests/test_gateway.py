@@ -28,9 +28,10 @@ from common.protocol import (
     GenerateRequest, HeldRequests, RequestEvent, SamplingParams, SchedulerStatus, decode, encode,
 )
 from common.redis_server import RedisServer, free_port
+from common.tokenizer import load_tokenizer
 from gateway.app import create_app
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.tokenizer import PromptEncoder, load_tokenizer
+from gateway.tokenizer import PromptEncoder
 from tests.stack import serve_app
 
 API_KEY = "sk-test"

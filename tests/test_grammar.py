@@ -87,7 +87,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from gateway.tokenizer import load_tokenizer
+    from common.tokenizer import load_tokenizer
 
     return load_tokenizer("default")
 

@@ -23,7 +23,7 @@ def stack():
 
 # ----------------------------------------------------------------------------- scoring: echo, prompt_logprobs, max_tokens 0
 # (helper "scoring")
-from gateway.tokenizer import load_tokenizer  # noqa: E402 (each section imports what it uses: the sections merge apart)
+from common.tokenizer import load_tokenizer  # noqa: E402 (each section imports what it uses: the sections merge apart)
 
 SCORING_PROMPT = "The capital of France is Paris. The capital of Italy is"
 

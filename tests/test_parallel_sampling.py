@@ -22,10 +22,10 @@ from common import streams
 from common.config import EngineConfig, GatewayConfig, ServingConfig
 from common.protocol import GenerateRequest, SamplingParams, StepPlan, decode, encode, sample_seed
 from common.redis_server import RedisServer, free_port
+from common.tokenizer import load_tokenizer
 from common.transport import SchedulerLink
 from gateway.app import create_app
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.tokenizer import load_tokenizer
 from pagoda.up import healthy
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceStatus

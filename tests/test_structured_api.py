@@ -12,12 +12,12 @@ import pytest
 from common.config import GatewayConfig
 from common.protocol import GenerateRequest, StructuredOutput, decode, encode
 from common.structured_output import InvalidStructuredOutput, compile_structured_output, json_schema_spec
+from common.tokenizer import load_tokenizer
 from gateway import structured
 from gateway.app import Gateway
 from gateway.models import ChatCompletionRequest, CompletionRequest, InvalidField, validate
 from gateway.openai_api import APIError
 from gateway.structured import StructuredOutputChecker, requested_structured_output, structured_output_of
-from gateway.tokenizer import load_tokenizer
 
 VOCAB_SIZE = 49152
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -10,12 +10,13 @@ import pytest
 from common.config import ConfigError, GatewayConfig
 from common.protocol import RequestEvent
 from common.structured_output import json_schema_spec
+from common.tokenizer import load_tokenizer
 from gateway.app import Gateway
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.models import ChatCompletionRequest, InvalidField
 from gateway.openai_api import parse_chat
 from gateway.serving import ChoiceState, ResponseShape
-from gateway.tokenizer import PromptEncoder, load_tokenizer
+from gateway.tokenizer import PromptEncoder
 from gateway.tools import (
     FORMAT_MISSING, NO_ARGUMENTS, HermesParser, Llama3JsonParser, NamedParser, RequiredParser, ToolCallStream,
     chat_messages, detect_tool_call_format, tool_call_format, tool_calling,

@@ -79,7 +79,7 @@ class Executor:
             self.grammar.reset()
 
     def _load_tokenizer(self):
-        from gateway.tokenizer import load_tokenizer  # only once a constrained request arrives
+        from common.tokenizer import load_tokenizer  # only once a constrained request arrives
 
         return load_tokenizer(self.runner.source)
 

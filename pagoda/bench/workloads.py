@@ -108,7 +108,7 @@ def text_pairs(records: list[dict]) -> list[tuple[str, str]]:
 
 def load_tokenizer():
     from common.models import resolve_model
-    from gateway.tokenizer import load_tokenizer as _load
+    from common.tokenizer import load_tokenizer as _load
 
     return _load(resolve_model(TOKENIZER_MODEL))
 
