@@ -36,12 +36,15 @@ from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
 from common.tokenizer import load_tokenizer
 from gateway import dashboard_page
+from gateway.dashboard_page import require_dashboard_key
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, Generation
 from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
 from gateway.models import InvalidField
 from gateway.openapi import openapi_endpoint
-from gateway.openai_api import APIError, ParsedRequest, bad_request, parse_chat, parse_completion, parse_json
+from gateway.openai_api import (
+    APIError, ParsedRequest, bad_request, error_response, parse_chat, parse_completion, parse_json,
+)
 from gateway.serving import SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, sse, usage
 from gateway.structured import StructuredOutputChecker
 from gateway.tokenizer import PromptEncoder
@@ -511,23 +514,10 @@ def _dashboard_changes(sent: dict[tuple[str, str], int], engines: list[EngineMem
     return events
 
 
-def require_dashboard_key(request: Request) -> Response | None:
-    """None when the request may see the memory page and its data, else the 401 to answer with:
-    `if (denied := require_dashboard_key(request)) is not None: return denied`."""
-    try:
-        request.app.state.gateway.authorize_dashboard(request)
-    except APIError as exc:
-        return error_response(exc)
-    return None
-
-
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", code="service_unavailable",
                     headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
 
-
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -13,20 +13,25 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.openai_api import APIError, error_response
 from gateway.static_files import STATIC_TYPES, read_static
 
 QUERY_MARK = "__QUERY__"
 NO_CACHE = {"Cache-Control": "no-cache"}  # a new release's page must not run last release's script
 
 
-def _denied(request: Request) -> Response | None:
-    from gateway.app import require_dashboard_key  # gateway.app imports this module
-
-    return require_dashboard_key(request)
+def require_dashboard_key(request: Request) -> Response | None:
+    """None when the request may see the memory page and its data, else the 401 to answer with:
+    `if (denied := require_dashboard_key(request)) is not None: return denied`."""
+    try:
+        request.app.state.gateway.authorize_dashboard(request)
+    except APIError as exc:
+        return error_response(exc)
+    return None
 
 
 async def page(request: Request) -> Response:
-    if (denied := _denied(request)) is not None:
+    if (denied := require_dashboard_key(request)) is not None:
         return denied
     key = request.query_params.get("api_key")
     query = "?" + urlencode({"api_key": key}) if key else ""  # percent-encoded: safe inside an HTML attribute
@@ -35,7 +40,7 @@ async def page(request: Request) -> Response:
 
 
 async def static_file(request: Request) -> Response:
-    if (denied := _denied(request)) is not None:
+    if (denied := require_dashboard_key(request)) is not None:
         return denied
     name = request.path_params["name"]
     if name not in STATIC_TYPES or name.endswith(".html"):

@@ -1,4 +1,4 @@
-"""OpenAI request bodies to validated, tokenized requests; the OpenAI error object.
+"""OpenAI request bodies to validated, tokenized requests; the OpenAI error object and its response.
 
 Everything here runs before the first byte of a response, so every mistake in a request becomes
 a 4xx with `{"error": {"message", "type", "param", "code"}}`. Each field's type and bounds are
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+
+from starlette.responses import JSONResponse
 
 from common.protocol import MAX_BEAM_WIDTH, MAX_SAMPLES, SamplingParams
 from gateway.models import ChatCompletionRequest, CompletionRequest, InvalidField, Request, SamplingRequest, validate
@@ -30,6 +32,10 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -29,7 +29,8 @@ from common.redis_server import free_port
 from common.tokenizer import load_tokenizer
 from common.transport import WorkerLink
 from gateway import app as gateway_app
-from gateway.app import create_app, require_dashboard_key
+from gateway.app import create_app
+from gateway.dashboard_page import require_dashboard_key
 from pagoda.bench.publish import EOS_TOKEN_IDS, VOCAB, ModelFreeExecutor
 from pagoda.bench.stack import parse_samples
 from scheduler.memory_view import build_snapshot
