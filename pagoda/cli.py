@@ -13,14 +13,7 @@ from pathlib import Path
 from common.cli_args import add_config_args, config_from_args
 from common.config import ALLOCATORS, DTYPES, ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from common.protocol import InvalidParamError
-
-# ServingConfig fields a command has no flag for: the worker never talks to Redis, only a worker
-# beats, and `pagoda up` sets these itself for each engine group and worker it starts.
-SCHEDULER_EXCLUDES = frozenset({"heartbeat_file", "dist_init_address"})
-# the scheduler's Redis-side settings mean nothing to a worker (--drain-timeout stays: it always took it)
-WORKER_EXCLUDES = frozenset({"redis_url", "claim_interval_s", "claim_idle_ms", "worker_silence_s", "engine_id"})
-EXIT_CONFIG_ERROR = 2  # a command refused its configuration (pagoda up stops rather than restart it)
-UP_EXCLUDES = frozenset({"redis_url", "zmq_address", "dist_init_address", "engine_id", "heartbeat_file"})
+from pagoda.commands import EXIT_CONFIG_ERROR, SCHEDULER_EXCLUDES, UP_EXCLUDES, WORKER_EXCLUDES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ from pathlib import Path
 from common.cli_args import config_to_argv
 from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from common.redis_server import RedisServer, free_port
-from pagoda.cli import EXIT_CONFIG_ERROR, SCHEDULER_EXCLUDES, WORKER_EXCLUDES
+from pagoda.commands import EXIT_CONFIG_ERROR, SCHEDULER_EXCLUDES, WORKER_EXCLUDES
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
