@@ -76,3 +76,87 @@ def test_the_tokenizer_loader_lives_in_common_and_the_worker_imports_nothing_of_
     transformers and common only, no module of the gateway."""
     assert imported_after("import common.tokenizer", {"gateway"}) == []
     assert named_imports(sorted((ROOT / "worker").rglob("*.py")), {"gateway"}) == []
+
+
+PACKAGES = ("common", "gateway", "scheduler", "worker", "kernels", "pagoda", "tests")
+
+
+def project_modules() -> dict[str, Path]:
+    """{dotted name: file} of every module of the project's packages."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports: at module level and inside functions alike (a deferred
+    import is still a dependency; both circles this test was written for hid behind one), but not
+    under `if TYPE_CHECKING:`, which never runs."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, one level up per extra dot
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:  # `from pagoda import cli` imports the module pagoda.cli
+                target = f"{base}.{alias.name}"
+                found.add(target if target in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return (found & modules.keys()) - {name}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(cycles)
+
+
+def test_import_cycle_finder_finds_a_circle_through_a_deferred_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_the_project_is_part_of_an_import_circle():
+    """gateway/app <-> gateway/dashboard_page and pagoda/cli -> pagoda/up -> pagoda/cli (through
+    pagoda/bench/stack) were circles once: a module that needs one of the other's names takes it
+    from a third module both may import (pagoda/commands.py, gateway/openai_api.py)."""
+    modules = project_modules()
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert import_cycles(graph) == []
