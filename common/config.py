@@ -13,14 +13,20 @@ ALLOCATORS = ("paged", "orca-max", "orca-pow2", "orca-oracle")  # KV allocators 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # tool_choice "auto": the output's tool-call format
+MODEL_HELP = ("'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face directory, a Hugging Face Hub id "
+              "(ORG/NAME: from the Hugging Face cache, else downloaded into it), or dummy:CONFIG.json")
+REVISION_HELP = ("a Hub id's branch, tag or commit (default: main); `pagoda up` resolves it once and passes every "
+                 "process it starts the commit")
+DOWNLOAD_DIR_HELP = "the Hugging Face cache a Hub id is read from and downloaded into (default: $HF_HUB_CACHE)"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What a scheduler and its workers run: the model, the KV pools and the batch budgets."""
 
-    model: str = option(DEFAULT_MODEL, "--model",
-                        "'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face directory, or dummy:CONFIG.json")
+    model: str = option(DEFAULT_MODEL, "--model", MODEL_HELP)
+    revision: str | None = option(None, "--revision", REVISION_HELP)
+    download_dir: str | None = option(None, "--download-dir", DOWNLOAD_DIR_HELP)
     block_size: int = option(16, "--block-size", "tokens per KV block: 8, 16, 32, 64 or 128")
     num_gpu_blocks: int | None = option(None, "--num-gpu-blocks", "override the KV pool size (blocks)")
     max_num_seqs: int = option(128, "--max-num-seqs", "sequences in one step at most")
@@ -128,7 +134,10 @@ class GatewayConfig:
     """One gateway process: where Redis is, what it serves, where it listens, and its limits."""
 
     redis_url: str = option("redis://127.0.0.1:6379/0", "--redis-url", "Redis to use", env="PAGODA_REDIS_URL")
-    model: str = option(DEFAULT_MODEL, "--model", "the model whose tokenizer to use (a spec for resolve_model)")
+    model: str = option(DEFAULT_MODEL, "--model", "the model whose tokenizer to use: "
+                        + MODEL_HELP)
+    revision: str | None = option(None, "--revision", REVISION_HELP)
+    download_dir: str | None = option(None, "--download-dir", DOWNLOAD_DIR_HELP)
     served_model_name: str | None = option(None, "--served-model-name",
                                            "the model id the API reports and accepts (default: the model's name)")
     host: str = option("127.0.0.1", "--host", "address to listen on (default 127.0.0.1)")

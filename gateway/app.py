@@ -95,7 +95,7 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer=None) -> None:
         self.config = config
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.revision, config.download_dir)
         self.served_model_name = config.served_model_name or source.name
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
         self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser)

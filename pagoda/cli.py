@@ -102,11 +102,11 @@ def _structured_output(args):
 
 
 def _generate(args) -> int:
+    from common.models import pin_revision
     from common.protocol import SamplingParams
-    from pagoda.offline import LLM
 
     prompts = _read_prompts(args)
-    params = SamplingParams(
+    params = SamplingParams(  # refused here, before the model loads
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, n=args.n,
         best_of=args.best_of,
@@ -114,7 +114,10 @@ def _generate(args) -> int:
         early_stopping={"true": True, "false": False}.get(args.early_stopping, args.early_stopping),
         structured_output=_structured_output(args),
     )
-    llm = LLM(**dataclasses.asdict(config_from_args(EngineConfig, args)), memory_trace=args.memory_trace,
+    engine = pin_revision(config_from_args(EngineConfig, args))  # a Hub id: downloaded, or one error, before torch
+    from pagoda.offline import LLM
+
+    llm = LLM(**dataclasses.asdict(engine), memory_trace=args.memory_trace,
               memory_trace_interval=args.memory_trace_interval)
     start = time.perf_counter()
     try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from common.config import EngineConfig
+from common.models import pin_revision
 from common.protocol import SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
 from scheduler.memory_trace import INTERVAL_S as MEMORY_TRACE_INTERVAL_S
@@ -100,7 +101,8 @@ class LLM:
         """`memory_trace`: a file to write the KV memory's snapshots to, one JSON line after a step
         that changed it, at most every `memory_trace_interval` seconds (0: after every such step)."""
         self.wire = wire
-        self.config = EngineConfig(model=model, **config)
+        # a Hub id is downloaded here, once, and every rank reads the same commit from the cache
+        self.config = pin_revision(EngineConfig(model=model, **config))
         self.ranks = None if self.config.tensor_parallel_size == 1 else RankProcesses(self.config)
         if self.ranks is None:
             self.executor = Executor(self.config)
@@ -267,7 +269,8 @@ class RankProcesses:
         from worker.models import check_shardable
         from worker.model_runner import resolve_device
 
-        check_shardable(load_config(resolve_model(config.model)), config.tensor_parallel_size)  # before any start
+        source = resolve_model(config.model, config.revision, config.download_dir)
+        check_shardable(load_config(source), config.tensor_parallel_size)  # before any start
         self.config = config
         self.address = f"tcp://127.0.0.1:{_free_port()}"
         device = resolve_device(config.device, 0)

@@ -9,6 +9,10 @@ Every scheduler reads the one Redis request stream (a consumer group spreads the
 group has its own ZeroMQ address and torch.distributed address. On a machine with GPUs, worker
 (g, r) gets the (g*N + r)-th visible GPU as its only one (CUDA_VISIBLE_DEVICES).
 
+A Hub id (--model ORG/NAME) is resolved before anything starts: downloaded here if the Hugging Face
+cache lacks it (or one error), and every child is given the commit it resolved to (--revision), so
+all of them read the same snapshot from the cache and none downloads.
+
 A child that exits with code 2 refused its configuration (a model the tensor-parallel size does not
 divide, say): the stack stops and `pagoda up` exits 2, since a restart would refuse again.
 A child that exits otherwise, or a worker whose heartbeat file goes stale (stopped, hung, or stuck in a step
@@ -36,6 +40,7 @@ from pathlib import Path
 
 from common.cli_args import config_to_argv
 from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
+from common.models import pin_revision
 from common.redis_server import RedisServer, free_port
 from pagoda.commands import EXIT_CONFIG_ERROR, SCHEDULER_EXCLUDES, WORKER_EXCLUDES
 
@@ -118,6 +123,7 @@ def up(args, engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfi
         raise ConfigError("data_parallel_size must be >= 1")
     # refused before anything starts
     gpus = assign_gpus(engine.device, data_parallel_size, engine.tensor_parallel_size, visible_gpus())
+    engine, gateway = pin_model(engine, gateway)
     stop = {"now": False}
     for sig in (signal.SIGINT, signal.SIGTERM):  # first, and explicit: a shell may start us with SIGINT ignored
         signal.signal(sig, lambda *_: stop.update(now=True))
@@ -146,6 +152,15 @@ def up(args, engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfi
             redis_server.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
+
+
+def pin_model(engine: EngineConfig, gateway: GatewayConfig) -> tuple[EngineConfig, GatewayConfig]:
+    """The configs with a Hub id's revision resolved to its snapshot's commit (downloaded here, once,
+    if the cache lacks it; one error if it cannot be): the children read that snapshot from the
+    cache, none downloads, and all serve the same commit. `pagoda up` gives both one --model and
+    one --download-dir."""
+    engine = pin_revision(engine)
+    return engine, dataclasses.replace(gateway, revision=engine.revision)
 
 
 def _children(engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfig, redis_url: str,

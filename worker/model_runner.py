@@ -100,7 +100,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.world_size > 1:
             torch.cuda.set_device(self.device)  # NCCL and the kernels use the current device
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, config.revision, config.download_dir)
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed)
         self.max_model_len = self.model.max_positions
         self.sliding_window = self.model.sliding_window()  # every layer's, or None
