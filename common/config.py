@@ -13,11 +13,15 @@ ALLOCATORS = ("paged", "orca-max", "orca-pow2", "orca-oracle")  # KV allocators 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # tool_choice "auto": the output's tool-call format
+GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's --generation-config: the checkpoint's sampling defaults, or none
 MODEL_HELP = ("'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face directory, a Hugging Face Hub id "
               "(ORG/NAME: from the Hugging Face cache, else downloaded into it), or dummy:CONFIG.json")
 REVISION_HELP = ("a Hub id's branch, tag or commit (default: main); `pagoda up` resolves it once and passes every "
                  "process it starts the commit")
 DOWNLOAD_DIR_HELP = "the Hugging Face cache a Hub id is read from and downloaded into (default: $HF_HUB_CACHE)"
+GENERATION_CONFIG_HELP = ("auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset "
+                          "gets the model's generation_config.json value (vLLM's --generation-config auto); vllm: "
+                          "ignore those (the file's EOS ids end a sequence either way)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +31,7 @@ class EngineConfig:
     model: str = option(DEFAULT_MODEL, "--model", MODEL_HELP)
     revision: str | None = option(None, "--revision", REVISION_HELP)
     download_dir: str | None = option(None, "--download-dir", DOWNLOAD_DIR_HELP)
+    generation_config: str = option("auto", "--generation-config", GENERATION_CONFIG_HELP, choices=GENERATION_CONFIGS)
     block_size: int = option(16, "--block-size", "tokens per KV block: 8, 16, 32, 64 or 128")
     num_gpu_blocks: int | None = option(None, "--num-gpu-blocks", "override the KV pool size (blocks)")
     max_num_seqs: int = option(128, "--max-num-seqs", "sequences in one step at most")
@@ -77,6 +82,7 @@ class EngineConfig:
         _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode must be auto, swap or recompute")
         _check(self.allocator in ALLOCATORS, f"allocator must be one of {', '.join(ALLOCATORS)}")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _check(self.generation_config in GENERATION_CONFIGS, "generation_config must be auto or vllm")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -134,10 +140,11 @@ class GatewayConfig:
     """One gateway process: where Redis is, what it serves, where it listens, and its limits."""
 
     redis_url: str = option("redis://127.0.0.1:6379/0", "--redis-url", "Redis to use", env="PAGODA_REDIS_URL")
-    model: str = option(DEFAULT_MODEL, "--model", "the model whose tokenizer to use: "
+    model: str = option(DEFAULT_MODEL, "--model", "the model whose tokenizer and generation_config.json to use: "
                         + MODEL_HELP)
     revision: str | None = option(None, "--revision", REVISION_HELP)
     download_dir: str | None = option(None, "--download-dir", DOWNLOAD_DIR_HELP)
+    generation_config: str = option("auto", "--generation-config", GENERATION_CONFIG_HELP, choices=GENERATION_CONFIGS)
     served_model_name: str | None = option(None, "--served-model-name",
                                            "the model id the API reports and accepts (default: the model's name)")
     host: str = option("127.0.0.1", "--host", "address to listen on (default 127.0.0.1)")
@@ -174,6 +181,7 @@ class GatewayConfig:
                f"chat_template must be a file, got {self.chat_template!r}")
         _check(self.tool_call_parser in TOOL_CALL_PARSERS,
                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        _check(self.generation_config in GENERATION_CONFIGS, "generation_config must be auto or vllm")
         if self.gateway_id is None:
             object.__setattr__(self, "gateway_id", secrets.token_hex(8))
         _check(

@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from common.admission import AdmissionLimits, check_admissible
 from common.config import GatewayConfig
+from common.generation_config import default_sampling_params, read_generation_config, token_ids
 from common.models import resolve_model
 from common.protocol import GenerateRequest, SchedulerStatus
 from common.tokenizer import load_tokenizer
@@ -98,12 +99,19 @@ class Gateway:
         source = resolve_model(config.model, config.revision, config.download_dir)
         self.served_model_name = config.served_model_name or source.name
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
+        generation_config = read_generation_config(source)
+        # what a request that leaves a sampling field unset gets (vLLM's default_sampling_params)
+        self.default_sampling_params = default_sampling_params(generation_config, config.generation_config)
+        if self.default_sampling_params:
+            log.info("default sampling parameters from the model's generation_config.json: %s "
+                     "(--generation-config vllm ignores them)", self.default_sampling_params)
         self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser)
         self.vocab_size = len(self.tokenizer)
         self.token_text = token_text_cache(self.tokenizer)
         self.structured = StructuredOutputChecker(self.tokenizer, self.vocab_size)
-        eos = self.tokenizer.eos_token_id
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
+        eos = self.tokenizer.eos_token_id  # with generation_config.json's: the worker's EOS ids end a sequence
+        self.eos_token_ids = frozenset(([eos] if isinstance(eos, int) else [])
+                                       + token_ids(generation_config.get("eos_token_id")))
         self.metrics = GatewayMetrics(self.served_model_name)
         self.engine: EngineClient | None = None
         self.created = int(time.time())
@@ -252,7 +260,8 @@ class Gateway:
 
     def _parse(self, kind: str, body: dict) -> ParsedRequest:
         """The request, tokenized, and its structured output checked by the worker's rule (in a thread)."""
-        parsed = (parse_completion if kind == "completion" else parse_chat)(body, self.encoder, self.vocab_size)
+        parse = parse_completion if kind == "completion" else parse_chat
+        parsed = parse(body, self.encoder, self.vocab_size, self.default_sampling_params)
         try:
             self.structured.check(parsed.params.structured_output, parsed.structured_param)
         except InvalidField as exc:

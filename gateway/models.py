@@ -33,6 +33,8 @@ MAX_CHOICES = 256  # guided_choice entries
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema's JSON text, a regex or a grammar
 SEED_MAX = 2**63 - 1  # the samples of a seeded request use sample_seed(seed, i) (common/protocol.py)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# where an unset sampling field's default comes from first (vLLM's --generation-config auto)
+MODEL_DEFAULT = "the model's generation_config.json value (unless the gateway runs with --generation-config vllm)"
 # Per gateway: GET /openapi.json replaces these markers with the served model's id and vocabulary
 SERVED_MODEL = "x-served-model"
 TOKEN_ID = "x-token-id"
@@ -207,10 +209,11 @@ class SamplingRequest(Strict):
                               "(code context_length_exceeded). 0 only on completions with echo or "
                               "prompt_logprobs: score the prompt, generate nothing.", ge=0, le=MAX_INT_PARAM)
     max_completion_tokens: optional(int, "Same as max_tokens, and takes precedence.", ge=0, le=MAX_INT_PARAM)
-    temperature: optional(float, "Default 1 (0 with use_beam_search, which allows only 0); 0 is greedy.", ge=0)
-    top_p: optional(float, "Default 1.", gt=0, le=1)
-    top_k: optional(int, "Default 0; 0 and -1 are off.", ge=-1, le=MAX_INT_PARAM)
-    min_p: optional(float, "Default 0.", ge=0, le=1)
+    temperature: optional(float, f"Default: {MODEL_DEFAULT}, else 1 (0 with use_beam_search, which allows only 0); "
+                                 "0 is greedy.", ge=0)
+    top_p: optional(float, f"Default: {MODEL_DEFAULT}, else 1.", gt=0, le=1)
+    top_k: optional(int, f"Default: {MODEL_DEFAULT}, else 0; 0 and -1 are off.", ge=-1, le=MAX_INT_PARAM)
+    min_p: optional(float, f"Default: {MODEL_DEFAULT}, else 0.", ge=0, le=1)
     n: optional(int, f"Choices per prompt, default 1. n (or best_of) times the number of prompts must be <= "
                      f"{MAX_SAMPLES}; with use_beam_search, <= {MAX_BEAM_WIDTH}.", ge=1, le=MAX_SAMPLES)
     best_of: optional(int, "Sample best_of outputs per prompt and return the n of highest cumulative logprob; >= n. "
@@ -228,7 +231,7 @@ class SamplingRequest(Strict):
     seed: optional(int, "Makes sampling reproducible.", ge=-(2**63), le=SEED_MAX)
     presence_penalty: optional(float, "Default 0.", ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: optional(float, "Default 0.", ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: optional(float, "Default 1 (off).", gt=0)
+    repetition_penalty: optional(float, f"Default: {MODEL_DEFAULT}, else 1 (off).", gt=0)
     min_tokens: optional(int, "EOS and stop_token_ids cannot end a choice before this many tokens; <= max_tokens.",
                          ge=0, le=MAX_INT_PARAM)
     ignore_eos: optional(bool, "Keep generating after EOS. Default false.")

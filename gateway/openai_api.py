@@ -7,7 +7,9 @@ gateway/models.py's; what lies between fields is checked here. Unknown fields ar
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.responses import JSONResponse
 
@@ -91,7 +93,9 @@ def parse_json(raw: bytes) -> dict:
 
 # ----------------------------------------------------------------------------- the two endpoints
 
-def parse_completion(body: dict, encoder, vocab_size: int) -> ParsedRequest:
+def parse_completion(body: dict, encoder, vocab_size: int, defaults: Mapping[str, Any] | None = None) -> ParsedRequest:
+    """`defaults`: the model's sampling defaults (Gateway.default_sampling_params) for the fields
+    the request leaves unset."""
     request = _validate(CompletionRequest, body, vocab_size)
     prompt = request.prompt
     if isinstance(prompt, str):
@@ -103,14 +107,15 @@ def parse_completion(body: dict, encoder, vocab_size: int) -> ParsedRequest:
     if any(not p for p in prompts):
         raise bad_request("prompt must not be empty (it tokenizes to no tokens)", "prompt")
     max_tokens = _default(_max_tokens(request), 16)
-    parsed = _common(request, "completion", prompts, max_tokens, request.logprobs)
+    parsed = _common(request, "completion", prompts, max_tokens, request.logprobs, defaults)
     parsed.echo = bool(request.echo)
     if parsed.echo and parsed.logprobs is not None:  # the prompt tokens' entries come from prompt logprobs
         parsed.params.prompt_logprobs = max(parsed.params.prompt_logprobs or 0, parsed.logprobs)
     return parsed
 
 
-def parse_chat(body: dict, encoder, vocab_size: int) -> ParsedRequest:
+def parse_chat(body: dict, encoder, vocab_size: int, defaults: Mapping[str, Any] | None = None) -> ParsedRequest:
+    """`defaults`: as parse_completion's."""
     request = _validate(ChatCompletionRequest, body, vocab_size)
     try:
         calling = tool_calling(request, encoder.tool_call_format)
@@ -128,7 +133,7 @@ def parse_chat(body: dict, encoder, vocab_size: int) -> ParsedRequest:
         logprobs = request.top_logprobs or 0
     elif request.top_logprobs is not None:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    parsed = _common(request, "chat", [prompt], _max_tokens(request), logprobs)
+    parsed = _common(request, "chat", [prompt], _max_tokens(request), logprobs, defaults)
     return _with_tool_calling(parsed, calling, encoder)
 
 
@@ -162,8 +167,11 @@ def _max_tokens(request: SamplingRequest) -> int | None:
 
 def _common(
     request: SamplingRequest, kind: str, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
+    defaults: Mapping[str, Any] | None,
 ) -> ParsedRequest:
-    """The rules between fields, and the sampling params the scheduler gets."""
+    """The rules between fields, and the sampling params the scheduler gets: a field the request
+    leaves unset is the model's default (`defaults`), else the API's; beam search is deterministic
+    and takes none of the model's."""
     n, best_of = _default(request.n, 1), request.best_of
     if best_of is not None and best_of < n:
         raise bad_request(f"best_of must be >= n, got best_of={best_of}, n={n}", "best_of")
@@ -208,20 +216,21 @@ def _common(
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(f"min_tokens must be <= max_tokens, got min_tokens={min_tokens}, max_tokens={max_tokens}",
                           "min_tokens")
+    model = defaults if defaults and not beam_search else {}
     params = SamplingParams(
         n=n,
         best_of=width if chosen_at_end and not beam_search else None,
         beam_width=width if beam_search else 0,
         length_penalty=length_penalty,
         early_stopping=early_stopping,
-        temperature=_default(request.temperature, 0.0 if beam_search else 1.0),
-        top_p=_default(request.top_p, 1.0),
-        top_k=_default(request.top_k, 0),
-        min_p=_default(request.min_p, 0.0),
+        temperature=_default(request.temperature, model.get("temperature", 0.0 if beam_search else 1.0)),
+        top_p=_default(request.top_p, model.get("top_p", 1.0)),
+        top_k=_default(request.top_k, model.get("top_k", 0)),
+        min_p=_default(request.min_p, model.get("min_p", 0.0)),
         seed=request.seed,
         presence_penalty=_default(request.presence_penalty, 0.0),
         frequency_penalty=_default(request.frequency_penalty, 0.0),
-        repetition_penalty=_default(request.repetition_penalty, 1.0),
+        repetition_penalty=_default(request.repetition_penalty, model.get("repetition_penalty", 1.0)),
         max_tokens=max_tokens,
         min_tokens=min_tokens,
         stop_token_ids=list(request.stop_token_ids or []),

@@ -43,10 +43,12 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-file", help='JSON lines, each {"prompt": "..."} or {"messages": [...]}')
     p.add_argument("--chat", action="store_true", help="wrap each --prompt in the chat template as a user message")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    model_default = "default: the model's generation_config.json (unless --generation-config vllm), else %s"
+    p.add_argument("--temperature", type=float, help=model_default % "0, greedy")
+    p.add_argument("--top-p", type=float, help=model_default % "1")
+    p.add_argument("--top-k", type=int, help=model_default % "0, off")
+    p.add_argument("--min-p", type=float, help=model_default % "0")
+    p.add_argument("--repetition-penalty", type=float, help=model_default % "1, off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
@@ -101,24 +103,31 @@ def _structured_output(args):
     return None
 
 
+# `pagoda generate`'s sampling where neither a flag nor the model's generation_config.json says
+GENERATE_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def _generate(args) -> int:
     from common.models import pin_revision
     from common.protocol import SamplingParams
 
     prompts = _read_prompts(args)
+    given = {name: getattr(args, name) for name in GENERATE_SAMPLING if getattr(args, name) is not None}
     params = SamplingParams(  # refused here, before the model loads
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, n=args.n,
+        max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, n=args.n,
         best_of=args.best_of,
         beam_width=args.beam_width, length_penalty=args.length_penalty,
         early_stopping={"true": True, "false": False}.get(args.early_stopping, args.early_stopping),
-        structured_output=_structured_output(args),
+        structured_output=_structured_output(args), **(GENERATE_SAMPLING | given),
     )
     engine = pin_revision(config_from_args(EngineConfig, args))  # a Hub id: downloaded, or one error, before torch
     from pagoda.offline import LLM
 
     llm = LLM(**dataclasses.asdict(engine), memory_trace=args.memory_trace,
               memory_trace_interval=args.memory_trace_interval)
+    if not args.beam_width:  # beam search is deterministic: the model's sampling defaults do not apply
+        model_defaults = {k: v for k, v in llm.default_sampling_params.items() if k not in given}
+        params = dataclasses.replace(params, **model_defaults)
     start = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params, use_tqdm=not args.json)

@@ -1,5 +1,11 @@
 """The offline Python API: `LLM(model).generate(prompts, SamplingParams)`.
 
+`generate(prompts)` without SamplingParams samples with `get_default_sampling_params()`: the
+model's generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty) over
+SamplingParams' defaults, as vLLM's LLM does (`generation_config="vllm"`: SamplingParams'
+defaults alone). SamplingParams given are used as they are; to change one field and keep the
+model's others, start from `llm.get_default_sampling_params()`.
+
 With `tensor_parallel_size=N` rank 0 of the group runs in this process and ranks 1..N-1 run as
 child processes (worker/tp_rank.py): each plan is handed to them over the group before rank 0
 executes it. `LLM.close()` (or the LLM's collection, or the interpreter's exit) stops them.
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from common.config import EngineConfig
+from common.generation_config import default_sampling_params
 from common.models import pin_revision
 from common.protocol import SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
@@ -120,6 +127,12 @@ class LLM:
         self.memory_events = MemoryEventLog()  # every reset()'s engine's: event ids never restart
         self.engine = LLMEngine.from_hello(self.config, hello, self.step_executor, wire=wire,
                                            memory_trace=self.memory_trace, memory_events=self.memory_events)
+        # what a request that leaves a sampling field unset gets (vLLM's default_sampling_params)
+        self.default_sampling_params = default_sampling_params(self.executor.generation_config,
+                                                               self.config.generation_config)
+        if self.default_sampling_params:
+            log.info("default sampling parameters from the model's generation_config.json: %s "
+                     "(generation_config='vllm' ignores them)", self.default_sampling_params)
         self.encoder = None
         if not skip_tokenizer_init and self.executor.runner.source.kind != "dummy":
             from common.tokenizer import load_tokenizer
@@ -158,6 +171,11 @@ class LLM:
     def scheduler(self):
         return self.engine.scheduler
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json values where it sets them (vLLM's
+        `LLM.get_default_sampling_params`): what `generate` samples with when given none."""
+        return SamplingParams(**self.default_sampling_params)
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, list):
             return list(prompt)
@@ -178,7 +196,7 @@ class LLM:
         """Generate for every prompt in one continuous batch; outputs come back in input order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

@@ -1,13 +1,15 @@
-"""Hub ids (--model ORG/NAME).
+"""Hub ids (--model ORG/NAME) and what a checkpoint's generation_config.json says.
 
 A Hugging Face cache laid out as huggingface_hub lays it out holds a tiny random Llama with the
 512-word tokenizer of tests/data/tiny-tokenizer (id i is the word w<i>): `main` is one snapshot,
-`v2` another, whose weights are tests/conftest.py's `tiny` model. The same files in a plain
-directory are the model "loaded from its directory". The downloads and failures run the real
-huggingface_hub client against a fake Hub (tests/fakes.py).
+`v2` another, whose weights are tests/conftest.py's `tiny` model and whose generation_config.json
+sets sampling defaults and one more EOS id. The same files in a plain directory are the model
+"loaded from its directory". The failures run the real huggingface_hub client against a fake Hub
+(tests/fakes.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,6 +23,7 @@ import pytest
 
 from common.cli_args import config_from_args
 from common.config import EngineConfig, GatewayConfig, ServingConfig
+from common.generation_config import default_sampling_params
 from common.models import ModelNotFound, pin_revision, resolve_model
 from common.protocol import SamplingParams
 from pagoda import cli, up
@@ -31,6 +34,7 @@ REPO_ID = "pagoda-test/tiny-llama"
 MAIN, V2 = "1" * 40, "2" * 40  # the commits of the two snapshots
 TOKENIZER = ROOT / "tests" / "data" / "tiny-tokenizer"
 PROMPT, PROMPT_IDS = "w5 w6 w7", [5, 6, 7]
+SAMPLING = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05}  # v2's generation_config.json
 SERVING = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
            "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
 
@@ -69,6 +73,15 @@ def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
+def reference(tiny):
+    """The tiny model's greedy tokens after PROMPT, and the one v2's generation_config.json adds as
+    an EOS id: its third."""
+    tokens = greedy(tiny[1], PROMPT_IDS, 4)
+    assert 2 not in tokens[:3] and tokens[2] not in tokens[:2]
+    return tokens, tokens[2]
+
+
+@pytest.fixture(scope="module")
 def other(tmp_path_factory):
     """(directory, model) of another tiny random Llama (seed 1): `main`'s."""
     import torch
@@ -82,11 +95,13 @@ def other(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def home(tiny, other, tmp_path_factory):
-    """HF_HOME: its hub/ cache holds REPO_ID at `main` (the `other` model) and at `v2` (the `tiny` model)."""
+def home(tiny, other, reference, tmp_path_factory):
+    """HF_HOME: its hub/ cache holds REPO_ID at `main` (the `other` model, transformers' own
+    generation_config.json) and at `v2` (the `tiny` model, SAMPLING and EOS ids [2, reference])."""
     root = tmp_path_factory.mktemp("hf-home")
     add_snapshot(root / "hub", REPO_ID, MAIN, model_files(other[0]), "main")
-    add_snapshot(root / "hub", REPO_ID, V2, model_files(tiny[0]), "v2")
+    generation_config = {"bos_token_id": 1, "eos_token_id": [2, reference[1]], **SAMPLING}
+    add_snapshot(root / "hub", REPO_ID, V2, model_files(tiny[0], generation_config), "v2")
     return root
 
 
@@ -124,7 +139,8 @@ def offline(monkeypatch):
 
 def test_pagoda_generate_serves_a_hub_id_from_the_cache_offline_as_from_its_directory(home, local_llm, other):
     """One real `pagoda generate`: HF_HOME's cache, HF_HUB_OFFLINE=1, --revision v2. Its tokens are
-    those of the same files loaded from a directory."""
+    those of the same files loaded from a directory, and they end at the EOS id that only v2's
+    generation_config.json names."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")} | {"HF_HOME": str(home),
                                                                               "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
@@ -133,8 +149,10 @@ def test_pagoda_generate_serves_a_hub_id_from_the_cache_offline_as_from_its_dire
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     served = json.loads(proc.stdout.splitlines()[0])
-    expected = local_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
-    assert (served["token_ids"], served["finish_reason"]) == (expected.token_ids, expected.finish_reason)
+    params = dataclasses.replace(local_llm.get_default_sampling_params(), temperature=0.0, max_tokens=4)
+    expected = local_llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert (served["token_ids"], served["finish_reason"]) == (expected.token_ids, expected.finish_reason) == (
+        expected.token_ids, "stop")
     assert served["token_ids"] != greedy(other[1], PROMPT_IDS, 3)  # not main's model
     assert "Fetching" not in proc.stderr  # nothing downloaded
 
@@ -167,13 +185,15 @@ def test_up_resolves_the_id_once_and_gives_every_child_its_commit(cache, tmp_pat
         assert f"--model={REPO_ID}" in child.command
 
 
-def test_the_gateway_serves_the_id_with_the_snapshots_chat_template(cache, offline):
+def test_the_gateway_serves_the_id_with_the_snapshots_chat_template_and_generation_config(cache, reference, offline):
     from gateway.app import Gateway
 
     gateway = Gateway(GatewayConfig(model=REPO_ID, revision="v2", download_dir=cache))
     assert gateway.served_model_name == REPO_ID
     assert gateway.encoder.template_text == (TOKENIZER / "chat_template.jinja").read_text()
     assert gateway.tokenizer.chat_template == (TOKENIZER / "chat_template.jinja").read_text()  # not in its config
+    assert gateway.default_sampling_params == SAMPLING
+    assert gateway.eos_token_ids == {2, reference[1]}
 
 
 def cli_parser(command: str):
@@ -182,6 +202,80 @@ def cli_parser(command: str):
     parser = argparse.ArgumentParser(prog=f"pagoda {command}")
     getattr(cli, f"_add_{command}")(parser)
     return parser
+
+
+# ----------------------------------------------------------------------------- generation_config.json
+
+@pytest.fixture(scope="module")
+def chatty(local, tmp_path_factory) -> Path:
+    """A directory whose generation_config.json sets all five sampling defaults (no weights: the
+    gateway reads only the config, the tokenizer and that file)."""
+    directory = tmp_path_factory.mktemp("chatty")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(local / name, directory / name)
+    (directory / "generation_config.json").write_text(json.dumps(
+        {**SAMPLING, "repetition_penalty": 1.1, "max_new_tokens": 9, "do_sample": True}))
+    return directory
+
+
+def chatty_gateway(chatty: Path, **config):
+    from common.tokenizer import load_tokenizer
+    from gateway.app import Gateway
+
+    return Gateway(GatewayConfig(model=str(chatty), **config), load_tokenizer(str(chatty)))
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_request_without_sampling_fields_gets_the_models_and_its_own_win(chatty, kind):
+    gateway = chatty_gateway(chatty)
+    body = {"prompt": PROMPT} if kind == "completion" else {"messages": [{"role": "user", "content": PROMPT}]}
+    params = gateway._parse(kind, body).params
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == (
+        0.6, 0.9, 20, 0.05, 1.1)
+    params = gateway._parse(kind, body | {"temperature": 0, "top_k": 0, "repetition_penalty": 1.0}).params
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == (
+        0.0, 0.9, 0, 0.05, 1.0)
+
+
+def test_generation_config_vllm_ignores_the_file_and_beam_search_takes_none_of_it(chatty):
+    body = {"prompt": PROMPT}
+    params = chatty_gateway(chatty, generation_config="vllm")._parse("completion", body).params
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == (
+        1.0, 1.0, 0, 0.0, 1.0)
+    params = chatty_gateway(chatty)._parse("completion", body | {"use_beam_search": True, "n": 2}).params
+    assert (params.beam_width, params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (
+        2, 0.0, 1.0, 0, 1.0)
+
+
+def test_default_sampling_params_are_the_files_five_fields_or_none():
+    assert default_sampling_params({"temperature": 0.7, "top_k": 5, "eos_token_id": 3, "do_sample": True}, "auto") == {
+        "temperature": 0.7, "top_k": 5}
+    assert default_sampling_params({"temperature": 0.7}, "vllm") == {}
+
+
+def test_offline_generate_without_sampling_params_uses_the_models_and_given_ones_as_they_are(local_llm):
+    """vLLM's LLM: generate(prompts) samples with get_default_sampling_params(); SamplingParams
+    given are used as they are (even where they hold SamplingParams' defaults)."""
+    assert local_llm.get_default_sampling_params() == SamplingParams(**SAMPLING)
+    seen = []
+    add_request = local_llm.engine.add_request
+    local_llm.engine.add_request = lambda request_id, ids, params: (seen.append(params),
+                                                                    add_request(request_id, ids, params))
+    try:
+        local_llm.generate(PROMPT, use_tqdm=False)
+        local_llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        local_llm.engine.add_request = add_request
+    assert seen == [SamplingParams(**SAMPLING), SamplingParams(max_tokens=2)]
+
+
+def test_an_eos_id_of_generation_config_ends_generation(local_llm, reference):
+    tokens, eos = reference
+    assert local_llm.executor.eos_token_ids == [2, eos]  # config.json's, then generation_config.json's
+    out = local_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert (out.token_ids, out.finish_reason) == (tokens[:3], "stop")
+    out = local_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert (out.token_ids, out.finish_reason) == (tokens, "length")
 
 
 # ----------------------------------------------------------------------------- downloads and failures

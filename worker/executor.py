@@ -18,6 +18,7 @@ import time
 import torch
 
 from common.config import EngineConfig
+from common.generation_config import read_generation_config, token_ids
 from common.plan_state import PlanState, ScheduledSequence
 from common.protocol import SampledToken, StepPlan, StepResult, WorkerHello
 from worker.grammar import GrammarState, TokenMask
@@ -43,7 +44,8 @@ class Executor:
         self.world_size = group.world_size
         set_tp_group(group)
         self.runner = ModelRunner(config, rank=self.rank)
-        self.eos_token_ids = _eos_token_ids(self.runner.hf_config)
+        self.generation_config = read_generation_config(self.runner.source)  # the checkpoint's file, or {}
+        self.eos_token_ids = _eos_token_ids(self.runner.hf_config, self.generation_config)
         # only rank 0 samples: the others never hold the logits
         self.sampler = (Sampler(self.eos_token_ids, int(self.runner.hf_config.vocab_size), self.runner.device)
                         if group.is_first else None)
@@ -161,11 +163,11 @@ def _sampled_tokens(sampling: list[ScheduledSequence], out: SamplerOutput) -> li
     return list(map(SampledToken, seq_ids, out.token_ids, out.logprobs, out.top_logprobs))
 
 
-def _eos_token_ids(hf_config) -> list[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+def _eos_token_ids(hf_config, generation_config: dict) -> list[int]:
+    """config.json's EOS ids, then generation_config.json's (as vLLM reads them): any one ends a
+    sequence (a chat model's end-of-turn token is often only in the latter)."""
+    ids = token_ids(getattr(hf_config, "eos_token_id", None)) + token_ids(generation_config.get("eos_token_id"))
+    return list(dict.fromkeys(ids))
 
 
 SWAP_PROBE_BLOCKS = 128  # a typical preempted group: 2,048 tokens of 16-token blocks
