@@ -17,8 +17,9 @@ def imported_after(statement: str, packages: set[str]) -> list[str]:
 
 
 def test_scheduler_and_common_import_no_torch_and_no_networking():
-    statement = "import scheduler, scheduler.engine, common.protocol, common.config, common.models"
-    assert imported_after(statement, NETWORKING | {"torch", "transformers"}) == []
+    statement = ("import scheduler, scheduler.engine, common.protocol, common.config, common.models, "
+                 "common.generation_config")
+    assert imported_after(statement, NETWORKING | {"torch", "transformers", "huggingface_hub"}) == []
 
 
 def test_offline_path_imports_no_networking_package():
