@@ -14,6 +14,7 @@ import re
 
 import openai
 import pytest
+import torch
 
 from common.protocol import SamplingParams
 from pagoda import cli
@@ -168,3 +169,19 @@ def test_an_unknown_rope_scaling_is_refused_by_name(tmp_path, capsys):
     assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "w5", "--device", "cpu"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "pagoda: error: RoPE scaling 'mrope' is not supported (only default, linear, dynamic, llama3, yarn, longrope)")
+
+
+def test_a_sharded_checkpoint_is_read_from_the_shards_its_index_names(tmp_path):
+    from safetensors.torch import save_file
+
+    from worker.models.weights import checkpoint_files
+
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "consolidated.safetensors"):
+        save_file({"x": torch.zeros(1)}, str(tmp_path / name))
+    assert [p.name for p in checkpoint_files(tmp_path)] == ["consolidated.safetensors", "model-00001-of-00002.safetensors",
+                                                            "model-00002-of-00002.safetensors"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+        "c": "model-00002-of-00002.safetensors"}}))
+    assert [p.name for p in checkpoint_files(tmp_path)] == ["model-00001-of-00002.safetensors",
+                                                            "model-00002-of-00002.safetensors"]

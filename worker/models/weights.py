@@ -6,6 +6,7 @@ file it reads through safetensors' slices; over a tensor in memory (dummy weight
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -66,9 +67,18 @@ class SafetensorsTensor:
         return self.file.get_tensor(self.key)
 
 
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards its index names (as transformers reads them:
+    other .safetensors beside them, e.g. a consolidated copy, are not the model's), else every one."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(directory.glob("*.safetensors"))
+
+
 def iter_safetensors(directory: Path) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Every tensor of the checkpoint's *.safetensors files, unread until a loader reads its part."""
-    files = sorted(directory.glob("*.safetensors"))
+    """Every tensor of the checkpoint's safetensors files, unread until a loader reads its part."""
+    files = checkpoint_files(directory)
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {directory}")
     for file in files:
