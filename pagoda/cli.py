@@ -157,13 +157,17 @@ def _generate(args) -> int:
 
 def _add_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per architecture")
+    p.add_argument("--markdown", action="store_true", help="the README's table")
     p.set_defaults(handler=_models)
 
 
 def _models(args) -> int:
-    from worker.models import table
+    from worker.models import markdown_table, table
 
     rows = table()
+    if args.markdown:
+        print(markdown_table())
+        return 0
     if args.json:
         for row in rows:
             print(json.dumps(row))

@@ -69,6 +69,13 @@ def test_the_registry_names_every_family_and_pagoda_models_prints_it(capsys):
         assert info.architecture in out and info.example in out
 
 
+def test_the_readme_lists_the_registry():
+    from worker.models import markdown_table
+
+    readme = (families.ROOT / "README.md").read_text()
+    assert markdown_table() in readme, "README.md's model table differs from `pagoda models --markdown`"
+
+
 def test_an_unsupported_architecture_fails_with_the_list(tmp_path, capsys):
     config = json.loads((families.ROOT / "tests" / "data" / "tiny-llama.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))

@@ -91,3 +91,15 @@ def check_shardable(config, world_size: int) -> None:
     for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(config, name, None):
             divide(getattr(config, name), world_size, f"the experts' {name.replace('_', ' ')}")
+
+
+def markdown_table() -> str:
+    """The registry as the README's table (`pagoda models --markdown`; a test holds the README to it)."""
+    def mark(flag: bool) -> str:
+        return "yes" if flag else "-"
+
+    rows = ["| architecture (`model_type`) | e.g. | tensor parallel | sliding window | MoE | notes |",
+            "|---|---|---|---|---|---|"]
+    rows += [f"| `{m.architecture}` (`{m.model_type}`) | `{m.example}` | {mark(m.tensor_parallel)} | "
+             f"{mark(m.sliding_window)} | {mark(m.moe)} | {m.notes} |" for m in MODELS]
+    return "\n".join(rows)
