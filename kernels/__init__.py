@@ -32,7 +32,8 @@ Impl = Literal["triton", "torch"] | None
 
 __all__ = [
     "BlockSwapper", "copy_blocks", "freeze_workspace", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul",
-    "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "swap_blocks", "warmup", "write_kv",
+    "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "swap_blocks", "warmup", "warmup_moe",
+    "write_kv",
 ]
 
 
@@ -217,6 +218,25 @@ def fused_moe(
 
         return triton_moe.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=activation)
     return moe.fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+
+
+def warmup_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, *, activation: str = "silu",
+               weights_dtype: torch.dtype = torch.float32) -> int:
+    """Compile every variant `fused_moe` can launch for these expert weights (one tiny launch per
+    tile config), so that no MoE kernel compiles while serving. CUDA only: returns the number of
+    launches, 0 elsewhere."""
+    if not w13.is_cuda or interpreting():
+        return 0
+    from kernels import triton_moe
+
+    num_experts, hidden = w13.shape[0], w13.shape[2]
+    x = torch.zeros((1, hidden), dtype=w13.dtype, device=w13.device)
+    ids = (torch.arange(top_k, device=w13.device) % num_experts)[None]
+    weights = torch.ones((1, top_k), dtype=weights_dtype, device=w13.device)
+    configs = triton_moe.all_tile_configs(hidden, w13.shape[1] // 2, w13.dtype)
+    for tiles in configs:
+        triton_moe.fused_moe(x, w13, w2, weights, ids, activation, tiles=tiles)
+    return len(configs)
 
 
 def _check_impl(impl: Impl) -> None:

@@ -112,6 +112,12 @@ class SparseMoeBlock(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         return (weights.to(x.dtype) if self.weights_in_model_dtype else weights), ids
 
+    def warmup(self) -> int:
+        """Compile the fused MoE kernel's variants for this layer's shapes (CUDA, at start-up)."""
+        experts = self.experts
+        return kernels.warmup_moe(experts.w13_weight, experts.w2_weight, self.top_k, activation=experts.activation,
+                                  weights_dtype=experts.w13_weight.dtype if self.weights_in_model_dtype else torch.float)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.experts(x, *self.route(x))
         if self.shared_expert is not None:
