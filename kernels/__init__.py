@@ -60,9 +60,11 @@ def paged_attention(
     head_dim] (`out` when given). Triton only: `max_seqlen_k` (an upper bound on seq_lens, for the
     split-KV choice; default the block table's width) and `kv_splits` (force a split count).
     `step_cache`: a dict that lives for one step, where the torch path keeps its bucketing of the
-    step's sequences for every layer. `sliding_window` W: a query at position p sees keys
-    (p - W, p] only; `logit_softcap` c: scores become c * tanh(score / c) before the mask.
+    step's sequences for every layer (one per window size). `sliding_window` W: a query at
+    position p sees keys (p - W, p] only; `logit_softcap` c: scores become c * tanh(score / c)
+    before the mask (None or 0: neither).
     """
+    sliding_window, logit_softcap = _check_masking(sliding_window, logit_softcap)
     if _use_triton(query, impl):
         from kernels import triton_attention
 
@@ -72,16 +74,15 @@ def paged_attention(
             query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
             max_seqlen_k=max_seqlen_k, kv_splits=kv_splits,
         )
-    if sliding_window or logit_softcap:
-        return reference.paged_attention_masked(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
-                                                sliding_window=sliding_window, logit_softcap=logit_softcap)
     plan = None
     if step_cache is not None:
-        plan = step_cache.get("reference_plan")
+        key = "reference_plan" if sliding_window is None else ("reference_plan", sliding_window)
+        plan = step_cache.get(key)
         if plan is None:
-            plan = step_cache["reference_plan"] = reference.plan_attention(
-                block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2])
-    return reference.paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out, plan=plan)
+            plan = step_cache[key] = reference.plan_attention(
+                block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2], sliding_window)
+    return reference.paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out, plan=plan,
+                                     sliding_window=sliding_window, logit_softcap=logit_softcap)
 
 
 def copy_blocks(
@@ -213,6 +214,14 @@ def fused_moe(
 
         return triton_moe.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=activation)
     return moe.fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+
+
+def _check_masking(sliding_window: int | None, logit_softcap: float | None) -> tuple[int | None, float | None]:
+    """(window, cap) with 0 read as None (neither); a negative one is refused."""
+    if (sliding_window or 0) < 0 or (logit_softcap or 0) < 0:
+        raise ValueError(f"sliding_window ({sliding_window}) and logit_softcap ({logit_softcap}) must be positive, "
+                         "or None for no window and no soft-cap")
+    return sliding_window or None, logit_softcap or None
 
 
 def _check_impl(impl: Impl) -> None:
