@@ -68,11 +68,9 @@ def paged_attention(
     if _use_triton(query, impl):
         from kernels import triton_attention
 
-        if sliding_window or logit_softcap:
-            raise NotImplementedError("the Triton paged attention has no sliding window or soft-capping yet")
         return triton_attention.paged_attention(
             query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
-            max_seqlen_k=max_seqlen_k, kv_splits=kv_splits,
+            max_seqlen_k=max_seqlen_k, kv_splits=kv_splits, sliding_window=sliding_window, logit_softcap=logit_softcap,
         )
     plan = None
     if step_cache is not None:
