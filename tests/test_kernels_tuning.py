@@ -201,8 +201,14 @@ def test_warmup_launches_one_per_split_power_of_two_and_phase():
 def test_kernels_warmup_compiles_nothing_off_cuda():
     import kernels
 
-    assert kernels.warmup(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
-                          device=torch.device("cpu"), max_model_len=512) == 0
+    kwargs = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                  device=torch.device("cpu"), max_model_len=512)
+    assert kernels.warmup(**kwargs) == 0
+    assert kernels.warmup(**kwargs, attention_variants=[(4096, 50.0), (None, 50.0), (4096, 50.0)]) == 0
+    with pytest.raises(ValueError, match="names no variant"):
+        kernels.warmup(**kwargs, attention_variants=[])
+    with pytest.raises(ValueError, match="must be positive"):
+        kernels.warmup(**kwargs, attention_variants=[(-1, None)])
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -249,15 +255,17 @@ def test_paged_attention_launches_the_variants_plan_launch_names(monkeypatch):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for the GPU; TRITON_INTERPRET=1 is set")
 def test_after_warmup_serving_launches_compile_nothing():
     """Llama-3.1-8B-shaped attention from views of a fused QKV projection, as the model runs it:
-    decode and mixed batches of several sizes and contexts hit only variants warmup compiled."""
+    decode and mixed batches of several sizes and contexts hit only variants warmup compiled,
+    plain and under windows and soft-caps."""
     import kernels
     from kernels import triton_attention as ta
     from kernels import triton_cache as tc
 
     device, dtype, heads, kvh, hd, bs = torch.device("cuda"), torch.bfloat16, 32, 8, 128, 16
+    masks = [(None, None), (1024, 50.0), (None, 50.0), (300, None)]  # every (window?, cap?) variant
     launches = kernels.warmup(num_heads=heads, num_kv_heads=kvh, head_dim=hd, block_size=bs, dtype=dtype,
-                              device=device, max_model_len=4096)
-    assert launches > 2
+                              device=device, max_model_len=4096, attention_variants=masks)
+    assert launches > 8
 
     def compiled() -> int:
         fns = (ta._attention_kernel, ta._reduce_splits_kernel, tc._write_kv_kernel, tc._copy_blocks_kernel)
@@ -273,9 +281,11 @@ def test_after_warmup_serving_launches_compile_nothing():
         q, k, v = qkv.split([heads * hd, kvh * hd, kvh * hd], dim=-1)
         slots = torch.arange(num_seqs * q_len, device=device) % (num_blocks * bs)
         kernels.write_kv(k.view(-1, kvh, hd), v.view(-1, kvh, hd), cache, slots)
-        kernels.paged_attention(q.view(-1, heads, hd), cache, tables, torch.full((num_seqs,), context, dtype=torch.int32,
-                                device=device), torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * q_len,
-                                hd**-0.5)
+        for window, softcap in masks:
+            kernels.paged_attention(q.view(-1, heads, hd), cache, tables,
+                                    torch.full((num_seqs,), context, dtype=torch.int32, device=device),
+                                    torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * q_len, hd**-0.5,
+                                    sliding_window=window, logit_softcap=softcap)
         kernels.copy_blocks([cache], [(1, 2)])
     torch.cuda.synchronize()
     assert compiled() == before
