@@ -78,7 +78,8 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlen
     """Group a step's decodes by context length (padding each group to its own longest context,
     not the batch's: on CPU the gather of the paged KV is a decode step's largest cost). Under a
     window W a decode of context n sees min(n, W) keys: the groups are by that, and each row's
-    gather starts at its window's first block (see `_window_bucket`)."""
+    gather starts at its window's first block (see `_window_bucket`); a group whose contexts all
+    fit in the window is an unwindowed bucket."""
     sliding_window = sliding_window or None
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     seen = [min(n, sliding_window) for n in lens] if sliding_window else lens  # keys a decode attends to
@@ -92,7 +93,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlen
     buckets = []
     for rows in groups:
         q_rows = torch.tensor([starts[i] for i in rows], device=device)
-        if sliding_window:
+        if sliding_window and max(lens[i] for i in rows) > sliding_window:  # else the window hides no key
             buckets.append(_window_bucket(q_rows, block_tables, [lens[i] for i in rows], rows, block_size,
                                           sliding_window))
             continue
@@ -145,8 +146,8 @@ def _decode(query, kv_cache, bucket: DecodeBucket, scale, out, logit_softcap: fl
 
     Slots past a row's context (null-block padding, the tail of a partial block) or before its
     window may hold anything, NaN included: they are masked out and their K and V rows zeroed,
-    since NaN survives a mask and a zero attention weight. A soft-cap runs the eager order
-    (scores, cap, mask, softmax, @ V), which scaled_dot_product_attention cannot.
+    since NaN survives a mask and a zero attention weight. A soft-cap runs `_softcapped`, the
+    eager order, which scaled_dot_product_attention cannot.
     """
     num_blocks, block_size, num_kv_heads, head_dim = bucket.blocks.shape[1], *kv_cache.shape[2:]
     b, lo = len(bucket.q_rows), bucket.lo
@@ -157,15 +158,29 @@ def _decode(query, kv_cache, bucket: DecodeBucket, scale, out, logit_softcap: fl
             for i in (0, 1))
     k[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
     v[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
-    k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
     q = query[bucket.q_rows].float().view(b, num_kv_heads, -1, head_dim)  # [b, kvh, group, hd]
     if logit_softcap:
-        scores = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # [b, kvh, group, L]
-        scores = torch.tanh(scores / logit_softcap) * logit_softcap
-        o = torch.matmul(torch.softmax(scores.masked_fill(~bucket.mask, float("-inf")), dim=-1), v.float())
+        o = _softcapped(q, k.float(), v.float(), bucket.mask[:, 0], scale, logit_softcap)
     else:
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
         o = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=bucket.mask, scale=scale)
     out[bucket.q_rows] = o.reshape(b, -1, head_dim).to(out.dtype)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                softcap: float) -> torch.Tensor:
+    """Eager attention with a soft-cap (scores, cap, mask, softmax, @ V), one KV head at a time:
+    k[:, :, h] is a strided [b, L, hd] matrix that matmul reads in place, where permuting all of
+    K to [b, kvh, L, hd] would copy it (3x slower on CPU).
+
+    q: [b, kvh, group, hd]; k, v: [b, L, kvh, hd]; mask: [b, 1, L]. Returns [b, kvh, group, hd].
+    """
+    out = torch.empty_like(q)
+    for h in range(q.shape[1]):
+        scores = torch.matmul(q[:, h], k[:, :, h].transpose(1, 2)) * scale  # [b, group, L]
+        scores = torch.tanh(scores / softcap) * softcap
+        out[:, h] = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v[:, :, h])
+    return out
 
 
 def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out) -> None:

@@ -395,6 +395,11 @@ def test_windowed_decodes_gather_only_their_windows_and_bucket_by_what_they_see(
     assert long.mask.sum(-1).flatten().tolist() == [37, 40, 40, 40]
     seen = long.mask[1, 0, 0].nonzero().flatten()
     assert (seen.min().item(), seen.max().item()) == (0, 39)  # block 60 starts at key 960 exactly
+    # a window past every context of a bucket hides nothing: the plain buckets
+    plain, wide = (plan_attention(table, torch.tensor(lens, dtype=torch.int32), torch.arange(6, dtype=torch.int32), 16,
+                                  window) for window in (None, 1000))
+    for a, b in zip(plain.decode_buckets, wide.decode_buckets, strict=True):
+        assert a.lo == b.lo and all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("q_rows", "blocks", "mask"))
 
 
 def test_a_step_cache_keeps_one_plan_per_window():
