@@ -19,7 +19,7 @@ elsewhere the loop over experts of `moe.py`, its reference.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from kernels import fused, reference
 from kernels.swap import BlockSwapper
 from kernels.triton_common import freeze_workspace, interpreting  # no triton import
+from kernels.tuning import AttentionShape  # pure Python
 
 Impl = Literal["triton", "torch"] | None
 
@@ -65,28 +66,28 @@ def paged_attention(
     head_dim] (`out` when given). Triton only: `max_seqlen_k` (an upper bound on seq_lens, for the
     split-KV choice; default the block table's width) and `kv_splits` (force a split count).
     `step_cache`: a dict that lives for one step, where the torch path keeps its bucketing of the
-    step's sequences for every layer. `sliding_window` W: a query at position p sees keys
-    (p - W, p] only; `logit_softcap` c: scores become c * tanh(score / c) before the mask.
+    step's sequences for every layer (one per window size). `sliding_window` W: a query at
+    position p sees keys (p - W, p] only; `logit_softcap` c: scores become c * tanh(score / c)
+    before the mask (None or 0: neither). On CUDA each (window?, soft-cap?) pair is its own
+    compiled kernel variant: `warmup` must be told which ones the model runs.
     """
+    sliding_window, logit_softcap = _check_masking(sliding_window, logit_softcap)
     if _use_triton(query, impl):
         from kernels import triton_attention
 
-        if sliding_window or logit_softcap:
-            raise NotImplementedError("the Triton paged attention has no sliding window or soft-capping yet")
         return triton_attention.paged_attention(
             query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
-            max_seqlen_k=max_seqlen_k, kv_splits=kv_splits,
+            max_seqlen_k=max_seqlen_k, kv_splits=kv_splits, sliding_window=sliding_window, logit_softcap=logit_softcap,
         )
-    if sliding_window or logit_softcap:
-        return reference.paged_attention_masked(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
-                                                sliding_window=sliding_window, logit_softcap=logit_softcap)
     plan = None
     if step_cache is not None:
-        plan = step_cache.get("reference_plan")
+        key = "reference_plan" if sliding_window is None else ("reference_plan", sliding_window)
+        plan = step_cache.get(key)
         if plan is None:
-            plan = step_cache["reference_plan"] = reference.plan_attention(
-                block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2])
-    return reference.paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out, plan=plan)
+            plan = step_cache[key] = reference.plan_attention(
+                block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2], sliding_window)
+    return reference.paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out, plan=plan,
+                                     sliding_window=sliding_window, logit_softcap=logit_softcap)
 
 
 def copy_blocks(
@@ -123,23 +124,35 @@ def swap_blocks(
 
 
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-           device: torch.device, max_model_len: int) -> int:
+           device: torch.device, max_model_len: int,
+           attention_variants: Iterable[tuple[int | None, float | None]] = ((None, None),)) -> int:
     """Compile every Triton kernel variant this model can launch (attention tiles of both phases,
     every split count the heuristic can pick and its reduce, write_kv, copy_blocks) and reserve the
     split-KV workspace, so that no kernel compiles while serving. Call once at start-up, before
     sizing the KV pool and before capturing CUDA graphs. CUDA only (elsewhere the references run,
     nothing compiles): returns the number of warm-up launches, 0 off CUDA.
+
+    `attention_variants`: the (sliding_window, logit_softcap) pairs the model's layers pass to
+    `paged_attention`, values or None, repeats allowed: e.g. {(4096, 50.0), (None, 50.0)} for
+    Gemma 2, {(4096, None)} for Mistral v0.1. The default is one plain variant (no window, no cap).
+    A window's size matters (it bounds the split counts); a cap's value does not.
     """
+    variants = sorted({(window or 0, bool(softcap))
+                       for window, softcap in (_check_masking(*pair) for pair in attention_variants)})
+    if not variants:
+        raise ValueError("attention_variants names no variant: pass ((None, None),) for plain attention")
     device = torch.device(device)
     if device.type != "cuda" or interpreting():
         return 0
     from kernels import triton_attention, triton_cache
-    from kernels.tuning import AttentionShape
 
     dtype_name = str(dtype).removeprefix("torch.")
-    shape = AttentionShape(num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, dtype_name)
-    return (triton_attention.warmup(shape, max_model_len, device)
-            + triton_cache.warmup(num_kv_heads, head_dim, block_size, dtype, device))
+    launches = 0
+    for window, softcap in variants:
+        shape = AttentionShape(num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, dtype_name,
+                               window > 0, softcap)
+        launches += triton_attention.warmup(shape, max_model_len, device, sliding_window=window or None)
+    return launches + triton_cache.warmup(num_kv_heads, head_dim, block_size, dtype, device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: Impl = None) -> torch.Tensor:
@@ -237,6 +250,14 @@ def warmup_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, *, activation: s
     for tiles in configs:
         triton_moe.fused_moe(x, w13, w2, weights, ids, activation, tiles=tiles)
     return len(configs)
+
+
+def _check_masking(sliding_window: int | None, logit_softcap: float | None) -> tuple[int | None, float | None]:
+    """(window, cap) with 0 read as None (neither); a negative one is refused."""
+    if (sliding_window or 0) < 0 or (logit_softcap or 0) < 0:
+        raise ValueError(f"sliding_window ({sliding_window}) and logit_softcap ({logit_softcap}) must be positive, "
+                         "or None for no window and no soft-cap")
+    return sliding_window or None, logit_softcap or None
 
 
 def _check_impl(impl: Impl) -> None:

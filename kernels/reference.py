@@ -36,17 +36,22 @@ def paged_attention(
     `sliding_window` W: the query at position p sees only keys (p - W, p] (transformers'
     sliding_window_overlay); blocks wholly before a sequence's window may be the null block or
     another sequence's and are never read. `logit_softcap` c: scores become c * tanh(score / c)
-    (Gemma 2), after the scale and before the mask.
+    (Gemma 2), after the scale and before the mask. With either, decodes still run bucketed (the
+    plan gathers only the blocks of each row's window) and longer queries run
+    `paged_attention_masked`'s loop, both in float32 in transformers' eager order.
     """
-    if sliding_window or logit_softcap:
-        return paged_attention_masked(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
-                                      sliding_window=sliding_window, logit_softcap=logit_softcap)
+    sliding_window = sliding_window or None
     out = torch.empty_like(query) if out is None else out
-    plan = plan or plan_attention(block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2])
+    plan = plan or plan_attention(block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2], sliding_window)
+    assert plan.sliding_window == sliding_window, "a plan is made for one window (a step caches one per window)"
     for bucket in plan.decode_buckets:
-        _decode(query, kv_cache, bucket, scale, out)
+        _decode(query, kv_cache, bucket, scale, out, logit_softcap)
     for i, start, q_len, seq_len in plan.prefills:
-        _prefill(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out)
+        if sliding_window or logit_softcap:
+            _attend_masked(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, sliding_window,
+                           logit_softcap)
+        else:
+            _prefill(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out)
     return out
 
 
@@ -55,9 +60,9 @@ class DecodeBucket:
     """Single-query sequences of similar context length, attended in one batched call."""
 
     q_rows: torch.Tensor  # [b] int64: their query rows
-    blocks: torch.Tensor  # [b, num_blocks] int64: their block tables, cut to the longest context
-    lo: int  # the shortest context: only slots past it can lie beyond a row's context
-    beyond: torch.Tensor  # [b, L - lo] bool: slot lo + j lies beyond the row's context
+    blocks: torch.Tensor  # [b, num_blocks] int64: their block tables, cut to the longest context (or window)
+    lo: int  # only slots from lo on can lie outside a row's keys (the shortest context; 0 under a window)
+    beyond: torch.Tensor  # [b, L - lo] bool: slot lo + j lies outside the row's keys
     mask: torch.Tensor  # [b, 1, 1, L] bool: the slots each row attends to
 
 
@@ -65,34 +70,66 @@ class DecodeBucket:
 class AttentionPlan:
     decode_buckets: list[DecodeBucket]
     prefills: list[tuple[int, int, int, int]]  # (sequence, first query row, query length, KV length)
+    sliding_window: int | None = None  # the window the buckets were cut for
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                   block_size: int) -> AttentionPlan:
+                   block_size: int, sliding_window: int | None = None) -> AttentionPlan:
     """Group a step's decodes by context length (padding each group to its own longest context,
-    not the batch's: on CPU the gather of the paged KV is a decode step's largest cost)."""
+    not the batch's: on CPU the gather of the paged KV is a decode step's largest cost). Under a
+    window W a decode of context n sees min(n, W) keys: the groups are by that, and each row's
+    gather starts at its window's first block (see `_window_bucket`); a group whose contexts all
+    fit in the window is an unwindowed bucket."""
+    sliding_window = sliding_window or None
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    decodes = sorted((i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1), key=lambda i: lens[i])
+    seen = [min(n, sliding_window) for n in lens] if sliding_window else lens  # keys a decode attends to
+    decodes = sorted((i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1), key=lambda i: seen[i])
     groups: list[list[int]] = []
     for i in decodes:
-        if not groups or lens[i] > 1.25 * lens[groups[-1][0]] + block_size:
+        if not groups or seen[i] > 1.25 * seen[groups[-1][0]] + block_size:
             groups.append([])
         groups[-1].append(i)
     device = block_tables.device
     buckets = []
     for rows in groups:
+        q_rows = torch.tensor([starts[i] for i in rows], device=device)
+        if sliding_window and max(lens[i] for i in rows) > sliding_window:  # else the window hides no key
+            buckets.append(_window_bucket(q_rows, block_tables, [lens[i] for i in rows], rows, block_size,
+                                          sliding_window))
+            continue
         ctx = torch.tensor([lens[i] for i in rows], device=device)
         num_blocks = -(-lens[rows[-1]] // block_size)
         lo, width = lens[rows[0]], num_blocks * block_size
         valid = torch.arange(width, device=device) < ctx[:, None]
         buckets.append(DecodeBucket(
-            torch.tensor([starts[i] for i in rows], device=device),
-            block_tables[torch.tensor(rows, device=device), :num_blocks].long(),
+            q_rows, block_tables[torch.tensor(rows, device=device), :num_blocks].long(),
             lo, ~valid[:, lo:], valid[:, None, None, :],
         ))
     prefills = [(i, starts[i], starts[i + 1] - starts[i], lens[i]) for i in range(len(lens))
                 if starts[i + 1] - starts[i] > 1]
-    return AttentionPlan(buckets, prefills)
+    return AttentionPlan(buckets, prefills, sliding_window)
+
+
+def _window_bucket(q_rows: torch.Tensor, block_tables: torch.Tensor, lens: list[int], rows: list[int],
+                   block_size: int, window: int) -> DecodeBucket:
+    """Decodes under a window W: row r (context n, query position n - 1) sees keys [n - W, n).
+    Its gather starts at that key's block, so it reads at most ceil(W / block_size) + 1 blocks
+    whatever its context, and every slot outside [n - W, n) is masked (and zeroed by `_decode`):
+
+        slot j of row r  ->  key first_r * block_size + j,  first_r = max(n - W, 0) // block_size
+
+    The blocks before the window are never read (the null block, or another sequence's).
+    """
+    device = block_tables.device
+    first = [max(n - window, 0) // block_size for n in lens]
+    num_blocks = max(-(-n // block_size) - f for n, f in zip(lens, first))
+    first_t, ctx = torch.tensor(first, device=device)[:, None], torch.tensor(lens, device=device)[:, None]
+    # past a row's last block the index may pass the table's width: any block will do, all masked
+    index = (first_t + torch.arange(num_blocks, device=device)).clamp_(max=block_tables.shape[1] - 1)
+    keys = first_t * block_size + torch.arange(num_blocks * block_size, device=device)  # [b, L] positions
+    valid = (keys < ctx) & (keys >= ctx - window)
+    blocks = block_tables[torch.tensor(rows, device=device)[:, None], index].long()
+    return DecodeBucket(q_rows, blocks, 0, ~valid, valid[:, None, None, :])
 
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,12 +141,13 @@ def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) 
     return k, v
 
 
-def _decode(query, kv_cache, bucket: DecodeBucket, scale, out) -> None:
+def _decode(query, kv_cache, bucket: DecodeBucket, scale, out, logit_softcap: float | None = None) -> None:
     """One bucket's single queries, each KV head's query group taken as a query length.
 
-    Slots past a row's context (null-block padding, the tail of a partial block) may hold
-    anything, NaN included: they are masked out and their K and V rows zeroed, since NaN survives
-    a mask and a zero attention weight.
+    Slots past a row's context (null-block padding, the tail of a partial block) or before its
+    window may hold anything, NaN included: they are masked out and their K and V rows zeroed,
+    since NaN survives a mask and a zero attention weight. A soft-cap runs `_softcapped`, the
+    eager order, which scaled_dot_product_attention cannot.
     """
     num_blocks, block_size, num_kv_heads, head_dim = bucket.blocks.shape[1], *kv_cache.shape[2:]
     b, lo = len(bucket.q_rows), bucket.lo
@@ -120,10 +158,29 @@ def _decode(query, kv_cache, bucket: DecodeBucket, scale, out) -> None:
             for i in (0, 1))
     k[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
     v[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
-    k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
     q = query[bucket.q_rows].float().view(b, num_kv_heads, -1, head_dim)  # [b, kvh, group, hd]
-    o = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=bucket.mask, scale=scale)
+    if logit_softcap:
+        o = _softcapped(q, k.float(), v.float(), bucket.mask[:, 0], scale, logit_softcap)
+    else:
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        o = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=bucket.mask, scale=scale)
     out[bucket.q_rows] = o.reshape(b, -1, head_dim).to(out.dtype)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                softcap: float) -> torch.Tensor:
+    """Eager attention with a soft-cap (scores, cap, mask, softmax, @ V), one KV head at a time:
+    k[:, :, h] is a strided [b, L, hd] matrix that matmul reads in place, where permuting all of
+    K to [b, kvh, L, hd] would copy it (3x slower on CPU).
+
+    q: [b, kvh, group, hd]; k, v: [b, L, kvh, hd]; mask: [b, 1, L]. Returns [b, kvh, group, hd].
+    """
+    out = torch.empty_like(q)
+    for h in range(q.shape[1]):
+        scores = torch.matmul(q[:, h], k[:, :, h].transpose(1, 2)) * scale  # [b, group, L]
+        scores = torch.tanh(scores / softcap) * softcap
+        out[:, h] = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v[:, :, h])
+    return out
 
 
 def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out) -> None:
@@ -148,41 +205,48 @@ def paged_attention_masked(
     sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with a sliding window and/or logit soft-capping, one sequence at a time
-    in float32, as transformers' eager attention computes it (scores, cap, mask, softmax, @ V).
+    in float32, as transformers' eager attention computes it (scores, cap, mask, softmax, @ V):
+    the plain statement of the semantics (`paged_attention` runs its decodes bucketed).
+    """
+    out = torch.empty_like(query) if out is None else out
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, q_len = starts[i], starts[i + 1] - starts[i]
+        if q_len > 0:
+            _attend_masked(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, sliding_window,
+                           logit_softcap)
+    return out
 
-    Only the blocks that hold a key some query of the sequence sees are gathered:
+
+def _attend_masked(query, kv_cache, block_table, seq_len, start, q_len, scale, out, sliding_window,
+                   logit_softcap) -> None:
+    """One sequence's queries under a window and/or a soft-cap. Only the blocks that hold a key
+    some query of the sequence sees are gathered:
 
         keys [lo, seq_len)   lo = first query's position - W + 1 (0 without a window)
         blocks [lo // block_size, ceil(seq_len / block_size))
     """
-    out = torch.empty_like(query) if out is None else out
     block_size, num_heads = kv_cache.shape[2], query.shape[1]
-    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        start, q_len = starts[i], starts[i + 1] - starts[i]
-        if q_len == 0:
-            continue
-        first = seq_len - q_len  # the first query's position
-        lo = max(first - sliding_window + 1, 0) if sliding_window else 0
-        first_block = lo // block_size
-        index = block_tables[i, first_block:-(-seq_len // block_size)].long()
-        k, v = (torch.index_select(kv_cache[:, j], 0, index).flatten(0, 1).float() for j in (0, 1))
-        key_pos = torch.arange(first_block * block_size, first_block * block_size + k.shape[0], device=query.device)
-        q_pos = torch.arange(first, seq_len, device=query.device)
-        mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len)  # [q_len, keys]
-        if sliding_window:
-            mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
-        seen = mask.any(0)  # keys no query sees may hold anything, NaN included: zeroed
-        k, v = k.masked_fill(~seen[:, None, None], 0), v.masked_fill(~seen[:, None, None], 0)
-        group = num_heads // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [keys, num_heads, hd]
-        q = query[start:start + q_len].float()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        if logit_softcap:
-            scores = torch.tanh(scores / logit_softcap) * logit_softcap
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
-    return out
+    first = seq_len - q_len  # the first query's position
+    lo = max(first - sliding_window + 1, 0) if sliding_window else 0
+    first_block = lo // block_size
+    index = block_table[first_block:-(-seq_len // block_size)].long()
+    k, v = (torch.index_select(kv_cache[:, j], 0, index).flatten(0, 1).float() for j in (0, 1))
+    key_pos = torch.arange(first_block * block_size, first_block * block_size + k.shape[0], device=query.device)
+    q_pos = torch.arange(first, seq_len, device=query.device)
+    mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len)  # [q_len, keys]
+    if sliding_window:
+        mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
+    seen = mask.any(0)  # keys no query sees may hold anything, NaN included: zeroed
+    k, v = k.masked_fill(~seen[:, None, None], 0), v.masked_fill(~seen[:, None, None], 0)
+    group = num_heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [keys, num_heads, hd]
+    q = query[start:start + q_len].float()
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if logit_softcap:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:

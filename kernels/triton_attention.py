@@ -15,7 +15,17 @@ can be captured in a CUDA graph. A sequence's spare last tile, if any, exits at 
     keys [0, context_len)            the cached prefix (context_len = seq_len - q_len)
     keys [context_len, seq_len)      this step's tokens; query j sees keys [0, context_len + j]
 
-A tile walks keys up to its causal frontier (its last query's position) and no further.
+A tile walks keys up to its causal frontier (its last query's position) and no further. With a
+sliding window W (the HAS_WINDOW variant; W itself is a runtime argument, so one binary serves
+every window size) the query at position p sees keys (p - W, p], and the tile starts at the KV
+tile of its first query's window:
+
+    keys [0, kv_start)               seen by no query of the tile: never loaded (they may be the
+                                     null block, another sequence's block, or NaN)
+    keys [kv_start, kv_end)          kv_start = first query's position - W + 1, kv_end = last
+                                     query's position + 1: each seen by some query of the tile
+
+A soft-cap c (HAS_SOFTCAP) turns each scaled score s into c * tanh(s / c) before the mask.
 Offsets into the cache are int64 (block id * block stride passes 2**31 in large pools).
 """
 from __future__ import annotations
@@ -47,19 +57,22 @@ def tile_config(num_tokens: int, num_seqs: int, group: int, head_dim: int,
 def launch_plan(
     num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
     device: torch.device, *, dtype: torch.dtype = torch.bfloat16, block_size: int = 16,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> tuple[TileConfig, int]:
     """The tile shape and KV split count of a launch, from host-known sizes only."""
-    shape = AttentionShape(num_kv_heads, group, head_dim, block_size, _DTYPE_NAMES[dtype])
-    launch = _plan(device, shape, num_tokens, num_seqs, max_seqlen_k, None)
+    shape = AttentionShape(num_kv_heads, group, head_dim, block_size, _DTYPE_NAMES[dtype],
+                           bool(sliding_window), bool(logit_softcap))
+    launch = _plan(device, shape, num_tokens, num_seqs, max_seqlen_k, None, sliding_window or None)
     return launch.config, launch.kv_splits
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(device: torch.device, shape: AttentionShape, num_tokens: int, num_seqs: int, max_seqlen_k: int,
-          config: TileConfig | None) -> Launch:
+          config: TileConfig | None, sliding_window: int | None = None) -> Launch:
     """plan_launch, memoized: every layer of a step (and most steps) launch with the same sizes."""
     config_of = _config_of(shape, device) if config is None else (lambda phase: config)
-    return tuning.plan_launch(shape, num_tokens, num_seqs, max_seqlen_k, config_of, _slots_of(shape, device))
+    return tuning.plan_launch(shape, num_tokens, num_seqs, max_seqlen_k, config_of, _slots_of(shape, device),
+                              sliding_window=sliding_window)
 
 
 def _config_of(shape: AttentionShape, device: torch.device):
@@ -102,7 +115,7 @@ def _compile_split_variant(shape: AttentionShape, config: TileConfig, device: to
     partial = torch.empty(1, dtype=torch.float32, device=device)
     kernel = _attention_kernel.warmup(
         query, partial, partial, query, kv_cache, ints[:, None], ints, ints,
-        1.0, 1, 1, num_heads, *query.stride()[:2], *query.stride()[:2], *kv_cache.stride()[:4], 1,
+        1.0, 1.0, 1, 1, 1, num_heads, *query.stride()[:2], *query.stride()[:2], *kv_cache.stride()[:4], 1,
         grid=(1,), **_constexprs(shape, config, True), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     kernel._init_handles()  # loads the binary: n_regs is known from here on
@@ -113,7 +126,8 @@ def _constexprs(shape: AttentionShape, config: TileConfig, split_kv: bool) -> di
     return dict(
         GROUP=shape.group, HEAD_DIM=shape.head_dim, HEAD_DIM_P2=triton.next_power_of_2(shape.head_dim),
         BLOCK_SIZE=shape.block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, BLOCK_N=config.block_n,
-        SPLIT_KV=split_kv, DOT_PRECISION=dot_precision(getattr(torch, shape.dtype)),
+        SPLIT_KV=split_kv, HAS_WINDOW=shape.sliding_window, HAS_SOFTCAP=shape.logit_softcap,
+        DOT_PRECISION=dot_precision(getattr(torch, shape.dtype)),
     )
 
 
@@ -121,6 +135,7 @@ def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
     max_seqlen_k: int | None = None, kv_splits: int | None = None, config: TileConfig | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV (see kernels.reference).
 
@@ -129,6 +144,10 @@ def paged_attention(
     cu_seqlens_q: [num_seqs + 1] int32. `max_seqlen_k` bounds the context lengths for the split
     heuristic (default: the block table's width, no device read); `kv_splits` forces a split count,
     `config` a tile config (the tuner's; the default is the tuned table's for this GPU).
+    `sliding_window` W >= 1: the query at position p sees keys (p - W, p] only; `logit_softcap`
+    c > 0: scores become c * tanh(score / c) before the mask (`kernels.paged_attention` checks
+    both). Each selects its compiled variant (None or 0: the plain kernel); their values are
+    runtime arguments.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -139,14 +158,22 @@ def paged_attention(
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0 or num_seqs == 0:
         return out
-    shape = AttentionShape(num_kv_heads, group, head_dim, block_size, _DTYPE_NAMES[query.dtype])
-    launch = _plan(query.device, shape, num_tokens, num_seqs, max_seqlen_k or block_tables.shape[1] * block_size, config)
+    shape = AttentionShape(num_kv_heads, group, head_dim, block_size, _DTYPE_NAMES[query.dtype],
+                           bool(sliding_window), bool(logit_softcap))
+    max_keys = max_seqlen_k or block_tables.shape[1] * block_size
+    launch = _plan(query.device, shape, num_tokens, num_seqs, max_keys, config, sliding_window or None)
     cfg, kv_splits = launch.config, kv_splits or launch.kv_splits
     o_partial, lse_partial = _split_scratch(query, kv_splits, cfg.block_m, _slots_of(shape, query.device)(cfg))
     num_q_tiles = num_tokens // cfg.block_q + num_seqs
+    # scores in the kernel's log2 units: q.k * scale * log2(e), or with a soft-cap c,
+    # c * log2(e) * tanh(q.k * scale / c) (the cap taken in natural units, then converted)
+    if logit_softcap:
+        qk_scale, softcap_log2 = scale / logit_softcap, logit_softcap * math.log2(math.e)
+    else:
+        qk_scale, softcap_log2 = scale * math.log2(math.e), 0.0
     _attention_kernel[(num_q_tiles, num_kv_heads, kv_splits)](
         out, o_partial, lse_partial, query, kv_cache, block_tables, seq_lens, cu_seqlens_q,
-        scale * math.log2(math.e), num_seqs, num_tokens, num_heads,
+        qk_scale, softcap_log2, sliding_window or 0, num_seqs, num_tokens, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         **_constexprs(shape, cfg, kv_splits > 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -156,12 +183,15 @@ def paged_attention(
     return out
 
 
-def warmup(shape: AttentionShape, max_model_len: int, device: torch.device) -> int:
+def warmup(shape: AttentionShape, max_model_len: int, device: torch.device, sliding_window: int | None = None) -> int:
     """Compile every attention and reduce variant `launch_plan` can pick for this model (one tiny
     launch each, with the phase's config and split count forced), and reserve the split workspace
     for the largest of them, so that serving (and CUDA graph capture) compiles and allocates
-    nothing. Returns the number of launches."""
-    launches = tuning.warmup_launches(shape, max_model_len, _config_of(shape, device), _slots_of(shape, device))
+    nothing. Returns the number of launches. A windowed shape needs its window's size (it bounds
+    the keys a tile reads, and so the split counts)."""
+    assert shape.sliding_window == bool(sliding_window), "a windowed shape warms up with its window's size"
+    launches = tuning.warmup_launches(shape, max_model_len, _config_of(shape, device), _slots_of(shape, device),
+                                      sliding_window=sliding_window)
     dtype, num_heads = getattr(torch, shape.dtype), shape.num_kv_heads * shape.group
     query = torch.zeros((1, num_heads, shape.head_dim), dtype=dtype, device=device)
     kv_cache = torch.zeros((2, 2, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=dtype, device=device)
@@ -173,7 +203,8 @@ def warmup(shape: AttentionShape, max_model_len: int, device: torch.device) -> i
                           for launch in launches))
     for launch in launches:
         paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, 1.0, config=launch.config,
-                        kv_splits=launch.kv_splits)
+                        kv_splits=launch.kv_splits, sliding_window=sliding_window,
+                        logit_softcap=1.0 if shape.logit_softcap else None)
     return len(launches)
 
 
@@ -224,26 +255,38 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr, CHUNK: tl
     return count - 1
 
 
+@triton.jit
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (e^2x + 1), from exp2 (the interpreter and every backend have it): exact
+    limits at both ends (e^2x overflowing to inf gives 1, underflowing to 0 gives -1), and an
+    absolute error of a few ulps of 1 near 0."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 / ln 2
+
+
 # Arguments that change from step to step (batch sizes, the block table's width) or with the
 # caller's layout (query and output strides and offsets: views of a fused QKV projection) are left
 # unspecialized, so one compiled variant serves every step and `kernels.warmup` can compile it at
-# start-up from stand-in tensors. They are read once per program; the KV walk keeps its hints.
+# start-up from stand-in tensors; so is the window's size, so one binary serves every window. They
+# are read once per program; the KV walk keeps its hints.
 @triton.jit(
-    do_not_specialize=["num_seqs", "num_tokens", "stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head",
-                       "stride_table"],
+    do_not_specialize=["sliding_window", "num_seqs", "num_tokens", "stride_q_tok", "stride_q_head", "stride_o_tok",
+                       "stride_o_head", "stride_table"],
     do_not_specialize_on_alignment=["out_ptr", "lse_partial_ptr", "query_ptr", "block_tables_ptr", "seq_lens_ptr",
                                     "cu_seqlens_q_ptr"],
 )
 def _attention_kernel(
     out_ptr, o_partial_ptr, lse_partial_ptr,
     query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    scale_log2, num_seqs, num_tokens, num_heads,
+    qk_scale, softcap_log2, sliding_window, num_seqs, num_tokens, num_heads,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_block, stride_kv, stride_slot, stride_head, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Scores are q.k * qk_scale: in log2 units (qk_scale = scale * log2 e), or with HAS_SOFTCAP
+    the capped score's tanh argument (qk_scale = scale / c; then c * log2(e) = softcap_log2 times
+    its tanh). With HAS_WINDOW, `sliding_window` >= 1 keys end at each query (its own included)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -259,7 +302,7 @@ def _attention_kernel(
     q_local = q_block * BLOCK_Q + rows // GROUP  # [BLOCK_M] query index within the sequence
     head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
     row_valid = (rows < BLOCK_Q * GROUP) & (q_local < q_len)
-    q_pos = context_len + q_local  # [BLOCK_M] position: sees keys [0, q_pos]
+    q_pos = context_len + q_local  # [BLOCK_M] position: sees keys [0, q_pos], or (q_pos - W, q_pos]
     token = (q_start + q_local).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_valid = dims < HEAD_DIM
@@ -267,12 +310,17 @@ def _attention_kernel(
     q = tl.load(query_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
                 mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
 
-    # This split's share of the KV tiles below the tile's causal frontier.
+    # This split's share of the KV tiles from the first query's window to the causal frontier.
     kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last query's position + 1
-    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+    if HAS_WINDOW:
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)  # first query's first key
+        first_kv_tile = kv_start // BLOCK_N
+    else:
+        first_kv_tile = 0
+    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N) - first_kv_tile
     tiles_per_split = tl.cdiv(num_kv_tiles, tl.num_programs(2))
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
+    tile_lo = first_kv_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_kv_tile + num_kv_tiles)
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
     kv_base = kv_cache_ptr + kv_head.to(tl.int64) * stride_head
@@ -282,13 +330,20 @@ def _attention_kernel(
     for kv_tile in range(tile_lo, tile_hi):
         keys = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
         key_valid = keys < kv_end
+        if HAS_WINDOW:  # the first tile may straddle the window's start: what lies before it is never read
+            key_valid = key_valid & (keys >= kv_start)
         block = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = block * stride_block + (keys % BLOCK_SIZE) * stride_slot  # [BLOCK_N] int64 offsets
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         k = tl.load(kv_base + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
         v = tl.load(kv_base + stride_kv + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        s = tl.where(key_valid[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = softcap_log2 * _tanh(s)
+        visible = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays all-zero
         alpha = tl.exp2(m_i - m_safe)
@@ -330,7 +385,9 @@ def _reduce_splits_kernel(
     valid = (in_group < GROUP) & (splits < num_splits)  # [GROUP_P2, SPLITS_P2]
     row = (splits * num_tokens + token) * num_heads + heads  # [GROUP_P2, SPLITS_P2] int64
     lse = tl.load(lse_partial_ptr + row, mask=valid, other=float("-inf"))
-    lse_max = tl.max(lse, 1)  # split 0 always holds key 0, so this is finite on valid heads
+    # Some split holds each row's own key (and a split with no key it sees wrote -inf and zeros),
+    # so this is finite on valid heads; the guard keeps a fully masked row at 0, not NaN.
+    lse_max = tl.max(lse, 1)
     weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])  # [GROUP_P2, SPLITS_P2]
     dims = tl.arange(0, HEAD_DIM_P2)[None, :]  # [1, HEAD_DIM_P2]
     mask = valid[:, :, None] & (dims < HEAD_DIM)[:, None, :]

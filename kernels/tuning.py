@@ -176,13 +176,19 @@ def busy_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class AttentionShape:
-    """What fixes a model's attention kernels: one compiled variant per (config, SPLIT_KV)."""
+    """What fixes a model's attention kernels: one compiled variant per (config, SPLIT_KV).
+
+    A layer with a sliding window or a logit soft-cap runs its own variant of the kernel (the
+    HAS_WINDOW and HAS_SOFTCAP constexprs); the window's size and the cap are runtime arguments.
+    """
 
     num_kv_heads: int
     group: int
     head_dim: int
     block_size: int
     dtype: str  # "bfloat16", "float16", "float32"
+    sliding_window: bool = False
+    logit_softcap: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,12 +202,22 @@ class Launch:
 SlotsOf = Callable[[TileConfig], int]  # resident slots of the split variant of a config, on this device
 
 
+def window_keys(sliding_window: int | None, config: TileConfig) -> int | None:
+    """An upper bound on the keys a query tile walks under a window W, in whole KV tiles: its
+    first query's W keys up to its last query, W + block_q - 1, from the start of a KV tile (up to
+    block_n - 1 keys before). None without a window."""
+    return sliding_window + config.block_q + config.block_n - 2 if sliding_window else None
+
+
 def plan_launch(shape: AttentionShape, num_tokens: int, num_seqs: int, max_seqlen_k: int,
-                config_of: Callable[[Phase], TileConfig], slots_of: SlotsOf) -> Launch:
-    """The tile config and split count of a launch, from host-known sizes only."""
+                config_of: Callable[[Phase], TileConfig], slots_of: SlotsOf, *,
+                sliding_window: int | None = None) -> Launch:
+    """The tile config and split count of a launch, from host-known sizes only. Under a window
+    the keys a tile walks are bounded by the window's span, not the longest context."""
     config = config_of(phase_of(num_tokens, num_seqs))
     programs = busy_tiles(num_tokens, num_seqs, config.block_q) * shape.num_kv_heads
-    return Launch(config, num_kv_splits(programs, max_seqlen_k, config.block_n, slots_of(config)))
+    keys = min(max_seqlen_k, window_keys(sliding_window, config) or max_seqlen_k)
+    return Launch(config, num_kv_splits(programs, keys, config.block_n, slots_of(config)))
 
 
 def variants_of(shape: AttentionShape, launch: Launch) -> set[tuple]:
@@ -209,25 +225,27 @@ def variants_of(shape: AttentionShape, launch: Launch) -> set[tuple]:
     options, and the reduce kernel's when the keys are split."""
     c = launch.config
     keys = {("attention", shape.dtype, shape.group, shape.head_dim, shape.block_size, c.block_m, c.block_q, c.block_n,
-             launch.kv_splits > 1, c.num_warps, c.num_stages)}
+             launch.kv_splits > 1, c.num_warps, c.num_stages, shape.sliding_window, shape.logit_softcap)}
     if launch.kv_splits > 1:
         keys.add(("reduce", shape.dtype, shape.group, shape.head_dim, next_power_of_2(launch.kv_splits)))
     return keys
 
 
 def warmup_launches(shape: AttentionShape, max_model_len: int, config_of: Callable[[Phase], TileConfig],
-                    slots_of: SlotsOf) -> list[Launch]:
+                    slots_of: SlotsOf, *, sliding_window: int | None = None) -> list[Launch]:
     """Launches that together compile every variant `plan_launch` can pick for this shape.
 
     A phase's config is fixed, so what varies is the split count: 1, and every count up to the
     largest the heuristic reaches (the fewest programs: one tile of one sequence; the longest
-    context: max_model_len rounded up to a block, as a block table's width bounds it). The reduce
-    kernel compiles per power of two of the split count, so one launch per power of two covers it.
+    context: max_model_len rounded up to a block, as a block table's width bounds it, or a
+    window's span). The reduce kernel compiles per power of two of the split count, so one launch
+    per power of two covers it.
     """
     launches = []
     for phase in PHASES:
         config = config_of(phase)
         longest = cdiv(max_model_len, shape.block_size) * shape.block_size
+        longest = min(longest, window_keys(sliding_window, config) or longest)
         most = num_kv_splits(shape.num_kv_heads, longest, config.block_n, slots_of(config))
         splits = sorted({1} | {min(next_power_of_2(s), most) for s in range(2, most + 1)})
         launches += [Launch(config, s) for s in splits]
@@ -235,9 +253,9 @@ def warmup_launches(shape: AttentionShape, max_model_len: int, config_of: Callab
 
 
 def warmup_variants(shape: AttentionShape, max_model_len: int, config_of: Callable[[Phase], TileConfig],
-                    slots_of: SlotsOf) -> set[tuple]:
+                    slots_of: SlotsOf, *, sliding_window: int | None = None) -> set[tuple]:
     return set().union(*(variants_of(shape, launch) for launch in
-                         warmup_launches(shape, max_model_len, config_of, slots_of)))
+                         warmup_launches(shape, max_model_len, config_of, slots_of, sliding_window=sliding_window)))
 
 
 def launch_grid(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import paged_attention, write_kv
+from kernels import paged_attention, reference, write_kv
 
 NUM_KV_HEADS = 2
 PAD_VALUE = 7777.0  # what padding rows (slot -1) carry; must never reach the cache
@@ -286,3 +286,141 @@ def test_end_to_end_write_then_attend_step_by_step():
         seq = Seq(hi, hi - lo, k[:hi], v[:hi], q[lo:hi], blocks)
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.double(), _dense_attention([seq], group, 0.125), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- sliding window and soft-cap
+
+
+def _dense_masked(seqs: list[Seq], group: int, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """The oracle with a window and a soft-cap, in float64: query at position p sees keys
+    (p - window, p]; scores become softcap * tanh(score / softcap) before the mask."""
+    outs = []
+    for s in seqs:
+        q = s.q.double()
+        k, v = s.k.double().repeat_interleave(group, dim=1), s.v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(s.seq_len - s.q_len, s.seq_len)[:, None]
+        k_pos = torch.arange(s.seq_len)[None, :]
+        hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else False)
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(dim=-1), v))
+    return torch.cat(outs)
+
+
+def _poison_before_windows(case: Case, window: int, replace_with: int | None) -> None:
+    """Make every key no query of its sequence sees unreadable: the slots before each sequence's
+    first window in its first seen block turn NaN, and the table entries of the blocks wholly
+    before it point at `replace_with` (the null block 0, a spare all-NaN block, another
+    sequence's block), or keep their own blocks (then NaN-filled) when None."""
+    bs = case.block_size
+    for i, s in enumerate(case.seqs):
+        lo = max(s.seq_len - s.q_len - window + 1, 0)  # the first query's first key
+        for p in range(lo // bs * bs, lo):
+            case.kv_cache[s.blocks[p // bs], :, p % bs] = float("nan")
+        for j in range(lo // bs):
+            if replace_with is None:
+                case.kv_cache[s.blocks[j]] = float("nan")
+            else:
+                case.block_tables[i, j] = replace_with
+
+
+def _spare_block(case: Case) -> int:
+    """A block no sequence owns: all NaN."""
+    owned = {b for s in case.seqs for b in s.blocks}
+    spare = next(b for b in range(1, case.kv_cache.shape[0]) if b not in owned)
+    assert torch.isnan(case.kv_cache[spare]).all()
+    return spare
+
+
+def _run_masked(case: Case, scale: float, window, softcap, **kwargs) -> torch.Tensor:
+    return paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q, scale,
+                           sliding_window=window, logit_softcap=softcap, **kwargs)
+
+
+WINDOWS = [1, 5, 16, 23, 40, 1000]  # smaller than a block, equal to it, neither a multiple, past every context
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window, softcap", [*((w, None) for w in WINDOWS), (None, 5.0), (None, 50.0), (23, 5.0),
+                                             (5, 30.0)])
+def test_masked_attention_matches_dense(window, softcap, dtype):
+    """The bucketed path (`paged_attention`) and the plain loop (`paged_attention_masked`) on a
+    mixed batch: prefills, decodes, queries after a cached prefix."""
+    case = _build(_mixed_specs(16), group=3, head_dim=64, block_size=16, dtype=dtype, seed=window or 7)
+    expected = _dense_masked(case.seqs, 3, 0.125, window, softcap)
+    loop = reference.paged_attention_masked(case.query, case.kv_cache, case.block_tables, case.seq_lens,
+                                            case.cu_seqlens_q, 0.125, sliding_window=window, logit_softcap=softcap)
+    fast = _run_masked(case, 0.125, window, softcap)
+    for out in (loop, fast):
+        assert out.dtype == dtype and not torch.isnan(out).any()
+        torch.testing.assert_close(out.double(), expected, **_tol(dtype))
+    torch.testing.assert_close(case.kv_cache, case.expected_cache, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("replace_with", [None, 0, "spare", "other"])
+@pytest.mark.parametrize("window, softcap", [(5, None), (16, None), (23, 30.0), (40, None)])
+def test_keys_before_the_window_are_never_read(window, softcap, replace_with):
+    """Blocks before a sequence's window may be the null block, a freed block another sequence
+    reuses, or hold NaN; so may the slots before the window in its first block."""
+    specs = [(100, 1), (70, 1), (37, 1), (150, 30), (90, 90), (60, 5)]
+    case = _build(specs, group=2, head_dim=64, block_size=16, dtype=torch.float32, seed=3)
+    if replace_with == "spare":
+        replace_with = _spare_block(case)
+    elif replace_with == "other":
+        replace_with = case.seqs[0].blocks[-1]  # the first sequence's last block: its latest keys
+    _poison_before_windows(case, window, replace_with)
+    expected = _dense_masked(case.seqs, 2, 0.125, window, softcap)
+    loop = reference.paged_attention_masked(case.query, case.kv_cache, case.block_tables, case.seq_lens,
+                                            case.cu_seqlens_q, 0.125, sliding_window=window, logit_softcap=softcap)
+    for out in (loop, _run_masked(case, 0.125, window, softcap)):
+        assert not torch.isnan(out).any(), "read a key before the window"
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_windowed_decodes_gather_only_their_windows_and_bucket_by_what_they_see():
+    """A decode of context n under window W reads ceil(W / block_size) + 1 blocks at most, from
+    its window's first block; long contexts with the same window share a bucket."""
+    from kernels.reference import plan_attention
+
+    lens = [1000, 37, 700, 5, 999]
+    table = torch.arange(1, 1 + 5 * 63, dtype=torch.int32).view(5, 63)
+    plan = plan_attention(table, torch.tensor(lens, dtype=torch.int32), torch.arange(6, dtype=torch.int32), 16, 40)
+    assert plan.sliding_window == 40 and plan.prefills == []
+    assert [b.q_rows.tolist() for b in plan.decode_buckets] == [[3], [1, 0, 2, 4]]
+    long = plan.decode_buckets[1]
+    # keys [n - 40, n): row 37 from block 0, row 1000 (keys 960..999) from block 60, 700 (660..699) from 41
+    assert long.blocks.shape == (4, 4) and long.lo == 0
+    assert long.blocks[:, 0].tolist() == [table[1, 0], table[0, 60], table[2, 41], table[4, 59]]
+    assert long.mask.sum(-1).flatten().tolist() == [37, 40, 40, 40]
+    seen = long.mask[1, 0, 0].nonzero().flatten()
+    assert (seen.min().item(), seen.max().item()) == (0, 39)  # block 60 starts at key 960 exactly
+    # a window past every context of a bucket hides nothing: the plain buckets
+    plain, wide = (plan_attention(table, torch.tensor(lens, dtype=torch.int32), torch.arange(6, dtype=torch.int32), 16,
+                                  window) for window in (None, 1000))
+    for a, b in zip(plain.decode_buckets, wide.decode_buckets, strict=True):
+        assert a.lo == b.lo and all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("q_rows", "blocks", "mask"))
+
+
+def test_a_step_cache_keeps_one_plan_per_window():
+    """Gemma 2 alternates windowed and global layers in one step: each reuses its own plan."""
+    import kernels
+
+    case = _build([(60, 1), (20, 1), (40, 9)], group=2, head_dim=64, block_size=16, dtype=torch.float32, seed=4)
+    step_cache: dict = {}
+    for window in (None, 16, None, 16, 23):
+        args = (case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q, 0.125)
+        cached = kernels.paged_attention(*args, step_cache=step_cache, sliding_window=window, logit_softcap=50.0)
+        torch.testing.assert_close(cached, kernels.paged_attention(*args, sliding_window=window, logit_softcap=50.0),
+                                   atol=0, rtol=0)
+    assert sorted(map(str, step_cache)) == ["('reference_plan', 16)", "('reference_plan', 23)", "reference_plan"]
+    with pytest.raises(AssertionError, match="one window"):
+        reference.paged_attention(*args, plan=step_cache["reference_plan"], sliding_window=16)
+
+
+def test_no_window_and_no_softcap_is_the_plain_path():
+    """None and 0 both mean neither: the plain bucketed path, bit for bit."""
+    case = _build(_mixed_specs(16), group=3, head_dim=64, block_size=16, dtype=torch.float32, seed=2)
+    plain = _run(case, 0.125)
+    for window, softcap in ((None, None), (0, 0.0), (0, None)):
+        torch.testing.assert_close(_run_masked(case, 0.125, window, softcap), plain, atol=0, rtol=0)

@@ -18,6 +18,7 @@ import torch
 
 import kernels
 from kernels import reference
+from kernels.tuning import TileConfig, make_config
 from tests.test_kernels_reference import PAD_VALUE, Case, Seq, _build, _mixed_specs
 from tests.triton_env import DEVICE, DTYPES, INTERPRET, TRITON_MARKS, count_compiled_for_sm90, tolerance
 
@@ -220,6 +221,210 @@ def test_write_then_attend_step_by_step_with_triton_only():
         torch.testing.assert_close(_attend(case, 0.125), _expected(case, 0.125), atol=2e-5, rtol=2e-5)
 
 
+# ----------------------------------------------------------------------------- sliding window and soft-cap
+
+
+def _expected_masked(case: Case, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """The plain loop of the masked reference over the same cache, upcast to float32."""
+    return reference.paged_attention_masked(case.query.float(), case.kv_cache.float(), case.block_tables,
+                                            case.seq_lens, case.cu_seqlens_q, scale, sliding_window=window,
+                                            logit_softcap=softcap)
+
+
+def _attend_masked(case: Case, scale: float, window: int | None, softcap: float | None, *, config=None,
+                   kv_splits: int | None = None) -> torch.Tensor:
+    """The Triton kernel (a forced tile config when given) into a NaN-poisoned output, every row finite."""
+    from kernels import triton_attention
+
+    out = torch.full_like(case.query, float("nan"))
+    triton_attention.paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q,
+                                     scale, out=out, config=config, kv_splits=kv_splits, sliding_window=window,
+                                     logit_softcap=softcap)
+    assert not torch.isnan(out).any(), "an output element was never written, or a NaN slot was read"
+    return out
+
+
+def _check_masked(case: Case, scale: float, dtype: torch.dtype, window: int | None, softcap: float | None,
+                  **kwargs) -> torch.Tensor:
+    cache_before = case.kv_cache.clone()
+    out = _attend_masked(case, scale, window, softcap, **kwargs)
+    assert out.dtype == dtype and out.shape == case.query.shape
+    torch.testing.assert_close(out.float(), _expected_masked(case, scale, window, softcap), **tolerance(dtype))
+    torch.testing.assert_close(case.kv_cache, cache_before, rtol=0, atol=0, equal_nan=True)  # attention only reads
+    return out
+
+
+WINDOWS = [1, 5, 16, 23, 40, 1000]  # one key, smaller than a block, equal to it, neither a multiple, past every context
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_on_a_mixed_batch_matches_reference(window, dtype):
+    """Prefills, decodes and queries after a cached prefix, 16-key blocks and 64-key KV tiles: the
+    first KV tile of most query tiles straddles the window's start."""
+    case = _case(_mixed_specs(16), group=2, dtype=dtype, seed=window)
+    _check_masked(case, 0.125, dtype, window, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, softcap", [(None, 5.0), (None, 50.0), (23, 5.0), (5, 30.0), (1000, 50.0)])
+def test_softcap_alone_and_with_a_window_matches_reference(window, softcap, dtype):
+    case = _case(_mixed_specs(16), group=2, dtype=dtype, seed=int(softcap))
+    # scores past the cap: a large scale drives tanh to +-1 (and q.k / c far past exp2's range)
+    for scale in (0.125, 4.0):
+        _check_masked(case, scale, dtype, window, softcap)
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        pytest.param([(40, 1), (3, 1), (17, 1), (16, 1), (33, 1)], id="decodes-only"),
+        pytest.param([(40, 40), (3, 3), (17, 17)], id="prefills-only"),
+        pytest.param([(50, 7), (33, 32), (17, 2)], id="cached-prefix-only"),
+        pytest.param([(16 * 6 + 3, 16 * 6 + 3)], id="long-prefill"),
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_and_softcap_on_homogeneous_batches_match_reference(specs, dtype):
+    _check_masked(_case(specs, group=4, dtype=dtype, seed=len(specs)), 0.125, dtype, 23, 30.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_window_and_softcap_with_gqa_groups_match_reference(group, dtype):
+    case = _case(_mixed_specs(16), group=group, head_dim=128, dtype=dtype, seed=group)
+    _check_masked(case, 128**-0.5, dtype, 23, 30.0)
+    _check_masked(case, 128**-0.5, dtype, 40, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_splits", [2, 5])
+@pytest.mark.parametrize("window, softcap", [(16, None), (40, 30.0), (100, None)])
+def test_forced_kv_splits_under_a_window_match_reference(window, softcap, kv_splits, dtype):
+    """Splits divide the window's tiles, not [0, end): some splits hold no key a row sees (or no
+    tile at all), and split 0 no longer holds key 0."""
+    specs = [(150, 20), (3, 1), (130, 1), (40, 40), (200, 1)]
+    _check_masked(_case(specs, group=3, dtype=dtype, seed=kv_splits), 0.125, dtype, window, softcap,
+                  kv_splits=kv_splits)
+
+
+def test_split_count_under_a_window_is_bounded_by_the_windows_span():
+    """A decode of 300 keys (a 336-key table: 3 splits) splits by its context, but under a window
+    by the window's span: a 40-key window is one split, a 200-key window (266 keys of 64-key
+    tiles at most) two."""
+    from kernels.triton_attention import launch_plan
+
+    case = _case([(300, 1)], group=4, dtype=torch.float32, seed=3)
+    width = case.block_tables.shape[1] * 16
+    plan = lambda window: launch_plan(1, 1, 2, 4, 64, width, case.query.device, dtype=torch.float32,  # noqa: E731
+                                      sliding_window=window)[1]
+    assert (plan(None), plan(40), plan(200)) == (3, 1, 2)
+    for window in (40, 200):
+        _check_masked(case, 0.125, torch.float32, window, None)
+
+
+def _tile(block_n: int, block_m: int = 32, group: int = 2) -> TileConfig:
+    """A forced tile: 32 rows (16 tokens of a 2-head group), `block_n` keys."""
+    return make_config(block_m, block_n, 4, 2, group)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size, block_n, window, softcap, kv_splits", [
+    (16, 16, 23, None, None), (16, 32, 40, 30.0, 3), (16, 128, 23, 30.0, None), (32, 16, 40, None, 3),
+    (32, 64, 23, None, None),
+])
+def test_kv_tiles_wider_and_narrower_than_a_block_under_a_window_match_reference(block_size, block_n, window, softcap,
+                                                                                 kv_splits, dtype):
+    """A KV tile of several blocks straddles the window's start; one narrower than a block starts
+    inside one."""
+    case = _case(_mixed_specs(block_size), group=2, block_size=block_size, dtype=dtype, seed=block_n)
+    _check_masked(case, 0.125, dtype, window, softcap, config=_tile(block_n), kv_splits=kv_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("replace_with", ["null", "nan-block", "other-sequence", "own-nan"])
+@pytest.mark.parametrize("window, softcap, block_n, kv_splits", [(5, None, 64, None), (23, 30.0, 128, 2),
+                                                                 (40, None, 16, 3)])
+def test_keys_before_the_window_are_never_loaded(window, softcap, block_n, kv_splits, replace_with, dtype):
+    """The blocks wholly before each sequence's window point at the null block, at a block of
+    NaN, at another sequence's block, or keep their own blocks filled with NaN; the slots before
+    the window in its first block are NaN too. The output is finite and bit for bit what the
+    intact cache gives: the kernel never loaded a key outside the windows."""
+    from tests.test_kernels_reference import _poison_before_windows, _spare_block
+
+    specs = [(100, 1), (37, 1), (150, 30), (60, 5), (200, 1)]
+    case = _case(specs, group=2, dtype=dtype, seed=9)
+    kwargs = dict(config=_tile(block_n), kv_splits=kv_splits)
+    intact = _attend_masked(case, 0.125, window, softcap, **kwargs)
+    replace = {"null": 0, "nan-block": _spare_block(case), "other-sequence": case.seqs[0].blocks[-1],
+               "own-nan": None}[replace_with]
+    _poison_before_windows(case, window, replace)
+    poisoned = _check_masked(case, 0.125, dtype, window, softcap, **kwargs)
+    torch.testing.assert_close(poisoned, intact, rtol=0, atol=0)
+
+
+def test_write_then_attend_step_by_step_under_a_window_with_triton_only():
+    """Prefill, then decode token by token past the window, both kernels in Triton."""
+    gen = torch.Generator().manual_seed(1)
+    bs, kvh, group, hd, n_prompt, total, window = 16, 2, 2, 64, 21, 45, 19
+    k, v = torch.randn(total, kvh, hd, generator=gen), torch.randn(total, kvh, hd, generator=gen)
+    q = torch.randn(total, kvh * group, hd, generator=gen)
+    blocks = [5, 2, 7]
+    cache = torch.full((8, 2, bs, kvh, hd), float("nan"), device=DEVICE)
+    table = torch.tensor([blocks + [0]], dtype=torch.int32, device=DEVICE)
+    for lo, hi in [(0, n_prompt)] + [(p, p + 1) for p in range(n_prompt, total)]:
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(lo, hi)], device=DEVICE)
+        kernels.write_kv(k[lo:hi].to(DEVICE), v[lo:hi].to(DEVICE), cache, slots, impl="triton")
+        case = Case([], cache, table, torch.tensor([hi], dtype=torch.int32, device=DEVICE),
+                    torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), q[lo:hi].to(DEVICE), cache, bs)
+        out = kernels.paged_attention(case.query, cache, table, case.seq_lens, case.cu_seqlens_q, 0.125,
+                                      impl="triton", sliding_window=window, logit_softcap=20.0)
+        torch.testing.assert_close(out, _expected_masked(case, 0.125, window, 20.0), atol=2e-5, rtol=2e-5)
+
+
+def test_no_window_and_no_softcap_launch_the_plain_variant_with_the_plain_arguments(monkeypatch):
+    """None and 0 select the variant without the window's or the cap's code (HAS_WINDOW and
+    HAS_SOFTCAP False, everything else as before) and pass scale * log2(e), as the kernel always had;
+    the sm_90 compile test checks that the variant never reads the two new arguments."""
+    from kernels import triton_attention as ta
+
+    launched = []
+    real = ta._attention_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((args, kw))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(ta, "_attention_kernel", Recorder())
+    case = _case([(40, 1), (20, 20)], group=2, seed=1)
+    outs = [_attend(case, 0.125, **kw) for kw in ({}, {"sliding_window": None, "logit_softcap": None},
+                                                  {"sliding_window": 0, "logit_softcap": 0.0})]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    names = real.arg_names
+    for args, kw in launched:
+        assert kw["HAS_WINDOW"] is False and kw["HAS_SOFTCAP"] is False
+        assert set(kw) == {"GROUP", "HEAD_DIM", "HEAD_DIM_P2", "BLOCK_SIZE", "BLOCK_M", "BLOCK_Q", "BLOCK_N",
+                           "SPLIT_KV", "HAS_WINDOW", "HAS_SOFTCAP", "DOT_PRECISION", "num_warps", "num_stages"}
+        assert args[names.index("qk_scale")] == 0.125 * math.log2(math.e)
+    launched.clear()
+    _attend(case, 0.125, sliding_window=7, logit_softcap=20.0)
+    (args, kw), = launched
+    assert kw["HAS_WINDOW"] is True and kw["HAS_SOFTCAP"] is True and args[names.index("sliding_window")] == 7
+    assert args[names.index("qk_scale")] == 0.125 / 20.0
+    assert args[names.index("softcap_log2")] == pytest.approx(20.0 * math.log2(math.e))
+
+
+def test_negative_windows_and_caps_are_refused():
+    case = _case([(20, 1)], group=2, seed=1)
+    for kw in ({"sliding_window": -1}, {"logit_softcap": -5.0}):
+        with pytest.raises(ValueError, match="must be positive"):
+            _attend(case, 0.125, **kw)
+
+
 # ----------------------------------------------------------------------------- a pool past int32 offsets
 
 
@@ -304,46 +509,67 @@ def _compile_for_sm90() -> list[str]:
     from kernels import triton_attention as ta
     from kernels import triton_cache as tc
 
-    def compile_(fn, types: dict, consts: dict, num_warps=4, num_stages=2) -> str:
+    def compile_(fn, types: dict, consts: dict, num_warps=4, num_stages=2):
         sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                    if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_table")}
         kernel = triton.compile(ASTSource(fn, sig, consts, aligned), target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": num_warps, "num_stages": num_stages})
         assert kernel.metadata.shared <= 227 * 1024, f"{fn.__name__} needs {kernel.metadata.shared} B of shared memory"
-        return f"{fn.__name__} {sorted(consts.items())}"
+        return f"{fn.__name__} {sorted(consts.items())}", kernel
+
+    def reads(kernel, arg: str) -> bool:
+        """Whether the PTX loads a runtime argument (its params are the non-constexpr arguments, in order)."""
+        fn = ta._attention_kernel
+        index = [n for n in fn.arg_names if not n.isupper()].index(arg)
+        return f"[{fn.__name__}_param_{index}]" in kernel.asm["ptx"]
 
     done = []
-    for dtype, group, head_dim, decode, split in [("bf16", 4, 128, True, False), ("bf16", 4, 128, True, True),
-                                                  ("bf16", 4, 128, False, False), ("fp16", 3, 64, False, True),
-                                                  ("fp32", 7, 80, True, True), ("bf16", 20, 64, True, False)]:
+    # (dtype, group, head_dim, decode, split, window, softcap): the plain variants, then the masked
+    # ones of the models that need them (Gemma 2: group 2, head_dim 256, both; Mistral: a window)
+    for dtype, group, head_dim, decode, split, window, softcap in [
+        ("bf16", 4, 128, True, False, False, False), ("bf16", 4, 128, True, True, False, False),
+        ("bf16", 4, 128, False, False, False, False), ("fp16", 3, 64, False, True, False, False),
+        ("fp32", 7, 80, True, True, False, False), ("bf16", 20, 64, True, False, False, False),
+        ("bf16", 4, 128, True, True, True, False), ("bf16", 4, 128, False, False, True, False),
+        ("fp16", 3, 64, True, False, False, True), ("bf16", 2, 256, True, True, True, True),
+        ("bf16", 2, 256, False, False, True, True), ("fp32", 7, 80, False, True, True, True),
+    ]:
         cfg = ta.tile_config(1 if decode else 2, 1, group, head_dim)
         ptr = f"*{dtype}"
         types = {"out_ptr": ptr, "query_ptr": ptr, "kv_cache_ptr": ptr, "o_partial_ptr": "*fp32",
                  "lse_partial_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "cu_seqlens_q_ptr": "*i32", "scale_log2": "fp32"}
+                 "cu_seqlens_q_ptr": "*i32", "qk_scale": "fp32", "softcap_log2": "fp32"}
         p2 = triton.next_power_of_2
-        done.append(compile_(ta._attention_kernel, types, dict(
+        name, kernel = compile_(ta._attention_kernel, types, dict(
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim), BLOCK_SIZE=16, BLOCK_M=cfg.block_m,
-            BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, SPLIT_KV=split, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
-        ), cfg.num_warps, cfg.num_stages))
+            BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, SPLIT_KV=split, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
+            DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+        ), cfg.num_warps, cfg.num_stages)
+        # a variant without the window or the cap compiles their code away: it never reads the argument
+        assert reads(kernel, "qk_scale") and reads(kernel, "stride_table"), "the PTX's params are not the arguments"
+        assert (reads(kernel, "sliding_window"), reads(kernel, "softcap_log2")) == (window, softcap), name
+        done.append(name)
+        if window or softcap:
+            continue  # the reduce, write_kv and copy_blocks have no masked variants
         if split:
             done.append(compile_(ta._reduce_splits_kernel, types, dict(
-                GROUP=group, GROUP_P2=p2(group), HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim), SPLITS_P2=32)))
+                GROUP=group, GROUP_P2=p2(group), HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim), SPLITS_P2=32))[0])
         done.append(compile_(tc._write_kv_kernel, {"key_ptr": ptr, "value_ptr": ptr, "kv_cache_ptr": ptr,
                                                     "slot_mapping_ptr": "*i64"},
-                             dict(NUM_KV_HEADS=8, HEAD_DIM=head_dim, HEADS_P2=8, HEAD_DIM_P2=p2(head_dim), BLOCK_SIZE=16)))
+                             dict(NUM_KV_HEADS=8, HEAD_DIM=head_dim, HEADS_P2=8, HEAD_DIM_P2=p2(head_dim),
+                                  BLOCK_SIZE=16))[0])
         tl_dtype = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
         done.append(compile_(tc._copy_blocks_kernel, {"layer_ptrs": "*i64", "src_to_dst_ptr": "*i64"},
-                             dict(DTYPE=tl_dtype, CHUNK=tc.COPY_CHUNK)))
+                             dict(DTYPE=tl_dtype, CHUNK=tc.COPY_CHUNK))[0])
     return done
 
 
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the kernels are compiled for the device itself")
 def test_every_kernel_compiles_for_hopper_without_a_gpu():
     """The interpreter runs Python, not the compiler: this catches what only compiling would."""
-    # 6 attention variants, 3 reduces, 6 write_kv, 6 copy_blocks
-    assert count_compiled_for_sm90("tests.test_kernels_triton", "_compile_for_sm90") == 21
+    # 6 plain attention variants, 3 reduces, 6 write_kv, 6 copy_blocks; 6 windowed or soft-capped variants
+    assert count_compiled_for_sm90("tests.test_kernels_triton", "_compile_for_sm90") == 27
 
 
 # ----------------------------------------------------------------------------- CUDA only
@@ -365,9 +591,11 @@ def test_cuda_tensors_dispatch_to_triton_by_default(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need the compiled kernels; TRITON_INTERPRET=1 is set")
+@pytest.mark.parametrize("window, softcap", [(None, None), (50, 30.0)])
 @pytest.mark.parametrize("kv_splits", [None, 1])  # None: the heuristic splits (6 programs, 1,024-key bound)
-def test_paged_attention_replays_in_a_cuda_graph_with_new_lengths(kv_splits):
-    """Static shapes, new contents: the same captured launch serves other context lengths."""
+def test_paged_attention_replays_in_a_cuda_graph_with_new_lengths(kv_splits, window, softcap):
+    """Static shapes, new contents: the same captured launch serves other context lengths (and,
+    under a window, other window starts)."""
     first = _case([(40, 1), (70, 1), (5, 1)], group=4, seed=1)
     second = _case([(33, 1), (90, 1), (17, 1)], group=4, seed=2)
     width = max(first.block_tables.shape[1], second.block_tables.shape[1])
@@ -389,7 +617,8 @@ def test_paged_attention_replays_in_a_cuda_graph_with_new_lengths(kv_splits):
 
     def launch():
         kernels.paged_attention(static["query"], static["cache"], static["tables"], static["lens"], cu, 0.125,
-                                out=static["out"], max_seqlen_k=1024, kv_splits=kv_splits)
+                                out=static["out"], max_seqlen_k=1024, kv_splits=kv_splits, sliding_window=window,
+                                logit_softcap=softcap)
 
     load(first)
     launch()  # warm-up: compiles, and sizes the split workspace before capture
@@ -401,7 +630,7 @@ def test_paged_attention_replays_in_a_cuda_graph_with_new_lengths(kv_splits):
         view = load(case)
         static["out"].fill_(float("nan"))
         graph.replay()
-        torch.testing.assert_close(static["out"], _expected(view, 0.125), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(static["out"], _expected_masked(view, 0.125, window, softcap), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.gpu

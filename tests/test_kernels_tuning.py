@@ -5,6 +5,7 @@ one test records the real launches under Triton's interpreter."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 from types import SimpleNamespace
@@ -130,6 +131,11 @@ def _fake_device(table: dict):
 
 
 shape = AttentionShape(num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype="bfloat16")
+MASKED_SHAPES = [  # (shape, window): a Mistral-like windowed shape, a Gemma-2-like capped one with and without it
+    (AttentionShape(8, 4, 128, 16, "bfloat16", sliding_window=True), 4096),
+    (AttentionShape(8, 4, 128, 16, "bfloat16", sliding_window=True, logit_softcap=True), 100),
+    (AttentionShape(8, 4, 128, 16, "bfloat16", logit_softcap=True), None),
+]
 
 
 @pytest.mark.parametrize("table", [
@@ -149,6 +155,34 @@ def test_warmup_covers_every_variant_the_launch_path_picks(table, max_model_len)
     assert warm == picked
 
 
+@pytest.mark.parametrize("masked, window", MASKED_SHAPES)
+@pytest.mark.parametrize("max_model_len", [256, 8192])
+def test_warmup_covers_every_variant_the_launch_path_picks_under_a_window_or_a_cap(masked, window, max_model_len):
+    config_of, slots_of = _fake_device({})
+    warm = warmup_variants(masked, max_model_len, config_of, slots_of, sliding_window=window)
+    picked = set()
+    for num_tokens, num_seqs, max_seqlen_k in tuning.launch_grid(256, 2048, max_model_len, masked.block_size):
+        picked |= variants_of(masked, plan_launch(masked, num_tokens, num_seqs, max_seqlen_k, config_of, slots_of,
+                                                  sliding_window=window))
+    assert picked == warm
+    assert {key[-2:] for key in warm if key[0] == "attention"} == {(masked.sliding_window, masked.logit_softcap)}
+
+
+def test_a_window_bounds_the_split_count_by_its_span():
+    """A tile under a window W walks at most W + block_q + block_n - 2 keys: one decode of 8 KV
+    heads on 528 slots splits 32 ways over 8,192 keys, but over a 512-key window's 578 keys
+    (10 tiles of 64) only 5, and not at all under a 64-key window (130 keys, 3 tiles)."""
+    config_of, slots_of = _fake_device({})
+    decode = default_config(4, 128, "decode")
+    assert tuning.window_keys(512, decode) == 512 + 4 + 64 - 2 and tuning.window_keys(None, decode) is None
+    split = lambda window, context=8192: plan_launch(shape, 1, 1, context, config_of, slots_of,  # noqa: E731
+                                                     sliding_window=window).kv_splits
+    assert (split(None), split(4096), split(512), split(64)) == (32, 32, 5, 1)
+    assert split(4096, context=1024) == split(None, context=1024) == 8  # a context shorter than the window
+    assert warmup_launches(shape, 8192, config_of, slots_of, sliding_window=64) == [
+        Launch(decode, 1), Launch(default_config(4, 128, "prefill"), 1)]
+
+
 def test_warmup_launches_one_per_split_power_of_two_and_phase():
     config_of, slots_of = _fake_device({})
     launches = warmup_launches(shape, 8192, config_of, slots_of)
@@ -157,15 +191,24 @@ def test_warmup_launches_one_per_split_power_of_two_and_phase():
     assert launches == [Launch(decode, s) for s in (1, 2, 4, 8, 16, 32)] + [Launch(prefill, s) for s in (1, 2, 4, 8, 16, 32)]
     short = warmup_launches(shape, 200, config_of, slots_of)  # 13 blocks: 208 keys, 4 tiles, 2 splits at most
     assert short == [Launch(decode, 1), Launch(decode, 2), Launch(prefill, 1), Launch(prefill, 2)]
+    # the attention key ends with (window?, soft-cap?); the reduce has no masked variants
     assert variants_of(shape, Launch(decode, 5)) == {
-        ("attention", "bfloat16", 4, 128, 16, 16, 4, 64, True, 4, 2), ("reduce", "bfloat16", 4, 128, 8)}
+        ("attention", "bfloat16", 4, 128, 16, 16, 4, 64, True, 4, 2, False, False), ("reduce", "bfloat16", 4, 128, 8)}
+    assert variants_of(MASKED_SHAPES[1][0], Launch(decode, 1)) == {
+        ("attention", "bfloat16", 4, 128, 16, 16, 4, 64, False, 4, 2, True, True)}
 
 
 def test_kernels_warmup_compiles_nothing_off_cuda():
     import kernels
 
-    assert kernels.warmup(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
-                          device=torch.device("cpu"), max_model_len=512) == 0
+    kwargs = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                  device=torch.device("cpu"), max_model_len=512)
+    assert kernels.warmup(**kwargs) == 0
+    assert kernels.warmup(**kwargs, attention_variants=[(4096, 50.0), (None, 50.0), (4096, 50.0)]) == 0
+    with pytest.raises(ValueError, match="names no variant"):
+        kernels.warmup(**kwargs, attention_variants=[])
+    with pytest.raises(ValueError, match="must be positive"):
+        kernels.warmup(**kwargs, attention_variants=[(-1, None)])
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -173,7 +216,7 @@ def test_kernels_warmup_compiles_nothing_off_cuda():
 def test_paged_attention_launches_the_variants_plan_launch_names(monkeypatch):
     """The enumeration above is of the launch path's own decisions: record what it launches."""
     from kernels import triton_attention as ta
-    from tests.test_kernels_triton import _case, _expected
+    from tests.test_kernels_triton import _case, _expected_masked
 
     launched = set()
 
@@ -183,7 +226,8 @@ def test_paged_attention_launches_the_variants_plan_launch_names(monkeypatch):
                 def launch(*args, **kw):
                     if name == "attention":
                         launched.add((name, "float32", kw["GROUP"], kw["HEAD_DIM"], kw["BLOCK_SIZE"], kw["BLOCK_M"],
-                                      kw["BLOCK_Q"], kw["BLOCK_N"], kw["SPLIT_KV"], kw["num_warps"], kw["num_stages"]))
+                                      kw["BLOCK_Q"], kw["BLOCK_N"], kw["SPLIT_KV"], kw["num_warps"], kw["num_stages"],
+                                      kw["HAS_WINDOW"], kw["HAS_SOFTCAP"]))
                     else:
                         launched.add((name, "float32", kw["GROUP"], kw["HEAD_DIM"], kw["SPLITS_P2"]))
                     return kernel[grid](*args, **kw)
@@ -193,14 +237,17 @@ def test_paged_attention_launches_the_variants_plan_launch_names(monkeypatch):
     monkeypatch.setattr(ta, "_attention_kernel", recording(ta._attention_kernel, "attention"))
     monkeypatch.setattr(ta, "_reduce_splits_kernel", recording(ta._reduce_splits_kernel, "reduce"))
     cpu = torch.device("cpu")
-    for specs in ([(300, 1)], [(40, 40), (3, 1)], [(230, 1), (17, 1), (5, 1)]):
+    for specs, window, softcap in (([(300, 1)], None, None), ([(40, 40), (3, 1)], None, None),
+                                   ([(230, 1), (17, 1), (5, 1)], None, None), ([(300, 1)], 200, None),
+                                   ([(300, 1)], 40, 30.0), ([(40, 40), (3, 1)], None, 30.0)):
         case = _case(specs, group=4, seed=1)
         launched.clear()
-        out = ta.paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q, 0.125)
-        torch.testing.assert_close(out, _expected(case, 0.125), atol=2e-5, rtol=2e-5)
-        s = AttentionShape(2, 4, 64, 16, "float32")
+        out = ta.paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q, 0.125,
+                                 sliding_window=window, logit_softcap=softcap)
+        torch.testing.assert_close(out, _expected_masked(case, 0.125, window, softcap), atol=2e-5, rtol=2e-5)
+        s = AttentionShape(2, 4, 64, 16, "float32", window is not None, softcap is not None)
         plan = plan_launch(s, case.query.shape[0], len(specs), case.block_tables.shape[1] * 16, ta._config_of(s, cpu),
-                           ta._slots_of(s, cpu))
+                           ta._slots_of(s, cpu), sliding_window=window)
         assert launched == variants_of(s, plan)
 
 
@@ -208,15 +255,17 @@ def test_paged_attention_launches_the_variants_plan_launch_names(monkeypatch):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for the GPU; TRITON_INTERPRET=1 is set")
 def test_after_warmup_serving_launches_compile_nothing():
     """Llama-3.1-8B-shaped attention from views of a fused QKV projection, as the model runs it:
-    decode and mixed batches of several sizes and contexts hit only variants warmup compiled."""
+    decode and mixed batches of several sizes and contexts hit only variants warmup compiled,
+    plain and under windows and soft-caps."""
     import kernels
     from kernels import triton_attention as ta
     from kernels import triton_cache as tc
 
     device, dtype, heads, kvh, hd, bs = torch.device("cuda"), torch.bfloat16, 32, 8, 128, 16
+    masks = [(None, None), (1024, 50.0), (None, 50.0), (300, None)]  # every (window?, cap?) variant
     launches = kernels.warmup(num_heads=heads, num_kv_heads=kvh, head_dim=hd, block_size=bs, dtype=dtype,
-                              device=device, max_model_len=4096)
-    assert launches > 2
+                              device=device, max_model_len=4096, attention_variants=masks)
+    assert launches > 8
 
     def compiled() -> int:
         fns = (ta._attention_kernel, ta._reduce_splits_kernel, tc._write_kv_kernel, tc._copy_blocks_kernel)
@@ -232,9 +281,11 @@ def test_after_warmup_serving_launches_compile_nothing():
         q, k, v = qkv.split([heads * hd, kvh * hd, kvh * hd], dim=-1)
         slots = torch.arange(num_seqs * q_len, device=device) % (num_blocks * bs)
         kernels.write_kv(k.view(-1, kvh, hd), v.view(-1, kvh, hd), cache, slots)
-        kernels.paged_attention(q.view(-1, heads, hd), cache, tables, torch.full((num_seqs,), context, dtype=torch.int32,
-                                device=device), torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * q_len,
-                                hd**-0.5)
+        for window, softcap in masks:
+            kernels.paged_attention(q.view(-1, heads, hd), cache, tables,
+                                    torch.full((num_seqs,), context, dtype=torch.int32, device=device),
+                                    torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * q_len, hd**-0.5,
+                                    sliding_window=window, logit_softcap=softcap)
         kernels.copy_blocks([cache], [(1, 2)])
     torch.cuda.synchronize()
     assert compiled() == before
@@ -246,7 +297,8 @@ def test_after_warmup_serving_launches_compile_nothing():
 def _warmup_specializations_match_serving() -> int:
     """For a model-shaped attention (32 query heads, 8 KV heads, head dim 128, bfloat16 stand-ins
     on CPU), record the kernel launches of serving-like calls (query and K/V as views of a fused
-    QKV projection, assorted batch sizes and block-table widths) and of `warmup`, and check that
+    QKV projection, assorted batch sizes and block-table widths, plain and under each (window,
+    soft-cap) of a Gemma-2-like model) and of `warmup`, and check that
     each serving launch has a warmup launch of the same variant whose arguments Triton would
     specialize identically for sm_90 (its binder, no GPU needed): then warmup compiled the very
     binary serving runs. Run with TRITON_INTERPRET unset. Returns the serving launches checked."""
@@ -286,13 +338,16 @@ def _warmup_specializations_match_serving() -> int:
     ta._slots_of = lambda shape, device: (lambda config: 132 * 4)  # an H100's slots: small batches split
     try:
         cpu, dtype, heads, kvh, hd, bs = torch.device("cpu"), torch.bfloat16, 32, 8, 128, 16
-        shape = AttentionShape(kvh, heads // kvh, hd, bs, "bfloat16")
-        ta.warmup(shape, 4096, cpu)
+        masks = [(None, None), (1024, 50.0), (None, 50.0), (300, None)]  # (window, soft-cap) of the layers
+        shapes = {mask: AttentionShape(kvh, heads // kvh, hd, bs, "bfloat16", mask[0] is not None, mask[1] is not None)
+                  for mask in masks}
+        for (window, _), shape in shapes.items():
+            ta.warmup(shape, 4096, cpu, sliding_window=window)
         tc.write_kv(*(torch.zeros((1, kvh, hd), dtype=dtype),) * 2, torch.zeros((2, 2, bs, kvh, hd), dtype=dtype),
                     torch.full((1,), -1))
         warm = dict(variant(*call) for call in calls)
         calls.clear()
-        for phase in tuning.PHASES:  # the compile that counts registers for the split count
+        for phase, shape in itertools.product(tuning.PHASES, shapes.values()):  # counts registers for the splits
             ta._compile_split_variant(shape, default_config(shape.group, hd, phase), cpu)
         for key, spec in (variant(*call) for call in calls):
             assert warm[key] == spec, f"_compile_split_variant compiles another {key}"
@@ -303,9 +358,11 @@ def _warmup_specializations_match_serving() -> int:
             q, k, v = (t.view(num_tokens, -1, hd) for t in qkv.split([heads * hd, kvh * hd, kvh * hd], dim=-1))
             cache = torch.zeros((num_seqs * width + 1, 2, bs, kvh, hd), dtype=dtype)
             tc.write_kv(k, v, cache, torch.arange(num_tokens))
-            ta.paged_attention(q, cache, torch.ones((num_seqs, width), dtype=torch.int32),
-                               torch.full((num_seqs,), width * bs, dtype=torch.int32),
-                               torch.arange(num_seqs + 1, dtype=torch.int32) * q_len, hd**-0.5)
+            for window, softcap in masks:
+                ta.paged_attention(q, cache, torch.ones((num_seqs, width), dtype=torch.int32),
+                                   torch.full((num_seqs,), width * bs, dtype=torch.int32),
+                                   torch.arange(num_seqs + 1, dtype=torch.int32) * q_len, hd**-0.5,
+                                   sliding_window=window, logit_softcap=softcap)
         served = [variant(*call) for call in calls]
     finally:
         for name, (module, attr) in kernels_.items():
@@ -329,7 +386,7 @@ def test_warmup_launches_specialize_like_serving_launches_for_sm90():
     code = "from tests.test_kernels_tuning import _warmup_specializations_match_serving as f; print(f())"
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert int(proc.stdout.split()[-1]) >= 12
+    assert int(proc.stdout.split()[-1]) >= 30
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,

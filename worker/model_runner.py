@@ -113,7 +113,8 @@ class ModelRunner:
         )
         kernels.warmup(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                        block_size=self.block_size, dtype=self.dtype, device=self.device,
-                       max_model_len=self.max_model_len)  # CUDA: nothing compiles while serving
+                       max_model_len=self.max_model_len,  # CUDA: nothing compiles while serving
+                       attention_variants={(a.sliding_window, a.logit_softcap) for a in self.model.attention_layers()})
         warm_moe = next((m for m in self.model.modules() if hasattr(m, "warmup")), None)
         if warm_moe is not None:  # the experts of every MoE layer have one shape
             warm_moe.warmup()
