@@ -64,8 +64,16 @@ def prompts() -> list[list[int]]:
     return [torch.randint(4, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0-3 of the tiny tokenizer
+
+
 def prompt_text(ids: list[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
+
+
+def token_strings(ids: list[int]) -> list[str]:
+    """Each token's text alone, as the API's logprobs name it."""
+    return [SPECIAL_TOKENS[i] if i < len(SPECIAL_TOKENS) else f"w{i}" for i in ids]
 
 
 @dataclass

@@ -129,7 +129,7 @@ SERVED = [name for name in FAMILIES if name != "mistral"]  # mistral's path is l
 @pytest.mark.parametrize("family", SERVED)
 def test_served_api_matches_transformers(family, built, prompt_ids, redis_url):
     """`pagoda up --tensor-parallel-size 2` with a small pool, the 8 prompts at once through the
-    openai client: each choice's text is its tokens' words, its token_logprobs transformers'."""
+    openai client: each choice's tokens are transformers' (their words), its token_logprobs too."""
     directory, reference = built[family]
     stack = Stack("--model", str(directory), "--redis-url", redis_url, "--tensor-parallel-size", "2",
                   "--block-size", "8", "--num-gpu-blocks", str(SMALL_POOL), "--dtype", "float32").wait_ready()
@@ -139,7 +139,9 @@ def test_served_api_matches_transformers(family, built, prompt_ids, redis_url):
         response = client.completions.create(model=directory.name, prompt=[families.prompt_text(p) for p in prompt_ids],
                                              max_tokens=MAX_TOKENS, temperature=0, logprobs=0)
         choices = sorted(response.choices, key=lambda c: c.index)
-        assert [c.text for c in choices] == [families.prompt_text(ids) for ids in reference.token_ids]
+        assert [c.logprobs.tokens for c in choices] == [families.token_strings(ids) for ids in reference.token_ids]
+        assert [c.text for c in choices] == [  # the special tokens (ids 0-3) are not in the text
+            families.prompt_text([i for i in ids if i >= len(families.SPECIAL_TOKENS)]) for ids in reference.token_ids]
         for choice, theirs in zip(choices, reference.logprobs, strict=True):
             assert choice.logprobs.token_logprobs == pytest.approx(theirs, abs=TOLERANCE)
     finally:
