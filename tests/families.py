@@ -5,15 +5,17 @@ A family's model is built by transformers from its own config class (seeded), sa
 `generate` for the reference: greedy tokens and each token's logprob, in float32.
 
 Features switched on (the windows are shorter than every prompt; the prompts pass Phi-3's
-original context, so LongRoPE runs on its long factors):
+original context, so LongRoPE runs on its long factors; head_dim is not hidden / heads where the
+family's real checkpoints have it so):
     qwen3        per-head q/k RMSNorm; sliding window on the upper layers (max_window_layers)
-    gemma2       (1 + w) norms around attention and MLP, GeGLU, query_pre_attn_scalar, attention
+    gemma2       head_dim 32, (1 + w) norms around attention and MLP, GeGLU, query_pre_attn_scalar, attention
                  and final logit soft-capping, local and global layers, tied embeddings
     gemma3_text  the same plus q/k norms and two RoPE bases (linear scaling on the global one)
     phi3         fused qkv_proj and gate_up_proj in the checkpoint, LongRoPE, partial rotary,
-                 a sliding window on every layer
+                 a sliding window on every layer, one KV head (replicated over a group of 2)
     mixtral      4 experts, top-2, renormalized; a sliding window on every layer
-    qwen3_moe    8 experts, top-2, norm_topk_prob, a dense first layer (mlp_only_layers), q/k norms
+    qwen3_moe    8 experts, top-2, norm_topk_prob, a dense first layer (mlp_only_layers), q/k norms,
+                 head_dim 32, attention biases (q, k, v and o)
     qwen2_moe    4 experts, top-2, not renormalized, a gated shared expert, q/k/v biases
     mistral      a sliding window on every layer (the windowed-only model)
 """
@@ -34,22 +36,23 @@ BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=24, max_window_layers=2)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        query_pre_attn_scalar=24, sliding_window=24, attn_logit_softcapping=20.0, final_logit_softcapping=5.0,
-        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=24, attn_logit_softcapping=20.0,
+        final_logit_softcapping=5.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        query_pre_attn_scalar=24, sliding_window=24, final_logit_softcapping=5.0, sliding_window_pattern=2,
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=24, final_logit_softcapping=5.0, sliding_window_pattern=2,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}},
         tie_word_embeddings=True)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
-        sliding_window=48, partial_rotary_factor=0.75, original_max_position_embeddings=32,
+        num_key_value_heads=1, sliding_window=48, partial_rotary_factor=0.75, original_max_position_embeddings=32,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                          "short_factor": [1.0 + 0.1 * i for i in range(6)],
                          "long_factor": [1.5 + 0.3 * i for i in range(6)]})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=24)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0])),
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[0], attention_bias=True)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
         norm_topk_prob=False)),

@@ -152,7 +152,6 @@ ROPE_SCALINGS = {  # family, rope parameters: each as transformers computes it
     "llama3": ("qwen3", {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
     "linear": ("qwen3", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
-    "dynamic": ("qwen3", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
     "yarn": ("qwen3_moe", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                            "original_max_position_embeddings": 256}),
 }
@@ -169,6 +168,66 @@ def test_rope_scalings_match_transformers(scaling, tmp_path, prompt_ids, monkeyp
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=8)
     outputs = llm.generate(prompt_ids[:3], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False)
     assert_matches(reference, [o.token_ids for o in outputs], [[t[0] for t in o.logprobs] for o in outputs])
+
+
+def test_dynamic_ntk_within_the_context_is_the_plain_rotary(tmp_path):
+    """transformers scales dynamic NTK's base only past max_position_embeddings, which Pagoda's
+    context never passes: the cache equals the unscaled one."""
+    from worker.models.layers import RotaryEmbedding
+    from worker.models.llama import LlamaForCausalLM
+
+    import transformers
+
+    caches = []
+    for parameters in ({"rope_type": "default", "rope_theta": 10000.0},
+                       {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}):
+        config = transformers.LlamaConfig(**{**families.BASE, "rope_parameters": parameters})
+        rotary = RotaryEmbedding(16)
+        rotary.init_cache(LlamaForCausalLM.rotary_class, config, 1024)
+        caches.append((rotary.cos_cache, rotary.sin_cache))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_gemma_norms_round_as_transformers_in_bfloat16():
+    """(1 + weight) in float32 and one rounding, as Gemma3RMSNorm: bit for bit in bf16."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from worker.models.layers import GemmaRMSNorm
+    from worker.models.weights import InMemoryTensor
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(1152, generator=gen) * 0.3).to(torch.bfloat16)
+    x, residual = (torch.randn(64, 1152, generator=gen).to(torch.bfloat16) for _ in range(2))
+    theirs = Gemma3RMSNorm(1152, 1e-6).to(torch.bfloat16)
+    theirs.weight.data.copy_(weight)
+    ours = GemmaRMSNorm(1152, 1e-6).to(torch.bfloat16)
+    ours.weight_loader(ours.weight, InMemoryTensor(weight))
+    assert torch.equal(ours(x), theirs(x))
+    normed, new_residual = ours(x, residual)
+    assert torch.equal(new_residual, x + residual) and torch.equal(normed, theirs(x + residual))
+
+
+def test_a_quantized_checkpoint_and_a_context_past_the_models_are_refused(tmp_path, capsys):
+    config = json.loads((families.ROOT / "tests" / "data" / "tiny-llama.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}))
+    assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "w5", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().endswith("pagoda: error: quantized checkpoints (fp8) are not supported "
+                                                    "yet: serve the model's full-precision (bf16/fp16/fp32) checkpoint")
+    argv = ["generate", "--model", f"dummy:{families.ROOT / 'tests' / 'data' / 'tiny-llama.json'}", "--prompt", "w5",
+            "--device", "cpu", "--max-model-len", "1025"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "pagoda: error: --max-model-len 1025 is longer than the model's context (1024 tokens)")
+
+
+def test_a_window_as_long_as_the_context_is_no_window():
+    from transformers import Phi3Config
+
+    from worker.models.llama import layer_sliding_window
+
+    assert layer_sliding_window(Phi3Config(**{**families.BASE, "sliding_window": 262144}), 0) is None
+    assert layer_sliding_window(Phi3Config(**{**families.BASE, "sliding_window": 48}), 0) == 48
 
 
 def test_an_unknown_rope_scaling_is_refused_by_name(tmp_path, capsys):

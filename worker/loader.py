@@ -125,36 +125,69 @@ def dummy_weights(config: PretrainedConfig, seed: int) -> Iterator[tuple[str, to
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None, seed: int = 0
 ):
-    """Returns (model, hf_config): weights loaded, a rope cache of the context length, on `device` in `dtype`."""
+    """Returns (model, hf_config): weights loaded, a rope cache of the context length, on `device` in `dtype`.
+
+    A checkpoint's tensors are copied straight into parameters made on the device in `dtype`, so
+    the host never holds more than the tensor being read."""
     config = load_config(source)
-    model_len = int(getattr(config, "max_position_embeddings", 2048))
-    max_positions = min(max_model_len or model_len, model_len)
-    check_rope_scaling(config)
+    check_supported(config)
+    max_positions = context_length(config, max_model_len)
     if source.kind == "dummy":
         torch.manual_seed(seed)
         model = _build(config, "cpu")
     else:  # every parameter comes from the checkpoint: no initialization to compute first
-        model = _build(config, "meta").to_empty(device="cpu")
+        model = _build(config, "meta").to(dtype).to_empty(device=device)
     if source.kind == "dummy" and model.tp.world_size == 1:
         _init_dummy(model)
     elif source.kind == "dummy":
         model.load_weights(in_memory(dummy_weights(config, seed)))
     else:
         model.load_weights(iter_safetensors(hf_directory(source)))
-    model.init_rope_cache(max_positions)
+    model.init_rope_cache(max_positions)  # float32 on the host, then cast and moved with the rest
     return model.to(device=device, dtype=dtype).eval(), config
 
 
-# rope_type -> the families whose transformers modeling uses it (all run through the family's own
+def check_supported(config: PretrainedConfig) -> None:
+    """Refuse, by name, what this engine does not load: a quantized checkpoint, a RoPE scaling it
+    does not implement."""
+    quantization = getattr(config, "quantization_config", None)
+    method = (quantization.get("quant_method", "?") if isinstance(quantization, dict) else
+              getattr(quantization, "quant_method", "?")) if quantization else None
+    if method is not None and str(method) != "gguf":  # a GGUF file is dequantized as it is converted
+        raise ValueError(f"quantized checkpoints ({method}) are not supported yet: serve the model's "
+                         "full-precision (bf16/fp16/fp32) checkpoint")
+    check_rope_scaling(config)
+
+
+def context_length(config: PretrainedConfig, max_model_len: int | None) -> int:
+    """The context: `--max-model-len`, else the model's (max_position_embeddings, or a YaRN
+    scaling's original length x factor when that is longer, as vLLM derives it); a longer
+    `--max-model-len` than the model's is refused."""
+    model_len = int(getattr(config, "max_position_embeddings", 2048))
+    for params in _rope_parameters(config):
+        if params.get("rope_type", params.get("type")) == "yarn" and params.get("original_max_position_embeddings"):
+            model_len = max(model_len, int(params["original_max_position_embeddings"] * params.get("factor", 1.0)))
+    if max_model_len is not None and max_model_len > model_len:
+        raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context ({model_len} tokens)")
+    return max_model_len or model_len
+
+
+# every rope_type a supported family's transformers modeling uses (computed by the family's own
 # rotary module: worker/models/layers.py RotaryEmbedding)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
+def _rope_parameters(config: PretrainedConfig) -> list[dict]:
+    """The config's RoPE parameter dicts: one, or one per kind of layer (Gemma 3)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if parameters and all(isinstance(v, dict) for v in parameters.values()):
+        return list(parameters.values())
+    return [parameters]
+
+
 def check_rope_scaling(config: PretrainedConfig) -> None:
     """Refuse, by name, a RoPE scaling this engine does not implement."""
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    nested = parameters.values() if all(isinstance(v, dict) for v in parameters.values()) and parameters else [parameters]
-    for params in nested:
-        rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    for params in _rope_parameters(config):
+        rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"RoPE scaling {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})")

@@ -115,9 +115,7 @@ class ModelRunner:
                        block_size=self.block_size, dtype=self.dtype, device=self.device,
                        max_model_len=self.max_model_len,  # CUDA: nothing compiles while serving
                        attention_variants={(a.sliding_window, a.logit_softcap) for a in self.model.attention_layers()})
-        warm_moe = next((m for m in self.model.modules() if hasattr(m, "warmup")), None)
-        if warm_moe is not None:  # the experts of every MoE layer have one shape
-            warm_moe.warmup()
+        self.model.warmup_kernels()  # a family's own (the fused MoE's tiles)
         self.activation_bytes_per_token = 0.0  # measured by the profile run on CUDA
         self.prefill_tokens_per_s = self._profile_prefill()
         self.num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_that_fit()

@@ -69,10 +69,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return DecoderModel(config, layers, norm=GemmaRMSNorm, embed_scale=config.hidden_size**0.5)
 
     def build_layer(self, config, layer_idx: int) -> nn.Module:
-        bias = bool(getattr(config, "attention_bias", False))
-        attn = self.attention_class(config, layer_idx, qkv_bias=bias, o_bias=bias)
         mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
-        return GemmaDecoderLayer(config, layer_idx, attn, mlp, self.rope_key(config, layer_idx))
+        return GemmaDecoderLayer(config, layer_idx, self.build_attention(config, layer_idx), mlp,
+                                 self.rope_key(config, layer_idx))
 
     def rope_key(self, config, layer_idx: int) -> str:
         return "default"

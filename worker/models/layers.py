@@ -21,7 +21,8 @@ callable `(x, y) -> y` that a LoRA adapter sets to add its delta (None: no adapt
 linear layers do. So a new family gets both, and a new format or adapter reaches every family.
 
 Loading: the module owning a parameter has a `weight_loader(param, loaded, shard_id=None)` that
-copies this rank's part of a checkpoint tensor into it (`default_weight_loader` where it has none). `loaded` is a `CheckpointTensor` (worker/models/
+copies this rank's part of a checkpoint tensor into it (`default_weight_loader` where it has none),
+and, for a fused parameter, `shard_ids(param)`: the parts the checkpoint must fill. `loaded` is a `CheckpointTensor` (worker/models/
 weights.py): the loader reads only the rows or columns it needs. `shard_id` names the part of a
 fused parameter a checkpoint tensor fills ("q", "k", "v"; 0, 1 for [gate | up]); None means the
 checkpoint holds the fused tensor whole (Phi-3's qkv_proj and gate_up_proj, dummy weights).
@@ -97,10 +98,10 @@ def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
 
 def default_weight_loader(param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
     """The whole tensor, replicated on every rank (norms, routers, biases of replicated layers)."""
-    _copy(param.data, loaded.load(), "a replicated tensor")
+    copy_checked(param.data, loaded.load(), "a replicated tensor")
 
 
-def _copy(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+def copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
     if target.shape != tensor.shape:
         raise ValueError(f"{what}: the checkpoint holds {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
     target.copy_(tensor)
@@ -167,7 +168,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
         rows = param.shape[0]
-        _copy(param.data, loaded.narrow(0, self.tp.rank * rows, rows), "a column-parallel layer")
+        copy_checked(param.data, loaded.narrow(0, self.tp.rank * rows, rows), "a column-parallel layer")
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -180,13 +181,16 @@ class MergedColumnParallelLinear(LinearBase):
         self.output_sizes = [divide(size, tp.world_size, "the MLP's intermediate size") for size in output_sizes]
         super().__init__(input_size, sum(self.output_sizes), bias, quant_method)
 
+    def shard_ids(self, param: torch.Tensor) -> set:
+        return set(range(len(self.output_sizes)))
+
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
         parts = range(len(self.output_sizes)) if shard_id is None else [shard_id]
         for part in parts:
             size = self.output_sizes[part]
             start = self.tp.rank * size + (sum(self.output_sizes[:part]) * self.tp.world_size if shard_id is None else 0)
             target = param.data.narrow(0, sum(self.output_sizes[:part]), size)
-            _copy(target, loaded.narrow(0, start, size), f"part {part} of a merged column-parallel layer")
+            copy_checked(target, loaded.narrow(0, start, size), f"part {part} of a merged column-parallel layer")
 
 
 class QKVParallelLinear(LinearBase):
@@ -201,6 +205,9 @@ class QKVParallelLinear(LinearBase):
         self.kv_size = self.shard.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, quant_method)
 
+    def shard_ids(self, param: torch.Tensor) -> set:
+        return {"q", "k", "v"}
+
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
         hd, shard = self.head_dim, self.shard
         offsets = {"q": 0, "k": self.total_heads * hd, "v": (self.total_heads + self.total_kv_heads) * hd}
@@ -209,7 +216,7 @@ class QKVParallelLinear(LinearBase):
         for part in ("q", "k", "v") if shard_id is None else (shard_id,):
             start, size = targets[part]
             source = sources[part] + (offsets[part] if shard_id is None else 0)
-            _copy(param.data.narrow(0, start, size), loaded.narrow(0, source, size), f"the {part} projection")
+            copy_checked(param.data.narrow(0, start, size), loaded.narrow(0, source, size), f"the {part} projection")
 
 
 class RowParallelLinear(LinearBase):
@@ -235,7 +242,7 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # the bias: whole on every rank, added by rank 0
             return default_weight_loader(param, loaded)
         cols = param.shape[1]
-        _copy(param.data, loaded.narrow(1, self.tp.rank * cols, cols), "a row-parallel layer")
+        copy_checked(param.data, loaded.narrow(1, self.tp.rank * cols, cols), "a row-parallel layer")
 
 
 # ---------------------------------------------------------------------------------- vocabulary
@@ -265,7 +272,7 @@ class VocabParallelEmbedding(nn.Module):
         start = min(self.vocab_start, loaded.shape[0])
         rows = min(self.vocab_start + self.num_embeddings, loaded.shape[0]) - start
         param.data[rows:].zero_()
-        _copy(param.data[:rows], loaded.narrow(0, start, rows), "the vocabulary")
+        copy_checked(param.data[:rows], loaded.narrow(0, start, rows), "the vocabulary")
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -279,6 +286,25 @@ def compute_logits(tp: TensorParallelGroup, hidden: torch.Tensor, weight: torch.
         return F.linear(hidden, weight).float()
     logits = _gather(tp, F.linear(hidden, weight))
     return None if logits is None else logits[:, :vocab_size].float()
+
+
+# ---------------------------------------------------------------------------------- activations
+
+# transformers' name of a gated MLP's activation -> the kernels' (kernels.fused_moe's `activation`)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_ACT_AND_MUL = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
+
+
+def activation(hf_name: str) -> str:
+    """The kernels' name of a config's hidden_act / hidden_activation, or a clear error."""
+    if hf_name not in ACTIVATIONS:
+        raise ValueError(f"activation {hf_name!r} is not supported (only {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[hf_name]
+
+
+def act_and_mul(hf_name: str):
+    """[gate | up] -> act(gate) * up, for a config's activation."""
+    return _ACT_AND_MUL[activation(hf_name)]
 
 
 # ---------------------------------------------------------------------------------- norms
@@ -305,12 +331,23 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm scales by (1 + weight): the parameter holds 1 + the checkpoint's weight,
-    so the same kernels run (in float32 exactly transformers' `normed * (1.0 + weight)`)."""
+    """Gemma's RMSNorm, as transformers computes it in any dtype: in float32, scaled by
+    (1 + weight) in float32, rounded once (`gemma_rms_norm`); with a residual, the residual add
+    (in the activation dtype) first. The parameter holds the checkpoint's weight."""
 
-    def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
-        default_weight_loader(param, loaded)
-        param.data += 1.0
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return gemma_rms_norm(x, self.weight, self.eps)
+        residual = x + residual
+        return gemma_rms_norm(residual, self.weight, self.eps), residual
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------- rotary

@@ -21,23 +21,12 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-import kernels
 from worker.models.layers import (
     Attention, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-    RowParallelLinear, VocabParallelEmbedding, compute_logits, default_weight_loader,
+    RowParallelLinear, VocabParallelEmbedding, act_and_mul, compute_logits, default_weight_loader,
 )
 from worker.models.weights import CheckpointTensor
 from worker.parallel import get_tp_group
-
-ACT_AND_MUL = {"silu": kernels.silu_and_mul, "gelu_pytorch_tanh": kernels.gelu_tanh_and_mul,
-               "gelu_tanh": kernels.gelu_tanh_and_mul}
-
-
-def act_and_mul(name: str):
-    if name not in ACT_AND_MUL:
-        raise ValueError(f"activation {name!r} is not supported (only {', '.join(ACT_AND_MUL)})")
-    return ACT_AND_MUL[name]
-
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -48,6 +37,8 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
     window of its "sliding_attention" layers; elsewhere (Mistral, Mixtral, Phi-3, Qwen3-MoE) every
     layer's, when `sliding_window` is set (as transformers' modeling of each does)."""
     window = getattr(config, "sliding_window", None) or None
+    if window is not None and window >= getattr(config, "max_position_embeddings", window + 1):
+        return None  # a window as long as the context (Phi-3.5, Phi-4-mini: 262144) masks nothing
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
@@ -142,6 +133,11 @@ class DecoderModel(nn.Module):
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
 
+def _expected_shards(owner: nn.Module, param: torch.Tensor) -> set:
+    """The parts a checkpoint must fill of a fused parameter ({None}: the tensor whole)."""
+    return owner.shard_ids(param) if hasattr(owner, "shard_ids") else {None}
+
+
 @functools.lru_cache(maxsize=16)
 def _rounded(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(value, dtype=dtype))
@@ -234,7 +230,7 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         owners = {f"{prefix}.{name}" if prefix else name: module for prefix, module in self.named_modules()
                   for name, _ in module.named_parameters(recurse=False)}
-        loaded: set[str] = set()
+        loaded: dict[str, set] = {}  # parameter -> the parts filled (None: whole)
         for name, tensor in weights:
             if any(skip in name for skip in self.SKIPPED) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
@@ -242,14 +238,19 @@ class CausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"the checkpoint's {name} is no weight of {type(self).__name__}")
             getattr(owners[name], "weight_loader", default_weight_loader)(params[name], tensor, shard_id)
-            loaded.add(name)
-        missing = set(params) - loaded
+            loaded.setdefault(name, set()).add(shard_id)
+        missing = [name for name, param in params.items() if None not in loaded.get(name, ())
+                   and not (loaded.get(name) and _expected_shards(owners[name], param) <= loaded[name])]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
+    def warmup_kernels(self) -> None:
+        """Compile, at start-up, the kernels a family runs beyond attention (CUDA): none here."""
+
 
 class LlamaForCausalLM(CausalLM):
-    qkv_bias = False
+    attention_class = LlamaAttention
+    qkv_bias = False  # q, k and v have biases whatever the config says (Qwen2)
 
     def build_model(self, config) -> DecoderModel:
         return DecoderModel(config, (self.build_layer(config, i) for i in range(config.num_hidden_layers)))
@@ -259,8 +260,8 @@ class LlamaForCausalLM(CausalLM):
                                  self.build_mlp(config, layer_idx))
 
     def build_attention(self, config, layer_idx: int) -> nn.Module:
-        bias = bool(getattr(config, "attention_bias", False))
-        return LlamaAttention(config, layer_idx, qkv_bias=bias or self.qkv_bias, o_bias=bias)
+        bias = bool(getattr(config, "attention_bias", False))  # every projection's, as transformers' Llama
+        return self.attention_class(config, layer_idx, qkv_bias=bias or self.qkv_bias, o_bias=bias)
 
     def build_mlp(self, config, layer_idx: int) -> nn.Module:
         return LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
@@ -274,9 +275,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Llama with q, k and v biases; windows on the layers `layer_types` marks."""
 
     qkv_bias = True
-
-    def build_attention(self, config, layer_idx: int) -> nn.Module:
-        return LlamaAttention(config, layer_idx, qkv_bias=True)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -22,13 +22,11 @@ from torch import nn
 from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
 
 import kernels
-from worker.models.layers import ReplicatedLinear, _copy, all_reduce
+from worker.models.layers import ReplicatedLinear, activation, all_reduce, copy_checked
 from worker.models.llama import LlamaForCausalLM, LlamaMLP
 from worker.models.qwen3 import QKNormAttention
 from worker.models.weights import CheckpointTensor
 from worker.parallel import divide, get_tp_group
-
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class FusedMoE(nn.Module):
@@ -40,9 +38,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
         super().__init__()
         self.tp = tp = get_tp_group()
-        if hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"expert activation {hidden_act!r} is not supported (only {', '.join(_ACTIVATIONS)})")
-        self.activation = _ACTIVATIONS[hidden_act]
+        self.activation = activation(hidden_act)
         self.num_experts = num_experts
         self.intermediate = divide(intermediate_size, tp.world_size, "the experts' intermediate size")
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size), requires_grad=False)
@@ -50,6 +46,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return kernels.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, activation=self.activation)
+
+    def shard_ids(self, param: torch.Tensor) -> set:
+        parts = ("w2",) if param is self.w2_weight else ("w1", "w3")
+        return {(expert, part) for expert in range(self.num_experts) for part in parts}
 
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
         """shard_id (expert, part): one expert's gate ("w1"), up ("w3") or down ("w2") projection
@@ -64,12 +64,12 @@ class FusedMoE(nn.Module):
     def _load_expert(self, param: torch.Tensor, loaded, expert: int, part: str | None) -> None:
         size, start = self.intermediate, self.tp.rank * self.intermediate
         if param is self.w2_weight:
-            _copy(param.data[expert], loaded.narrow(1, start, size), f"expert {expert}'s down projection")
+            copy_checked(param.data[expert], loaded.narrow(1, start, size), f"expert {expert}'s down projection")
             return
         full = loaded.shape[0] // 2 if part is None else 0  # a stacked tensor: the up rows follow the gate rows
         for i, name in enumerate(("w1", "w3")):
             if part in (None, name):
-                _copy(param.data[expert].narrow(0, i * size, size), loaded.narrow(0, start + i * full, size),
+                copy_checked(param.data[expert].narrow(0, i * size, size), loaded.narrow(0, start + i * full, size),
                       f"expert {expert}'s {'gate' if name == 'w1' else 'up'} projection")
 
 
@@ -148,6 +148,12 @@ class MoeCausalLM(LlamaForCausalLM):
         return f"{name[:expert.start()]}.experts.{stacked}", (int(expert[1]), part)
 
 
+    def warmup_kernels(self) -> None:
+        block = next((m for m in self.modules() if isinstance(m, SparseMoeBlock)), None)
+        if block is not None:  # every MoE layer's experts have one shape
+            block.warmup()
+
+
 class MixtralForCausalLM(MoeCausalLM):
     rotary_class = MixtralRotaryEmbedding
     EXPERT_PARTS = {"w1": "w1", "w2": "w2", "w3": "w3"}
@@ -172,7 +178,5 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
+    attention_class = QKNormAttention
     qkv_bias = False
-
-    def build_attention(self, config, layer_idx: int) -> nn.Module:
-        return QKNormAttention(config, layer_idx, qkv_bias=bool(getattr(config, "attention_bias", False)))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from worker.models.layers import RMSNorm
 from worker.models.llama import LlamaAttention, LlamaForCausalLM
@@ -23,5 +22,4 @@ class QKNormAttention(LlamaAttention):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def build_attention(self, config, layer_idx: int) -> nn.Module:
-        return QKNormAttention(config, layer_idx, qkv_bias=bool(getattr(config, "attention_bias", False)))
+    attention_class = QKNormAttention
