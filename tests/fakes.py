@@ -3,7 +3,8 @@
 FakeExecutor keeps the sequences it holds with common/plan_state.py, as worker/executor.py does
 (so a plan the worker would refuse raises ProtocolError here too), and samples a deterministic
 token, so the scheduler runs its whole loop with no model. Unless told that requests fork
-(`forks=True`), it also checks that no block is in two tables.
+(`forks=True`), it also checks that no block is in two tables. With a `sliding_window` it accepts
+the null block where the window skips, as a worker of such a model does.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ class FakeExecutor:
     """Applies each plan's diffs and samples `token_fn`'s token for every sequence that computed
     its last token, `num_samples` times (logprob -0.25); keeps every plan in `plans`."""
 
-    def __init__(self, block_size: int, token_fn: TokenFn | None = None, forks: bool = False) -> None:
-        self.state = PlanState(block_size)
+    def __init__(self, block_size: int, token_fn: TokenFn | None = None, forks: bool = False,
+                 sliding_window: int | None = None) -> None:
+        self.state = PlanState(block_size, sliding_window=sliding_window)
         self.forks = forks
         self.plans: list[StepPlan] = []
         self.token_fn = token_fn or (lambda seq_id, tokens, num_prompt: token_for(seq_id, len(tokens)))
