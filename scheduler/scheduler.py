@@ -21,6 +21,12 @@ running sequence that draws one token in step N is then assumed to hold it: step
 as `PENDING_TOKEN` (the worker appends the token it drew itself), in a slot allocated now. A group
 whose next step depends on that result waits for it instead (see `_awaits_result`), so the tokens
 are those of the serial loop; a sequence that ends in step N had one token computed in vain.
+
+With a `sliding_window` W (a model whose every layer attends only to its last W keys), a
+sequence put in a plan from position c on first gives back the blocks wholly before c - W + 1
+(`_remove_skipped_blocks`), then grows for the step: decoding, it holds at most W / block_size + 1
+blocks. A prompt, or a recompute, still takes blocks for all its tokens at admission and gives
+them back as its chunks go on.
 """
 from __future__ import annotations
 
@@ -35,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
 from common.protocol import (
-    ITERATION_TOKENS_BUCKETS, PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan,
-    StepResult, WorkerHello, num_beam_candidates, sample_seed,
+    ITERATION_TOKENS_BUCKETS, NULL_BLOCK, PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams,
+    StepPlan, StepResult, WorkerHello, num_beam_candidates, sample_seed,
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError
 from scheduler.block_manager import BlockManager
@@ -46,11 +52,13 @@ from scheduler.sequence import (
 )
 
 
-def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int) -> Allocator:
-    """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py)."""
+def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int,
+                    sliding_window: int | None) -> Allocator:
+    """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py),
+    which holds a sequence's blocks whole whatever its sliding window."""
     if config.allocator == "paged":
         return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
-                            enable_prefix_caching=config.enable_prefix_caching)
+                            enable_prefix_caching=config.enable_prefix_caching, sliding_window=sliding_window)
     from scheduler.contiguous import ContiguousAllocator
 
     return ContiguousAllocator(num_gpu_blocks, config.block_size, config.allocator.removeprefix("orca-"), max_model_len)
@@ -107,16 +115,19 @@ class Scheduler:
     def __init__(
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
-        memory_events: MemoryEventLog | None = None,
+        memory_events: MemoryEventLog | None = None, sliding_window: int | None = None,
     ) -> None:
         """`memory_events`: the log of a scheduler this one follows (a worker group restarted, the
-        offline LLM reset), whose event ids it goes on from; else a new one."""
+        offline LLM reset), whose event ids it goes on from; else a new one. `sliding_window`: the
+        model's every layer attends only to its last `sliding_window` keys (WorkerHello)."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.num_eos_token_ids = len(eos_token_ids)
         self.costs = costs
-        self.block_manager: Allocator = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks)
+        self.sliding_window = sliding_window
+        self.block_manager: Allocator = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
+                                                        sliding_window)
         self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
         self.running: list[SequenceGroup] = []  # arrival order
         self.swapped: list[SequenceGroup] = []  # arrival order
@@ -140,6 +151,7 @@ class Scheduler:
         self.memory_events = MemoryEventLog() if memory_events is None else memory_events
         self.num_cow_copies = 0
         self._copies: list[tuple[SequenceGroup, int, list[int]]] = []  # of the plan being built: (group, seq_id, copy)
+        self._left_window: list[int] = []  # of the plan being built: blocks released outside a sliding window
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, the last +Inf
@@ -154,7 +166,7 @@ class Scheduler:
                    memory_events: MemoryEventLog | None = None) -> Scheduler:
         costs = PreemptionCosts(hello.kv_bytes_per_block, hello.host_bandwidth, hello.prefill_tokens_per_s)
         return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
-                   memory_events)
+                   memory_events, hello.sliding_window)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -296,6 +308,7 @@ class Scheduler:
         self._to_drop = []
         self._planning = _InFlight(self.step)
         self._copies = []
+        self._left_window = []
         self._ahead = dict(self._in_flight[-1].scheduled) if self._in_flight else {}
         budget = _Budget(self.config.max_num_batched_tokens)
         preempted = self._schedule_running(plan, budget)
@@ -319,6 +332,9 @@ class Scheduler:
         if evicted:
             self.memory_events.record(self.step, "prefix_evict", "", -1, evicted)
             evicted.clear()
+        if self._left_window:
+            self.memory_events.record(self.step, "window", "", -1, list(dict.fromkeys(self._left_window)))
+            self._left_window = []
 
     def _record(self, kind: str, group: SequenceGroup, seq_id: int, blocks: list[int]) -> None:
         self.memory_events.record(self.step, kind, group.request_id, seq_id, blocks)
@@ -379,6 +395,8 @@ class Scheduler:
                 if num_new is None:  # out of budget this step, or waiting for a result; stays running
                     self.running.append(group)
                     continue
+                if self.sliding_window is not None:
+                    self._remove_skipped_blocks(seqs)
                 extra = self._extra_slots(seqs, num_new)
                 while not self._can_grow(seqs, extra):
                     victim = queue[-1] if queue else group
@@ -407,7 +425,8 @@ class Scheduler:
     def _decode_alone(self, group: SequenceGroup, plan: StepPlan, budget: _Budget) -> bool:
         """The common case of `_schedule_running`, planned without its lists: the group's one
         sequence, running and held by the workers, computes one token (its last) in room its table
-        has or gets without a preemption. Returns False, having changed nothing, in any other case."""
+        has or gets without a preemption. Returns False, having changed nothing, in any other case
+        (but for blocks given back outside a sliding window, which the general path gives back too)."""
         seq = group.seqs[0]
         seq_id = seq.seq_id
         in_flight = self._ahead.get(seq_id, 0)
@@ -420,6 +439,8 @@ class Scheduler:
         if num_tokens - computed != 1:
             return False
         bm = self.block_manager
+        if self.sliding_window is not None:
+            self._remove_skipped_blocks([seq])
         extra = computed + 1 - bm.num_slots[seq_id]
         if extra > 0:
             try:  # alone in its group, it can grow exactly when it can append
@@ -466,6 +487,8 @@ class Scheduler:
                 for seq in seqs:
                     seq.status = SequenceStatus.RUNNING
                 self._insert_running(group)
+                if self.sliding_window is not None:
+                    self._remove_skipped_blocks(seqs)
                 extra = self._extra_slots(seqs, num_new)
                 if self._can_grow(seqs, extra):  # the watermark all but guarantees it
                     self._grow(seqs, extra, plan)
@@ -510,6 +533,8 @@ class Scheduler:
                             self._record("prefix_hit", group, seq.seq_id, hit_blocks)
                 if group.first_scheduled_time is None:
                     group.first_scheduled_time = time.time()
+                if self.sliding_window is not None:  # prefix-cache hits the window already skips
+                    self._remove_skipped_blocks(seqs)
                 self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
                 self._insert_running(group)
             except Exception as exc:
@@ -547,6 +572,18 @@ class Scheduler:
         return [seq.num_computed_tokens + ahead.get(seq.seq_id, 0) + n - num_slots[seq.seq_id]
                 for seq, n in zip(seqs, num_new)]
 
+    def _remove_skipped_blocks(self, seqs: list[Sequence]) -> None:
+        """Give back the blocks wholly outside the sliding window of each sequence's first position
+        still to compute, counting the tokens of the plan in flight: no query of this plan or a
+        later one reads them. The plan in flight may, but the worker runs it before this plan, the
+        first that can hand them out again (as for a sequence freed in `update`). The workers are
+        not told: they never read those entries, and a table sent whole carries the null block."""
+        bm, ahead = self.block_manager, self._ahead
+        for seq in seqs:
+            released = bm.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens + ahead.get(seq.seq_id, 0))
+            if released:
+                self._left_window += released
+
     def _can_grow(self, seqs: list[Sequence], extra: list[int]) -> bool:
         """`extra`: from `_extra_slots`."""
         bm = self.block_manager
@@ -569,6 +606,8 @@ class Scheduler:
     # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
         seqs = group.seqs_with(SequenceStatus.RUNNING)
+        if self.sliding_window is not None:  # neither copied nor priced: no later query reads them
+            self._remove_skipped_blocks(seqs)
         for seq in seqs:
             if seq.seq_id in self._held_by_workers:  # its table changes: the workers drop it
                 self._held_by_workers.discard(seq.seq_id)
@@ -585,7 +624,9 @@ class Scheduler:
             self.swapped.sort(key=lambda g: g.arrival_time)
             self.num_swap_preemptions += 1
         else:
-            freed = sorted({block for seq in seqs for block in self.block_manager.block_table(seq.seq_id)})
+            freed = {block for seq in seqs for block in self.block_manager.block_table(seq.seq_id)}
+            freed.discard(NULL_BLOCK)  # entries outside a sliding window
+            freed = sorted(freed)
             self._record("recompute", group, -1, freed)
             for seq in seqs:
                 self.block_manager.free(seq.seq_id)
@@ -767,7 +808,8 @@ class Scheduler:
             SequenceStatus.RUNNING,
         )
         self.block_manager.fork(parent.seq_id, child.seq_id)
-        self._record("fork", group, child.seq_id, self.block_manager.block_table(child.seq_id))
+        shared = self.block_manager.block_table(child.seq_id)
+        self._record("fork", group, child.seq_id, [block for block in shared if block != NULL_BLOCK])
         self._seqs[child.seq_id] = child
         self._group_of_seq[child.seq_id] = group
         group.seqs.append(child)
