@@ -22,11 +22,12 @@ as `PENDING_TOKEN` (the worker appends the token it drew itself), in a slot allo
 whose next step depends on that result waits for it instead (see `_awaits_result`), so the tokens
 are those of the serial loop; a sequence that ends in step N had one token computed in vain.
 
-With a `sliding_window` W (a model whose every layer attends only to its last W keys), a
-sequence put in a plan from position c on first gives back the blocks wholly before c - W + 1
-(`_remove_skipped_blocks`), then grows for the step: decoding, it holds at most W / block_size + 1
-blocks. A prompt, or a recompute, still takes blocks for all its tokens at admission and gives
-them back as its chunks go on.
+With a `sliding_window` W (a model whose every layer attends only to its last W keys), each
+plan starts by giving back, for every running sequence whose next position to compute is c, the
+blocks wholly before c - W + 1 (`_remove_skipped_blocks`; a prefix-cache hit past the window too,
+at admission); then tables grow for the step: decoding, a sequence holds at most
+W / block_size + 1 blocks. A prompt, or a recompute, still takes blocks for all its tokens at
+admission and gives them back as its chunks go on.
 """
 from __future__ import annotations
 
@@ -310,6 +311,8 @@ class Scheduler:
         self._copies = []
         self._left_window = []
         self._ahead = dict(self._in_flight[-1].scheduled) if self._in_flight else {}
+        if self.sliding_window is not None:
+            self._remove_skipped_blocks(self.running)
         budget = _Budget(self.config.max_num_batched_tokens)
         preempted = self._schedule_running(plan, budget)
         if not preempted:
@@ -395,8 +398,6 @@ class Scheduler:
                 if num_new is None:  # out of budget this step, or waiting for a result; stays running
                     self.running.append(group)
                     continue
-                if self.sliding_window is not None:
-                    self._remove_skipped_blocks(seqs)
                 extra = self._extra_slots(seqs, num_new)
                 while not self._can_grow(seqs, extra):
                     victim = queue[-1] if queue else group
@@ -425,8 +426,7 @@ class Scheduler:
     def _decode_alone(self, group: SequenceGroup, plan: StepPlan, budget: _Budget) -> bool:
         """The common case of `_schedule_running`, planned without its lists: the group's one
         sequence, running and held by the workers, computes one token (its last) in room its table
-        has or gets without a preemption. Returns False, having changed nothing, in any other case
-        (but for blocks given back outside a sliding window, which the general path gives back too)."""
+        has or gets without a preemption. Returns False, having changed nothing, in any other case."""
         seq = group.seqs[0]
         seq_id = seq.seq_id
         in_flight = self._ahead.get(seq_id, 0)
@@ -439,8 +439,6 @@ class Scheduler:
         if num_tokens - computed != 1:
             return False
         bm = self.block_manager
-        if self.sliding_window is not None:
-            self._remove_skipped_blocks([seq])
         extra = computed + 1 - bm.num_slots[seq_id]
         if extra > 0:
             try:  # alone in its group, it can grow exactly when it can append
@@ -487,8 +485,6 @@ class Scheduler:
                 for seq in seqs:
                     seq.status = SequenceStatus.RUNNING
                 self._insert_running(group)
-                if self.sliding_window is not None:
-                    self._remove_skipped_blocks(seqs)
                 extra = self._extra_slots(seqs, num_new)
                 if self._can_grow(seqs, extra):  # the watermark all but guarantees it
                     self._grow(seqs, extra, plan)
@@ -534,7 +530,7 @@ class Scheduler:
                 if group.first_scheduled_time is None:
                     group.first_scheduled_time = time.time()
                 if self.sliding_window is not None:  # prefix-cache hits the window already skips
-                    self._remove_skipped_blocks(seqs)
+                    self._remove_skipped_blocks([group])
                 self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
                 self._insert_running(group)
             except Exception as exc:
@@ -572,17 +568,21 @@ class Scheduler:
         return [seq.num_computed_tokens + ahead.get(seq.seq_id, 0) + n - num_slots[seq.seq_id]
                 for seq, n in zip(seqs, num_new)]
 
-    def _remove_skipped_blocks(self, seqs: list[Sequence]) -> None:
-        """Give back the blocks wholly outside the sliding window of each sequence's first position
-        still to compute, counting the tokens of the plan in flight: no query of this plan or a
-        later one reads them. The plan in flight may, but the worker runs it before this plan, the
-        first that can hand them out again (as for a sequence freed in `update`). The workers are
-        not told: they never read those entries, and a table sent whole carries the null block."""
-        bm, ahead = self.block_manager, self._ahead
-        for seq in seqs:
-            released = bm.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens + ahead.get(seq.seq_id, 0))
-            if released:
-                self._left_window += released
+    def _remove_skipped_blocks(self, groups: list[SequenceGroup]) -> None:
+        """Give back the blocks wholly outside the sliding window of each running sequence's first
+        position still to compute, counting the tokens of the plan in flight: no query of this plan
+        or a later one reads them. The plan in flight may, but the worker runs it before this plan,
+        the first that can hand them out again (as for a sequence freed in `update`). The workers
+        are not told: they never read those entries, and a table sent whole carries the null block.
+        Done for every running group before any table grows, so a victim is never swapped or
+        preempted for blocks the window frees; a swapped group comes back as it left."""
+        bm, ahead, running = self.block_manager, self._ahead, SequenceStatus.RUNNING
+        for group in groups:
+            for seq in group.seqs:
+                if seq.status is running:
+                    released = bm.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens + ahead.get(seq.seq_id, 0))
+                    if released:
+                        self._left_window += released
 
     def _can_grow(self, seqs: list[Sequence], extra: list[int]) -> bool:
         """`extra`: from `_extra_slots`."""
@@ -606,8 +606,6 @@ class Scheduler:
     # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
         seqs = group.seqs_with(SequenceStatus.RUNNING)
-        if self.sliding_window is not None:  # neither copied nor priced: no later query reads them
-            self._remove_skipped_blocks(seqs)
         for seq in seqs:
             if seq.seq_id in self._held_by_workers:  # its table changes: the workers drop it
                 self._held_by_workers.discard(seq.seq_id)
