@@ -202,12 +202,18 @@ class BlockManager(AllocatorBase):
         (the first one still to compute, counting a plan in flight) and put the null block in their
         entries; returns the blocks released, head first. Nothing without a sliding window.
 
-        The table becomes a new list (scheduler/memory_view.PackedTables relies on it)."""
+        A sequence in the prefix registry gives a full block back only once its step is confirmed
+        (`register_computed` keyed it), so that it stays cached: with async scheduling, the blocks
+        a prompt chunk in flight writes wait for its result. The table becomes a new list
+        (scheduler/memory_view.PackedTables relies on it)."""
         if self.sliding_window is None:
             return []
         assert num_computed_tokens <= self.num_slots[seq_id], f"sequence {seq_id}: position past its slots"
         table = self.block_tables[seq_id]
         end = max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size  # entries [0, end) skipped
+        keys = self.seq_keys.get(seq_id)
+        if keys is not None and len(keys) < end:
+            end = len(keys)
         start = end
         while start > 0 and table[start - 1] != NULL_BLOCK:  # back to the null entries already there
             start -= 1

@@ -593,7 +593,8 @@ class KVModel:
         self.kv = {b: [None] * bm.block_size for b in range(bm.num_blocks)}
         self.cpu_kv = {b: [None] * bm.block_size for b in range(bm.num_cpu_blocks)}
         self.tokens: dict[int, list[int]] = {}
-        self.first: dict[int, int] = {}  # the largest position `remove_skipped_blocks` was given
+        self.skipped: dict[int, int] = {}  # the leading entries a window released
+        self.keyed: dict[int, int] = {}  # with prefix caching: the leading blocks confirmed, which alone may go
 
     def write(self, seq_id: int, start: int) -> None:
         """The worker computes the slots [start, len(tokens)) of a running sequence."""
@@ -605,8 +606,19 @@ class KVModel:
 
     def register(self, seq_id: int) -> None:
         """The step that wrote them confirmed (`Scheduler.update`): with async scheduling, after
-        the next plan may have skipped blocks."""
+        the next plan asked to skip blocks."""
         self.bm.register_computed(seq_id, self.tokens[seq_id], len(self.tokens[seq_id]))
+        if self.bm.enable_prefix_caching:
+            self.keyed[seq_id] = max(self.keyed[seq_id], len(self.tokens[seq_id]) // self.bm.block_size)
+
+    def skip(self, seq_id: int, first: int) -> None:
+        """The next step computes from `first` on: blocks wholly before its window go, but a
+        sequence in the prefix registry keeps those not confirmed yet (they are cached once it is)."""
+        end = skipped(self.bm, first)
+        if self.bm.enable_prefix_caching:
+            end = min(end, self.keyed[seq_id])
+        self.bm.remove_skipped_blocks(seq_id, first)
+        self.skipped[seq_id] = max(self.skipped[seq_id], end)
 
     def copy(self, copies, src_kv, dst_kv) -> None:
         for src, dst in copies:
@@ -614,14 +626,15 @@ class KVModel:
 
     def check(self) -> None:
         """Every slot a query can still read holds its token's state; the null entries are exactly
-        those wholly outside the window of the largest position the sequence was skipped to."""
+        those the window released."""
         bs = self.bm.block_size
         for seq_id, tokens in self.tokens.items():
             on_device = seq_id in self.bm.block_tables
             table = self.bm.block_tables[seq_id] if on_device else self.bm.cpu_tables[seq_id]
             null = NULL_BLOCK if on_device else self.bm.null_cpu_block
-            num_skipped = skipped(self.bm, self.first[seq_id])
-            assert table[:num_skipped] == [null] * num_skipped and null not in table[num_skipped:], f"seq {seq_id} nulls"
+            num_skipped = self.skipped[seq_id]
+            assert table[:num_skipped] == [null] * num_skipped, f"seq {seq_id} nulls"
+            assert null not in table[num_skipped:], f"seq {seq_id} nulls"
             kv = self.kv if on_device else self.cpu_kv
             read = range(num_skipped * bs, len(tokens))
             assert [kv[table[p // bs]][p % bs] for p in read] == [state(tokens, p) for p in read], f"seq {seq_id} KV"
@@ -650,7 +663,7 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
                     state(tokens, p) for p in range(hit)
                 ]
                 model.tokens[next_id] = tokens
-                model.first[next_id] = 0
+                model.skipped[next_id], model.keyed[next_id] = 0, hit // block_size
                 model.write(next_id, hit)
                 next_id += 1
             else:
@@ -675,12 +688,12 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
             seq = running[pick % len(running)]
             bm.fork(seq, next_id)
             model.tokens[next_id] = list(model.tokens[seq])
-            model.first[next_id] = model.first[seq]
+            model.skipped[next_id], model.keyed[next_id] = model.skipped[seq], model.keyed[seq]
             next_id += 1
         elif op == "free":
             seq = sorted(model.tokens)[pick % len(model.tokens)]
             bm.free(seq)
-            del model.tokens[seq], model.first[seq]
+            del model.tokens[seq], model.skipped[seq], model.keyed[seq]
         elif op == "swap_out" and running:
             group = running[pick % len(running):][: 1 + pick % 3]
             if bm.can_swap_out(group):
@@ -692,9 +705,7 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
             model.register(running[pick % len(running)])
         elif op == "window" and running:  # the next step computes from `first` on (every token is written)
             seq = running[pick % len(running)]
-            first = pick % (len(model.tokens[seq]) + 1)
-            bm.remove_skipped_blocks(seq, first)
-            model.first[seq] = max(model.first[seq], first)
+            model.skip(seq, pick % (len(model.tokens[seq]) + 1))
         elif op == "swap_in" and swapped:
             group = swapped[pick % len(swapped):][: 1 + pick % 3]
             if bm.can_swap_in(group):
@@ -868,24 +879,46 @@ def test_a_recompute_frees_a_nulled_table_and_gets_blocks_for_every_token_again(
     bm.check_integrity()
 
 
-def test_a_block_nulled_before_it_is_registered_is_never_cached_but_the_key_chain_goes_on():
-    """Async scheduling: the next plan skips a block before the result that wrote it is applied."""
+def test_a_registered_sequence_gives_a_block_back_only_once_its_step_is_confirmed_and_it_stays_cached():
+    """Async scheduling: the next plan asks to skip a prompt's blocks before the result that wrote
+    them is applied. They go once confirmed, and stay cached for the next prompt that shares them."""
     bm = BlockManager(9, 4, enable_prefix_caching=True, sliding_window=4)
     assert bm.allocate(0, 11, PROMPT) == 0
-    assert bm.remove_skipped_blocks(0, 11) == [1, 2]  # planned from 11 on: keys from 8 on
+    assert bm.remove_skipped_blocks(0, 11) == []  # planned from 11 on (keys from 8 on), not confirmed yet
+    assert bm.block_table(0) == [1, 2, 3]
+    computed(bm, 0, PROMPT)  # the result: blocks 1 and 2 registered
+    assert bm.remove_skipped_blocks(0, 11) == [1, 2]
+    assert list(bm.evictable) == [2, 1] and sorted(bm.cached_blocks.values()) == [1, 2]
+    assert bm.cached_prefix_tokens(PROMPT + [9], 12) == 8
+    bm.check_integrity()
+
+
+def test_without_prefix_caching_blocks_go_before_their_step_is_confirmed_and_registration_skips_them():
+    bm = BlockManager(9, 4, sliding_window=4)
+    assert bm.allocate(0, 11, PROMPT) == 0
+    assert bm.remove_skipped_blocks(0, 11) == [1, 2]
     computed(bm, 0, PROMPT)
-    assert bm.cached_blocks == {} and list(bm.free_queue)[-2:] == [2, 1]
+    assert bm.cached_blocks == {} and bm.block_key[NULL_BLOCK] is None
+    bm.check_integrity()
+
+
+def test_the_key_chain_goes_on_past_null_entries():
+    """A forked sample inherits its parent's null entries and keys; its own later blocks chain on."""
+    bm = BlockManager(9, 4, enable_prefix_caching=True, sliding_window=4)
+    bm.allocate(0, 11, PROMPT)
+    computed(bm, 0, PROMPT)
+    assert bm.remove_skipped_blocks(0, 11) == [1, 2]
+    bm.fork(0, 1)
     tokens = PROMPT + [111, 112, 113, 114, 115]  # 16
-    bm.append_slot(0, 5)
-    computed(bm, 0, tokens)
-    assert bm.block_table(0) == [NULL_BLOCK, NULL_BLOCK, 3, 4]
+    assert bm.append_slot(1, 5) == AppendedSlots(2, [3, 4])  # the shared partial block 3 copied first
+    computed(bm, 1, tokens)
+    assert bm.block_table(1) == [NULL_BLOCK, NULL_BLOCK, 4, 5]
     key = None
     for i in range(4):
         key = block_key(key, tuple(tokens[i * 4:(i + 1) * 4]))
         if i >= 2:
-            assert bm.block_key[bm.block_table(0)[i]] == key  # the chain through the skipped blocks
-    assert sorted(bm.cached_blocks.values()) == [3, 4]
-    assert bm.cached_prefix_tokens(tokens + [9], 17) == 0  # a lookup starts at the first block
+            assert bm.block_key[bm.block_table(1)[i]] == key  # the chain through the null entries
+    assert bm.block_key[NULL_BLOCK] is None
     bm.check_integrity()
 
 

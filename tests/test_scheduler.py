@@ -357,6 +357,31 @@ def test_a_long_prompt_takes_all_its_blocks_at_admission_and_gives_them_back_as_
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_with_prefix_caching_a_prompt_gives_back_its_blocks_once_its_result_is_in_and_they_stay_cached(
+        async_scheduling):
+    """The blocks a prompt leaves behind its window are registered first (once the worker confirmed
+    the step that wrote them), so they stay cached: with async scheduling the plan made while the
+    prompt runs keeps them, the next one gives them back. A second request with the prompt hits them
+    all and gives back at once those behind its own window."""
+    window = 32
+    engine = windowed_engine(window, num_gpu_blocks=64, enable_prefix_caching=True, async_scheduling=async_scheduling)
+    bm, events = engine.scheduler.block_manager, engine.scheduler.memory_events.events
+    engine.add_request("a", prompt(100), params(max_tokens=8, ignore_eos=True))
+    engine.step()
+    assert bm.block_table(0) == list(range(1, 14))  # 13 blocks: the prompt's, and slot 100's
+    engine.step()
+    assert bm.block_table(0) == [NULL_BLOCK] * 8 + list(range(9, 14))  # from 100 on: keys from 69 on
+    [left] = [e for e in events if e.kind == "window"]
+    assert left.step == (3 if async_scheduling else 2) and left.num_blocks == 8
+    assert sorted(bm.evictable) == list(range(1, 9))  # registered, so cached
+    done = run(engine)
+    engine.add_request("b", prompt(100), params(max_tokens=2, ignore_eos=True))
+    run(engine, done)
+    assert engine.scheduler.prefix_cache_hits == 96  # 12 full blocks: all but the last token's
+    assert done == {"a": (expected_output(0, 100, 8), "length"), "b": (expected_output(1, 100, 2), "length")}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_the_window_bound_holds_through_preemption(mode, async_scheduling):
     """Four sequences decoding four windows each in a pool that holds them all only at 4 blocks
