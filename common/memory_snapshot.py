@@ -13,7 +13,9 @@ dashboard draws, served at /dashboard/snapshot and written by `pagoda generate -
      "stats": {...}}                          the gauges named in STATS
 
 `num_slots` is how many slots of the table hold token states or are written this step (the last
-block's filled slots are num_slots - (len(block_table) - 1) * block_size). An event's `blocks` are
+block's filled slots are num_slots - (len(block_table) - 1) * block_size). With a sliding window a
+table's leading entries may hold no block: 0 (the null block) in a GPU table, `num_cpu_blocks` (an
+id past the pool) in a CPU table. An event's `blocks` are
 the first 32 (scheduler/memory_view.MAX_EVENT_BLOCKS) of its `num_blocks`. `version` advances
 with each snapshot of one publisher (a scheduler, or a trace) whose memory may have changed.
 """
@@ -98,16 +100,18 @@ def snapshot_json(snapshot: MemorySnapshot) -> dict:
 
 def check_snapshot(snapshot: dict) -> list[str]:
     """What is wrong with a snapshot's JSON by its own invariants (empty when it agrees with itself):
-    each block's reference count is the number of tables holding it, in either pool, and a cached
-    block is held by no table."""
+    each block's reference count is the number of tables holding it, in either pool (a null entry
+    holds none), and a cached block is held by no table."""
     problems = []
     for pool, counts_key in (("gpu", "ref_counts"), ("cpu", "cpu_ref_counts")):
         counts = snapshot[counts_key]
+        null = 0 if pool == "gpu" else len(counts)
         holders = [0] * len(counts)
         for seq in snapshot["sequences"]:
             if seq["pool"] == pool:
                 for block in seq["block_table"]:
-                    holders[block] += 1
+                    if block != null:
+                        holders[block] += 1
         for block, (count, held) in enumerate(zip(counts, holders)):
             if count != held:
                 problems.append(f"{pool} block {block}: reference count {count}, held by {held} table(s)")

@@ -14,7 +14,9 @@ this worker sampled for the sequence in the step before (`record_sampled`). Per 
 Anything a worker could not run is a ProtocolError: continuing a sequence it does not hold,
 scheduling tokens it does not have, a block table that does not cover the slots written, the
 null block in a table, a PENDING_TOKEN for a sequence that did not draw exactly one token in the
-step before.
+step before. With a `sliding_window` W (a model whose every layer attends only to its last W keys)
+the null block may stand for a block no query of the step reads: wholly before position
+first - W + 1, where `first` is the first position the step computes for the sequence.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class PlanState:
     block_size: int
     seqs: dict[int, HeldSequence] = field(default_factory=dict)
     last_sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> its one token of the last step
+    sliding_window: int | None = None  # the model's, as its WorkerHello says
 
     def reset(self) -> None:
         """Forget every sequence (a new epoch: the scheduler's state was lost)."""
@@ -79,7 +82,7 @@ class PlanState:
             if new.seq_id in self.seqs:
                 raise ProtocolError(
                     f"plan step {plan.step} sends sequence {new.seq_id} in full, which this worker holds")
-            _check_blocks(plan.step, new.seq_id, new.block_ids)
+            self._check_blocks(plan.step, new.seq_id, new.block_ids, 0, new.num_computed_tokens)
             held = HeldSequence(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                                 new.num_computed_tokens, list(new.block_ids), new.sampling_params)
             self.seqs[new.seq_id] = held
@@ -92,7 +95,8 @@ class PlanState:
                     f"plan step {plan.step} continues sequence {cached.seq_id}, which this worker does not hold")
             new_block_ids, table = cached.new_block_ids, held.block_table
             if new_block_ids or cached.block_table_offset < len(table):
-                _check_blocks(plan.step, cached.seq_id, new_block_ids)
+                self._check_blocks(plan.step, cached.seq_id, new_block_ids, cached.block_table_offset,
+                                   held.num_computed_tokens)
                 del table[cached.block_table_offset:]
                 table += new_block_ids
             token_ids = held.token_ids
@@ -130,12 +134,20 @@ class PlanState:
         return scheduled
 
     def check_unshared(self) -> None:
-        """For plans of requests that never fork: no block is in two tables."""
-        blocks = [block for held in self.seqs.values() for block in held.block_table]
+        """For plans of requests that never fork: no block is in two tables, of the entries a
+        sequence can still read (those a sliding window skips keep the ids the scheduler has freed)."""
+        blocks = [block for held in self.seqs.values()
+                  for block in held.block_table[self._skipped(held.num_computed_tokens):]]
         if len(set(blocks)) != len(blocks):
             raise ProtocolError("a block is held by two sequences")
 
+    def _skipped(self, first: int) -> int:
+        """Leading table entries that no query from position `first` on reads (the sliding window's)."""
+        window = self.sliding_window
+        return max(first - window + 1, 0) // self.block_size if window else 0
 
-def _check_blocks(step: int, seq_id: int, block_ids: list[int]) -> None:
-    if NULL_BLOCK in block_ids:
-        raise ProtocolError(f"plan step {step} gives sequence {seq_id} the null block")
+    def _check_blocks(self, step: int, seq_id: int, block_ids: list[int], offset: int, first: int) -> None:
+        """`block_ids`: table entries from `offset` on of a sequence whose step computes from `first`."""
+        if NULL_BLOCK in block_ids and NULL_BLOCK in block_ids[max(self._skipped(first) - offset, 0):]:
+            window = f" inside its sliding window of {self.sliding_window} tokens" if self.sliding_window else ""
+            raise ProtocolError(f"plan step {step} gives sequence {seq_id} the null block{window}")

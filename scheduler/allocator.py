@@ -8,6 +8,9 @@ number of token slots it covers:
     [0, num_slots)                        slots in the table, KV written or scheduled
     [num_slots, len(table) * block_size)  spare room in the last block
 
+With a sliding window the paged BlockManager gives back the blocks no query can read any more
+(`remove_skipped_blocks`): their entries become NULL_BLOCK and the table keeps its length.
+
 `can_*` queries change nothing; the action they guard raises NoFreeBlocksError, and changes
 nothing, when it does not fit.
 """
@@ -19,11 +22,16 @@ from typing import Protocol, runtime_checkable
 
 from common.protocol import NULL_BLOCK
 
-__all__ = ["NULL_BLOCK", "Allocator", "AllocatorBase", "AppendedSlots", "NoFreeBlocksError"]
+__all__ = ["NULL_BLOCK", "Allocator", "AllocatorBase", "AppendedSlots", "NoFreeBlocksError", "num_null_entries"]
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
+
+
+def num_null_entries(table: list[int]) -> int:
+    """A device table's null entries, which lead it: counted only when it has one."""
+    return table.count(NULL_BLOCK) if table and table[0] == NULL_BLOCK else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,8 @@ class Allocator(Protocol):
     def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> AppendedSlots: ...
 
     def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
+
+    def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> list[int]: ...  # blocks released
 
     def fork(self, parent_id: int, child_id: int) -> None: ...
 
@@ -129,7 +139,9 @@ class AllocatorBase:
 
     def num_distinct_blocks(self, seq_ids: Sequence[int]) -> int:
         """Device blocks the sequences hold, a shared one once (what swapping them out moves)."""
-        return len({block for seq_id in seq_ids for block in self.block_tables[seq_id]})
+        blocks = {block for seq_id in seq_ids for block in self.block_tables[seq_id]}
+        blocks.discard(NULL_BLOCK)  # an entry outside a sliding window
+        return len(blocks)
 
     def can_append(self, seq_id: int, num_new_tokens: int = 1) -> bool:
         return self.blocks_to_append(seq_id, num_new_tokens) <= self.num_free_blocks

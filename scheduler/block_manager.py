@@ -11,6 +11,18 @@ reused (and evicted) first.
 A sequence's `num_slots` is the number of token slots its table covers and that are written or
 about to be written this step (scheduler/allocator.py, the interface the Scheduler uses).
 
+Sliding window (a model whose every layer attends only to its last `sliding_window` keys W): the
+query at position p reads keys (p - W, p], so once the first position still to compute is c, a
+block wholly before c - W + 1 is read by no later query. `remove_skipped_blocks` releases such
+blocks and puts the null block in their entries; the table keeps its length (entry i still covers
+slots [i * block_size, (i + 1) * block_size)), and its null entries are always its leading ones:
+
+    [0, skipped)           NULL_BLOCK: outside the window of every position still to compute
+    [skipped, len(table))  held blocks
+
+A swapped-out table marks those entries with `null_cpu_block` (num_cpu_blocks: no block of the swap
+pool, whose block 0 is a real one).
+
 Prefix registry: a full block is keyed by a SHA-256 digest of (its parent's key, its token ids),
 chained from the first block, so a crafted collision cannot make one prompt read another's KV;
 a hit compares the token ids too. A block is registered (`register_computed`) only
@@ -23,7 +35,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError
+from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, num_null_entries
 
 __all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key"]
 
@@ -37,9 +49,12 @@ def block_key(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
 class BlockManager(AllocatorBase):
     def __init__(
         self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool = False, sliding_window: int | None = None,
     ) -> None:
         super().__init__(num_blocks, block_size, watermark)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"a sliding window of {sliding_window} tokens: at least 1 expected")
+        self.sliding_window = sliding_window
         self.ref_counts = [0] * num_blocks
         self.free_queue: deque[int] = deque(range(1, num_blocks))
         # swap pool
@@ -47,6 +62,7 @@ class BlockManager(AllocatorBase):
         self.cpu_ref_counts = [0] * num_cpu_blocks
         self.cpu_free_queue: deque[int] = deque(range(num_cpu_blocks))
         self.cpu_tables: dict[int, list[int]] = {}  # tables of swapped-out sequences
+        self.null_cpu_block = num_cpu_blocks  # a swapped table's entry outside the sliding window
         # prefix registry
         self.enable_prefix_caching = enable_prefix_caching
         self.cached_blocks: dict[bytes, int] = {}  # key -> device block
@@ -157,7 +173,8 @@ class BlockManager(AllocatorBase):
         table = list(self.block_tables[parent_id])
         self.version += 1
         for block in table:
-            self.ref_counts[block] += 1
+            if block != NULL_BLOCK:
+                self.ref_counts[block] += 1
         self.block_tables[child_id] = table
         self.num_slots[child_id] = self.num_slots[parent_id]
         if parent_id in self.seq_keys:
@@ -170,12 +187,44 @@ class BlockManager(AllocatorBase):
         self.version += 1
         if seq_id in self.cpu_tables:
             for block in reversed(self.cpu_tables.pop(seq_id)):
+                if block == self.null_cpu_block:
+                    continue
                 self.cpu_ref_counts[block] -= 1
                 if self.cpu_ref_counts[block] == 0:
                     self.cpu_free_queue.append(block)
             return
         for block in reversed(self.block_tables.pop(seq_id)):
+            if block != NULL_BLOCK:
+                self._release(block)
+
+    def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> list[int]:
+        """Release the blocks wholly before the sliding window of position `num_computed_tokens`
+        (the first one still to compute, counting a plan in flight) and put the null block in their
+        entries; returns the blocks released, head first. Nothing without a sliding window.
+
+        A sequence in the prefix registry gives a full block back only once its step is confirmed
+        (`register_computed` keyed it), so that it stays cached: with async scheduling, the blocks
+        a prompt chunk in flight writes wait for its result. The table becomes a new list
+        (scheduler/memory_view.PackedTables relies on it)."""
+        if self.sliding_window is None:
+            return []
+        assert num_computed_tokens <= self.num_slots[seq_id], f"sequence {seq_id}: position past its slots"
+        table = self.block_tables[seq_id]
+        end = max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size  # entries [0, end) skipped
+        keys = self.seq_keys.get(seq_id)
+        if keys is not None and len(keys) < end:
+            end = len(keys)
+        start = end
+        while start > 0 and table[start - 1] != NULL_BLOCK:  # back to the null entries already there
+            start -= 1
+        if start == end:
+            return []
+        released = table[start:end]
+        self.version += 1
+        for block in reversed(released):  # tail first, as `free`
             self._release(block)
+        self.block_tables[seq_id] = [NULL_BLOCK] * end + table[end:]
+        return released
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
@@ -234,7 +283,7 @@ class BlockManager(AllocatorBase):
             key = block_key(keys[-1] if keys else None, tokens)
             keys.append(key)
             block = table[i]
-            if key not in self.cached_blocks and self.block_key[block] is None:
+            if block != NULL_BLOCK and key not in self.cached_blocks and self.block_key[block] is None:
                 self.cached_blocks[key] = block
                 self.block_key[block] = key
                 self.block_tokens[block] = tokens
@@ -259,6 +308,9 @@ class BlockManager(AllocatorBase):
             table = self.block_tables.pop(seq_id)
             cpu_table = []
             for block in table:
+                if block == NULL_BLOCK:  # outside the sliding window: nothing to copy
+                    cpu_table.append(self.null_cpu_block)
+                    continue
                 if block not in mapping:
                     mapping[block] = self.cpu_free_queue.popleft()
                 cpu = mapping[block]
@@ -269,8 +321,9 @@ class BlockManager(AllocatorBase):
         return [[block, cpu] for block, cpu in mapping.items()]
 
     def can_swap_in(self, seq_ids: list[int]) -> bool:
-        needed = len({block for seq_id in seq_ids for block in self.cpu_tables[seq_id]})
-        return needed <= self.num_free_blocks - self.watermark_blocks
+        needed = {block for seq_id in seq_ids for block in self.cpu_tables[seq_id]}
+        needed.discard(self.null_cpu_block)
+        return len(needed) <= self.num_free_blocks - self.watermark_blocks
 
     def swap_in(self, seq_ids: list[int]) -> list[list[int]]:
         """Bring swapped sequences back to device blocks; returns the copies [cpu, device]."""
@@ -282,6 +335,9 @@ class BlockManager(AllocatorBase):
             cpu_table = self.cpu_tables.pop(seq_id)
             table = []
             for cpu in cpu_table:
+                if cpu == self.null_cpu_block:
+                    table.append(NULL_BLOCK)
+                    continue
                 if cpu in mapping:
                     self.ref_counts[mapping[cpu]] += 1
                 else:
@@ -295,8 +351,8 @@ class BlockManager(AllocatorBase):
 
     # ---------------------------------------------------------------- sharing
     def sharing_stats(self) -> tuple[int, int]:
-        """(logical, physical): device blocks summed over tables, and distinct blocks held."""
-        logical = sum(len(table) for table in self.block_tables.values())
+        """(logical, physical): device blocks summed over tables (null entries not), and distinct blocks held."""
+        logical = sum(len(table) - num_null_entries(table) for table in self.block_tables.values())
         return logical, self.num_total_blocks - self.num_free_blocks
 
     # ---------------------------------------------------------------- invariants
@@ -304,9 +360,11 @@ class BlockManager(AllocatorBase):
         holders = [0] * self.num_blocks
         for seq_id, table in self.block_tables.items():
             assert self.blocks_for(self.num_slots[seq_id]) == len(table), f"seq {seq_id}: table size"
+            self._check_null_entries(seq_id, table, NULL_BLOCK)
             for block in table:
                 holders[block] += 1
-        assert holders[NULL_BLOCK] == 0 and self.ref_counts[NULL_BLOCK] == 0, "null block in use"
+        holders[NULL_BLOCK] = 0  # null entries hold nothing
+        assert self.ref_counts[NULL_BLOCK] == 0, "null block in use"
         assert holders == self.ref_counts, "a ref count differs from the number of tables holding it"
         free = set(self.free_queue)
         assert len(free) == len(self.free_queue), "a block is twice in the free queue"
@@ -319,14 +377,22 @@ class BlockManager(AllocatorBase):
         for key, block in self.cached_blocks.items():
             assert self.block_key[block] == key, "the registry and a block disagree on its key"
         assert sum(key is not None for key in self.block_key) == len(self.cached_blocks), "an unindexed key"
+        assert self.block_key[NULL_BLOCK] is None, "the null block is registered"
         assert set(self.block_tables).isdisjoint(self.cpu_tables), "a sequence in both pools"
         assert set(self.num_slots) == set(self.block_tables) | set(self.cpu_tables), "num_slots out of step"
         cpu_holders = [0] * self.num_cpu_blocks
         for seq_id, table in self.cpu_tables.items():
             assert self.blocks_for(self.num_slots[seq_id]) == len(table), f"swapped seq {seq_id}: table size"
+            self._check_null_entries(seq_id, table, self.null_cpu_block)
             for block in table:
-                cpu_holders[block] += 1
+                if block != self.null_cpu_block:
+                    cpu_holders[block] += 1
         assert cpu_holders == self.cpu_ref_counts, "a swap-pool ref count is wrong"
         cpu_free = set(self.cpu_free_queue)
         assert len(cpu_free) == len(self.cpu_free_queue), "a swap block is twice in the free queue"
         assert len(cpu_free) + sum(1 for c in self.cpu_ref_counts if c > 0) == self.num_cpu_blocks, "swap pool leak"
+
+    def _check_null_entries(self, seq_id: int, table: list[int], null: int) -> None:
+        num_null = table.count(null)
+        assert not num_null or self.sliding_window is not None, f"seq {seq_id}: a null entry without a sliding window"
+        assert table[:num_null] == [null] * num_null, f"seq {seq_id}: a null entry after a held block"

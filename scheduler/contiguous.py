@@ -17,9 +17,10 @@ The class implements `scheduler.allocator.Allocator`, as the paged BlockManager 
 unchanged Scheduler runs on either. A sequence's block table is the prefix of its region
 covering its `num_slots` (a worker could run on it as is); growing within the region takes no
 new block and growing past it raises NoFreeBlocksError (it cannot happen when `final_tokens` is
-right). There is no sharing (`fork` raises) and no CPU pool (`can_swap_out` is False: the
-Scheduler preempts by recompute). Regions are block-granular, so oracle still loses up to
-`block_size - 1` slots per sequence to rounding, as paged loses in its last block.
+right). There is no sharing (`fork` raises), no CPU pool (`can_swap_out` is False: the
+Scheduler preempts by recompute) and no sliding window (a region is held whole to the end).
+Regions are block-granular, so oracle still loses up to `block_size - 1` slots per sequence to
+rounding, as paged loses in its last block.
 """
 from __future__ import annotations
 
@@ -147,6 +148,9 @@ class ContiguousAllocator(AllocatorBase):
 
     def register_computed(self, seq_id: int, token_ids, num_computed_tokens: int) -> None:
         pass  # no prefix cache
+
+    def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> list[int]:
+        return []  # a region is held whole until its sequence ends, sliding window or not
 
     def fork(self, parent_id: int, child_id: int) -> None:
         raise NotImplementedError("contiguous reservation shares no blocks: fork is not supported")

@@ -8,6 +8,8 @@ The Scheduler records a MemoryEvent for each of these (the `kind`):
     recompute     a group preempted by recompute (`blocks`: the device blocks it freed)
     prefix_hit    a new sequence found leading blocks in the prefix cache (`blocks`: those blocks)
     prefix_evict  cached blocks evicted to make room (`blocks`: those blocks; no request)
+    window        blocks that fell wholly outside their sequences' sliding window, left as null
+                  entries in the tables (`blocks`: those blocks, each once; no request)
 
 An event's `blocks` keep the first MAX_EVENT_BLOCKS of them, `num_blocks` counts them all.
 
@@ -29,9 +31,10 @@ import time
 from collections import deque
 
 from common.memory_snapshot import pack_ints, pack_raw
-from common.protocol import MemoryEvent, MemorySnapshot
+from common.protocol import NULL_BLOCK, MemoryEvent, MemorySnapshot
+from scheduler.allocator import num_null_entries
 
-EVENT_KINDS = ("fork", "cow", "swap_out", "swap_in", "recompute", "prefix_hit", "prefix_evict")
+EVENT_KINDS = ("fork", "cow", "swap_out", "swap_in", "recompute", "prefix_hit", "prefix_evict", "window")
 MAX_EVENTS = 256  # kept, and sent with each snapshot; the page drops those it has by id
 MAX_EVENT_BLOCKS = 32  # an event keeps its first blocks only (a fork of a long table names hundreds)
 
@@ -56,7 +59,8 @@ class PackedTables:
     """Block tables packed by pack_ints, re-packing at each call only what changed since the last.
 
     A table only grows, and of its entries only the last is ever replaced in place (copy-on-write);
-    every other change (swap, recompute, a new sequence) makes a new list. So the bytes packed for
+    every other change (swap, recompute, a new sequence, blocks leaving a sliding window) makes a
+    new list. So the bytes packed for
     a table's first n entries still hold while the table is the same list object and its n-th entry
     the same id: only the entries past them are packed (a decode step appends one block in
     `block_size` steps, so at one publish every 0.25 s most tables gain a few blocks or none)."""
@@ -149,7 +153,7 @@ def _stats(scheduler, ref_counts: list[int], packed: bytes) -> dict:
     Of the device blocks in tables only a table's last block can be partly filled, and a block
     last in several tables (forked, not written since: a write copies it first) is filled alike
     in each: the slots holding token states are the held blocks' slots less the spare slots of
-    each distinct last block."""
+    each distinct last block. Null entries (outside a sliding window) hold nothing."""
     bm = scheduler.block_manager
     bs, num_slots = bm.block_size, bm.num_slots
     held, num_shared = _held_and_shared(ref_counts, packed)
@@ -157,9 +161,9 @@ def _stats(scheduler, ref_counts: list[int], packed: bytes) -> dict:
     last_fill: dict[int, int] = {}
     for seq_id, table in bm.block_tables.items():
         if table:
-            logical += len(table)
+            logical += len(table) - num_null_entries(table)
             fill = num_slots[seq_id] - (len(table) - 1) * bs
-            if last_fill.get(table[-1], 0) < fill:
+            if table[-1] != NULL_BLOCK and last_fill.get(table[-1], 0) < fill:
                 last_fill[table[-1]] = fill
     num_cached = getattr(bm, "num_cached_blocks", 0)
     return {
@@ -183,7 +187,7 @@ def status_counters(scheduler) -> dict:
     num_shared = saved = 0
     if ref_counts is not None:
         held, num_shared = _held_and_shared(ref_counts, pack_ints(ref_counts))
-        saved = sum(len(table) for table in bm.block_tables.values()) - held
+        saved = sum(len(table) - num_null_entries(table) for table in bm.block_tables.values()) - held
     num_cpu_blocks = getattr(bm, "num_cpu_blocks", 0)
     cpu_usage = 1 - bm.num_free_cpu_blocks / num_cpu_blocks if num_cpu_blocks else 0.0
     return {

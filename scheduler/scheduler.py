@@ -21,6 +21,13 @@ running sequence that draws one token in step N is then assumed to hold it: step
 as `PENDING_TOKEN` (the worker appends the token it drew itself), in a slot allocated now. A group
 whose next step depends on that result waits for it instead (see `_awaits_result`), so the tokens
 are those of the serial loop; a sequence that ends in step N had one token computed in vain.
+
+With a `sliding_window` W (a model whose every layer attends only to its last W keys), each
+plan starts by giving back, for every running sequence whose next position to compute is c, the
+blocks wholly before c - W + 1 (`_remove_skipped_blocks`; a prefix-cache hit past the window too,
+at admission); then tables grow for the step: decoding, a sequence holds at most
+W / block_size + 1 blocks. A prompt, or a recompute, still takes blocks for all its tokens at
+admission and gives them back as its chunks go on.
 """
 from __future__ import annotations
 
@@ -35,8 +42,8 @@ from dataclasses import dataclass, field, replace
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
 from common.protocol import (
-    ITERATION_TOKENS_BUCKETS, PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams, StepPlan,
-    StepResult, WorkerHello, num_beam_candidates, sample_seed,
+    ITERATION_TOKENS_BUCKETS, NULL_BLOCK, PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams,
+    StepPlan, StepResult, WorkerHello, num_beam_candidates, sample_seed,
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError
 from scheduler.block_manager import BlockManager
@@ -46,11 +53,13 @@ from scheduler.sequence import (
 )
 
 
-def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int) -> Allocator:
-    """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py)."""
+def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int,
+                    sliding_window: int | None) -> Allocator:
+    """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py),
+    which holds a sequence's blocks whole whatever its sliding window."""
     if config.allocator == "paged":
         return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
-                            enable_prefix_caching=config.enable_prefix_caching)
+                            enable_prefix_caching=config.enable_prefix_caching, sliding_window=sliding_window)
     from scheduler.contiguous import ContiguousAllocator
 
     return ContiguousAllocator(num_gpu_blocks, config.block_size, config.allocator.removeprefix("orca-"), max_model_len)
@@ -107,16 +116,19 @@ class Scheduler:
     def __init__(
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
-        memory_events: MemoryEventLog | None = None,
+        memory_events: MemoryEventLog | None = None, sliding_window: int | None = None,
     ) -> None:
         """`memory_events`: the log of a scheduler this one follows (a worker group restarted, the
-        offline LLM reset), whose event ids it goes on from; else a new one."""
+        offline LLM reset), whose event ids it goes on from; else a new one. `sliding_window`: the
+        model's every layer attends only to its last `sliding_window` keys (WorkerHello)."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.num_eos_token_ids = len(eos_token_ids)
         self.costs = costs
-        self.block_manager: Allocator = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks)
+        self.sliding_window = sliding_window
+        self.block_manager: Allocator = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
+                                                        sliding_window)
         self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
         self.running: list[SequenceGroup] = []  # arrival order
         self.swapped: list[SequenceGroup] = []  # arrival order
@@ -140,6 +152,7 @@ class Scheduler:
         self.memory_events = MemoryEventLog() if memory_events is None else memory_events
         self.num_cow_copies = 0
         self._copies: list[tuple[SequenceGroup, int, list[int]]] = []  # of the plan being built: (group, seq_id, copy)
+        self._left_window: list[int] = []  # of the plan being built: blocks released outside a sliding window
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, the last +Inf
@@ -154,7 +167,7 @@ class Scheduler:
                    memory_events: MemoryEventLog | None = None) -> Scheduler:
         costs = PreemptionCosts(hello.kv_bytes_per_block, hello.host_bandwidth, hello.prefill_tokens_per_s)
         return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
-                   memory_events)
+                   memory_events, hello.sliding_window)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -296,7 +309,10 @@ class Scheduler:
         self._to_drop = []
         self._planning = _InFlight(self.step)
         self._copies = []
+        self._left_window = []
         self._ahead = dict(self._in_flight[-1].scheduled) if self._in_flight else {}
+        if self.sliding_window is not None:
+            self._remove_skipped_blocks(self.running)
         budget = _Budget(self.config.max_num_batched_tokens)
         preempted = self._schedule_running(plan, budget)
         if not preempted:
@@ -319,6 +335,9 @@ class Scheduler:
         if evicted:
             self.memory_events.record(self.step, "prefix_evict", "", -1, evicted)
             evicted.clear()
+        if self._left_window:
+            self.memory_events.record(self.step, "window", "", -1, list(dict.fromkeys(self._left_window)))
+            self._left_window = []
 
     def _record(self, kind: str, group: SequenceGroup, seq_id: int, blocks: list[int]) -> None:
         self.memory_events.record(self.step, kind, group.request_id, seq_id, blocks)
@@ -510,6 +529,8 @@ class Scheduler:
                             self._record("prefix_hit", group, seq.seq_id, hit_blocks)
                 if group.first_scheduled_time is None:
                     group.first_scheduled_time = time.time()
+                if self.sliding_window is not None:  # prefix-cache hits the window already skips
+                    self._remove_skipped_blocks([group])
                 self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
                 self._insert_running(group)
             except Exception as exc:
@@ -546,6 +567,22 @@ class Scheduler:
         num_slots, ahead = self.block_manager.num_slots, self._ahead
         return [seq.num_computed_tokens + ahead.get(seq.seq_id, 0) + n - num_slots[seq.seq_id]
                 for seq, n in zip(seqs, num_new)]
+
+    def _remove_skipped_blocks(self, groups: list[SequenceGroup]) -> None:
+        """Give back the blocks wholly outside the sliding window of each running sequence's first
+        position still to compute, counting the tokens of the plan in flight: no query of this plan
+        or a later one reads them. The plan in flight may, but the worker runs it before this plan,
+        the first that can hand them out again (as for a sequence freed in `update`). The workers
+        are not told: they never read those entries, and a table sent whole carries the null block.
+        Done for every running group before any table grows, so a victim is never swapped or
+        preempted for blocks the window frees; a swapped group comes back as it left."""
+        bm, ahead, running = self.block_manager, self._ahead, SequenceStatus.RUNNING
+        for group in groups:
+            for seq in group.seqs:
+                if seq.status is running:
+                    released = bm.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens + ahead.get(seq.seq_id, 0))
+                    if released:
+                        self._left_window += released
 
     def _can_grow(self, seqs: list[Sequence], extra: list[int]) -> bool:
         """`extra`: from `_extra_slots`."""
@@ -585,7 +622,9 @@ class Scheduler:
             self.swapped.sort(key=lambda g: g.arrival_time)
             self.num_swap_preemptions += 1
         else:
-            freed = sorted({block for seq in seqs for block in self.block_manager.block_table(seq.seq_id)})
+            freed = {block for seq in seqs for block in self.block_manager.block_table(seq.seq_id)}
+            freed.discard(NULL_BLOCK)  # entries outside a sliding window
+            freed = sorted(freed)
             self._record("recompute", group, -1, freed)
             for seq in seqs:
                 self.block_manager.free(seq.seq_id)
@@ -767,7 +806,8 @@ class Scheduler:
             SequenceStatus.RUNNING,
         )
         self.block_manager.fork(parent.seq_id, child.seq_id)
-        self._record("fork", group, child.seq_id, self.block_manager.block_table(child.seq_id))
+        shared = self.block_manager.block_table(child.seq_id)
+        self._record("fork", group, child.seq_id, [block for block in shared if block != NULL_BLOCK])
         self._seqs[child.seq_id] = child
         self._group_of_seq[child.seq_id] = group
         group.seqs.append(child)

@@ -3,7 +3,8 @@
 FakeExecutor keeps the sequences it holds with common/plan_state.py, as worker/executor.py does
 (so a plan the worker would refuse raises ProtocolError here too), and samples a deterministic
 token, so the scheduler runs its whole loop with no model. Unless told that requests fork
-(`forks=True`), it also checks that no block is in two tables.
+(`forks=True`), it also checks that no block is in two tables. With a `sliding_window` it accepts
+the null block where the window skips, as a worker of such a model does.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
-from common.plan_state import HeldSequence, PlanState
+from common.plan_state import HeldSequence, PlanState, ScheduledSequence
 from common.protocol import SampledToken, StepPlan, StepResult
 
 # token_fn(seq_id, token ids so far, number of prompt tokens) -> the next token
@@ -35,11 +36,15 @@ class FakeExecutor:
     """Applies each plan's diffs and samples `token_fn`'s token for every sequence that computed
     its last token, `num_samples` times (logprob -0.25); keeps every plan in `plans`."""
 
-    def __init__(self, block_size: int, token_fn: TokenFn | None = None, forks: bool = False) -> None:
-        self.state = PlanState(block_size)
+    def __init__(self, block_size: int, token_fn: TokenFn | None = None, forks: bool = False,
+                 sliding_window: int | None = None) -> None:
+        self.state = PlanState(block_size, sliding_window=sliding_window)
         self.forks = forks
         self.plans: list[StepPlan] = []
         self.token_fn = token_fn or (lambda seq_id, tokens, num_prompt: token_for(seq_id, len(tokens)))
+
+    def forward(self, plan: StepPlan, scheduled: list[ScheduledSequence]) -> None:
+        """The model's forward pass: nothing here (KVCheckingExecutor checks what it would read)."""
 
     @property
     def seqs(self) -> dict[int, HeldSequence]:
@@ -53,6 +58,7 @@ class FakeExecutor:
         scheduled = self.state.apply(plan)
         if not self.forks:
             self.state.check_unshared()
+        self.forward(plan, scheduled)
         result = StepResult(plan.step, plan.epoch)
         for s in scheduled:
             for _ in range(s.num_samples):
@@ -60,6 +66,44 @@ class FakeExecutor:
                 result.sampled.append(SampledToken(s.seq_id, token, -0.25, [[token, -0.25]]))
         self.state.record_sampled(result.sampled)
         return result
+
+
+class KVCheckingExecutor(FakeExecutor):
+    """A FakeExecutor that also keeps what each KV slot of both pools holds (the token ids up to and
+    including its position), runs the plan's swaps and copies on them (out, in, copy-on-write, as a
+    worker does, before the forward pass), writes the slots each step computes and checks every key
+    each query reads, (p - sliding_window, p] or [0, p]: a block handed out while a query still reads
+    it, a prefix-cache hit on a stale block, a swap or copy missed or a null entry read shows here."""
+
+    def __init__(self, block_size: int, token_fn: TokenFn | None = None, forks: bool = False,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(block_size, token_fn, forks, sliding_window)
+        self.window = sliding_window
+        self.kv: dict[int, list] = {}  # device block -> per slot, the token ids up to it
+        self.cpu_kv: dict[int, list] = {}
+
+    def forward(self, plan: StepPlan, scheduled: list[ScheduledSequence]) -> None:
+        bs = self.state.block_size
+        empty = [None] * bs
+        for src, dst, pools in [(s, d, (self.kv, self.cpu_kv)) for s, d in plan.blocks_to_swap_out] + [
+            (s, d, (self.cpu_kv, self.kv)) for s, d in plan.blocks_to_swap_in] + [
+            (s, d, (self.kv, self.kv)) for s, d in plan.blocks_to_copy]:
+            pools[1][dst] = list(pools[0].get(src, empty))
+        for s in scheduled:  # every new key is written first (reshape_and_cache), then read (attention)
+            tokens, table = s.held.token_ids, s.held.block_table
+            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
+                block = table[pos // bs]
+                assert block != 0, f"step {plan.step}: sequence {s.seq_id} writes position {pos} into the null block"
+                self.kv.setdefault(block, list(empty))[pos % bs] = tuple(tokens[:pos + 1])
+        for s in scheduled:
+            tokens, table = s.held.token_ids, s.held.block_table
+            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
+                for key in range(max(pos - self.window + 1, 0) if self.window else 0, pos + 1):
+                    block = table[key // bs]
+                    held = self.kv.get(block, empty)[key % bs] if block else "the null block"
+                    assert held == tuple(tokens[:key + 1]), (
+                        f"step {plan.step}: sequence {s.seq_id}'s query at {pos} reads key {key} in block {block}, "
+                        f"which holds {held}")
 
 
 @dataclass

@@ -29,18 +29,20 @@ from common.redis_server import RedisServer, free_port
 from scheduler.engine import LLMEngine
 from scheduler.scheduler import RequestRejected, Scheduler
 from tests.conftest import ROOT
-from tests.fakes import FakeExecutor, token_for
+from tests.fakes import KVCheckingExecutor, token_for
 
 EOS = 2
 BLOCK_SIZE = 8
 
 
 def make_engine(async_scheduling: bool = True, num_gpu_blocks: int = 64, num_cpu_blocks: int = 0, token_fn=None,
-                forks: bool = False, max_model_len: int = 256, **config) -> LLMEngine:
+                forks: bool = False, max_model_len: int = 256, sliding_window: int | None = None,
+                **config) -> LLMEngine:
     config = EngineConfig(**{"block_size": BLOCK_SIZE, "enable_prefix_caching": False,
                              "async_scheduling": async_scheduling, **config})
-    scheduler = Scheduler(config, num_gpu_blocks, max_model_len, [EOS], num_cpu_blocks)
-    return LLMEngine(scheduler, FakeExecutor(BLOCK_SIZE, token_fn, forks=forks), wire=True)
+    scheduler = Scheduler(config, num_gpu_blocks, max_model_len, [EOS], num_cpu_blocks, sliding_window=sliding_window)
+    return LLMEngine(scheduler, KVCheckingExecutor(BLOCK_SIZE, token_fn, forks=forks, sliding_window=sliding_window),
+                     wire=True)
 
 
 def params(**kwargs) -> SamplingParams:
@@ -188,19 +190,20 @@ WORKLOAD_ST = dict(  # a random workload and the scheduler it runs on (tests/tes
     num_gpu_blocks=st.integers(8, 24), num_cpu_blocks=st.sampled_from([0, 24]),
     mode=st.sampled_from(["swap", "recompute", "auto"]), budget=st.integers(8, 48),
     prefix_caching=st.booleans(),
+    window=st.sampled_from([None, None, 1, 8, 13, 24]),  # a sliding window (blocks of 8, contexts of 48)
 )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**WORKLOAD_ST)
 def test_random_workloads_leak_no_block_and_give_the_serial_outputs(
-    requests, aborts, num_gpu_blocks, num_cpu_blocks, mode, budget, prefix_caching,
+    requests, aborts, num_gpu_blocks, num_cpu_blocks, mode, budget, prefix_caching, window,
 ):
     results, aborted = {}, set()
     for async_scheduling in (False, True):
         engine = make_engine(async_scheduling, num_gpu_blocks, num_cpu_blocks, workload_token, forks=True,
                              max_model_len=48, preemption_mode=mode, max_num_batched_tokens=budget, max_num_seqs=6,
-                             enable_prefix_caching=prefix_caching)
+                             enable_prefix_caching=prefix_caching, sliding_window=window)
         results[async_scheduling] = run_workload(engine, requests, aborts, aborted)
     # an abort lands at another point of a request in each mode (or after it ended in one)
     assert ({rid: out for rid, out in results[True].items() if rid not in aborted}

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.allocator import AppendedSlots
-from scheduler.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
+from scheduler.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError, block_key
 
 
 def alloc(bm: BlockManager, seq_id: int, num_tokens: int) -> list[int]:
@@ -318,18 +318,25 @@ def test_check_integrity_catches_corrupted_state(corrupt):
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["allocate", "append", "fork", "free"]),
+        st.sampled_from(["allocate", "append", "fork", "free", "window"]),
         st.integers(min_value=0, max_value=1_000),  # picks a live sequence
         st.integers(min_value=0, max_value=40),  # token count
     ),
     max_size=60,
 )
+WINDOWS = st.sampled_from([None, 1, 2, 3, 4, 8])
+
+
+def skipped(bm: BlockManager, first: int) -> int:
+    """Leading entries wholly before the window of position `first`."""
+    return max(first - bm.sliding_window + 1, 0) // bm.block_size if bm.sliding_window else 0
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=OPS, num_blocks=st.integers(min_value=2, max_value=24), block_size=st.sampled_from([1, 2, 4, 8]))
-def test_random_operations_keep_the_invariants(ops, num_blocks, block_size):
-    bm = BlockManager(num_blocks, block_size)
+@given(ops=OPS, num_blocks=st.integers(min_value=2, max_value=24), block_size=st.sampled_from([1, 2, 4, 8]),
+       window=WINDOWS)
+def test_random_operations_keep_the_invariants(ops, num_blocks, block_size, window):
+    bm = BlockManager(num_blocks, block_size, sliding_window=window)
     live: list[int] = []
     next_id = 0
     for op, pick, n in ops:
@@ -365,6 +372,7 @@ def test_random_operations_keep_the_invariants(ops, num_blocks, block_size):
                     assert bm.num_slots[seq] == old_slots + n
                     # every slot written by this append lies in a block this sequence owns alone
                     for slot in range(old_slots, old_slots + n):
+                        assert table[slot // block_size] != NULL_BLOCK
                         assert bm.ref_counts[table[slot // block_size]] == 1
                     for src, dst in copies:
                         assert table[(old_slots - 1) // block_size] == dst and src != dst
@@ -376,6 +384,17 @@ def test_random_operations_keep_the_invariants(ops, num_blocks, block_size):
                     with pytest.raises(NoFreeBlocksError):
                         bm.append_slot(seq, n)
                     assert snapshot(bm) == before
+            elif op == "window":
+                first = n % (bm.num_slots[seq] + 1)  # any position up to the slots
+                old_table, old_counts, free_before = list(bm.block_table(seq)), list(bm.ref_counts), bm.num_free_blocks
+                released = bm.remove_skipped_blocks(seq, first)
+                table = bm.block_table(seq)
+                end = max(skipped(bm, first), old_table.count(NULL_BLOCK))
+                assert table == [NULL_BLOCK] * end + old_table[end:]
+                assert released == [block for block in old_table[:end] if block != NULL_BLOCK]
+                for block in released:
+                    assert bm.ref_counts[block] == old_counts[block] - 1
+                assert bm.num_free_blocks - free_before == sum(bm.ref_counts[block] == 0 for block in released)
             elif op == "fork":
                 free_before = bm.num_free_blocks
                 bm.fork(seq, next_id)
@@ -546,14 +565,16 @@ def test_sharing_stats_counts_shared_blocks_once():
 # ----------------------------------------------------------------------------- model-based property
 # A model of the KV each block holds (the token whose state sits in each slot) checks what the
 # block manager promises the worker: after any sequence of allocate (with prefix hits), append
-# (with copy-on-write), fork, free, swap-out and swap-in, every computed slot of every sequence
-# holds the state of its own token after its own prefix, and no write lands in a block another table reads.
+# (with copy-on-write), fork, free, swap-out, swap-in, register (a step confirmed, possibly after
+# the next plan skipped blocks) and window (blocks outside a sliding window released), every
+# computed slot of every sequence that a query can still read holds the state of its own token
+# after its own prefix, and no write lands in a block another table reads.
 
 SHARED_PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
 
 KV_OPS = st.lists(
     st.tuples(
-        st.sampled_from(["allocate", "append", "fork", "free", "swap_out", "swap_in"]),
+        st.sampled_from(["allocate", "append", "fork", "free", "swap_out", "swap_in", "window", "register"]),
         st.integers(min_value=0, max_value=1_000),  # picks a sequence, a prefix
         st.lists(st.integers(min_value=0, max_value=3), max_size=14),  # new tokens
     ),
@@ -572,37 +593,60 @@ class KVModel:
         self.kv = {b: [None] * bm.block_size for b in range(bm.num_blocks)}
         self.cpu_kv = {b: [None] * bm.block_size for b in range(bm.num_cpu_blocks)}
         self.tokens: dict[int, list[int]] = {}
+        self.skipped: dict[int, int] = {}  # the leading entries a window released
+        self.keyed: dict[int, int] = {}  # with prefix caching: the leading blocks confirmed, which alone may go
 
     def write(self, seq_id: int, start: int) -> None:
         """The worker computes the slots [start, len(tokens)) of a running sequence."""
         bs, table, tokens = self.bm.block_size, self.bm.block_table(seq_id), self.tokens[seq_id]
         for pos in range(start, len(tokens)):
             block = table[pos // bs]
-            assert self.bm.ref_counts[block] == 1, "a write into a block another table holds"
+            assert block != NULL_BLOCK and self.bm.ref_counts[block] == 1, "a write into a block another table holds"
             self.kv[block][pos % bs] = state(tokens, pos)
-        self.bm.register_computed(seq_id, tokens, len(tokens))
+
+    def register(self, seq_id: int) -> None:
+        """The step that wrote them confirmed (`Scheduler.update`): with async scheduling, after
+        the next plan asked to skip blocks."""
+        self.bm.register_computed(seq_id, self.tokens[seq_id], len(self.tokens[seq_id]))
+        if self.bm.enable_prefix_caching:
+            self.keyed[seq_id] = max(self.keyed[seq_id], len(self.tokens[seq_id]) // self.bm.block_size)
+
+    def skip(self, seq_id: int, first: int) -> None:
+        """The next step computes from `first` on: blocks wholly before its window go, but a
+        sequence in the prefix registry keeps those not confirmed yet (they are cached once it is)."""
+        end = skipped(self.bm, first)
+        if self.bm.enable_prefix_caching:
+            end = min(end, self.keyed[seq_id])
+        self.bm.remove_skipped_blocks(seq_id, first)
+        self.skipped[seq_id] = max(self.skipped[seq_id], end)
 
     def copy(self, copies, src_kv, dst_kv) -> None:
         for src, dst in copies:
             dst_kv[dst] = list(src_kv[src])
 
     def check(self) -> None:
+        """Every slot a query can still read holds its token's state; the null entries are exactly
+        those the window released."""
         bs = self.bm.block_size
         for seq_id, tokens in self.tokens.items():
             on_device = seq_id in self.bm.block_tables
             table = self.bm.block_tables[seq_id] if on_device else self.bm.cpu_tables[seq_id]
+            null = NULL_BLOCK if on_device else self.bm.null_cpu_block
+            num_skipped = self.skipped[seq_id]
+            assert table[:num_skipped] == [null] * num_skipped, f"seq {seq_id} nulls"
+            assert null not in table[num_skipped:], f"seq {seq_id} nulls"
             kv = self.kv if on_device else self.cpu_kv
-            assert [kv[table[p // bs]][p % bs] for p in range(len(tokens))] == [
-                state(tokens, p) for p in range(len(tokens))
-            ], f"seq {seq_id} KV"
+            read = range(num_skipped * bs, len(tokens))
+            assert [kv[table[p // bs]][p % bs] for p in read] == [state(tokens, p) for p in read], f"seq {seq_id} KV"
 
 
 @settings(max_examples=300, deadline=None)
 @given(ops=KV_OPS, num_blocks=st.integers(min_value=2, max_value=20), num_cpu_blocks=st.integers(0, 12),
-       block_size=st.sampled_from([1, 2, 4]), prefix_caching=st.booleans())
-def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_cpu_blocks, block_size, prefix_caching):
+       block_size=st.sampled_from([1, 2, 4]), prefix_caching=st.booleans(), window=WINDOWS)
+def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_cpu_blocks, block_size, prefix_caching,
+                                                          window):
     bm = BlockManager(num_blocks, block_size, watermark=0.0, num_cpu_blocks=num_cpu_blocks,
-                      enable_prefix_caching=prefix_caching)
+                      enable_prefix_caching=prefix_caching, sliding_window=window)
     model = KVModel(bm)
     next_id = 0
     for op, pick, new_tokens in ops:
@@ -619,6 +663,7 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
                     state(tokens, p) for p in range(hit)
                 ]
                 model.tokens[next_id] = tokens
+                model.skipped[next_id], model.keyed[next_id] = 0, hit // block_size
                 model.write(next_id, hit)
                 next_id += 1
             else:
@@ -643,11 +688,12 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
             seq = running[pick % len(running)]
             bm.fork(seq, next_id)
             model.tokens[next_id] = list(model.tokens[seq])
+            model.skipped[next_id], model.keyed[next_id] = model.skipped[seq], model.keyed[seq]
             next_id += 1
         elif op == "free":
             seq = sorted(model.tokens)[pick % len(model.tokens)]
             bm.free(seq)
-            del model.tokens[seq]
+            del model.tokens[seq], model.skipped[seq], model.keyed[seq]
         elif op == "swap_out" and running:
             group = running[pick % len(running):][: 1 + pick % 3]
             if bm.can_swap_out(group):
@@ -655,6 +701,11 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
             else:
                 with pytest.raises(NoFreeBlocksError):
                     bm.swap_out(group)
+        elif op == "register" and running:
+            model.register(running[pick % len(running)])
+        elif op == "window" and running:  # the next step computes from `first` on (every token is written)
+            seq = running[pick % len(running)]
+            model.skip(seq, pick % (len(model.tokens[seq]) + 1))
         elif op == "swap_in" and swapped:
             group = swapped[pick % len(swapped):][: 1 + pick % 3]
             if bm.can_swap_in(group):
@@ -668,3 +719,227 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
         bm.free(seq)
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_total_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
+
+
+# ----------------------------------------------------------------------------- sliding window
+# A query at position p reads keys (p - W, p]: once the first position still to compute is c, the
+# blocks wholly before c - W + 1 are released and their entries hold the null block.
+
+
+def test_blocks_wholly_outside_the_window_are_released_and_nulled_head_first():
+    bm = BlockManager(9, 4, sliding_window=8)
+    assert alloc(bm, 0, 10) == [1, 2, 3]
+    assert bm.remove_skipped_blocks(0, 10) == []  # keys from 3 on are read: block 0 covers 0..3
+    bm.append_slot(0, 1)
+    assert bm.remove_skipped_blocks(0, 11) == [1]  # keys from 4 on
+    assert bm.block_table(0) == [NULL_BLOCK, 2, 3]
+    assert bm.ref_counts[:4] == [0, 0, 1, 1]
+    assert list(bm.free_queue) == [4, 5, 6, 7, 8, 1]
+    assert bm.remove_skipped_blocks(0, 11) == []  # nothing more
+    assert bm.append_slot(0, 5) == AppendedSlots(3)  # the table keeps its length: entry 3 covers 12..15
+    assert bm.block_table(0) == [NULL_BLOCK, 2, 3, 4]
+    assert bm.remove_skipped_blocks(0, 16) == [2]
+    assert bm.block_table(0) == [NULL_BLOCK, NULL_BLOCK, 3, 4]
+    assert bm.num_slots[0] == 16 and bm.blocks_for(16) == 4
+    assert bm.sharing_stats() == (2, 2) and bm.num_distinct_blocks([0]) == 2
+    bm.check_integrity()
+    bm.free(0)
+    assert list(bm.free_queue) == [5, 6, 7, 8, 1, 2, 4, 3]
+    assert not any(bm.ref_counts)
+    bm.check_integrity()
+
+
+def test_decoding_four_windows_holds_at_most_window_over_block_size_plus_one_blocks():
+    bm = BlockManager(20, 4, sliding_window=8)
+    alloc(bm, 0, 5)
+    held = []
+    for c in range(5, 5 + 4 * 8):  # the token at position c is computed this step
+        bm.remove_skipped_blocks(0, c)
+        bm.append_slot(0, 1)
+        held.append(sum(block != NULL_BLOCK for block in bm.block_table(0)))
+        bm.check_integrity()
+    assert max(held) == 8 // 4 + 1
+    assert held[-4:] == [3, 3, 2, 3]  # 2 when c - 7 starts a block (c = 35), else 3
+    assert len(bm.block_table(0)) == bm.blocks_for(37) == 10
+    assert bm.num_free_blocks == 19 - 3
+
+
+def test_without_a_window_nothing_is_skipped():
+    bm = BlockManager(9, 4)
+    alloc(bm, 0, 32)
+    assert bm.remove_skipped_blocks(0, 32) == []
+    assert bm.block_table(0) == [1, 2, 3, 4, 5, 6, 7, 8]
+    with pytest.raises(ValueError, match="sliding window of 0 tokens"):
+        BlockManager(9, 4, sliding_window=0)
+
+
+def test_a_position_past_the_slots_is_a_bug():
+    bm = BlockManager(9, 4, sliding_window=4)
+    alloc(bm, 0, 8)
+    with pytest.raises(AssertionError):
+        bm.remove_skipped_blocks(0, 9)
+
+
+def test_a_window_of_one_token_can_null_the_whole_table_and_it_grows_again():
+    bm = BlockManager(9, 4, sliding_window=1)
+    assert alloc(bm, 0, 8) == [1, 2]
+    assert bm.remove_skipped_blocks(0, 8) == [1, 2]
+    assert bm.block_table(0) == [NULL_BLOCK, NULL_BLOCK]
+    assert bm.blocks_to_append(0, 1) == 1 and bm.can_append(0, 1)
+    assert bm.append_slot(0, 1) == AppendedSlots(2)
+    assert bm.block_table(0) == [NULL_BLOCK, NULL_BLOCK, 3]
+    bm.check_integrity()
+
+
+def test_forked_sequences_release_shared_blocks_each_on_its_own_with_exact_counts():
+    bm = BlockManager(9, 4, sliding_window=8)
+    assert alloc(bm, 0, 10) == [1, 2, 3]
+    bm.fork(0, 1)
+    assert bm.ref_counts[1:4] == [2, 2, 2]
+    assert bm.append_slot(0, 1) == AppendedSlots(2, [3, 4])  # its shared partial last block first
+    assert bm.remove_skipped_blocks(0, 11) == [1]
+    assert bm.block_table(0) == [NULL_BLOCK, 2, 4]
+    assert bm.ref_counts[1:5] == [1, 2, 1, 1]  # block 1 is still the other sample's
+    assert 1 not in bm.free_queue
+    bm.check_integrity()
+    bm.fork(0, 2)  # a table with a null entry: no count on the null block
+    assert bm.block_table(2) == [NULL_BLOCK, 2, 4]
+    assert bm.ref_counts[:5] == [0, 1, 3, 1, 2]
+    assert bm.append_slot(1, 1) == AppendedSlots(3)  # block 3 is seq 1's alone now: no copy
+    assert bm.remove_skipped_blocks(1, 11) == [1]
+    assert bm.ref_counts[1] == 0 and list(bm.free_queue)[-1] == 1
+    assert bm.sharing_stats() == (6, 3)  # logical: 2 + 2 + 2 held entries; physical: 2, 3, 4
+    assert bm.num_distinct_blocks([0, 1, 2]) == 3
+    bm.check_integrity()
+    for seq_id in (0, 2, 1):
+        bm.free(seq_id)
+        bm.check_integrity()
+    assert not any(bm.ref_counts) and bm.num_free_blocks == 8
+
+
+def test_copy_on_write_of_a_shared_last_block_behind_null_entries():
+    bm = BlockManager(9, 4, sliding_window=4)
+    assert alloc(bm, 0, 10) == [1, 2, 3]
+    assert bm.remove_skipped_blocks(0, 10) == [1]  # keys from 7 on
+    bm.fork(0, 1)
+    assert bm.blocks_to_append(1, 1) == 1  # the copy
+    assert bm.append_slot(1, 1) == AppendedSlots(2, [3, 4])
+    assert bm.block_table(1) == [NULL_BLOCK, 2, 4] and bm.block_table(0) == [NULL_BLOCK, 2, 3]
+    assert bm.ref_counts[:5] == [0, 0, 2, 1, 1]
+    bm.check_integrity()
+
+
+def test_swap_out_and_in_keep_null_entries_and_move_only_held_blocks():
+    bm = BlockManager(9, 4, num_cpu_blocks=4, sliding_window=8)
+    assert alloc(bm, 0, 12) == [1, 2, 3]
+    assert bm.remove_skipped_blocks(0, 12) == [1]
+    bm.fork(0, 1)
+    bm.append_slot(1, 1)
+    assert bm.block_table(1) == [NULL_BLOCK, 2, 3, 4]
+    assert bm.num_distinct_blocks([0, 1]) == 3 and bm.can_swap_out([0, 1])
+    assert bm.swap_out([0, 1]) == [[2, 0], [3, 1], [4, 2]]  # no copy for a null entry
+    # CPU block 0 is a real block: a swapped table marks a null entry with num_cpu_blocks
+    assert bm.null_cpu_block == 4
+    assert bm.cpu_tables == {0: [4, 0, 1], 1: [4, 0, 1, 2]}
+    assert bm.cpu_ref_counts == [2, 2, 1, 0]
+    assert list(bm.free_queue) == [5, 6, 7, 8, 1, 2, 3, 4]
+    bm.check_integrity()
+    assert alloc(bm, 2, 20) == [5, 6, 7, 8, 1]  # three device blocks left: just what the swap-in needs
+    assert bm.can_swap_in([0, 1])
+    assert bm.swap_in([0, 1]) == [[0, 2], [1, 3], [2, 4]]
+    assert bm.block_tables[0] == [NULL_BLOCK, 2, 3] and bm.block_tables[1] == [NULL_BLOCK, 2, 3, 4]
+    assert bm.ref_counts[:5] == [0, 1, 2, 2, 1]
+    assert bm.cpu_ref_counts == [0, 0, 0, 0] and bm.num_free_cpu_blocks == 4
+    assert bm.num_slots == {0: 12, 1: 13, 2: 20}
+    bm.check_integrity()
+
+
+def test_a_swapped_table_with_null_entries_is_freed_whole():
+    bm = BlockManager(9, 4, num_cpu_blocks=2, sliding_window=4)
+    alloc(bm, 0, 12)
+    assert bm.remove_skipped_blocks(0, 12) == [1, 2]
+    assert bm.can_swap_out([0])  # one held block for two CPU blocks
+    assert bm.swap_out([0]) == [[3, 0]]
+    assert bm.cpu_tables == {0: [2, 2, 0]}
+    bm.free(0)
+    assert bm.cpu_ref_counts == [0, 0] and sorted(bm.cpu_free_queue) == [0, 1]
+    bm.check_integrity()
+
+
+def test_a_recompute_frees_a_nulled_table_and_gets_blocks_for_every_token_again():
+    bm = BlockManager(9, 4, sliding_window=4)
+    alloc(bm, 0, 13)
+    assert bm.remove_skipped_blocks(0, 13) == [1, 2]
+    bm.free(0)  # preempted by recompute
+    assert bm.num_free_blocks == 8
+    assert alloc(bm, 0, 13) == [5, 6, 7, 8]  # the whole sequence at admission, as without a window
+    for c, released in [(0, []), (4, []), (8, [5]), (12, [6]), (13, [])]:  # its chunks progress
+        assert bm.remove_skipped_blocks(0, c) == released
+    assert bm.block_table(0) == [NULL_BLOCK, NULL_BLOCK, 7, 8]
+    bm.check_integrity()
+
+
+def test_a_registered_sequence_gives_a_block_back_only_once_its_step_is_confirmed_and_it_stays_cached():
+    """Async scheduling: the next plan asks to skip a prompt's blocks before the result that wrote
+    them is applied. They go once confirmed, and stay cached for the next prompt that shares them."""
+    bm = BlockManager(9, 4, enable_prefix_caching=True, sliding_window=4)
+    assert bm.allocate(0, 11, PROMPT) == 0
+    assert bm.remove_skipped_blocks(0, 11) == []  # planned from 11 on (keys from 8 on), not confirmed yet
+    assert bm.block_table(0) == [1, 2, 3]
+    computed(bm, 0, PROMPT)  # the result: blocks 1 and 2 registered
+    assert bm.remove_skipped_blocks(0, 11) == [1, 2]
+    assert list(bm.evictable) == [2, 1] and sorted(bm.cached_blocks.values()) == [1, 2]
+    assert bm.cached_prefix_tokens(PROMPT + [9], 12) == 8
+    bm.check_integrity()
+
+
+def test_without_prefix_caching_blocks_go_before_their_step_is_confirmed_and_registration_skips_them():
+    bm = BlockManager(9, 4, sliding_window=4)
+    assert bm.allocate(0, 11, PROMPT) == 0
+    assert bm.remove_skipped_blocks(0, 11) == [1, 2]
+    computed(bm, 0, PROMPT)
+    assert bm.cached_blocks == {} and bm.block_key[NULL_BLOCK] is None
+    bm.check_integrity()
+
+
+def test_the_key_chain_goes_on_past_null_entries():
+    """A forked sample inherits its parent's null entries and keys; its own later blocks chain on."""
+    bm = BlockManager(9, 4, enable_prefix_caching=True, sliding_window=4)
+    bm.allocate(0, 11, PROMPT)
+    computed(bm, 0, PROMPT)
+    assert bm.remove_skipped_blocks(0, 11) == [1, 2]
+    bm.fork(0, 1)
+    tokens = PROMPT + [111, 112, 113, 114, 115]  # 16
+    assert bm.append_slot(1, 5) == AppendedSlots(2, [3, 4])  # the shared partial block 3 copied first
+    computed(bm, 1, tokens)
+    assert bm.block_table(1) == [NULL_BLOCK, NULL_BLOCK, 4, 5]
+    key = None
+    for i in range(4):
+        key = block_key(key, tuple(tokens[i * 4:(i + 1) * 4]))
+        if i >= 2:
+            assert bm.block_key[bm.block_table(1)[i]] == key  # the chain through the null entries
+    assert bm.block_key[NULL_BLOCK] is None
+    bm.check_integrity()
+
+
+def test_registered_blocks_leaving_the_window_stay_cached_and_a_hit_takes_them_back():
+    bm = BlockManager(9, 4, enable_prefix_caching=True, sliding_window=4)
+    assert bm.allocate(0, 11, PROMPT) == 0
+    computed(bm, 0, PROMPT)  # blocks 1 and 2 registered
+    assert bm.remove_skipped_blocks(0, 11) == [1, 2]
+    assert list(bm.evictable) == [2, 1] and bm.num_cached_blocks == 2
+    assert bm.allocate(1, 11, PROMPT) == 8  # both hit, taken back from the cache
+    assert bm.block_table(1) == [1, 2, 4] and bm.ref_counts[1:3] == [1, 1]
+    assert bm.remove_skipped_blocks(1, 8) == [1]  # computing from the hit on: keys from 5 on
+    assert list(bm.evictable) == [1] and bm.block_key[1] is not None
+    bm.check_integrity()
+
+
+def test_check_integrity_catches_a_null_entry_after_a_held_block():
+    bm = BlockManager(9, 4, sliding_window=4)
+    alloc(bm, 0, 8)  # [1, 2]
+    bm.block_tables[0][1] = NULL_BLOCK
+    bm.ref_counts[2] = 0
+    bm.free_queue.append(2)
+    with pytest.raises(AssertionError, match="a null entry after a held block"):
+        bm.check_integrity()

@@ -34,9 +34,11 @@ class GeneralPathScheduler(Scheduler):
 def run(scheduler_cls, requests, aborts, **config) -> tuple[list[bytes], dict, set[str], int]:
     config = dict(config)
     num_gpu_blocks, num_cpu_blocks = config.pop("num_gpu_blocks"), config.pop("num_cpu_blocks")
+    window = config.pop("window", None)
     engine_config = EngineConfig(block_size=BLOCK_SIZE, **config)
-    scheduler = scheduler_cls(engine_config, num_gpu_blocks, 48, [EOS], num_cpu_blocks)
-    engine = LLMEngine(scheduler, FakeExecutor(BLOCK_SIZE, workload_token, forks=True), wire=True)
+    scheduler = scheduler_cls(engine_config, num_gpu_blocks, 48, [EOS], num_cpu_blocks, sliding_window=window)
+    engine = LLMEngine(scheduler, FakeExecutor(BLOCK_SIZE, workload_token, forks=True, sliding_window=window),
+                       wire=True)
     aborted: set[str] = set()
     done = run_workload(engine, requests, aborts, aborted)
     return [encode(plan) for plan in engine.executor.plans], done, aborted, getattr(scheduler, "num_fast", 0)
@@ -45,11 +47,11 @@ def run(scheduler_cls, requests, aborts, **config) -> tuple[list[bytes], dict, s
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**WORKLOAD_ST, async_scheduling=st.booleans())
 def test_the_fast_path_plans_what_the_general_path_plans(
-    requests, aborts, num_gpu_blocks, num_cpu_blocks, mode, budget, prefix_caching, async_scheduling,
+    requests, aborts, num_gpu_blocks, num_cpu_blocks, mode, budget, prefix_caching, window, async_scheduling,
 ):
     config = dict(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, preemption_mode=mode,
                   max_num_batched_tokens=budget, max_num_seqs=6, enable_prefix_caching=prefix_caching,
-                  async_scheduling=async_scheduling)
+                  async_scheduling=async_scheduling, window=window)
     fast = run(CountingScheduler, requests, aborts, **config)
     general = run(GeneralPathScheduler, requests, aborts, **config)
     assert fast[:3] == general[:3]

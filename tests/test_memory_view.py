@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from common.config import EngineConfig
 from common.memory_snapshot import check_snapshot, pack_ints, pack_raw, snapshot_json, unpack_ints
-from common.protocol import SamplingParams, StepPlan, decode, encode
+from common.protocol import NULL_BLOCK, SamplingParams, StepPlan, decode, encode
 from pagoda.bench.publish import EOS_TOKEN_IDS, ModelFreeExecutor
 from scheduler import memory_view
 from scheduler.memory_view import PackedTables, build_snapshot, memory_version, status_counters
@@ -61,6 +61,7 @@ WORKLOADS = st.fixed_dictionaries({
     "eos_rate": st.sampled_from([0.0, 0.1]),
     "seed": st.integers(0, 2**16),
     "publish_every": st.integers(2, 9),  # steps between a second publisher's snapshots
+    "sliding_window": st.sampled_from([None, None, 8, 12, 24]),  # tables with null entries
 })
 
 
@@ -83,8 +84,10 @@ def make_scheduler(w: dict) -> tuple[Scheduler, RecordingExecutor]:
                           preemption_mode=w["preemption_mode"])
     # the measured rates `auto` compares: swapping and recomputing cost alike, so both happen
     costs = PreemptionCosts(kv_bytes_per_block=1000, host_bandwidth=1e6, prefill_tokens_per_s=2000.0)
-    scheduler = Scheduler(config, w["num_gpu_blocks"], MAX_MODEL_LEN, EOS_TOKEN_IDS, w["num_cpu_blocks"], costs)
-    return scheduler, RecordingExecutor(BLOCK_SIZE, w["seed"], w["eos_rate"])
+    window = w.get("sliding_window")
+    scheduler = Scheduler(config, w["num_gpu_blocks"], MAX_MODEL_LEN, EOS_TOKEN_IDS, w["num_cpu_blocks"], costs,
+                          sliding_window=window)
+    return scheduler, RecordingExecutor(BLOCK_SIZE, w["seed"], w["eos_rate"], window)
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -118,13 +121,16 @@ def check_gauges(scheduler: Scheduler, snapshot: dict) -> None:
     fill: dict[int, int] = {}  # device block -> slots holding token states, the most any holder fills
     for seq_id, table in bm.block_tables.items():
         for i, block in enumerate(table):
-            filled = min(bs, bm.num_slots[seq_id] - i * bs)
-            fill[block] = max(fill.get(block, 0), filled)
+            if block != NULL_BLOCK:  # an entry outside the sliding window holds nothing
+                filled = min(bs, bm.num_slots[seq_id] - i * bs)
+                fill[block] = max(fill.get(block, 0), filled)
     stats = snapshot["stats"]
     assert stats["allocated_slots"] == len(fill) * bs
     assert stats["token_slots"] == sum(fill.values())
     assert stats["num_shared_blocks"] == sum(1 for count in bm.ref_counts if count > 1)
-    assert stats["blocks_saved_by_sharing"] == sum(map(len, bm.block_tables.values())) - len(fill)
+    logical = sum(len(table) - table.count(NULL_BLOCK) for table in bm.block_tables.values())
+    assert stats["blocks_saved_by_sharing"] == logical - len(fill)
+    assert bm.sharing_stats() == (logical, bm.num_total_blocks - bm.num_free_blocks)
     assert stats["num_cached_blocks"] == len(bm.evictable)
     assert stats["num_free_blocks"] == len(bm.free_queue)
     assert (stats["num_running"], stats["num_waiting"], stats["num_swapped"]) == (
@@ -148,6 +154,8 @@ def check_events(events: list[dict], plans: list[StepPlan]) -> None:
         for e in of_step:
             if e["kind"] == "recompute":  # its sequences leave the workers in that plan
                 assert e["blocks"]
+            assert NULL_BLOCK not in e["blocks"]  # every event names device blocks held or let go, never the null block
+        assert len([e for e in of_step if e["kind"] == "window"]) <= 1  # one per step, of every sequence
 
 
 def check_blocks(events: list[dict], blocks: list[int]) -> None:
@@ -222,28 +230,32 @@ def test_the_snapshot_agrees_with_the_scheduler_and_the_events_with_the_plans(w)
     run_workload(w)
 
 
-def crowded(mode: str) -> dict:
-    """Eight requests sharing a prefix, with samples and beams, in a pool too small for them."""
+def crowded(mode: str, sliding_window: int | None = None) -> dict:
+    """Eight requests sharing a prefix, with samples and beams, in a pool too small for them
+    (sixteen with a sliding window, which gives blocks back)."""
     kinds = [SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20),
              SamplingParams(beam_width=3, n=3, temperature=0.0, max_tokens=12),
              SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)]
     return {
-        "requests": [{"prefix": i % 2, "prompt_len": 5 + 3 * i, "params": kinds[i % 3], "arrival": i // 2,
-                      "abort": 9 if i == 5 else None} for i in range(8)],
+        "requests": [{"prefix": i % 2, "prompt_len": 5 + 3 * (i % 8), "params": kinds[i % 3], "arrival": i // 2,
+                      "abort": 9 if i == 5 else None} for i in range(8 if sliding_window is None else 16)],
         "num_gpu_blocks": 24, "num_cpu_blocks": 48, "preemption_mode": mode, "enable_prefix_caching": True,
-        "async_scheduling": True, "eos_rate": 0.0, "seed": 7, "publish_every": 5,
+        "async_scheduling": True, "eos_rate": 0.0, "seed": 7, "publish_every": 5, "sliding_window": sliding_window,
     }
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("swap", {"fork", "cow", "swap_out", "swap_in", "prefix_hit", "prefix_evict"}),
-    ("recompute", {"fork", "cow", "recompute", "prefix_hit", "prefix_evict"}),
+@pytest.mark.parametrize("mode, window, expected", [
+    ("swap", None, {"fork", "cow", "swap_out", "swap_in", "prefix_hit", "prefix_evict"}),
+    ("recompute", None, {"fork", "cow", "recompute", "prefix_hit", "prefix_evict"}),
+    ("swap", 8, {"fork", "cow", "swap_out", "swap_in", "prefix_hit", "prefix_evict", "window"}),  # 16 requests
+    ("recompute", 8, {"fork", "cow", "recompute", "prefix_hit", "prefix_evict", "window"}),
 ])
-def test_a_crowded_pool_shows_every_kind_of_event(mode, expected, monkeypatch):
+def test_a_crowded_pool_shows_every_kind_of_event(mode, window, expected, monkeypatch):
     """The property's checks do meet each kind of event (a random workload may miss some), with
-    events of more blocks than an event keeps (3 here, 32 in earnest)."""
+    events of more blocks than an event keeps (3 here, 32 in earnest), and tables with null
+    entries (a sliding window of 8 tokens, one block)."""
     monkeypatch.setattr(memory_view, "MAX_EVENT_BLOCKS", 3)
-    assert run_workload(crowded(mode)) == expected
+    assert run_workload(crowded(mode, window)) == expected
 
 
 def test_a_copy_on_write_of_a_request_that_fails_while_planned_is_neither_counted_nor_logged():

@@ -95,6 +95,36 @@ def test_a_plan_a_worker_cannot_run_is_a_protocol_error(bad, match):
         state.apply(bad)
 
 
+def test_with_a_sliding_window_the_null_block_may_stand_only_where_no_query_reads():
+    """W = 4, block size 4: a step computing from position p reads keys from p - 3 on."""
+    prompt = list(range(20, 30))  # 10 tokens
+    state = PlanState(block_size=4, sliding_window=4)
+    state.apply(plan(1, new=[NewSequence(0, prompt, [], [0, 2, 3], 8, 2, PARAMS)]))  # from 8: keys 5.. (block 1 on)
+    assert state.seqs[0].block_table == [0, 2, 3]
+    with pytest.raises(ProtocolError, match="gives sequence 1 the null block inside its sliding window of 4 tokens"):
+        state.apply(plan(2, new=[NewSequence(1, prompt, [], [0, 0, 4], 7, 3, PARAMS)]))  # from 7: block 1 is read
+    state.apply(plan(2, new=[NewSequence(1, prompt, [], [5, 6, 4], 0, 10, PARAMS)]))
+    # continued from 10 on, with its table sent again from entry 0: keys from 7 on (entry 1 on)
+    with pytest.raises(ProtocolError, match="gives sequence 1 the null block inside its sliding window"):
+        state.apply(plan(3, cached=[CachedSequence(1, [5, 0, 4], 0, 1, 77)]))
+    assert state.seqs[1].block_table == [5, 6, 4]  # a refused plan changes nothing
+    [s] = state.apply(plan(3, cached=[CachedSequence(1, [0, 6, 4], 0, 1, 77)]))
+    assert state.seqs[1].block_table == [0, 6, 4] and s.num_computed_tokens == 10
+
+
+def test_with_a_sliding_window_blocks_freed_behind_it_may_be_held_again_by_another_sequence():
+    """The scheduler frees a block wholly before the window without telling the worker: the
+    sequence keeps its id, never read, and another sequence may get that block."""
+    state = PlanState(block_size=4, sliding_window=4)
+    state.apply(plan(1, new=[NewSequence(0, list(range(20, 29)), [], [1, 2, 3], 0, 9, PARAMS)]))
+    state.apply(plan(2, new=[NewSequence(1, [5, 6], [], [1], 0, 2, PARAMS)], cached=[CachedSequence(0, [], 3, 1, 77)]))
+    state.check_unshared()  # sequence 0 computes from 10 on: block 1 (0..3) is behind its window
+    without_window = PlanState(block_size=4)
+    without_window.seqs = state.seqs
+    with pytest.raises(ProtocolError, match="held by two sequences"):
+        without_window.check_unshared()
+
+
 # ----------------------------------------------------------------------------- num_samples from the scheduler
 
 

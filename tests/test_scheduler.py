@@ -9,10 +9,10 @@ import random
 import pytest
 
 from common.config import EngineConfig
-from common.protocol import SamplingParams, StepPlan, StepResult, decode, encode
+from common.protocol import NULL_BLOCK, SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
 from scheduler.engine import LLMEngine
 from scheduler.scheduler import FailedRequest, PreemptionCosts, RequestRejected, Scheduler
-from tests.fakes import FakeExecutor, expected_output, token_for
+from tests.fakes import FakeExecutor, KVCheckingExecutor, expected_output, token_for
 
 EOS = 2
 
@@ -283,6 +283,159 @@ def test_a_prefilling_request_can_be_preempted_and_restarts_from_scratch():
         (1, 0, [], 8),
     ]
     assert engine.scheduler.block_manager.num_free_blocks == 3
+
+
+# ----------------------------------------------------------------------------- sliding window
+# A model whose every layer attends only to its last W keys (WorkerHello.sliding_window): a
+# sequence put in a plan from position c on holds the null block for every block wholly before
+# c - W + 1. The fake executor refuses a null entry a query of the step reads (common/plan_state.py).
+
+
+def windowed_engine(window: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, **config) -> LLMEngine:
+    """Through Scheduler.from_hello, as the scheduler process and the offline LLM build it."""
+    config = EngineConfig(**{"block_size": 8, "enable_prefix_caching": False, "async_scheduling": False, **config})
+    hello = WorkerHello(0, 1, "fake", "fake", num_gpu_blocks, num_cpu_blocks, config.block_size, 1024, 1000, [EOS],
+                        1000, 1e9, 1e4, sliding_window=window)
+    scheduler = Scheduler.from_hello(config, hello)
+    assert scheduler.block_manager.sliding_window == window
+    return LLMEngine(scheduler, KVCheckingExecutor(config.block_size, sliding_window=window), wire=True)
+
+
+def held_blocks_by_the_window(engine: LLMEngine, window: int) -> dict[int, tuple[int, int]]:
+    """After a step, for each sequence of the latest plan (the one made last, in flight or run) that
+    computes from position c: its table holds the null block exactly in the entries wholly before
+    c - window + 1. Returns seq_id -> (non-null entries, tokens the plan computes for it)."""
+    bm, plan = engine.scheduler.block_manager, last_plan(engine)
+    held = {}
+    for s in plan.new_seqs + plan.cached_seqs:
+        if s.seq_id not in bm.block_tables:  # ended when its result came
+            continue
+        first = engine.executor.seqs[s.seq_id].num_computed_tokens - s.num_scheduled_tokens
+        skipped = max(first - window + 1, 0) // bm.block_size
+        table = bm.block_table(s.seq_id)
+        assert table[:skipped] == [NULL_BLOCK] * skipped and NULL_BLOCK not in table[skipped:], (s.seq_id, first, table)
+        held[s.seq_id] = (len(table) - skipped, s.num_scheduled_tokens)
+    return held
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_a_sequence_decoding_four_windows_holds_at_most_window_over_block_size_plus_one_blocks(async_scheduling):
+    window, bs = 32, 8
+    engine = windowed_engine(window, num_gpu_blocks=64, async_scheduling=async_scheduling)
+    engine.add_request("a", prompt(20), params(max_tokens=4 * window, ignore_eos=True))
+    bm, done, most = engine.scheduler.block_manager, {}, 0
+    while engine.has_unfinished_requests():
+        step(engine, done)
+        for held, _ in held_blocks_by_the_window(engine, window).values():
+            assert held <= window // bs + 1
+            most = max(most, held)
+        if 0 in bm.block_tables:
+            assert bm.num_total_blocks - bm.num_free_blocks <= window // bs + 1  # checked from the pool too
+    assert most == window // bs + 1
+    assert done == {"a": (expected_output(0, 20, 4 * window), "length")}
+    # the last plan computes position 146 (the 127th output token): keys from 115 on, 14 blocks left
+    window_events = [e for e in engine.scheduler.memory_events.events if e.kind == "window"]
+    assert sum(e.num_blocks for e in window_events) == 14 and {e.request_id for e in window_events} == {""}
+    assert bm.num_free_blocks == bm.num_total_blocks and not any(bm.ref_counts)
+
+
+def test_a_long_prompt_takes_all_its_blocks_at_admission_and_gives_them_back_as_its_chunks_go_on():
+    window = 16
+    engine = windowed_engine(window, num_gpu_blocks=32, max_num_batched_tokens=32)
+    engine.add_request("a", prompt(100), params(max_tokens=2, ignore_eos=True))
+    engine.step()
+    plans, bm = engine.executor.plans, engine.scheduler.block_manager
+    assert plans[0].new_seqs[0].block_ids == list(range(1, 14))  # 100 tokens: 13 blocks, as without a window
+    held = []
+    for _ in range(3):
+        engine.step()
+        held.append(held_blocks_by_the_window(engine, window)[0])
+    # chunks from 32, 64 and 96 read keys from 17, 49, 81: blocks 2, 6 and 10 on
+    assert held == [(11, 32), (7, 32), (3, 4)]
+    assert engine.executor.plans[1].cached_seqs[0].new_block_ids == []  # the workers are not told
+    assert run(engine) == {"a": (expected_output(0, 100, 2), "length")}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_with_prefix_caching_a_prompt_gives_back_its_blocks_once_its_result_is_in_and_they_stay_cached(
+        async_scheduling):
+    """The blocks a prompt leaves behind its window are registered first (once the worker confirmed
+    the step that wrote them), so they stay cached: with async scheduling the plan made while the
+    prompt runs keeps them, the next one gives them back. A second request with the prompt hits them
+    all and gives back at once those behind its own window."""
+    window = 32
+    engine = windowed_engine(window, num_gpu_blocks=64, enable_prefix_caching=True, async_scheduling=async_scheduling)
+    bm, events = engine.scheduler.block_manager, engine.scheduler.memory_events.events
+    engine.add_request("a", prompt(100), params(max_tokens=8, ignore_eos=True))
+    engine.step()
+    assert bm.block_table(0) == list(range(1, 14))  # 13 blocks: the prompt's, and slot 100's
+    engine.step()
+    assert bm.block_table(0) == [NULL_BLOCK] * 8 + list(range(9, 14))  # from 100 on: keys from 69 on
+    [left] = [e for e in events if e.kind == "window"]
+    assert left.step == (3 if async_scheduling else 2) and left.num_blocks == 8
+    assert sorted(bm.evictable) == list(range(1, 9))  # registered, so cached
+    done = run(engine)
+    engine.add_request("b", prompt(100), params(max_tokens=2, ignore_eos=True))
+    run(engine, done)
+    assert engine.scheduler.prefix_cache_hits == 96  # 12 full blocks: all but the last token's
+    assert done == {"a": (expected_output(0, 100, 8), "length"), "b": (expected_output(1, 100, 2), "length")}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_the_window_bound_holds_through_preemption(mode, async_scheduling):
+    """Four sequences decoding four windows each in a pool that holds them all only at 4 blocks
+    apiece: the latest (seq 3) is preempted again and again. Decoding, every sequence holds at most
+    W / block_size + 1 blocks; swapped back in it brings only those (its table sent whole with its
+    null entries); recomputed, it takes blocks for all its tokens at admission and gives them back
+    as its prefill goes on."""
+    window, bs = 32, 8
+    engine = windowed_engine(window, num_gpu_blocks=20, num_cpu_blocks=32, preemption_mode=mode,
+                             async_scheduling=async_scheduling)
+    for i in range(4):
+        engine.add_request(f"r{i}", prompt(8, start=100 + 10 * i), params(max_tokens=4 * window, ignore_eos=True))
+    s, bm, done, decoded = engine.scheduler, engine.scheduler.block_manager, {}, 0
+    while engine.has_unfinished_requests():
+        step(engine, done)
+        for seq_id, (held, num_tokens) in held_blocks_by_the_window(engine, window).items():
+            if num_tokens == 1:
+                assert held <= window // bs + 1
+                decoded += seq_id == 3
+        for seq_id, table in bm.cpu_tables.items():  # a victim gave back what its window skips, then was swapped
+            skipped = max(s._seqs[seq_id].num_computed_tokens - window + 1, 0) // bs
+            assert table[:skipped] == [bm.null_cpu_block] * skipped and bm.null_cpu_block not in table[skipped:]
+    assert s.num_preemptions > 3
+    assert (s.num_swap_preemptions if mode == "swap" else s.num_recompute_preemptions) == s.num_preemptions
+    assert decoded > 3 * window  # decode steps of seq 3 checked (recomputes sample some tokens in a prefill)
+    assert done == {f"r{i}": (expected_output(i, 8, 4 * window), "length") for i in range(4)}
+    plans = engine.executor.plans
+    assert all(gpu != NULL_BLOCK for p in plans for gpu, _ in p.blocks_to_swap_out)
+    assert all(gpu != NULL_BLOCK for p in plans for _, gpu in p.blocks_to_swap_in)
+    resent_with_nulls = [n for p in plans for n in p.new_seqs if NULL_BLOCK in n.block_ids]
+    if mode == "swap":
+        assert resent_with_nulls and all(n.seq_id == 3 for n in resent_with_nulls)
+    assert bm.num_free_blocks == bm.num_total_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_samples_of_a_request_give_back_shared_prompt_blocks_each_on_its_own(async_scheduling):
+    """n = 3 samples forked after a 40-token prompt share its 5 blocks: each sample drops its own
+    entries as its window passes them (check_integrity after every step holds each count to the
+    tables holding the block), and a block goes back to the pool with the last of them."""
+    window, bs = 16, 8
+    engine = windowed_engine(window, num_gpu_blocks=64, async_scheduling=async_scheduling)
+    engine.executor.forks = True
+    engine.add_request("n3", prompt(40), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4 * window,
+                                                         ignore_eos=True))
+    bm, done, shared_counts = engine.scheduler.block_manager, {}, set()
+    while engine.has_unfinished_requests():
+        step(engine, done)
+        for held, num_tokens in held_blocks_by_the_window(engine, window).values():
+            assert num_tokens > 1 or held <= window // bs + 1  # the prompt's step holds its 5 blocks
+        shared_counts.update(bm.ref_counts[block] for block in range(1, 6))
+    assert shared_counts == {0, 3}  # the prompt's blocks: held by all three samples, then by none
+    assert len(done["n3"][0]) == 4 * window
+    assert bm.num_free_blocks == bm.num_total_blocks
 
 
 # ----------------------------------------------------------------------------- stop conditions

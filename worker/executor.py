@@ -52,7 +52,8 @@ class Executor:
         # the matchers of constrained sequences live where the sampler does
         self.grammar = (GrammarState(self._load_tokenizer, int(self.runner.hf_config.vocab_size), self.eos_token_ids)
                         if group.is_first else None)
-        self.state = PlanState(self.runner.block_size)
+        # a null entry may stand only where the model's window skips (the scheduler frees those blocks)
+        self.state = PlanState(self.runner.block_size, sliding_window=self.runner.sliding_window)
 
     def form_group(self, generation: int) -> None:
         """Join the group's incarnation `generation` (the worker: the plan's epoch), forgetting

@@ -66,11 +66,12 @@ class ModelFreeExecutor:
     block_size: int
     seed: int = 0
     eos_rate: float = 0.0
+    sliding_window: int | None = None  # the model's: the null block may stand where the window skips
     state: PlanState = field(init=False)
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
-        self.state = PlanState(self.block_size)
+        self.state = PlanState(self.block_size, sliding_window=self.sliding_window)
         self.rng = random.Random(self.seed)
 
     @property
