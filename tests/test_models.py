@@ -152,21 +152,24 @@ def run_checking_the_window(llm, prompts: list[list[int]], params: SamplingParam
     return [outputs[str(i)] for i in range(len(prompts))], most
 
 
-def test_a_windowed_model_frees_the_blocks_behind_its_window_and_still_matches_transformers(built, prompt_ids):
-    """mistral attends to its last 16 keys on every layer: its hello says so, and the scheduler
-    gives back each sequence's blocks wholly behind its window (the worker's tables keep the null
-    block there). Decoding, a sequence holds at most 16 / 8 + 1 = 3 blocks of 8: two prompts
-    decoding 4 windows each run side by side in 23 blocks with no preemption (26 without the
-    window); twelve prompts shorter than the window, still growing, preempt each other, by swap
-    (tables with null entries go out and back) and by recompute. With prefix caching the blocks a
-    prompt leaves behind are registered first and stay cached: the same prompts again hit them.
-    Every token is transformers'."""
+@pytest.mark.parametrize("family", NEVER_PREEMPTED)
+def test_a_windowed_model_frees_the_blocks_behind_its_window_and_still_matches_transformers(family, built, prompt_ids):
+    """mistral attends to its last 16 keys on every layer (mixtral to its last 24): its hello says
+    so, and the scheduler gives back each sequence's blocks wholly behind its window (the worker's
+    tables keep the null block there). Decoding, a sequence holds at most 16 / 8 + 1 = 3 blocks of
+    8 (mixtral 4): two prompts decoding 4 windows each (mixtral: 64 tokens) run side by side in the
+    pool of 24 blocks with no preemption (mistral: 26 without the window); twelve prompts shorter
+    than the window, still growing, preempt each other, by swap (tables with null entries go out
+    and back) and by recompute. With prefix caching the blocks a prompt leaves behind are
+    registered first and stay cached: the same prompts again hit them. Every token is
+    transformers'."""
     import transformers
 
     from pagoda.offline import LLM
 
-    directory, _ = built["mistral"]
-    window, max_tokens, bound = 16, 64, 16 // 8 + 1
+    directory, _ = built[family]
+    window = FAMILIES[family][2]["sliding_window"]
+    max_tokens, bound = 64, window // 8 + 1
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(1)
     long, short = prompt_ids[:2], [torch.randint(4, 512, (n,), generator=gen).tolist() for n in range(3, 15)]
