@@ -16,15 +16,10 @@ import torch.nn.functional as F
 import kernels
 from kernels import fused
 from tests.triton_env import (
-    DEVICE, INTERPRET, ROOT, TRITON_MARKS, count_compiled_for_sm90, run_in_a_clean_interpreter, tolerance,
+    DEVICE, INTERPRET, ROOT, count_compiled_for_sm90, run_in_a_clean_interpreter, tolerance,
+    triton_test,
 )
 from tests.triton_env import DTYPES as TRITON_DTYPES
-
-
-def triton_test(fn):
-    for mark in reversed(TRITON_MARKS):
-        fn = mark(fn)
-    return fn
 
 
 @pytest.fixture(autouse=True, scope="module")

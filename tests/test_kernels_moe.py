@@ -17,17 +17,12 @@ from hypothesis import strategies as st
 import kernels
 from kernels.moe import fused_moe_reference, moe_align_block_size
 from tests.triton_env import (
-    DEVICE, INTERPRET, TRITON_MARKS, count_compiled_for_sm90, run_in_a_clean_interpreter, tolerance,
+    DEVICE, INTERPRET, count_compiled_for_sm90, run_in_a_clean_interpreter, tolerance,
+    triton_test,
 )
 from tests.triton_env import DTYPES as TRITON_DTYPES
 
 H100_MAX_SHARED = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
-
-
-def triton_test(fn):
-    for mark in reversed(TRITON_MARKS):
-        fn = mark(fn)
-    return fn
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -125,16 +125,15 @@ def test_paged_attention_mixed_batch_matches_reference(group, head_dim, block_si
     _check(case, 1.0 / math.sqrt(head_dim), dtype)
 
 
-@pytest.mark.parametrize(
-    "specs",
-    [
-        pytest.param([(1, 1)], id="one-token-decode"),
-        pytest.param([(40, 1), (3, 1), (17, 1), (16, 1), (33, 1)], id="decodes-only"),
-        pytest.param([(40, 40), (3, 3), (17, 17)], id="prefills-only"),
-        pytest.param([(50, 7), (33, 32), (17, 2)], id="cached-prefix-only"),
-        pytest.param([(16 * 6 + 3, 16 * 6 + 3)], id="long-prefill"),
-    ],
-)
+HOMOGENEOUS_BATCHES = [
+    pytest.param([(40, 1), (3, 1), (17, 1), (16, 1), (33, 1)], id="decodes-only"),
+    pytest.param([(40, 40), (3, 3), (17, 17)], id="prefills-only"),
+    pytest.param([(50, 7), (33, 32), (17, 2)], id="cached-prefix-only"),
+    pytest.param([(16 * 6 + 3, 16 * 6 + 3)], id="long-prefill"),
+]
+
+
+@pytest.mark.parametrize("specs", [pytest.param([(1, 1)], id="one-token-decode"), *HOMOGENEOUS_BATCHES])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_homogeneous_batches_match_reference(specs, dtype):
     _check(_case(specs, group=4, dtype=dtype, seed=len(specs)), 0.125, dtype)
@@ -204,20 +203,25 @@ def test_paged_attention_uses_the_scale_and_ignores_placement():
     torch.testing.assert_close(_attend(a, 0.125), _attend(b, 0.125), atol=0, rtol=0)
 
 
-def test_write_then_attend_step_by_step_with_triton_only():
-    """Prefill, then decode token by token as the worker does, both kernels in Triton."""
-    gen = torch.Generator().manual_seed(0)
-    bs, kvh, group, hd, n_prompt, total = 16, 2, 4, 64, 13, 21
+def _written_step_by_step(seed: int, group: int, n_prompt: int, total: int, blocks: list[int]):
+    """Prefill, then decode token by token as the worker does, write_kv in Triton into a cache of
+    NaN: yields each step's Case once its K and V are written (block size 16, 2 KV heads of 64)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, kvh, hd = 16, 2, 64
     k, v = torch.randn(total, kvh, hd, generator=gen), torch.randn(total, kvh, hd, generator=gen)
     q = torch.randn(total, kvh * group, hd, generator=gen)
-    blocks = [5, 2]
     cache = torch.full((8, 2, bs, kvh, hd), float("nan"), device=DEVICE)
     table = torch.tensor([blocks + [0]], dtype=torch.int32, device=DEVICE)
     for lo, hi in [(0, n_prompt)] + [(p, p + 1) for p in range(n_prompt, total)]:
         slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(lo, hi)], device=DEVICE)
         kernels.write_kv(k[lo:hi].to(DEVICE), v[lo:hi].to(DEVICE), cache, slots, impl="triton")
-        case = Case([], cache, table, torch.tensor([hi], dtype=torch.int32, device=DEVICE),
-                    torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), q[lo:hi].to(DEVICE), cache, bs)
+        yield Case([], cache, table, torch.tensor([hi], dtype=torch.int32, device=DEVICE),
+                   torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), q[lo:hi].to(DEVICE), cache, bs)
+
+
+def test_write_then_attend_step_by_step_with_triton_only():
+    """Prefill, then decode token by token as the worker does, both kernels in Triton."""
+    for case in _written_step_by_step(0, group=4, n_prompt=13, total=21, blocks=[5, 2]):
         torch.testing.assert_close(_attend(case, 0.125), _expected(case, 0.125), atol=2e-5, rtol=2e-5)
 
 
@@ -275,15 +279,7 @@ def test_softcap_alone_and_with_a_window_matches_reference(window, softcap, dtyp
         _check_masked(case, scale, dtype, window, softcap)
 
 
-@pytest.mark.parametrize(
-    "specs",
-    [
-        pytest.param([(40, 1), (3, 1), (17, 1), (16, 1), (33, 1)], id="decodes-only"),
-        pytest.param([(40, 40), (3, 3), (17, 17)], id="prefills-only"),
-        pytest.param([(50, 7), (33, 32), (17, 2)], id="cached-prefix-only"),
-        pytest.param([(16 * 6 + 3, 16 * 6 + 3)], id="long-prefill"),
-    ],
-)
+@pytest.mark.parametrize("specs", HOMOGENEOUS_BATCHES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_window_and_softcap_on_homogeneous_batches_match_reference(specs, dtype):
     _check_masked(_case(specs, group=4, dtype=dtype, seed=len(specs)), 0.125, dtype, 23, 30.0)
@@ -365,20 +361,10 @@ def test_keys_before_the_window_are_never_loaded(window, softcap, block_n, kv_sp
 
 def test_write_then_attend_step_by_step_under_a_window_with_triton_only():
     """Prefill, then decode token by token past the window, both kernels in Triton."""
-    gen = torch.Generator().manual_seed(1)
-    bs, kvh, group, hd, n_prompt, total, window = 16, 2, 2, 64, 21, 45, 19
-    k, v = torch.randn(total, kvh, hd, generator=gen), torch.randn(total, kvh, hd, generator=gen)
-    q = torch.randn(total, kvh * group, hd, generator=gen)
-    blocks = [5, 2, 7]
-    cache = torch.full((8, 2, bs, kvh, hd), float("nan"), device=DEVICE)
-    table = torch.tensor([blocks + [0]], dtype=torch.int32, device=DEVICE)
-    for lo, hi in [(0, n_prompt)] + [(p, p + 1) for p in range(n_prompt, total)]:
-        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(lo, hi)], device=DEVICE)
-        kernels.write_kv(k[lo:hi].to(DEVICE), v[lo:hi].to(DEVICE), cache, slots, impl="triton")
-        case = Case([], cache, table, torch.tensor([hi], dtype=torch.int32, device=DEVICE),
-                    torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE), q[lo:hi].to(DEVICE), cache, bs)
-        out = kernels.paged_attention(case.query, cache, table, case.seq_lens, case.cu_seqlens_q, 0.125,
-                                      impl="triton", sliding_window=window, logit_softcap=20.0)
+    window = 19
+    for case in _written_step_by_step(1, group=2, n_prompt=21, total=45, blocks=[5, 2, 7]):
+        out = kernels.paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens,
+                                      case.cu_seqlens_q, 0.125, impl="triton", sliding_window=window, logit_softcap=20.0)
         torch.testing.assert_close(out, _expected_masked(case, 0.125, window, 20.0), atol=2e-5, rtol=2e-5)
 
 

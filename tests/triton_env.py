@@ -27,6 +27,13 @@ TRITON_MARKS = [
 ]
 
 
+def triton_test(fn):
+    """Mark a test that runs a Triton kernel (TRITON_MARKS: skipped visibly where it cannot run)."""
+    for mark in reversed(TRITON_MARKS):
+        fn = mark(fn)
+    return fn
+
+
 def count_compiled_for_sm90(module: str, function: str) -> int:
     """Run `module.function()` (which compiles kernels and returns their list) in a child without
     TRITON_INTERPRET; skips when triton's NVIDIA backend with its ptxas is not installed."""
