@@ -355,3 +355,30 @@ def test_a_sharded_checkpoint_is_read_from_the_shards_its_index_names(tmp_path):
         "c": "model-00002-of-00002.safetensors"}}))
     assert [p.name for p in checkpoint_files(tmp_path)] == ["model-00001-of-00002.safetensors",
                                                             "model-00002-of-00002.safetensors"]
+
+
+def test_a_multimodal_gemma3_checkpoint_is_served_for_text(tmp_path, prompt_ids):
+    """Gemma3ForConditionalGeneration (Gemma 3 4B and up): the language model of a checkpoint with
+    a vision tower (the tower and projector unread) equals transformers' on text, at 1 and 2 ranks."""
+    import transformers
+
+    from pagoda.offline import LLM
+
+    text = {**families.BASE, **FAMILIES["gemma3_text"][2]}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=7, boi_token_index=5, eoi_token_index=6)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    reference = families.reference(model, prompt_ids[:3])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    for size in (1, 2):
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=8, skip_tokenizer_init=True,
+                  tensor_parallel_size=size)
+        try:
+            outputs = llm.generate(prompt_ids[:3], params, use_tqdm=False)
+        finally:
+            llm.close()
+        assert_matches(reference, [o.token_ids for o in outputs], [[t[0] for t in o.logprobs] for o in outputs])

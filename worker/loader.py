@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PretrainedConfig
 
 from common.models import ModelSource
-from worker.models import model_class
+from worker.models import model_class, text_only_config
 from worker.models.weights import in_memory, iter_safetensors
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 
@@ -31,10 +31,14 @@ log = logging.getLogger(__name__)
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
+    """The config the model is built from (a multimodal checkpoint served for text: its text
+    model's, `worker.models.text_only_config`)."""
     if source.kind == "dummy":
         data = json.loads(source.path.read_text())
-        return AutoConfig.for_model(data.pop("model_type", "llama"), **data)
-    return AutoConfig.from_pretrained(hf_directory(source))
+        config = AutoConfig.for_model(data.pop("model_type", "llama"), **data)
+    else:
+        config = AutoConfig.from_pretrained(hf_directory(source))
+    return text_only_config(config)
 
 
 def hf_directory(source: ModelSource) -> Path:

@@ -20,6 +20,7 @@ class ModelInfo:
     tensor_parallel: bool = True
     quantization: tuple[str, ...] = ()  # formats beyond full precision (none yet)
     notes: str = ""
+    text_only: bool = False  # a multimodal checkpoint served for text: the model is its text_config's
 
     @property
     def class_name(self) -> str:
@@ -37,6 +38,8 @@ MODELS: tuple[ModelInfo, ...] = (
               notes="local and global layers; attention and final logit soft-capping"),
     ModelInfo("Gemma3ForCausalLM", "gemma3_text", "gemma", "google/gemma-3-1b-it", sliding_window=True,
               notes="text only; local and global layers, two RoPE bases"),
+    ModelInfo("Gemma3ForConditionalGeneration", "gemma3", "gemma", "google/gemma-3-4b-it", sliding_window=True,
+              text_only=True, notes="Gemma 3 4B and up, served for text (the vision tower is not loaded)"),
     ModelInfo("Phi3ForCausalLM", "phi3", "llama", "microsoft/Phi-4-mini-instruct", sliding_window=True,
               notes="Phi-3, Phi-3.5, Phi-4(-mini); LongRoPE"),
     ModelInfo("MixtralForCausalLM", "mixtral", "moe", "mistralai/Mixtral-8x7B-Instruct-v0.1", sliding_window=True,
@@ -66,6 +69,17 @@ def model_info(config) -> ModelInfo:
     raise UnsupportedModel(f"{named} is not supported. Pagoda runs: "
                            + "; ".join(f"{info.architecture} ({info.model_type})" for info in MODELS)
                            + " (`pagoda models` prints the table)")
+
+
+def text_only_config(config):
+    """The config a model is built from: a multimodal checkpoint served for text gives its
+    language model's config (text_config), still naming the checkpoint's architecture."""
+    info = model_info(config)
+    if not info.text_only:
+        return config
+    text = config.get_text_config()
+    text.architectures = [info.architecture]
+    return text
 
 
 def model_class(config) -> type:

@@ -83,3 +83,20 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def rope_key(self, config, layer_idx: int) -> str:
         return config.layer_types[layer_idx]  # "sliding_attention" or "full_attention": Gemma3RotaryEmbedding's
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """A Gemma 3 checkpoint with a vision tower (4B and up), served for text: its language model
+    (built from the config's text_config, see `text_only_config`), the vision tower and the
+    projector left unread. As transformers' Gemma3ForConditionalGeneration, the final logits are
+    not soft-capped (its released configs set no cap)."""
+
+    SKIPPED = (*Gemma3ForCausalLM.SKIPPED, "vision_tower.", "multi_modal_projector.")
+    # the Hub's checkpoints name the language model language_model.model.*, transformers 5 saves
+    # model.language_model.*
+    RENAMES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.final_logit_softcap = None

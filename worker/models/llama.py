@@ -156,6 +156,7 @@ class CausalLM(nn.Module):
     STACKED_PARAMS = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
                       ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
     SKIPPED = ("rotary_emb.inv_freq",)  # checkpoint tensors that are not weights
+    RENAMES: tuple[tuple[str, str], ...] = ()  # (checkpoint's, ours): the first that starts a name, or sits in it
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -216,6 +217,14 @@ class CausalLM(nn.Module):
         return logits
 
     # ------------------------------------------------------------------ weights
+    def rename(self, name: str) -> str:
+        """A checkpoint's name in our module tree (where a family's checkpoints name a module
+        otherwise: Mixtral's block_sparse_moe, a multimodal checkpoint's language_model)."""
+        for theirs, ours in self.RENAMES:
+            if theirs in name:
+                return name.replace(theirs, ours, 1)
+        return name
+
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
         """(our parameter's name, shard id) of a checkpoint tensor: the stacked projections fill a
         part of a fused parameter (shard id: which); every other tensor is its parameter whole."""
@@ -232,6 +241,7 @@ class CausalLM(nn.Module):
                   for name, _ in module.named_parameters(recurse=False)}
         loaded: dict[str, set] = {}  # parameter -> the parts filled (None: whole)
         for name, tensor in weights:
+            name = self.rename(name)
             if any(skip in name for skip in self.SKIPPED) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             name, shard_id = self.map_checkpoint_name(name)

@@ -133,11 +133,8 @@ class MoeCausalLM(LlamaForCausalLM):
     the layer's stacked expert weights."""
 
     EXPERT_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # checkpoint name -> gate/up/down
-    RENAMES: dict[str, str] = {}
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object]:
-        for theirs, ours in self.RENAMES.items():
-            name = name.replace(theirs, ours)
         expert = _EXPERT.search(name)
         if expert is None:
             return super().map_checkpoint_name(name)
@@ -157,7 +154,7 @@ class MoeCausalLM(LlamaForCausalLM):
 class MixtralForCausalLM(MoeCausalLM):
     rotary_class = MixtralRotaryEmbedding
     EXPERT_PARTS = {"w1": "w1", "w2": "w2", "w3": "w3"}
-    RENAMES = {".block_sparse_moe.": ".mlp."}
+    RENAMES = ((".block_sparse_moe.", ".mlp."),)
 
     def build_mlp(self, config, layer_idx: int) -> nn.Module:
         return SparseMoeBlock(config, config.num_local_experts, config.intermediate_size, renormalize=True,
