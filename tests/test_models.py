@@ -3,7 +3,7 @@ logprob within 1e-4, in float32, on the tiny random models of tests/families.py 
 longer than the family's sliding window).
 
 Per family: `pagoda generate` in one rank; the same engine with a pool too small for the batch,
-preempting by swap and then by recompute (but a model windowed on every layer gives blocks back as
+preempting by swap and then by recompute with chunked prefill (but a model windowed on every layer gives blocks back as
 it decodes: its own test preempts it with prompts shorter than its window); and the served API
 (`pagoda up --tensor-parallel-size 2`, a small pool, recomputing) through the openai client.
 `pagoda generate --tensor-parallel-size 2` (swapping) for a windowed family and a MoE one.
@@ -107,8 +107,8 @@ def test_preemption_by_swap_and_by_recompute_matches_transformers(family, built,
     llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=SMALL_POOL,
               num_cpu_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
-    for mode in ("swap", "recompute"):
-        llm.reset(preemption_mode=mode)
+    for mode, budget in (("swap", 2048), ("recompute", 40)):  # recomputing, prompts prefill in chunks of 40 at most
+        llm.reset(preemption_mode=mode, max_num_batched_tokens=budget)
         outputs = llm.generate(prompt_ids, params, use_tqdm=False)
         s = llm.scheduler
         if family in NEVER_PREEMPTED:
