@@ -122,9 +122,15 @@ def _compile_split_variant(shape: AttentionShape, config: TileConfig, device: to
     return kernel
 
 
+def head_dim_p2(head_dim: int) -> int:
+    """The head dimension the tiles span: a power of two, and at least 16, the least K of a tl.dot
+    (q @ k^T contracts over it); the columns past head_dim are masked."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _constexprs(shape: AttentionShape, config: TileConfig, split_kv: bool) -> dict:
     return dict(
-        GROUP=shape.group, HEAD_DIM=shape.head_dim, HEAD_DIM_P2=triton.next_power_of_2(shape.head_dim),
+        GROUP=shape.group, HEAD_DIM=shape.head_dim, HEAD_DIM_P2=head_dim_p2(shape.head_dim),
         BLOCK_SIZE=shape.block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, BLOCK_N=config.block_n,
         SPLIT_KV=split_kv, HAS_WINDOW=shape.sliding_window, HAS_SOFTCAP=shape.logit_softcap,
         DOT_PRECISION=dot_precision(getattr(torch, shape.dtype)),

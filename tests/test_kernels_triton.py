@@ -139,9 +139,10 @@ def test_paged_attention_homogeneous_batches_match_reference(specs, dtype):
     _check(_case(specs, group=4, dtype=dtype, seed=len(specs)), 0.125, dtype)
 
 
-@pytest.mark.parametrize("group, head_dim", [(5, 80), (20, 64)])
+@pytest.mark.parametrize("group, head_dim", [(5, 80), (20, 64), (1, 8)])
 def test_head_dims_off_powers_of_two_and_groups_past_sixteen(group, head_dim):
-    """Padded head dims are masked; a group wider than a 16-row tile gets a taller tile."""
+    """Padded head dims are masked (a head dim under 16 is padded to tl.dot's least K: on a GPU
+    its compiler refuses less); a group wider than a 16-row tile gets a taller tile."""
     specs = [(2 * 16 + 5, 2 * 16 + 5), (1, 1), (40, 3), (17, 1)]
     _check(_case(specs, group=group, head_dim=head_dim, seed=group), head_dim**-0.5, torch.float32)
     _check(_case([(40, 1), (9, 1)], group=group, head_dim=head_dim, seed=group), head_dim**-0.5, torch.float32)

@@ -49,7 +49,7 @@ class DecodeRunner:
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)  # one query per row, always
         self.block_tables = torch.zeros((size, self.width), dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its hidden states)
-        self.captured_bytes = 0  # device memory the capture took (mem_get_info before and after)
+        self.captured_bytes = 0  # device memory the capture took (this process's pool before and after)
         self._num_dirty = 0  # rows [0, _num_dirty) may hold an earlier step's sequences
 
     def bucket(self, num_seqs: int) -> int:
@@ -105,8 +105,7 @@ class DecodeRunner:
         """Capture a graph per bucket (CUDA, after the KV pool exists: the graphs read it), logging
         the time and the device memory they took."""
         device = self.input_ids.device
-        torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0]
+        reserved_before = _reserved_after_emptying(device)
         start = time.perf_counter()
         # Warm every bucket before any capture: Triton compiles its variants and the split-KV
         # workspace reaches its size, so no graph holds an allocation that a later warm-up replaces.
@@ -126,6 +125,15 @@ class DecodeRunner:
             self.graphs[size] = (graph, hidden)
         torch.cuda.synchronize(device)
         kernels.freeze_workspace(device)  # the graphs hold the split-KV workspace's address
-        self.captured_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+        self.captured_bytes = _reserved_after_emptying(device) - reserved_before
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s, using %.1f MiB of device memory",
                  len(self.graphs), self.buckets, time.perf_counter() - start, self.captured_bytes / (1 << 20))
+
+
+def _reserved_after_emptying(device: torch.device) -> int:
+    """The memory this process's allocator holds, its free cache released first. torch.cuda.graph
+    empties the cache as it enters, so the device's free memory (mem_get_info) can grow across a
+    capture and read negative; the pool measured this way counts only what stays held."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)

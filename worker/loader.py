@@ -3,8 +3,8 @@
 The model's class comes from the registry (worker/models/__init__.py). In a tensor-parallel
 group each rank reads only its slice of each tensor from the safetensors files (each parameter's
 `weight_loader` narrows a lazy CheckpointTensor), never a whole tensor it shards; a GGUF file is
-converted to safetensors once and then read the same way. Dummy weights are drawn whole on every
-rank and sliced, so a group's dummy model is the same model as one rank's.
+converted to safetensors once and then read the same way. Dummy weights are drawn on the device,
+whole on every rank and sliced, so a group's dummy model is the same model as one rank's.
 """
 from __future__ import annotations
 
@@ -105,10 +105,27 @@ def _group_of_one() -> Iterator[None]:
         set_tp_group(saved)
 
 
-def _init_dummy(model: torch.nn.Module) -> None:
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def _dummy_model(config: PretrainedConfig, seed: int, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+    """Random weights made and drawn on `device` in `dtype` from `seed` (an 8B model in seconds on
+    a GPU; drawing it in float32 on the host and moving it took minutes). Norms keep the value
+    their constructor gives."""
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(config)(config)
+    generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" not in name:  # norms stay at one
-            torch.nn.init.normal_(param, std=0.02)
+        if "norm" not in name:
+            param.data.normal_(std=0.02, generator=generator)
+    return model
 
 
 def _build(config: PretrainedConfig, device: str) -> torch.nn.Module:
@@ -116,13 +133,13 @@ def _build(config: PretrainedConfig, device: str) -> torch.nn.Module:
         return model_class(config)(config)
 
 
-def dummy_weights(config: PretrainedConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole dummy model a group of one draws from `seed`, under our parameter names (the
-    fused ones whole: each rank's loaders take their slices)."""
+def dummy_weights(
+    config: PretrainedConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole dummy model a group of one draws from `seed` on `device`, under our parameter
+    names (the fused ones whole: each rank's loaders take their slices)."""
     with _group_of_one():
-        torch.manual_seed(seed)
-        model = _build(config, "cpu")
-    _init_dummy(model)
+        model = _dummy_model(config, seed, device, dtype)
     yield from ((name, param.data) for name, param in model.named_parameters())
 
 
@@ -136,16 +153,13 @@ def load_model(
     config = load_config(source)
     check_supported(config)
     max_positions = context_length(config, max_model_len)
-    if source.kind == "dummy":
-        torch.manual_seed(seed)
-        model = _build(config, "cpu")
+    if source.kind == "dummy" and get_tp_group().world_size == 1:
+        model = _dummy_model(config, seed, device, dtype)
     else:  # every parameter comes from the checkpoint: no initialization to compute first
         model = _build(config, "meta").to(dtype).to_empty(device=device)
-    if source.kind == "dummy" and model.tp.world_size == 1:
-        _init_dummy(model)
-    elif source.kind == "dummy":
-        model.load_weights(in_memory(dummy_weights(config, seed)))
-    else:
+    if source.kind == "dummy" and model.tp.world_size > 1:
+        model.load_weights(in_memory(dummy_weights(config, seed, device, dtype)))
+    elif source.kind != "dummy":
         model.load_weights(iter_safetensors(hf_directory(source)))
     model.init_rope_cache(max_positions)  # float32 on the host, then cast and moved with the rest
     return model.to(device=device, dtype=dtype).eval(), config
