@@ -38,7 +38,9 @@ import triton
 import triton.language as tl
 
 from kernels import tuning
-from kernels.triton_common import device_key, device_name, dot_precision, interpreting, sm_limits, workspace
+from kernels.triton_common import (
+    device_key, device_name, dot_precision, interpreting, reserve_workspace, sm_limits, workspace,
+)
 from kernels.tuning import (  # noqa: F401  (re-exported: the kernel's launch vocabulary)
     MAX_KV_SPLITS, MIN_TILES_PER_SPLIT, AttentionShape, Launch, Phase, TileConfig, num_kv_splits,
 )
@@ -205,8 +207,8 @@ def warmup(shape: AttentionShape, max_model_len: int, device: torch.device, slid
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
     slots_of = _slots_of(shape, device)
-    workspace(device, max(3 * slots_of(launch.config) * launch.config.block_m * (shape.head_dim + 1)
-                          for launch in launches))
+    reserve_workspace(device, max(3 * slots_of(launch.config) * launch.config.block_m * (shape.head_dim + 1)
+                                  for launch in launches))
     for launch in launches:
         paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, 1.0, config=launch.config,
                         kv_splits=launch.kv_splits, sliding_window=sliding_window,

@@ -55,6 +55,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 _workspaces: dict[tuple[str, int | None], torch.Tensor] = {}
 _frozen: set[tuple[str, int | None]] = set()
+_retired: list[torch.Tensor] = []  # outgrown frozen workspaces: an earlier engine's graphs still write into them
 
 
 def device_key(device: torch.device) -> tuple[str, int | None]:
@@ -84,6 +85,19 @@ def workspace(device: torch.device, numel: int, reserve: int = 0) -> torch.Tenso
         buf = torch.empty(max(numel, reserve), dtype=torch.float32, device=device)
         _workspaces[key] = buf
     return buf[:numel]
+
+
+def reserve_workspace(device: torch.device, numel: int) -> None:
+    """At an engine's start-up (`kernels.warmup`): the workspace holds at least `numel` floats.
+    If graphs of an engine started earlier in this process froze a smaller one, that buffer is
+    kept alive for them (their replays still write into it) and this engine gets a new one, free
+    to grow again until its own capture freezes it."""
+    key = device_key(device)
+    buf = _workspaces.get(key)
+    if key in _frozen and buf is not None and buf.numel() < numel:
+        _retired.append(buf)
+        _frozen.discard(key)
+    workspace(device, numel)
 
 
 def freeze_workspace(device: torch.device) -> None:

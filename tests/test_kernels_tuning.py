@@ -452,6 +452,34 @@ def test_a_frozen_workspace_serves_smaller_launches_and_refuses_to_grow():
             triton_common._workspaces[key] = saved
 
 
+def test_a_later_engines_warmup_grows_a_frozen_workspace_and_keeps_the_old_one_alive():
+    """Two engines in one process (two LLMs, a benchmark's runs): the first one's graphs froze the
+    workspace; the second one's start-up needs more. It gets a new buffer; the old one stays
+    allocated, since the first engine's graphs still write into it."""
+    from kernels import triton_common
+
+    device = torch.device("cpu")
+    key = triton_common.device_key(device)
+    saved = triton_common._workspaces.pop(key, None)
+    try:
+        first = triton_common.workspace(device, 64)
+        triton_common.freeze_workspace(device)
+        triton_common.reserve_workspace(device, 50)  # fits: the frozen buffer serves it
+        assert triton_common._workspaces[key] is first._base and key in triton_common._frozen
+        triton_common.reserve_workspace(device, 80)
+        grown = triton_common._workspaces[key]
+        assert grown.numel() == 80 and key not in triton_common._frozen
+        assert triton_common._retired[-1] is first._base
+        assert triton_common.workspace(device, 80).data_ptr() == grown.data_ptr()
+    finally:
+        triton_common._frozen.discard(key)
+        triton_common._workspaces.pop(key, None)
+        if triton_common._retired and triton_common._retired[-1] is first._base:
+            triton_common._retired.pop()
+        if saved is not None:
+            triton_common._workspaces[key] = saved
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 def test_cuda_and_cuda_0_are_one_device_key():
