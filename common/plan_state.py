@@ -14,7 +14,14 @@ this worker sampled for the sequence in the step before (`record_sampled`). Per 
 Anything a worker could not run is a ProtocolError: continuing a sequence it does not hold,
 scheduling tokens it does not have, a block table that does not cover the slots written, the
 null block in a table, a PENDING_TOKEN for a sequence that did not draw exactly one token in the
-step before. With a `sliding_window` W (a model whose every layer attends only to its last W keys)
+step before.
+
+A worker that launches step N+1 before N's tokens reach its host (the device-side token feed,
+worker/executor.py) records N's draws as they stand on the device (`record_draws`): a
+PENDING_TOKEN of N+1 then appends a placeholder (PENDING_TOKEN itself) to the sequence and lists
+the row in `feed` (its index among the scheduled, its draw index in N), whose input the worker
+takes from N's device tokens; `fill` writes N's host tokens over the placeholders once they arrive,
+before the plan after N+1 is applied. With a `sliding_window` W (a model whose every layer attends only to its last W keys)
 the null block may stand for a block no query of the step reads: wholly before position
 first - W + 1, where `first` is the first position the step computes for the sequence.
 """
@@ -56,11 +63,35 @@ class PlanState:
     seqs: dict[int, HeldSequence] = field(default_factory=dict)
     last_sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> its one token of the last step
     sliding_window: int | None = None  # the model's, as its WorkerHello says
+    drawn: dict[int, int] = field(default_factory=dict)  # seq_id -> its one draw's index in the last step (on the device)
+    drawn_step: int | None = None  # that step's number
+    feed: list[tuple[int, int]] = field(default_factory=list)  # of the last apply: (scheduled index, draw index)
+    placeholders: list[tuple[HeldSequence, int, int]] = field(default_factory=list)  # (held, position, draw index)
+    placeholder_step: int | None = None  # the step whose draws the placeholders wait for
 
     def reset(self) -> None:
         """Forget every sequence (a new epoch: the scheduler's state was lost)."""
         self.seqs.clear()
         self.last_sampled.clear()
+        self.drawn.clear()
+        self.feed, self.placeholders = [], []
+
+    def record_draws(self, step: int, seq_ids: list[int]) -> None:
+        """The step just launched draws these (in draw order), its tokens still on the device: a
+        PENDING_TOKEN of the next plan for a sequence that drew exactly once is fed from them."""
+        drawn = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+        if len(drawn) != len(seq_ids):
+            counts = Counter(seq_ids)
+            drawn = {seq_id: i for seq_id, i in drawn.items() if counts[seq_id] == 1}
+        self.drawn, self.drawn_step, self.last_sampled = drawn, step, {}
+
+    def fill(self, step: int, token_ids: list[int]) -> None:
+        """Step `step`'s tokens (draw order) reached the host: they replace the placeholders that
+        stood for them."""
+        if self.placeholder_step == step:
+            for held, position, draw in self.placeholders:
+                held.token_ids[position] = token_ids[draw]
+            self.placeholders, self.placeholder_step = [], None
 
     def record_sampled(self, sampled: list[SampledToken]) -> None:
         """What this worker drew in the step just run: the tokens a PENDING_TOKEN of the next plan
@@ -75,6 +106,10 @@ class PlanState:
         """Apply the plan's diffs; returns the sequences it schedules, in plan order, with their
         tokens counted as computed."""
         last_sampled, self.last_sampled = self.last_sampled, {}
+        drawn, self.drawn = self.drawn, {}
+        if self.placeholders:
+            raise ProtocolError(f"plan step {plan.step} applied before step {self.placeholder_step}'s tokens were filled in")
+        self.feed = feed = []
         for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
             self.seqs.pop(seq_id, None)
         steps = []
@@ -102,15 +137,23 @@ class PlanState:
             token_ids = held.token_ids
             if held.num_computed_tokens == len(token_ids):  # it sampled: add that token
                 token = cached.last_token_id
+                if token == PENDING_TOKEN and cached.seq_id not in last_sampled and cached.seq_id in drawn:
+                    draw = drawn[cached.seq_id]  # still on the device: a placeholder, fed there
+                    feed.append((len(steps), draw))
+                    self.placeholders.append((held, len(token_ids), draw))
                 token_ids.append(token if token != PENDING_TOKEN
-                                 else self._last_token(plan.step, cached.seq_id, token, last_sampled))
+                                 else self._last_token(plan.step, cached.seq_id, token, last_sampled, drawn))
             steps.append((cached.seq_id, held, cached.num_scheduled_tokens, cached.num_samples))
+        if self.placeholders:
+            self.placeholder_step = self.drawn_step
         return self._schedule(plan.step, steps)
 
     @staticmethod
-    def _last_token(step: int, seq_id: int, token: int, last_sampled: dict[int, int]) -> int:
+    def _last_token(step: int, seq_id: int, token: int, last_sampled: dict[int, int], drawn: dict[int, int]) -> int:
         if token != PENDING_TOKEN:
             return token
+        if seq_id in drawn and seq_id not in last_sampled:
+            return PENDING_TOKEN  # the placeholder
         if seq_id not in last_sampled:
             raise ProtocolError(f"plan step {step} asks for sequence {seq_id}'s pending token, "
                                 "which this worker did not draw in the step before")

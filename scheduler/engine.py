@@ -6,9 +6,10 @@ over as objects), or a transport to worker processes. With `wire=True` every pla
 goes through the msgpack codec, exactly as it would cross ZeroMQ.
 
 With `async_scheduling` the step keeps one plan ahead, as the scheduler process does (plan N+1
-is made before N's result is applied). An in-process executor is synchronous, so nothing runs
-concurrently here: the overlapped loop keeps the contract (PENDING_TOKEN, results in plan order)
-exercised by the offline engine and its tests, the scheduler process is where it saves time.
+is made before N's result is applied). An executor that can launch a step and finish it later
+(worker/executor.py: `launch`, `finish`) gets plan N+1 launched before N is finished: the device
+runs N+1 (fed N's tokens on the device) while the host applies N's result and plans N+2. One that
+only executes runs each plan whole, in the same order.
 """
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ class StepExecutor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
+class OverlappedExecutor(StepExecutor, Protocol):
+    def launch(self, plan: StepPlan) -> None: ...
+
+    def finish(self) -> StepResult: ...
+
+
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor: StepExecutor, wire: bool = False,
                  memory_trace: MemoryTrace | None = None) -> None:
@@ -35,7 +42,7 @@ class LLMEngine:
         self.memory_trace = memory_trace  # written after each step and abort that changed the memory
         self.num_steps = 0
         self.num_scheduled_tokens = 0
-        self._results: deque[StepResult] = deque()  # of the plans in flight, oldest first
+        self._results: deque[StepResult | None] = deque()  # of the plans in flight, oldest first (None: launched)
 
     @classmethod
     def from_hello(cls, config, hello: WorkerHello, executor: StepExecutor, wire: bool = False,
@@ -63,7 +70,7 @@ class LLMEngine:
             self._run(self.scheduler.schedule())
         if self.scheduler.config.async_scheduling:
             self._run(self.scheduler.schedule())
-        outputs = self.scheduler.update(self._results.popleft()) + self._settle()
+        outputs = self.scheduler.update(self._finish()) + self._settle()
         self._trace()
         return outputs
 
@@ -75,15 +82,27 @@ class LLMEngine:
         """Once no request is left, apply the results still in flight (they end nothing new)."""
         outputs = []
         while self._results and not self.scheduler.has_unfinished_requests():
-            outputs += self.scheduler.update(self._results.popleft())
+            outputs += self.scheduler.update(self._finish())
         return outputs
+
+    def _finish(self) -> StepResult:
+        result = self._results.popleft()
+        if result is None:
+            result = self.executor.finish()
+            if self.wire:
+                result = decode(encode(result))
+        return result
 
     def _run(self, plan: StepPlan) -> None:
         if self.wire:
             plan = decode(encode(plan))
-        result = self.executor.execute(plan)
-        if self.wire:
-            result = decode(encode(result))
+        if hasattr(self.executor, "launch"):
+            self.executor.launch(plan)
+            result = None
+        else:
+            result = self.executor.execute(plan)
+            if self.wire:
+                result = decode(encode(result))
         self.num_steps += 1
         self.num_scheduled_tokens += plan.num_scheduled_tokens
         self._results.append(result)

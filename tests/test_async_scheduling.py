@@ -243,17 +243,27 @@ def run_workload(engine: LLMEngine, requests, aborts, aborted: set[str]) -> dict
 
 
 class Recording:
-    """The Executor, counting the PENDING_TOKENs it resolved and the tokens it computed."""
+    """The Executor, counting the PENDING_TOKENs it resolved, the rows it fed from the device (a
+    step launched before the one before it finished) and the tokens it computed."""
 
     def __init__(self, executor) -> None:
         self.executor = executor
         self.num_pending = 0
+        self.num_fed = 0
         self.num_tokens = 0
 
     def execute(self, plan):
+        self.launch(plan)
+        return self.finish()
+
+    def launch(self, plan):
         self.num_pending += sum(c.last_token_id == PENDING_TOKEN for c in plan.cached_seqs)
         self.num_tokens += plan.num_scheduled_tokens
-        return self.executor.execute(plan)
+        self.executor.launch(plan)
+        self.num_fed += len(self.executor.state.feed)
+
+    def finish(self):
+        return self.executor.finish()
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +297,7 @@ def assert_same_as_serial(llm, prompts, params_, logprob_tol: float = 0.0, **cha
     else:
         assert overlapped == serial
     assert serial_rec.num_pending == 0 and rec.num_pending > 0
+    assert serial_rec.num_fed == 0 and rec.num_fed > 0  # the overlapped loop fed tokens on the device
     return serial, serial_rec, rec
 
 

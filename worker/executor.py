@@ -14,18 +14,20 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from common.config import EngineConfig
 from common.generation_config import read_generation_config, token_ids
 from common.plan_state import PlanState, ScheduledSequence
-from common.protocol import SampledToken, StepPlan, StepResult, WorkerHello
+from common.protocol import PENDING_TOKEN, SampledToken, StepPlan, StepResult, WorkerHello
 from worker.grammar import GrammarState, TokenMask
 from worker.model_runner import ModelRunner
 from worker.parallel import TensorParallelGroup, set_tp_group
 from worker.prompt_logprobs import prompt_logprobs, scored_indices, scored_spans
-from worker.sampler import Sampler, SamplerOutput, SamplingRow
+from worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
 
 
 class Executor:
@@ -54,6 +56,9 @@ class Executor:
                         if group.is_first else None)
         # a null entry may stand only where the model's window skips (the scheduler frees those blocks)
         self.state = PlanState(self.runner.block_size, sliding_window=self.runner.sliding_window)
+        self._in_flight: deque[_InFlight] = deque()  # launched steps not finished yet, oldest first
+        self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, on the device
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: the tokens' copies to the host
 
     def form_group(self, generation: int) -> None:
         """Join the group's incarnation `generation` (the worker: the plan's epoch), forgetting
@@ -74,7 +79,10 @@ class Executor:
         )
 
     def reset(self) -> None:
-        """Forget every sequence (a new epoch: the scheduler's state was lost)."""
+        """Forget every sequence (a new epoch: the scheduler's state was lost), and the steps in
+        flight (their results are not wanted)."""
+        self._in_flight.clear()
+        self._drawn_tokens = None
         self.state.reset()
         self.runner.reset()
         if self.sampler is not None:
@@ -87,52 +95,106 @@ class Executor:
         return load_tokenizer(self.runner.source)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan and return its result (launch, then finish: nothing left in flight)."""
+        self.launch(plan)
+        return self.finish()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def launch(self, plan: StepPlan) -> None:
+        """Apply the plan and queue its forward and sampling on the device, without waiting for
+        them: the tokens stay on the device (and on their way to the host) until `finish`. A
+        PENDING_TOKEN of this plan for the step still in flight is fed from that step's tokens on
+        the device; a grammar-constrained one needs its token on the host first (its matcher must
+        accept it before the next mask), so the steps in flight are finished before this one."""
+        if self._in_flight and self.grammar is not None and self.grammar.matchers and self._feeds_constrained(plan):
+            for step in self._in_flight:
+                step.complete(self)
         scheduled = self.state.apply(plan)
+        feed = self.state.feed
+        feed_tokens = self._drawn_tokens if feed else None
         self.runner.update_inputs(plan)
         if self.sampler is not None:
-            self._count_tokens(plan, scheduled)
+            self._count_tokens(plan, scheduled, feed, feed_tokens)
             self._sync_grammars(scheduled)
         # swap-out first: a block leaving for the swap pool may be reused by this very step
         self.runner.swap_out(plan.blocks_to_swap_out)
         self.runner.swap_in(plan.blocks_to_swap_in)
         self.runner.copy_blocks(plan.blocks_to_copy)
-        result = StepResult(plan.step, plan.epoch)
-        if not scheduled:
-            return result
-        step, spans = self.runner.prepare(scheduled), scored_spans(scheduled)
-        logits = self.runner.forward(step, scored_indices(spans)) if spans else self.runner.forward(step)
-        if spans:  # every rank: the scored rows' logits are gathered to rank 0 chunk by chunk
-            result.prompt_logprobs = prompt_logprobs(self.runner.scored_logits, spans)
-            self.runner.scored_hidden = None
+        step = _InFlight(StepResult(plan.step, plan.epoch))
+        self._in_flight.append(step)
         sampling = [s for s in scheduled if s.num_samples]
+        self.state.record_draws(plan.step, [s.seq_id for s in sampling for _ in range(s.num_samples)])
+        self._drawn_tokens = None
+        if not scheduled:
+            return
+        tensors, spans = self.runner.prepare(scheduled, feed, feed_tokens), scored_spans(scheduled)
+        logits = self.runner.forward(tensors, scored_indices(spans)) if spans else self.runner.forward(tensors)
+        if spans:  # every rank: the scored rows' logits are gathered to rank 0 chunk by chunk
+            step.result.prompt_logprobs = prompt_logprobs(self.runner.scored_logits, spans)
+            self.runner.scored_hidden = None
         if not sampling:
-            return result
+            return
+        step.sampling = sampling
         if self.sampler is None:  # rank > 0: rank 0's draws, for the next plan's PENDING_TOKENs
-            self.state.record_sampled(self._receive_sampled(sampling))
-            return result
-        mask = self._token_mask(sampling)
-        rows = _sampling_rows(sampling)
-        out = self.sampler(logits, rows) if mask is None else self.sampler(logits, rows, mask)
-        result.sampled = _sampled_tokens(sampling, out)
-        if self.world_size > 1:
-            self.group.broadcast(torch.tensor(out.token_ids, dtype=torch.int64, device=self.runner.device))
-        self.state.record_sampled(result.sampled)  # what a PENDING_TOKEN of the next plan stands for
-        return result
+            token_ids = torch.empty(sum(s.num_samples for s in sampling), dtype=torch.int64, device=self.runner.device)
+            self.group.broadcast(token_ids)
+            step.host = self._host_copy(token_ids)
+        else:
+            mask = self._token_mask(sampling)
+            rows = _sampling_rows(sampling)
+            step.batch = self.sampler.sample(logits, rows) if mask is None else self.sampler.sample(logits, rows, mask)
+            token_ids = step.batch.token_ids
+            if self.world_size > 1:
+                token_ids = token_ids.contiguous()
+                self.group.broadcast(token_ids)
+            step.host = self._host_copy(step.batch.packed)
+        self._drawn_tokens = token_ids
 
-    def _receive_sampled(self, sampling: list[ScheduledSequence]) -> list[SampledToken]:
-        """Rank 0's sampled token ids, one per draw in draw order (each row draws num_samples)."""
-        token_ids = torch.empty(sum(s.num_samples for s in sampling), dtype=torch.int64, device=self.runner.device)
-        self.group.broadcast(token_ids)
-        seq_ids = [s.seq_id for s in sampling for _ in range(s.num_samples)]
-        return [SampledToken(seq_id, token_id, 0.0) for seq_id, token_id in zip(seq_ids, token_ids.tolist())]
+    def finish(self) -> StepResult:
+        """The oldest launched step's result, once its tokens reached the host."""
+        step = self._in_flight[0]
+        step.complete(self)
+        self._in_flight.popleft()
+        return step.result
 
-    def _count_tokens(self, plan: StepPlan, scheduled: list[ScheduledSequence]) -> None:
+    def _complete(self, step: _InFlight) -> None:
+        """Wait for the step's tokens on the host, fill in its result, and hand the tokens to the
+        plan state: over the placeholders of the plan launched after it, or, if it is the last one
+        launched, as what the next plan's PENDING_TOKENs stand for."""
+        values = step.host.values()
+        sampling = step.sampling
+        if step.batch is None:  # rank > 0
+            seq_ids = [s.seq_id for s in sampling for _ in range(s.num_samples)]
+            sampled = [SampledToken(seq_id, int(token_id), 0.0) for seq_id, token_id in zip(seq_ids, values)]
+        else:
+            sampled = step.result.sampled = _sampled_tokens(sampling, step.batch.to_host(values))
+        self.state.fill(step.result.step, [s.token_id for s in sampled])
+        if step is self._in_flight[-1]:
+            self.state.record_sampled(sampled)  # what a PENDING_TOKEN of the next plan stands for
+
+    def _feeds_constrained(self, plan: StepPlan) -> bool:
+        seqs = self.state.seqs
+        return any(c.last_token_id == PENDING_TOKEN and c.seq_id in seqs
+                   and seqs[c.seq_id].sampling_params.structured_output for c in plan.cached_seqs)
+
+    def _host_copy(self, values: torch.Tensor) -> HostCopy:
+        if self._copy_stream is None and values.is_cuda:
+            self._copy_stream = torch.cuda.Stream(values.device)
+        return HostCopy(values, self._copy_stream)
+
+    def _count_tokens(self, plan: StepPlan, scheduled: list[ScheduledSequence], feed: list[tuple[int, int]],
+                      feed_tokens: torch.Tensor | None) -> None:
         """The sampler's penalty counts follow the held sequences: dropped ones freed, new ones
-        counted from their tokens, continued ones from the token appended to them."""
+        counted from their tokens, continued ones from the token appended to them (a fed one's
+        on the device)."""
         counts = self.sampler.token_counts
         dropped = plan.finished_seq_ids + plan.preempted_seq_ids
         counts.free(dropped)
-        counts.sync((s.seq_id, s.held) for s in scheduled)
+        fed = {scheduled[i].seq_id: draw for i, draw in feed} if feed and counts.seqs else None
+        counts.sync(((s.seq_id, s.held) for s in scheduled), fed, feed_tokens)
         if self.grammar.matchers:
             self.grammar.free(dropped)
 
@@ -148,6 +210,47 @@ class Executor:
         compiling): None when no row is constrained."""
         constrained = [(row, s.seq_id) for row, s in enumerate(sampling) if s.held.sampling_params.structured_output]
         return self.grammar.fill(constrained) if constrained else None
+
+
+class HostCopy:
+    """A device tensor's copy to the host: on CUDA into pinned memory on a side stream, behind an
+    event recorded after the copy (the copy stream waits for the work queued so far, so it never
+    reads the tensor before it is written); on the CPU the tensor itself."""
+
+    def __init__(self, values: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        self.event = None
+        if not values.is_cuda:
+            self.host = values
+            return
+        stream.wait_stream(torch.cuda.current_stream(values.device))
+        with torch.cuda.stream(stream):
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+        values.record_stream(stream)  # the caching allocator keeps it until the copy is done
+
+    def values(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step: its result so far, its sampling rows, and its draws on their way to the host."""
+
+    result: StepResult
+    sampling: list[ScheduledSequence] = field(default_factory=list)
+    batch: SampledBatch | None = None  # rank 0's draws on the device
+    host: HostCopy | None = None  # the draws' host copy (rank 0: `batch.packed`; others: the token ids)
+    done: bool = False
+
+    def complete(self, executor: Executor) -> None:
+        if not self.done:
+            if self.host is not None:
+                executor._complete(self)
+            self.done = True
 
 
 def _sampling_rows(sampling: list[ScheduledSequence]) -> list[SamplingRow]:

@@ -136,8 +136,13 @@ class InputBatch:
             self._dirty.update(zip(range(base + offset, base + hi), values))
 
     # ------------------------------------------------------------------ step
-    def prepare(self, scheduled: Sequence[ScheduledSequence]) -> StepTensors:
-        """Flatten the scheduled sequences into one varlen batch; one host-to-device copy."""
+    def prepare(self, scheduled: Sequence[ScheduledSequence], feed: Sequence[tuple[int, int]] = (),
+                feed_tokens: torch.Tensor | None = None) -> StepTensors:
+        """Flatten the scheduled sequences into one varlen batch; one host-to-device copy.
+
+        `feed`: (scheduled index, draw index) of each row whose one token is still on the device
+        (a placeholder on the host, common/plan_state.py): its input id is taken from
+        `feed_tokens` (the step before's draws) on the device, in stream order after that step."""
         table_rows = [self.rows[s.seq_id] for s in scheduled]
         positions = [s.num_computed_tokens for s in scheduled]  # decode: each row's one position
         counts = [s.num_scheduled_tokens for s in scheduled]
@@ -155,13 +160,18 @@ class InputBatch:
                 token_rows += [row] * n
         max_blocks = max(map(self.num_blocks.__getitem__, table_rows))
         num_tokens, num_seqs, num_dirty = len(ids), len(seq_lens), len(self._dirty)
+        fed_at = [cu_seqlens_q[i] for i, _ in feed]  # a fed row computes its one new token only
+        fed_from = [draw for _, draw in feed]
         flat = self._staging.to_device(ids + positions + token_rows + seq_lens + cu_seqlens_q + table_rows
-                                       + logits_indices + list(self._dirty) + list(self._dirty.values()))
+                                       + logits_indices + list(self._dirty) + list(self._dirty.values())
+                                       + fed_at + fed_from)
         self._dirty = {}
         sizes = (num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs, len(logits_indices),
-                 num_dirty, num_dirty)
+                 num_dirty, num_dirty, len(feed), len(feed))
         (input_ids, positions_t, token_rows_t, seq_lens_t, cu_t, table_rows_t, logits_t,
-         dirty_index, dirty_values) = flat.split(sizes)
+         dirty_index, dirty_values, fed_at_t, fed_from_t) = flat.split(sizes)
+        if feed:
+            input_ids.index_copy_(0, fed_at_t, feed_tokens.index_select(0, fed_from_t))
         table = self.block_table_device
         if num_dirty:
             table.view(-1).index_copy_(0, dirty_index, dirty_values.to(torch.int32))

@@ -226,9 +226,11 @@ class ModelRunner:
     def reset(self) -> None:
         self.input_batch.reset()
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> StepTensors:
-        """The step's tensors from the persistent input rows (worker/input_batch.py)."""
-        return self.input_batch.prepare(scheduled)
+    def prepare(self, scheduled: list[ScheduledSequence], feed: list[tuple[int, int]] = (),
+                feed_tokens: torch.Tensor | None = None) -> StepTensors:
+        """The step's tensors from the persistent input rows (worker/input_batch.py); `feed`: rows
+        whose input id is the step before's draw, still on the device."""
+        return self.input_batch.prepare(scheduled, feed, feed_tokens)
 
     def prepare_rows(self, rows: list[ScheduledRow], samples: list[bool]) -> StepTensors:
         """A step's tensors from lists (the profile run): see `flatten_rows`."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.plan_state import HeldSequence
-from common.protocol import SamplingParams, num_beam_candidates, sample_seed
+from common.protocol import PENDING_TOKEN, SamplingParams, num_beam_candidates, sample_seed
 from worker.grammar import TokenMask
 
 _M32 = 0xFFFFFFFF
@@ -107,9 +107,16 @@ class TokenCounts:
             if counted is not None:
                 self.free_rows.append(counted.row)
 
-    def sync(self, seqs: Iterable[tuple[int, HeldSequence]]) -> None:
-        """Count the tokens of these sequences not counted yet (all of a sequence seen first)."""
+    def sync(self, seqs: Iterable[tuple[int, HeldSequence]], fed: dict[int, int] | None = None,
+             fed_tokens: torch.Tensor | None = None) -> None:
+        """Count the tokens of these sequences not counted yet (all of a sequence seen first).
+        `fed`: seq_id -> draw index in `fed_tokens` (the step before's draws, on the device) of a
+        sequence whose newest token is still a placeholder on the host: it is counted there."""
         new_rows: list[int] = []
+        fed_bases: list[int] = []  # the rows' flat bases of fed tokens, and their draw indices
+        fed_draws: list[int] = []
+        fed_frequency: list[float] = []
+        fed_presence: list[float] = []
         prompt_flat: list[int] = []  # flat entries of prompt tokens: only `seen`
         out_flat: list[int] = []  # flat entries of output tokens, with their row's penalties
         frequency: list[float] = []
@@ -128,7 +135,12 @@ class TokenCounts:
             if start == end:
                 continue
             base = counted.base
-            if end - start == 1 and start >= held.num_prompt_tokens:  # a decode step
+            if end - start == 1 and start >= held.num_prompt_tokens and token_ids[start] == PENDING_TOKEN:
+                fed_bases.append(base)
+                fed_draws.append(fed[seq_id])
+                fed_frequency.append(counted.frequency_penalty)
+                fed_presence.append(counted.presence_penalty)
+            elif end - start == 1 and start >= held.num_prompt_tokens:  # a decode step
                 out_flat.append(base + token_ids[start])
                 frequency.append(counted.frequency_penalty)
                 presence.append(counted.presence_penalty)
@@ -144,8 +156,14 @@ class TokenCounts:
             counted.num_tokens = end
         if new_rows:
             self._clear(new_rows)
-        if prompt_flat or out_flat:
-            self._count(prompt_flat, out_flat, frequency, presence)
+        fed_flat = None
+        if fed_bases:
+            fed_flat = (_to_device(fed_bases, torch.int64, self.device)
+                        + fed_tokens.index_select(0, _to_device(fed_draws, torch.int64, self.device)))
+            frequency += fed_frequency
+            presence += fed_presence
+        if prompt_flat or out_flat or fed_bases:
+            self._count(prompt_flat, out_flat, frequency, presence, fed_flat)
 
     def _clear(self, rows: list[int]) -> None:
         index = _to_device(rows, torch.int64, self.device)
@@ -153,15 +171,18 @@ class TokenCounts:
             t.index_fill_(0, index, 0)
 
     def _count(self, prompt_flat: list[int], out_flat: list[int], frequency: list[float],
-               presence: list[float]) -> None:
+               presence: list[float], fed_flat: torch.Tensor | None = None) -> None:
+        """`fed_flat`: flat entries of output tokens known on the device only, after out_flat's."""
         flat = _to_device(prompt_flat + out_flat, torch.int64, self.device)
+        if fed_flat is not None:
+            flat = torch.cat([flat, fed_flat])
         self.seen.view(-1).index_fill_(0, flat, True)
-        if not out_flat:
+        if not out_flat and fed_flat is None:
             return
         if prompt_flat:
             flat = flat[len(prompt_flat):]
         counts = self.output_counts.view(-1)
-        counts.index_add_(0, flat, torch.ones(len(out_flat), device=self.device))
+        counts.index_add_(0, flat, torch.ones(flat.shape[0], device=self.device))
         # The new counts (a token twice gets its total twice). Each is at least 1, so the penalty
         # frequency * count + presence * (count > 0) is frequency * count + presence.
         penalty = counts.index_select(0, flat)
@@ -198,8 +219,9 @@ class SampledBatch:
     num_top: list[int]  # per sample: how many top logprobs it asked for
     top_width: int
 
-    def to_host(self) -> SamplerOutput:
-        values = self.packed.tolist()
+    def to_host(self, values: list[float] | None = None) -> SamplerOutput:
+        """`values`: `packed` already copied to the host (the executor's copy behind an event)."""
+        values = self.packed.tolist() if values is None else values
         n = len(self.top_rows)
         base, width = 2 * n, 2 * self.top_width
         top = [[[int(values[at]), values[at + 1]] for at in range(base + row * width, base + row * width + 2 * k, 2)]
