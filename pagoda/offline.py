@@ -12,6 +12,8 @@ executes it. `LLM.close()` (or the LLM's collection, or the interpreter's exit) 
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import itertools
 import logging
@@ -264,10 +266,24 @@ class GroupExecutor:
         self.ranks = ranks
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self.launch(plan)
+        return self.finish()
+
+    def launch(self, plan: StepPlan) -> None:
+        """The other ranks take the plan, then rank 0 launches it (each collective in plan order)."""
         self.ranks.check_usable()
         self.executor.group.broadcast_bytes(encode(plan))
+        with self._breaking():
+            self.executor.launch(plan)
+
+    def finish(self) -> StepResult:
+        with self._breaking():
+            return self.executor.finish()
+
+    @contextlib.contextmanager
+    def _breaking(self):
         try:
-            return self.executor.execute(plan)
+            yield
         except BaseException:  # the others may wait in a collective rank 0 never reaches
             self.ranks.state["broken"] = True
             raise

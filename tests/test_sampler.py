@@ -688,16 +688,18 @@ def test_token_counts_grow_with_the_sequence_and_reuse_freed_rows():
 
 
 def test_the_executor_keeps_the_counts_in_step_with_the_held_sequences(monkeypatch):
-    """Through forks (n > 1), preemption by recompute and finished sequences: after every plan,
-    the sampler counts exactly the sequences the worker holds with penalties, from their tokens."""
+    """Through forks (n > 1), preemption by recompute and finished sequences: after every step
+    finished, the sampler counts exactly the sequences the worker holds with penalties, from their
+    tokens (with the next plan launched already, its tokens fed on the device counted there)."""
     from pagoda.offline import LLM
 
     llm = LLM(f"dummy:{TINY_LLAMA}", device="cpu", num_gpu_blocks=24, block_size=8)
+    assert llm.config.async_scheduling
     executor = llm.executor
-    execute, checked = executor.execute, []
+    finish, checked = executor.finish, []
 
-    def checked_execute(plan):
-        result = execute(plan)
+    def checked_finish():
+        result = finish()
         counts = executor.sampler.token_counts
         penalized = {i for i, h in executor.state.seqs.items() if h.sampling_params.frequency_penalty}
         assert set(counts.seqs) == penalized
@@ -708,7 +710,7 @@ def test_the_executor_keeps_the_counts_in_step_with_the_held_sequences(monkeypat
         checked.append(len(penalized))
         return result
 
-    monkeypatch.setattr(executor, "execute", checked_execute)
+    monkeypatch.setattr(executor, "finish", checked_finish)
     penalized = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=20, ignore_eos=True,
                                frequency_penalty=0.4, presence_penalty=0.3, repetition_penalty=1.2)
     plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -209,7 +209,7 @@ def test_a_step_that_fails_on_rank_0_ends_the_group_with_a_clear_error(tmp_path,
     group = LLM(f"dummy:{path}", tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu",
                 block_size=BLOCK_SIZE, num_gpu_blocks=64, num_cpu_blocks=0)
     try:
-        monkeypatch.setattr(type(group.executor.sampler), "__call__", lambda *_: (_ for _ in ()).throw(
+        monkeypatch.setattr(type(group.executor.sampler), "sample", lambda *_: (_ for _ in ()).throw(
             RuntimeError("boom")))
         with pytest.raises(RuntimeError, match="^boom$"):
             group.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -153,6 +153,11 @@ class Executor:
             step.host = self._host_copy(step.batch.packed)
         self._drawn_tokens = token_ids
 
+    def ready(self) -> bool:
+        """Whether the oldest launched step's tokens are on the host already (`finish` won't wait)."""
+        step = self._in_flight[0]
+        return step.done or step.host is None or step.host.event is None or step.host.event.query()
+
     def finish(self) -> StepResult:
         """The oldest launched step's result, once its tokens reached the host."""
         step = self._in_flight[0]

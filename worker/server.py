@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections import deque
 
 from common.config import EngineConfig, ServingConfig
 from common.protocol import StepPlan, StepResult
@@ -28,6 +29,7 @@ from worker.parallel import TensorParallelGroup
 log = logging.getLogger(__name__)
 
 REHELLO_IDLE_S = 2.0  # say hello again when idle, so a restarted scheduler learns of this rank
+IN_FLIGHT_POLL_MS = 1  # with a step in flight: how often to look whether it is done while no plan comes
 
 
 def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, heartbeat: Heartbeat | None = None) -> None:
@@ -54,45 +56,98 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, he
     idle_since = time.monotonic()
     try:
         while not stopping:
-            plan = link.recv_plan(timeout_ms=200)  # None also for a malformed frame (logged, dropped)
-            if plan is None:
-                if time.monotonic() - idle_since > REHELLO_IDLE_S:
+            # with a step in flight, wait for the next plan while the device still runs it: the
+            # plan is launched behind it (fed its tokens on the device), then its result is sent
+            plan = link.recv_plan(timeout_ms=IN_FLIGHT_POLL_MS if steps.in_flight else 200)
+            if plan is None:  # None also for a malformed frame (logged, dropped)
+                if steps.in_flight:
+                    if steps.ready():
+                        link.send_result(steps.finish())
+                elif time.monotonic() - idle_since > REHELLO_IDLE_S:
                     link.hello(hello)
                     idle_since = time.monotonic()
+                _beat(heartbeat, steps)
                 continue
-            if heartbeat:
-                heartbeat.step_started = time.monotonic()
-            result = steps.run(plan)
-            if heartbeat:
-                heartbeat.step_started = None
-            link.send_result(result)
+            for result in steps.launch(plan):  # the results a new epoch or a constrained row waited for
+                link.send_result(result)
+            _beat(heartbeat, steps)
+            while steps.in_flight > 1:
+                link.send_result(steps.finish())
+            _beat(heartbeat, steps)
             idle_since = time.monotonic()
     finally:
         link.close()
         group.destroy()
 
 
+def _beat(heartbeat: Heartbeat | None, steps: _Steps) -> None:
+    """The heartbeat's step clock: since the launch of the oldest step in flight (None: idle)."""
+    if heartbeat:
+        heartbeat.step_started = steps.oldest_launch
+
+
 class _Steps:
     """Runs each plan in its epoch: forms the group at an epoch's first plan, and once a step of
-    an epoch failed, answers the rest of that epoch's plans with an error unrun."""
+    an epoch failed, answers the rest of that epoch's plans with an error unrun. Launched steps
+    are finished in plan order: each entry of `queue` is (step, its result if made already (an
+    error), launch time); a None result is a step in the executor's flight."""
 
     def __init__(self, executor: Executor, group: TensorParallelGroup) -> None:
         self.executor = executor
         self.group = group
         self.epoch: int | None = None
         self.failed_epoch: int | None = None
+        self.queue: deque[tuple[int, StepResult | None, float]] = deque()
 
-    def run(self, plan: StepPlan) -> StepResult:
+    @property
+    def in_flight(self) -> int:
+        return len(self.queue)
+
+    @property
+    def oldest_launch(self) -> float | None:
+        return self.queue[0][2] if self.queue else None
+
+    def ready(self) -> bool:
+        return self.queue[0][1] is not None or self.executor.ready()
+
+    def launch(self, plan: StepPlan) -> list[StepResult]:
+        """Queue the plan's step; returns the results of steps finished first (those of the epoch
+        before a new one)."""
+        finished, now = [], time.monotonic()
         if plan.epoch == self.failed_epoch:  # sent before the scheduler saw the failure
-            return StepResult(plan.step, plan.epoch, error="an earlier step of this epoch failed")
+            self.queue.append((plan.step, _unrun(plan.step, plan.epoch), now))
+            return finished
         try:
             if plan.epoch != self.epoch:  # a new scheduler, a failed step or a changed group: start clean
+                while self.queue:
+                    finished.append(self.finish())
                 self.epoch = plan.epoch
                 self.executor.form_group(plan.epoch)
-            return self.executor.execute(plan)
+            self.executor.launch(plan)
+            self.queue.append((plan.step, None, now))
         except Exception as exc:  # reported to the scheduler, which fails the group's requests
-            log.exception("step %d of epoch %d failed", plan.step, plan.epoch)
-            self.failed_epoch = plan.epoch
-            self.group.destroy()  # unusable after a failed collective; peers waiting on this rank fail now
-            self.executor.reset()
-            return StepResult(plan.step, plan.epoch, error=f"{type(exc).__name__}: {exc}")
+            self.queue.append((plan.step, self._fail(plan.step, plan.epoch, exc), now))
+        return finished
+
+    def finish(self) -> StepResult:
+        step, result, _ = self.queue.popleft()
+        if result is not None:
+            return result
+        try:
+            return self.executor.finish()
+        except Exception as exc:
+            return self._fail(step, self.epoch, exc)
+
+    def _fail(self, step: int, epoch: int, exc: Exception) -> StepResult:
+        """The failed step's error result. The steps launched after it are answered with errors,
+        unrun: the executor forgets them."""
+        log.exception("step %d of epoch %d failed", step, epoch)
+        self.failed_epoch = epoch
+        self.group.destroy()  # unusable after a failed collective; peers waiting on this rank fail now
+        self.executor.reset()
+        self.queue = deque((s, _unrun(s, epoch) if r is None else r, t) for s, r, t in self.queue)
+        return StepResult(step, epoch, error=f"{type(exc).__name__}: {exc}")
+
+
+def _unrun(step: int, epoch: int) -> StepResult:
+    return StepResult(step, epoch, error="an earlier step of this epoch failed")
