@@ -248,7 +248,7 @@ def test_the_replay_page_in_chromium_draws_each_snapshot_as_it_is(trace, tmp_pat
 
 
 def test_a_pool_of_100000_blocks_is_drawn_one_cell_per_block_in_its_class(tmp_path):
-    """A synthetic snapshot (pagoda/bench/synthetic_trace.py, as the README's timing command uses) on
+    """A synthetic snapshot (pagoda/bench/synthetic_trace.py, as docs/dashboard.md's timing command uses) on
     the replay page: the canvas's pixels, one per block, counted by colour class."""
     (snapshot,) = synthetic_trace(100_000, 1)
     assert check_snapshot(snapshot) == []

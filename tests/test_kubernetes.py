@@ -1,5 +1,5 @@
 """deploy/kubernetes/: every manifest valid against the published Kubernetes schemas (offline, with
-kubernetes-validate), and shaped as the README's Deployment section says: a gateway Deployment
+kubernetes-validate), and shaped as docs/deployment.md says: a gateway Deployment
 behind a Service and a CPU HorizontalPodAutoscaler, one Redis, engine groups as a StatefulSet whose
 pod runs the scheduler and one single-GPU container per tensor-parallel rank."""
 from __future__ import annotations

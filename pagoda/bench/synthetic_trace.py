@@ -1,4 +1,4 @@
-"""A synthetic memory trace of a large pool, to time the memory page's drawing (README, "The memory page"):
+"""A synthetic memory trace of a large pool, to time the memory page's drawing (docs/dashboard.md):
 
     python -m pagoda.bench.synthetic_trace --num-blocks 100000 --output big.jsonl
     pagoda bench memory --replay big.jsonl --output big.html
