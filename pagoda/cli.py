@@ -289,6 +289,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     _add_bench_memory(benches.add_parser("memory", help="KV memory use: paged vs Orca-style contiguous (CPU, no model)"))
     _add_bench_throughput(benches.add_parser(
         "throughput", help="offline engine vs transformers generate on ShareGPT, in one run"))
+    _add_bench_latency(benches.add_parser(
+        "latency", help="fixed input and output lengths through the offline engine: TTFT, TPOT, e2e per batch size"))
     _add_bench_serve(benches.add_parser("serve", help="online latency and throughput against the gateway"))
     o = benches.add_parser("overhead", help="time to first token through the stack minus the offline engine's (CPU)")
     o.add_argument("--requests", type=int, default=30, help="requests timed each way (after 2 warm-up ones)")
@@ -359,6 +361,30 @@ def _add_bench_throughput(t: argparse.ArgumentParser) -> None:
     t.add_argument("--skip-baseline", action="store_true", help="Pagoda only")
     t.add_argument("--output", help="write the result JSON here")
     t.set_defaults(handler=_bench_throughput)
+
+
+def _add_bench_latency(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--dtype", default="auto", choices=DTYPES)
+    t.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request (random ids)")
+    t.add_argument("--output-len", type=int, default=128, help="output tokens of every request (EOS ignored)")
+    sizes = t.add_mutually_exclusive_group()
+    sizes.add_argument("--batch-size", type=int, default=None, help="requests submitted at once (default 8)")
+    sizes.add_argument("--batch-sizes", help="several batch sizes, comma-separated (one row each), e.g. 1,64")
+    t.add_argument("--num-iters", type=int, default=5, help="measured iterations per batch size")
+    t.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations first, per batch size")
+    t.add_argument("--max-num-seqs", type=int, default=256)
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    t.add_argument("--num-gpu-blocks", type=int, default=None)
+    t.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks (ranks 1..N-1 as processes)")
+    t.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    t.add_argument("--async-scheduling", action="store_true",
+                   help="plan each step before the previous one's result is applied (in this process it only "
+                        "delays each token by a step)")
+    t.add_argument("--seed", type=int, default=0, help="the random prompts (and dummy weights)")
+    t.add_argument("--output", help="write the result JSON here")
+    t.set_defaults(handler=_bench_latency)
 
 
 def _add_bench_serve(v: argparse.ArgumentParser) -> None:
@@ -461,6 +487,12 @@ def _bench_step(args) -> int:
 
 def _bench_serve(args) -> int:
     from pagoda.bench.serve import run
+
+    return run(args)
+
+
+def _bench_latency(args) -> int:
+    from pagoda.bench.latency import run
 
     return run(args)
 

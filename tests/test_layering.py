@@ -26,7 +26,7 @@ def test_offline_path_imports_no_networking_package():
     """pagoda generate, the LLM API, the worker's executor, the kernels and their benchmarks (bench
     throughput, bench kernels) run on a host without redis, pyzmq, starlette or uvicorn."""
     statement = ("import pagoda.offline, pagoda.cli, worker.executor, worker.model_runner, kernels, scheduler.engine, "
-                 "pagoda.bench.throughput, pagoda.bench.kernels")
+                 "pagoda.bench.throughput, pagoda.bench.kernels, pagoda.bench.latency")
     assert imported_after(statement, NETWORKING) == []
 
 

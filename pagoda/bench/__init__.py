@@ -5,6 +5,7 @@
     workloads.py         ShareGPT request pairs
     memory.py            `pagoda bench memory`: paged vs Orca-style KV use (CPU, no model)
     throughput.py        `pagoda bench throughput`: offline engine vs transformers generate
+    latency.py           `pagoda bench latency`: fixed lengths through the offline engine, TTFT/TPOT/e2e
     serve.py             `pagoda bench serve`: online latency and throughput through the gateway
     serving_overhead.py  `pagoda bench overhead`: what the serving planes add to TTFT
     kernels.py           `pagoda bench kernels`: Triton decode attention (CUDA)
