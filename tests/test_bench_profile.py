@@ -185,10 +185,12 @@ def test_cpu_run_through_the_cli_writes_the_result_and_a_chrome_trace(tmp_path, 
                                         "--batch-size 3 --context-len 24 --steps 3 --warmup-steps 1 ")
     assert (result["batch"], result["context"], result["steps"], result["decode_tokens"]) == (3, 24, 3, 9)
     assert result["engine"]["num_gpu_blocks"] == 64 and result["engine"]["max_num_seqs"] == 3
+    assert result["engine"]["cuda_graphs"] is False
     assert result["gpu"] is None and "no CUDA device" in result["note"] and "goals" not in result
     assert len(result["step_ms_each"]) == 3 and result["step_ms"] > 0
     assert list(result["host"]["breakdown_ms"]) == list(IN_PROCESS_PARTS)
-    assert all(v >= 0 for v in result["host"]["breakdown_ms"].values()) and result["host"]["breakdown_ms"]["forward"] > 0
+    parts = result["host"]["breakdown_ms"]
+    assert all(v >= 0 for v in parts.values()) and parts["forward"] > 0
     roof = result["roofline"]
     # tiny-llama, float32: 139,584 parameters; KV per token 2 layers x 2 x 2 kv heads x 16 x 4 bytes = 512
     assert roof["weight_bytes"] == 139_584 * 4
@@ -199,8 +201,11 @@ def test_cpu_run_through_the_cli_writes_the_result_and_a_chrome_trace(tmp_path, 
     assert result["trace"] == str(trace_path)
     trace = json.loads(trace_path.read_text())
     ranges = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
-    assert sorted(r for r in ranges if r.startswith("pagoda step")) == ["pagoda step 0", "pagoda step 1", "pagoda step 2"]
+    assert sorted(r for r in ranges if r.startswith("pagoda step")) == [f"pagoda step {i}" for i in range(3)]
     assert ranges.count("pagoda sampler") == 3
+    timeline = read_timeline(trace)
+    assert len(timeline.steps) == 3 and timeline.events == []  # no device timeline on the CPU
+    assert [round((t - s) / 1e3, 4) for s, t in timeline.steps] == result["step_ms_each"]
     assert "no CUDA device" in capsys.readouterr().err
 
 
@@ -220,7 +225,29 @@ def test_cuda_profile_of_the_tiny_model_sees_gemm_and_attention(tmp_path):
     assert 0 < gpu["busy_fraction"] <= 1
     assert gpu["device_ms_by_kind"]["gemm"] > 0 and gpu["device_ms_by_kind"]["attention"] > 0
     assert gpu["device_ms_by_kind"]["sampler"] > 0
+    assert result["engine"]["cuda_graphs"] is True
     assert len(gpu["steps"]["wall_ms_each"]) == 4
     assert result["roofline"]["copy_bandwidth_GBps"] > 0 and result["roofline"]["step_over_roofline"] > 0
     assert len(result["goals"]) == 2
     json.loads((tmp_path / "profile.trace.json").read_text())
+
+
+def test_the_gpu_check_script_s_profile_command_parses(monkeypatch):
+    """scripts/gpu-check.sh calls `bench profile` with these flags: they must reach run() as meant."""
+    import re
+    import shlex
+
+    import pagoda.bench.profile as profile
+
+    script = (Path(__file__).parents[1] / "scripts" / "gpu-check.sh").read_text()
+    model = re.search(r"^MODEL=(\S+)$", script, re.M).group(1)
+    line = re.search(r"pagoda\.cli bench profile (.*?)--output", script, re.S).group(1)
+    words = shlex.split(line.replace("\\\n", " ").replace("$MODEL", model)) + ["--output", "x-profile.json"]
+    seen = []
+    monkeypatch.setattr(profile, "run", lambda args: seen.append(args) or 0)
+    assert main(["bench", "profile", *words]) == 0
+    args = seen[0]
+    assert (args.model, args.device, args.dtype, args.batch_size, args.context_len) == (
+        "dummy:worker/configs/llama-3.1-8b.json", "cuda", "bfloat16", 256, 1024)
+    assert (args.steps, args.warmup_steps, args.trace, args.max_num_seqs) == (20, 5, None, None)
+    assert profile.default_trace(args.output) == Path("x-profile.trace.json")

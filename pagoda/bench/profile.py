@@ -465,7 +465,7 @@ def run(args) -> int:
             "engine": {"max_num_seqs": llm.config.max_num_seqs,
                        "max_num_batched_tokens": llm.config.max_num_batched_tokens,
                        "num_gpu_blocks": runner.num_gpu_blocks, "async_scheduling": llm.config.async_scheduling,
-                       "cuda_graphs": runner.decode_runner is not None},
+                       "cuda_graphs": runner.device.type == "cuda" and runner.decode_runner is not None},
             "trace": str(trace),
             "step_ms": step_ms,
             "step_ms_each": [round(w / 1e3, 4) for w in wall],
