@@ -41,15 +41,17 @@ import json
 import statistics
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.protocol import SamplingParams
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
 from pagoda.bench.common import command_words, header, write_result
-from pagoda.bench.step import Measurement, PartClock, TimedProxy, is_steady_decode, step_parts
+from pagoda.bench.step import (
+    Measurement, PartClock, RowSpec, TimedProxy, is_steady_decode, sampling_params, step_parts,
+)
 
 KINDS = ("gemm", "attention", "norm_rope_activation", "sampler", "copy", "collective", "other")
 STEP_RANGE = "pagoda step "  # + the profiled step's index: one record_function range per engine.step()
@@ -62,9 +64,8 @@ BUSY_GOAL = 0.95
 ROOFLINE_GOAL = 1.25
 MAX_PREFILL_STEPS = 100_000
 
-# (kind, substrings of the lower-cased name), first match wins: collectives and copies before
-# GEMMs (a copy named after a GEMM's buffer is a copy), attention before GEMMs (FlashAttention's
-# kernels name cutlass types), the sampler's sort/top-k before nothing else it could be taken for.
+# (kind, substrings of the lower-cased name), first match wins: collectives and copies first,
+# attention before GEMMs (FlashAttention's kernels name cutlass types), the sampler's ops last.
 _NAME_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collective", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter")),
     ("copy", ("memcpy", "memset", "_copy_blocks_kernel", "direct_copy_kernel", "copy_kernel", "swap_blocks")),
@@ -255,20 +256,12 @@ class PlanRecorder:
 
 def instrument(llm, clock: PartClock) -> PlanRecorder:
     """Time the in-process engine's parts on `clock` (pagoda bench step's, forward real) and record its plans."""
-    import torch
-
     executor, scheduler = llm.executor, llm.engine.scheduler
     runner = executor.runner
     runner.prepare = clock.timed(runner.prepare, "prepare")
     runner.forward = clock.timed(runner.forward, "forward")
     executor.state = TimedProxy(executor.state, clock, "apply")
-    sampler = executor.sampler
-
-    def sample(*args, **kwargs):
-        with torch.profiler.record_function(SAMPLER_RANGE):
-            return sampler(*args, **kwargs)
-
-    executor.sampler = TimedProxy(_Callable(sampler, sample), clock, "sampler")
+    executor.sampler = TimedProxy(InRange(executor.sampler, SAMPLER_RANGE), clock, "sampler")
     schedule, update = scheduler.schedule, scheduler.update
 
     def timed_schedule():
@@ -290,50 +283,34 @@ def instrument(llm, clock: PartClock) -> PlanRecorder:
     return recorder
 
 
-class _Callable:
-    """`target`'s attributes, and a call of it that goes through `call` (the sampler inside its range)."""
+class InRange:
+    """`target` (the sampler), each call of it inside a record_function range `name`; its attributes pass through."""
 
-    __slots__ = ("_target", "_call")
+    __slots__ = ("_target", "_name")
 
-    def __init__(self, target, call) -> None:
+    def __init__(self, target, name: str) -> None:
         self._target = target
-        self._call = call
+        self._name = name
 
     def __getattr__(self, name: str):
         return getattr(self._target, name)
 
     def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
+        with record_function(self._name):
+            return self._target(*args, **kwargs)
 
 
-@dataclass(slots=True)
-class Workload:
-    batch: int
-    context: int
-    steps: int
-    warmup_steps: int
-    max_num_batched_tokens: int
-
-    @property
-    def max_tokens(self) -> int:
-        """Past the last profiled step (chunked prefill lets the first sequences decode while the last prefill)."""
-        prefill_steps = -(-self.batch * self.context // max(1, self.max_num_batched_tokens - self.batch))
-        return prefill_steps + self.warmup_steps + self.steps + 16
-
-
-def add_requests(llm, workload: Workload) -> None:
-    """`batch` greedy requests with distinct prompts of `context` tokens (no prefix is shared)."""
+def add_requests(llm, spec: RowSpec) -> None:
+    """`batch` greedy requests with distinct prompts of `context` tokens (no prefix is shared), as
+    pagoda bench step's rows, past the last profiled step."""
     vocab_size = int(llm.executor.runner.hf_config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
-    for i in range(workload.batch):
-        prompt = [(i * 7919 + j * 104729) % (vocab_size - 3) + 3 for j in range(workload.context)]
-        llm.engine.add_request(f"profile-{i}", prompt, params)
+    for i in range(spec.batch):
+        prompt = [(i * 7919 + j * 104729) % (vocab_size - 3) + 3 for j in range(spec.context)]
+        llm.engine.add_request(f"profile-{i}", prompt, sampling_params(spec.sampling, i, spec.max_tokens))
 
 
 def synchronize(device) -> None:
     if device.type == "cuda":
-        import torch
-
         torch.cuda.synchronize(device)
 
 
@@ -351,31 +328,29 @@ class Profiled:
     tokens_per_seq: float  # the mean KV tokens of a sequence over the profiled steps
 
 
-def profile_steps(llm, recorder: PlanRecorder, workload: Workload, trace: Path) -> Profiled:
+def profile_steps(llm, recorder: PlanRecorder, spec: RowSpec, trace: Path) -> Profiled:
     """Prefill, warm up, then profile `steps` engine steps into the Chrome trace at `trace`."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     engine, device = llm.engine, llm.executor.runner.device
-    while not (recorder.plans and is_steady_decode(recorder.plans[-1], workload.batch)):
+    while not (recorder.plans and is_steady_decode(recorder.plans[-1], spec.batch)):
         if engine.num_steps > MAX_PREFILL_STEPS or not engine.has_unfinished_requests():
             raise RuntimeError("the batch never reached steady decode (one token for every sequence): give the "
                                "engine room for it (--max-num-seqs, --num-gpu-blocks)")
         engine.step()
-    for _ in range(workload.warmup_steps):
+    for _ in range(spec.warmup_steps):
         engine.step()
     synchronize(device)
     first, held_before = len(recorder.plans), tokens_per_seq(engine.scheduler)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for i in range(workload.steps):
+        for i in range(spec.steps):
             with record_function(f"{STEP_RANGE}{i}"):
                 engine.step()
         synchronize(device)
     trace.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
     plans = recorder.plans[first:]
-    if len(plans) != workload.steps or not all(is_steady_decode(p, workload.batch) for p in plans):
-        raise RuntimeError(f"the {workload.steps} profiled steps ran {len(plans)} plans, not each one decode token "
+    if len(plans) != spec.steps or not all(is_steady_decode(p, spec.batch) for p in plans):
+        raise RuntimeError(f"the {spec.steps} profiled steps ran {len(plans)} plans, not each one decode token "
                            "per sequence (a preemption? give the engine more KV blocks: --num-gpu-blocks)")
     return Profiled(plans, (held_before + tokens_per_seq(engine.scheduler)) / 2)
 
@@ -391,8 +366,8 @@ def kv_bytes_per_step(model, batch: int, tokens_per_seq: float) -> int:
     """The KV a decode step reads: batch x tokens x layers x 2 (K, V) x kv_heads x head_dim x bytes."""
     layers = model.attention_layers()
     attn = layers[0]
-    element = attn.kv_cache.element_size() if attn.kv_cache is not None else 2
-    return int(batch * tokens_per_seq * len(layers) * 2 * attn.num_kv_heads * attn.head_dim * element)
+    return int(batch * tokens_per_seq * len(layers) * 2 * attn.num_kv_heads * attn.head_dim
+               * attn.kv_cache.element_size())
 
 
 def roofline(weights: int, kv: int, tokens_per_seq: float, copy_GBps: float | None, step_ms: float) -> dict:
@@ -426,13 +401,13 @@ def host_section(clock: PartClock, llm, plans) -> dict:
 
 def run(args) -> int:
     """The `pagoda bench profile` command."""
-    import torch
-
     from pagoda.offline import LLM
     from worker.model_runner import resolve_device
 
     if args.steps < 2 or args.warmup_steps < 0:
         raise ValueError("--steps must be >= 2 (gaps between steps need two) and --warmup-steps >= 0")
+    if args.batch_size >= args.max_num_batched_tokens:
+        raise ValueError("--max-num-batched-tokens must be larger than --batch-size (one decode token each)")
     device = resolve_device(args.device)
     copy = None
     if device.type == "cuda":  # before the model: its KV pool takes the rest of the memory
@@ -440,7 +415,8 @@ def run(args) -> int:
 
         copy = copy_bandwidth(device)
         torch.cuda.empty_cache()
-    workload = Workload(args.batch_size, args.context_len, args.steps, args.warmup_steps, args.max_num_batched_tokens)
+    spec = RowSpec(args.batch_size, args.context_len, "greedy", 0.0, args.steps, args.warmup_steps,
+                   max_num_batched_tokens=args.max_num_batched_tokens, device=str(device))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs or args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -449,11 +425,11 @@ def run(args) -> int:
         runner = llm.executor.runner
         clock = PartClock()
         recorder = instrument(llm, clock)
-        add_requests(llm, workload)
+        add_requests(llm, spec)
         trace = Path(args.trace) if args.trace else default_trace(args.output)
         log(f"profiling {args.steps} decode steps of batch {args.batch_size}, context {args.context_len} "
             f"on {runner.device} ({runner.num_gpu_blocks} KV blocks)")
-        profiled = profile_steps(llm, recorder, workload, trace)
+        profiled = profile_steps(llm, recorder, spec, trace)
         timeline = read_timeline(json.loads(trace.read_text()))
         wall = [t - s for s, t in timeline.steps]
         step_ms = round(statistics.median(wall) / 1e3, 4)
