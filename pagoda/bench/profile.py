@@ -12,7 +12,8 @@ from that trace file:
                       merged) over the profiled window (first step's start to last step's end)
     device_ms_by_kind device time per kind (`kernel_kind`: gemm, attention, norm_rope_activation,
                       sampler, copy, collective, other); a kernel launched inside the sampler's
-                      range (`pagoda sampler`) counts as sampler whatever its name
+                      range (`pagoda sampler`) counts as sampler whatever its name, one named like
+                      a sampler op outside it (the MoE router's top-k) as other
     gaps              holes in the device timeline inside the window longer than `--gap-threshold-us`:
                       count, total, largest; and the median from the last device interval of one
                       step to the first of the next (steps: the `pagoda step I` ranges)
