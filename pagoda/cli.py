@@ -300,6 +300,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
         "step", help="host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"))
     _add_bench_structured(benches.add_parser(
         "structured", help="JSON-schema constrained decoding: xgrammar vs llguidance, validity, throughput cost"))
+    _add_bench_profile(benches.add_parser(
+        "profile", help="torch.profiler over steady decode steps of the offline engine: GPU busy fraction, time "
+                        "by kernel kind, idle gaps, roofline (CUDA); host time by part (CPU)"))
     _add_bench_publish(benches.add_parser(
         "publish", help="cost of publishing the memory page's snapshot against the scheduler's step (CPU, no model)"))
 
@@ -431,6 +434,32 @@ def _add_bench_step(s: argparse.ArgumentParser) -> None:
     s.add_argument("--profile-dir", help="cProfile the measured steps: one .pstats per row and process (slows them)")
     s.add_argument("--output", help="write the result JSON here")
     s.set_defaults(handler=_bench_step)
+
+
+def _add_bench_profile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the device timeline needs CUDA)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--batch-size", type=int, default=256, help="sequences decoding together")
+    p.add_argument("--context-len", type=int, default=1024, help="prompt tokens of each sequence")
+    p.add_argument("--steps", type=int, default=20, help="decode steps profiled")
+    p.add_argument("--warmup-steps", type=int, default=5, help="decode steps run first, unprofiled")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: --batch-size")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill chunk (prefill is unprofiled)")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="the KV pool, in blocks (default: what fits)")
+    p.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
+    p.add_argument("--gap-threshold-us", type=float, default=20.0,
+                   help="an idle stretch of the device timeline longer than this counts as a gap")
+    p.add_argument("--output", help="write the result JSON here")
+    p.add_argument("--trace", help="write the Chrome trace here (default: beside --output, .trace.json; "
+                                   "else pagoda-profile.trace.json)")
+    p.set_defaults(handler=_bench_profile)
+
+
+def _bench_profile(args) -> int:
+    from pagoda.bench.profile import run
+
+    return run(args)
 
 
 def _add_bench_publish(p: argparse.ArgumentParser) -> None:

@@ -10,5 +10,6 @@
     serving_overhead.py  `pagoda bench overhead`: what the serving planes add to TTFT
     kernels.py           `pagoda bench kernels`: Triton decode attention (CUDA)
     step.py              `pagoda bench step`: host work of a decode step, the forward a sleep
+    profile.py           `pagoda bench profile`: torch.profiler over steady decode steps (GPU busy, kinds, gaps)
     soak.py              `python -m pagoda.bench.soak`: mixed load, RSS and leak checks
 """
