@@ -382,9 +382,8 @@ def _add_bench_latency(t: argparse.ArgumentParser) -> None:
     t.add_argument("--num-gpu-blocks", type=int, default=None)
     t.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks (ranks 1..N-1 as processes)")
     t.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    t.add_argument("--async-scheduling", action="store_true",
-                   help="plan each step before the previous one's result is applied (in this process it only "
-                        "delays each token by a step)")
+    t.add_argument("--no-async-scheduling", action="store_true",
+                   help="the serial loop: each step's tokens read back before the next step is planned")
     t.add_argument("--seed", type=int, default=0, help="the random prompts (and dummy weights)")
     t.add_argument("--output", help="write the result JSON here")
     t.set_defaults(handler=_bench_latency)

@@ -30,7 +30,7 @@ def test_result_has_the_common_header_and_one_row_per_batch_size(result):
                                         "--num-iters-warmup 1 ")
     assert "--batch-size " not in result["command"]  # the command repeats: the two flags exclude each other
     assert (result["dtype"], result["async_scheduling"], result["num_iters"], result["num_iters_warmup"]) == (
-        "float32", False, 2, 1)
+        "float32", True, 2, 1)
     assert [row["batch_size"] for row in result["rows"]] == [1, 3]
 
 
@@ -40,8 +40,9 @@ def test_every_request_of_every_measured_iteration_is_counted(result):
         assert (row["input_len"], row["output_len"], row["iterations"]) == (8, 4, 2)
         assert row["requests"] == b * 2
         assert row["output_tokens"] == b * 4 * 2
-        # serial steps, each prompt in one prefill step with the others: 1 prefill + 3 decode steps per iteration
-        assert row["steps"] == 4 * 2 and row["preemptions"] == 0
+        # each prompt in one prefill step with the others, then 3 decode steps; with async scheduling
+        # one more plan, made while the last decode is in flight, which schedules nothing
+        assert row["steps"] == 5 * 2 and row["preemptions"] == 0
         assert len(row["iteration_latencies_s"]) == 2
         assert row["output_tokens_per_s"] == pytest.approx(row["output_tokens"] / sum(row["iteration_latencies_s"]))
 

@@ -15,9 +15,10 @@ first token and its end. `--num-iters-warmup` iterations run first, untimed, for
 Each of the first four as mean, median, p50, p90, p99 (numpy's linear percentiles), over every
 request of every measured iteration (latency_s: over the iterations).
 
-Steps are serial by default (`--async-scheduling` to change it): in this process the executor is
-synchronous, so planning one step ahead overlaps nothing and only hands a step's tokens back after
-the next step has run, a decode step later (see scheduler/engine.py).
+Steps overlap as the engine's default has them (`--no-async-scheduling` for the serial loop): step
+N+1 is launched before step N's tokens are read back (scheduler/engine.py). On a GPU that hides
+the host's work behind the device's; on the CPU, where the model runs as it is launched, a token
+reaches the host a step later than in the serial loop.
 """
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ def run(args) -> int:
     llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
-              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+              enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
     try:
         runner = llm.executor.runner
         if args.input_len + args.output_len > llm.config.max_model_len:
@@ -196,7 +197,7 @@ def run(args) -> int:
             "model": runner.source.name,
             "dtype": str(runner.dtype).removeprefix("torch."),
             "tensor_parallel_size": args.tensor_parallel_size,
-            "async_scheduling": args.async_scheduling,
+            "async_scheduling": not args.no_async_scheduling,
             "enforce_eager": args.enforce_eager,
             "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": args.seed,
             "goal": None,  # from the batch-1 row, once measured

@@ -285,7 +285,8 @@ def instrument(llm, clock: PartClock) -> PlanRecorder:
 
 
 class InRange:
-    """`target` (the sampler), each call of it inside a record_function range `name`; its attributes pass through."""
+    """`target` (the sampler), each call of it or of its `sample` (what the executor launches: the
+    draws stay on the device) inside a record_function range `name`; other attributes pass through."""
 
     __slots__ = ("_target", "_name")
 
@@ -299,6 +300,10 @@ class InRange:
     def __call__(self, *args, **kwargs):
         with record_function(self._name):
             return self._target(*args, **kwargs)
+
+    def sample(self, *args, **kwargs):
+        with record_function(self._name):
+            return self._target.sample(*args, **kwargs)
 
 
 def add_requests(llm, spec: RowSpec) -> None:
