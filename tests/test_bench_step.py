@@ -6,6 +6,7 @@ import json
 import time
 import os
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -97,8 +98,8 @@ def test_serial_row_counts_every_step_and_token_exactly(model_path, worker):
     assert all(len(seq.output_token_ids) >= 1 + 2 + 4 for seq in seqs)  # first token, warm-up, measured
     assert all(seq.num_computed_tokens == seq.num_tokens - 1 for seq in seqs)
     for step in run.steps:
-        assert set(run.worker_times[step]) == {"decode_plan", "apply", "prepare", "forward", "sampler", "execute",
-                                               "encode_result"}
+        assert set(run.worker_times[step]) == {"decode_plan", "apply", "prepare", "forward", "device", "sampler",
+                                               "execute", "wait", "encode_result"}
         assert set(run.scheduler_times[step]) == {"schedule", "encode_plan", "decode_result", "update"}
 
 
@@ -155,8 +156,28 @@ class PipelinedScheduler:
         return []
 
 
+class InstantDevice:
+    """The simulated device's interface (SimulatedForward) with nothing to wait for."""
+
+    def ready_at(self, step: int) -> float:
+        return 0.0
+
+    def wait(self, step: int) -> float:
+        return 0.0
+
+
 class EchoExecutor:
-    def execute(self, plan: StepPlan) -> StepResult:
+    """Launches a plan and finishes it with an empty result, in plan order."""
+
+    def __init__(self) -> None:
+        self.runner = types.SimpleNamespace(forward=InstantDevice())
+        self.launched: list[StepPlan] = []
+
+    def launch(self, plan: StepPlan) -> None:
+        self.launched.append(plan)
+
+    def finish(self) -> StepResult:
+        plan = self.launched.pop(0)
         return StepResult(plan.step, plan.epoch)
 
 
@@ -202,8 +223,9 @@ def test_profile_dir_holds_each_processs_profile_of_the_measured_steps(tmp_path)
 
     scheduler, worker = calls("scheduler"), calls("worker")
     assert scheduler["scheduler.py:schedule"] == 2 and scheduler["scheduler.py:update"] == 2
-    assert worker["executor.py:execute"] == 2 and worker["model_runner.py:prepare"] == 2
-    assert "executor.py:execute" not in scheduler and "scheduler.py:schedule" not in worker
+    assert worker["executor.py:launch"] == 2 and worker["executor.py:finish"] == 2
+    assert worker["model_runner.py:prepare"] == 2
+    assert "executor.py:launch" not in scheduler and "scheduler.py:schedule" not in worker
 
 
 def _sampler_writing_into_the_logits() -> None:

@@ -6,14 +6,16 @@ neither side waits for the other's GIL), where the real worker Executor applies 
 builds the step's tensors (ModelRunner.prepare), "runs" the model and samples (Sampler); the result
 crosses back as bytes and the Scheduler takes it (`update`). The worker times its parts and sends
 them (msgpack) at the end of each row. Only the model's forward is replaced: it sleeps
-`--simulated-forward-ms` (the worker's host idle, as while a GPU runs) and returns float32 logits
-[num_sampled, vocab] sliced from a preallocated random tensor, so it costs nothing itself. The
+`--simulated-forward-ms` on a simulated device (SimulatedForward: the call returns at once, the
+step's tokens reach the host once the device is done with it, as on a GPU) and returns float32
+logits [num_sampled, vocab] sliced from a preallocated random tensor, so it costs nothing itself. The
 model is a one-layer dummy with the default model's vocabulary (49,152). The worker process runs
 with the parent's OMP_NUM_THREADS and torch thread count.
 
 With asynchronous scheduling (EngineConfig.async_scheduling, unless `--no-async-scheduling`) the
-scheduler plans step N+1 while step N runs, one plan in flight ahead; without it each step is
-schedule -> execute -> update.
+scheduler plans step N+1 while step N runs, one plan in flight ahead, and the worker launches N+1
+before it finishes N (the device-side token feed); without it each step is schedule -> execute
+-> update.
 
 Each row: `batch` requests with distinct prompts of `context` tokens (ignore_eos, max_tokens past
 the run) are prefilled untimed; from the first step in which every sequence decodes one token,
@@ -25,10 +27,10 @@ the run) are prefilled untimed; from the first step in which every sequence deco
     decode_tokens     tokens the scheduler appended in them (batch x steps)
     step_ms           median period between two results reaching the scheduler
     host_ms           median over steps of the host work of a step: the sum of the parts below
-    forward_ms        median of the simulated forward (the sleep; not host work)
+    forward_ms        median of the simulated forward (device time; not host work)
     breakdown_ms      median of each part: schedule, encode_plan (scheduler process); decode_plan,
                       apply (PlanState), prepare, sampler, execute_other (the rest of
-                      Executor.execute: swaps, rows, results), encode_result (worker process);
+                      Executor.launch and finish: swaps, rows, results), encode_result (worker process);
                       decode_result, update (scheduler process)
     load_1m           the host's 1-minute load average when the row started (shared machines)
 
@@ -177,7 +179,11 @@ class TimedProxy:
 
 
 class SimulatedForward:
-    """ModelRunner.forward's stand-in: sleeps, then returns [num_sampled, vocab] float32 logits."""
+    """ModelRunner.forward's stand-in: a device that runs each forward for `simulated_forward_ms`,
+    one after another, while the host goes on. A call returns at once float32 logits
+    [num_sampled, vocab] (sliced from a preallocated random tensor, so they cost nothing) and
+    queues the forward on the simulated device; the step's tokens reach the host (`wait`, before
+    the executor's `finish`) once its forward is done there, as on a GPU."""
 
     def __init__(self, runner, max_rows: int, simulated_forward_ms: float, clock: PartClock, seed: int = 0) -> None:
         import torch
@@ -188,14 +194,27 @@ class SimulatedForward:
         self.checksum = float(self.logits.double().sum())
         self.seconds = simulated_forward_ms / 1e3
         self.clock = clock
+        self.device_free_at = 0.0  # when the simulated device finishes what it was given
+        self.done_at: dict[int, float] = {}  # step -> when its forward is done
 
     def __call__(self, step):
         start = time.perf_counter()
-        if self.seconds:
-            time.sleep(self.seconds)
+        self.device_free_at = max(start, self.device_free_at) + self.seconds
+        self.done_at[self.clock.step] = self.device_free_at
         logits = self.logits[: step.logits_indices.shape[0]]
         self.clock.add(self.clock.step, "forward", time.perf_counter() - start)
+        self.clock.add(self.clock.step, "device", self.seconds)
         return logits
+
+    def ready_at(self, step: int) -> float:
+        return self.done_at.get(step, 0.0)
+
+    def wait(self, step: int) -> float:
+        """Sleep until the step's forward is done; returns the seconds waited."""
+        left = self.done_at.pop(step, 0.0) - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return max(left, 0.0)
 
     def check_untouched(self) -> None:
         """The same logits serve every step: a sampler that wrote into them would skew the run."""
@@ -375,20 +394,32 @@ def serve_row(socket: zmq.Socket, row: dict) -> None:
 
 
 class RowServer:
-    """The worker side of one row: plans in as bytes, results out as bytes, until END."""
+    """The worker side of one row: plans in as bytes, results out as bytes, until END. As the
+    worker process serves (worker/server.py), each plan is launched behind the step in flight
+    (fed its tokens on the device) and a step's result is sent once the next plan is launched or
+    its forward is done on the simulated device."""
 
     def __init__(self, socket: zmq.Socket, executor, clock: PartClock, profile: bool) -> None:
         self.socket = socket
         self.executor = executor
+        self.forward: SimulatedForward = executor.runner.forward
         self.clock = clock
+        self.in_flight: list[int] = []  # launched steps, oldest first
         self.profile_steps: range = range(0)  # the scheduler sends them before the first of their plans
         self.profiler = cProfile.Profile() if profile else None
 
     def serve(self) -> None:
         while True:
+            if self.in_flight:
+                left_ms = (self.forward.ready_at(self.in_flight[0]) - time.perf_counter()) * 1e3
+                if not self.socket.poll(max(int(left_ms + 1), 0)):
+                    self._finish()
+                    continue
             kind, payload = self.socket.recv_multipart()
             if kind == PLAN:
-                self.socket.send_multipart([RESULT, self._step(payload)])
+                self._launch(payload)
+                while len(self.in_flight) > 1:
+                    self._finish()
             elif kind == MEASURE:
                 self.profile_steps = range(*unpack(payload))
             elif kind == END:
@@ -396,25 +427,33 @@ class RowServer:
             else:
                 raise RuntimeError(f"the bench worker got {kind.decode()} during a row")
 
-    def _step(self, data: bytes) -> bytes:
+    def _launch(self, data: bytes) -> None:
         clock = self.clock
         start = time.perf_counter()
         plan = decode(data)
         clock.step = plan.step
-        profiling = self.profiler is not None and plan.step in self.profile_steps
-        if profiling and plan.step == self.profile_steps[0]:  # then on until the last one's result is encoded
+        if self.profiler is not None and self.profile_steps and plan.step == self.profile_steps[0]:  # on until the last result is encoded
             self.profiler.enable()
         decoded = time.perf_counter()
-        result = self.executor.execute(plan)
+        self.executor.launch(plan)
+        clock.add(plan.step, "decode_plan", decoded - start)
+        clock.add(plan.step, "execute", time.perf_counter() - decoded)
+        self.in_flight.append(plan.step)
+
+    def _finish(self) -> None:
+        clock = self.clock
+        step = clock.step = self.in_flight.pop(0)
+        clock.add(step, "wait", self.forward.wait(step))
+        start = time.perf_counter()
+        result = self.executor.finish()
         executed = time.perf_counter()
         out = encode(result)
         end = time.perf_counter()
-        if profiling and plan.step == self.profile_steps[-1]:
+        if self.profiler is not None and self.profile_steps and step == self.profile_steps[-1]:
             self.profiler.disable()
-        clock.add(plan.step, "decode_plan", decoded - start)
-        clock.add(plan.step, "execute", executed - decoded)
-        clock.add(plan.step, "encode_result", end - executed)
-        return out
+        clock.add(step, "execute", executed - start)
+        clock.add(step, "encode_result", end - executed)
+        self.socket.send_multipart([RESULT, out])
 
 
 @dataclass(slots=True)
@@ -557,7 +596,7 @@ def summarize(spec: RowSpec, run: Measurement, async_scheduling: bool, load: flo
         "steps": len(run.steps), "decode_tokens": sum(run.decode_tokens[step] for step in run.steps),
         "step_ms": ms([run.arrivals[step] - run.arrivals[step - 1] for step in run.steps]),
         "host_ms": ms([sum(parts.values()) for parts in per_step]),
-        "forward_ms": ms([run.worker_times[step].get("forward", 0.0) for step in run.steps]),
+        "forward_ms": ms([run.worker_times[step].get("device", 0.0) for step in run.steps]),
         "breakdown_ms": {name: ms([parts[name] for parts in per_step]) for name in HOST_PARTS},
         "load_1m": round(load, 2),
     }
