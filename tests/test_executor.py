@@ -97,3 +97,30 @@ def test_worker_draws_as_many_samples_as_the_plan_asks():
         assert [s.seq_id for s in result.sampled] == [seq_id] * num_samples
     chunk = executor.execute(StepPlan(3, 0, new_seqs=[NewSequence(2, [5, 6, 7], [], [3], 0, 2, params, 3)]))
     assert chunk.sampled == []  # the prompt's last token is not computed yet: nothing drawn
+
+
+def test_dummy_weights_are_drawn_in_the_target_dtype_and_seeded(monkeypatch):
+    """Drawn where they live, in their dtype (an 8B model drawn in float32 on the host and then moved
+    took minutes before a GPU run): every normal_ fills a bfloat16 tensor; the same seed gives the
+    same weights, another seed others."""
+    import torch
+
+    from common.models import resolve_model
+    from worker.loader import load_model
+
+    filled = []
+    real = torch.Tensor.normal_
+
+    def spy(self, *args, **kwargs):
+        filled.append(self.dtype)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "normal_", spy)
+    source = resolve_model(f"dummy:{TINY}")
+    first, _ = load_model(source, torch.bfloat16, torch.device("cpu"), None, seed=3)
+    assert filled and set(filled) == {torch.bfloat16}
+    again, _ = load_model(source, torch.bfloat16, torch.device("cpu"), None, seed=3)
+    other, _ = load_model(source, torch.bfloat16, torch.device("cpu"), None, seed=4)
+    for (name, a), b, c in zip(first.named_parameters(), again.parameters(), other.parameters()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
+        assert "norm" in name or not torch.equal(a, c), name
