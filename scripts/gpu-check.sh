@@ -9,6 +9,11 @@
 # reported and the next one runs. Results: RESULTS_DIR/<date>-<gpu>-<step>.json (and .log), and a
 # summary table last. Where $OUT is set (the device tool), the results are also packed into
 # $OUT/gpu-check.tar.gz. See docs/benchmarks.md ("A GPU host in one command").
+#
+# A shorter run (a second lease, a re-check): GPU_CHECK_STEPS names the steps to run (e.g.
+# "tests throughput-96 latency"), GPU_CHECK_TESTS the test files, HF_BASELINE=0 skips
+# transformers' baseline in throughput-96 (about a minute on an H100), GPU_CHECK_TAG goes into the
+# result files' names.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -30,13 +35,14 @@ EOF
 date=$(date -u +%F)
 results=${1:-benchmarks/results}
 mkdir -p "$results"
-prefix="$results/$date-$gpu"
+prefix="$results/$date-$gpu${GPU_CHECK_TAG:+-$GPU_CHECK_TAG}"  # a tag keeps a second run's files apart
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>/dev/null
 
 summary=()
 step() {  # step NAME SECONDS COMMAND...: run it under its limit, its output in $prefix-NAME.log
   local name=$1 limit=$2; shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then return; fi
   local start=$SECONDS
   echo "== $name (limit ${limit}s): $*"
   timeout --kill-after=10 "$limit" "$@" >"$prefix-$name.log" 2>&1
@@ -54,14 +60,15 @@ has_bench() { $PY -m pagoda.cli bench "$1" --help >/dev/null 2>&1; }
 MODEL=dummy:worker/configs/llama-3.1-8b.json
 ENGINE=(--device cuda --dtype bfloat16 --max-num-seqs 256 --max-num-batched-tokens 2048 --num-gpu-blocks 8192)
 
-step tests 150 $PY -m pytest -q -n 8 -m gpu -p no:cacheprovider \
-  tests/test_kernels_triton.py tests/test_kernels_fused.py tests/test_kernels_swap.py tests/test_kernels_tuning.py \
-  tests/test_kernels_moe.py tests/test_input_batch.py tests/test_sampler.py tests/test_tensor_parallel.py \
-  tests/test_models_gpu.py
+TESTS=${GPU_CHECK_TESTS:-tests/test_kernels_triton.py tests/test_kernels_fused.py tests/test_kernels_swap.py \
+  tests/test_kernels_tuning.py tests/test_kernels_moe.py tests/test_input_batch.py tests/test_sampler.py \
+  tests/test_tensor_parallel.py tests/test_models_gpu.py tests/test_token_feed.py tests/test_bench_profile.py}
+step tests 150 $PY -m pytest -q -n 8 -m gpu -p no:cacheprovider $TESTS
 step kernels 45 $PY -m pagoda.cli bench kernels --output "$prefix-kernels.json"
 step kernels-moe 60 $PY -m pagoda.cli bench kernels --moe --output "$prefix-kernels-moe.json"
 step throughput-96 150 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \
-  --max-output-len 128 --ignore-eos --hf-batch-size 16 --seed 0 --output "$prefix-throughput-96.json"
+  --max-output-len 128 --ignore-eos --hf-batch-size 16 --seed 0 $([ "${HF_BASELINE:-1}" = 0 ] && echo --skip-baseline) \
+  --output "$prefix-throughput-96.json"
 step throughput-384 60 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 384 \
   --max-output-len 128 --ignore-eos --seed 0 --skip-baseline --output "$prefix-throughput-384.json"
 step throughput-96-orca-oracle 60 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \
