@@ -69,20 +69,20 @@ step kernels-moe 60 $PY -m pagoda.cli bench kernels --moe --output "$prefix-kern
 step throughput-96 150 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \
   --max-output-len 128 --ignore-eos --hf-batch-size 16 --seed 0 $([ "${HF_BASELINE:-1}" = 0 ] && echo --skip-baseline) \
   --output "$prefix-throughput-96.json"
+if has_bench latency; then
+  step latency 90 $PY -m pagoda.cli bench latency --model $MODEL --device cuda --dtype bfloat16 --batch-sizes 1,64 \
+    --input-len 1024 --output-len 128 --output "$prefix-latency.json"
+fi
+if has_bench profile; then
+  step profile 90 $PY -m pagoda.cli bench profile --model $MODEL --device cuda --dtype bfloat16 --batch-size 256 \
+    --context-len 1024 --output "$prefix-profile.json"
+fi
+step step 60 $PY -m pagoda.cli bench step --device cuda --batch-sizes 64,256 --output "$prefix-step.json"
+
 step throughput-384 60 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 384 \
   --max-output-len 128 --ignore-eos --seed 0 --skip-baseline --output "$prefix-throughput-384.json"
 step throughput-96-orca-oracle 60 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \
   --max-output-len 128 --ignore-eos --seed 0 --skip-baseline --allocator orca-oracle \
   --output "$prefix-throughput-96-orca-oracle.json"
-if has_bench latency; then
-  step latency 90 $PY -m pagoda.cli bench latency --model $MODEL --device cuda --dtype bfloat16 --batch-sizes 1,64 \
-    --input-len 1024 --output-len 128 --output "$prefix-latency.json"
-fi
-step step 60 $PY -m pagoda.cli bench step --device cuda --batch-sizes 64,256 --output "$prefix-step.json"
-if has_bench profile; then
-  step profile 90 $PY -m pagoda.cli bench profile --model $MODEL --device cuda --dtype bfloat16 --batch-size 256 \
-    --context-len 1024 --output "$prefix-profile.json"
-fi
-
 echo "== summary ($gpu, $date): results in $prefix-*"
 printf '%s\n' "${summary[@]}"
