@@ -251,3 +251,19 @@ def test_the_gpu_check_script_s_profile_command_parses(monkeypatch):
         "dummy:worker/configs/llama-3.1-8b.json", "cuda", "bfloat16", 256, 1024)
     assert (args.steps, args.warmup_steps, args.trace, args.max_num_seqs) == (20, 5, None, None)
     assert profile.default_trace(args.output) == Path("x-profile.trace.json")
+
+
+def test_the_profiled_engine_launches_each_plan_behind_the_one_in_flight():
+    """The recorder passes launch and finish through, so the profile sees the overlapped loop (a
+    recorder with `execute` alone made the engine run each plan whole, the GPU idle in between)."""
+    from common.protocol import SamplingParams
+    from pagoda.bench.profile import instrument
+    from pagoda.bench.step import PartClock
+    from pagoda.offline import LLM
+
+    llm = LLM(f"dummy:{TINY}", skip_tokenizer_init=True, device="cpu")
+    recorder = instrument(llm, PartClock())
+    outputs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [4, 4]
+    assert recorder.most_in_flight == 2 and not recorder.in_flight

@@ -237,22 +237,38 @@ def analyze(timeline: Timeline, gap_threshold_us: float, top: int = 15) -> dict:
 
 
 class PlanRecorder:
-    """Stands in for the engine's executor: runs each plan on the real one, keeps it, and times it
-    on `clock` as pagoda bench step's worker does (its step set first, for the parts inside)."""
+    """Stands in for the engine's executor: launches and finishes each plan on the real one (the
+    engine overlaps them as it does the executor's), keeps it, and times both on `clock` as
+    pagoda bench step's worker does (the step set first, for the parts inside). On CUDA a finish
+    includes the wait for the device."""
 
     def __init__(self, executor, clock: PartClock) -> None:
         self.executor = executor
         self.clock = clock
         self.plans = []
+        self.in_flight: list[int] = []
+        self.most_in_flight = 0  # 2 once the engine launched a plan behind another
+
+    def launch(self, plan) -> None:
+        self.plans.append(plan)
+        self.in_flight.append(plan.step)
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+        self._timed(plan.step, self.executor.launch, plan)
+
+    def finish(self):
+        return self._timed(self.in_flight.pop(0), self.executor.finish)
 
     def execute(self, plan):
-        self.plans.append(plan)
-        self.clock.step = plan.step
+        self.launch(plan)
+        return self.finish()
+
+    def _timed(self, step: int, fn, *args):
+        self.clock.step = step
         start = time.perf_counter()
         try:
-            return self.executor.execute(plan)
+            return fn(*args)
         finally:
-            self.clock.add(plan.step, "execute", time.perf_counter() - start)
+            self.clock.add(step, "execute", time.perf_counter() - start)
 
 
 def instrument(llm, clock: PartClock) -> PlanRecorder:
