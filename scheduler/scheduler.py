@@ -18,9 +18,11 @@ forked and freed each step as transformers' `generate(num_beams=...)` does.
 With `async_scheduling`, `schedule()` may run while the previous plan's result is outstanding
 (the driver sends plan N+1 before it gathers N's result; results come back in plan order). A
 running sequence that draws one token in step N is then assumed to hold it: step N+1 computes it,
-as `PENDING_TOKEN` (the worker appends the token it drew itself), in a slot allocated now. A group
-whose next step depends on that result waits for it instead (see `_awaits_result`), so the tokens
-are those of the serial loop; a sequence that ends in step N had one token computed in vain.
+as `PENDING_TOKEN` (the worker appends the token it drew itself), in a slot allocated now. A prompt
+chunk that does not complete its prompt draws nothing, so the next chunk goes into step N+1 too:
+a long prompt's chunks run in consecutive steps. A group whose next step depends on the result
+waits for it instead (see `_awaits_result`), so the tokens are those of the serial loop; a
+sequence that ends in step N had one token computed in vain.
 
 With a `sliding_window` W (a model whose every layer attends only to its last W keys), each
 plan starts by giving back, for every running sequence whose next position to compute is c, the
@@ -355,33 +357,54 @@ class Scheduler:
                 self.num_cow_copies += 1
                 self._record("cow", group, seq_id, copy)
 
-    # A sequence with tokens in the plan in flight is scheduled ahead only when that plan draws
-    # exactly one token for it that cannot end it by length; the rest of its group then goes on
-    # as usual. Any other group with tokens in flight (beams, a first token that forks, a prompt
-    # chunk that is not the last, a sequence at its max_tokens) waits for the result, and is never
-    # a preemption victim meanwhile: preempting it would drop the token it is drawing.
+    # A sequence with tokens in the plan in flight is scheduled ahead when that plan draws nothing
+    # for it (a prompt chunk that is not the last: the next chunk depends on no result), or draws
+    # exactly one token that cannot end it by length (then computed as PENDING_TOKEN); the rest of
+    # its group goes on as usual. Any other group with tokens in flight (beams that draw, a first
+    # token that forks, a sequence at its max_tokens) waits for the result, and is never a
+    # preemption victim meanwhile: preempting it would drop the token it is drawing. A group whose
+    # plan in flight draws nothing may be one: its chunk's KV is written before the plan that
+    # frees or swaps its blocks runs (plans run in order).
     def _awaits_result(self, group: SequenceGroup, running: list[Sequence]) -> bool:
         """`running`: the group's running sequences."""
         ahead = self._ahead
         if not ahead:
             return False
-        busy = [seq for seq in running if seq.seq_id in ahead]
-        if not busy:
-            return False
-        return group.beam is not None or not all(self._can_run_ahead(seq) for seq in busy)
+        beam = group.beam is not None
+        for seq in running:
+            in_flight = ahead.get(seq.seq_id, 0)
+            if in_flight and seq.num_computed_tokens + in_flight == seq.num_tokens and (
+                beam or not self._can_run_ahead(seq, in_flight)
+            ):
+                return True
+        return False
 
-    def _can_run_ahead(self, seq: Sequence) -> bool:
+    def _can_run_ahead(self, seq: Sequence, in_flight: int) -> bool:
+        """`in_flight`: the sequence's tokens in the plan in flight (not 0)."""
         num_output = len(seq.output_token_ids)
         num_tokens = len(seq.prompt_token_ids) + num_output
-        seq_id = seq.seq_id
-        if self._in_flight[-1].samples.get(seq_id) != 1 or seq.num_computed_tokens + self._ahead[seq_id] != num_tokens:
+        computed = seq.num_computed_tokens + in_flight
+        if computed < num_tokens:  # a prompt chunk that is not the last: it draws nothing
+            return True
+        if self._in_flight[-1].samples.get(seq.seq_id) != 1:
             return False
         max_tokens = seq.sampling_params.max_tokens
         # with the token in flight
         return (max_tokens is None or num_output + 1 < max_tokens) and num_tokens + 1 < self.max_model_len
 
-    def _has_tokens_in_flight(self, group: SequenceGroup) -> bool:
-        return any(seq.seq_id in self._ahead for seq in group.seqs_with(SequenceStatus.RUNNING))
+    def _draws_in_flight(self, group: SequenceGroup) -> bool:
+        """Whether the plan in flight draws a token for one of the group's running sequences."""
+        ahead = self._ahead
+        for seq in group.seqs_with(SequenceStatus.RUNNING):
+            in_flight = ahead.get(seq.seq_id, 0)
+            if in_flight and seq.num_computed_tokens + in_flight == seq.num_tokens:
+                return True
+        return False
+
+    def _pending(self, seq: Sequence) -> int:
+        """1 when the plan in flight draws the sequence's next token (computed as PENDING_TOKEN), else 0."""
+        in_flight = self._ahead.get(seq.seq_id, 0)
+        return int(in_flight != 0 and seq.num_computed_tokens + in_flight == seq.num_tokens)
 
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> bool:
         queue = deque(self.running)
@@ -401,7 +424,7 @@ class Scheduler:
                 extra = self._extra_slots(seqs, num_new)
                 while not self._can_grow(seqs, extra):
                     victim = queue[-1] if queue else group
-                    if self._has_tokens_in_flight(victim):
+                    if self._draws_in_flight(victim):
                         # preempting it now would drop the token it draws: this group and every
                         # later one (the victims to come) sit this plan out, so the next one, made
                         # once their results are in, preempts as the serial loop does
@@ -432,11 +455,12 @@ class Scheduler:
         in_flight = self._ahead.get(seq_id, 0)
         if seq.status is not SequenceStatus.RUNNING or seq_id not in self._held_by_workers or budget.tokens < 1:
             return False
-        if in_flight and not self._can_run_ahead(seq):  # it awaits the result
-            return False
-        num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) + (in_flight != 0)
+        num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
         computed = seq.num_computed_tokens + in_flight  # as in _chunk_sizes and _extra_slots
-        if num_tokens - computed != 1:
+        pending = in_flight != 0 and computed == num_tokens  # the plan in flight draws its next token
+        if pending and not self._can_run_ahead(seq, in_flight):  # it awaits the result
+            return False
+        if num_tokens + pending - computed != 1:
             return False
         bm = self.block_manager
         extra = computed + 1 - bm.num_slots[seq_id]
@@ -451,7 +475,7 @@ class Scheduler:
         table = bm.block_table(seq_id)
         num_samples = 1 if seq.output_token_ids else group.best_of  # as in _add_to_plan
         first_new = seq.num_sent_blocks
-        last_token_id = PENDING_TOKEN if in_flight else seq.last_token_id
+        last_token_id = PENDING_TOKEN if pending else seq.last_token_id
         plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
         seq.num_sent_blocks = len(table)
         self._planning.scheduled[seq_id] = 1
@@ -553,9 +577,10 @@ class Scheduler:
         num_new, tokens_left, ahead = [], budget.tokens, self._ahead
         for i, seq in enumerate(seqs):
             in_flight = ahead.get(seq.seq_id, 0)  # never 0 for a sequence in the plan in flight
-            # with the token a sequence scheduled ahead draws in the plan in flight (PENDING_TOKEN)
-            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) + (in_flight != 0)
+            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
             computed = seq.num_computed_tokens + in_flight  # KV in the cache once the plan in flight ran
+            if in_flight and computed == num_tokens:  # with the token it draws there (PENDING_TOKEN)
+                num_tokens += 1
             remaining = num_tokens - (max(computed, hits[i]) if hits else computed)
             n = max(min(remaining, tokens_left), 0)
             num_new.append(n)
@@ -651,7 +676,7 @@ class Scheduler:
         """`seqs`: of one group."""
         if not seqs:
             return
-        block_table, held, ahead = self.block_manager.block_table, self._held_by_workers, self._ahead
+        block_table, held = self.block_manager.block_table, self._held_by_workers
         scheduled, samples = self._planning.scheduled, self._planning.samples
         # A request's first token is drawn best_of times, and the samples forked from it
         # (`update`); every other token, and every beam's, once.
@@ -665,7 +690,7 @@ class Scheduler:
             num_samples = 1 if seq.output_token_ids else best_of
             if seq_id in held:
                 first_new = seq.num_sent_blocks
-                last_token_id = PENDING_TOKEN if seq_id in ahead else seq.last_token_id
+                last_token_id = PENDING_TOKEN if self._pending(seq) else seq.last_token_id
                 plan.cached_seqs.append(CachedSequence(
                     seq_id, table[first_new:], first_new, n, last_token_id, num_samples,
                 ))
@@ -773,21 +798,27 @@ class Scheduler:
             group.beam.done = True
 
     def _apply_computed(self, scheduled: dict[int, int]) -> None:
-        """The KV a step wrote is now in the cache; full blocks join the prefix cache."""
+        """The KV a step wrote is now in the cache; full blocks join the prefix cache. A sequence
+        swapped out by a later plan (a prompt chunk in flight, which draws nothing) took that KV
+        to the swap pool: it counts too, its blocks registered once it runs again."""
         bm, seqs, running = self.block_manager, self._seqs, SequenceStatus.RUNNING
         if not bm.enable_prefix_caching:
             for seq_id, n in scheduled.items():
                 seq = seqs.get(seq_id)
-                if seq is not None and seq.status is running:
+                if seq is not None and (seq.status is running or seq.status is SequenceStatus.SWAPPED):
                     seq.num_computed_tokens += n
             return
         block_size = bm.block_size
         for seq_id, n in scheduled.items():
             seq = seqs.get(seq_id)
-            if seq is not None and seq.status is running:
+            if seq is None:
+                continue
+            if seq.status is running:
                 seq.num_computed_tokens += n
                 if seq.num_computed_tokens // block_size > (seq.num_computed_tokens - n) // block_size:  # filled a block
                     bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
+            elif seq.status is SequenceStatus.SWAPPED:
+                seq.num_computed_tokens += n
 
     def _check_due(self, step: int, seq: Sequence, num_sampled: int, num_planned: int) -> None:
         if seq.num_computed_tokens != seq.num_tokens:
