@@ -17,8 +17,7 @@ nothing, when it does not fit.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from common.protocol import NULL_BLOCK
 
@@ -34,10 +33,10 @@ def num_null_entries(table: list[int]) -> int:
     return table.count(NULL_BLOCK) if table and table[0] == NULL_BLOCK else 0
 
 
-@dataclass(frozen=True, slots=True)
-class AppendedSlots:
+class AppendedSlots(NamedTuple):
     """What `append_slot` changed in a block table: entries before `first_changed_block` are as
-    they were, those from it on were replaced or added (none when it equals the table's length)."""
+    they were, those from it on were replaced or added (none when it equals the table's length).
+    A NamedTuple, not a frozen dataclass: one is made per decoding sequence and step."""
 
     first_changed_block: int
     copy_on_write: list[int] | None = None  # [src, dst]: the shared last block, copied before the write

@@ -184,6 +184,7 @@ class Scheduler:
                 sampling_params.beam_width, sampling_params.length_penalty, sampling_params.early_stopping,
                 self._max_new_tokens(len(prompt_token_ids), sampling_params),
             )
+        group.simple = group.beam is None and group.best_of == 1 and sampling_params.max_tokens != 0
         if arrival_time is not None:
             group.arrival_time = arrival_time
         if sampling_params.prompt_logprobs is not None:
@@ -312,7 +313,7 @@ class Scheduler:
         self._planning = _InFlight(self.step)
         self._copies = []
         self._left_window = []
-        self._ahead = dict(self._in_flight[-1].scheduled) if self._in_flight else {}
+        self._ahead = self._in_flight[-1].scheduled if self._in_flight else {}  # read only
         if self.sliding_window is not None:
             self._remove_skipped_blocks(self.running)
         budget = _Budget(self.config.max_num_batched_tokens)
@@ -329,7 +330,7 @@ class Scheduler:
     def _count_step(self, plan: StepPlan) -> None:
         if self._copies:
             self._count_copies(plan)
-        num_tokens = plan.num_scheduled_tokens
+        num_tokens = sum(self._planning.scheduled.values())  # plan.num_scheduled_tokens, without its loop
         if num_tokens:
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
             self.iteration_tokens_sum += num_tokens
@@ -452,16 +453,24 @@ class Scheduler:
         has or gets without a preemption. Returns False, having changed nothing, in any other case."""
         seq = group.seqs[0]
         seq_id = seq.seq_id
-        in_flight = self._ahead.get(seq_id, 0)
         if seq.status is not SequenceStatus.RUNNING or seq_id not in self._held_by_workers or budget.tokens < 1:
             return False
-        num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        output = seq.output_token_ids
+        num_output = len(output)
+        num_tokens = len(seq.prompt_token_ids) + num_output
+        in_flight = self._ahead.get(seq_id, 0)
         computed = seq.num_computed_tokens + in_flight  # as in _chunk_sizes and _extra_slots
-        pending = in_flight != 0 and computed == num_tokens  # the plan in flight draws its next token
-        if pending and not self._can_run_ahead(seq, in_flight):  # it awaits the result
+        if in_flight and computed == num_tokens:  # the plan in flight draws its next token: PENDING_TOKEN
+            if self._in_flight[-1].samples.get(seq_id) != 1:  # `_can_run_ahead`, inlined
+                return False
+            max_tokens = seq.sampling_params.max_tokens
+            if (max_tokens is not None and num_output + 1 >= max_tokens) or num_tokens + 1 >= self.max_model_len:
+                return False  # it awaits the result
+            last_token_id = PENDING_TOKEN
+        elif num_tokens - computed != 1:
             return False
-        if num_tokens + pending - computed != 1:
-            return False
+        else:
+            last_token_id = output[-1] if num_output else seq.prompt_token_ids[-1]
         bm = self.block_manager
         extra = computed + 1 - bm.num_slots[seq_id]
         if extra > 0:
@@ -471,15 +480,16 @@ class Scheduler:
                 return False
             if appended.copy_on_write is not None:
                 self._copied_on_write(group, seq_id, appended.copy_on_write, plan)
-            seq.num_sent_blocks = min(seq.num_sent_blocks, appended.first_changed_block)
-        table = bm.block_table(seq_id)
-        num_samples = 1 if seq.output_token_ids else group.best_of  # as in _add_to_plan
+            if appended.first_changed_block < seq.num_sent_blocks:
+                seq.num_sent_blocks = appended.first_changed_block
+        table = bm.block_tables[seq_id]
+        num_samples = 1 if num_output else group.best_of  # as in _add_to_plan
         first_new = seq.num_sent_blocks
-        last_token_id = PENDING_TOKEN if pending else seq.last_token_id
         plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
         seq.num_sent_blocks = len(table)
-        self._planning.scheduled[seq_id] = 1
-        self._planning.samples[seq_id] = num_samples
+        planning = self._planning
+        planning.scheduled[seq_id] = 1
+        planning.samples[seq_id] = num_samples
         budget.tokens -= 1
         return True
 
@@ -729,12 +739,14 @@ class Scheduler:
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result)
         planned_samples = done.samples
-        samples: dict[int, list[SampledToken]] = {}
-        for sampled in result.sampled:
-            if (drawn := samples.get(sampled.seq_id)) is None:
-                samples[sampled.seq_id] = [sampled]
-            else:
-                drawn.append(sampled)
+        samples: dict[int, SampledToken | list[SampledToken]] = {s.seq_id: s for s in result.sampled}
+        if len(samples) != len(result.sampled):  # some sequence drew several (best_of, n): in lists
+            samples = {}
+            for sampled in result.sampled:
+                if (drawn := samples.get(sampled.seq_id)) is None:
+                    samples[sampled.seq_id] = [sampled]
+                else:
+                    drawn.append(sampled)
         touched: dict[str, SequenceGroup] = {}
         new_counts: dict[int, int] = {}
         seqs, group_of_seq, running = self._seqs, self._group_of_seq, SequenceStatus.RUNNING
@@ -743,9 +755,17 @@ class Scheduler:
             if seq is None or seq.status is not running:
                 continue  # aborted while the step ran, or its group failed
             group = group_of_seq[seq_id]
-            self._check_due(result.step, seq, len(sampled), planned_samples.get(seq_id, 0))
+            one = type(sampled) is SampledToken
+            if (seq.num_computed_tokens != len(seq.prompt_token_ids) + len(seq.output_token_ids)
+                    or planned_samples.get(seq_id, 0) != (1 if one else len(sampled))):
+                self._check_due(result.step, seq, 1 if one else len(sampled), planned_samples.get(seq_id, 0))
             touched[group.request_id] = group
             try:
+                if one and group.simple:  # the common case
+                    self._append(group, seq, sampled, new_counts)
+                    continue
+                if one:
+                    sampled = [sampled]
                 if group.sampling_params.max_tokens == 0:  # scoring only: the draw is discarded
                     self._finish_scored(group)
                     continue
@@ -762,6 +782,20 @@ class Scheduler:
         outputs, ended = [], []
         for group in touched.values():
             try:
+                if group.simple:  # `_output` of one sequence that streams
+                    seq = group.seqs[0]
+                    status = seq.status
+                    outputs.append(RequestOutput(
+                        group.request_id, seq.prompt_token_ids, [SequenceOutput(
+                            seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
+                            seq.output_logprobs if group.sampling_params.logprobs is not None else None,
+                            status.finish_reason,
+                        )], status.finished, group.first_scheduled_time,
+                        group.prompt_logprobs if group.num_prompt_logprobs_missing == 0 else None,
+                    ))
+                    if status.finished:
+                        ended.append(group)
+                    continue
                 if group.beam is not None and len(group.beam.pending) == len(group.seqs):
                     self._beam_step(group)
                 if (out := self._output(group, new_counts)) is not None:
@@ -845,17 +879,17 @@ class Scheduler:
         return child
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: SampledToken, new_counts: dict[int, int]) -> None:
+        """Append a drawn token and end the sequence at a stop token or its length (`Sequence.append_token`
+        inlined: this runs for every sequence every step)."""
         params = group.sampling_params
-        top = sampled.top_logprobs if params.logprobs is not None else None
-        seq.append_token(sampled.token_id, sampled.logprob, top)
+        output, token = seq.output_token_ids, sampled.token_id
+        output.append(token)
+        seq.cumulative_logprob += sampled.logprob
+        if params.logprobs is not None:
+            seq.output_logprobs.append((sampled.logprob, sampled.top_logprobs))
         seq_id = seq.seq_id
         new_counts[seq_id] = new_counts[seq_id] + 1 if seq_id in new_counts else 1
-        self._check_stop(seq, params)
-
-    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
-        output = seq.output_token_ids
         num_output = len(output)
-        token = output[-1]
         if num_output >= params.min_tokens and (
             (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
         ):
