@@ -80,6 +80,10 @@ class Allocator(Protocol):
 
     def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> AppendedSlots: ...
 
+    # append_slot's common case (a decode step), with no result to build: True when the slots fit in
+    # the table as it is, and no block is copied; False, having changed nothing, otherwise
+    def grow_in_place(self, seq_id: int, num_new_tokens: int) -> bool: ...
+
     def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
 
     def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> list[int]: ...  # blocks released

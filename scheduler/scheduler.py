@@ -473,7 +473,7 @@ class Scheduler:
             last_token_id = output[-1] if num_output else seq.prompt_token_ids[-1]
         bm = self.block_manager
         extra = computed + 1 - bm.num_slots[seq_id]
-        if extra > 0:
+        if extra > 0 and not bm.grow_in_place(seq_id, extra):
             try:  # alone in its group, it can grow exactly when it can append
                 appended = bm.append_slot(seq_id, extra)
             except NoFreeBlocksError:
@@ -482,7 +482,7 @@ class Scheduler:
                 self._copied_on_write(group, seq_id, appended.copy_on_write, plan)
             if appended.first_changed_block < seq.num_sent_blocks:
                 seq.num_sent_blocks = appended.first_changed_block
-        table = bm.block_tables[seq_id]
+        table = bm.block_table(seq_id)
         num_samples = 1 if num_output else group.best_of  # as in _add_to_plan
         first_new = seq.num_sent_blocks
         plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
