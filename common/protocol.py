@@ -435,7 +435,7 @@ def _to_columns(items: list, cls: type) -> list[list]:
         return [[] for _ in _FIELDS_OF[cls]]
     if set(map(type, items)) != {cls}:
         raise TypeError(f"cannot encode a list of {cls.__name__} holding another type")
-    return [list(column) for column in zip(*map(_VALUES_OF[cls], items))]
+    return list(zip(*map(_VALUES_OF[cls], items)))  # tuples: msgpack packs them as arrays
 
 
 def _from_columns(columns: Any, cls: type) -> list:

@@ -17,8 +17,7 @@ nothing, when it does not fit.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from common.protocol import NULL_BLOCK
 
@@ -34,10 +33,10 @@ def num_null_entries(table: list[int]) -> int:
     return table.count(NULL_BLOCK) if table and table[0] == NULL_BLOCK else 0
 
 
-@dataclass(frozen=True, slots=True)
-class AppendedSlots:
+class AppendedSlots(NamedTuple):
     """What `append_slot` changed in a block table: entries before `first_changed_block` are as
-    they were, those from it on were replaced or added (none when it equals the table's length)."""
+    they were, those from it on were replaced or added (none when it equals the table's length).
+    A NamedTuple, not a frozen dataclass: one is made per decoding sequence and step."""
 
     first_changed_block: int
     copy_on_write: list[int] | None = None  # [src, dst]: the shared last block, copied before the write
@@ -80,6 +79,10 @@ class Allocator(Protocol):
     def can_append(self, seq_id: int, num_new_tokens: int = 1) -> bool: ...
 
     def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> AppendedSlots: ...
+
+    # append_slot's common case (a decode step), with no result to build: True when the slots fit in
+    # the table as it is, and no block is copied; False, having changed nothing, otherwise
+    def grow_in_place(self, seq_id: int, num_new_tokens: int) -> bool: ...
 
     def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
 

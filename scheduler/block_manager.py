@@ -132,14 +132,9 @@ class BlockManager(AllocatorBase):
         Changes nothing and raises NoFreeBlocksError when the blocks are not there.
         """
         table = self.block_tables[seq_id]
-        num_slots = self.num_slots[seq_id]
-        new_slots = num_slots + num_new_tokens
-        self.version += 1
-        if new_slots <= len(table) * self.block_size and (
-            num_slots % self.block_size == 0 or self.ref_counts[table[-1]] == 1
-        ):  # the common decode step: the slots fit in the last block, which is this table's alone
-            self.num_slots[seq_id] = new_slots
+        if self.grow_in_place(seq_id, num_new_tokens):
             return AppendedSlots(len(table))
+        self.version += 1
         if not self.can_append(seq_id, num_new_tokens):
             raise NoFreeBlocksError(f"sequence {seq_id} cannot grow by {num_new_tokens} slots")
         appended = AppendedSlots(len(table))
@@ -154,6 +149,20 @@ class BlockManager(AllocatorBase):
             table.append(self._take())
         self.num_slots[seq_id] = new_slots
         return appended
+
+    def grow_in_place(self, seq_id: int, num_new_tokens: int) -> bool:
+        """`append_slot`'s common decode step, with no result to build: the slots fit in the last
+        block, which is this table's alone. False, having changed nothing, in any other case."""
+        table = self.block_tables[seq_id]
+        num_slots = self.num_slots[seq_id]
+        new_slots = num_slots + num_new_tokens
+        if new_slots > len(table) * self.block_size or (
+            num_slots % self.block_size != 0 and self.ref_counts[table[-1]] != 1
+        ):
+            return False
+        self.version += 1
+        self.num_slots[seq_id] = new_slots
+        return True
 
     def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int:
         table = self.block_tables[seq_id]

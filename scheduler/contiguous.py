@@ -120,6 +120,14 @@ class ContiguousAllocator(AllocatorBase):
         _, length = self.regions[seq_id]
         return self.num_slots[seq_id] + num_new_tokens <= length * self.block_size
 
+    def grow_in_place(self, seq_id: int, num_new_tokens: int) -> bool:
+        """`append_slot` when the slots fit in the table as it is (nothing is shared, nothing copied)."""
+        new_slots = self.num_slots[seq_id] + num_new_tokens
+        if new_slots > len(self.block_tables[seq_id]) * self.block_size:
+            return False
+        self.num_slots[seq_id] = new_slots
+        return True
+
     def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> AppendedSlots:
         """Extend the table within the region; no copies (nothing is shared).
 

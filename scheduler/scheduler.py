@@ -18,9 +18,11 @@ forked and freed each step as transformers' `generate(num_beams=...)` does.
 With `async_scheduling`, `schedule()` may run while the previous plan's result is outstanding
 (the driver sends plan N+1 before it gathers N's result; results come back in plan order). A
 running sequence that draws one token in step N is then assumed to hold it: step N+1 computes it,
-as `PENDING_TOKEN` (the worker appends the token it drew itself), in a slot allocated now. A group
-whose next step depends on that result waits for it instead (see `_awaits_result`), so the tokens
-are those of the serial loop; a sequence that ends in step N had one token computed in vain.
+as `PENDING_TOKEN` (the worker appends the token it drew itself), in a slot allocated now. A prompt
+chunk that does not complete its prompt draws nothing, so the next chunk goes into step N+1 too:
+a long prompt's chunks run in consecutive steps. A group whose next step depends on the result
+waits for it instead (see `_awaits_result`), so the tokens are those of the serial loop; a
+sequence that ends in step N had one token computed in vain.
 
 With a `sliding_window` W (a model whose every layer attends only to its last W keys), each
 plan starts by giving back, for every running sequence whose next position to compute is c, the
@@ -182,6 +184,7 @@ class Scheduler:
                 sampling_params.beam_width, sampling_params.length_penalty, sampling_params.early_stopping,
                 self._max_new_tokens(len(prompt_token_ids), sampling_params),
             )
+        group.simple = group.beam is None and group.best_of == 1 and sampling_params.max_tokens != 0
         if arrival_time is not None:
             group.arrival_time = arrival_time
         if sampling_params.prompt_logprobs is not None:
@@ -310,7 +313,7 @@ class Scheduler:
         self._planning = _InFlight(self.step)
         self._copies = []
         self._left_window = []
-        self._ahead = dict(self._in_flight[-1].scheduled) if self._in_flight else {}
+        self._ahead = self._in_flight[-1].scheduled if self._in_flight else {}  # read only
         if self.sliding_window is not None:
             self._remove_skipped_blocks(self.running)
         budget = _Budget(self.config.max_num_batched_tokens)
@@ -327,7 +330,7 @@ class Scheduler:
     def _count_step(self, plan: StepPlan) -> None:
         if self._copies:
             self._count_copies(plan)
-        num_tokens = plan.num_scheduled_tokens
+        num_tokens = sum(self._planning.scheduled.values())  # plan.num_scheduled_tokens, without its loop
         if num_tokens:
             self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
             self.iteration_tokens_sum += num_tokens
@@ -355,33 +358,54 @@ class Scheduler:
                 self.num_cow_copies += 1
                 self._record("cow", group, seq_id, copy)
 
-    # A sequence with tokens in the plan in flight is scheduled ahead only when that plan draws
-    # exactly one token for it that cannot end it by length; the rest of its group then goes on
-    # as usual. Any other group with tokens in flight (beams, a first token that forks, a prompt
-    # chunk that is not the last, a sequence at its max_tokens) waits for the result, and is never
-    # a preemption victim meanwhile: preempting it would drop the token it is drawing.
+    # A sequence with tokens in the plan in flight is scheduled ahead when that plan draws nothing
+    # for it (a prompt chunk that is not the last: the next chunk depends on no result), or draws
+    # exactly one token that cannot end it by length (then computed as PENDING_TOKEN); the rest of
+    # its group goes on as usual. Any other group with tokens in flight (beams that draw, a first
+    # token that forks, a sequence at its max_tokens) waits for the result, and is never a
+    # preemption victim meanwhile: preempting it would drop the token it is drawing. A group whose
+    # plan in flight draws nothing may be one: its chunk's KV is written before the plan that
+    # frees or swaps its blocks runs (plans run in order).
     def _awaits_result(self, group: SequenceGroup, running: list[Sequence]) -> bool:
         """`running`: the group's running sequences."""
         ahead = self._ahead
         if not ahead:
             return False
-        busy = [seq for seq in running if seq.seq_id in ahead]
-        if not busy:
-            return False
-        return group.beam is not None or not all(self._can_run_ahead(seq) for seq in busy)
+        beam = group.beam is not None
+        for seq in running:
+            in_flight = ahead.get(seq.seq_id, 0)
+            if in_flight and seq.num_computed_tokens + in_flight == seq.num_tokens and (
+                beam or not self._can_run_ahead(seq, in_flight)
+            ):
+                return True
+        return False
 
-    def _can_run_ahead(self, seq: Sequence) -> bool:
+    def _can_run_ahead(self, seq: Sequence, in_flight: int) -> bool:
+        """`in_flight`: the sequence's tokens in the plan in flight (not 0)."""
         num_output = len(seq.output_token_ids)
         num_tokens = len(seq.prompt_token_ids) + num_output
-        seq_id = seq.seq_id
-        if self._in_flight[-1].samples.get(seq_id) != 1 or seq.num_computed_tokens + self._ahead[seq_id] != num_tokens:
+        computed = seq.num_computed_tokens + in_flight
+        if computed < num_tokens:  # a prompt chunk that is not the last: it draws nothing
+            return True
+        if self._in_flight[-1].samples.get(seq.seq_id) != 1:
             return False
         max_tokens = seq.sampling_params.max_tokens
         # with the token in flight
         return (max_tokens is None or num_output + 1 < max_tokens) and num_tokens + 1 < self.max_model_len
 
-    def _has_tokens_in_flight(self, group: SequenceGroup) -> bool:
-        return any(seq.seq_id in self._ahead for seq in group.seqs_with(SequenceStatus.RUNNING))
+    def _draws_in_flight(self, group: SequenceGroup) -> bool:
+        """Whether the plan in flight draws a token for one of the group's running sequences."""
+        ahead = self._ahead
+        for seq in group.seqs_with(SequenceStatus.RUNNING):
+            in_flight = ahead.get(seq.seq_id, 0)
+            if in_flight and seq.num_computed_tokens + in_flight == seq.num_tokens:
+                return True
+        return False
+
+    def _pending(self, seq: Sequence) -> int:
+        """1 when the plan in flight draws the sequence's next token (computed as PENDING_TOKEN), else 0."""
+        in_flight = self._ahead.get(seq.seq_id, 0)
+        return int(in_flight != 0 and seq.num_computed_tokens + in_flight == seq.num_tokens)
 
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> bool:
         queue = deque(self.running)
@@ -401,7 +425,7 @@ class Scheduler:
                 extra = self._extra_slots(seqs, num_new)
                 while not self._can_grow(seqs, extra):
                     victim = queue[-1] if queue else group
-                    if self._has_tokens_in_flight(victim):
+                    if self._draws_in_flight(victim):
                         # preempting it now would drop the token it draws: this group and every
                         # later one (the victims to come) sit this plan out, so the next one, made
                         # once their results are in, preempts as the serial loop does
@@ -429,33 +453,43 @@ class Scheduler:
         has or gets without a preemption. Returns False, having changed nothing, in any other case."""
         seq = group.seqs[0]
         seq_id = seq.seq_id
-        in_flight = self._ahead.get(seq_id, 0)
         if seq.status is not SequenceStatus.RUNNING or seq_id not in self._held_by_workers or budget.tokens < 1:
             return False
-        if in_flight and not self._can_run_ahead(seq):  # it awaits the result
-            return False
-        num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) + (in_flight != 0)
+        output = seq.output_token_ids
+        num_output = len(output)
+        num_tokens = len(seq.prompt_token_ids) + num_output
+        in_flight = self._ahead.get(seq_id, 0)
         computed = seq.num_computed_tokens + in_flight  # as in _chunk_sizes and _extra_slots
-        if num_tokens - computed != 1:
+        if in_flight and computed == num_tokens:  # the plan in flight draws its next token: PENDING_TOKEN
+            if self._in_flight[-1].samples.get(seq_id) != 1:  # `_can_run_ahead`, inlined
+                return False
+            max_tokens = seq.sampling_params.max_tokens
+            if (max_tokens is not None and num_output + 1 >= max_tokens) or num_tokens + 1 >= self.max_model_len:
+                return False  # it awaits the result
+            last_token_id = PENDING_TOKEN
+        elif num_tokens - computed != 1:
             return False
+        else:
+            last_token_id = output[-1] if num_output else seq.prompt_token_ids[-1]
         bm = self.block_manager
         extra = computed + 1 - bm.num_slots[seq_id]
-        if extra > 0:
+        if extra > 0 and not bm.grow_in_place(seq_id, extra):
             try:  # alone in its group, it can grow exactly when it can append
                 appended = bm.append_slot(seq_id, extra)
             except NoFreeBlocksError:
                 return False
             if appended.copy_on_write is not None:
                 self._copied_on_write(group, seq_id, appended.copy_on_write, plan)
-            seq.num_sent_blocks = min(seq.num_sent_blocks, appended.first_changed_block)
+            if appended.first_changed_block < seq.num_sent_blocks:
+                seq.num_sent_blocks = appended.first_changed_block
         table = bm.block_table(seq_id)
-        num_samples = 1 if seq.output_token_ids else group.best_of  # as in _add_to_plan
+        num_samples = 1 if num_output else group.best_of  # as in _add_to_plan
         first_new = seq.num_sent_blocks
-        last_token_id = PENDING_TOKEN if in_flight else seq.last_token_id
         plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
         seq.num_sent_blocks = len(table)
-        self._planning.scheduled[seq_id] = 1
-        self._planning.samples[seq_id] = num_samples
+        planning = self._planning
+        planning.scheduled[seq_id] = 1
+        planning.samples[seq_id] = num_samples
         budget.tokens -= 1
         return True
 
@@ -553,9 +587,10 @@ class Scheduler:
         num_new, tokens_left, ahead = [], budget.tokens, self._ahead
         for i, seq in enumerate(seqs):
             in_flight = ahead.get(seq.seq_id, 0)  # never 0 for a sequence in the plan in flight
-            # with the token a sequence scheduled ahead draws in the plan in flight (PENDING_TOKEN)
-            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) + (in_flight != 0)
+            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
             computed = seq.num_computed_tokens + in_flight  # KV in the cache once the plan in flight ran
+            if in_flight and computed == num_tokens:  # with the token it draws there (PENDING_TOKEN)
+                num_tokens += 1
             remaining = num_tokens - (max(computed, hits[i]) if hits else computed)
             n = max(min(remaining, tokens_left), 0)
             num_new.append(n)
@@ -651,7 +686,7 @@ class Scheduler:
         """`seqs`: of one group."""
         if not seqs:
             return
-        block_table, held, ahead = self.block_manager.block_table, self._held_by_workers, self._ahead
+        block_table, held = self.block_manager.block_table, self._held_by_workers
         scheduled, samples = self._planning.scheduled, self._planning.samples
         # A request's first token is drawn best_of times, and the samples forked from it
         # (`update`); every other token, and every beam's, once.
@@ -665,7 +700,7 @@ class Scheduler:
             num_samples = 1 if seq.output_token_ids else best_of
             if seq_id in held:
                 first_new = seq.num_sent_blocks
-                last_token_id = PENDING_TOKEN if seq_id in ahead else seq.last_token_id
+                last_token_id = PENDING_TOKEN if self._pending(seq) else seq.last_token_id
                 plan.cached_seqs.append(CachedSequence(
                     seq_id, table[first_new:], first_new, n, last_token_id, num_samples,
                 ))
@@ -704,12 +739,14 @@ class Scheduler:
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result)
         planned_samples = done.samples
-        samples: dict[int, list[SampledToken]] = {}
-        for sampled in result.sampled:
-            if (drawn := samples.get(sampled.seq_id)) is None:
-                samples[sampled.seq_id] = [sampled]
-            else:
-                drawn.append(sampled)
+        samples: dict[int, SampledToken | list[SampledToken]] = {s.seq_id: s for s in result.sampled}
+        if len(samples) != len(result.sampled):  # some sequence drew several (best_of, n): in lists
+            samples = {}
+            for sampled in result.sampled:
+                if (drawn := samples.get(sampled.seq_id)) is None:
+                    samples[sampled.seq_id] = [sampled]
+                else:
+                    drawn.append(sampled)
         touched: dict[str, SequenceGroup] = {}
         new_counts: dict[int, int] = {}
         seqs, group_of_seq, running = self._seqs, self._group_of_seq, SequenceStatus.RUNNING
@@ -718,9 +755,17 @@ class Scheduler:
             if seq is None or seq.status is not running:
                 continue  # aborted while the step ran, or its group failed
             group = group_of_seq[seq_id]
-            self._check_due(result.step, seq, len(sampled), planned_samples.get(seq_id, 0))
+            one = type(sampled) is SampledToken
+            if (seq.num_computed_tokens != len(seq.prompt_token_ids) + len(seq.output_token_ids)
+                    or planned_samples.get(seq_id, 0) != (1 if one else len(sampled))):
+                self._check_due(result.step, seq, 1 if one else len(sampled), planned_samples.get(seq_id, 0))
             touched[group.request_id] = group
             try:
+                if one and group.simple:  # the common case
+                    self._append(group, seq, sampled, new_counts)
+                    continue
+                if one:
+                    sampled = [sampled]
                 if group.sampling_params.max_tokens == 0:  # scoring only: the draw is discarded
                     self._finish_scored(group)
                     continue
@@ -737,6 +782,20 @@ class Scheduler:
         outputs, ended = [], []
         for group in touched.values():
             try:
+                if group.simple:  # `_output` of one sequence that streams
+                    seq = group.seqs[0]
+                    status = seq.status
+                    outputs.append(RequestOutput(
+                        group.request_id, seq.prompt_token_ids, [SequenceOutput(
+                            seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
+                            seq.output_logprobs if group.sampling_params.logprobs is not None else None,
+                            status.finish_reason,
+                        )], status.finished, group.first_scheduled_time,
+                        group.prompt_logprobs if group.num_prompt_logprobs_missing == 0 else None,
+                    ))
+                    if status.finished:
+                        ended.append(group)
+                    continue
                 if group.beam is not None and len(group.beam.pending) == len(group.seqs):
                     self._beam_step(group)
                 if (out := self._output(group, new_counts)) is not None:
@@ -773,21 +832,27 @@ class Scheduler:
             group.beam.done = True
 
     def _apply_computed(self, scheduled: dict[int, int]) -> None:
-        """The KV a step wrote is now in the cache; full blocks join the prefix cache."""
+        """The KV a step wrote is now in the cache; full blocks join the prefix cache. A sequence
+        swapped out by a later plan (a prompt chunk in flight, which draws nothing) took that KV
+        to the swap pool: it counts too, its blocks registered once it runs again."""
         bm, seqs, running = self.block_manager, self._seqs, SequenceStatus.RUNNING
         if not bm.enable_prefix_caching:
             for seq_id, n in scheduled.items():
                 seq = seqs.get(seq_id)
-                if seq is not None and seq.status is running:
+                if seq is not None and (seq.status is running or seq.status is SequenceStatus.SWAPPED):
                     seq.num_computed_tokens += n
             return
         block_size = bm.block_size
         for seq_id, n in scheduled.items():
             seq = seqs.get(seq_id)
-            if seq is not None and seq.status is running:
+            if seq is None:
+                continue
+            if seq.status is running:
                 seq.num_computed_tokens += n
                 if seq.num_computed_tokens // block_size > (seq.num_computed_tokens - n) // block_size:  # filled a block
                     bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
+            elif seq.status is SequenceStatus.SWAPPED:
+                seq.num_computed_tokens += n
 
     def _check_due(self, step: int, seq: Sequence, num_sampled: int, num_planned: int) -> None:
         if seq.num_computed_tokens != seq.num_tokens:
@@ -814,17 +879,17 @@ class Scheduler:
         return child
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: SampledToken, new_counts: dict[int, int]) -> None:
+        """Append a drawn token and end the sequence at a stop token or its length (`Sequence.append_token`
+        inlined: this runs for every sequence every step)."""
         params = group.sampling_params
-        top = sampled.top_logprobs if params.logprobs is not None else None
-        seq.append_token(sampled.token_id, sampled.logprob, top)
+        output, token = seq.output_token_ids, sampled.token_id
+        output.append(token)
+        seq.cumulative_logprob += sampled.logprob
+        if params.logprobs is not None:
+            seq.output_logprobs.append((sampled.logprob, sampled.top_logprobs))
         seq_id = seq.seq_id
         new_counts[seq_id] = new_counts[seq_id] + 1 if seq_id in new_counts else 1
-        self._check_stop(seq, params)
-
-    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
-        output = seq.output_token_ids
         num_output = len(output)
-        token = output[-1]
         if num_output >= params.min_tokens and (
             (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
         ):

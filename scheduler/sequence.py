@@ -108,6 +108,9 @@ class SequenceGroup:
     # [logprob, rank, top]; complete once `num_prompt_logprobs_missing` is 0
     prompt_logprobs: list | None = None
     num_prompt_logprobs_missing: int = 0
+    # one sequence for good that streams its tokens (no beams, n = best_of = 1, max_tokens > 0): the
+    # case `Scheduler.update` takes without its general path
+    simple: bool = False
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -117,22 +117,21 @@ def test_a_stop_costs_one_wasted_token_and_its_blocks_are_dropped_by_the_next_pl
 
 
 def test_a_group_whose_next_step_depends_on_the_result_waits_for_it():
-    """best_of draws its first token 3 times and forks: nothing of the group is planned ahead of it;
-    a prompt chunk that is not the last is not either."""
+    """best_of draws its first token 3 times and forks: nothing of the group is planned ahead of it.
+    A prompt chunk that is not the last draws nothing: the next chunk is planned ahead of it."""
     engine = make_engine(forks=True, max_num_batched_tokens=4)
     engine.add_request("r", list(range(100, 106)), SamplingParams(temperature=1.0, best_of=3, max_tokens=3,
                                                                    ignore_eos=True))
     run(engine)
     per_plan = [{s.seq_id: (s.num_scheduled_tokens, getattr(s, "last_token_id", None), s.num_samples)
                  for s in p.new_seqs + p.cached_seqs} for p in engine.executor.plans]
-    assert per_plan[:4] == [
+    assert per_plan[:3] == [
         {0: (4, None, 3)},  # a chunk
-        {},  # the last chunk waits for the first: it is not planned ahead
-        {0: (2, 105, 3)},  # the last chunk draws 3 ...
+        {0: (2, 105, 3)},  # the last chunk, planned while the first is in flight, draws 3 ...
         {},  # ... and the group waits for them to fork
     ]
-    assert per_plan[4] == {1: (1, None, 1), 2: (1, None, 1), 0: (1, token_for(0, 6), 1)}
-    assert per_plan[5] == {0: (1, PENDING_TOKEN, 1), 1: (1, PENDING_TOKEN, 1), 2: (1, PENDING_TOKEN, 1)}
+    assert per_plan[3] == {1: (1, None, 1), 2: (1, None, 1), 0: (1, token_for(0, 6), 1)}
+    assert per_plan[4] == {0: (1, PENDING_TOKEN, 1), 1: (1, PENDING_TOKEN, 1), 2: (1, PENDING_TOKEN, 1)}
 
 
 def test_a_pending_token_for_a_sequence_the_worker_did_not_sample_is_a_protocol_error():
@@ -169,6 +168,86 @@ def test_an_abort_while_two_plans_are_in_flight_frees_the_blocks_and_the_results
     assert [o.request_id for o in s.update(second)] == ["b"]  # the token drawn for "a" is dropped
     assert [o.outputs[0].token_ids for o in s.update(third)] == [[token_for(1, n) for n in (7, 8, 9)]]
     assert 0 not in executor.seqs
+
+
+def scheduled_per_plan(engine: LLMEngine) -> list[dict[int, int]]:
+    return [{s.seq_id: s.num_scheduled_tokens for s in p.new_seqs + p.cached_seqs} for p in engine.executor.plans]
+
+
+def test_a_long_prompts_chunks_run_in_consecutive_plans_beside_a_decode():
+    """A chunk that does not complete the prompt draws nothing: the next one is planned while it is
+    in flight, so the chunks fill consecutive plans, as in the serial loop, and a decode goes on
+    beside them with its pending token."""
+    plans = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(async_scheduling, max_num_batched_tokens=8)
+        engine.add_request("a", list(range(100, 103)), params(max_tokens=8, ignore_eos=True))
+        engine.add_request("b", list(range(200, 220)), params(max_tokens=2, ignore_eos=True))
+        assert run(engine) == {"a": ([token_for(0, n) for n in range(3, 11)], "length"),
+                               "b": ([token_for(1, 20), token_for(1, 21)], "length")}
+        plans[async_scheduling] = engine.executor.plans
+        assert scheduled_per_plan(engine)[:5] == [
+            {0: 3, 1: 5},  # a's prompt and b's first chunk
+            {0: 1, 1: 7},  # b's second chunk, made while the first runs (async)
+            {0: 1, 1: 7},
+            {0: 1, 1: 1},  # b's last chunk (one token), which draws
+            {0: 1, 1: 1},
+        ]
+    prompt_b = list(range(200, 220))
+    assert plans[True][0].new_seqs[1] == NewSequence(1, prompt_b, [], [2, 3, 4], 0, 5, params(max_tokens=2,
+                                                                                              ignore_eos=True), 1)
+    # no pending token for a chunk: its sequence drew nothing in the plan before
+    assert [c for c in plans[True][1].cached_seqs] == [CachedSequence(0, [], 1, 1, PENDING_TOKEN, 1),
+                                                        CachedSequence(1, [], 3, 7, 219, 1)]
+    assert plans[True][2].cached_seqs[1] == CachedSequence(1, [], 3, 7, 219, 1)
+    assert plans[True][3].cached_seqs[1] == CachedSequence(1, [], 3, 1, 219, 1)
+    assert plans[True][4].cached_seqs[1] == CachedSequence(1, [], 3, 1, PENDING_TOKEN, 1)
+    assert plans[False][4].cached_seqs[1] == CachedSequence(1, [], 3, 1, token_for(1, 20), 1)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_prompt_preempted_while_its_chunk_is_in_flight_leaks_no_block_and_gives_the_serial_outputs(mode):
+    """b prefills in chunks beside a's decode until a needs b's blocks: b, the latest arrival, is
+    preempted in the plan made while its chunk runs (it draws nothing there, so nothing is lost)."""
+    outputs = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(async_scheduling, num_gpu_blocks=8, num_cpu_blocks=16, max_num_batched_tokens=8,
+                             preemption_mode=mode)
+        engine.add_request("a", list(range(100, 114)), params(max_tokens=20, ignore_eos=True))
+        engine.step()
+        engine.step()
+        engine.add_request("b", list(range(200, 240)), params(max_tokens=3, ignore_eos=True))
+        outputs[async_scheduling] = run(engine)  # checks the block manager's integrity after every step
+        bm = engine.scheduler.block_manager
+        assert not bm.block_tables and not bm.cpu_tables
+        assert bm.num_free_blocks == bm.num_total_blocks and bm.num_free_cpu_blocks == bm.num_cpu_blocks
+        assert engine.scheduler.num_preemptions == 1
+        if async_scheduling:
+            per_plan, plans = scheduled_per_plan(engine), engine.executor.plans
+            [at] = [i for i, p in enumerate(plans) if p.preempted_seq_ids == [1]]
+            assert per_plan[at - 1] == {1: 7, 0: 1}  # b's first chunk, in flight when b was preempted
+            assert 1 not in per_plan[at]
+            # swapped: the chunk's KV went to the swap pool with b and counts; freed: recomputed
+            computed = computed_tokens(engine, 1) - 2  # less the two decodes
+            assert computed == (40 if mode == "swap" else 7 + 40)
+    assert outputs[True] == outputs[False]
+
+
+def test_an_abort_mid_prefill_while_a_chunk_is_in_flight_frees_every_block():
+    engine = make_engine(max_num_batched_tokens=8)
+    s, bm = engine.scheduler, engine.scheduler.block_manager
+    engine.add_request("a", list(range(100, 140)), params(max_tokens=4))
+    engine.add_request("b", list(range(200, 203)), params(max_tokens=6, ignore_eos=True))
+    engine.step()  # plans 1 and 2 made (a's first two chunks), 1 applied
+    assert scheduled_per_plan(engine) == [{0: 8}, {0: 8}]
+    assert s.num_in_flight == 1
+    assert engine.abort_request("a")
+    bm.check_integrity()
+    assert 0 not in bm.block_tables
+    assert run(engine) == {"b": ([token_for(1, n) for n in range(3, 9)], "length")}
+    assert engine.executor.plans[2].finished_seq_ids == [0]
+    assert 0 not in engine.executor.seqs
+    assert not bm.block_tables and bm.num_free_blocks == bm.num_total_blocks
 
 
 # ----------------------------------------------------------------------------- random workloads
@@ -357,6 +436,38 @@ def test_preemption_with_a_tiny_pool_equals_the_serial_loop(tiny_llm, mode):
     assert_same_as_serial(tiny_llm, PROMPTS[:3], SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=20,
                                                                 ignore_eos=True), **{**pool, "num_gpu_blocks": 18})
     assert tiny_llm.scheduler.num_preemptions > 0
+
+
+class PlanRecording(Recording):
+    """A Recording that keeps each plan's scheduled tokens per sequence."""
+
+    def __init__(self, executor) -> None:
+        super().__init__(executor)
+        self.scheduled: list[dict[int, int]] = []
+
+    def execute(self, plan):
+        self.scheduled.append({s.seq_id: s.num_scheduled_tokens for s in plan.new_seqs + plan.cached_seqs})
+        return super().execute(plan)
+
+
+def test_chunked_prefill_runs_ahead_and_gives_the_serial_greedy_tokens(tiny_llm):
+    """Prompts longer than the token budget: their chunks fill consecutive plans in both modes (the
+    same plans, each async one made while the one before runs) and the greedy tokens are the same."""
+    prompts = prompts_of(1, (70, 9, 45))
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    tokens, scheduled = {}, {}
+    for async_scheduling in (False, True):
+        tiny_llm.reset(async_scheduling=async_scheduling, max_num_batched_tokens=24)
+        recording = tiny_llm.engine.executor = PlanRecording(tiny_llm.executor)
+        outputs = tiny_llm.generate(prompts, greedy, use_tqdm=False)
+        tokens[async_scheduling] = [list(o.outputs[0].token_ids) for o in outputs]
+        scheduled[async_scheduling] = [plan for plan in recording.scheduled if plan]
+        bm = tiny_llm.scheduler.block_manager
+        bm.check_integrity()
+        assert not bm.block_tables and bm.num_free_blocks == bm.num_total_blocks
+    assert tokens[True] == tokens[False]
+    assert scheduled[True] == scheduled[False]
+    assert [plan.get(0) for plan in scheduled[True][:4]] == [24, 24, 22, 1]  # 70 tokens in 3 plans, then a decode
 
 
 def test_aborts_mid_flight_leave_the_other_requests_unchanged(tiny_llm):

@@ -115,6 +115,20 @@ def test_default_watermark_is_one_percent_rounded_down():
 # ----------------------------------------------------------------------------- append
 
 
+def test_grow_in_place_is_append_slots_decode_case_and_changes_nothing_when_it_is_not():
+    bm = BlockManager(9, 4)
+    assert alloc(bm, 0, 3) == [1]
+    assert bm.grow_in_place(0, 1) and bm.num_slots[0] == 4  # slot 4 of block 1
+    assert not bm.grow_in_place(0, 1) and bm.num_slots[0] == 4  # slot 5 needs a block
+    assert bm.append_slot(0, 1) == AppendedSlots(1) and bm.block_table(0) == [1, 2]
+    bm.fork(0, 1)  # block 2, partly filled, is shared: a write copies it first
+    version = bm.version
+    assert not bm.grow_in_place(1, 1) and bm.num_slots[1] == 5 and bm.version == version
+    assert bm.append_slot(1, 1) == AppendedSlots(1, [2, 3])
+    assert bm.grow_in_place(1, 2) and bm.num_slots[1] == 8 and bm.block_table(1) == [1, 3]
+    bm.check_integrity()
+
+
 def test_append_slot_grows_the_table_only_at_block_boundaries():
     bm = BlockManager(9, 4)
     assert alloc(bm, 0, 3) == [1]
