@@ -445,9 +445,9 @@ class PlanRecording(Recording):
         super().__init__(executor)
         self.scheduled: list[dict[int, int]] = []
 
-    def execute(self, plan):
+    def launch(self, plan):
         self.scheduled.append({s.seq_id: s.num_scheduled_tokens for s in plan.new_seqs + plan.cached_seqs})
-        return super().execute(plan)
+        return super().launch(plan)
 
 
 def test_chunked_prefill_runs_ahead_and_gives_the_serial_greedy_tokens(tiny_llm):
