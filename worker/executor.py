@@ -27,7 +27,7 @@ from worker.grammar import GrammarState, TokenMask
 from worker.model_runner import ModelRunner
 from worker.parallel import TensorParallelGroup, set_tp_group
 from worker.prompt_logprobs import prompt_logprobs, scored_indices, scored_spans
-from worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
+from worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow, uses_penalties
 
 
 class Executor:
@@ -198,8 +198,10 @@ class Executor:
         counts = self.sampler.token_counts
         dropped = plan.finished_seq_ids + plan.preempted_seq_ids
         counts.free(dropped)
-        fed = {scheduled[i].seq_id: draw for i, draw in feed} if feed and counts.seqs else None
-        counts.sync(((s.seq_id, s.held) for s in scheduled), fed, feed_tokens)
+        if counts.seqs or any(uses_penalties(new.sampling_params) for new in plan.new_seqs):
+            # (a sequence is first counted in the plan that brings it: none counted, none new: no work)
+            fed = {scheduled[i].seq_id: draw for i, draw in feed} if feed and counts.seqs else None
+            counts.sync(((s.seq_id, s.held) for s in scheduled), fed, feed_tokens)
         if self.grammar.matchers:
             self.grammar.free(dropped)
 

@@ -25,7 +25,9 @@ the run) are prefilled untimed; from the first step in which every sequence deco
     async_scheduling  whether plans were made one step ahead
     steps             steps measured
     decode_tokens     tokens the scheduler appended in them (batch x steps)
-    step_ms           median period between two results reaching the scheduler
+    step_ms           mean period between two results reaching the scheduler (the measured steps'
+                      span over their count: with steps overlapped, results may come in pairs,
+                      which a median of the periods would hide)
     host_ms           median over steps of the host work of a step: the sum of the parts below
     forward_ms        median of the simulated forward (device time; not host work)
     breakdown_ms      median of each part: schedule, encode_plan (scheduler process); decode_plan,
@@ -594,7 +596,7 @@ def summarize(spec: RowSpec, run: Measurement, async_scheduling: bool, load: flo
         "batch": spec.batch, "context": spec.context, "sampling": spec.sampling,
         "simulated_forward_ms": spec.simulated_forward_ms, "async_scheduling": async_scheduling,
         "steps": len(run.steps), "decode_tokens": sum(run.decode_tokens[step] for step in run.steps),
-        "step_ms": ms([run.arrivals[step] - run.arrivals[step - 1] for step in run.steps]),
+        "step_ms": round((run.arrivals[run.steps[-1]] - run.arrivals[run.steps[0] - 1]) / len(run.steps) * 1e3, 4),
         "host_ms": ms([sum(parts.values()) for parts in per_step]),
         "forward_ms": ms([run.worker_times[step].get("device", 0.0) for step in run.steps]),
         "breakdown_ms": {name: ms([parts[name] for parts in per_step]) for name in HOST_PARTS},
