@@ -110,6 +110,7 @@ class PlanState:
         if self.placeholders:
             raise ProtocolError(f"plan step {plan.step} applied before step {self.placeholder_step}'s tokens were filled in")
         self.feed = feed = []
+        placeholders = self.placeholders
         for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
             self.seqs.pop(seq_id, None)
         steps = []
@@ -137,27 +138,21 @@ class PlanState:
             token_ids = held.token_ids
             if held.num_computed_tokens == len(token_ids):  # it sampled: add that token
                 token = cached.last_token_id
-                if token == PENDING_TOKEN and cached.seq_id not in last_sampled and cached.seq_id in drawn:
-                    draw = drawn[cached.seq_id]  # still on the device: a placeholder, fed there
-                    feed.append((len(steps), draw))
-                    self.placeholders.append((held, len(token_ids), draw))
-                token_ids.append(token if token != PENDING_TOKEN
-                                 else self._last_token(plan.step, cached.seq_id, token, last_sampled, drawn))
+                if token == PENDING_TOKEN:  # the one it drew in the step before
+                    seq_id = cached.seq_id
+                    if seq_id in last_sampled:
+                        token = last_sampled[seq_id]
+                    elif seq_id in drawn:  # still on the device: a placeholder, fed there
+                        feed.append((len(steps), drawn[seq_id]))
+                        placeholders.append((held, len(token_ids), drawn[seq_id]))
+                    else:
+                        raise ProtocolError(f"plan step {plan.step} asks for sequence {seq_id}'s pending token, "
+                                            "which this worker did not draw in the step before")
+                token_ids.append(token)
             steps.append((cached.seq_id, held, cached.num_scheduled_tokens, cached.num_samples))
         if self.placeholders:
             self.placeholder_step = self.drawn_step
         return self._schedule(plan.step, steps)
-
-    @staticmethod
-    def _last_token(step: int, seq_id: int, token: int, last_sampled: dict[int, int], drawn: dict[int, int]) -> int:
-        if token != PENDING_TOKEN:
-            return token
-        if seq_id in drawn and seq_id not in last_sampled:
-            return PENDING_TOKEN  # the placeholder
-        if seq_id not in last_sampled:
-            raise ProtocolError(f"plan step {step} asks for sequence {seq_id}'s pending token, "
-                                "which this worker did not draw in the step before")
-        return last_sampled[seq_id]
 
     def _schedule(self, step: int, steps: list[tuple[int, HeldSequence, int, int]]) -> list[ScheduledSequence]:
         """Count each sequence's scheduled tokens as computed, after checking it can compute them."""
