@@ -75,6 +75,7 @@ class PlanState:
         self.last_sampled.clear()
         self.drawn.clear()
         self.feed, self.placeholders = [], []
+        self.drawn_step = self.placeholder_step = None
 
     def record_draws(self, step: int, seq_ids: list[int]) -> None:
         """The step just launched draws these (in draw order), its tokens still on the device: a

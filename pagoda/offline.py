@@ -270,7 +270,9 @@ class GroupExecutor:
         return self.finish()
 
     def launch(self, plan: StepPlan) -> None:
-        """The other ranks take the plan, then rank 0 launches it (each collective in plan order)."""
+        """The other ranks take the plan, then rank 0 launches it (each collective in plan order).
+        The other ranks execute each plan whole, so the plan's broadcast waits until they finished
+        the one before: rank 0 overlaps its own host work only (correct, little gained)."""
         self.ranks.check_usable()
         self.executor.group.broadcast_bytes(encode(plan))
         with self._breaking():

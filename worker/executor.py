@@ -154,7 +154,10 @@ class Executor:
         self._drawn_tokens = token_ids
 
     def ready(self) -> bool:
-        """Whether the oldest launched step's tokens are on the host already (`finish` won't wait)."""
+        """Whether the oldest launched step's tokens are on the host already (`finish` won't wait);
+        True with nothing in flight."""
+        if not self._in_flight:
+            return True
         step = self._in_flight[0]
         return step.done or step.host is None or step.host.event is None or step.host.event.query()
 
@@ -165,7 +168,7 @@ class Executor:
         self._in_flight.popleft()
         return step.result
 
-    def _complete(self, step: _InFlight) -> None:
+    def complete_step(self, step: _InFlight) -> None:
         """Wait for the step's tokens on the host, fill in its result, and hand the tokens to the
         plan state: over the placeholders of the plan launched after it, or, if it is the last one
         launched, as what the next plan's PENDING_TOKENs stand for."""
@@ -256,7 +259,7 @@ class _InFlight:
     def complete(self, executor: Executor) -> None:
         if not self.done:
             if self.host is not None:
-                executor._complete(self)
+                executor.complete_step(self)
             self.done = True
 
 

@@ -57,20 +57,22 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, he
     try:
         while not stopping:
             # with a step in flight, wait for the next plan while the device still runs it: the
-            # plan is launched behind it (fed its tokens on the device), then its result is sent
-            plan = link.recv_plan(timeout_ms=IN_FLIGHT_POLL_MS if steps.in_flight else 200)
+            # plan is launched behind it (fed its tokens on the device), then its result is sent;
+            # once its tokens are on the host, no plan waiting: its result goes at once
+            waiting = steps.in_flight and steps.ready()
+            plan = link.recv_plan(timeout_ms=0 if waiting else IN_FLIGHT_POLL_MS if steps.in_flight else 200)
             if plan is None:  # None also for a malformed frame (logged, dropped)
-                if steps.in_flight:
-                    if steps.ready():
-                        link.send_result(steps.finish())
-                elif time.monotonic() - idle_since > REHELLO_IDLE_S:
+                if waiting or (steps.in_flight and steps.ready()):
+                    link.send_result(steps.finish())
+                elif not steps.in_flight and time.monotonic() - idle_since > REHELLO_IDLE_S:
                     link.hello(hello)
                     idle_since = time.monotonic()
                 _beat(heartbeat, steps)
                 continue
-            for result in steps.launch(plan):  # the results a new epoch or a constrained row waited for
+            if heartbeat:  # the launch is timed too: from idle it may wait (a grammar, a collective)
+                heartbeat.step_started = steps.oldest_launch or time.monotonic()
+            for result in steps.launch(plan):  # the steps of the epoch before this plan's
                 link.send_result(result)
-            _beat(heartbeat, steps)
             while steps.in_flight > 1:
                 link.send_result(steps.finish())
             _beat(heartbeat, steps)
@@ -108,6 +110,7 @@ class _Steps:
         return self.queue[0][2] if self.queue else None
 
     def ready(self) -> bool:
+        """Whether the oldest step's result can be made without waiting for the device."""
         return self.queue[0][1] is not None or self.executor.ready()
 
     def launch(self, plan: StepPlan) -> list[StepResult]:
@@ -126,7 +129,8 @@ class _Steps:
             self.executor.launch(plan)
             self.queue.append((plan.step, None, now))
         except Exception as exc:  # reported to the scheduler, which fails the group's requests
-            self.queue.append((plan.step, self._fail(plan.step, plan.epoch, exc), now))
+            result = self._fail(plan.step, plan.epoch, exc)  # (a new queue: append after)
+            self.queue.append((plan.step, result, now))
         return finished
 
     def finish(self) -> StepResult:
@@ -145,7 +149,8 @@ class _Steps:
         self.failed_epoch = epoch
         self.group.destroy()  # unusable after a failed collective; peers waiting on this rank fail now
         self.executor.reset()
-        self.queue = deque((s, _unrun(s, epoch) if r is None else r, t) for s, r, t in self.queue)
+        dropped = "a step of this epoch failed while this one was in flight"
+        self.queue = deque((s, StepResult(s, epoch, error=dropped) if r is None else r, t) for s, r, t in self.queue)
         return StepResult(step, epoch, error=f"{type(exc).__name__}: {exc}")
 
 
