@@ -13,7 +13,14 @@ ALLOCATORS = ("paged", "orca-max", "orca-pow2", "orca-oracle")  # KV allocators 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # tool_choice "auto": the output's tool-call format
-GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's --generation-config: the checkpoint's sampling defaults, or none
+GENERATION_CONFIGS = ("auto", "vllm")
+# --quantization (worker/quantization): the checkpoint's own format or none (auto), full precision
+# (none), quantized as it loads (fp8, int4, int8), or a checkpoint format named
+QUANTIZATIONS = ("auto", "none", "fp8", "int4", "int8", "awq", "gptq", "compressed-tensors")
+QUANTIZATION_HELP = ("auto: the checkpoint's format if it is quantized (fp8, compressed-tensors, ...), int4 for a "
+                     "GGUF on the CPU (the default model's own width), else none; none: full precision (the "
+                     "transformers parity guard); fp8: W8A8 quantized as it loads; int4, int8: weight-only, "
+                     "quantized as they load")  # vLLM's --generation-config: the checkpoint's sampling defaults, or none
 MODEL_HELP = ("'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face directory, a Hugging Face Hub id "
               "(ORG/NAME: from the Hugging Face cache, else downloaded into it), or dummy:CONFIG.json")
 REVISION_HELP = ("a Hub id's branch, tag or commit (default: main); `pagoda up` resolves it once and passes every "
@@ -41,7 +48,11 @@ class EngineConfig:
                                           "prefill a prompt in one step (needs --max-num-batched-tokens >= "
                                           "--max-model-len) instead of in chunks")
     device: str = option("auto", "--device", "auto, cpu, cuda or cuda:N")
-    dtype: str = option("auto", "--dtype", "auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    dtype: str = option("auto", "--dtype", "auto: float32 on CPU (bfloat16 under int4/int8), bfloat16 on CUDA",
+                        choices=DTYPES)
+    # PAGODA_QUANTIZATION: the default when no flag says (the test suite sets none: the parity guard)
+    quantization: str = option(os.environ.get("PAGODA_QUANTIZATION") or "auto", "--quantization", QUANTIZATION_HELP,
+                               choices=QUANTIZATIONS)
     gpu_memory_utilization: float = option(0.9, "--gpu-memory-utilization",
                                            "share of GPU memory for weights, activations and the KV pool (CUDA)")
     cpu_kv_cache_gb: float = option(1.0, "--cpu-kv-cache-space", "GiB of memory for the KV pool when running on the CPU")
@@ -75,6 +86,8 @@ class EngineConfig:
             "without chunked prefill, max_num_batched_tokens must be >= max_model_len",
         )
         _check(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}")
+        _check(self.quantization in QUANTIZATIONS,
+               f"unknown quantization {self.quantization!r} (one of {', '.join(QUANTIZATIONS)})")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
         _check(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")

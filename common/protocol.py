@@ -267,6 +267,7 @@ class WorkerHello:
     # Every layer attends only to its last `sliding_window` keys (Mistral v0.1): the scheduler frees
     # the blocks wholly outside the window as a sequence grows. None when any layer is global.
     sliding_window: int | None = None
+    quantization: str = "none"  # the linear layers' scheme, described (worker/quantization)
 
 
 # ----------------------------------------------------------------------------- requests (Redis)

@@ -7,6 +7,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# --quantization's default for every config the tests build (in process and in the processes they
+# start): full precision, the transformers parity guard. Quantized runs say so explicitly.
+os.environ["PAGODA_QUANTIZATION"] = "none"
 
 
 def _has_cuda() -> bool:

@@ -76,6 +76,7 @@ class Executor:
             eos_token_ids=self.eos_token_ids, kv_bytes_per_block=runner.kv_bytes_per_block,
             host_bandwidth=_measure_host_bandwidth(runner),
             prefill_tokens_per_s=runner.prefill_tokens_per_s, sliding_window=runner.sliding_window,
+            quantization=runner.scheme.describe() if runner.scheme is not None else "none",
         )
 
     def reset(self) -> None:

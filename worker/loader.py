@@ -26,6 +26,9 @@ from common.models import ModelSource
 from worker.models import model_class, text_only_config
 from worker.models.weights import in_memory, iter_safetensors
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
+from worker.quantization import (
+    QuantizationConfig, building, cast_model, process_weights_after_loading, resolve_quantization,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +118,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-def _dummy_model(config: PretrainedConfig, seed: int, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+def _dummy_model(config: PretrainedConfig, seed: int, device: torch.device | str, dtype: torch.dtype,
+                 scheme: QuantizationConfig | None = None) -> torch.nn.Module:
     """Random weights made and drawn on `device` in `dtype` from `seed` (an 8B model in seconds on
     a GPU; drawing it in float32 on the host and moving it took minutes). Norms keep the value
     their constructor gives."""
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype), building(scheme):
         model = model_class(config)(config)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
@@ -128,8 +132,8 @@ def _dummy_model(config: PretrainedConfig, seed: int, device: torch.device | str
     return model
 
 
-def _build(config: PretrainedConfig, device: str) -> torch.nn.Module:
-    with torch.device(device):
+def _build(config: PretrainedConfig, device: str, scheme: QuantizationConfig | None) -> torch.nn.Module:
+    with torch.device(device), building(scheme):
         return model_class(config)(config)
 
 
@@ -144,36 +148,40 @@ def dummy_weights(
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None, seed: int = 0
+    source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None, seed: int = 0,
+    scheme: QuantizationConfig | None = None,
 ):
-    """Returns (model, hf_config): weights loaded, a rope cache of the context length, on `device` in `dtype`.
+    """Returns (model, hf_config): weights loaded, a rope cache of the context length, on `device` in `dtype`,
+    its linear layers under the quantization `scheme` (`resolve_scheme`; None: full precision).
 
     A checkpoint's tensors are copied straight into parameters made on the device in `dtype`, so
-    the host never holds more than the tensor being read."""
+    the host never holds more than the tensor being read. A quantized format's tensors keep
+    their dtype (fp8 weights, float32 scales, packed int32)."""
     config = load_config(source)
     check_supported(config)
     max_positions = context_length(config, max_model_len)
     if source.kind == "dummy" and get_tp_group().world_size == 1:
-        model = _dummy_model(config, seed, device, dtype)
+        model = _dummy_model(config, seed, device, dtype, scheme)
     else:  # every parameter comes from the checkpoint: no initialization to compute first
-        model = _build(config, "meta").to(dtype).to_empty(device=device)
+        model = cast_model(_build(config, "meta", scheme), dtype).to_empty(device=device)
     if source.kind == "dummy" and model.tp.world_size > 1:
         model.load_weights(in_memory(dummy_weights(config, seed, device, dtype)))
     elif source.kind != "dummy":
         model.load_weights(iter_safetensors(hf_directory(source)))
     model.init_rope_cache(max_positions)  # float32 on the host, then cast and moved with the rest
-    return model.to(device=device, dtype=dtype).eval(), config
+    model = cast_model(model, dtype, device).eval()
+    process_weights_after_loading(model, dtype)
+    return model, config
+
+
+def resolve_scheme(flag: str, source: ModelSource, device: torch.device) -> QuantizationConfig | None:
+    """The quantization scheme `--quantization flag` gives this model on `device`."""
+    return resolve_quantization(flag, load_config(source), source.kind, device.type)
 
 
 def check_supported(config: PretrainedConfig) -> None:
-    """Refuse, by name, what this engine does not load: a quantized checkpoint, a RoPE scaling it
-    does not implement."""
-    quantization = getattr(config, "quantization_config", None)
-    method = (quantization.get("quant_method", "?") if isinstance(quantization, dict) else
-              getattr(quantization, "quant_method", "?")) if quantization else None
-    if method is not None and str(method) != "gguf":  # a GGUF file is dequantized as it is converted
-        raise ValueError(f"quantized checkpoints ({method}) are not supported yet: serve the model's "
-                         "full-precision (bf16/fp16/fp32) checkpoint")
+    """Refuse, by name, what this engine does not load: a RoPE scaling it does not implement (a
+    quantized format it does not read is refused by `resolve_scheme`)."""
     check_rope_scaling(config)
 
 

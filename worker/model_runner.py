@@ -20,7 +20,8 @@ from common.protocol import StepPlan
 from worker.context import AttentionContext, attention_context
 from worker.cuda_graph import DecodeRunner, batch_size_buckets
 from worker.input_batch import InputBatch, StepTensors
-from worker.loader import load_model
+from worker.loader import load_model, resolve_scheme
+from worker.quantization import QuantizationConfig
 from worker.models.layers import local_only
 from worker.parallel import get_tp_group
 
@@ -40,8 +41,12 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, scheme: QuantizationConfig | None = None) -> torch.dtype:
+    """--dtype: auto is bfloat16 on CUDA, float32 on the CPU, unless the quantization scheme's
+    kernels want another (the CPU int4/int8 kernels: bfloat16)."""
     if name == "auto":
+        if scheme is not None and device.type in scheme.auto_dtype:
+            return scheme.auto_dtype[device.type]
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
 
@@ -99,9 +104,11 @@ class ModelRunner:
         self.world_size = get_tp_group().world_size
         if self.device.type == "cuda" and self.world_size > 1:
             torch.cuda.set_device(self.device)  # NCCL and the kernels use the current device
-        self.dtype = resolve_dtype(config.dtype, self.device)
         self.source = resolve_model(config.model, config.revision, config.download_dir)
-        self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed)
+        self.scheme = resolve_scheme(config.quantization, self.source, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.scheme)
+        self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed,
+                                                self.scheme)
         self.max_model_len = self.model.max_positions
         self.sliding_window = self.model.sliding_window()  # every layer's, or None
         self.block_size = config.block_size

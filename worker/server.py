@@ -50,8 +50,8 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, he
 
     signal.signal(signal.SIGTERM, stop)
     link.hello(hello)
-    log.info("worker %d/%d ready: %d KV blocks on %s; scheduler at %s", rank, group.world_size, hello.num_gpu_blocks,
-             hello.device, serving.zmq_address)
+    log.info("worker %d/%d ready: %d KV blocks on %s (quantization: %s); scheduler at %s", rank, group.world_size,
+             hello.num_gpu_blocks, hello.device, hello.quantization, serving.zmq_address)
     steps = _Steps(executor, group)
     idle_since = time.monotonic()
     try:

@@ -15,8 +15,8 @@ built. Of a group of N ranks, rank r holds
 
 A group of one builds exactly the unsharded model and runs no collective.
 
-Linear layers carry a `quant_method` that creates their weights and applies them (today only
-`UnquantizedLinearMethod`; a quantization format is one more such object) and a `lora` hook, a
+Linear layers carry a `quant_method` that creates their weights, prepares them once loaded and
+applies them (worker/quantization: the scheme the model is built under picks it) and a `lora` hook, a
 callable `(x, y) -> y` that a LoRA adapter sets to add its delta (None: no adapter), as vLLM's
 linear layers do. So a new family gets both, and a new format or adapter reaches every family.
 
@@ -41,6 +41,9 @@ import kernels
 from worker.context import get_context
 from worker.models.weights import CheckpointTensor
 from worker.parallel import TensorParallelGroup, divide, get_tp_group
+from worker.quantization.base import LinearMethod, UnquantizedLinearMethod, linear_method_for
+
+__all__ = ["LinearMethod", "UnquantizedLinearMethod"]  # the interface, re-exported beside the layers
 
 _local_only = False  # collectives skipped (see `local_only`)
 
@@ -110,27 +113,6 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
 # ---------------------------------------------------------------------------------- linear layers
 
 
-class LinearMethod:
-    """How a linear layer's weights are made and applied: the quantization method interface."""
-
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, bias: bool) -> None:
-        raise NotImplementedError
-
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class UnquantizedLinearMethod(LinearMethod):
-    """Full-precision weights [output_size, input_size], `F.linear`."""
-
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, bias: bool) -> None:
-        layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
-
-
 class LinearBase(nn.Module):
     """y = x W^T (+ b) through `quant_method`, then the `lora` hook when an adapter set one.
 
@@ -141,7 +123,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp = get_tp_group()
         self.input_size, self.output_size = input_size, output_size
-        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method = quant_method or linear_method_for(self)
         self.quant_method.create_weights(self, input_size, output_size, bias)
         self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
@@ -279,12 +261,24 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The vocabulary's logits, split like the embedding; `compute_logits` gathers them on rank 0."""
 
 
+class LogitsHead(LinearBase):
+    """The logits GEMM under a quantization scheme's `logits_method`: this rank's vocabulary rows
+    of the head (or of the tied embedding, whose lookups then read the same rounded weights)."""
+
+    def __init__(self, weight: nn.Parameter, quant_method: LinearMethod) -> None:
+        with torch.device("meta"):  # the weights it would create: the head's are used instead
+            super().__init__(weight.shape[1], weight.shape[0], False, quant_method)
+        self.weight = weight
+
+
 def compute_logits(tp: TensorParallelGroup, hidden: torch.Tensor, weight: torch.Tensor,
-                   vocab_size: int) -> torch.Tensor | None:
-    """[num_tokens, vocab_size] float32 logits; in a group, on rank 0 (None on the others)."""
+                   vocab_size: int, head: LinearBase | None = None) -> torch.Tensor | None:
+    """[num_tokens, vocab_size] float32 logits; in a group, on rank 0 (None on the others).
+    `head`: a quantized logits head (`LogitsHead`) in place of `weight`."""
+    local = F.linear(hidden, weight) if head is None else head(hidden)
     if tp.world_size == 1:
-        return F.linear(hidden, weight).float()
-    logits = _gather(tp, F.linear(hidden, weight))
+        return local.float()
+    logits = _gather(tp, local)
     return None if logits is None else logits[:, :vocab_size].float()
 
 

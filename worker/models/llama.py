@@ -22,9 +22,10 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from worker.models.layers import (
-    Attention, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
+    Attention, LogitsHead, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
     RowParallelLinear, VocabParallelEmbedding, act_and_mul, compute_logits, default_weight_loader,
 )
+from worker.quantization import current_config as current_quantization
 from worker.models.weights import CheckpointTensor
 from worker.parallel import get_tp_group
 
@@ -167,6 +168,9 @@ class CausalLM(nn.Module):
         # vocabulary-parallel like the embedding (tied: the embedding's shard is the head's)
         self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
         self.final_logit_softcap = getattr(config, "final_logit_softcapping", None) or None
+        scheme = current_quantization()
+        self.logits_method = scheme.logits_method() if scheme is not None else None
+        self.logits_head: LogitsHead | None = None  # made once loaded (`process_weights_after_loading`)
 
     def build_model(self, config) -> DecoderModel:
         raise NotImplementedError
@@ -210,7 +214,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_tokens, vocab_size] float32 logits; in a group, on rank 0 (None on the others)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        logits = compute_logits(self.tp, hidden, head.weight, self.config.vocab_size)
+        logits = compute_logits(self.tp, hidden, head.weight, self.config.vocab_size, self.logits_head)
         if logits is not None and self.final_logit_softcap:
             cap = self.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -247,12 +251,22 @@ class CausalLM(nn.Module):
             name, shard_id = self.map_checkpoint_name(name)
             if name not in params:
                 raise ValueError(f"the checkpoint's {name} is no weight of {type(self).__name__}")
-            getattr(owners[name], "weight_loader", default_weight_loader)(params[name], tensor, shard_id)
+            param = params[name]  # a quantized format's scales have loaders of their own
+            loader = getattr(param, "weight_loader", None) or getattr(owners[name], "weight_loader", default_weight_loader)
+            loader(param, tensor, shard_id)
             loaded.setdefault(name, set()).add(shard_id)
         missing = [name for name, param in params.items() if None not in loaded.get(name, ())
                    and not (loaded.get(name) and _expected_shards(owners[name], param) <= loaded[name])]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+    def process_weights_after_loading(self) -> None:
+        """The quantized logits head, over the loaded head (worker/quantization)."""
+        if self.logits_method is not None:
+            head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+            self.logits_head = LogitsHead(head.weight, self.logits_method)
+            self.logits_head.model_dtype = head.weight.dtype
+            self.logits_method.process_weights_after_loading(self.logits_head)
 
     def warmup_kernels(self) -> None:
         """Compile, at start-up, the kernels a family runs beyond attention (CUDA): none here."""

@@ -1,0 +1,139 @@
+"""Weight-only integer schemes quantized as a full-precision checkpoint loads: `int4` (group-wise,
+asymmetric: llama.cpp's Q4_1 and torch's tinygemm layout) and `int8` (per output channel,
+symmetric: llama.cpp's Q8_0 width).
+
+int4: each group of `group_size` input columns of an output row keeps a scale and a zero,
+w ~= (q - 8) * scale + zero with q in 0..15 (zero = the group's min + 8 * scale). A Q4_1 block of
+the default model's GGUF, dequantized by the conversion, re-quantizes to its own q, d and m (its
+values are m + d * q, and it spans 0..15), so serving it this way keeps the GGUF's quantization.
+int8: q in -128..127, w ~= q * scale.
+
+The weights are rounded to the model's dtype first (scales and zeros too), and
+`dequantize_*` gives exactly the values the layer computes with: a model whose linear weights are
+replaced by them is this scheme's reference.
+
+On the CPU with bfloat16 activations a step of at most `packed_max_rows` rows runs torch's packed
+kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`: they read 1/4 and 1/2 of the bf16
+bytes, and decode is bound by bytes read); larger steps (prefill, big batches, where the
+kernels are compute-bound and slower than oneDNN's bf16 GEMM) and every other device or dtype
+multiply by the dequantized weight, kept beside the packed one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+
+INT4_GROUP_SIZE = 32  # Q4_1's block
+PACKED_MAX_ROWS = 16  # measured on this project's CPU (docs/quantization.md): above it the bf16 GEMM wins
+
+
+def int4_group_size(input_size: int, group_size: int = INT4_GROUP_SIZE) -> int:
+    """The group size for a layer: `group_size`, or the whole row where it does not divide it."""
+    return group_size if input_size % group_size == 0 else input_size
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] int32 in 0..15, scales [N, K/g], zeros [N, K/g]) in w's dtype."""
+    n, k = w.shape
+    groups = w.float().view(n, k // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp(min=torch.finfo(w.dtype).tiny).to(w.dtype).float()
+    zeros = (low + 8 * scales).to(w.dtype).float()
+    q = torch.round((groups - (zeros - 8 * scales)[..., None]) / scales[..., None]).clamp(0, 15)
+    return q.view(n, k).to(torch.int32), scales.to(w.dtype), zeros.to(w.dtype)
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = q.shape
+    groups = q.view(n, scales.shape[1], -1).float()
+    w = (groups - 8) * scales.float()[..., None] + zeros.float()[..., None]
+    return w.view(n, k).to(dtype)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] int8, scales [N] in w's dtype)."""
+    scales = (w.float().abs().amax(-1) / 127).clamp(min=torch.finfo(w.dtype).tiny).to(w.dtype).float()
+    q = torch.round(w.float() / scales[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scales.to(w.dtype)
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scales.float()[:, None]).to(dtype)
+
+
+def _packed_kernels(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+
+
+class _WeightOnlyMethod(UnquantizedLinearMethod):
+    """Loads the full-precision weight, then keeps its quantized form (and the dequantized weight
+    as `layer.weight`, what large steps multiply by)."""
+
+    packed_max_rows = PACKED_MAX_ROWS
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight.data
+        dequantized, packed = self.quantize(layer, weight)
+        layer.weight.data = dequantized
+        layer.packed = packed if _packed_kernels(weight) else None
+
+    def quantize(self, layer: nn.Module, weight: torch.Tensor):
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.packed is None or x.shape[0] > self.packed_max_rows:
+            return F.linear(x, layer.weight, bias)
+        y = self.packed_mm(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
+class Int4LinearMethod(_WeightOnlyMethod):
+    def __init__(self, group_size: int = INT4_GROUP_SIZE) -> None:
+        self.group_size = group_size
+
+    def quantize(self, layer: nn.Module, weight: torch.Tensor):
+        layer.group_size = int4_group_size(weight.shape[1], self.group_size)
+        q, scales, zeros = quantize_int4(weight, layer.group_size)
+        packed = None
+        if _packed_kernels(weight):
+            packed = (torch._convert_weight_to_int4pack_for_cpu(q, 1),
+                      torch.stack([scales, zeros], -1).transpose(0, 1).contiguous())
+        return dequantize_int4(q, scales, zeros, weight.dtype), packed
+
+    def packed_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weight, scales_and_zeros = layer.packed
+        return torch._weight_int4pack_mm_for_cpu(x, weight, layer.group_size, scales_and_zeros)
+
+
+class Int8LinearMethod(_WeightOnlyMethod):
+    def quantize(self, layer: nn.Module, weight: torch.Tensor):
+        q, scales = quantize_int8(weight)
+        return dequantize_int8(q, scales, weight.dtype), ((q, scales) if _packed_kernels(weight) else None)
+
+    def packed_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        q, scales = layer.packed
+        return torch._weight_int8pack_mm(x, q, scales)
+
+
+class WeightOnlyConfig(QuantizationConfig):
+    """`int4` / `int8`: every linear layer so quantized; the logits head int8 (llama.cpp's GGUFs
+    keep the embedding at 8 bits: the default model's is Q8_0)."""
+
+    auto_dtype = {"cpu": torch.bfloat16}
+
+    def __init__(self, name: str) -> None:
+        assert name in ("int4", "int8"), name
+        self.name = name
+
+    def linear_method(self, layer: nn.Module) -> LinearMethod:
+        return Int4LinearMethod() if self.name == "int4" else Int8LinearMethod()
+
+    def logits_method(self) -> LinearMethod | None:
+        return Int8LinearMethod()
+
+    def describe(self) -> str:
+        detail = f"group {INT4_GROUP_SIZE}, asymmetric" if self.name == "int4" else "per channel, symmetric"
+        return f"{self.name} weight-only ({detail}; logits head int8)"
