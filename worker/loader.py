@@ -27,7 +27,7 @@ from worker.models import model_class, text_only_config
 from worker.models.weights import in_memory, iter_safetensors
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 from worker.quantization import (
-    QuantizationConfig, building, cast_model, process_weights_after_loading, resolve_quantization,
+    QuantizationConfig, building, cast_model, process_weights_after_loading, resolve_quantization, to_empty,
 )
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def load_model(
     if source.kind == "dummy" and get_tp_group().world_size == 1:
         model = _dummy_model(config, seed, device, dtype, scheme)
     else:  # every parameter comes from the checkpoint: no initialization to compute first
-        model = cast_model(_build(config, "meta", scheme), dtype).to_empty(device=device)
+        model = to_empty(cast_model(_build(config, "meta", scheme), dtype), device)
     if source.kind == "dummy" and model.tp.world_size > 1:
         model.load_weights(in_memory(dummy_weights(config, seed, device, dtype)))
     elif source.kind != "dummy":

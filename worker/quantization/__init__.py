@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 from worker.quantization.base import (
     LinearMethod, QuantizationConfig, UnquantizedLinearMethod, building, cast_model, current_config, frozen, keep_dtype,
-    linear_method_for, process_weights_after_loading,
+    linear_method_for, process_weights_after_loading, to_empty,
 )
 from worker.quantization.fp8 import Fp8Config
 from worker.quantization.weight_only import WeightOnlyConfig
 
 __all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "building", "cast_model",
-           "current_config", "frozen", "keep_dtype", "linear_method_for", "process_weights_after_loading",
+           "current_config", "frozen", "keep_dtype", "linear_method_for", "process_weights_after_loading", "to_empty",
            "resolve_quantization", "checkpoint_quantization", "CHECKPOINT_FORMATS", "ON_THE_FLY"]
 
 

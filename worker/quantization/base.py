@@ -112,6 +112,21 @@ def cast_model(model: nn.Module, dtype: torch.dtype | None = None, device: torch
     return model
 
 
+def to_empty(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """`model.to_empty(device=device)` keeping each parameter's attributes (`keep_dtype`, a
+    format's `weight_loader`): torch makes new parameter objects when the device type changes."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                fresh = nn.Parameter(torch.empty_like(param.data, device=device), requires_grad=False)
+                fresh.__dict__.update(param.__dict__)
+                module._parameters[name] = fresh
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = torch.empty_like(buf, device=device)
+    return model
+
+
 def process_weights_after_loading(model: nn.Module, dtype: torch.dtype) -> None:
     """Every layer's `process_weights_after_loading`, once the model is loaded and on its device
     in `dtype` (each layer learns it as `model_dtype`), then the model's own (its logits head)."""

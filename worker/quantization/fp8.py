@@ -59,12 +59,12 @@ class ScaleTensor:
     """A checkpoint's weight scale behind the CheckpointTensor interface, one value per output
     channel: a per-tensor scale (one value) reads as that value for every row asked for."""
 
-    def __init__(self, loaded) -> None:
-        self.loaded = loaded
+    def __init__(self, loaded, rows: int) -> None:
+        self.loaded, self.rows = loaded, rows  # rows: the parameter's, what `load` gives a per-tensor scale
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (max(1, *self.loaded.shape) if self.loaded.shape else 1,)
+        return (self.rows,) if self._per_tensor() else (self.loaded.shape[0],)
 
     def _per_tensor(self) -> bool:
         shape = self.loaded.shape
@@ -76,6 +76,8 @@ class ScaleTensor:
         return self.loaded.narrow(0, start, length).float().reshape(-1)
 
     def load(self) -> torch.Tensor:
+        if self._per_tensor():
+            return self.loaded.load().float().reshape(1).expand(self.rows)
         return self.loaded.load().float().reshape(-1)
 
 
@@ -94,7 +96,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         layer.weight = frozen(torch.empty(output_size, input_size, dtype=FP8))
         layer.weight_scale = frozen(torch.empty(output_size, dtype=torch.float32))
         layer.weight_scale.weight_loader = lambda param, loaded, shard_id=None: layer.weight_loader(
-            param, ScaleTensor(loaded), shard_id)
+            param, ScaleTensor(loaded, param.shape[0]), shard_id)
         if self.static:  # one scale for the layer's input: the max of the fused parts'
             layer.input_scale = frozen(torch.zeros(1, dtype=torch.float32))
             layer.input_scale.weight_loader = _max_scale_loader

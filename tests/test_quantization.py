@@ -1,0 +1,227 @@
+"""--quantization: each scheme's greedy tokens equal its own dequantized reference, transformers'
+model with the scheme's weights (and, for fp8, its linear inputs rounded through fp8), exactly in
+float32; fp8 checkpoints (vLLM's fp8 config, compressed-tensors float-quantized) load as they
+are; tensor parallelism keeps the tokens; the CPU packed kernels agree with the dequantized
+weights in bfloat16; and `auto` picks the checkpoint's format, int4 for the default GGUF on the CPU.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import families
+from common.config import ConfigError, EngineConfig
+from common.protocol import SamplingParams
+from pagoda import cli
+from pagoda.offline import LLM
+from worker.quantization import UnsupportedQuantization, resolve_quantization
+from worker.quantization import fp8
+from worker.quantization.weight_only import (
+    Int4LinearMethod, Int8LinearMethod, dequantize_int4, dequantize_int8, int4_group_size, quantize_int4,
+    quantize_int8,
+)
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    return families.prompts()[:4]
+
+
+def _linears(model: nn.Module):
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name.split(".")[-1] in PROJECTIONS]
+
+
+def reference_model(model: nn.Module, scheme: str) -> nn.Module:
+    """transformers' model as the scheme computes it: its linear weights dequantized (the logits
+    head int8 under int4/int8: the tied embedding with it), fp8's inputs rounded through fp8."""
+    ref = copy.deepcopy(model)
+    for _, linear in _linears(ref):
+        w = linear.weight.data
+        if scheme == "int4":
+            linear.weight.data = dequantize_int4(*quantize_int4(w, int4_group_size(w.shape[1])), w.dtype)
+        elif scheme == "int8":
+            linear.weight.data = dequantize_int8(*quantize_int8(w), w.dtype)
+        else:
+            q, scale = fp8.quantize_weight(w)
+            linear.weight.data = q.float() * scale[:, None]
+            linear.register_forward_pre_hook(lambda m, args: (fp8.fake_quantize_activations(args[0]),))
+    if scheme in ("int4", "int8"):
+        head = ref.lm_head.weight
+        head.data = dequantize_int8(*quantize_int8(head.data), head.dtype)
+    return ref
+
+
+def greedy(llm: LLM, prompt_ids) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """Gemma 2's tiny model: tied embeddings (the int8 logits head is the embedding), GeGLU, head_dim 32."""
+    directory = tmp_path_factory.mktemp("gemma2")
+    return directory, families.build("gemma2", directory)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8", "fp8"])
+def test_each_scheme_matches_its_dequantized_reference(scheme, tiny, prompt_ids):
+    directory, model = tiny
+    llm = LLM(str(directory), device="cpu", dtype="float32", quantization=scheme, skip_tokenizer_init=True,
+              block_size=8, num_gpu_blocks=64)
+    expected = families.reference(reference_model(model, scheme), prompt_ids, MAX_TOKENS).token_ids
+    assert greedy(llm, prompt_ids) == expected
+    bm = llm.engine.scheduler.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_total_blocks  # nothing leaked
+
+
+def test_int4_with_tied_embeddings_matches_its_reference(gemma, prompt_ids):
+    directory, model = gemma
+    llm = LLM(str(directory), device="cpu", dtype="float32", quantization="int4", skip_tokenizer_init=True,
+              block_size=8, num_gpu_blocks=64)
+    assert greedy(llm, prompt_ids) == families.reference(reference_model(model, "int4"), prompt_ids, MAX_TOKENS).token_ids
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8", "fp8"])
+def test_a_tensor_parallel_group_of_two_keeps_each_schemes_tokens(scheme, tiny, prompt_ids, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    directory, model = tiny
+    group = LLM(str(directory), device="cpu", dtype="float32", quantization=scheme, skip_tokenizer_init=True,
+                block_size=8, num_gpu_blocks=64, tensor_parallel_size=2)
+    try:
+        tokens = greedy(group, prompt_ids)
+    finally:
+        group.close()
+    assert tokens == families.reference(reference_model(model, scheme), prompt_ids, MAX_TOKENS).token_ids
+
+
+# ------------------------------------------------------------------------------- fp8 checkpoints
+
+
+def _fp8_checkpoint(model: nn.Module, directory: Path, quantization_config: dict, per_channel: bool,
+                    input_scale: float | None) -> None:
+    """`model` saved as an fp8 checkpoint: each projection's weight fp8 with its scale (per tensor
+    or per channel) and, static, an input scale."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name, linear in _linears(model):
+        w = linear.weight.data.float()
+        scale = (w.abs().amax(-1, keepdim=True) if per_channel else w.abs().amax().reshape(1)) / fp8.FP8_MAX
+        state[f"{name}.weight"] = (w / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+        state[f"{name}.weight_scale"] = scale if per_channel else scale.reshape(())
+        if input_scale is not None:
+            state[f"{name}.input_scale"] = torch.tensor(input_scale)
+    save_file(state, str(directory / "model.safetensors"))
+    config = model.config.to_dict()
+    config["quantization_config"] = quantization_config
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _fp8_checkpoint_reference(model: nn.Module, directory: Path, input_scale: float | None) -> nn.Module:
+    """transformers' model with the checkpoint's dequantized weights and inputs rounded as the layer rounds them."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(directory / "model.safetensors"))
+    ref = copy.deepcopy(model)
+    static = None if input_scale is None else torch.tensor([input_scale])
+    for name, linear in _linears(ref):
+        scale = state[f"{name}.weight_scale"].float().reshape(-1, 1)
+        linear.weight.data = state[f"{name}.weight"].float() * scale
+        linear.register_forward_pre_hook(lambda m, args: (fp8.fake_quantize_activations(args[0], static),))
+    return ref
+
+
+FP8_CHECKPOINTS = {
+    "vllm fp8, per-tensor, static": ({"quant_method": "fp8", "activation_scheme": "static"}, False, 0.05),
+    "vllm fp8, per-tensor, dynamic": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, False, None),
+    "compressed-tensors float-quantized, per-channel, dynamic": ({
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                                  "symmetric": True}}}}, True, None),
+}
+
+
+@pytest.mark.parametrize("kind", FP8_CHECKPOINTS)
+def test_an_fp8_checkpoint_loads_as_it_is(kind, tiny, prompt_ids, tmp_path):
+    directory, model = tiny
+    quantization_config, per_channel, input_scale = FP8_CHECKPOINTS[kind]
+    _fp8_checkpoint(model, tmp_path, quantization_config, per_channel, input_scale)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", quantization="auto", skip_tokenizer_init=True, block_size=8,
+              num_gpu_blocks=64)
+    assert llm.executor.runner.scheme.name == "fp8"  # auto read the checkpoint's format
+    reference = _fp8_checkpoint_reference(model, tmp_path, input_scale)
+    assert greedy(llm, prompt_ids) == families.reference(reference, prompt_ids, MAX_TOKENS).token_ids
+
+
+# ------------------------------------------------------------------------------- the CPU kernels
+
+
+class _Layer(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        self.bias = None
+
+
+@pytest.mark.parametrize("method", [Int4LinearMethod(), Int8LinearMethod()], ids=["int4", "int8"])
+def test_the_cpu_packed_kernels_agree_with_the_dequantized_weight_in_bfloat16(method):
+    torch.manual_seed(0)
+    layer = _Layer(torch.randn(96, 128, dtype=torch.bfloat16) * 0.05)
+    method.process_weights_after_loading(layer)
+    assert layer.packed is not None
+    few, many = torch.randn(3, 128, dtype=torch.bfloat16), torch.randn(17, 128, dtype=torch.bfloat16)
+    dense = nn.functional.linear(few.float(), layer.weight.float())
+    assert torch.allclose(method.apply(layer, few, None).float(), dense, rtol=2e-2, atol=2e-2)
+    # past packed_max_rows the dequantized weight itself
+    assert torch.equal(method.apply(layer, many, None), nn.functional.linear(many, layer.weight))
+
+
+def test_int4_requantizes_a_q4_1_block_to_itself():
+    """A GGUF Q4_1 block (m + d * q, q spanning 0..15), dequantized by the conversion, is served
+    with its own q, d and m: the re-quantized weight equals it exactly."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (8, 64), generator=gen)
+    q[:, ::32], q[:, 1::32] = 0, 15  # each block spans the range, as llama.cpp's quantizer makes it
+    d = torch.rand(8, 2, generator=gen).repeat_interleave(32, 1) / 16
+    m = -torch.rand(8, 2, generator=gen).repeat_interleave(32, 1)
+    w = (m + d * q).float()
+    assert torch.allclose(dequantize_int4(*quantize_int4(w, 32), torch.float32), w, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------- choosing a scheme
+
+
+def test_auto_is_the_checkpoints_format_and_int4_for_the_default_gguf_on_the_cpu():
+    plain = type("Config", (), {})()
+    assert resolve_quantization("auto", plain, "gguf", "cpu").name == "int4"
+    assert resolve_quantization("auto", plain, "gguf", "cuda") is None
+    assert resolve_quantization("auto", plain, "hf", "cpu") is None
+    assert resolve_quantization("none", plain, "gguf", "cpu") is None
+    assert resolve_quantization("int8", plain, "hf", "cpu").name == "int8"
+    fp8_config = type("Config", (), {"quantization_config": {"quant_method": "fp8"}})()
+    assert resolve_quantization("auto", fp8_config, "hf", "cuda").describe().startswith("fp8 W8A8 (fp8 checkpoint")
+    with pytest.raises(UnsupportedQuantization, match=r"the checkpoint is quantized \(fp8\): --quantization none"):
+        resolve_quantization("none", fp8_config, "hf", "cpu")
+    with pytest.raises(UnsupportedQuantization, match="names a checkpoint format, and this checkpoint is not quantized"):
+        resolve_quantization("gptq", plain, "hf", "cpu")
+
+
+def test_a_bad_quantization_is_refused_by_name(tiny, capsys):
+    with pytest.raises(ConfigError, match="unknown quantization 'int3'"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", str(tiny[0]), "--prompt", "w5", "--quantization", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
