@@ -182,7 +182,7 @@ def run(args) -> int:
     sizes = check_args(args)
     from pagoda.offline import LLM
 
-    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
+    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, quantization=args.quantization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
               enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
@@ -196,6 +196,7 @@ def run(args) -> int:
             **header("latency", command_words("latency", args), str(runner.device)),
             "model": runner.source.name,
             "dtype": str(runner.dtype).removeprefix("torch."),
+            "quantization": runner.scheme.describe() if runner.scheme else "none",
             "tensor_parallel_size": args.tensor_parallel_size,
             "async_scheduling": not args.no_async_scheduling,
             "enforce_eager": args.enforce_eager,

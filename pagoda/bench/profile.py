@@ -440,7 +440,7 @@ def run(args) -> int:
     spec = RowSpec(args.batch_size, args.context_len, "greedy", 0.0, args.steps, args.warmup_steps,
                    max_num_batched_tokens=args.max_num_batched_tokens, device=str(device))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
+    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, quantization=args.quantization,
               max_num_seqs=args.max_num_seqs or args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, enforce_eager=args.enforce_eager)
     try:
@@ -457,7 +457,8 @@ def run(args) -> int:
         step_ms = round(statistics.median(wall) / 1e3, 4)
         result = {
             **header("profile", command_words("profile", args), str(runner.device)),
-            "model": runner.source.name, "dtype": str(runner.dtype).removeprefix("torch."), "torch": torch.__version__,
+            "model": runner.source.name, "dtype": str(runner.dtype).removeprefix("torch."),
+            "quantization": runner.scheme.describe() if runner.scheme else "none", "torch": torch.__version__,
             "batch": args.batch_size, "context": args.context_len, "steps": len(profiled.plans),
             "warmup_steps": args.warmup_steps, "decode_tokens": sum(p.num_scheduled_tokens for p in profiled.plans),
             "engine": {"max_num_seqs": llm.config.max_num_seqs,
