@@ -28,6 +28,11 @@ hit, their weight bytes over time beside the copy bandwidth (decode is bound by 
 the tile config, and the largest difference between the two outputs. Without CUDA it times the
 loop alone on a tiny shape and says so. GPU results belong in
 benchmarks/results/<date>-<device>-kernels-moe.json.
+
+`--int4` instead times the int4 weight-only GEMM (kernels/triton_int4.py: the AWQ/GPTQ/
+compressed-tensors checkpoints' kernel, group 128) beside the bf16 GEMM (F.linear, cuBLAS) on
+Llama-3.1-8B's linear shapes at batch 1, 16 and 256 (`--batch-sizes` to change), each in a CUDA graph
+over enough weight copies to overflow L2: time, the weight bytes read over time, int4's speed-up.
 """
 from __future__ import annotations
 
@@ -190,6 +195,8 @@ def run(args) -> int:
     """The `pagoda bench kernels` handler: the JSON result on stdout (and in --output), a table on stderr."""
     if args.moe:
         return run_moe(args)
+    if getattr(args, "int4", False):
+        return run_int4(args)
     if not torch.cuda.is_available():
         raise ValueError("bench kernels times the Triton kernels on a CUDA GPU, and torch sees none here; "
                          "run it on a GPU host (the kernels' CPU tests are `make test`)")
@@ -520,3 +527,73 @@ def _print_moe_row(row: dict) -> None:
         f"BLOCK_M {row['tiles']['block_m']}, max diff {row['max_abs_diff_vs_loop']:.2g}",
         file=sys.stderr, flush=True,
     )
+
+
+# ----------------------------------------------------------------------------- --int4
+
+# Llama-3.1-8B's linear layers: name -> (N outputs, K inputs), q/k/v and gate/up fused
+INT4_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
+               "down_proj": (4096, 14336)}
+INT4_GROUP = 128
+INT4_BATCHES = "1,16,256"
+L2_OVERFLOW_BYTES = 256 << 20  # weight copies cycled per graph: past any L2
+
+
+def int4_weights(n: int, k: int, copies: int, device: torch.device, gen: torch.Generator):
+    """`copies` random int4 weights in the kernel's layout, and as many bf16 weights of the same shape."""
+    from kernels.triton_int4 import Int4Packed
+    from worker.quantization.int4_checkpoints import Int4Weight
+
+    packed, dense = [], []
+    for _ in range(copies):
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        zeros = torch.full((k // INT4_GROUP, n), 8, dtype=torch.int32)
+        scales = (torch.rand(k // INT4_GROUP, n, generator=gen) * 0.01).half()
+        weight = Int4Weight(q.to(device), zeros.to(device), scales.to(device),
+                            (torch.arange(k) // INT4_GROUP).to(device))
+        packed.append(Int4Packed.of(weight))
+        dense.append(weight.dequantize(torch.bfloat16))
+    return packed, dense
+
+
+def run_int4(args) -> int:
+    if not torch.cuda.is_available():
+        raise ValueError("bench kernels --int4 times the Triton int4 GEMM on a CUDA GPU, and torch sees none here "
+                         "(its CPU test is tests/test_quant_formats.py, in Triton's interpreter)")
+    from kernels.triton_common import interpreting
+    from kernels.triton_int4 import int4_matmul
+
+    if interpreting():
+        raise ValueError("TRITON_INTERPRET=1 is set: the kernels would run in Triton's interpreter; unset it")
+    import triton
+
+    device, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
+    batches = [int(b) for b in (args.batch_sizes if args.batch_sizes != "1,16,64,256" else INT4_BATCHES).split(",")]
+    rows = []
+    for name, (n, k) in INT4_SHAPES.items():
+        copies = max(2, math.ceil(L2_OVERFLOW_BYTES / (n * k * 2)))
+        packed, dense = int4_weights(n, k, copies, device, gen)
+        for batch in batches:
+            x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
+            bf16 = time_per_call([lambda w=w: F.linear(x, w) for w in dense])
+            int4 = time_per_call([lambda w=w: int4_matmul(x, w) for w in packed])
+            diff = (int4_matmul(x, packed[0]).float() - F.linear(x, dense[0]).float()).abs().max().item()
+            row = {"model": "llama-3.1-8b", "layer": name, "n": n, "k": k, "batch": batch,
+                   "bf16": {"time_us": bf16 * 1e6, "weight_GBps": n * k * 2 / bf16 / 1e9},
+                   "int4": {"time_us": int4 * 1e6, "weight_GBps": n * k / 2 / int4 / 1e9},
+                   "int4_speedup": bf16 / int4, "max_abs_diff": diff}
+            rows.append(row)
+            print(f"{name:>13} {n:>5}x{k:<5} batch {batch:>3}: bf16 {bf16 * 1e6:8.1f} us, int4 {int4 * 1e6:8.1f} us "
+                  f"-> {bf16 / int4:.2f}x ({row['int4']['weight_GBps']:.0f} GB/s of int4 weight)",
+                  file=sys.stderr, flush=True)
+        del packed, dense
+        torch.cuda.empty_cache()
+    result = {
+        **header("kernels: int4 weight-only GEMM", command_words("kernels", args), str(device)),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": "bfloat16", "group_size": INT4_GROUP,
+        "timer": "CUDA graph of repeated calls over weights cycled past L2; median of replays, per call",
+        "results": rows,
+    }
+    write_result(result, args.output)
+    print(json.dumps(result, indent=2))
+    return 0

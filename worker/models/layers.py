@@ -134,6 +134,21 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
 
+    def output_slices(self, shard_id=None) -> list[tuple[str, int, int, int]]:
+        """Where this rank's output channels come from: (what, start in the layer, start in the
+        checkpoint tensor, channels) per part `shard_id` names (None: the checkpoint's tensor
+        whole). A quantized format whose tensors lay the outputs along another dimension, or
+        packed, shards them by these (worker/quantization/int4_checkpoints.py)."""
+        return [("a linear layer", 0, 0, self.output_size)]
+
+    def input_slice(self) -> tuple[int, int] | None:
+        """(start, length) of this rank's input columns in the checkpoint's; None: all of them."""
+        return None
+
+    def _load_output_slices(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
+        for what, target, source, size in self.output_slices(shard_id):
+            copy_checked(param.data.narrow(0, target, size), loaded.narrow(0, source, size), what)
+
 
 class ReplicatedLinear(LinearBase):
     """The whole layer on every rank (a MoE router)."""
@@ -148,9 +163,11 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, tp.world_size, "a column-parallel layer's outputs"), bias,
                          quant_method)
 
-    def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
-        rows = param.shape[0]
-        copy_checked(param.data, loaded.narrow(0, self.tp.rank * rows, rows), "a column-parallel layer")
+    def output_slices(self, shard_id=None) -> list[tuple[str, int, int, int]]:
+        rows = self.output_size
+        return [("a column-parallel layer", 0, self.tp.rank * rows, rows)]
+
+    weight_loader = LinearBase._load_output_slices
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -166,13 +183,15 @@ class MergedColumnParallelLinear(LinearBase):
     def shard_ids(self, param: torch.Tensor) -> set:
         return set(range(len(self.output_sizes)))
 
-    def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
-        parts = range(len(self.output_sizes)) if shard_id is None else [shard_id]
-        for part in parts:
-            size = self.output_sizes[part]
-            start = self.tp.rank * size + (sum(self.output_sizes[:part]) * self.tp.world_size if shard_id is None else 0)
-            target = param.data.narrow(0, sum(self.output_sizes[:part]), size)
-            copy_checked(target, loaded.narrow(0, start, size), f"part {part} of a merged column-parallel layer")
+    def output_slices(self, shard_id=None) -> list[tuple[str, int, int, int]]:
+        slices = []
+        for part in range(len(self.output_sizes)) if shard_id is None else [shard_id]:
+            size, before = self.output_sizes[part], sum(self.output_sizes[:part])
+            start = self.tp.rank * size + (before * self.tp.world_size if shard_id is None else 0)
+            slices.append((f"part {part} of a merged column-parallel layer", before, start, size))
+        return slices
+
+    weight_loader = LinearBase._load_output_slices
 
 
 class QKVParallelLinear(LinearBase):
@@ -190,15 +209,19 @@ class QKVParallelLinear(LinearBase):
     def shard_ids(self, param: torch.Tensor) -> set:
         return {"q", "k", "v"}
 
-    def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
+    def output_slices(self, shard_id=None) -> list[tuple[str, int, int, int]]:
         hd, shard = self.head_dim, self.shard
         offsets = {"q": 0, "k": self.total_heads * hd, "v": (self.total_heads + self.total_kv_heads) * hd}
         sources = {"q": shard.head_start * hd, "k": shard.kv_head_start * hd, "v": shard.kv_head_start * hd}
         targets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size), "v": (self.q_size + self.kv_size, self.kv_size)}
+        slices = []
         for part in ("q", "k", "v") if shard_id is None else (shard_id,):
             start, size = targets[part]
             source = sources[part] + (offsets[part] if shard_id is None else 0)
-            copy_checked(param.data.narrow(0, start, size), loaded.narrow(0, source, size), f"the {part} projection")
+            slices.append((f"the {part} projection", start, source, size))
+        return slices
+
+    weight_loader = LinearBase._load_output_slices
 
 
 class RowParallelLinear(LinearBase):
@@ -220,11 +243,14 @@ class RowParallelLinear(LinearBase):
             y = self.lora(x, y)
         return all_reduce(self.tp, y) if self.reduce_results else y
 
+    def input_slice(self) -> tuple[int, int] | None:
+        return self.tp.rank * self.input_size, self.input_size
+
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias: whole on every rank, added by rank 0
             return default_weight_loader(param, loaded)
-        cols = param.shape[1]
-        copy_checked(param.data, loaded.narrow(1, self.tp.rank * cols, cols), "a row-parallel layer")
+        start, cols = self.input_slice()
+        copy_checked(param.data, loaded.narrow(1, start, cols), "a row-parallel layer")
 
 
 # ---------------------------------------------------------------------------------- vocabulary

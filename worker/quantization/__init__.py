@@ -4,9 +4,10 @@ the checkpoint's `quantization_config`.
     none        full precision (the parity guard: token for token with transformers)
     fp8         FP8 W8A8, quantized as the checkpoint loads (worker/quantization/fp8.py)
     int4, int8  weight-only, quantized as the checkpoint loads (worker/quantization/weight_only.py)
-    auto        the checkpoint's own format when it has one (an fp8 or compressed-tensors
-                checkpoint); the default model's GGUF on the CPU: int4, its own width (the GGUF is
-                Q4_1); anything else: none
+    auto        the checkpoint's own format when it has one (fp8, compressed-tensors
+                float-quantized; the int4 AWQ, GPTQ and compressed-tensors pack-quantized of
+                worker/quantization/int4_checkpoints.py); the default model's GGUF on the CPU:
+                int4, its own width (the GGUF is Q4_1); anything else: none
 
 A checkpoint's format is read from its config (`quantization_config.quant_method`) through
 `CHECKPOINT_FORMATS`; `--quantization` may name it, or `auto`; any other value is refused by name.
@@ -16,19 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from worker.quantization.base import (
-    LinearMethod, QuantizationConfig, UnquantizedLinearMethod, building, cast_model, current_config, frozen, keep_dtype,
-    linear_method_for, process_weights_after_loading, to_empty,
+    LinearMethod, QuantizationConfig, UnquantizedLinearMethod, UnsupportedQuantization, building, cast_model,
+    current_config, frozen, keep_dtype, linear_method_for, process_weights_after_loading, to_empty,
 )
 from worker.quantization.fp8 import Fp8Config
+from worker.quantization.int4_checkpoints import awq_checkpoint, gptq_checkpoint, pack_quantized_checkpoint
 from worker.quantization.weight_only import WeightOnlyConfig
 
 __all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "building", "cast_model",
            "current_config", "frozen", "keep_dtype", "linear_method_for", "process_weights_after_loading", "to_empty",
-           "resolve_quantization", "checkpoint_quantization", "CHECKPOINT_FORMATS", "ON_THE_FLY"]
-
-
-class UnsupportedQuantization(ValueError):
-    pass
+           "resolve_quantization", "checkpoint_quantization", "CHECKPOINT_FORMATS", "ON_THE_FLY",
+           "PACKED_FORMATS", "UnsupportedQuantization"]
 
 
 def _fp8_checkpoint(qc: dict) -> QuantizationConfig:
@@ -72,9 +71,13 @@ def _check_ignored(ignored: list[str]) -> None:
 CHECKPOINT_FORMATS: dict[str, Callable[[dict], QuantizationConfig]] = {
     "fp8": _fp8_checkpoint,
     "compressed-tensors": _compressed_tensors_checkpoint,
+    "awq": awq_checkpoint,  # int4 (worker/quantization/int4_checkpoints.py)
+    "gptq": gptq_checkpoint,
 }
 # compressed-tensors formats beyond float-quantized: format -> builder(quantization_config, its group)
-PACKED_FORMATS: dict[str, Callable[[dict, dict], QuantizationConfig]] = {}
+PACKED_FORMATS: dict[str, Callable[[dict, dict], QuantizationConfig]] = {
+    "pack-quantized": pack_quantized_checkpoint,  # W4A16
+}
 ON_THE_FLY = {"fp8": Fp8Config, "int4": lambda: WeightOnlyConfig("int4"), "int8": lambda: WeightOnlyConfig("int8")}
 
 
@@ -100,7 +103,12 @@ def resolve_quantization(flag: str, hf_config, source_kind: str, device_type: st
         if method not in CHECKPOINT_FORMATS:
             raise UnsupportedQuantization(f"quantized checkpoints ({method}) are not supported (formats: "
                                           f"{', '.join(CHECKPOINT_FORMATS)})")
-        return CHECKPOINT_FORMATS[method](qc)
+        scheme = CHECKPOINT_FORMATS[method](qc)
+        experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+        if experts and not getattr(scheme, "supports_moe", True):
+            raise UnsupportedQuantization(f"{method} checkpoints of mixture-of-experts models ({experts} experts) are "
+                                          "not supported: their experts are not linear layers here")
+        return scheme
     if flag == "auto":
         return WeightOnlyConfig("int4") if source_kind == "gguf" and device_type == "cpu" else None
     if flag == "none":

@@ -19,6 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class UnsupportedQuantization(ValueError):
+    """A quantized checkpoint or scheme this engine does not run, said by name."""
+
+
 class LinearMethod:
     """How a linear layer's weights are made, prepared and applied."""
 

@@ -53,6 +53,25 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     return w.view(n, k).to(dtype)
 
 
+def pack_int4_for_cpu(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU int4 layout (tinygemm's convention, w = (q - 8) * scale + zero) of q [N, K]
+    int32 in 0..15 and its groups' scales and zeros [N, K/g]: (packed weight, scales_and_zeros
+    [K/g, N, 2] bfloat16)."""
+    scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).to(torch.bfloat16).contiguous()
+    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1), scales_and_zeros
+
+
+def int4_packed_mm(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], group_size: int) -> torch.Tensor:
+    """x [M, K] bfloat16 times a `pack_int4_for_cpu` weight, transposed: [M, N]."""
+    weight, scales_and_zeros = packed
+    return torch._weight_int4pack_mm_for_cpu(x, weight, group_size, scales_and_zeros)
+
+
+def int4_packable(n: int, k: int, group_size: int) -> bool:
+    """Whether torch's CPU int4 kernels take the shape (its packing wants N a multiple of 16)."""
+    return n % 16 == 0 and k % 2 == 0 and k % group_size == 0
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (q [N, K] int8, scales [N] in w's dtype)."""
     scales = (w.float().abs().amax(-1) / 127).clamp(min=torch.finfo(w.dtype).tiny).to(w.dtype).float()
@@ -97,15 +116,11 @@ class Int4LinearMethod(_WeightOnlyMethod):
     def quantize(self, layer: nn.Module, weight: torch.Tensor):
         layer.group_size = int4_group_size(weight.shape[1], self.group_size)
         q, scales, zeros = quantize_int4(weight, layer.group_size)
-        packed = None
-        if _packed_kernels(weight):
-            packed = (torch._convert_weight_to_int4pack_for_cpu(q, 1),
-                      torch.stack([scales, zeros], -1).transpose(0, 1).contiguous())
+        packed = pack_int4_for_cpu(q, scales, zeros) if _packed_kernels(weight) else None
         return dequantize_int4(q, scales, zeros, weight.dtype), packed
 
     def packed_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        weight, scales_and_zeros = layer.packed
-        return torch._weight_int4pack_mm_for_cpu(x, weight, layer.group_size, scales_and_zeros)
+        return int4_packed_mm(x, layer.packed, layer.group_size)
 
 
 class Int8LinearMethod(_WeightOnlyMethod):
