@@ -396,9 +396,10 @@ def test_no_window_and_no_softcap_launch_the_plain_variant_with_the_plain_argume
         torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
     names = real.arg_names
     for args, kw in launched:
-        assert kw["HAS_WINDOW"] is False and kw["HAS_SOFTCAP"] is False
+        assert kw["HAS_WINDOW"] is False and kw["HAS_SOFTCAP"] is False and kw["KV_FP8"] is False
         assert set(kw) == {"GROUP", "HEAD_DIM", "HEAD_DIM_P2", "BLOCK_SIZE", "BLOCK_M", "BLOCK_Q", "BLOCK_N",
-                           "SPLIT_KV", "HAS_WINDOW", "HAS_SOFTCAP", "DOT_PRECISION", "num_warps", "num_stages"}
+                           "SPLIT_KV", "HAS_WINDOW", "HAS_SOFTCAP", "KV_FP8", "DOT_PRECISION", "num_warps",
+                           "num_stages"}
         assert args[names.index("qk_scale")] == 0.125 * math.log2(math.e)
     launched.clear()
     _attend(case, 0.125, sliding_window=7, logit_softcap=20.0)
