@@ -294,3 +294,15 @@ def test_triton_fp8_attention_on_cuda_matches_the_reference_in_bfloat16():
     kernels.write_kv(key, key, written, torch.arange(5).cuda(), k_scale=0.5, v_scale=0.25)
     assert same_bits(written[0, 0, :5].cpu(), torch_fp8(key.cpu(), 0.5))
     assert same_bits(written[0, 1, :5].cpu(), torch_fp8(key.cpu(), 0.25))
+
+
+def test_metrics_name_the_cache_dtype_in_cache_config_info():
+    from gateway.metrics import GatewayMetrics
+    from tests.test_metrics import MODEL, families, status
+
+    statuses = [status("a", "0", kv_cache_dtype="float8_e4m3fn", kv_bytes_per_block=2048, num_cpu_blocks=256),
+                status("b", "1", kv_cache_dtype="bfloat16", kv_bytes_per_block=4096)]
+    family = families(GatewayMetrics(MODEL), statuses)["pagoda:cache_config_info"]
+    assert {(s.labels["engine"], s.labels["cache_dtype"], s.labels["kv_bytes_per_block"], s.labels["num_cpu_blocks"],
+             s.value) for s in family.samples} == {("0", "float8_e4m3fn", "2048", "256", 1.0),
+                                                    ("1", "bfloat16", "4096", "0", 1.0)}

@@ -77,6 +77,7 @@ class Executor:
             eos_token_ids=self.eos_token_ids, kv_bytes_per_block=runner.kv_bytes_per_block,
             host_bandwidth=_measure_host_bandwidth(runner),
             prefill_tokens_per_s=runner.prefill_tokens_per_s, sliding_window=runner.sliding_window,
+            kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
         )
 
     def reset(self) -> None:

@@ -183,7 +183,8 @@ def run(args) -> int:
     from pagoda.offline import LLM
 
     llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
               enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
     try:
@@ -196,6 +197,7 @@ def run(args) -> int:
             **header("latency", command_words("latency", args), str(runner.device)),
             "model": runner.source.name,
             "dtype": str(runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": args.kv_cache_dtype,
             "tensor_parallel_size": args.tensor_parallel_size,
             "async_scheduling": not args.no_async_scheduling,
             "enforce_eager": args.enforce_eager,
