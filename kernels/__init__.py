@@ -39,24 +39,26 @@ __all__ = [
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, impl: Impl = None,
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+    k_scale: float = 1.0, v_scale: float = 1.0, impl: Impl = None,
 ) -> None:
     """Write each token's K and V head rows into its slot; slot -1 is padding and is skipped.
 
-    key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
+    key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64. An fp8
+    cache (torch.float8_e4m3fn) stores K / k_scale and V / v_scale, saturated (kernels/kv_quant.py).
     """
     if _use_triton(kv_cache, impl):
         from kernels import triton_cache
 
-        return triton_cache.write_kv(key, value, kv_cache, slot_mapping)
-    return reference.write_kv(key, value, kv_cache, slot_mapping)
+        return triton_cache.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    return reference.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, impl: Impl = None,
     max_seqlen_k: int | None = None, kv_splits: int | None = None, step_cache: dict | None = None,
-    sliding_window: int | None = None, logit_softcap: float | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV: prefill, queries after a
     cached prefix, and decode, mixed in one batch (semantics: `reference.paged_attention`).
@@ -69,7 +71,8 @@ def paged_attention(
     step's sequences for every layer (one per window size). `sliding_window` W: a query at
     position p sees keys (p - W, p] only; `logit_softcap` c: scores become c * tanh(score / c)
     before the mask (None or 0: neither). On CUDA each (window?, soft-cap?) pair is its own
-    compiled kernel variant: `warmup` must be told which ones the model runs.
+    compiled kernel variant: `warmup` must be told which ones the model runs. An fp8 cache is read
+    as `stored * k_scale` and `stored * v_scale` (its own compiled variant); others ignore the scales.
     """
     sliding_window, logit_softcap = _check_masking(sliding_window, logit_softcap)
     if _use_triton(query, impl):
@@ -78,6 +81,7 @@ def paged_attention(
         return triton_attention.paged_attention(
             query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
             max_seqlen_k=max_seqlen_k, kv_splits=kv_splits, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            k_scale=k_scale, v_scale=v_scale,
         )
     plan = None
     if step_cache is not None:
@@ -87,7 +91,8 @@ def paged_attention(
             plan = step_cache[key] = reference.plan_attention(
                 block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2], sliding_window)
     return reference.paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out, plan=plan,
-                                     sliding_window=sliding_window, logit_softcap=logit_softcap)
+                                     sliding_window=sliding_window, logit_softcap=logit_softcap, k_scale=k_scale,
+                                     v_scale=v_scale)
 
 
 def copy_blocks(
@@ -125,7 +130,8 @@ def swap_blocks(
 
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
            device: torch.device, max_model_len: int,
-           attention_variants: Iterable[tuple[int | None, float | None]] = ((None, None),)) -> int:
+           attention_variants: Iterable[tuple[int | None, float | None]] = ((None, None),),
+           kv_cache_dtype: torch.dtype | None = None) -> int:
     """Compile every Triton kernel variant this model can launch (attention tiles of both phases,
     every split count the heuristic can pick and its reduce, write_kv, copy_blocks) and reserve the
     split-KV workspace, so that no kernel compiles while serving. Call once at start-up, before
@@ -135,7 +141,8 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     `attention_variants`: the (sliding_window, logit_softcap) pairs the model's layers pass to
     `paged_attention`, values or None, repeats allowed: e.g. {(4096, 50.0), (None, 50.0)} for
     Gemma 2, {(4096, None)} for Mistral v0.1. The default is one plain variant (no window, no cap).
-    A window's size matters (it bounds the split counts); a cap's value does not.
+    A window's size matters (it bounds the split counts); a cap's value does not. `kv_cache_dtype`:
+    the cache's when it is not `dtype` (fp8).
     """
     variants = sorted({(window or 0, bool(softcap))
                        for window, softcap in (_check_masking(*pair) for pair in attention_variants)})
@@ -147,12 +154,14 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     from kernels import triton_attention, triton_cache
 
     dtype_name = str(dtype).removeprefix("torch.")
+    kv_cache_dtype = kv_cache_dtype or dtype
+    kv_dtype_name = "" if kv_cache_dtype == dtype else str(kv_cache_dtype).removeprefix("torch.")
     launches = 0
     for window, softcap in variants:
         shape = AttentionShape(num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, dtype_name,
-                               window > 0, softcap)
+                               window > 0, softcap, kv_dtype_name)
         launches += triton_attention.warmup(shape, max_model_len, device, sliding_window=window or None)
-    return launches + triton_cache.warmup(num_kv_heads, head_dim, block_size, dtype, device)
+    return launches + triton_cache.warmup(num_kv_heads, head_dim, block_size, dtype, device, kv_cache_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: Impl = None) -> torch.Tensor:

@@ -6,16 +6,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import dequantize, is_fp8, quantize, raw
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write each token's K and V head rows into its slot; slot -1 is padding and is skipped.
 
-    key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
+    key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64. An fp8
+    cache gets `kv_quant.quantize(key, k_scale)` and `quantize(value, v_scale)`; others ignore the scales.
     """
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     blocks, offsets = slots // block_size, slots % block_size
+    if is_fp8(kv_cache.dtype):
+        cache = raw(kv_cache)
+        cache[blocks, 0, offsets] = raw(quantize(key[valid], k_scale, kv_cache.dtype))
+        cache[blocks, 1, offsets] = raw(quantize(value[valid], v_scale, kv_cache.dtype))
+        return
     kv_cache[blocks, 0, offsets] = key[valid].to(kv_cache.dtype)
     kv_cache[blocks, 1, offsets] = value[valid].to(kv_cache.dtype)
 
@@ -23,7 +32,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, plan: AttentionPlan | None = None,
-    sliding_window: int | None = None, logit_softcap: float | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV.
 
@@ -39,19 +48,24 @@ def paged_attention(
     (Gemma 2), after the scale and before the mask. With either, decodes still run bucketed (the
     plan gathers only the blocks of each row's window) and longer queries run
     `paged_attention_masked`'s loop, both in float32 in transformers' eager order.
+
+    An fp8 cache is dequantized as it is gathered: K as `stored.float() * k_scale`, V with
+    `v_scale` (float32; a prefill then takes the query's dtype), so the result is attention over
+    the dequantized cache. Other caches ignore the scales.
     """
+    scales = (k_scale, v_scale)
     sliding_window = sliding_window or None
     out = torch.empty_like(query) if out is None else out
     plan = plan or plan_attention(block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2], sliding_window)
     assert plan.sliding_window == sliding_window, "a plan is made for one window (a step caches one per window)"
     for bucket in plan.decode_buckets:
-        _decode(query, kv_cache, bucket, scale, out, logit_softcap)
+        _decode(query, kv_cache, bucket, scale, out, logit_softcap, scales)
     for i, start, q_len, seq_len in plan.prefills:
         if sliding_window or logit_softcap:
             _attend_masked(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, sliding_window,
-                           logit_softcap)
+                           logit_softcap, scales)
         else:
-            _prefill(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out)
+            _prefill(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, scales)
     return out
 
 
@@ -132,16 +146,27 @@ def _window_bucket(q_rows: torch.Tensor, block_tables: torch.Tensor, lens: list[
     return DecodeBucket(q_rows, blocks, 0, ~valid, valid[:, None, None, :])
 
 
-def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _select(kv_cache: torch.Tensor, i: int, index: torch.Tensor, scales: tuple[float, float]) -> torch.Tensor:
+    """K (i = 0) or V (i = 1) of the blocks `index` [n] int64: [n, block_size, num_kv_heads, head_dim];
+    an fp8 cache's dequantized to float32 (the copy index_select makes is taken in uint8)."""
+    if is_fp8(kv_cache.dtype):
+        stored = torch.index_select(raw(kv_cache)[:, i], 0, index).view(kv_cache.dtype)
+        return dequantize(stored, scales[i])
+    # index_select copies a block's rows with one memcpy (indexing the strided view does not)
+    return torch.index_select(kv_cache[:, i], 0, index)
+
+
+def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int,
+            scales: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a table's first blocks, each a fresh [..., num_blocks * block_size, num_kv_heads, head_dim]."""
     index = block_table[..., :num_blocks].long()
     shape = (*index.shape[:-1], -1, *kv_cache.shape[-2:])
-    # index_select copies a block's rows with one memcpy (indexing the strided view does not)
-    k, v = (torch.index_select(kv_cache[:, i], 0, index.flatten()).view(shape) for i in (0, 1))
+    k, v = (_select(kv_cache, i, index.flatten(), scales).view(shape) for i in (0, 1))
     return k, v
 
 
-def _decode(query, kv_cache, bucket: DecodeBucket, scale, out, logit_softcap: float | None = None) -> None:
+def _decode(query, kv_cache, bucket: DecodeBucket, scale, out, logit_softcap: float | None = None,
+            scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """One bucket's single queries, each KV head's query group taken as a query length.
 
     Slots past a row's context (null-block padding, the tail of a partial block) or before its
@@ -154,7 +179,7 @@ def _decode(query, kv_cache, bucket: DecodeBucket, scale, out, logit_softcap: fl
     # index_select copies each block's K (then V) rows with one memcpy; the result views as
     # [b, L, kvh, hd], and attention takes it permuted to [b, kvh, L, hd] without another copy
     flat = bucket.blocks.flatten()
-    k, v = (torch.index_select(kv_cache[:, i], 0, flat).view(b, num_blocks * block_size, num_kv_heads, head_dim)
+    k, v = (_select(kv_cache, i, flat, scales).view(b, num_blocks * block_size, num_kv_heads, head_dim)
             for i in (0, 1))
     k[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
     v[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
@@ -183,9 +208,9 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return out
 
 
-def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out) -> None:
+def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out, scales=(1.0, 1.0)) -> None:
     block_size = kv_cache.shape[2]
-    k, v = _gather(kv_cache, block_table, -(-seq_len // block_size))
+    k, v = _gather(kv_cache, block_table, -(-seq_len // block_size), scales)
     k, v = k[:seq_len].transpose(0, 1).to(query.dtype), v[:seq_len].transpose(0, 1).to(query.dtype)
     # 4-D [1, heads, len, hd]: PyTorch's fused CPU attention takes those; 3-D falls back to the math path
     q = query[start:start + q_len].transpose(0, 1)[None]
@@ -202,7 +227,7 @@ def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out) ->
 def paged_attention_masked(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-    sliding_window: int | None = None, logit_softcap: float | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`paged_attention` with a sliding window and/or logit soft-capping, one sequence at a time
     in float32, as transformers' eager attention computes it (scores, cap, mask, softmax, @ V):
@@ -214,12 +239,12 @@ def paged_attention_masked(
         start, q_len = starts[i], starts[i + 1] - starts[i]
         if q_len > 0:
             _attend_masked(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, sliding_window,
-                           logit_softcap)
+                           logit_softcap, (k_scale, v_scale))
     return out
 
 
 def _attend_masked(query, kv_cache, block_table, seq_len, start, q_len, scale, out, sliding_window,
-                   logit_softcap) -> None:
+                   logit_softcap, scales=(1.0, 1.0)) -> None:
     """One sequence's queries under a window and/or a soft-cap. Only the blocks that hold a key
     some query of the sequence sees are gathered:
 
@@ -231,7 +256,7 @@ def _attend_masked(query, kv_cache, block_table, seq_len, start, q_len, scale, o
     lo = max(first - sliding_window + 1, 0) if sliding_window else 0
     first_block = lo // block_size
     index = block_table[first_block:-(-seq_len // block_size)].long()
-    k, v = (torch.index_select(kv_cache[:, j], 0, index).flatten(0, 1).float() for j in (0, 1))
+    k, v = (_select(kv_cache, j, index, scales).flatten(0, 1).float() for j in (0, 1))
     key_pos = torch.arange(first_block * block_size, first_block * block_size + k.shape[0], device=query.device)
     q_pos = torch.arange(first, seq_len, device=query.device)
     mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len)  # [q_len, keys]
@@ -257,7 +282,7 @@ def copy_blocks(kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None
     if src_to_dst.numel() == 0:
         return
     src, dst = src_to_dst[:, 0], src_to_dst[:, 1]
-    for cache in kv_caches:
+    for cache in map(raw, kv_caches):  # an fp8 cache's bytes
         cache[dst] = cache[src]
 
 
@@ -273,7 +298,7 @@ def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], 
     src, dst = swap_pairs(src_to_dst)
     if not src:
         return
-    for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
+    for src_cache, dst_cache in zip(map(raw, src_caches), map(raw, dst_caches), strict=True):
         staged = torch.index_select(src_cache, 0, torch.tensor(src, device=src_cache.device))
         dst_cache.index_copy_(0, torch.tensor(dst, device=dst_cache.device), staged.to(dst_cache.device))
 
@@ -281,7 +306,7 @@ def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], 
 def swap_blocks_by_runs(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: list[tuple[int, int]]) -> None:
     """The oracle of the batched swaps: one copy per run of consecutive src and dst ids, in order."""
     for src, dst, n in _runs(src_to_dst):
-        dst_cache[dst:dst + n].copy_(src_cache[src:src + n])
+        raw(dst_cache)[dst:dst + n].copy_(raw(src_cache)[src:src + n])
 
 
 def _runs(src_to_dst: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import raw
+
 STAGING_BYTES = 64 << 20  # the most one device-side staging tensor holds: a swap goes in chunks of this
 
 
@@ -49,12 +51,13 @@ def swap_pairs(src_to_dst: torch.Tensor | Sequence[Sequence[int]]) -> tuple[list
 
 class BlockSwapper:
     """Moves blocks between per-layer device caches and per-layer host caches of the same layout
-    ([num_blocks, 2, block_size, num_kv_heads, head_dim]); see the module docstring."""
+    ([num_blocks, 2, block_size, num_kv_heads, head_dim]); see the module docstring. An fp8 pool
+    moves as its uint8 view (torch has no index_copy_ for float8 on CPU): bit-exact."""
 
     def __init__(self, device_caches: Sequence[torch.Tensor], host_caches: Sequence[torch.Tensor]) -> None:
         assert len(device_caches) == len(host_caches)
-        self.device_caches = list(device_caches)
-        self.host_caches = list(host_caches)
+        self.device_caches = [raw(c) for c in device_caches]
+        self.host_caches = [raw(c) for c in host_caches]
         self.device = self.device_caches[0].device if self.device_caches else torch.device("cpu")
         self.on_cuda = self.device.type == "cuda"
         self._pending: list[_PendingScatter] = []

@@ -26,6 +26,10 @@ tile of its first query's window:
                                      query's position + 1: each seen by some query of the tile
 
 A soft-cap c (HAS_SOFTCAP) turns each scaled score s into c * tanh(s / c) before the mask.
+An fp8 cache (KV_FP8) holds K / k_scale and V / v_scale: a tile's K and V are cast to the query's
+dtype as they load (exact: every e4m3 value is a float16 and a bfloat16), k_scale is folded into
+the score's scale on the host and v_scale multiplies the output once, so the walk itself costs
+one conversion per element and reads half the bytes of a bfloat16 cache.
 Offsets into the cache are int64 (block id * block stride passes 2**31 in large pools).
 """
 from __future__ import annotations
@@ -38,6 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels import tuning
+from kernels.kv_quant import is_fp8
 from kernels.triton_common import (
     device_key, device_name, dot_precision, interpreting, reserve_workspace, sm_limits, workspace,
 )
@@ -105,6 +110,15 @@ def _slots_of(shape: AttentionShape, device: torch.device):
     return slots
 
 
+def _kv_dtype(shape: AttentionShape) -> torch.dtype:
+    return getattr(torch, shape.kv_dtype or shape.dtype)
+
+
+def _kv_dtype_name(kv_cache: torch.Tensor, query: torch.Tensor) -> str:
+    """AttentionShape.kv_dtype: "" when the cache has the query's dtype."""
+    return "" if kv_cache.dtype == query.dtype else str(kv_cache.dtype).removeprefix("torch.")
+
+
 def _compile_split_variant(shape: AttentionShape, config: TileConfig, device: torch.device):
     """The compiled SPLIT_KV kernel of `config` (triton's warmup: compile and load, no launch).
     Every argument that varies between steps is unspecialized (see `_attention_kernel`), so
@@ -112,12 +126,13 @@ def _compile_split_variant(shape: AttentionShape, config: TileConfig, device: to
     dtype = getattr(torch, shape.dtype)
     num_heads = shape.num_kv_heads * shape.group
     query = torch.empty((1, num_heads, shape.head_dim), dtype=dtype, device=device)
-    kv_cache = torch.empty((1, 2, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=dtype, device=device)
+    kv_cache = torch.empty((1, 2, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=_kv_dtype(shape),
+                           device=device)
     ints = torch.zeros(2, dtype=torch.int32, device=device)
     partial = torch.empty(1, dtype=torch.float32, device=device)
     kernel = _attention_kernel.warmup(
         query, partial, partial, query, kv_cache, ints[:, None], ints, ints,
-        1.0, 1.0, 1, 1, 1, num_heads, *query.stride()[:2], *query.stride()[:2], *kv_cache.stride()[:4], 1,
+        1.0, 1.0, 1.0, 1, 1, 1, num_heads, *query.stride()[:2], *query.stride()[:2], *kv_cache.stride()[:4], 1,
         grid=(1,), **_constexprs(shape, config, True), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     kernel._init_handles()  # loads the binary: n_regs is known from here on
@@ -135,7 +150,7 @@ def _constexprs(shape: AttentionShape, config: TileConfig, split_kv: bool) -> di
         GROUP=shape.group, HEAD_DIM=shape.head_dim, HEAD_DIM_P2=head_dim_p2(shape.head_dim),
         BLOCK_SIZE=shape.block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, BLOCK_N=config.block_n,
         SPLIT_KV=split_kv, HAS_WINDOW=shape.sliding_window, HAS_SOFTCAP=shape.logit_softcap,
-        DOT_PRECISION=dot_precision(getattr(torch, shape.dtype)),
+        KV_FP8=is_fp8(_kv_dtype(shape)), DOT_PRECISION=dot_precision(getattr(torch, shape.dtype)),
     )
 
 
@@ -143,7 +158,7 @@ def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
     max_seqlen_k: int | None = None, kv_splits: int | None = None, config: TileConfig | None = None,
-    sliding_window: int | None = None, logit_softcap: float | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV (see kernels.reference).
 
@@ -155,7 +170,8 @@ def paged_attention(
     `sliding_window` W >= 1: the query at position p sees keys (p - W, p] only; `logit_softcap`
     c > 0: scores become c * tanh(score / c) before the mask (`kernels.paged_attention` checks
     both). Each selects its compiled variant (None or 0: the plain kernel); their values are
-    runtime arguments.
+    runtime arguments. An fp8 cache (torch.float8_e4m3fn) is read as stored * k_scale (K) and
+    stored * v_scale (V); other caches ignore the scales.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -167,21 +183,26 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     shape = AttentionShape(num_kv_heads, group, head_dim, block_size, _DTYPE_NAMES[query.dtype],
-                           bool(sliding_window), bool(logit_softcap))
+                           bool(sliding_window), bool(logit_softcap), _kv_dtype_name(kv_cache, query))
     max_keys = max_seqlen_k or block_tables.shape[1] * block_size
     launch = _plan(query.device, shape, num_tokens, num_seqs, max_keys, config, sliding_window or None)
     cfg, kv_splits = launch.config, kv_splits or launch.kv_splits
     o_partial, lse_partial = _split_scratch(query, kv_splits, cfg.block_m, _slots_of(shape, query.device)(cfg))
     num_q_tiles = num_tokens // cfg.block_q + num_seqs
     # scores in the kernel's log2 units: q.k * scale * log2(e), or with a soft-cap c,
-    # c * log2(e) * tanh(q.k * scale / c) (the cap taken in natural units, then converted)
+    # c * log2(e) * tanh(q.k * scale / c) (the cap taken in natural units, then converted); an fp8
+    # cache's k_scale multiplies q.k (the kernel's K is the stored value)
+    if is_fp8(kv_cache.dtype):
+        scale, v_scale = scale * k_scale, float(v_scale)
+    else:
+        v_scale = 1.0
     if logit_softcap:
         qk_scale, softcap_log2 = scale / logit_softcap, logit_softcap * math.log2(math.e)
     else:
         qk_scale, softcap_log2 = scale * math.log2(math.e), 0.0
     _attention_kernel[(num_q_tiles, num_kv_heads, kv_splits)](
         out, o_partial, lse_partial, query, kv_cache, block_tables, seq_lens, cu_seqlens_q,
-        qk_scale, softcap_log2, sliding_window or 0, num_seqs, num_tokens, num_heads,
+        qk_scale, softcap_log2, v_scale, sliding_window or 0, num_seqs, num_tokens, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         **_constexprs(shape, cfg, kv_splits > 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -202,7 +223,8 @@ def warmup(shape: AttentionShape, max_model_len: int, device: torch.device, slid
                                       sliding_window=sliding_window)
     dtype, num_heads = getattr(torch, shape.dtype), shape.num_kv_heads * shape.group
     query = torch.zeros((1, num_heads, shape.head_dim), dtype=dtype, device=device)
-    kv_cache = torch.zeros((2, 2, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=dtype, device=device)
+    kv_cache = torch.zeros((2, 2, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=_kv_dtype(shape),
+                           device=device)
     block_tables = torch.ones((1, 1), dtype=torch.int32, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
@@ -285,16 +307,17 @@ def _tanh(x):
 def _attention_kernel(
     out_ptr, o_partial_ptr, lse_partial_ptr,
     query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    qk_scale, softcap_log2, sliding_window, num_seqs, num_tokens, num_heads,
+    qk_scale, softcap_log2, v_scale, sliding_window, num_seqs, num_tokens, num_heads,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_block, stride_kv, stride_slot, stride_head, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Scores are q.k * qk_scale: in log2 units (qk_scale = scale * log2 e), or with HAS_SOFTCAP
     the capped score's tanh argument (qk_scale = scale / c; then c * log2(e) = softcap_log2 times
-    its tanh). With HAS_WINDOW, `sliding_window` >= 1 keys end at each query (its own included)."""
+    its tanh). With HAS_WINDOW, `sliding_window` >= 1 keys end at each query (its own included).
+    With KV_FP8 the cache holds K / k_scale (k_scale is in qk_scale) and V / v_scale."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -345,6 +368,8 @@ def _attention_kernel(
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         k = tl.load(kv_base + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
         v = tl.load(kv_base + stride_kv + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:  # e4m3 -> the query's dtype is exact; the scales are applied outside the walk
+            k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap_log2 * _tanh(s)
@@ -362,6 +387,8 @@ def _attention_kernel(
 
     out_mask = row_valid[:, None] & dim_valid[None, :]
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        o = o * v_scale
     if SPLIT_KV:
         row = (split * num_tokens + token) * num_heads + head  # [BLOCK_M] int64 row of the partials
         tl.store(o_partial_ptr + row[:, None] * HEAD_DIM + dims[None, :], o, mask=out_mask)

@@ -189,6 +189,7 @@ class AttentionShape:
     dtype: str  # "bfloat16", "float16", "float32"
     sliding_window: bool = False
     logit_softcap: bool = False
+    kv_dtype: str = ""  # the cache's when it differs from dtype: "float8_e4m3fn" (an fp8 KV cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +226,7 @@ def variants_of(shape: AttentionShape, launch: Launch) -> set[tuple]:
     options, and the reduce kernel's when the keys are split."""
     c = launch.config
     keys = {("attention", shape.dtype, shape.group, shape.head_dim, shape.block_size, c.block_m, c.block_q, c.block_n,
-             launch.kv_splits > 1, c.num_warps, c.num_stages, shape.sliding_window, shape.logit_softcap)}
+             launch.kv_splits > 1, c.num_warps, c.num_stages, shape.sliding_window, shape.logit_softcap, shape.kv_dtype)}
     if launch.kv_splits > 1:
         keys.add(("reduce", shape.dtype, shape.group, shape.head_dim, next_power_of_2(launch.kv_splits)))
     return keys

@@ -301,6 +301,8 @@ class SchedulerServer:
             prefix_cache_queries_total=s.prefix_cache_queries if s else 0,
             prefix_cache_hits_total=s.prefix_cache_hits if s else 0, updated_at=now, **dataclasses.asdict(limits),
             engine=self.serving.engine_id, **(status_counters(s) if s else {}),
+            kv_cache_dtype=hello.kv_cache_dtype if hello else "",
+            kv_bytes_per_block=hello.kv_bytes_per_block if hello else 0,
         )
         try:
             if not self.stream.publish_status(encode(status), has_memory=s is not None):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.cli_args import add_config_args, config_from_args, config_to_argv, flag_fields
-from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
+from common.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from pagoda import cli, up
 from tests.conftest import ROOT
 
@@ -122,7 +122,8 @@ def test_the_flags_people_type_build_the_configs():
 def test_config_to_argv_writes_every_value_and_a_switch_only_off_its_default():
     assert config_to_argv(EngineConfig(swap_space_gb=2.5, enable_prefix_caching=False, num_gpu_blocks=64)) == [
         "--model=default", "--generation-config=auto", "--block-size=16", "--num-gpu-blocks=64", "--max-num-seqs=128",
-        "--max-num-batched-tokens=2048", "--device=auto", "--dtype=auto", "--quantization=none", "--gpu-memory-utilization=0.9",
+        "--max-num-batched-tokens=2048", "--device=auto", "--dtype=auto", "--quantization=none", "--kv-cache-dtype=auto",
+        "--gpu-memory-utilization=0.9",
         "--cpu-kv-cache-space=1.0", "--swap-space=2.5", "--no-prefix-caching", "--preemption-mode=auto",
         "--tensor-parallel-size=1",
         "--allocator=paged"]
@@ -147,6 +148,7 @@ def _value_strategy(cls: type, f: dataclasses.Field) -> st.SearchStrategy:
         "zmq_address": st.sampled_from(("tcp://", "ipc://")).flatmap(lambda scheme: st.text().map(scheme.__add__)),
         "gpu_memory_utilization": st.floats(0.01, 1.0),
         "port": st.integers(0, 65535),
+        "kv_cache_dtype": st.sampled_from(KV_CACHE_DTYPES),  # checked by the config, not by argparse choices
     }
     if f.name in special:
         values = special[f.name]

@@ -396,9 +396,10 @@ def test_no_window_and_no_softcap_launch_the_plain_variant_with_the_plain_argume
         torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
     names = real.arg_names
     for args, kw in launched:
-        assert kw["HAS_WINDOW"] is False and kw["HAS_SOFTCAP"] is False
+        assert kw["HAS_WINDOW"] is False and kw["HAS_SOFTCAP"] is False and kw["KV_FP8"] is False
         assert set(kw) == {"GROUP", "HEAD_DIM", "HEAD_DIM_P2", "BLOCK_SIZE", "BLOCK_M", "BLOCK_Q", "BLOCK_N",
-                           "SPLIT_KV", "HAS_WINDOW", "HAS_SOFTCAP", "DOT_PRECISION", "num_warps", "num_stages"}
+                           "SPLIT_KV", "HAS_WINDOW", "HAS_SOFTCAP", "KV_FP8", "DOT_PRECISION", "num_warps",
+                           "num_stages"}
         assert args[names.index("qk_scale")] == 0.125 * math.log2(math.e)
     launched.clear()
     _attend(case, 0.125, sliding_window=7, logit_softcap=20.0)
@@ -516,40 +517,46 @@ def _compile_for_sm90() -> list[str]:
 
     done = []
     # (dtype, group, head_dim, decode, split, window, softcap): the plain variants, then the masked
-    # ones of the models that need them (Gemma 2: group 2, head_dim 256, both; Mistral: a window)
-    for dtype, group, head_dim, decode, split, window, softcap in [
+    # ones of the models that need them (Gemma 2: group 2, head_dim 256, both; Mistral: a window);
+    # then an fp8 cache's (KV_FP8: a bfloat16 or float16 query over a float8_e4m3fn cache)
+    for dtype, group, head_dim, decode, split, window, softcap, fp8 in [(*v, False) for v in [
         ("bf16", 4, 128, True, False, False, False), ("bf16", 4, 128, True, True, False, False),
         ("bf16", 4, 128, False, False, False, False), ("fp16", 3, 64, False, True, False, False),
         ("fp32", 7, 80, True, True, False, False), ("bf16", 20, 64, True, False, False, False),
         ("bf16", 4, 128, True, True, True, False), ("bf16", 4, 128, False, False, True, False),
         ("fp16", 3, 64, True, False, False, True), ("bf16", 2, 256, True, True, True, True),
         ("bf16", 2, 256, False, False, True, True), ("fp32", 7, 80, False, True, True, True),
+    ]] + [
+        ("bf16", 4, 128, True, False, False, False, True), ("bf16", 4, 128, True, True, False, False, True),
+        ("bf16", 4, 128, False, False, False, False, True), ("fp16", 2, 256, True, True, True, True, True),
     ]:
         cfg = ta.tile_config(1 if decode else 2, 1, group, head_dim)
         ptr = f"*{dtype}"
-        types = {"out_ptr": ptr, "query_ptr": ptr, "kv_cache_ptr": ptr, "o_partial_ptr": "*fp32",
+        kv_ptr = "*fp8e4nv" if fp8 else ptr
+        types = {"out_ptr": ptr, "query_ptr": ptr, "kv_cache_ptr": kv_ptr, "o_partial_ptr": "*fp32",
                  "lse_partial_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "cu_seqlens_q_ptr": "*i32", "qk_scale": "fp32", "softcap_log2": "fp32"}
+                 "cu_seqlens_q_ptr": "*i32", "qk_scale": "fp32", "softcap_log2": "fp32", "v_scale": "fp32"}
         p2 = triton.next_power_of_2
         name, kernel = compile_(ta._attention_kernel, types, dict(
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim), BLOCK_SIZE=16, BLOCK_M=cfg.block_m,
             BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, SPLIT_KV=split, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
-            DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+            KV_FP8=fp8, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
         ), cfg.num_warps, cfg.num_stages)
         # a variant without the window or the cap compiles their code away: it never reads the argument
         assert reads(kernel, "qk_scale") and reads(kernel, "stride_table"), "the PTX's params are not the arguments"
         assert (reads(kernel, "sliding_window"), reads(kernel, "softcap_log2")) == (window, softcap), name
+        assert reads(kernel, "v_scale") == fp8, name  # a full-precision cache's variant never reads the scale
         done.append(name)
-        if window or softcap:
+        if window or softcap or (fp8 and not (decode and not split)):
             continue  # the reduce, write_kv and copy_blocks have no masked variants
         if split:
             done.append(compile_(ta._reduce_splits_kernel, types, dict(
                 GROUP=group, GROUP_P2=p2(group), HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim), SPLITS_P2=32))[0])
-        done.append(compile_(tc._write_kv_kernel, {"key_ptr": ptr, "value_ptr": ptr, "kv_cache_ptr": ptr,
-                                                    "slot_mapping_ptr": "*i64"},
+        done.append(compile_(tc._write_kv_kernel, {"key_ptr": ptr, "value_ptr": ptr, "kv_cache_ptr": kv_ptr,
+                                                    "slot_mapping_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32"},
                              dict(NUM_KV_HEADS=8, HEAD_DIM=head_dim, HEADS_P2=8, HEAD_DIM_P2=p2(head_dim),
-                                  BLOCK_SIZE=16))[0])
-        tl_dtype = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
+                                  BLOCK_SIZE=16, KV_FP8=fp8, FP8_MAX=448.0 if fp8 else 0.0))[0])
+        tl_dtype = tl.uint8 if fp8 else {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
         done.append(compile_(tc._copy_blocks_kernel, {"layer_ptrs": "*i64", "src_to_dst_ptr": "*i64"},
                              dict(DTYPE=tl_dtype, CHUNK=tc.COPY_CHUNK))[0])
     return done
@@ -558,8 +565,9 @@ def _compile_for_sm90() -> list[str]:
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the kernels are compiled for the device itself")
 def test_every_kernel_compiles_for_hopper_without_a_gpu():
     """The interpreter runs Python, not the compiler: this catches what only compiling would."""
-    # 6 plain attention variants, 3 reduces, 6 write_kv, 6 copy_blocks; 6 windowed or soft-capped variants
-    assert count_compiled_for_sm90("tests.test_kernels_triton", "_compile_for_sm90") == 27
+    # 6 plain attention variants, 3 reduces, 6 write_kv, 6 copy_blocks; 6 windowed or soft-capped variants;
+    # 4 over an fp8 cache, with its write_kv and (byte) copy_blocks
+    assert count_compiled_for_sm90("tests.test_kernels_triton", "_compile_for_sm90") == 33
 
 
 # ----------------------------------------------------------------------------- CUDA only

@@ -23,6 +23,7 @@ from common.config import EngineConfig
 from common.generation_config import read_generation_config, token_ids
 from common.plan_state import PlanState, ScheduledSequence
 from common.protocol import PENDING_TOKEN, SampledToken, StepPlan, StepResult, WorkerHello
+from kernels.kv_quant import raw
 from worker.grammar import GrammarState, TokenMask
 from worker.model_runner import ModelRunner
 from worker.parallel import TensorParallelGroup, set_tp_group
@@ -77,6 +78,7 @@ class Executor:
             host_bandwidth=_measure_host_bandwidth(runner),
             prefill_tokens_per_s=runner.prefill_tokens_per_s, sliding_window=runner.sliding_window,
             quantization=runner.scheme.describe() if runner.scheme is not None else "none",
+            kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
         )
 
     def reset(self) -> None:
@@ -305,7 +307,8 @@ def _measure_host_bandwidth(runner: ModelRunner) -> float:
     host_ids = rng.sample(range(runner.num_cpu_blocks), n)
     out, back = list(zip(device_ids, host_ids)), list(zip(host_ids, device_ids))
     index = torch.tensor(host_ids)
-    saved = [cache.index_select(0, index) for cache in runner.swap_caches]
+    swap_caches = [raw(cache) for cache in runner.swap_caches]  # an fp8 pool's bytes (no float8 index_copy_)
+    saved = [cache.index_select(0, index) for cache in swap_caches]
     seconds = []
     for _ in range(SWAP_PROBE_ROUNDS + 1):
         runner._sync()
@@ -315,6 +318,6 @@ def _measure_host_bandwidth(runner: ModelRunner) -> float:
         runner.swap_in(back)
         runner._sync()
         seconds.append(time.perf_counter() - start)
-    for cache, blocks in zip(runner.swap_caches, saved):
+    for cache, blocks in zip(swap_caches, saved):
         cache.index_copy_(0, index, blocks)
     return 2 * n * runner.kv_bytes_per_block / max(statistics.median(seconds[1:]), 1e-9)

@@ -17,6 +17,7 @@ from common.config import EngineConfig
 from common.models import resolve_model
 from common.plan_state import ScheduledSequence
 from common.protocol import StepPlan
+from kernels.kv_quant import kv_cache_dtype
 from worker.context import AttentionContext, attention_context
 from worker.cuda_graph import DecodeRunner, batch_size_buckets
 from worker.input_batch import InputBatch, StepTensors
@@ -69,6 +70,12 @@ TOKEN_COUNTS_BYTES = 2 * (4 + 4 + 1)
 GRAPH_OVERHEAD_BYTES = 16 << 20  # per captured graph, outside torch's allocator (its instantiated nodes): a bound
 
 
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+    """One block's K and V over every layer, in the cache's dtype (an fp8 cache: 1 byte an element)."""
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
 def kv_cache_budget(total: int, free: int, reserved: int, peak: int, utilization: float, extra: int = 0) -> int:
     """Bytes left for the KV pool on a device, from the memory seen after the profile run.
 
@@ -107,6 +114,7 @@ class ModelRunner:
         self.source = resolve_model(config.model, config.revision, config.download_dir)
         self.scheme = resolve_scheme(config.quantization, self.source, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.scheme)
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # the pools' (fp8, or the model's)
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed,
                                                 self.scheme)
         self.max_model_len = self.model.max_positions
@@ -114,14 +122,13 @@ class ModelRunner:
         self.block_size = config.block_size
         attn = self.model.attention_layers()[0]
         self.kv_shape = (2, self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_bytes_per_block = (
-            len(self.model.attention_layers()) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-            * torch.finfo(self.dtype).bits // 8
-        )
+        self.kv_bytes_per_block = kv_bytes_per_block(len(self.model.attention_layers()), self.block_size,
+                                                     attn.num_kv_heads, attn.head_dim, self.kv_cache_dtype)
         kernels.warmup(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                        block_size=self.block_size, dtype=self.dtype, device=self.device,
                        max_model_len=self.max_model_len,  # CUDA: nothing compiles while serving
-                       attention_variants={(a.sliding_window, a.logit_softcap) for a in self.model.attention_layers()})
+                       attention_variants={(a.sliding_window, a.logit_softcap) for a in self.model.attention_layers()},
+                       kv_cache_dtype=self.kv_cache_dtype)
         self.model.warmup_kernels()  # a family's own (the fused MoE's tiles)
         self.activation_bytes_per_token = 0.0  # measured by the profile run on CUDA
         self.prefill_tokens_per_s = self._profile_prefill()
@@ -177,7 +184,7 @@ class ModelRunner:
         caches = []
         for attn in self.model.attention_layers():
             # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-            attn.kv_cache = torch.zeros((num_blocks, *self.kv_shape), dtype=self.dtype, device=self.device)
+            attn.kv_cache = torch.zeros((num_blocks, *self.kv_shape), dtype=self.kv_cache_dtype, device=self.device)
             caches.append(attn.kv_cache)
         return caches
 
@@ -187,7 +194,7 @@ class ModelRunner:
         go through `self.swapper`, batched per layer (kernels/swap.py)."""
         pin = self.device.type == "cuda"
         caches = [
-            torch.empty((num_blocks, *self.kv_shape), dtype=self.dtype, device="cpu", pin_memory=pin)
+            torch.empty((num_blocks, *self.kv_shape), dtype=self.kv_cache_dtype, device="cpu", pin_memory=pin)
             for _ in self.model.attention_layers()
         ] if num_blocks else []
         self.swapper = kernels.BlockSwapper(self.kv_caches if caches else [], caches)
@@ -201,7 +208,7 @@ class ModelRunner:
         num_tokens = budget if self.device.type == "cuda" else min(budget, 256)  # CPU: just the rate
         blocks = -(-num_tokens // self.block_size) + 1
         for attn in self.model.attention_layers():
-            attn.kv_cache = torch.zeros((blocks, *self.kv_shape), dtype=self.dtype, device=self.device)
+            attn.kv_cache = torch.zeros((blocks, *self.kv_shape), dtype=self.kv_cache_dtype, device=self.device)
         row = ScheduledRow([0] * num_tokens, 0, num_tokens, list(range(1, blocks)))
         step = self.prepare_rows([row], [True])
         if self.device.type == "cuda":

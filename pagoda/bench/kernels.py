@@ -42,7 +42,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -181,6 +181,34 @@ def bench_shape(model: str, batch: int, context: int, block_size: int, dtype: to
     }
 
 
+def bench_fp8_kv(row: dict, block_size: int, dtype: torch.dtype, device: torch.device, copy_GBps: float) -> dict:
+    """The goal shape's decode over an fp8 KV cache (`--kv-cache-dtype fp8`, scales 1.0): the same
+    kernel's KV_FP8 variant, its bandwidth counted on its own bytes (1-byte K and V), beside the
+    full-precision row's time."""
+    import kernels
+
+    model, batch, context = row["model"], row["batch"], row["context"]
+    shape = ATTENTION_SHAPES[model]
+    num_heads, num_kv_heads, head_dim = shape
+    size = torch.finfo(dtype).bits // 8
+    nbytes = batch * head_dim * (2 * context * num_kv_heads + 2 * num_heads * size)  # K, V at 1 byte; Q, O
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    copies = min(max(math.ceil(4 * l2 / nbytes), 1), MAX_INPUT_COPIES)
+    gen = torch.Generator().manual_seed(batch * 100_003 + context)
+    inputs = []
+    for _ in range(copies):
+        x = decode_inputs(batch, context, shape, block_size, dtype, device, gen)
+        inputs.append(replace(x, kv_cache=x.kv_cache.to(torch.float8_e4m3fn)))
+    calls = [lambda x=x: kernels.paged_attention(x.query, x.kv_cache, x.block_tables, x.seq_lens, x.cu_seqlens_q,
+                                                  head_dim**-0.5, out=x.out, impl="triton", max_seqlen_k=context)
+             for x in inputs]
+    seconds = time_per_call(calls)
+    return {"model": model, "batch": batch, "context": context, "kv_cache_dtype": "float8_e4m3fn", "bytes": nbytes,
+            "time_us": seconds * 1e6, "bandwidth_GBps": nbytes / seconds / 1e9,
+            "fraction_of_copy_bandwidth": nbytes / seconds / 1e9 / copy_GBps,
+            "time_ratio_vs_full_precision": seconds / (row["pagoda"]["time_us"] / 1e6)}
+
+
 def goal_check(rows: list[dict]) -> dict | None:
     goal = (GOAL["model"], GOAL["batch"], GOAL["context"])
     row = next((r for r in rows if (r["model"], r["batch"], r["context"]) == goal), None)
@@ -220,11 +248,18 @@ def run(args) -> int:
                 rows.append(bench_shape(model, batch, context, args.block_size, dtype, device, copy["bandwidth_GBps"]))
                 _print_row(rows[-1])
                 torch.cuda.empty_cache()
+    goal = (GOAL["model"], GOAL["batch"], GOAL["context"])
+    fp8_rows = [bench_fp8_kv(r, args.block_size, dtype, device, copy["bandwidth_GBps"]) for r in rows
+                if (r["model"], r["batch"], r["context"]) == goal]
+    for r in fp8_rows:
+        print(f"{r['model']:>13} batch {r['batch']:>3} x {r['context']:>5}: fp8 KV {r['time_us']:7.1f} us "
+              f"{r['bandwidth_GBps']:7.0f} GB/s on its bytes ({r['fraction_of_copy_bandwidth']:.0%} of copy), "
+              f"{r['time_ratio_vs_full_precision']:.2f}x the {args.dtype} cache's time", file=sys.stderr, flush=True)
     result = {
         **header("kernels: paged decode attention", command_words("kernels", args), str(device)),
         "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
         "timer": "CUDA graph of repeated calls over inputs cycled past L2; median of replays, per call",
-        "copy": copy, "results": rows, "goal": goal_check(rows),
+        "copy": copy, "results": rows, "goal": goal_check(rows), "fp8_kv": fp8_rows,
     }
     write_result(result, args.output)
     print(json.dumps(result, indent=2))

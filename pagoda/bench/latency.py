@@ -184,6 +184,9 @@ def run(args) -> int:
 
     llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, quantization=args.quantization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
               enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
     try:
@@ -197,6 +200,7 @@ def run(args) -> int:
             "model": runner.source.name,
             "dtype": str(runner.dtype).removeprefix("torch."),
             "quantization": runner.scheme.describe() if runner.scheme else "none",
+            "kv_cache_dtype": args.kv_cache_dtype,
             "tensor_parallel_size": args.tensor_parallel_size,
             "async_scheduling": not args.no_async_scheduling,
             "enforce_eager": args.enforce_eager,

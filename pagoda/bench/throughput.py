@@ -87,6 +87,8 @@ def run(args) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, quantization=args.quantization,
               allocator=args.allocator,
+    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype, allocator=args.allocator,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size)
     requests = load_requests(args, int(llm.executor.runner.hf_config.vocab_size))
@@ -99,6 +101,7 @@ def run(args) -> int:
         "model": llm.executor.runner.source.name,
         "dtype": str(llm.executor.runner.dtype).removeprefix("torch."),
         "quantization": llm.executor.runner.scheme.describe() if llm.executor.runner.scheme else "none",
+        "kv_cache_dtype": args.kv_cache_dtype,
         "workload": {
             "name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed,
             "mean_prompt_tokens": sum(len(p) for p, _ in requests) / len(requests),

@@ -410,7 +410,11 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """Paged attention over this layer's KV cache: the step's K and V are written into their
     slots, then each query attends to its sequence's keys (and only to its last
-    `sliding_window`, with scores soft-capped at `logit_softcap`, where the layer says so)."""
+    `sliding_window`, with scores soft-capped at `logit_softcap`, where the layer says so).
+
+    An fp8 cache (`--kv-cache-dtype fp8`) holds K / k_scale and V / v_scale: one float each per
+    layer (vLLM's), 1.0 unless the checkpoint gives `...self_attn.{k_proj,attn}.k_scale` and
+    `v_scale` (`load_kv_scale`); a full-precision cache ignores them."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
@@ -420,13 +424,21 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window or None
         self.logit_softcap = logit_softcap or None
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        self.k_scale, self.v_scale = 1.0, 1.0
+
+    def load_kv_scale(self, which: str, tensor: torch.Tensor) -> None:
+        """A checkpoint's k_scale or v_scale: one positive value (per tensor, as vLLM's fp8 checkpoints)."""
+        if tensor.numel() != 1 or not float(tensor.reshape(()).float()) > 0:
+            raise ValueError(f"{which}: an fp8 KV scale is one positive float, the checkpoint holds {tensor.tolist()}")
+        setattr(self, which, float(tensor.reshape(()).float()))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim];
         returns [num_tokens, num_heads * head_dim]."""
         ctx = get_context()
-        kernels.write_kv(k, v, self.kv_cache, ctx.slot_mapping)
+        kernels.write_kv(k, v, self.kv_cache, ctx.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         o = kernels.paged_attention(q, self.kv_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale,
                                     step_cache=ctx.kernel_cache, max_seqlen_k=ctx.max_seqlen_k, kv_splits=ctx.kv_splits,
-                                    sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
+                                    sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+                                    k_scale=self.k_scale, v_scale=self.v_scale)
         return o.reshape(-1, self.num_heads * self.head_dim)

@@ -14,6 +14,7 @@ Layers pass the residual stream beside the hidden states, as vLLM's do:
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable
 
 import torch
@@ -248,6 +249,8 @@ class CausalLM(nn.Module):
             name = self.rename(name)
             if any(skip in name for skip in self.SKIPPED) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
+            if self.load_kv_scale(name, tensor):
+                continue
             name, shard_id = self.map_checkpoint_name(name)
             if name not in params:
                 raise ValueError(f"the checkpoint's {name} is no weight of {type(self).__name__}")
@@ -267,6 +270,16 @@ class CausalLM(nn.Module):
             self.logits_head = LogitsHead(head.weight, self.logits_method)
             self.logits_head.model_dtype = head.weight.dtype
             self.logits_method.process_weights_after_loading(self.logits_head)
+    # an fp8 KV cache's per-layer scales: vLLM's names (`k_proj.k_scale` in older checkpoints)
+    KV_SCALE = re.compile(r"(?P<attention>.+\.self_attn)\.(?:[kv]_proj\.|attn\.)?(?P<which>[kv]_scale)")
+
+    def load_kv_scale(self, name: str, tensor: CheckpointTensor) -> bool:
+        """Whether `name` is a layer's k_scale or v_scale, given to its Attention (kept as one float)."""
+        match = self.KV_SCALE.fullmatch(name)
+        if match is None:
+            return False
+        self.get_submodule(match["attention"]).attn.load_kv_scale(match["which"], tensor.load())
+        return True
 
     def warmup_kernels(self) -> None:
         """Compile, at start-up, the kernels a family runs beyond attention (CUDA): none here."""

@@ -131,7 +131,11 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
 
 
 def _max_scale_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
-    param.data.copy_(torch.maximum(param.data, loaded.load().float().reshape(1).to(param.device)))
+    """The largest of the fused parts' input scales (the parameter is uninitialized before the first)."""
+    value = loaded.load().float().reshape(1).to(param.device)
+    first = not getattr(param, "scale_loaded", False)
+    param.data.copy_(value if first else torch.maximum(param.data, value))
+    param.scale_loaded = True
 
 
 class Fp8Config(QuantizationConfig):
