@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda.bench.quality import DEFAULT_TEXT, agreement, greedy_prompts, read_text, windows
+from pagoda.bench.quality import DEFAULT_TEXT, agreement, greedy_prompts, read_text, table, windows
 from pagoda.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,3 +107,11 @@ def test_the_shipped_text_is_public_domain_and_long_enough():
     text = read_text(DEFAULT_TEXT)
     assert "#" not in text and len(text.encode()) < 60_000
     assert len(text.split()) > 4096  # words: the default model's tokenizer makes more tokens (8,410)
+
+
+def test_table_counts_prompts_even_when_none_is_identical():
+    row = {"scheme": "int4", "dtype": "bfloat16", "perplexity": 2.0, "perplexity_ratio": 1.01, "goal_max_ratio": 1.05,
+           "goal_met": True, "greedy_identical": 0, "greedy_identical_share": 0.0, "agreement": 0.25,
+           "prompt_tokens_per_s": 100.0, "output_tokens_per_s": 10.0}
+    assert table([row], 16).splitlines()[2] == ("| int4 | bfloat16 | 2.0000 | 1.0100 | <= 1.05 met | 0/16 | 0.250 | "
+                                                "100 | 10.0 |")

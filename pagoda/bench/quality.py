@@ -99,7 +99,8 @@ def token_nlls(llm, wins: list[Window]) -> list[float]:
     nlls = []
     for w, out in zip(wins, outs):
         entries = out.prompt_logprobs
-        if list(out.prompt_token_ids) != w.ids or entries is None or len(entries) != len(w.ids) or entries[0] is not None:
+        if (list(out.prompt_token_ids) != w.ids or entries is None or len(entries) != len(w.ids)
+                or entries[0] is not None):
             raise RuntimeError(f"window at token {w.start}: prompt logprobs do not match its {len(w.ids)} tokens")
         for token_id, entry in zip(w.ids[w.first_scored:], entries[w.first_scored:]):
             own = next(iter(entry))  # the prompt token's own entry comes first
@@ -189,7 +190,7 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], num_prompts: int) -> str:
     def f(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
@@ -197,10 +198,9 @@ def table(rows: list[dict]) -> str:
              "prompt tok/s | output tok/s |",
              "|---|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
-        goal = "-" if r["goal_max_ratio"] is None else (
-            f"<= {r['goal_max_ratio']:.2f}" + ("" if r["goal_met"] is None else (" met" if r["goal_met"] else " MISSED")))
-        identical = "-" if r["greedy_identical"] is None else \
-            f"{r['greedy_identical']}/{round(r['greedy_identical'] / r['greedy_identical_share']) if r['greedy_identical_share'] else '?'}"
+        met = "" if r["goal_met"] is None else (" met" if r["goal_met"] else " MISSED")
+        goal = "-" if r["goal_max_ratio"] is None else f"<= {r['goal_max_ratio']:.2f}{met}"
+        identical = "-" if r["greedy_identical"] is None else f"{r['greedy_identical']}/{num_prompts}"
         lines.append(f"| {r['scheme']} | {r['dtype']} | {r['perplexity']:.4f} | {f(r['perplexity_ratio'], '.4f')} | "
                      f"{goal} | {identical} | {f(r['agreement'], '.3f')} | {r['prompt_tokens_per_s']:.0f} | "
                      f"{r['output_tokens_per_s']:.1f} |")
@@ -254,7 +254,7 @@ def run(args) -> int:
         result["rows"] = with_ratios([rows[s] for s in schemes if s in rows])
         result["scored_tokens"] = row["scored_tokens"]
         write_result(result, args.output)  # after each scheme: a run cut short keeps what it measured
-    print(table(result["rows"]))
+    print(table(result["rows"], len(prompts)))
     return 0
 
 
