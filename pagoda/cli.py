@@ -311,6 +311,35 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                         "by kernel kind, idle gaps, roofline (CUDA); host time by part (CPU)"))
     _add_bench_publish(benches.add_parser(
         "publish", help="cost of publishing the memory page's snapshot against the scheduler's step (CPU, no model)"))
+    _add_bench_quality(benches.add_parser(
+        "quality", help="accuracy of each --quantization scheme: perplexity on a fixed text through prompt logprobs, "
+                        "greedy agreement with full precision"))
+
+
+def _add_bench_quality(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--model", default="default", help="as for generate (a model with a tokenizer)")
+    q.add_argument("--schemes", default="none,int4,int8,fp8",
+                   help="--quantization schemes, comma-separated, one row each (none's greedy outputs are the reference)")
+    q.add_argument("--text", help="the text scored, lines beginning with '#' skipped (default: "
+                                  "benchmarks/data/alice-in-wonderland-ch1-3.txt, public domain)")
+    q.add_argument("--window", type=int, default=512, help="tokens of each scored window")
+    q.add_argument("--stride", type=int, default=None, help="tokens between windows' starts (default: the window)")
+    q.add_argument("--num-windows", type=int, default=8, help="windows scored, from the text's start (0: all that fit)")
+    q.add_argument("--num-prompts", type=int, default=16, help="greedy prompts, evenly spaced over the scored text")
+    q.add_argument("--prompt-len", type=int, default=32, help="tokens of each greedy prompt")
+    q.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt (EOS ignored)")
+    q.add_argument("--device", default="auto")
+    q.add_argument("--dtype", default="auto", choices=DTYPES, help="activations (auto: each scheme's own)")
+    q.add_argument("--max-num-seqs", type=int, default=128)
+    q.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    q.add_argument("--output", help="write the result JSON here")
+    q.set_defaults(handler=_bench_quality)
+
+
+def _bench_quality(args) -> int:
+    from pagoda.bench.quality import run
+
+    return run(args)
 
 
 def _bench_kernels(args) -> int:

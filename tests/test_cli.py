@@ -308,7 +308,7 @@ def test_up_refuses_a_bad_config_before_it_starts_anything(capsys):
 
 
 @pytest.mark.parametrize("command", [*sorted(COMMANDS), "bench", "bench kernels", "bench memory", "bench throughput",
-                                     "bench serve"])
+                                     "bench serve", "bench quality"])
 def test_help_works_for_every_subcommand(command, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main([*command.split(), "--help"])
