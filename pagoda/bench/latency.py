@@ -183,8 +183,6 @@ def run(args) -> int:
     from pagoda.offline import LLM
 
     llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,

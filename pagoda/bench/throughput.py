@@ -86,8 +86,6 @@ def run(args) -> int:
 
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              allocator=args.allocator,
-    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, allocator=args.allocator,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size)
