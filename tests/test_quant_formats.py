@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from common.protocol import SamplingParams
 from pagoda.offline import LLM
 from tests import families
-from tests.triton_env import DEVICE, DTYPES, triton_test, tolerance
+from tests.triton_env import DEVICE, DTYPES, INTERPRET, tolerance, triton_test
 from worker.quantization import UnsupportedQuantization, resolve_quantization
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -353,3 +353,36 @@ def test_a_quantized_moe_checkpoint_and_another_formats_flag_are_refused():
     with pytest.raises(UnsupportedQuantization, match="quantized \\(gptq\\): --quantization awq cannot run it"):
         resolve_quantization("awq", _config(qc), "hf", "cpu")
     assert resolve_quantization("gptq", _config(qc), "hf", "cpu").name == "gptq"
+
+
+def _compile_int4_for_sm90() -> list[str]:
+    """The int4 GEMM compiled for sm_90 (Triton's own ptxas) at each tile size `tiles` picks, bf16
+    and fp16 activations. Run with TRITON_INTERPRET unset."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_int4
+
+    fn = triton_int4._int4_gemm
+    done = []
+    for dtype in ("bf16", "fp16"):
+        for m in (1, 32, 256):
+            block_m, block_n, block_k, warps = triton_int4.tiles(m)
+            consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32")
+            types = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": f"*{dtype}",
+                     "g_ptr": "*i32", "out_ptr": "*fp32"}
+            sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
+            kernel = triton.compile(ASTSource(fn, sig, consts, aligned), target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": warps, "num_stages": 2})
+            assert kernel.metadata.shared <= 227 * 1024
+            done.append(f"{dtype} m={m}")
+    return done
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the kernel is compiled for the device itself")
+def test_the_int4_gemm_compiles_for_hopper_without_a_gpu():
+    from tests.triton_env import count_compiled_for_sm90
+
+    assert count_compiled_for_sm90("tests.test_quant_formats", "_compile_int4_for_sm90") == 6

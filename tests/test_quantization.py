@@ -225,3 +225,25 @@ def test_a_bad_quantization_is_refused_by_name(tiny, capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--model", str(tiny[0]), "--prompt", "w5", "--quantization", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_greedy_agreement_with_full_precision_is_what_was_measured(tiny):
+    """Each scheme against the unquantized model on the tiny Llama (8 prompts, 16 tokens, EOS
+    ignored): prompts whose outputs are identical and the mean share of tokens before the first
+    difference, as measured when the schemes landed (deterministic in float32; docs/quantization.md
+    gives the default model's, from `pagoda bench quality`)."""
+    prompts = [{"prompt_token_ids": ids} for ids in families.prompts()]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = {}
+    for scheme in ("none", "int4", "int8", "fp8"):
+        llm = LLM(str(tiny[0]), device="cpu", dtype="float32", quantization=scheme, skip_tokenizer_init=True,
+                  block_size=8, num_gpu_blocks=64)
+        outputs[scheme] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    def agreement(scheme: str) -> tuple[int, float]:
+        pairs = list(zip(outputs[scheme], outputs["none"]))
+        prefix = [next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), 16) / 16 for mine, theirs in pairs]
+        return sum(mine == theirs for mine, theirs in pairs), sum(prefix) / len(prefix)
+
+    assert {scheme: agreement(scheme) for scheme in ("int4", "int8", "fp8")} == {
+        "int4": (3, 0.625), "int8": (5, 0.7265625), "fp8": (5, 0.8203125)}
