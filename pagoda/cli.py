@@ -330,6 +330,7 @@ def _add_bench_quality(q: argparse.ArgumentParser) -> None:
     q.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt (EOS ignored)")
     q.add_argument("--device", default="auto")
     q.add_argument("--dtype", default="auto", choices=DTYPES, help="activations (auto: each scheme's own)")
+    q.add_argument("--kv-cache-dtype", default="auto", help="every scheme's KV cache: auto or fp8 (compare two runs)")
     q.add_argument("--max-num-seqs", type=int, default=128)
     q.add_argument("--max-num-batched-tokens", type=int, default=2048)
     q.add_argument("--output", help="write the result JSON here")

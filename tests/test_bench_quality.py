@@ -19,7 +19,7 @@ TOKENIZER = ROOT / "tests" / "data" / "tiny-tokenizer"
 # 150 words w4..w511 (the tiny tokenizer's ids 4..511, one token each): 3 windows of 48 every 40 (overlapping)
 TEXT_IDS = torch.randint(4, 512, (150,), generator=torch.Generator().manual_seed(0)).tolist()
 WINDOW, STRIDE, NUM_WINDOWS = 48, 40, 3
-ROW_FIELDS = ["scheme", "quantization", "dtype", "mean_nll", "perplexity", "perplexity_ratio", "scored_tokens",
+ROW_FIELDS = ["scheme", "quantization", "dtype", "kv_cache_dtype", "mean_nll", "perplexity", "perplexity_ratio", "scored_tokens",
               "greedy_identical", "greedy_identical_share", "agreement", "goal_max_ratio", "goal_met", "load_s",
               "score_s", "prompt_tokens_per_s", "generate_s", "output_tokens_per_s"]
 

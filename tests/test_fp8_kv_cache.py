@@ -306,3 +306,21 @@ def test_metrics_name_the_cache_dtype_in_cache_config_info():
     assert {(s.labels["engine"], s.labels["cache_dtype"], s.labels["kv_bytes_per_block"], s.labels["num_cpu_blocks"],
              s.value) for s in family.samples} == {("0", "float8_e4m3fn", "2048", "256", 1.0),
                                                     ("1", "bfloat16", "4096", "0", 1.0)}
+
+
+def test_a_tensor_parallel_group_of_two_over_an_fp8_cache_generates_what_one_rank_does(llama_dir, monkeypatch):
+    """Each rank's pool holds its KV heads in fp8 (with the checkpoint's scales): the group's
+    greedy tokens are one rank's."""
+    from pagoda.offline import LLM
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    prompts, params = families.prompts()[:4], SamplingParams(temperature=0, max_tokens=10)
+    tokens = []
+    for size in (1, 2):
+        llm = LLM(str(llama_dir), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=64,
+                  kv_cache_dtype="fp8", tensor_parallel_size=size)
+        try:
+            tokens.append([r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.close()
+    assert tokens[0] == tokens[1]

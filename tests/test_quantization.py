@@ -247,3 +247,22 @@ def test_greedy_agreement_with_full_precision_is_what_was_measured(tiny):
 
     assert {scheme: agreement(scheme) for scheme in ("int4", "int8", "fp8")} == {
         "int4": (3, 0.625), "int8": (5, 0.7265625), "fp8": (5, 0.8203125)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU of compute capability >= 8.9 (torch._scaled_mm in fp8)")
+def test_the_fp8_gemm_on_a_gpu_is_its_emulation():
+    """torch._scaled_mm with row-wise scales against the emulated arithmetic (quantize,
+    dequantize, matmul in float32), Llama-3.1-8B's q/k/v shape at batch 1, 16 and 256."""
+    torch.manual_seed(0)
+    layer = _Layer(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
+    layer.input_size, layer.output_size, layer.model_dtype = 4096, 6144, torch.bfloat16
+    method = fp8.Fp8LinearMethod()
+    method.process_weights_after_loading(layer)
+    assert layer.use_scaled_mm
+    for rows in (1, 16, 256):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        q, scale = fp8.quantize_activations(x)
+        emulated = (q.float() * scale) @ (layer.qweight.float() * layer.weight_scale[:, None]).T
+        torch.testing.assert_close(method.apply(layer, x, None).float(), emulated, atol=2e-2, rtol=2e-2)

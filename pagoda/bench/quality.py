@@ -28,7 +28,7 @@ The result JSON (`--output`): benchmark, command, commit, date, device (as every
 them), model, text {path, sha256, tokens, tokenizer}, window, stride, num_windows, scored_tokens,
 greedy {num_prompts, prompt_len, max_tokens}, goals (the issue's: perplexity within 5% of full
 precision for int4 and int8, 2% for fp8), and rows: one per scheme, in `--schemes` order, with
-scheme, quantization, dtype, mean_nll, perplexity, perplexity_ratio (to none's; null without a none
+scheme, quantization, dtype, kv_cache_dtype, mean_nll, perplexity, perplexity_ratio (to none's; null without a none
 row), scored_tokens, greedy_identical (prompts), greedy_identical_share, agreement,
 goal_max_ratio and goal_met (null for a scheme without a goal), load_s, score_s,
 prompt_tokens_per_s, generate_s, output_tokens_per_s.
@@ -138,6 +138,7 @@ def load(args, scheme: str):
     from pagoda.offline import LLM
 
     return LLM(args.model, device=args.device, dtype=args.dtype, quantization=scheme,
+               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=False)
 
@@ -163,6 +164,7 @@ def measure(args, scheme: str, wins: list[Window], prompts: list[list[int]],
             "scheme": scheme,
             "quantization": runner.scheme.describe() if runner.scheme is not None else "none",
             "dtype": str(runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(runner.kv_cache_dtype).removeprefix("torch."),
             "mean_nll": math.fsum(nlls) / len(nlls), "perplexity": perplexity(nlls), "perplexity_ratio": None,
             "scored_tokens": len(nlls),
             **(agreement(outputs, reference) if reference is not None else
