@@ -34,7 +34,7 @@ def _run_loop(monkeypatch, plans, on_launch):
             self.in_flight = []
 
         def hello(self):
-            return SimpleNamespace(num_gpu_blocks=1, device="cpu")
+            return SimpleNamespace(num_gpu_blocks=1, device="cpu", quantization="none")
 
         def form_group(self, epoch):
             pass
