@@ -18,7 +18,7 @@ class ModelInfo:
     sliding_window: bool = False  # some or all layers attend to a window of keys
     moe: bool = False
     tensor_parallel: bool = True
-    quantization: tuple[str, ...] = ()  # formats beyond full precision (none yet)
+    quantization: tuple[str, ...] = ("fp8", "int4", "int8", "awq", "gptq", "compressed-tensors")  # beyond none
     notes: str = ""
     text_only: bool = False  # a multimodal checkpoint served for text: the model is its text_config's
 
@@ -26,6 +26,10 @@ class ModelInfo:
     def class_name(self) -> str:
         return self.architecture
 
+
+# the MoE families: the on-the-fly schemes quantize their attention (the experts keep full
+# precision); quantized MoE checkpoints are refused
+MOE_QUANTIZATION = ("fp8", "int4", "int8")
 
 MODELS: tuple[ModelInfo, ...] = (
     ModelInfo("LlamaForCausalLM", "llama", "llama", "meta-llama/Llama-3.1-8B-Instruct",
@@ -43,10 +47,11 @@ MODELS: tuple[ModelInfo, ...] = (
     ModelInfo("Phi3ForCausalLM", "phi3", "llama", "microsoft/Phi-4-mini-instruct", sliding_window=True,
               notes="Phi-3, Phi-3.5, Phi-4(-mini); LongRoPE"),
     ModelInfo("MixtralForCausalLM", "mixtral", "moe", "mistralai/Mixtral-8x7B-Instruct-v0.1", sliding_window=True,
-              moe=True),
+              moe=True, quantization=MOE_QUANTIZATION),
     ModelInfo("Qwen2MoeForCausalLM", "qwen2_moe", "moe", "Qwen/Qwen1.5-MoE-A2.7B-Chat", sliding_window=True, moe=True,
-              notes="with its shared expert"),
-    ModelInfo("Qwen3MoeForCausalLM", "qwen3_moe", "moe", "Qwen/Qwen3-30B-A3B", sliding_window=True, moe=True),
+              quantization=MOE_QUANTIZATION, notes="with its shared expert"),
+    ModelInfo("Qwen3MoeForCausalLM", "qwen3_moe", "moe", "Qwen/Qwen3-30B-A3B", sliding_window=True, moe=True,
+              quantization=MOE_QUANTIZATION),
 )
 _BY_ARCHITECTURE = {info.architecture: info for info in MODELS}
 _BY_MODEL_TYPE = {info.model_type: info for info in MODELS}
