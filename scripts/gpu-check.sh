@@ -62,7 +62,8 @@ ENGINE=(--device cuda --dtype bfloat16 --max-num-seqs 256 --max-num-batched-toke
 
 TESTS=${GPU_CHECK_TESTS:-tests/test_kernels_triton.py tests/test_kernels_fused.py tests/test_kernels_swap.py \
   tests/test_kernels_tuning.py tests/test_kernels_moe.py tests/test_input_batch.py tests/test_sampler.py \
-  tests/test_tensor_parallel.py tests/test_models_gpu.py tests/test_token_feed.py tests/test_bench_profile.py}
+  tests/test_tensor_parallel.py tests/test_models_gpu.py tests/test_token_feed.py tests/test_bench_profile.py \
+  tests/test_quantization.py tests/test_quant_formats.py tests/test_fp8_kv_cache.py}
 step tests 150 $PY -m pytest -q -n 8 -m gpu -p no:cacheprovider $TESTS
 step kernels 45 $PY -m pagoda.cli bench kernels --output "$prefix-kernels.json"
 step kernels-moe 60 $PY -m pagoda.cli bench kernels --moe --output "$prefix-kernels-moe.json"
@@ -78,6 +79,12 @@ if has_bench profile; then
     --context-len 1024 --output "$prefix-profile.json"
 fi
 step step 60 $PY -m pagoda.cli bench step --device cuda --batch-sizes 64,256 --output "$prefix-step.json"
+# [quantization]: the int4 GEMM, the FP8 decode step against bf16's at batch 1, an fp8 KV cache's capacity
+step kernels-int4 45 $PY -m pagoda.cli bench kernels --int4 --output "$prefix-kernels-int4.json"
+step latency-fp8 90 $PY -m pagoda.cli bench latency --model $MODEL --device cuda --dtype bfloat16 --quantization fp8 \
+  --batch-sizes 1,64 --input-len 1024 --output-len 128 --output "$prefix-latency-fp8.json"
+step latency-fp8-kv 90 $PY -m pagoda.cli bench latency --model $MODEL --device cuda --dtype bfloat16 \
+  --kv-cache-dtype fp8 --batch-sizes 1,64 --input-len 1024 --output-len 128 --output "$prefix-latency-fp8-kv.json"
 
 step throughput-384 60 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 384 \
   --max-output-len 128 --ignore-eos --seed 0 --skip-baseline --output "$prefix-throughput-384.json"
