@@ -18,6 +18,8 @@ GENERATION_CONFIGS = ("auto", "vllm")
 # --quantization (worker/quantization): the checkpoint's own format or none (auto), full precision
 # (none), quantized as it loads (fp8, int4, int8), or a checkpoint format named
 QUANTIZATIONS = ("auto", "none", "fp8", "int4", "int8", "awq", "gptq", "compressed-tensors")
+# PAGODA_QUANTIZATION: the default when no flag says (read once, at import; the test suite sets none)
+DEFAULT_QUANTIZATION = os.environ.get("PAGODA_QUANTIZATION") or "auto"
 QUANTIZATION_HELP = ("auto: the checkpoint's format if it is quantized (fp8, compressed-tensors, ...), int4 for a "
                      "GGUF on the CPU (the default model's own width), else none; none: full precision (the "
                      "transformers parity guard); fp8: W8A8 quantized as it loads; int4, int8: weight-only, "
@@ -52,7 +54,7 @@ class EngineConfig:
     dtype: str = option("auto", "--dtype", "auto: float32 on CPU (bfloat16 under int4/int8), bfloat16 on CUDA",
                         choices=DTYPES)
     # PAGODA_QUANTIZATION: the default when no flag says (the test suite sets none: the parity guard)
-    quantization: str = option(os.environ.get("PAGODA_QUANTIZATION") or "auto", "--quantization", QUANTIZATION_HELP,
+    quantization: str = option(DEFAULT_QUANTIZATION, "--quantization", QUANTIZATION_HELP,
                                choices=QUANTIZATIONS)
     # no argparse choices: a bad value is the config's own ConfigError, as from LLM(kv_cache_dtype=...)
     kv_cache_dtype: str = option("auto", "--kv-cache-dtype",
@@ -92,7 +94,8 @@ class EngineConfig:
         )
         _check(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}")
         _check(self.quantization in QUANTIZATIONS,
-               f"unknown quantization {self.quantization!r} (one of {', '.join(QUANTIZATIONS)})")
+               f"unknown quantization {self.quantization!r} (one of {', '.join(QUANTIZATIONS)}; "
+               "PAGODA_QUANTIZATION, where set, is the default)")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from common.cli_args import add_config_args, config_from_args
 from common.config import (
-    ALLOCATORS, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS, ConfigError, EngineConfig, GatewayConfig, ServingConfig,
+    ALLOCATORS, DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS, ConfigError, EngineConfig,
+    GatewayConfig, ServingConfig,
 )
 from common.protocol import InvalidParamError
 from pagoda.commands import EXIT_CONFIG_ERROR, SCHEDULER_EXCLUDES, UP_EXCLUDES, WORKER_EXCLUDES
@@ -385,7 +386,8 @@ def _add_bench_throughput(t: argparse.ArgumentParser) -> None:
     t.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
     t.add_argument("--device", default="auto")
     t.add_argument("--dtype", default="auto", choices=DTYPES)
-    t.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    t.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
+                   help=QUANTIZATION_HELP)
     t.add_argument("--kv-cache-dtype", default="auto", help="as for generate: auto, fp8 or fp8_e4m3")
     t.add_argument("--num-prompts", type=int, default=64, help="ShareGPT requests")
     t.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
@@ -408,7 +410,8 @@ def _add_bench_latency(t: argparse.ArgumentParser) -> None:
     t.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
     t.add_argument("--device", default="auto")
     t.add_argument("--dtype", default="auto", choices=DTYPES)
-    t.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    t.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
+                   help=QUANTIZATION_HELP)
     t.add_argument("--kv-cache-dtype", default="auto", help="as for generate: auto, fp8 or fp8_e4m3")
     t.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request (random ids)")
     t.add_argument("--output-len", type=int, default=128, help="output tokens of every request (EOS ignored)")
@@ -479,7 +482,8 @@ def _add_bench_profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the device timeline needs CUDA)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    p.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
+                   help=QUANTIZATION_HELP)
     p.add_argument("--batch-size", type=int, default=256, help="sequences decoding together")
     p.add_argument("--context-len", type=int, default=1024, help="prompt tokens of each sequence")
     p.add_argument("--steps", type=int, default=20, help="decode steps profiled")

@@ -26,7 +26,7 @@ def test_result_has_the_common_header_and_one_row_per_batch_size(result):
     assert list(result)[:5] == ["benchmark", "command", "commit", "date", "device"]
     assert result["benchmark"] == "latency"
     assert result["command"].startswith(f"pagoda bench latency --model dummy:{TINY} --device cpu --dtype auto "
-                                        "--quantization auto --kv-cache-dtype auto --input-len 8 --output-len 4 --batch-sizes 1,3 --num-iters 2 "
+                                        "--quantization none --kv-cache-dtype auto --input-len 8 --output-len 4 --batch-sizes 1,3 --num-iters 2 "
                                         "--num-iters-warmup 1 ")
     assert "--batch-size " not in result["command"]  # the command repeats: the two flags exclude each other
     assert (result["dtype"], result["async_scheduling"], result["num_iters"], result["num_iters_warmup"]) == (

@@ -182,7 +182,7 @@ def test_cpu_run_through_the_cli_writes_the_result_and_a_chrome_trace(tmp_path, 
     result = json.loads(out.read_text())
     assert list(result)[:5] == HEADER and result["benchmark"] == "profile"
     assert result["command"].startswith(f"pagoda bench profile --model dummy:{TINY} --device cpu --dtype auto "
-                                        "--quantization auto --batch-size 3 --context-len 24 --steps 3 --warmup-steps 1 ")
+                                        "--quantization none --batch-size 3 --context-len 24 --steps 3 --warmup-steps 1 ")
     assert (result["batch"], result["context"], result["steps"], result["decode_tokens"]) == (3, 24, 3, 9)
     assert result["engine"]["num_gpu_blocks"] == 64 and result["engine"]["max_num_seqs"] == 3
     assert result["engine"]["cuda_graphs"] is False

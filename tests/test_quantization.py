@@ -189,6 +189,18 @@ def test_the_cpu_packed_kernels_agree_with_the_dequantized_weight_in_bfloat16(me
     assert torch.equal(method.apply(layer, many, None), nn.functional.linear(many, layer.weight))
 
 
+def test_a_shape_the_cpu_int4_kernel_does_not_take_serves_the_dequantized_weight():
+    """torch's packing wants N a multiple of 16 and a group of 32-256: 24 outputs, or 48 inputs
+    (one group of the whole row), keep no packed weight and run the dense one at every step."""
+    torch.manual_seed(0)
+    for shape in ((24, 64), (32, 48)):
+        layer = _Layer(torch.randn(*shape, dtype=torch.bfloat16))
+        Int4LinearMethod().process_weights_after_loading(layer)
+        assert layer.packed is None
+        x = torch.randn(2, shape[1], dtype=torch.bfloat16)
+        assert torch.equal(Int4LinearMethod().apply(layer, x, None), nn.functional.linear(x, layer.weight))
+
+
 def test_int4_requantizes_a_q4_1_block_to_itself():
     """A GGUF Q4_1 block (m + d * q, q spanning 0..15), dequantized by the conversion, is served
     with its own q, d and m: the re-quantized weight equals it exactly."""
@@ -207,6 +219,8 @@ def test_int4_requantizes_a_q4_1_block_to_itself():
 def test_auto_is_the_checkpoints_format_and_int4_for_the_default_gguf_on_the_cpu():
     plain = type("Config", (), {})()
     assert resolve_quantization("auto", plain, "gguf", "cpu").name == "int4"
+    assert resolve_quantization("auto", plain, "gguf", "cpu", gguf_bits=8).name == "int8"  # a Q8_0 GGUF
+    assert resolve_quantization("auto", plain, "gguf", "cpu", gguf_bits=None) is None  # an F16 one
     assert resolve_quantization("auto", plain, "gguf", "cuda") is None
     assert resolve_quantization("auto", plain, "hf", "cpu") is None
     assert resolve_quantization("none", plain, "gguf", "cpu") is None

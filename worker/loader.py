@@ -27,7 +27,8 @@ from worker.models import model_class, text_only_config
 from worker.models.weights import in_memory, iter_safetensors
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 from worker.quantization import (
-    QuantizationConfig, building, cast_model, process_weights_after_loading, resolve_quantization, to_empty,
+    QuantizationConfig, building, cast_model, gguf_weight_bits, process_weights_after_loading, resolve_quantization,
+    to_empty,
 )
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,20 @@ def load_model(
 
 def resolve_scheme(flag: str, source: ModelSource, device: torch.device) -> QuantizationConfig | None:
     """The quantization scheme `--quantization flag` gives this model on `device`."""
-    return resolve_quantization(flag, load_config(source), source.kind, device.type)
+    bits = _gguf_bits(source) if source.kind == "gguf" and flag == "auto" else None
+    return resolve_quantization(flag, load_config(source), source.kind, device.type, bits)
+
+
+def _gguf_bits(source: ModelSource) -> int | None:
+    """`gguf_weight_bits` of the file, kept beside its converted directory (reading it takes seconds)."""
+    cached = hf_directory(source) / "pagoda-gguf-weight-bits.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())["bits"]
+    bits = gguf_weight_bits(source.path)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"bits": bits}))
+    os.replace(tmp, cached)
+    return bits
 
 
 def check_supported(config: PretrainedConfig) -> None:

@@ -81,6 +81,22 @@ PACKED_FORMATS: dict[str, Callable[[dict, dict], QuantizationConfig]] = {
 ON_THE_FLY = {"fp8": Fp8Config, "int4": lambda: WeightOnlyConfig("int4"), "int8": lambda: WeightOnlyConfig("int8")}
 
 
+def gguf_weight_bits(path) -> int | None:
+    """4 or 8 when most of a GGUF file's 2-D weights are 4-bit (Q4_*, Q5_*, IQ4_*, Q4_K...) or 8-bit
+    (Q8_*, Q6_K) quantized; None for a full-precision one (F32, F16, BF16)."""
+    import collections
+
+    import gguf
+
+    widths = collections.Counter()
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if len(tensor.shape) == 2 and tensor.name.startswith("blk."):
+            name = tensor.tensor_type.name
+            widths[4 if name.startswith(("Q4", "Q5", "IQ4", "Q3", "Q2", "IQ3", "IQ2")) else
+                   8 if name.startswith(("Q8", "Q6")) else None] += 1
+    return widths.most_common(1)[0][0] if widths else None
+
+
 def checkpoint_quantization(hf_config) -> dict | None:
     """The checkpoint's quantization_config as a dict (None: full precision, or a GGUF's, which
     the conversion dequantizes)."""
@@ -91,8 +107,10 @@ def checkpoint_quantization(hf_config) -> dict | None:
     return None if str(qc.get("quant_method")) == "gguf" else qc
 
 
-def resolve_quantization(flag: str, hf_config, source_kind: str, device_type: str) -> QuantizationConfig | None:
-    """The scheme a model runs (None: full precision), or a clear error."""
+def resolve_quantization(flag: str, hf_config, source_kind: str, device_type: str,
+                         gguf_bits: int | None = 4) -> QuantizationConfig | None:
+    """The scheme a model runs (None: full precision), or a clear error. `gguf_bits`: the width
+    of a GGUF's linear weights (`gguf_weight_bits`), what `auto` keeps on the CPU."""
     qc = checkpoint_quantization(hf_config)
     if qc is not None:
         method = str(qc.get("quant_method"))
@@ -110,7 +128,9 @@ def resolve_quantization(flag: str, hf_config, source_kind: str, device_type: st
                                           "not supported: their experts are not linear layers here")
         return scheme
     if flag == "auto":
-        return WeightOnlyConfig("int4") if source_kind == "gguf" and device_type == "cpu" else None
+        if source_kind == "gguf" and device_type == "cpu" and gguf_bits in (4, 8):
+            return WeightOnlyConfig(f"int{gguf_bits}")
+        return None
     if flag == "none":
         return None
     if flag in ON_THE_FLY:

@@ -39,7 +39,7 @@ def quantize_activations(x: torch.Tensor, static_scale: torch.Tensor | None = No
     if static_scale is None:
         scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
     else:
-        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        scale = static_scale.float().reshape(1, 1).repeat(x.shape[0], 1)  # _scaled_mm wants it contiguous
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -112,7 +112,9 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
             layer.weight_scale = frozen(scale)
         layer.qweight = qweight
         shapes_ok = layer.input_size % 16 == 0 and layer.output_size % 16 == 0
-        layer.use_scaled_mm = scaled_mm_supported(qweight.device) and shapes_ok
+        # row-wise scaling writes bf16 or fp16; a float32 model (and odd shapes) emulates
+        layer.use_scaled_mm = scaled_mm_supported(qweight.device) and shapes_ok and dtype in (torch.bfloat16,
+                                                                                               torch.float16)
         # emulation multiplies by the dequantized weight (in the model's dtype)
         weight = qweight if layer.use_scaled_mm else (qweight.float() * scale[:, None]).to(dtype)
         layer.weight = frozen(weight)
@@ -143,6 +145,7 @@ class Fp8Config(QuantizationConfig):
 
     def __init__(self, serialized: bool = False, static: bool = False, source: str = "--quantization fp8") -> None:
         self.serialized, self.static, self.source = serialized, static, source
+        self.supports_moe = not serialized  # a checkpoint's fp8 experts are not linear layers here
 
     def linear_method(self, layer: nn.Module) -> LinearMethod:
         from worker.models.layers import ReplicatedLinear

@@ -67,9 +67,13 @@ def int4_packed_mm(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], g
     return torch._weight_int4pack_mm_for_cpu(x, weight, group_size, scales_and_zeros)
 
 
+CPU_INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
+
+
 def int4_packable(n: int, k: int, group_size: int) -> bool:
-    """Whether torch's CPU int4 kernels take the shape (its packing wants N a multiple of 16)."""
-    return n % 16 == 0 and k % 2 == 0 and k % group_size == 0
+    """Whether torch's CPU int4 kernels take the shape (its packing wants N a multiple of 16, its
+    GEMM a group size of 32, 64, 128 or 256); elsewhere the dequantized weight serves every step."""
+    return n % 16 == 0 and k % 2 == 0 and k % group_size == 0 and group_size in CPU_INT4_GROUP_SIZES
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +120,8 @@ class Int4LinearMethod(_WeightOnlyMethod):
     def quantize(self, layer: nn.Module, weight: torch.Tensor):
         layer.group_size = int4_group_size(weight.shape[1], self.group_size)
         q, scales, zeros = quantize_int4(weight, layer.group_size)
-        packed = pack_int4_for_cpu(q, scales, zeros) if _packed_kernels(weight) else None
+        packable = _packed_kernels(weight) and int4_packable(*weight.shape, layer.group_size)
+        packed = pack_int4_for_cpu(q, scales, zeros) if packable else None
         return dequantize_int4(q, scales, zeros, weight.dtype), packed
 
     def packed_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
