@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from common.lifetime import die_with_parent
 
 
 def redis_server_binary() -> str:
@@ -29,12 +32,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def stable_port(host: str = "127.0.0.1", attempts: int = 100) -> int:
+    """A free port below the ephemeral range: one a server can stop and start again on. An ephemeral
+    port, free while its server is down, can be taken by any outgoing connection meanwhile, even by a
+    client's reconnect to that very port (a TCP self-connect), and the restart then fails to bind."""
+    low, _ = _ephemeral_port_range()
+    for _ in range(attempts):
+        port = random.randint(max(1024, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return free_port(host)
+
+
 class RedisServer:
     """Start with `start()`, stop with `stop()`; `url` is what clients connect to."""
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", die_with_parent: bool = False) -> None:
         self.host = host
-        self.port = port or free_port(host)
+        self.die_with_parent = die_with_parent  # SIGKILLed when the process that started it dies
+        self.port = port or stable_port(host)
         self.dir = tempfile.mkdtemp(prefix="pagoda-redis-")
         self.process: subprocess.Popen | None = None
 
@@ -47,7 +75,8 @@ class RedisServer:
                 "--appendonly", "no", "--dir", self.dir, "--protected-mode", "yes"]
         os.makedirs(self.dir, exist_ok=True)  # a restart after stop()
         # own session: a Ctrl-C to the terminal reaches `pagoda up`, which stops Redis last
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=die_with_parent() if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -44,6 +44,7 @@ READ_BLOCK_MS = 1000
 READ_COUNT = 512
 TRIM_INTERVAL_S = 1.0
 MAX_BACKOFF_S = 2.0
+CLOSE_TIMEOUT_S = 3.0  # close() never waits longer on the reader or the pool, whatever Redis is doing
 MEMORY_READ_INTERVAL_S = 0.25  # the dashboard's snapshots are read from Redis at most this often
 MEMORY_WATCH_INTERVAL_S = 2.0  # streams.MEMORY_WATCH is set at most this often while they are read
 FIRST_SNAPSHOT_WAIT_S = 1.5  # a watch just begun: the schedulers see it with their status (every 0.5 s), then publish
@@ -132,8 +133,12 @@ def _abort_fields(request_id: str, index: int | None) -> dict[bytes, bytes]:
 
 class EngineClient:
     def __init__(self, redis_url: str, gateway_id: str, restart_grace_s: float = 3.0) -> None:
-        # retry_on_error: after a Redis restart each pooled connection fails once; reconnect and retry
-        self.redis = aioredis.from_url(redis_url, socket_connect_timeout=2.0, health_check_interval=30,
+        # retry_on_error: after a Redis restart each pooled connection fails once; reconnect and retry.
+        # socket_timeout: a reply that never comes (seen once in some hundred Redis restarts: the
+        # reader waiting on a fresh connection for the answer to an XREAD BLOCK 1000) is retried,
+        # not waited for forever
+        self.redis = aioredis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=READ_BLOCK_MS / 1000 + 9,
+                                       health_check_interval=30,
                                        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self.reply_stream = streams.reply_stream(gateway_id)
         self._queues: dict[str, asyncio.Queue[RequestEvent]] = {}
@@ -146,6 +151,7 @@ class EngineClient:
         self._restart: _RedisRestart | None = None
         self.restart_grace_s = restart_grace_s
         self._reader: asyncio.Task | None = None
+        self._closing = False
         self._background: set[asyncio.Task] = set()
         self._unsent_aborts: list[tuple[str, int | None]] = []  # (request id, output index): Redis was down
         self.num_unsubmitted = 0  # admitted here, XADD not yet done
@@ -164,12 +170,19 @@ class EngineClient:
         self._reader = asyncio.create_task(self._read_replies(), name="pagoda-reply-reader")
 
     async def close(self) -> None:
+        """Stop the reader and close the pool, in bounded time."""
+        self._closing = True
         if self._reader is not None:
             self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+            _, pending = await asyncio.wait({self._reader}, timeout=CLOSE_TIMEOUT_S)
+            if pending:
+                log.warning("the reply reader did not stop within %.0f s", CLOSE_TIMEOUT_S)
         if self._background:
             await asyncio.wait(self._background, timeout=1.0)
-        await self.redis.aclose()
+        try:
+            await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT_S)
+        except Exception as exc:  # a pool that cannot close cleanly is dropped all the same
+            log.warning("closing the Redis pool: %r", exc)
 
     # ------------------------------------------------------------------ requests
     async def submit(self, requests: list[GenerateRequest]) -> Generation:
@@ -305,7 +318,7 @@ class EngineClient:
     async def _read_replies(self) -> None:
         last_trim = time.monotonic()
         backoff = 0.1
-        while True:
+        while not self._closing:
             try:
                 await self._read_batch(block=True)
                 if self._unsent_aborts:
@@ -321,6 +334,10 @@ class EngineClient:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis went away: keep trying, never take the app down
+                # a cancel that the Redis client turned into an error (its connect and disconnect
+                # timeouts can) is still a cancel: without this the reader outlives close()
+                if self._closing or asyncio.current_task().cancelling():
+                    raise asyncio.CancelledError from exc
                 if self.redis_ok:
                     log.warning("reply reader lost Redis (%s); retrying", exc)
                 self.redis_ok = False

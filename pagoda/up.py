@@ -40,6 +40,7 @@ from pathlib import Path
 
 from common.cli_args import config_to_argv
 from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
+from common.lifetime import die_with_parent
 from common.models import pin_revision
 from common.redis_server import RedisServer, free_port
 from pagoda.commands import EXIT_CONFIG_ERROR, SCHEDULER_EXCLUDES, WORKER_EXCLUDES
@@ -68,7 +69,8 @@ class Child:
         if self.heartbeat is not None:
             self.heartbeat.unlink(missing_ok=True)
         # Own session: Ctrl-C reaches `pagoda up` alone, which then stops the children in order.
-        self.process = subprocess.Popen(self.command, start_new_session=True,
+        # SIGKILL when `pagoda up` dies without that chance (kill -9, the OOM killer): no orphans.
+        self.process = subprocess.Popen(self.command, start_new_session=True, preexec_fn=die_with_parent(),
                                         env={**os.environ, **self.env} if self.env else None)
         self.started_at = time.monotonic()
 
@@ -133,7 +135,7 @@ def up(args, engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfi
     try:  # whatever happens, the children (in sessions of their own) and Redis are stopped
         redis_url = args.redis_url
         if not redis_url:
-            redis_server = RedisServer().start()
+            redis_server = RedisServer(die_with_parent=True).start()
             redis_url = redis_server.url
             print(f"pagoda: private Redis at {redis_url}", file=sys.stderr)
         if args.addresses_file:

@@ -19,8 +19,8 @@ def _log(name: str, port: int) -> Path | None:
 class Stack(launcher.Stack):
     """`pagoda up --device cpu FLAGS`; `Stack(...).wait_ready()`, then `url`, `redis_url`, `stop()`."""
 
-    def __init__(self, *flags: str, api_key: str | None = None) -> None:
-        port = free_port()
+    def __init__(self, *flags: str, api_key: str | None = None, port: int | None = None) -> None:
+        port = port or free_port()
         super().__init__("--device", "cpu", *flags, port=port, api_key=api_key, log=_log("stack", port))
 
 

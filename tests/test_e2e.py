@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +23,7 @@ MODEL = "SmolLM2-135M-Instruct"
 def stack():
     stack = Stack().wait_ready()
     yield stack
-    assert stack.stop() == 0
+    assert stack.stop() == (-signal.SIGKILL if stack.process.returncode == -signal.SIGKILL else 0)
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +225,30 @@ def test_bench_serve_measures_the_real_stack(stack):
     assert (metrics["completed"], metrics["failed"]) == (3, 0)
     assert metrics["output_token_throughput"] == pytest.approx(15 / duration)
     assert metrics["goodput"] == pytest.approx(3 / duration)
+
+
+def test_kill_9_of_pagoda_up_takes_every_child_down_and_a_new_stack_starts_on_its_port(stack):
+    """Last in this module: it ends the stack. Each child lives in a session of its own, so only the
+    parent-death signal can take it down with a supervisor that had no chance to stop it."""
+    children = stack.children()
+    assert {"redis-server", "gateway", "scheduler", "worker"} <= {name.rstrip("'") for name in children}
+    os.kill(stack.process.pid, signal.SIGKILL)
+    assert stack.process.wait(10) == -signal.SIGKILL
+    assert wait_for(lambda: not [pid for pid in children.values() if _alive(pid)], 5), "a child outlived pagoda up"
+    assert stack.health() == 0
+    again = Stack(port=stack.port).wait_ready()
+    try:
+        with httpx.Client(timeout=60) as http:
+            body = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 3, "temperature": 0}
+            assert http.post(again.url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
+    finally:
+        assert again.stop() == 0
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
