@@ -310,6 +310,8 @@ class RequestEvent:
     # prompt_logprobs, on the request's first event that carries an output's tokens or its end (any
     # index): per prompt token, None for the first, else [logprob, rank, [[token_id, logprob], ...]]
     prompt_logprobs: list | None = None
+    # prompt tokens found in the prefix cache, beside scheduled_at (usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -422,8 +424,8 @@ _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
-_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]
-    SchedulerStatus: 13, RequestEvent: 2, SamplingParams: 3, StepResult: 1, WorkerHello: 3,
+_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]
+    SchedulerStatus: 13, RequestEvent: 3, SamplingParams: 3, StepResult: 1, WorkerHello: 3,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as

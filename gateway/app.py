@@ -359,6 +359,7 @@ class Gateway:
             if scheduled is not None:  # the request's first token-bearing event: when it was first scheduled
                 for c in by_request.get(event.request_id, ()):
                     c.scheduled_at = scheduled
+                    c.num_cached_tokens = event.num_cached_tokens
             if event.prompt_logprobs is not None:  # on one output's event: every choice of the request reports them
                 for c in by_request.get(event.request_id, ()):
                     c.prompt_logprobs = event.prompt_logprobs

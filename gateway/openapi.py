@@ -28,8 +28,14 @@ def _ref(name: str) -> dict:
 USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {name: {"type": "integer", "minimum": 0}
-                   for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "properties": {
+        **{name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "prompt_tokens_details": {
+            "type": "object", "required": ["cached_tokens"],
+            "properties": {"cached_tokens": {"type": "integer", "minimum": 0,
+                                             "description": "Prompt tokens found in the prefix cache."}},
+        },
+    },
 }
 
 FINISH_REASON = {"enum": ["stop", "length"]}

@@ -85,6 +85,7 @@ class ChoiceState:
     logprobs_sent: int = 0
     num_prompt_tokens: int = 0
     scheduled_at: float | None = None  # time.monotonic() here when the scheduler first scheduled the request
+    num_cached_tokens: int = 0  # the request's prompt tokens found in the prefix cache (RequestEvent's)
     first_token_at: float | None = None
     last_token_at: float | None = None
     echo: Echo | None = None  # completions `echo`: the prompt goes first (in the first chunk when streaming)
@@ -270,10 +271,13 @@ class ResponseShape:
 
 
 def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> dict:
+    """OpenAI's usage; cached_tokens counts each request's prompt once, however many choices it has."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_tokens for c in choices)
+    cached_tokens = sum({c.request_id: c.num_cached_tokens for c in choices}.values())
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def sse(obj) -> str:

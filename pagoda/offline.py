@@ -88,6 +88,7 @@ class CompletionOutput:
     # SamplingParams.prompt_logprobs asked: per prompt token None (the first) or {token_id: Logprob}:
     # the prompt token's own entry, then the top k (vLLM's RequestOutput.prompt_logprobs)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's RequestOutput.num_cached_tokens)
 
     def to_json(self) -> dict:
         out = {"index": self.index, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -238,7 +239,7 @@ class LLM:
             prompt_logprobs = self._prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)
         return CompletionOutput(
             index, list(out.prompt_token_ids), first.text, first.token_ids, first.finish_reason,
-            first.cumulative_logprob, first.logprobs, samples, prompt_logprobs,
+            first.cumulative_logprob, first.logprobs, samples, prompt_logprobs, out.num_cached_tokens,
         )
 
     def _prompt_logprobs(self, prompt_token_ids: list[int], entries: list) -> list[dict[int, Logprob] | None]:

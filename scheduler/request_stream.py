@@ -407,6 +407,7 @@ class RequestStream:
                     event.seq = tracked.num_sent
                     if tracked.num_sent == 1:
                         event.scheduled_at = out.first_scheduled_time or 0.0
+                        event.num_cached_tokens = out.num_cached_tokens
                     if not tracked.started:
                         tracked.started = True
                         self.outbox.append(MarkStarted(out.request_id))

@@ -563,6 +563,7 @@ class Scheduler:
                             self._record("prefix_hit", group, seq.seq_id, hit_blocks)
                 if group.first_scheduled_time is None:
                     group.first_scheduled_time = time.time()
+                    group.num_cached_tokens = seqs[0].num_computed_tokens  # hits only: nothing ran yet
                 if self.sliding_window is not None:  # prefix-cache hits the window already skips
                     self._remove_skipped_blocks([group])
                 self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
@@ -792,6 +793,7 @@ class Scheduler:
                             status.finish_reason,
                         )], status.finished, group.first_scheduled_time,
                         group.prompt_logprobs if group.num_prompt_logprobs_missing == 0 else None,
+                        group.num_cached_tokens,
                     ))
                     if status.finished:
                         ended.append(group)
@@ -994,7 +996,7 @@ class Scheduler:
             logprobs = [] if group.sampling_params.logprobs is not None else None
             outputs = [SequenceOutput(i, [], 0, 0.0, logprobs, "length") for i in range(group.sampling_params.n)]
             return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True, group.first_scheduled_time,
-                                 prompt_logprobs)
+                                 prompt_logprobs, group.num_cached_tokens)
         if not group.selects_at_end:
             logprobs = group.sampling_params.logprobs is not None
             outputs = []
@@ -1004,7 +1006,7 @@ class Scheduler:
                     seq.output_logprobs if logprobs else None, seq.status.finish_reason,
                 ))
             return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.is_finished,
-                                 group.first_scheduled_time, prompt_logprobs)
+                                 group.first_scheduled_time, prompt_logprobs, group.num_cached_tokens)
         if not group.is_finished:
             return None
         n = group.sampling_params.n
@@ -1018,4 +1020,4 @@ class Scheduler:
         outputs = [SequenceOutput(i, tokens, len(tokens), cum, lps, reason)
                    for i, (tokens, cum, lps, reason) in enumerate(best)]
         return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True, group.first_scheduled_time,
-                             prompt_logprobs)
+                             prompt_logprobs, group.num_cached_tokens)

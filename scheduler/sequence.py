@@ -104,6 +104,7 @@ class SequenceGroup:
     arrival_time: float = field(default_factory=time.monotonic)
     beam: BeamState | None = None
     first_scheduled_time: float | None = None  # time.time() when first scheduled (vLLM's queue time ends)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when first scheduled (usage's cached_tokens)
     # prompt_logprobs asked: per prompt position None (the first, or not yet scored) else
     # [logprob, rank, top]; complete once `num_prompt_logprobs_missing` is 0
     prompt_logprobs: list | None = None
@@ -200,3 +201,4 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # SequenceGroup.first_scheduled_time (RequestEvent.scheduled_at)
     # prompt_logprobs once every prompt position has them (RequestEvent.prompt_logprobs's shape), else None
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0  # SequenceGroup.num_cached_tokens (vLLM's RequestOutput.num_cached_tokens)

@@ -227,6 +227,23 @@ def test_bench_serve_measures_the_real_stack(stack):
     assert metrics["goodput"] == pytest.approx(3 / duration)
 
 
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 the first time; the second time every full
+    block but the one holding the last prompt token (block size 16), streamed usage included."""
+    prompt = "Zebras, quokkas and axolotls met at dawn. " * 6
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert n > 32 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    chat = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1, temperature=0)
+    answer = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1, temperature=0)
+    assert answer.usage.prompt_tokens_details.cached_tokens == (answer.usage.prompt_tokens - 1) // 16 * 16
+
 def test_kill_9_of_pagoda_up_takes_every_child_down_and_a_new_stack_starts_on_its_port(stack):
     """Last in this module: it ends the stack. Each child lives in a session of its own, so only the
     parent-death signal can take it down with a supervisor that had no chance to stop it."""

@@ -84,6 +84,18 @@ def test_dummy_weights_are_deterministic():
     assert outs[0] == outs[1] and len(outs[0]) == 6
 
 
+def test_offline_outputs_name_the_prompt_tokens_found_in_the_prefix_cache():
+    """LLM.generate's num_cached_tokens (vLLM's RequestOutput field): whole blocks of 16 before the last
+    prompt token's, and the same tokens as when nothing was cached."""
+    from pagoda.offline import LLM
+
+    llm = LLM(f"dummy:{TINY}", device="cpu", num_gpu_blocks=16, skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt = list(range(5, 45))  # 40 tokens: blocks 0-1 full, the last token in block 2
+    first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert again.token_ids == first.token_ids
+
 def test_worker_draws_as_many_samples_as_the_plan_asks():
     """The number of samples comes from the plan (the scheduler's rule), not from the worker's
     reading of best_of: the same best_of=3 sequence draws 3 tokens or 1 as the plan says."""

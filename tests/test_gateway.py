@@ -27,7 +27,7 @@ from common.config import GatewayConfig
 from common.protocol import (
     GenerateRequest, HeldRequests, RequestEvent, SamplingParams, SchedulerStatus, decode, encode,
 )
-from common.redis_server import RedisServer, free_port
+from common.redis_server import RedisServer, free_port, stable_port
 from common.tokenizer import load_tokenizer
 from gateway.app import create_app
 from gateway.detokenizer import IncrementalDetokenizer
@@ -208,7 +208,7 @@ def test_completion_returns_the_full_openai_body(client, fake):
     assert without_id(body) == {
         "object": "text_completion", "model": MODEL,
         "choices": [{"index": 0, "text": "Hello world,", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0}},
     }
     sent = fake.requests[body["id"] + "-0"]
     assert sent.sampling_params.temperature == 0.0 and sent.sampling_params.max_tokens == 3
@@ -225,7 +225,7 @@ def test_chat_returns_the_full_openai_body_and_defaults_max_tokens_to_the_contex
         "object": "chat.completion", "model": MODEL,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "system\nYou"}, "logprobs": None,
                      "finish_reason": "length"}],
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": 4, "total_tokens": len(prompt) + 4},
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": 4, "total_tokens": len(prompt) + 4, "prompt_tokens_details": {"cached_tokens": 0}},
     }
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
     body = r.json()
@@ -282,7 +282,7 @@ def test_n2_is_one_request_carrying_n_and_the_requests_seed(client, fake):
     r = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 2, "n": 2, "seed": 7})
     body = r.json()
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "Hello world"), (1, "Hello world")]
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11, "prompt_tokens_details": {"cached_tokens": 0}}
     (request,) = sent_requests(fake, body["id"]).values()
     assert request.request_id == body["id"] + "-0"
     assert request.sampling_params == SamplingParams(n=2, seed=7, max_tokens=2)
@@ -531,7 +531,7 @@ def test_best_of_is_one_request_whose_n_outputs_are_the_choices(client, fake, to
         "object": "text_completion", "model": MODEL,
         "choices": [{"index": 0, "text": "Hello world, this is", "logprobs": None, "finish_reason": "length"},
                     {"index": 1, "text": "One two three", "logprobs": None, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 5 + 4, "total_tokens": prompt_tokens + 9},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 5 + 4, "total_tokens": prompt_tokens + 9, "prompt_tokens_details": {"cached_tokens": 0}},
     }  # every choice's tokens count, the hidden eos included
 
 
@@ -581,7 +581,7 @@ def test_beam_search_params_reach_the_scheduler_and_chat_gets_the_beams_best_fir
                      "finish_reason": "length"},
                     {"index": 1, "message": {"role": "assistant", "content": "One two three"}, "logprobs": None,
                      "finish_reason": "length"}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 6, "total_tokens": prompt_tokens + 6},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 6, "total_tokens": prompt_tokens + 6, "prompt_tokens_details": {"cached_tokens": 0}},
     }
 
 
@@ -897,7 +897,7 @@ def test_no_ready_scheduler_is_503_with_retry_after_and_health_follows(client, f
 
 
 def test_without_redis_the_gateway_answers_503_and_recovers_when_redis_comes_back(tokenizer):
-    port = free_port()
+    port = stable_port()  # down, then up on it
     with TestClient(create_app(GatewayConfig(redis_url=f"redis://127.0.0.1:{port}/0"), tokenizer=tokenizer)) as c:
         for _ in range(2):
             e = error(c.get("/health"), 503, type="server_error", code="service_unavailable")

@@ -56,7 +56,8 @@ def test_echo_logprobs_max_tokens_0_scores_the_prompt(stack, scoring_prompt_ids)
     tokenizer = load_tokenizer("default")
     assert logprobs["text_offset"] == [len(tokenizer.decode(scoring_prompt_ids[:i])) for i in range(n)]
     assert logprobs["tokens"] == [tokenizer.decode([t]) for t in scoring_prompt_ids]
-    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # prompt logprobs: never from the cache
     # lm-eval's own body (max_tokens 1): the prompt's entries, then the generated token's
     lm_eval = _post(stack, {"prompt": [scoring_prompt_ids], "echo": True, "logprobs": 1, "max_tokens": 1,
                             "temperature": 0, "seed": 1234})

@@ -172,9 +172,16 @@ def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defa
 
 
 def test_an_event_from_a_scheduler_before_scheduled_at_decodes_as_0():
-    old = _body(encode(dataclasses.replace(EVENT, scheduled_at=1.5, prompt_logprobs=[None])))[1:-2]
+    old = _body(encode(dataclasses.replace(EVENT, scheduled_at=1.5, prompt_logprobs=[None], num_cached_tokens=3)))[1:-3]
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(RequestEvent), *old)], use_bin_type=True)
     assert decode(data) == EVENT and EVENT.scheduled_at == 0.0 and EVENT.prompt_logprobs is None
+
+
+def test_an_event_from_a_scheduler_before_cached_tokens_decodes_as_0():
+    old = _body(encode(dataclasses.replace(EVENT, num_cached_tokens=32)))[1:-1]
+    data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(RequestEvent), *old)], use_bin_type=True)
+    assert decode(data) == EVENT and EVENT.num_cached_tokens == 0
+    assert decode(encode(dataclasses.replace(EVENT, num_cached_tokens=32))).num_cached_tokens == 32
 
 
 def test_sampling_params_from_a_gateway_before_openai_api_decode_with_the_defaults():

@@ -689,3 +689,25 @@ def test_random_workload_keeps_every_invariant(seed):
     assert len(done) > 100
     for rid, tokens in done.items():  # recomputed requests too: same tokens, exactly max_tokens
         assert tokens == expected_output(*meta[rid])
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_each_output_carries_the_prompt_tokens_its_request_found_cached_when_first_scheduled(n):
+    """vLLM's RequestOutput.num_cached_tokens, usage's cached_tokens: whole blocks, never the block of
+    the last prompt token; the same on every output of the request, and 0 with nothing cached."""
+    engine = make_engine(enable_prefix_caching=True)
+    engine.executor.forks = n > 1
+    cached: dict[str, set[int]] = {}
+
+    def run_recording(request_id: str, prompt_ids: list[int]) -> None:
+        engine.add_request(request_id, prompt_ids, params(max_tokens=3, ignore_eos=True, n=n, temperature=min(n - 1, 1),
+                                                          seed=1))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                cached.setdefault(out.request_id, set()).add(out.num_cached_tokens)
+
+    run_recording("a", prompt(70))
+    run_recording("b", prompt(70))  # blocks 0-3 full and computed by "a"; the 5th holds the last token
+    run_recording("c", prompt(40) + prompt(30, start=900))  # the first 2 blocks only
+    run_recording("d", prompt(70, start=500))
+    assert cached == {"a": {0}, "b": {64}, "c": {32}, "d": {0}}

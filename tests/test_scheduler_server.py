@@ -22,7 +22,7 @@ from common.protocol import (
     StepResult,
     WorkerHello, decode, encode,
 )
-from common.redis_server import RedisServer, free_port
+from common.redis_server import RedisServer, free_port, stable_port
 from common.transport import SchedulerLink
 from scheduler.scheduler import Scheduler
 from scheduler.server import SchedulerServer
@@ -995,7 +995,7 @@ def test_the_scheduler_recreates_its_group_when_redis_lost_it(harness):
 
 
 def test_the_scheduler_rides_out_a_redis_restart_and_keeps_its_workers():
-    port = free_port()
+    port = stable_port()  # restarted on it
     redis_server = RedisServer(port=port).start()
     client = redis.Redis.from_url(redis_server.url)
     h = Harness(redis_server.url, client)
@@ -1024,7 +1024,7 @@ def test_the_scheduler_rides_out_a_redis_restart_and_keeps_its_workers():
 def test_after_a_redis_restart_the_scheduler_says_which_requests_it_holds_and_finishes_them():
     """The gateway fails only requests no scheduler holds: this one names the two it holds (one
     running, one waiting), then streams both to their end through the new Redis."""
-    port = free_port()
+    port = stable_port()  # restarted on it
     redis_server = RedisServer(port=port).start()
     client = redis.Redis.from_url(redis_server.url)
     h = Harness(redis_server.url, client, max_num_seqs=1)
