@@ -22,9 +22,11 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 
-def option(default: Any, flag: str, help: str, *, choices: Sequence | None = None, env: str | None = None) -> Any:
-    """A config field set by `flag` on the command line."""
-    return dataclasses.field(default=default, metadata={"flag": flag, "help": help, "choices": choices, "env": env})
+def option(default: Any, flag: str, help: str, *, choices: Sequence | None = None, env: str | None = None,
+           aliases: Sequence[str] = ()) -> Any:
+    """A config field set by `flag` (or one of its `aliases`) on the command line."""
+    return dataclasses.field(default=default, metadata={"flag": flag, "help": help, "choices": choices, "env": env,
+                                                        "aliases": tuple(aliases)})
 
 
 def no_flag(default: Any, why: str) -> Any:
@@ -47,7 +49,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, exclude: Collect
             continue
         meta, value_type = f.metadata, _value_type(types[f.name])
         if value_type is bool:
-            parser.add_argument(meta["flag"], dest=f.name, help=meta["help"],
+            parser.add_argument(meta["flag"], *meta.get("aliases", ()), dest=f.name, help=meta["help"],
                                 action="store_false" if f.default else "store_true")
             continue
         default, help = f.default, meta["help"]
@@ -57,8 +59,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, exclude: Collect
             # else (--api-key) the config refuses it rather than run without one.
             default = value if value or f.default is None else f.default
             help += f" (default: ${meta['env']}" + (f", else {f.default})" if f.default is not None else ")")
-        parser.add_argument(meta["flag"], dest=f.name, type=value_type, default=default, choices=meta["choices"],
-                            metavar=_metavar(meta), help=help)
+        parser.add_argument(meta["flag"], *meta.get("aliases", ()), dest=f.name, type=value_type, default=default,
+                            choices=meta["choices"], metavar=_metavar(meta), help=help)
 
 
 def config_from_args(cls: type, namespace: argparse.Namespace):

@@ -174,8 +174,13 @@ class GatewayConfig:
     port: int = option(8000, "--port", "port to listen on")
     api_key: str | None = option(None, "--api-key", "require 'Authorization: Bearer KEY'", env="PAGODA_API_KEY")
     max_body_bytes: int = option(1 << 20, "--max-body-bytes", "larger request bodies get 413")
-    max_pending_requests: int = option(1024, "--max-pending-requests",
-                                       "queue limit before 429 (waiting in the schedulers plus not yet submitted)")
+    max_pending_requests: int = option(1024, "--max-num-queued-requests",
+                                       "requests accepted but not yet running, over every engine group, before 429",
+                                       aliases=["--max-pending-requests"])
+    max_num_queued_tokens: int | None = option(None, "--max-num-queued-tokens",
+                                               "prompt tokens accepted but not yet running, over every engine group, "
+                                               "before 429 (default: no bound); a request alone in the queue is "
+                                               "always accepted")
     request_timeout_s: float = option(600.0, "--request-timeout", "seconds a request may take (then 504)")
     gateway_id: str | None = no_flag(None, "names the reply stream; random per process, so a restarted gateway "
                                            "never reads its predecessor's stream")
@@ -197,6 +202,8 @@ class GatewayConfig:
         _check(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty (None: no authentication)")
         _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
         _check(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
+        _check(self.max_num_queued_tokens is None or self.max_num_queued_tokens >= 1,
+               "max_num_queued_tokens must be >= 1")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
         _check(self.redis_restart_grace_s >= 0, "redis_restart_grace_s must be >= 0")

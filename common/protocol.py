@@ -353,6 +353,8 @@ class SchedulerStatus:
     # the KV cache's configuration (vLLM's cache_config_info): its element type and one block's bytes
     kv_cache_dtype: str = ""
     kv_bytes_per_block: int = 0
+    # [cache-at-scale]: the prompt tokens of the waiting requests (the gateway's --max-num-queued-tokens)
+    num_waiting_tokens: int = 0
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -425,7 +427,7 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]
-    SchedulerStatus: 13, RequestEvent: 3, SamplingParams: 3, StepResult: 1, WorkerHello: 3,
+    SchedulerStatus: 14, RequestEvent: 3, SamplingParams: 3, StepResult: 1, WorkerHello: 3,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as

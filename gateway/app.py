@@ -232,7 +232,7 @@ class Gateway:
             parsed = await asyncio.to_thread(self._parse, kind, body)  # a long prompt must not stall streams
             statuses = await self._statuses()
             self._check_admissible(parsed, self._ready(statuses))
-            self._admit(statuses)
+            self._admit(statuses, sum(len(p) for p in parsed.prompts))
             shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text,
                                       request_id(request), parsed.prompt_logprobs)
             echoes = await asyncio.to_thread(self._echoes, parsed) if parsed.echo else None
@@ -480,14 +480,26 @@ class Gateway:
             if rejection is not None:
                 raise bad_request(rejection.message, rejection.param, rejection.code)
 
-    def _admit(self, statuses: list[SchedulerStatus]) -> None:
-        """429 when the queue is full. A scheduler counts only what it has read from the stream, and
+    def _admit(self, statuses: list[SchedulerStatus], num_tokens: int) -> None:
+        """429 when the queue is full: --max-num-queued-requests, or --max-num-queued-tokens with this
+        request's `num_tokens` on top. A scheduler counts only what it has read from the stream, and
         this gateway's submitted-but-unstarted requests also cover what still sits in Redis."""
-        engine = self.engine
+        engine, config = self.engine, self.config
         pending = max(sum(s.num_waiting for s in statuses), engine.num_unstarted) + engine.num_unsubmitted
-        if pending >= self.config.max_pending_requests:
+        if pending >= config.max_pending_requests:
+            self.metrics.requests_rejected.labels("max_num_queued_requests").inc()
             raise APIError(
                 429, f"the server is busy: {pending} requests are already waiting; retry shortly",
+                "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
+        if config.max_num_queued_tokens is None:
+            return
+        queued = (max(sum(s.num_waiting_tokens for s in statuses), engine.num_unstarted_tokens)
+                  + engine.num_unsubmitted_tokens)
+        if queued and queued + num_tokens > config.max_num_queued_tokens:  # alone, a request is never refused
+            self.metrics.requests_rejected.labels("max_num_queued_tokens").inc()
+            raise APIError(
+                429, f"the server is busy: {queued} prompt tokens are already waiting and this request has "
+                f"{num_tokens} (--max-num-queued-tokens {config.max_num_queued_tokens}); retry shortly",
                 "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
 
     async def _submit(self, requests: list[GenerateRequest]) -> Generation:

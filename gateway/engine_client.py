@@ -103,7 +103,7 @@ class Generation:
         event = await asyncio.wait_for(self.queue.get(), timeout)
         if event.request_id not in self.started and event.request_id in self.unfinished:
             self.started.add(event.request_id)
-            self.client.num_unstarted -= 1
+            self.client.unqueue(event.request_id)
         return event
 
     def finish(self, request_id: str, abort: bool = False) -> None:
@@ -156,6 +156,9 @@ class EngineClient:
         self._unsent_aborts: list[tuple[str, int | None]] = []  # (request id, output index): Redis was down
         self.num_unsubmitted = 0  # admitted here, XADD not yet done
         self.num_unstarted = 0  # submitted, no event back yet (queued in Redis or in a scheduler)
+        self.num_unsubmitted_tokens = 0  # their prompt tokens (the gateway's --max-num-queued-tokens)
+        self.num_unstarted_tokens = 0
+        self._unstarted_tokens: dict[str, int] = {}  # per unstarted request: its prompt's tokens
         self.status_ttl_s = 0.1  # admission reads scheduler status at most this often
         self._status_cache: tuple[float, list[SchedulerStatus]] = (0.0, [])
         self._memory: dict[bytes, tuple[bytes, EngineMemory | None]] = {}  # key -> (its value, decoded once)
@@ -190,7 +193,9 @@ class EngineClient:
         generation = Generation(self, [r.request_id for r in requests])
         for r in requests:
             self._queues[r.request_id] = generation.queue
+        num_tokens = sum(len(r.prompt_token_ids) for r in requests)
         self.num_unsubmitted += len(requests)
+        self.num_unsubmitted_tokens += num_tokens
         try:
             pipe = self.redis.pipeline(transaction=False)
             for r in requests:
@@ -204,8 +209,18 @@ class EngineClient:
             raise
         finally:
             self.num_unsubmitted -= len(requests)
+            self.num_unsubmitted_tokens -= num_tokens
         self.num_unstarted += len(requests)
+        self.num_unstarted_tokens += num_tokens
+        for r in requests:
+            self._unstarted_tokens[r.request_id] = len(r.prompt_token_ids)
         return generation
+
+    def unqueue(self, request_id: str) -> None:
+        """The request no longer counts as queued here: its first event came (a scheduler runs it),
+        or it ended before one."""
+        self.num_unstarted -= 1
+        self.num_unstarted_tokens -= self._unstarted_tokens.pop(request_id, 0)
 
     def _release(self, request_id: str, started: bool, abort: bool) -> None:
         self._queues.pop(request_id, None)
@@ -213,7 +228,7 @@ class EngineClient:
         self._started.discard(request_id)
         self._entry_ids.pop(request_id, None)
         if not started:
-            self.num_unstarted -= 1
+            self.unqueue(request_id)
         if abort:
             self.abort(request_id)
 

@@ -13,7 +13,8 @@ the whole deployment. Schedulers that share an engine id are summed into its one
                                      request_prefill_time_seconds, request_decode_time_seconds,
                                      request_prompt_tokens, request_generation_tokens (histograms);
                                      request_success_total{finished_reason}, prompt_tokens_total,
-                                     generation_tokens_total, http_requests_total{route,status}
+                                     generation_tokens_total, http_requests_total{route,status};
+                                     Pagoda's own requests_rejected_total{reason} (429s by the bound met)
     the schedulers, per engine       num_requests_running/waiting/swapped, kv_cache_usage_perc,
                                      cpu_cache_usage_perc, num_preemptions_total,
                                      prefix_cache_queries_total, prefix_cache_hits_total,
@@ -54,6 +55,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's `finished_reason` values, all exported from 0
+REJECTION_REASONS = ("max_num_queued_requests", "max_num_queued_tokens")  # the flag of the bound a 429 met
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -245,6 +247,11 @@ class GatewayMetrics:
             registry=r), model_name)
         for reason in FINISH_REASONS:
             self.request_success.labels(reason)
+        self.requests_rejected = ModelLabelled(Counter(
+            "pagoda:requests_rejected", "Requests answered 429 before anything was queued, by the bound they "
+            "met.", [*model, "reason"], registry=r), model_name)
+        for reason in REJECTION_REASONS:
+            self.requests_rejected.labels(reason)
         self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens submitted.", model,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", model,

@@ -293,6 +293,11 @@ class Scheduler:
         return len(self._in_flight)
 
     @property
+    def num_waiting_tokens(self) -> int:
+        """The prompt tokens of the waiting requests (SchedulerStatus, the gateway's token bound)."""
+        return sum(len(g.prompt_token_ids) for g in self.waiting)
+
+    @property
     def num_running_seqs(self) -> int:
         return sum(len(g.seqs_with(SequenceStatus.RUNNING)) for g in self.running)
 

@@ -303,6 +303,7 @@ class SchedulerServer:
             engine=self.serving.engine_id, **(status_counters(s) if s else {}),
             kv_cache_dtype=hello.kv_cache_dtype if hello else "",
             kv_bytes_per_block=hello.kv_bytes_per_block if hello else 0,
+            num_waiting_tokens=s.num_waiting_tokens if s else 0,
         )
         try:
             if not self.stream.publish_status(encode(status), has_memory=s is not None):

@@ -877,6 +877,36 @@ def test_a_full_queue_is_429_with_retry_after(client, fake):
     assert client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1}).status_code == 200
 
 
+def _rejected(client, reason: str) -> float:
+    line = f'pagoda:requests_rejected_total{{model_name="{MODEL}",reason="{reason}"}}'
+    return next(float(l.rpartition(" ")[2]) for l in client.get("/metrics").text.splitlines() if l.startswith(line))
+
+
+def test_past_max_num_queued_tokens_a_request_is_429_unless_it_would_be_alone(client, fake, gateway):
+    """Waiting prompt tokens (the schedulers' own count, or this gateway's submitted-but-unstarted
+    ones) plus the request's must fit --max-num-queued-tokens; a request into an empty queue always
+    goes in, however long. Each refusal is counted under the bound it met."""
+    import dataclasses
+
+    config, before = gateway.config, _rejected(client, "max_num_queued_tokens")
+    fake.publish("fake-busy", workers_ready=False, num_waiting=1, num_waiting_tokens=90)
+    try:
+        gateway.config = dataclasses.replace(config, max_num_queued_tokens=100)
+        r = client.post("/v1/completions", json={"prompt": [19556] * 11, "max_tokens": 1})
+        e = error(r, 429, type="rate_limit_error", code="queue_full")
+        assert e["message"] == ("the server is busy: 90 prompt tokens are already waiting and this request has 11 "
+                                "(--max-num-queued-tokens 100); retry shortly")
+        assert r.headers["retry-after"] == "1"
+        assert client.post("/v1/completions", json={"prompt": [19556] * 10, "max_tokens": 1}).status_code == 200
+        fake.redis.delete(streams.status_key("fake-busy"))
+        gateway.config = dataclasses.replace(config, max_num_queued_tokens=5)
+        assert client.post("/v1/completions", json={"prompt": [19556] * 11, "max_tokens": 1}).status_code == 200
+    finally:
+        gateway.config = config
+        fake.redis.delete(streams.status_key("fake-busy"))
+    assert _rejected(client, "max_num_queued_tokens") == before + 1
+    assert gateway.engine.num_unstarted_tokens == 0 and gateway.engine.num_unsubmitted_tokens == 0
+
 def test_no_ready_scheduler_is_503_with_retry_after_and_health_follows(client, fake):
     assert client.get("/health").json() == {"status": "ok"}
     fake.publish(workers_ready=False)

@@ -205,15 +205,17 @@ def test_500_streams_cancelled_at_random_points_leak_nothing(stack, redis_server
 # ----------------------------------------------------------------------------- admission control
 
 MAX_PENDING = 4
+MAX_QUEUED_TOKENS = 1000
 
 
 @pytest.fixture(scope="module")
 def small_stack():
-    """A stack running 2 sequences at a time, and a second gateway on its Redis that admits 4 pending
-    requests (`pagoda up` does not pass --max-pending-requests on to its gateway)."""
+    """A stack running 2 sequences at a time, and a second gateway on its Redis that admits 4 queued
+    requests and 1,000 queued prompt tokens (--max-pending-requests: the older name of the first bound)."""
     server = RedisServer().start()
     stack = Stack("--redis-url", server.url, "--max-num-seqs", "2")
-    gateway = Gateway(server.url, "--max-pending-requests", str(MAX_PENDING))  # starts while the model loads
+    gateway = Gateway(server.url, "--max-pending-requests", str(MAX_PENDING),  # starts while the model loads
+                      "--max-num-queued-tokens", str(MAX_QUEUED_TOKENS))
     stack.wait_ready(), gateway.wait_ready()
     yield stack, gateway, server
     assert gateway.stop() == 0
@@ -301,6 +303,57 @@ def test_admission_control_answers_429_beyond_max_pending_requests(small_stack):
     print(f"\nburst of {len(requests)} at --max-pending-requests {MAX_PENDING} --max-num-seqs 2: "
           f"{statuses[200]} x 200, {statuses[429]} x 429 in {burst_s:.1f} s; the 429s all admitted after "
           f"{attempts} rounds of retries in {time.monotonic() - start:.1f} s")
+    drained, state, _ = wait_drained(gateway.url, server.url, timeout=10)
+    assert state == ZERO
+
+
+def test_the_schedulers_waiting_prompt_tokens_bound_what_the_gateway_admits(small_stack):
+    """Two streams fill --max-num-seqs 2, two 450-token prompts wait: the scheduler publishes their
+    900 tokens, and a 101-token request meets --max-num-queued-tokens 1000 while 2 < 4 requests wait."""
+    import redis
+
+    from common import streams
+    from common.protocol import decode
+
+    stack, gateway, server = small_stack
+    r = redis.Redis.from_url(server.url)
+
+    def waiting() -> tuple[int, int]:
+        statuses = [decode(raw) for raw in r.mget(list(r.scan_iter(match=streams.STATUS_PREFIX + "*"))) if raw]
+        return sum(s.num_waiting for s in statuses), sum(s.num_waiting_tokens for s in statuses)
+
+    async def scenario() -> tuple[tuple, httpx.Response, list[dict]]:
+        long = {"prompt": "Count to a thousand:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        states = [StreamState(), StreamState()]
+        # the streams' own client: closing it closes their connections, which aborts them
+        async with httpx.AsyncClient(timeout=120) as client, httpx.AsyncClient(timeout=120) as streaming:
+            running = [asyncio.create_task(read_stream(streaming, stack.url + "/v1/completions", long, s))
+                       for s in states]
+            while min(s.events for s in states) < 2:
+                await asyncio.sleep(0.05)
+            queued = [asyncio.create_task(client.post(stack.url + "/v1/completions", json={
+                "prompt": [19556 + i] * 450, "max_tokens": 1})) for i in range(2)]
+            deadline = time.monotonic() + 30
+            while waiting()[0] < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            seen = waiting()
+            refused = await client.post(gateway.url + "/v1/completions", json={"prompt": [19556] * 101, "max_tokens": 1})
+            still = waiting()  # what the gateway saw: the running streams (4,000 tokens each) have not ended
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            await streaming.aclose()
+            return (seen, still), refused, [(await q).json() for q in queued]
+
+    try:
+        seen, refused, answers = asyncio.run(scenario())
+    finally:
+        r.close()
+    assert seen == ((2, 900), (2, 900))
+    check_queue_full(refused.status_code, dict(refused.headers), refused.json())
+    assert refused.json()["error"]["message"] == ("the server is busy: 900 prompt tokens are already waiting and this "
+                                                  "request has 101 (--max-num-queued-tokens 1000); retry shortly")
+    assert [a["usage"]["prompt_tokens"] for a in answers] == [450, 450]
     drained, state, _ = wait_drained(gateway.url, server.url, timeout=10)
     assert state == ZERO
 

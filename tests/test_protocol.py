@@ -159,15 +159,15 @@ def test_a_wrong_field_count_is_a_protocol_error(values):
 
 def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defaults():
     """A scheduler older than [scale-out] (no `engine`), than [observability] (no memory counters) or
-    than [quantization] (no KV cache dtype and block bytes)."""
-    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-13:]
-    old = _body(encode(STATUS))[1:-13]  # every field but the 13 appended
+    than [quantization] (no KV cache dtype and block bytes), or than [cache-at-scale] (no waiting tokens)."""
+    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-14:]
+    old = _body(encode(STATUS))[1:-14]  # every field but the 14 appended
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old)], use_bin_type=True)
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in new_fields}
     assert decode(data) == dataclasses.replace(STATUS, **defaults)
     assert decode(data).engine == "0"
     short = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old[:-1])], use_bin_type=True)
-    with pytest.raises(ProtocolError, match="SchedulerStatus expects 31 fields, got 17"):
+    with pytest.raises(ProtocolError, match="SchedulerStatus expects 32 fields, got 17"):
         decode(short)
 
 
