@@ -131,6 +131,8 @@ class ServingConfig:
                                     "tensor parallelism: rank 0 of the group hosts the torch.distributed store here "
                                     "(tcp://HOST:PORT), the other ranks connect to it")
     engine_id: str = option("0", "--engine-id", "this engine group's name: the `engine` label of its /metrics series")
+    kv_events: bool = option(True, "--no-kv-events", "do not publish KV cache events (stream "
+                                                      "pagoda:kv-events:<engine id>) for routers")
     step_timeout_s: float = option(60.0, "--step-timeout", "seconds a step may take before it fails")
     scheduler_id: str | None = no_flag(None, "hostname-pid: one consumer name per process")
     drain_timeout_s: float = option(30.0, "--drain-timeout", "after SIGTERM, seconds running requests may take to finish")

@@ -10,6 +10,8 @@
                                  publish their MemorySnapshot only while it exists
     pagoda:started               hash request_id -> scheduler id: requests that have streamed a token
     pagoda:held:<id>             string, a HeldRequests, written by a scheduler that finds Redis restarted
+    pagoda:kv-events:<engine>    stream per engine group, capped; entry {batch: a KV event batch}, plain
+                                 msgpack in vLLM's layout for routers (common/kv_events.py)
 """
 from __future__ import annotations
 
@@ -31,6 +33,13 @@ REPLY_STREAM_TTL_S = 600  # a reply stream no one writes to expires
 HELD_TTL_S = 60  # long past every gateway's grace period after a Redis restart
 MEMORY_WATCH_TTL_S = 10  # the dashboard's data unserved this long: the schedulers stop publishing
 ABORTS_MAXLEN = 10_000
+KV_EVENTS_PREFIX = "pagoda:kv-events:"
+KV_EVENTS_FIELD = b"batch"
+KV_EVENTS_MAXLEN = 100_000  # batches; approximate (XADD MAXLEN ~)
+
+
+def kv_events_stream(engine_id: str) -> str:
+    return KV_EVENTS_PREFIX + engine_id
 
 
 def reply_stream(gateway_id: str) -> str:

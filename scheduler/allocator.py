@@ -86,6 +86,10 @@ class Allocator(Protocol):
 
     def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
 
+    def record_kv_events(self) -> None: ...  # keep common/kv_events.py's events from now on
+
+    def take_kv_events(self) -> list: ...  # those since the last take
+
     def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> list[int]: ...  # blocks released
 
     def fork(self, parent_id: int, child_id: int) -> None: ...

@@ -35,6 +35,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, num_null_entries
 
 __all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key"]
@@ -75,6 +76,19 @@ class BlockManager(AllocatorBase):
         self.version = 0
         self.num_prefix_evictions = 0
         self.evicted: list[int] = []
+        # KV events for routers (common/kv_events.py), taken by the scheduler server; None: not kept
+        self.kv_events: list[KVCacheEvent] | None = None
+
+    def record_kv_events(self) -> None:
+        """Keep KV events from now on, starting with AllBlocksCleared: this pool starts empty."""
+        self.kv_events = [AllBlocksCleared()]
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The events since the last take (none when not kept)."""
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
 
     # ---------------------------------------------------------------- queries
     @property
@@ -289,18 +303,37 @@ class BlockManager(AllocatorBase):
         bs, table = self.block_size, self.block_tables[seq_id]
         for i in range(len(keys), num_computed_tokens // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            key = block_key(keys[-1] if keys else None, tokens)
+            parent = keys[-1] if keys else None
+            key = block_key(parent, tokens)
             keys.append(key)
             block = table[i]
             if block != NULL_BLOCK and key not in self.cached_blocks and self.block_key[block] is None:
                 self.cached_blocks[key] = block
                 self.block_key[block] = key
                 self.block_tokens[block] = tokens
+                if self.kv_events is not None:
+                    self._stored(parent, key, tokens)
 
     def _unregister(self, block: int) -> None:
-        del self.cached_blocks[self.block_key[block]]
+        key = self.block_key[block]
+        del self.cached_blocks[key]
         del self.block_tokens[block]
         self.block_key[block] = None
+        if self.kv_events is not None:
+            last = self.kv_events[-1] if self.kv_events else None
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.append(key)
+            else:
+                self.kv_events.append(BlockRemoved([key]))
+
+    def _stored(self, parent: bytes | None, key: bytes, tokens: tuple[int, ...]) -> None:
+        """A BlockStored for the new key; one that extends the last event's chain joins it."""
+        last = self.kv_events[-1] if self.kv_events else None
+        if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
+            last.block_hashes.append(key)
+            last.token_ids.extend(tokens)
+        else:
+            self.kv_events.append(BlockStored([key], parent, list(tokens), self.block_size))
 
     # ---------------------------------------------------------------- swap
     def can_swap_out(self, seq_ids: list[int]) -> bool:

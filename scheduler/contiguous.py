@@ -157,6 +157,12 @@ class ContiguousAllocator(AllocatorBase):
     def register_computed(self, seq_id: int, token_ids, num_computed_tokens: int) -> None:
         pass  # no prefix cache
 
+    def record_kv_events(self) -> None:
+        pass  # no prefix cache: no KV events
+
+    def take_kv_events(self) -> list:
+        return []
+
     def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> list[int]:
         return []  # a region is held whole until its sequence ends, sliding window or not
 

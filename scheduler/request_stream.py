@@ -3,7 +3,8 @@
     XREADGROUP pagoda:requests (group "schedulers", consumer = this scheduler) ─▶ Arrival
     XAUTOCLAIM entries idle > claim_idle_ms (a dead scheduler's)              ─▶ Arrival, before any newer one
     XREAD pagoda:aborts                                                       ─▶ request ids to abort
-    outbox ─▶ XADD events to reply streams, HSET pagoda:started, XACK + XDEL  (one pipeline per flush)
+    outbox ─▶ XADD events to reply streams, HSET pagoda:started, XACK + XDEL, XADD KV events
+              (one pipeline per flush)
               and SET pagoda:memory:<id>, the latest memory snapshot if one waits
 
 A request is acknowledged in the requests stream only when it ends, so a request held by a
@@ -111,7 +112,15 @@ class Ack:
     request_id: str | None = None  # clears its started mark; None for an entry that never ran
 
 
-OutboxEntry = SendEvent | MarkStarted | Requeue | Ack
+@dataclass(slots=True)
+class PublishKVEvents:
+    """A batch of this engine group's KV events (common/kv_events.py), for routers."""
+
+    stream: str
+    batch: bytes
+
+
+OutboxEntry = SendEvent | MarkStarted | Requeue | Ack | PublishKVEvents
 
 
 class RequestStream:
@@ -441,6 +450,9 @@ class RequestStream:
                     pipe.hset(streams.STARTED, request_id, self.consumer)
                 case Requeue(payload):
                     pipe.xadd(streams.REQUESTS, {streams.FIELD: payload})
+                case PublishKVEvents(stream, batch):
+                    pipe.xadd(stream, {streams.KV_EVENTS_FIELD: batch}, maxlen=streams.KV_EVENTS_MAXLEN,
+                              approximate=True)
                 case Ack(entry_id, request_id):
                     pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, entry_id)
                     pipe.xdel(streams.REQUESTS, entry_id)

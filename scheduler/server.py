@@ -32,12 +32,14 @@ from collections import deque
 
 import redis
 
+from common import streams
 from common.admission import AdmissionLimits
 from common.config import EngineConfig, ServingConfig
+from common.kv_events import AllBlocksCleared, KVEventBatch, encode_batch
 from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, StepPlan, WorkerHello, encode
 from common.transport import WorkerLink
 from scheduler.memory_view import MemoryEventLog, PackedTables, build_snapshot, memory_version, status_counters
-from scheduler.request_stream import IDLE_BLOCK_MS, Arrival, RequestStream
+from scheduler.request_stream import IDLE_BLOCK_MS, Arrival, PublishKVEvents, RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
 
 log = logging.getLogger(__name__)
@@ -170,6 +172,8 @@ class SchedulerServer:
         ), self.memory_events)
         self.scheduler.epoch = self.epoch
         self.scheduler.isolate_failures = True
+        if self.serving.kv_events:  # its first batch says AllBlocksCleared: the pool starts empty
+            self.scheduler.block_manager.record_kv_events()
         self._memory_version, self._memory_tables = None, PackedTables()
         log.info("workers ready: %s, %d KV blocks of %d tokens, context %d",
                  hello.model, hello.num_gpu_blocks, hello.block_size, hello.max_model_len)
@@ -181,6 +185,8 @@ class SchedulerServer:
         released = self.stream.release_unstarted()
         log.error("%s; failing %d request(s), releasing %d not started, and waiting for workers", message,
                   len(self.stream.tracked), len(released))
+        if self.scheduler is not None and self.serving.kv_events:
+            self._queue_kv_events([AllBlocksCleared()])  # the group's KV is gone with its ranks
         self.scheduler = None
         self._in_flight.clear()  # their results, if any come, are of the old epoch: dropped
         if self.link.generation == self.group_generation:  # else the link already took on new ranks
@@ -279,9 +285,17 @@ class SchedulerServer:
     def _publish(self) -> None:
         """Each loop: the outbox (with the memory snapshot made last loop), then the status and the
         memory snapshot when due."""
+        if self.scheduler is not None:
+            self._queue_kv_events(self.scheduler.block_manager.take_kv_events())
         self.stream.flush()
         self._publish_status()
         self._publish_memory()
+
+    def _queue_kv_events(self, events: list) -> None:
+        """One batch of the cache's changes (common/kv_events.py), sent with the outbox."""
+        if events:
+            batch = encode_batch(KVEventBatch(time.time(), events, self.serving.engine_id))
+            self.stream.outbox.append(PublishKVEvents(streams.kv_events_stream(self.serving.engine_id), batch))
 
     def _publish_status(self) -> None:
         now = time.time()

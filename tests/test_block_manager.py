@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch, replay
 from scheduler.allocator import AppendedSlots
 from scheduler.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError, block_key
 
@@ -661,7 +662,9 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
                                                           window):
     bm = BlockManager(num_blocks, block_size, watermark=0.0, num_cpu_blocks=num_cpu_blocks,
                       enable_prefix_caching=prefix_caching, sliding_window=window)
+    bm.record_kv_events()
     model = KVModel(bm)
+    router = KVEventsModel(block_size)
     next_id = 0
     for op, pick, new_tokens in ops:
         running, swapped = sorted(bm.block_tables), sorted(bm.cpu_tables)
@@ -729,10 +732,37 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
                     bm.swap_in(group)
         bm.check_integrity()
         model.check()
+        if pick % 3 == 0:  # a router reading the scheduler's batches: replayed, they are its cache exactly
+            router.apply(bm.take_kv_events())
+            assert router.cached == set(bm.cached_blocks)
+    router.apply(bm.take_kv_events())
+    assert router.cached == set(bm.cached_blocks)
     for seq in list(model.tokens):
         bm.free(seq)
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_total_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
+
+
+class KVEventsModel:
+    """What a router following common/kv_events.py knows: the cached hashes, each stored chain's
+    hashes recomputed from its parent and token ids (the events carry what a router needs to hash
+    prompts the same way), and each removal of a hash it holds."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.cached: set[bytes] = set()
+
+    def apply(self, events: list) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                bs, parent = self.block_size, event.parent_block_hash
+                assert event.block_size == bs and len(event.token_ids) == bs * len(event.block_hashes)
+                for i, key in enumerate(event.block_hashes):
+                    assert key == block_key(parent, tuple(event.token_ids[i * bs:(i + 1) * bs]))
+                    parent = key
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= self.cached
+            self.cached = replay([event], self.cached)
 
 
 # ----------------------------------------------------------------------------- sliding window

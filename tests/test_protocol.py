@@ -371,3 +371,22 @@ def test_a_plan_of_protocol_3_without_num_samples_is_refused():
                              use_bin_type=True))
     with pytest.raises(ProtocolError, match=f"protocol version 3 is not {PROTOCOL_VERSION}"):
         decode(msgpack.packb([3, _ext(_tag(StepPlan), 1, 0, [], [], [], [], [], [], [])], use_bin_type=True))
+
+
+def test_kv_event_batches_are_plain_msgpack_in_vllms_array_layout():
+    """What a router outside Pagoda reads with msgpack alone: vLLM's msgspec structs, array-like,
+    each event's class name first (common/kv_events.py)."""
+    from common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch,
+                                  encode_batch)
+
+    batch = KVEventBatch(1.5, [AllBlocksCleared(), BlockStored([b"h1", b"h2"], None, [1, 2, 3, 4], 2),
+                               BlockRemoved([b"h1"])], "0")
+    data = encode_batch(batch)
+    assert msgpack.unpackb(data, raw=False) == [1.5, [["AllBlocksCleared"],
+                                                      ["BlockStored", [b"h1", b"h2"], None, [1, 2, 3, 4], 2, None, "GPU"],
+                                                      ["BlockRemoved", [b"h1"], "GPU"]], "0"]
+    assert decode_batch(data) == batch
+    for bad in (b"\xc1", msgpack.packb([1.0, [["Nope"]], "0"]), msgpack.packb([1.0, [["BlockRemoved"]], "0"]),
+                msgpack.packb({"ts": 1})):
+        with pytest.raises(ValueError, match="not a KV event batch"):
+            decode_batch(bad)

@@ -1094,3 +1094,48 @@ def test_prompt_logprobs_ride_on_the_requests_first_event_whichever_output_it_is
 
     assert step({0: [], 1: [7]}) == [(1, [7], scored)]
     assert step({0: [5], 1: [8]}) == [(0, [5], None), (1, [8], None)]
+
+
+def test_kv_events_replay_into_the_schedulers_exact_set_of_cached_hashes(make_harness, r):
+    """pagoda:kv-events:<engine id> (common/kv_events.py, vLLM's events and layout): a group's first
+    batch clears, then come the prefix registry's stores and evictions; replayed, they equal the block
+    manager's cached hashes exactly, through evictions from a pool too small for the prompts and
+    through a failed group, whose KV is gone (cleared) until its worker is back."""
+    from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, replay
+
+    h = make_harness(serving={"engine_id": "7"})
+    worker = h.worker(step_delay_s=0.002)
+    h.wait_ready()
+
+    def batches():
+        return [decode_batch(fields[streams.KV_EVENTS_FIELD]) for _, fields in r.xrange(streams.kv_events_stream("7"))]
+
+    def replayed() -> set[bytes]:
+        return replay([event for batch in batches() for event in batch.events])
+
+    prompts = [prompt(400, start=100), prompt(400, start=500), [7] * 400, prompt(400, start=100)]
+    for i, ids in enumerate(prompts):  # 3 x 25 full blocks > 63: the first prompt's are evicted
+        h.submit(f"p{i}", ids, max_tokens=2)
+        h.wait_finished(f"p{i}")
+        bm = h.server.scheduler.block_manager
+        h.wait_until(lambda: replayed() == set(bm.cached_blocks), 2.0, "the events to reach the registry")
+    events = [event for batch in batches() for event in batch.events]
+    assert {batch.data_parallel_rank for batch in batches()} == {"7"}
+    assert isinstance(events[0], AllBlocksCleared)
+    assert sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved)) > 0  # evictions were told
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert all(e.block_size == BLOCK_SIZE and e.medium == "GPU" and e.lora_id is None for e in stored)
+    assert stored[0].parent_block_hash is None and stored[0].token_ids[:3] == [100, 101, 102]
+
+    h.submit("long", prompt(40, start=900), max_tokens=400)
+    h.wait_until(lambda: "long" in h.events, 3.0, "the long request to start")
+    worker.mode = "boom"
+    h.wait_finished("long", timeout=3.0)
+    h.wait_until(lambda: h.server.scheduler is not None, 5.0, "the worker's new hello")
+    h.submit("after", prompt(40, start=100), max_tokens=2)  # its prefix was cached before: not now
+    done = h.wait_finished("after")
+    bm = h.server.scheduler.block_manager
+    h.wait_until(lambda: replayed() == set(bm.cached_blocks), 2.0, "the new group's events")
+    assert len(bm.cached_blocks) == 2  # 39 tokens confirmed, then 1: the first 2 blocks of "after" alone
+    assert tokens(done["after"]) == expected_output(0, 40, 2)  # the new group's scheduler numbers from 0
+    h.assert_nothing_held()
