@@ -1,4 +1,6 @@
-"""A private redis-server on a free local port, with no persistence (for `pagoda up` and tests)."""
+"""A private redis-server on a free local port (for `pagoda up` and tests): no persistence, or with
+`appendonly` the append-only file, fsynced every second, in its own directory, so that a restart
+after a crash (SIGKILL included: what Redis acknowledged is in the kernel's cache) keeps its data."""
 from __future__ import annotations
 
 import importlib.util
@@ -59,8 +61,10 @@ def stable_port(host: str = "127.0.0.1", attempts: int = 100) -> int:
 class RedisServer:
     """Start with `start()`, stop with `stop()`; `url` is what clients connect to."""
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", die_with_parent: bool = False) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", die_with_parent: bool = False,
+                 appendonly: bool = False) -> None:
         self.host = host
+        self.appendonly = appendonly
         self.die_with_parent = die_with_parent  # SIGKILLed when the process that started it dies
         self.port = port or stable_port(host)
         self.dir = tempfile.mkdtemp(prefix="pagoda-redis-")
@@ -72,7 +76,8 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [redis_server_binary(), "--port", str(self.port), "--bind", self.host, "--save", "",
-                "--appendonly", "no", "--dir", self.dir, "--protected-mode", "yes"]
+                "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
+                "--dir", self.dir, "--protected-mode", "yes"]
         os.makedirs(self.dir, exist_ok=True)  # a restart after stop()
         # own session: a Ctrl-C to the terminal reaches `pagoda up`, which stops Redis last
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -88,7 +93,14 @@ class RedisServer:
                 time.sleep(0.05)
         raise TimeoutError("redis-server did not start")
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash: the directory (and an append-only file) stays for the next start."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
     def stop(self) -> None:
+        """Stop it and remove its directory: the next start is empty."""
         if self.process and self.process.poll() is None:
             self.process.terminate()
             try:

@@ -159,6 +159,8 @@ class EngineClient:
         self.num_unsubmitted_tokens = 0  # their prompt tokens (the gateway's --max-num-queued-tokens)
         self.num_unstarted_tokens = 0
         self._unstarted_tokens: dict[str, int] = {}  # per unstarted request: its prompt's tokens
+        # per unstarted request: its entry as sent, put on the stream again if a Redis restart loses it
+        self._unstarted_payloads: dict[str, bytes] = {}
         self.status_ttl_s = 0.1  # admission reads scheduler status at most this often
         self._status_cache: tuple[float, list[SchedulerStatus]] = (0.0, [])
         self._memory: dict[bytes, tuple[bytes, EngineMemory | None]] = {}  # key -> (its value, decoded once)
@@ -196,10 +198,11 @@ class EngineClient:
         num_tokens = sum(len(r.prompt_token_ids) for r in requests)
         self.num_unsubmitted += len(requests)
         self.num_unsubmitted_tokens += num_tokens
+        payloads = [encode(r) for r in requests]
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for r in requests:
-                pipe.xadd(streams.REQUESTS, {streams.FIELD: encode(r)})
+            for payload in payloads:
+                pipe.xadd(streams.REQUESTS, {streams.FIELD: payload})
             for r, entry_id in zip(requests, await pipe.execute()):
                 self._entry_ids[r.request_id] = entry_id
         except BaseException:
@@ -212,8 +215,9 @@ class EngineClient:
             self.num_unsubmitted_tokens -= num_tokens
         self.num_unstarted += len(requests)
         self.num_unstarted_tokens += num_tokens
-        for r in requests:
+        for r, payload in zip(requests, payloads):
             self._unstarted_tokens[r.request_id] = len(r.prompt_token_ids)
+            self._unstarted_payloads[r.request_id] = payload
         return generation
 
     def unqueue(self, request_id: str) -> None:
@@ -221,6 +225,7 @@ class EngineClient:
         or it ended before one."""
         self.num_unstarted -= 1
         self.num_unstarted_tokens -= self._unstarted_tokens.pop(request_id, 0)
+        self._unstarted_payloads.pop(request_id, None)
 
     def _release(self, request_id: str, started: bool, abort: bool) -> None:
         self._queues.pop(request_id, None)
@@ -343,7 +348,7 @@ class EngineClient:
                         await self.redis.xtrim(self.reply_stream, minid=self._last_id)  # drop what we have read
                     await self._check_redis_restart()
                     if self._restart is not None:
-                        await self._fail_lost_requests()
+                        await self._recover_lost_requests()
                     last_trim = time.monotonic()
                 self.redis_ok, backoff = True, 0.1
             except asyncio.CancelledError:
@@ -369,7 +374,7 @@ class EngineClient:
 
     async def _check_redis_restart(self) -> None:
         """A Redis that restarted (its run_id changed) without persistence lost what it queued: wait
-        for the schedulers to say what they hold (_fail_lost_requests)."""
+        for the schedulers to say what they hold (_recover_lost_requests)."""
         run_id = (await self.redis.info("server")).get("run_id")
         if self._redis_run_id is not None and run_id != self._redis_run_id:
             log.warning("Redis restarted: waiting up to %g s for %d scheduler(s) to say which requests they hold",
@@ -379,9 +384,11 @@ class EngineClient:
             self._schedulers = {s.scheduler_id for s in await self.statuses()}
         self._redis_run_id = run_id
 
-    async def _fail_lost_requests(self) -> None:
-        """Once every scheduler has said what it holds (or the grace period is over): the requests
-        no scheduler holds and the new Redis lacks end with an error and are aborted everywhere."""
+    async def _recover_lost_requests(self) -> None:
+        """Once every scheduler has said what it holds (or the grace period is over): a request no
+        scheduler holds and the new Redis lacks is put on the stream again, under its id, if it had
+        not started (a scheduler that holds it after all drops the duplicate); one that had started
+        lost part of its output, and ends with an error and is aborted everywhere."""
         held, reported = await self._held_requests()
         alive = {s.scheduler_id for s in await self.statuses(fresh=True)}
         if (self._restart.schedulers | alive) - reported and time.monotonic() < self._restart.deadline:
@@ -399,6 +406,19 @@ class EngineClient:
         await self._read_batch(block=False)  # a request that ended has its events out before its entry goes
         # (an error queued behind a started request's last events is never read: it has ended by then)
         lost = [r for r in lost if r in self._queues and (r in started or r not in self._started)]
+        unstarted = [r for r in lost if r not in started and r in self._unstarted_payloads]
+        if unstarted:
+            log.warning("Redis restarted: queueing again %d request(s) it lost before a scheduler read them",
+                        len(unstarted))
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for request_id in unstarted:
+                    pipe.xadd(streams.REQUESTS, {streams.FIELD: self._unstarted_payloads[request_id]})
+                for request_id, entry_id in zip(unstarted, await pipe.execute()):
+                    self._entry_ids[request_id] = entry_id
+                lost = [r for r in lost if r not in unstarted]
+            except Exception as exc:  # Redis went again: these fail as lost
+                log.warning("could not queue them again (%s)", exc)
         if lost:
             log.warning("Redis restarted: failing %d request(s) it lost (no scheduler holds them)", len(lost))
         for request_id in lost:

@@ -135,9 +135,11 @@ def up(args, engine: EngineConfig, serving: ServingConfig, gateway: GatewayConfi
     try:  # whatever happens, the children (in sessions of their own) and Redis are stopped
         redis_url = args.redis_url
         if not redis_url:
-            redis_server = RedisServer(die_with_parent=True).start()
+            redis_server = RedisServer(die_with_parent=True, appendonly=True).start()
             redis_url = redis_server.url
-            print(f"pagoda: private Redis at {redis_url}", file=sys.stderr)
+            print(f"pagoda: private Redis at {redis_url} (append-only file, fsync every second)", file=sys.stderr)
+        else:
+            _warn_if_not_durable(redis_url)
         if args.addresses_file:
             _write_addresses(Path(args.addresses_file), local_url(gateway.host, gateway.port), redis_url)
         children = _children(engine, serving, gateway, redis_url, run_dir, data_parallel_size, gpus)
@@ -289,6 +291,24 @@ def _supervise(children: list[Child], redis_server: RedisServer | None, args, st
             _banner(url, args)
         time.sleep(POLL_S)
     return 0
+
+
+def _warn_if_not_durable(redis_url: str) -> None:
+    """An external Redis's persistence is its own: say what a restart of it would lose."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        appendonly = client.config_get("appendonly").get("appendonly")
+    except redis.RedisError as exc:  # CONFIG may be off on a managed Redis
+        print(f"pagoda: could not read the persistence of the Redis at {redis_url} ({exc})", file=sys.stderr)
+        return
+    finally:
+        client.close()
+    if appendonly != "yes":
+        print(f"pagoda: warning: the Redis at {redis_url} keeps no append-only file (appendonly {appendonly}): if it "
+              "restarts, a request it queued survives only while the gateway that accepted it is up to queue it "
+              "again (docs/reliability.md)", file=sys.stderr)
 
 
 def healthy(url: str) -> bool:

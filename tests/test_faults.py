@@ -191,15 +191,16 @@ def test_while_redis_restarts_the_gateway_answers_503_and_service_resumes(stack,
     assert_nothing_leaked(stack, redis_server, r)
 
 
-def test_a_redis_restart_fails_only_the_requests_it_lost(stack, r, redis_server, references):
+def test_a_redis_restart_loses_no_accepted_request(stack, r, redis_server, references):
     """Two streams run and two requests wait in the scheduler (it read them); two more are queued
-    unread in Redis when it restarts empty. Only those two fail (503, Retry-After); the others,
-    and one sent once the new Redis is up, finish with the text they would have had; nothing runs
-    on once every client has its answer."""
+    unread in Redis when it restarts empty (no persistence). The gateway queues those two again
+    under their ids; every request, and one sent once the new Redis is up, finishes once with the
+    text it would have had; nothing runs on once every client has its answer."""
     short, long_start = references
     prompts = SHORT_PROMPTS + SHORT_PROMPTS[:1]
     pids = stack.children()
-    with concurrent.futures.ThreadPoolExecutor(7) as pool, httpx.Client(timeout=120) as http:
+    # the requests queued again wait for every other: a slow (shared) CPU may take minutes
+    with concurrent.futures.ThreadPoolExecutor(7) as pool, httpx.Client(timeout=300) as http:
         streams_ = []
         for _ in range(2):
             started = concurrent.futures.Future()
@@ -208,19 +209,13 @@ def test_a_redis_restart_fails_only_the_requests_it_lost(stack, r, redis_server,
         held = [pool.submit(complete, http, stack, p, 8) for p in prompts[:2]]
         wait_for(lambda: r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"] == 4, 10,
                  "two requests to wait in the scheduler")
-        lost = [pool.submit(http.post, stack.url + "/v1/completions",
-                            json={"model": MODEL, "prompt": p, "max_tokens": 8}) for p in prompts[2:]]
+        lost = [pool.submit(complete, http, stack, p, 8) for p in prompts[2:]]
         wait_for(lambda: r.xlen(streams.REQUESTS) == 6, 10, "two requests queued unread in Redis")
         redis_server.stop()
         redis_server.start()  # the same port, empty
         wait_for(lambda: stack.health() == 200, 30, "the scheduler's status in the new Redis")
         after = pool.submit(complete, http, stack, SHORT_PROMPTS[2], 8)  # before the gateway saw the restart
-        for response in (f.result(timeout=60) for f in lost):
-            assert response.status_code == 503, response.text
-            assert response.headers["retry-after"] == "5"
-            assert response.json()["error"] == {
-                "message": "Redis restarted and lost the request before a scheduler read it; retry the request",
-                "type": "server_error", "param": None, "code": "service_unavailable"}
+        assert [f.result(timeout=300) for f in lost] == [short[p] for p in prompts[2:]]
         for result in (f.result(timeout=120) for f in streams_):
             assert (result["error"], result["done"], len(result["tokens"])) == (None, True, 200)
             assert result["tokens"][:len(long_start)] == long_start

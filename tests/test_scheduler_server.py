@@ -1139,3 +1139,24 @@ def test_kv_events_replay_into_the_schedulers_exact_set_of_cached_hashes(make_ha
     assert len(bm.cached_blocks) == 2  # 39 tokens confirmed, then 1: the first 2 blocks of "after" alone
     assert tokens(done["after"]) == expected_output(0, 40, 2)  # the new group's scheduler numbers from 0
     h.assert_nothing_held()
+
+
+def test_an_append_only_redis_killed_and_restarted_keeps_the_queue_and_what_each_scheduler_read():
+    """pagoda up's private Redis: SIGKILLed (a crash), started again on its directory, it still holds
+    every acknowledged entry and the consumer group's pending list: nothing queued is lost, and a
+    request a scheduler had read is not delivered to another."""
+    server = RedisServer(port=stable_port(), appendonly=True).start()
+    client = redis.Redis.from_url(server.url)
+    try:
+        client.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
+        ids = [client.xadd(streams.REQUESTS, {streams.FIELD: b"%d" % i}) for i in range(24)]
+        client.xreadgroup(streams.SCHEDULER_GROUP, "scheduler-a", {streams.REQUESTS: ">"}, count=4)
+        server.kill()
+        server.start()
+        assert [entry_id for entry_id, _ in client.xrange(streams.REQUESTS)] == ids
+        assert client.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"] == 4
+        rest = client.xreadgroup(streams.SCHEDULER_GROUP, "scheduler-b", {streams.REQUESTS: ">"})
+        assert [entry_id for entry_id, _ in rest[0][1]] == ids[4:]
+    finally:
+        client.close()
+        server.stop()
