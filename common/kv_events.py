@@ -4,6 +4,7 @@ vLLM's events, fields and wire layout (vllm/distributed/kv_events.py: msgspec st
 array-like, an event's class name first), sent as plain msgpack so that any client can read them:
 
     batch            [ts, [event, ...], data_parallel_rank]       ts: time.time(); rank: the engine id
+                                                                  (an int when it is a number, as vLLM's)
     BlockStored      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
     BlockRemoved     ["BlockRemoved", block_hashes, medium]
     AllBlocksCleared ["AllBlocksCleared"]
@@ -16,7 +17,9 @@ order, `block_size` per hash. `medium` is "GPU" (the device pool, whatever the d
 
 Each engine group's scheduler appends one batch per loop that changed its cache to the Redis
 stream `pagoda:kv-events:<engine id>` (capped, field `batch`). A scheduler that starts (a new
-worker group: the KV is gone) begins with AllBlocksCleared, so replaying the stream from any
+worker group: the KV is gone) begins with AllBlocksCleared, and one that stops or loses its group
+sends one; after a Redis that restarted empty, it sends AllBlocksCleared and a BlockStored for every
+cached block (the stream's history went with Redis). Replaying the stream from any
 AllBlocksCleared on gives the group's cached hashes exactly (`replay`).
 """
 from __future__ import annotations

@@ -47,6 +47,8 @@ def stable_port(host: str = "127.0.0.1", attempts: int = 100) -> int:
     port, free while its server is down, can be taken by any outgoing connection meanwhile, even by a
     client's reconnect to that very port (a TCP self-connect), and the restart then fails to bind."""
     low, _ = _ephemeral_port_range()
+    if low - 1 < 2048:  # an ephemeral range that starts low leaves no room below it
+        return free_port(host)
     for _ in range(attempts):
         port = random.randint(max(1024, low - 12000), low - 1)
         with socket.socket() as s:

@@ -35,7 +35,7 @@ MEMORY_WATCH_TTL_S = 10  # the dashboard's data unserved this long: the schedule
 ABORTS_MAXLEN = 10_000
 KV_EVENTS_PREFIX = "pagoda:kv-events:"
 KV_EVENTS_FIELD = b"batch"
-KV_EVENTS_MAXLEN = 100_000  # batches; approximate (XADD MAXLEN ~)
+KV_EVENTS_MAXLEN = 10_000  # batches (a few hundred bytes each); approximate (XADD MAXLEN ~)
 
 
 def kv_events_stream(engine_id: str) -> str:

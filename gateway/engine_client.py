@@ -131,6 +131,11 @@ def _abort_fields(request_id: str, index: int | None) -> dict[bytes, bytes]:
     return fields
 
 
+def _cancelling(task: asyncio.Task) -> bool:
+    """Whether a cancel of `task` is pending (Task.cancelling is Python 3.11's; before it, unknown)."""
+    return bool(getattr(task, "cancelling", lambda: 0)())
+
+
 class EngineClient:
     def __init__(self, redis_url: str, gateway_id: str, restart_grace_s: float = 3.0) -> None:
         # retry_on_error: after a Redis restart each pooled connection fails once; reconnect and retry.
@@ -172,6 +177,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        self._closing = False
         self._reader = asyncio.create_task(self._read_replies(), name="pagoda-reply-reader")
 
     async def close(self) -> None:
@@ -356,7 +362,7 @@ class EngineClient:
             except Exception as exc:  # Redis went away: keep trying, never take the app down
                 # a cancel that the Redis client turned into an error (its connect and disconnect
                 # timeouts can) is still a cancel: without this the reader outlives close()
-                if self._closing or asyncio.current_task().cancelling():
+                if self._closing or _cancelling(asyncio.current_task()):
                     raise asyncio.CancelledError from exc
                 if self.redis_ok:
                     log.warning("reply reader lost Redis (%s); retrying", exc)
@@ -397,11 +403,9 @@ class EngineClient:
         candidates = [r for r in self._queues if r not in held and r in self._entry_ids]
         if not candidates:
             return
-        pipe = self.redis.pipeline(transaction=False)
-        for request_id in candidates:
-            entry_id = self._entry_ids[request_id]
-            pipe.xrange(streams.REQUESTS, entry_id, entry_id, count=1)
-        lost = [r for r, entries in zip(candidates, await pipe.execute()) if not entries]
+        first = min((self._entry_ids[r] for r in candidates), key=lambda e: tuple(map(int, e.split(b"-"))))
+        queued = await self._queued_request_ids(first)
+        lost = [r for r in candidates if r not in queued]
         started = {r for r in lost if r in self._started}
         await self._read_batch(block=False)  # a request that ended has its events out before its entry goes
         # (an error queued behind a started request's last events is never read: it has ended by then)
@@ -415,16 +419,37 @@ class EngineClient:
                 for request_id in unstarted:
                     pipe.xadd(streams.REQUESTS, {streams.FIELD: self._unstarted_payloads[request_id]})
                 for request_id, entry_id in zip(unstarted, await pipe.execute()):
-                    self._entry_ids[request_id] = entry_id
+                    if request_id in self._queues:  # not released meanwhile
+                        self._entry_ids[request_id] = entry_id
                 lost = [r for r in lost if r not in unstarted]
             except Exception as exc:  # Redis went again: these fail as lost
                 log.warning("could not queue them again (%s)", exc)
         if lost:
             log.warning("Redis restarted: failing %d request(s) it lost (no scheduler holds them)", len(lost))
         for request_id in lost:
+            queue = self._queues.get(request_id)
+            if queue is None:  # its client left while the pipeline ran
+                continue
             message = OUTPUT_LOST if request_id in started else REDIS_RESTARTED
-            self._queues[request_id].put_nowait(RequestEvent(request_id, [], None, "error", message))
+            queue.put_nowait(RequestEvent(request_id, [], None, "error", message))
             self.abort(request_id)
+
+    async def _queued_request_ids(self, first_entry_id: bytes) -> set[str]:
+        """The ids of the requests in the stream from `first_entry_id` on: by request id, not entry id,
+        since a draining scheduler hands a request back under a new entry."""
+        ids, start = set(), first_entry_id
+        while True:
+            entries = await self.redis.xrange(streams.REQUESTS, start, "+", count=1000)
+            for _, fields in entries:
+                try:
+                    request = decode(fields.get(streams.FIELD, b""))
+                except ProtocolError:
+                    continue
+                if isinstance(request, GenerateRequest):
+                    ids.add(request.request_id)
+            if len(entries) < 1000:
+                return ids
+            start = b"(" + entries[-1][0]
 
     async def _held_requests(self) -> tuple[set[str], set[str]]:
         """The request ids the schedulers hold, and the schedulers that said so, since Redis restarted."""

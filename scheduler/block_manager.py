@@ -69,6 +69,7 @@ class BlockManager(AllocatorBase):
         self.cached_blocks: dict[bytes, int] = {}  # key -> device block
         self.block_key: list[bytes | None] = [None] * num_blocks
         self.block_tokens: dict[int, tuple[int, ...]] = {}
+        self.block_parent: dict[int, bytes | None] = {}  # a registered block's parent key (KV events)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, ref 0; oldest first
         self.seq_keys: dict[int, list[bytes]] = {}  # keys of each sequence's leading full blocks
         # for the dashboard (scheduler/memory_view.py): a counter bumped by every change of a
@@ -82,6 +83,14 @@ class BlockManager(AllocatorBase):
     def record_kv_events(self) -> None:
         """Keep KV events from now on, starting with AllBlocksCleared: this pool starts empty."""
         self.kv_events = [AllBlocksCleared()]
+
+    def kv_snapshot(self) -> list[KVCacheEvent]:
+        """The whole registry as events (AllBlocksCleared, then a BlockStored per key, parents
+        first): for a stream that lost its history (Redis restarted empty)."""
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        for key, block in self.cached_blocks.items():
+            events.append(BlockStored([key], self.block_parent[block], list(self.block_tokens[block]), self.block_size))
+        return events
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The events since the last take (none when not kept)."""
@@ -311,6 +320,7 @@ class BlockManager(AllocatorBase):
                 self.cached_blocks[key] = block
                 self.block_key[block] = key
                 self.block_tokens[block] = tokens
+                self.block_parent[block] = parent
                 if self.kv_events is not None:
                     self._stored(parent, key, tokens)
 
@@ -318,6 +328,7 @@ class BlockManager(AllocatorBase):
         key = self.block_key[block]
         del self.cached_blocks[key]
         del self.block_tokens[block]
+        del self.block_parent[block]
         self.block_key[block] = None
         if self.kv_events is not None:
             last = self.kv_events[-1] if self.kv_events else None
@@ -416,6 +427,7 @@ class BlockManager(AllocatorBase):
         assert all(self.ref_counts[b] == 0 and self.block_key[b] is not None for b in cached), "bad cached block"
         used = sum(1 for count in self.ref_counts if count > 0)
         assert len(free) + len(cached) + used == self.num_total_blocks, "free + cached + used != total"
+        assert self.block_parent.keys() == self.block_tokens.keys(), "a registered block without its parent key"
         for key, block in self.cached_blocks.items():
             assert self.block_key[block] == key, "the registry and a block disagree on its key"
         assert sum(key is not None for key in self.block_key) == len(self.cached_blocks), "an unindexed key"

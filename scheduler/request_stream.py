@@ -164,8 +164,20 @@ class RequestStream:
             log.warning("the requests stream has no consumer group (Redis restarted empty?): recreating it")
             self.ensure_group()
             return []
-        return [a for _, entries in replies or [] for entry_id, fields in entries
-                if (a := self._arrival(entry_id, fields)) is not None]
+        return self._unique([a for _, entries in replies or [] for entry_id, fields in entries
+                             if (a := self._arrival(entry_id, fields)) is not None])
+
+    def _unique(self, arrivals: list[Arrival]) -> list[Arrival]:
+        """One arrival per request id: a second entry of it in the same read (a gateway queued it
+        again after a Redis restart) is acknowledged and dropped, as one already tracked is."""
+        seen, unique = set(), []
+        for arrival in arrivals:
+            if arrival.request.request_id in seen:
+                self.outbox.append(Ack(arrival.entry_id))
+            else:
+                seen.add(arrival.request.request_id)
+                unique.append(arrival)
+        return unique
 
     def _arrival(self, entry_id: bytes, fields: dict) -> Arrival | None:
         """The entry's request, unless it is malformed, a duplicate or already aborted (those end here)."""
@@ -289,7 +301,7 @@ class RequestStream:
                             "it is not tried again")
             elif (arrival := self._arrival(entry_id, fields)) is not None:
                 arrivals.append(arrival)
-        return arrivals
+        return self._unique(arrivals)
 
     def _own_pending(self, count: int) -> list[dict]:
         return self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", count,

@@ -63,6 +63,7 @@ class SchedulerServer:
         self.drain_deadline: float | None = None  # set by SIGTERM
         self._drain_logged = False
         self._last_status = 0.0
+        self._kv_events_run_id: str | None = None  # the Redis whose KV events stream has this group's history
         self._last_memory = 0.0
         self._memory_version: tuple | None = None  # of the snapshot last published
         self._memory_tables = PackedTables()  # its block tables, packed: the next publish packs what changed
@@ -143,6 +144,8 @@ class SchedulerServer:
     def _shutdown(self) -> None:
         """Requests still held end with an error (their clients would otherwise wait for nothing)."""
         try:
+            if self.scheduler is not None and self.serving.kv_events:
+                self._queue_kv_events([AllBlocksCleared()])  # routers: nothing is cached here any more
             self.stream.fail_all("the scheduler is shutting down")
             self.stream.delete_status()
         except redis.RedisError as exc:
@@ -174,6 +177,7 @@ class SchedulerServer:
         self.scheduler.isolate_failures = True
         if self.serving.kv_events:  # its first batch says AllBlocksCleared: the pool starts empty
             self.scheduler.block_manager.record_kv_events()
+            self._kv_events_run_id = self.stream.redis_run_id
         self._memory_version, self._memory_tables = None, PackedTables()
         log.info("workers ready: %s, %d KV blocks of %d tokens, context %d",
                  hello.model, hello.num_gpu_blocks, hello.block_size, hello.max_model_len)
@@ -285,8 +289,12 @@ class SchedulerServer:
     def _publish(self) -> None:
         """Each loop: the outbox (with the memory snapshot made last loop), then the status and the
         memory snapshot when due."""
-        if self.scheduler is not None:
-            self._queue_kv_events(self.scheduler.block_manager.take_kv_events())
+        s = self.scheduler
+        if s is not None and self.serving.kv_events:
+            events = s.block_manager.take_kv_events()
+            if self.stream.redis_run_id != self._kv_events_run_id:  # Redis restarted empty: the stream too
+                events, self._kv_events_run_id = s.block_manager.kv_snapshot(), self.stream.redis_run_id
+            self._queue_kv_events(events)
         self.stream.flush()
         self._publish_status()
         self._publish_memory()
@@ -294,7 +302,8 @@ class SchedulerServer:
     def _queue_kv_events(self, events: list) -> None:
         """One batch of the cache's changes (common/kv_events.py), sent with the outbox."""
         if events:
-            batch = encode_batch(KVEventBatch(time.time(), events, self.serving.engine_id))
+            engine = self.serving.engine_id  # vLLM's data_parallel_rank is an int: a numeric engine id is sent as one
+            batch = encode_batch(KVEventBatch(time.time(), events, int(engine) if engine.isdigit() else engine))
             self.stream.outbox.append(PublishKVEvents(streams.kv_events_stream(self.serving.engine_id), batch))
 
     def _publish_status(self) -> None:

@@ -737,6 +737,9 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
             assert router.cached == set(bm.cached_blocks)
     router.apply(bm.take_kv_events())
     assert router.cached == set(bm.cached_blocks)
+    late = KVEventsModel(block_size)  # a router that joins after a Redis restart: the snapshot alone
+    late.apply(bm.kv_snapshot())
+    assert late.cached == set(bm.cached_blocks)
     for seq in list(model.tokens):
         bm.free(seq)
     bm.check_integrity()

@@ -985,6 +985,37 @@ def test_a_request_lost_by_a_redis_restart_is_queued_again_at_once_under_its_id(
         server.stop()
 
 
+def test_a_request_the_new_redis_holds_under_another_entry_is_not_queued_again(tokenizer):
+    """A draining scheduler hands a request back under a new entry id: after a restart, the gateway
+    looks for the request by its id, not by the entry it sent, and adds no second copy."""
+    import concurrent.futures
+
+    server = RedisServer().start()
+    publisher = redis.Redis.from_url(server.url)
+    try:
+        publisher.set(streams.status_key("fake"), encode(status()), px=60_000)
+        with TestClient(create_app(GatewayConfig(redis_url=server.url), tokenizer=tokenizer)) as c:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(c.post, "/v1/completions", json={"prompt": HELLO, "max_tokens": 2})
+                assert wait_for(lambda: publisher.xlen(streams.REQUESTS) == 1, 5.0)
+                [(_, sent)] = publisher.xrange(streams.REQUESTS)
+                time.sleep(1.5)  # the gateway has seen this Redis's run_id
+                server.stop()
+                server.start()
+                publisher.xadd(streams.REQUESTS, {"pad": b"1"})  # the handed-back entry gets a later id
+                publisher.xadd(streams.REQUESTS, sent)  # handed back (as after a drain), kept by the new Redis
+                publisher.set(streams.status_key("fake"), encode(status()), px=60_000)
+                publisher.set(streams.held_key("fake"), encode(HeldRequests("fake", [])))
+                time.sleep(2.5)  # past the gateway's look at the new Redis
+                assert [fields for _, fields in publisher.xrange(streams.REQUESTS)] == [{b"pad": b"1"}, sent]
+                request = decode(sent[streams.FIELD])
+                publisher.xadd(request.reply_stream, {streams.FIELD: encode(
+                    RequestEvent(request.request_id, request.prompt_token_ids[:2], None, "length"))})
+                assert pending.result(timeout=10).json()["choices"][0]["text"] == "Hello world"
+    finally:
+        publisher.close()
+        server.stop()
+
 def test_after_a_redis_restart_only_what_no_scheduler_holds_is_queued_again(tokenizer):
     """Of three requests, one was read by a scheduler before Redis restarted (it says it holds it),
     one was queued unread (lost: queued again under its id once the scheduler has said what it

@@ -558,6 +558,19 @@ def test_a_duplicate_request_id_in_flight_is_dropped(harness):
     harness.assert_nothing_held()
 
 
+def test_two_entries_of_one_request_read_together_run_it_once(harness):
+    """A gateway queued a request again after a Redis restart that had kept it after all: both
+    entries come in one read, the second is acknowledged and dropped, with no error event."""
+    harness.submit("b", prompt(10), max_tokens=5)
+    harness.submit("b", prompt(10), max_tokens=5)  # queued before any worker: read in one batch
+    harness.worker()
+    done = harness.wait_finished("b")
+    assert tokens(done["b"]) == expected_output(0, 10, 5) and all(e.error is None for e in done["b"])
+    harness.poll_events(block_ms=200)
+    assert len(harness.events["b"]) == 5
+    harness.assert_nothing_held()
+
+
 # ----------------------------------------------------------------------------- a request that breaks the scheduler
 
 
@@ -1120,7 +1133,7 @@ def test_kv_events_replay_into_the_schedulers_exact_set_of_cached_hashes(make_ha
         bm = h.server.scheduler.block_manager
         h.wait_until(lambda: replayed() == set(bm.cached_blocks), 2.0, "the events to reach the registry")
     events = [event for batch in batches() for event in batch.events]
-    assert {batch.data_parallel_rank for batch in batches()} == {"7"}
+    assert {batch.data_parallel_rank for batch in batches()} == {7}  # vLLM's int rank: the engine id
     assert isinstance(events[0], AllBlocksCleared)
     assert sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved)) > 0  # evictions were told
     stored = [e for e in events if isinstance(e, BlockStored)]
