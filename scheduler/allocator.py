@@ -90,6 +90,8 @@ class Allocator(Protocol):
 
     def take_kv_events(self) -> list: ...  # those since the last take
 
+    def kv_snapshot(self) -> list: ...  # the whole prefix registry as events (a stream that lost its history)
+
     def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> list[int]: ...  # blocks released
 
     def fork(self, parent_id: int, child_id: int) -> None: ...

@@ -163,6 +163,9 @@ class ContiguousAllocator(AllocatorBase):
     def take_kv_events(self) -> list:
         return []
 
+    def kv_snapshot(self) -> list:
+        return []
+
     def remove_skipped_blocks(self, seq_id: int, num_computed_tokens: int) -> list[int]:
         return []  # a region is held whole until its sequence ends, sliding window or not
 
