@@ -52,6 +52,10 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, exclude: Collect
             parser.add_argument(meta["flag"], *meta.get("aliases", ()), dest=f.name, help=meta["help"],
                                 action="store_false" if f.default else "store_true")
             continue
+        if value_type is tuple:  # repeatable, each taking one or more values (vLLM's --lora-modules)
+            parser.add_argument(meta["flag"], *meta.get("aliases", ()), dest=f.name, nargs="+", action=_Extend,
+                                default=f.default, metavar=_metavar(meta), help=meta["help"])
+            continue
         default, help = f.default, meta["help"]
         if meta["env"]:
             value = os.environ.get(meta["env"])
@@ -81,13 +85,24 @@ def config_to_argv(config, exclude: Collection[str] = ()) -> list[str]:
         if _value_type(types[f.name]) is bool:
             if value != f.default:
                 argv.append(f.metadata["flag"])
+        elif _value_type(types[f.name]) is tuple:
+            argv += [f"{f.metadata['flag']}={item}" for item in value]
         else:
             argv.append(f"{f.metadata['flag']}={value}")  # '=': a value may start with '-'
     return argv
 
 
+class _Extend(argparse.Action):
+    """Each use adds its values to the tuple (the field's default first)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, tuple(getattr(namespace, self.dest) or ()) + tuple(values))
+
+
 def _value_type(hint: Any) -> type:
     """int for `int` and `int | None`."""
+    if typing.get_origin(hint) is tuple:
+        return tuple
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if len(args) > 1:
         raise TypeError(f"a flag needs one value type, not {hint}")

@@ -15,6 +15,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's --kv-cache-dtype: fp8 is
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # tool_choice "auto": the output's tool-call format
 GENERATION_CONFIGS = ("auto", "vllm")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 # --quantization (worker/quantization): the checkpoint's own format or none (auto), full precision
 # (none), quantized as it loads (fp8, int4, int8), or a checkpoint format named
 QUANTIZATIONS = ("auto", "none", "fp8", "int4", "int8", "awq", "gptq", "compressed-tensors")
@@ -79,6 +80,12 @@ class EngineConfig:
     seed: int = no_flag(0, "seeds dummy weights only; `pagoda generate --seed` is the sampling seed")
     allocator: str = option("paged", "--allocator",
                             "KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)", choices=ALLOCATORS)
+    # [lora] (docs/lora.md)
+    enable_lora: bool = option(False, "--enable-lora", "serve LoRA adapters (--lora-modules) beside the base model")
+    max_loras: int = option(1, "--max-loras", "LoRA adapters in one step at most (the workers' adapter slots)")
+    max_lora_rank: int = option(16, "--max-lora-rank", "the highest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = option(None, "--max-cpu-loras",
+                                       "LoRA adapters each worker keeps read in host memory (default: --max-loras)")
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")
@@ -106,6 +113,9 @@ class EngineConfig:
         _check(self.allocator in ALLOCATORS, f"allocator must be one of {', '.join(ALLOCATORS)}")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(self.generation_config in GENERATION_CONFIGS, "generation_config must be auto or vllm")
+        _check(self.max_loras >= 1, "max_loras must be >= 1")
+        _check(self.max_lora_rank in LORA_RANKS, f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}")
+        _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras must be >= max_loras")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -196,6 +206,14 @@ class GatewayConfig:
     tool_call_parser: str = option("auto", "--tool-call-parser",
                                    'the format of tool calls under tool_choice "auto" (auto: detected from the chat '
                                    "template)", choices=TOOL_CALL_PARSERS)
+    # [lora] (docs/lora.md); --enable-lora and --max-lora-rank are the engine's flags too
+    enable_lora: bool = option(False, "--enable-lora", "serve LoRA adapters (--lora-modules) beside the base model")
+    lora_modules: tuple[str, ...] = option((), "--lora-modules",
+                                           "LoRA adapters in PEFT's format, each NAME=PATH or JSON "
+                                           '{"name": ..., "path": ..., "base_model_name": ...}; repeatable')
+    max_lora_rank: int = option(16, "--max-lora-rank", "the highest LoRA rank an adapter may have")
+    allow_runtime_lora_updating: bool = option(False, "--allow-runtime-lora-updating",
+                                               "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
 
     def __post_init__(self) -> None:
         _check(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -214,6 +232,9 @@ class GatewayConfig:
         _check(self.tool_call_parser in TOOL_CALL_PARSERS,
                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         _check(self.generation_config in GENERATION_CONFIGS, "generation_config must be auto or vllm")
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))  # a list, or None: none
+        _check(self.enable_lora or not self.lora_modules, "--lora-modules needs --enable-lora")
+        _check(self.enable_lora or not self.allow_runtime_lora_updating, "--allow-runtime-lora-updating needs --enable-lora")
         if self.gateway_id is None:
             object.__setattr__(self, "gateway_id", secrets.token_hex(8))
         _check(

@@ -8,6 +8,7 @@ dashboard draws, served at /dashboard/snapshot and written by `pagoda generate -
      "cached": [17, 18],                      device blocks held only by the prefix cache
      "sequences": [{"request_id": "cmpl-..", "seq_id": 4, "status": "running", "num_tokens": 37,
                     "num_slots": 37, "pool": "gpu", "block_table": [1, 2, 3]}, ...],
+                                              (and "lora": its adapter's name, when it has one)
      "events": [{"id": 12, "step": 811, "time": ..., "kind": "cow", "request_id": "cmpl-..",
                  "seq_id": 5, "blocks": [3, 9], "num_blocks": 2}, ...],
      "stats": {...}}                          the gauges named in STATS
@@ -92,7 +93,7 @@ def snapshot_json(snapshot: MemorySnapshot) -> dict:
     out = dataclasses.asdict(snapshot)
     out["ref_counts"] = _counts(snapshot.ref_counts, snapshot.num_gpu_blocks)
     out["cpu_ref_counts"] = _counts(snapshot.cpu_ref_counts, snapshot.num_cpu_blocks)
-    out["sequences"] = [dict(zip(SEQUENCE_FIELDS, (*row[:-1], unpack_ints(row[-1])))) for row in snapshot.sequences]
+    out["sequences"] = [_sequence(row) for row in snapshot.sequences]
     for event in out["events"]:
         event["blocks"] = unpack_ints(event["blocks"])
     return out
@@ -121,3 +122,11 @@ def check_snapshot(snapshot: dict) -> list[str]:
         if snapshot["ref_counts"][block]:
             problems.append(f"cached block {block} is held by a table")
     return problems
+
+
+def _sequence(row: list) -> dict:
+    """A sequence's row as its JSON object; "lora" (its adapter's name) only for one that has one."""
+    seq = dict(zip(SEQUENCE_FIELDS, (*row[:6], unpack_ints(row[6]))))
+    if len(row) > 7:
+        seq["lora"] = row[7]
+    return seq

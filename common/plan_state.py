@@ -40,6 +40,7 @@ class HeldSequence:
     num_computed_tokens: int
     block_table: list[int]
     sampling_params: SamplingParams
+    lora_slot: int = -1  # the adapter slot its tokens use (-1: none)
 
     @property
     def num_tokens(self) -> int:
@@ -121,7 +122,7 @@ class PlanState:
                     f"plan step {plan.step} sends sequence {new.seq_id} in full, which this worker holds")
             self._check_blocks(plan.step, new.seq_id, new.block_ids, 0, new.num_computed_tokens)
             held = HeldSequence(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
-                                new.num_computed_tokens, list(new.block_ids), new.sampling_params)
+                                new.num_computed_tokens, list(new.block_ids), new.sampling_params, new.lora_slot)
             self.seqs[new.seq_id] = held
             steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples))
         seqs = self.seqs

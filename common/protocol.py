@@ -184,6 +184,7 @@ class NewSequence:
     num_scheduled_tokens: int
     sampling_params: SamplingParams
     num_samples: int = 1  # tokens drawn if this step computes its last token (best_of for a first token)
+    lora_slot: int = -1  # [lora]: the workers' adapter slot its tokens use (-1: the base model alone)
 
 
 @dataclass(slots=True)
@@ -209,6 +210,9 @@ class StepPlan:
     blocks_to_copy: list[list[int]] = field(default_factory=list)  # copy-on-write (src, dst)
     blocks_to_swap_in: list[list[int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_swap_out: list[list[int]] = field(default_factory=list)  # (gpu, cpu)
+    # [lora] adapters to load before the step: [[slot, LoRARequest], ...] (a slot no sequence of
+    # the step or of a step in flight uses; the scheduler pins an adapter while it runs)
+    lora_loads: list[list] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -275,6 +279,26 @@ class WorkerHello:
 
 
 @dataclass(slots=True)
+class LoRARequest:
+    """A LoRA adapter a request runs with (vLLM's LoRARequest): `lora_name` is what a client names as
+    its model, `lora_int_id` a positive id stable for the name (the KV events' lora_id), `lora_path`
+    the PEFT directory the workers load it from. (id, path) keys it in the slots and the prefix cache."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.lora_name), "lora_name", "a LoRA adapter needs a name")
+        _require(isinstance(self.lora_int_id, int) and 0 < self.lora_int_id < 2**31, "lora_int_id",
+                 "lora_int_id must be in [1, 2**31)")
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.lora_int_id, self.lora_path
+
+
+@dataclass(slots=True)
 class GenerateRequest:
     """A tokenized, validated request, put on the requests stream by a gateway."""
 
@@ -283,6 +307,7 @@ class GenerateRequest:
     sampling_params: SamplingParams
     reply_stream: str  # the gateway process's reply stream
     arrival_time: float  # time.time() at the gateway
+    lora_request: LoRARequest | None = None  # [lora]: the adapter the request's `model` names
 
 
 @dataclass(slots=True)
@@ -355,6 +380,13 @@ class SchedulerStatus:
     kv_bytes_per_block: int = 0
     # [cache-at-scale]: the prompt tokens of the waiting requests (the gateway's --max-num-queued-tokens)
     num_waiting_tokens: int = 0
+    # [lora]: the adapters of the running and of the waiting requests (vLLM's lora_requests_info),
+    # the workers' slots, and the adapters loaded into them and evicted from them so far
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    max_loras: int = 0  # 0: LoRA off
+    num_lora_loads_total: int = 0
+    num_lora_evictions_total: int = 0
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -420,14 +452,15 @@ class MemorySnapshot:
 _MESSAGE_TYPES: list[type] = [  # append only: a message's tag is its index
     SamplingParams, NewSequence, CachedSequence, StepPlan, SampledToken, StepResult, WorkerHello,
     GenerateRequest, RequestEvent, SchedulerStatus, HeldRequests, MemoryEvent, MemorySnapshot,
-    StructuredOutput, PromptLogprobs,
+    StructuredOutput, PromptLogprobs, LoRARequest,
 ]
 _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
-_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]
-    SchedulerStatus: 14, RequestEvent: 3, SamplingParams: 3, StepResult: 1, WorkerHello: 3,
+_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]
+    SchedulerStatus: 19, RequestEvent: 3, SamplingParams: 3, StepResult: 1, WorkerHello: 3,
+    NewSequence: 1, StepPlan: 1, GenerateRequest: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as

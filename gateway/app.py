@@ -34,11 +34,13 @@ from common.admission import AdmissionLimits, check_admissible
 from common.config import GatewayConfig
 from common.generation_config import default_sampling_params, read_generation_config, token_ids
 from common.models import resolve_model
-from common.protocol import GenerateRequest, SchedulerStatus
+from common.lora import LoRAAdapterError
+from common.protocol import GenerateRequest, LoRARequest, SchedulerStatus
 from common.tokenizer import load_tokenizer
 from gateway import dashboard_page
 from gateway.dashboard_page import require_dashboard_key
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
+from gateway.lora import LoRARegistry
 from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, Generation
 from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
 from gateway.models import InvalidField
@@ -71,8 +73,12 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
     `tokenizer` overrides loading the model's (tests share one).
     """
     gateway = Gateway(config, tokenizer)
+    lora_routes = [
+        Route("/v1/load_lora_adapter", gateway.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", gateway.unload_lora_adapter, methods=["POST"]),
+    ] if config.allow_runtime_lora_updating else []
     app = Starlette(
-        routes=[
+        routes=[*lora_routes,
             Route("/v1/completions", gateway.completions, methods=["POST"]),
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
             Route("/v1/models", gateway.models, methods=["GET"]),
@@ -113,6 +119,9 @@ class Gateway:
         self.eos_token_ids = frozenset(([eos] if isinstance(eos, int) else [])
                                        + token_ids(generation_config.get("eos_token_id")))
         self.metrics = GatewayMetrics(self.served_model_name)
+        # [lora]: the adapters a request may name as its model (gateway/lora.py)
+        self.loras = (LoRARegistry(source, self.served_model_name, config.max_lora_rank, config.lora_modules)
+                      if config.enable_lora else None)
         self.engine: EngineClient | None = None
         self.created = int(time.time())
         self.draining = False
@@ -149,15 +158,43 @@ class Gateway:
             self._authorize(request)
         except APIError as exc:
             return error_response(exc)
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        loras = self.loras.cards(self.created) if self.loras is not None else []
+        return JSONResponse({"object": "list", "data": [self._card(), *loras]})
 
     async def model(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            self._check_model(request.path_params["model"])
+            lora = self._check_model(request.path_params["model"])
         except APIError as exc:
             return error_response(exc)
-        return JSONResponse(self._card())
+        return JSONResponse(self._card() if lora is None else self.loras.card(lora.lora_name, self.created))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"} (--allow-runtime-lora-updating)."""
+        try:
+            self._authorize(request)
+            name, path = _lora_fields(parse_json(await self._read_body(request)), ("lora_name", "lora_path"))
+            try:
+                self.loras.add(name, path)
+            except LoRAAdapterError as exc:
+                raise bad_request(str(exc), "lora_path") from None
+        except APIError as exc:
+            return error_response(exc)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: requests already queued keep it."""
+        try:
+            self._authorize(request)
+            (name,) = _lora_fields(parse_json(await self._read_body(request)), ("lora_name",))
+            try:
+                self.loras.remove(name)
+            except KeyError:
+                raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                               code="model_not_found") from None
+        except APIError as exc:
+            return error_response(exc)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     def _card(self) -> dict:
         return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}
@@ -228,15 +265,16 @@ class Gateway:
             self._check_open()
             self._authorize(request)
             body = parse_json(await self._read_body(request))
-            self._check_model(body.get("model"))
+            lora = self._check_model(body.get("model"))
             parsed = await asyncio.to_thread(self._parse, kind, body)  # a long prompt must not stall streams
             statuses = await self._statuses()
             self._check_admissible(parsed, self._ready(statuses))
             self._admit(statuses, sum(len(p) for p in parsed.prompts))
-            shape = ResponseShape.new(kind, self.served_model_name, parsed.logprobs, self.token_text,
+            model = self.served_model_name if lora is None else lora.lora_name
+            shape = ResponseShape.new(kind, model, parsed.logprobs, self.token_text,
                                       request_id(request), parsed.prompt_logprobs)
             echoes = await asyncio.to_thread(self._echoes, parsed) if parsed.echo else None
-            requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival, echoes)
+            requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival, echoes, lora)
             generation = await self._submit(requests)
         except APIError as exc:
             return error_response(exc)
@@ -270,7 +308,7 @@ class Gateway:
 
     def _sub_requests(
         self, response_id: str, parsed: ParsedRequest, arrival_time: float, arrival: float,
-        echoes: list[Echo] | None = None,
+        echoes: list[Echo] | None = None, lora: LoRARequest | None = None,
     ) -> tuple[list[GenerateRequest], list[ChoiceState]]:
         """One request per prompt, `<response id>-<prompt index>`, whose n outputs are the prompt's
         choices: one sequence group in the scheduler, its samples forked from the prompt's blocks
@@ -280,7 +318,8 @@ class Gateway:
         requests, choices = [], []
         for p, prompt in enumerate(parsed.prompts):
             request_id = f"{response_id}-{p}"
-            requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream, arrival_time))
+            requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream, arrival_time,
+                                            lora))
             for i in range(parsed.n):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
                 tools = ToolCallStream(parsed.tool_parser, parsed.max_tool_calls) if parsed.tool_parser else None
@@ -451,10 +490,15 @@ class Gateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _check_model(self, model: object) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
-                           param="model", code="model_not_found")
+    def _check_model(self, model: object) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for any other."""
+        if model is None or model == self.served_model_name:
+            return None
+        if self.loras is not None and model in self.loras.adapters:
+            return self.loras.adapters[model]
+        adapters = f" and the LoRA adapters {sorted(self.loras.adapters)}" if self.loras and self.loras.adapters else ""
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}"
+                            f"{adapters}", param="model", code="model_not_found")
 
     async def _statuses(self, fresh: bool = False) -> list[SchedulerStatus]:
         try:
@@ -612,3 +656,16 @@ class CountResponses:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+def _lora_fields(body: object, names: tuple[str, ...]) -> list[str]:
+    """The runtime LoRA endpoints' string fields, each required (a 400 naming the one missing)."""
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    values = []
+    for name in names:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            raise bad_request(f"{name} must be a non-empty string", name)
+        values.append(value)
+    return values

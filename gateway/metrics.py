@@ -23,7 +23,10 @@ the whole deployment. Schedulers that share an engine id are summed into its one
                                      num_cow_copies_total, num_swapped_out_blocks_total,
                                      num_swapped_in_blocks_total, prefix_cache_evictions_total;
                                      cache_config_info{block_size,cache_dtype,kv_bytes_per_block,
-                                     num_gpu_blocks,num_cpu_blocks} (vLLM's info gauge, value 1)
+                                     num_gpu_blocks,num_cpu_blocks} (vLLM's info gauge, value 1);
+                                     with --enable-lora: lora_requests_info{running_lora_adapters,
+                                     waiting_lora_adapters,max_lora} (vLLM's), lora_loads_total,
+                                     lora_evictions_total
 
 One output's phases, as vLLM times a request (the gateway's clock; the scheduler's first-scheduled
 time comes on the request's first token-bearing event, RequestEvent.scheduled_at):
@@ -165,6 +168,8 @@ class SchedulerCollector(Collector):
             info.add_metric([self.model_name, engine, str(s.block_size), s.kv_cache_dtype, str(s.kv_bytes_per_block),
                              str(s.num_gpu_blocks), str(s.num_cpu_blocks)], 1)
         yield info
+        yield from self._lora_series({engine: statuses for engine, statuses in groups.items()
+                                      if any(s.max_loras for s in statuses)})
         steps = HistogramMetricFamily("pagoda:iteration_tokens_total", "Tokens scheduled per step (prompt and "
                                       "generated).", labels=["model_name", "engine"])
         bounds = [floatToGoString(b) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]  # as Histogram writes `le`
@@ -172,6 +177,29 @@ class SchedulerCollector(Collector):
             counts, total = iteration_tokens(statuses)
             steps.add_metric([self.model_name, engine], list(zip(bounds, counts)), total)
         yield steps
+
+
+    def _lora_series(self, groups: dict[str, list[SchedulerStatus]]):
+        """[lora], for the engine groups serving adapters: vLLM's lora_requests_info (the adapters of
+        the running and waiting requests, comma-separated in labels; the value is the status's time)
+        and the adapters loaded into and evicted from the workers' slots."""
+        if not groups:
+            return
+        info = GaugeMetricFamily("pagoda:lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["model_name", "engine", "running_lora_adapters", "waiting_lora_adapters",
+                                         "max_lora"])
+        loads = CounterMetricFamily("pagoda:lora_loads", "LoRA adapters loaded into the workers' slots.",
+                                    labels=["model_name", "engine"])
+        evictions = CounterMetricFamily("pagoda:lora_evictions", "LoRA adapters evicted from the workers' slots.",
+                                        labels=["model_name", "engine"])
+        for engine, statuses in groups.items():
+            running = sorted({name for s in statuses for name in s.running_lora_adapters})
+            waiting = sorted({name for s in statuses for name in s.waiting_lora_adapters})
+            info.add_metric([self.model_name, engine, ",".join(running), ",".join(waiting),
+                             str(max(s.max_loras for s in statuses))], max(s.updated_at for s in statuses))
+            loads.add_metric([self.model_name, engine], sum(s.num_lora_loads_total for s in statuses))
+            evictions.add_metric([self.model_name, engine], sum(s.num_lora_evictions_total for s in statuses))
+        yield from (info, loads, evictions)
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from kernels import fused, reference
+from kernels import fused, lora, reference
 from kernels.swap import BlockSwapper
 from kernels.triton_common import freeze_workspace, interpreting  # no triton import
 from kernels.tuning import AttentionShape  # pure Python
@@ -33,7 +33,8 @@ Impl = Literal["triton", "torch"] | None
 
 __all__ = [
     "BlockSwapper", "copy_blocks", "freeze_workspace", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul",
-    "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "swap_blocks", "warmup", "warmup_moe",
+    "lora_expand", "lora_shrink", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "swap_blocks",
+    "warmup", "warmup_moe",
     "write_kv",
 ]
 
@@ -259,6 +260,26 @@ def warmup_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, *, activation: s
     for tiles in configs:
         triton_moe.fused_moe(x, w13, w2, weights, ids, activation, tiles=tiles)
     return len(configs)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, *, groups=None, impl: Impl = None) -> torch.Tensor:
+    """[M, R] float32: each row of x [M, K] times its adapter's A [S, R, K] (idx [M]: its slot, -1:
+    none, zeros). `groups`: the reference's rows per slot, computed once a step (lora.slot_rows)."""
+    if _use_triton(x, impl):
+        from kernels import triton_lora
+
+        return triton_lora.lora_shrink(x, a, idx)
+    return lora.lora_shrink(x, a, idx, groups)
+
+
+def lora_expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, offset: int = 0, *,
+                groups=None, impl: Impl = None) -> None:
+    """y[m, offset:offset + N] += t[m] @ B[idx[m]]^T for each row with an adapter (B [S, N, R])."""
+    if _use_triton(y, impl):
+        from kernels import triton_lora
+
+        return triton_lora.lora_expand(t, b, idx, y, offset)
+    return lora.lora_expand(t, b, idx, y, offset, groups)
 
 
 def _check_masking(sliding_window: int | None, logit_softcap: float | None) -> tuple[int | None, float | None]:

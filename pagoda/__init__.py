@@ -4,9 +4,9 @@ This package is the composition root: it wires the planes (scheduler, worker, ga
 tokenizer) into the offline `LLM` API and the `pagoda` command line.
 """
 from common.config import EngineConfig
-from common.protocol import SamplingParams
+from common.protocol import LoRARequest, SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -68,6 +68,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     guided.add_argument("--guided-choice", action="append", metavar="TEXT",
                         help="constrain the output to one of these strings (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt, in input order")
+    p.add_argument("--lora", metavar="NAME=PATH",
+                   help="generate with this LoRA adapter (PEFT's format; turns --enable-lora on)")
     p.add_argument("--memory-trace", metavar="FILE",
                    help="write the KV memory's snapshots here as JSON Lines, one after each step that changed it "
                         "(the /dashboard/snapshot object; `pagoda bench memory --replay FILE` draws them)")
@@ -106,6 +108,17 @@ def _structured_output(args):
     return None
 
 
+def _lora_request(spec: str | None):
+    """--lora NAME=PATH as a LoRARequest (its id: the one a gateway gives the name)."""
+    if spec is None:
+        return None
+    from common.lora import lora_int_id, parse_lora_modules
+    from common.protocol import LoRARequest
+
+    (module,) = parse_lora_modules([spec])
+    return LoRARequest(module.name, lora_int_id(module.name), module.path)
+
+
 # `pagoda generate`'s sampling where neither a flag nor the model's generation_config.json says
 GENERATE_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
@@ -124,6 +137,9 @@ def _generate(args) -> int:
         structured_output=_structured_output(args), **(GENERATE_SAMPLING | given),
     )
     engine = pin_revision(config_from_args(EngineConfig, args))  # a Hub id: downloaded, or one error, before torch
+    lora = _lora_request(args.lora)
+    if lora is not None:
+        engine = engine.replace(enable_lora=True)
     from pagoda.offline import LLM
 
     llm = LLM(**dataclasses.asdict(engine), memory_trace=args.memory_trace,
@@ -133,7 +149,7 @@ def _generate(args) -> int:
         params = dataclasses.replace(params, **model_defaults)
     start = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+        outputs = llm.generate(prompts, params, use_tqdm=not args.json, lora_request=lora)
         elapsed = time.perf_counter() - start
     finally:
         llm.close()  # the other ranks of a tensor-parallel group
@@ -456,6 +472,11 @@ def _add_bench_serve(v: argparse.ArgumentParser) -> None:
     v.add_argument("--goodput", default=None, help="SLOs in ms, e.g. ttft:2000,tpot:500,e2e:30000")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
+    v.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="with --launch: serve N random LoRA adapters and compare the requests spread over them with "
+                        "the same requests on the base model")
+    v.add_argument("--lora-rank", type=int, default=16, help="with --lora-adapters: their rank")
+    v.add_argument("--max-loras", type=int, default=None, help="with --lora-adapters: the slots (default N)")
     v.add_argument("--output", help="write the result JSON here (and with --launch a PNG plot beside it)")
     v.set_defaults(handler=_bench_serve)
 

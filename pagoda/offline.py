@@ -30,7 +30,8 @@ from tqdm import tqdm
 from common.config import EngineConfig
 from common.generation_config import default_sampling_params
 from common.models import pin_revision
-from common.protocol import SamplingParams, StepPlan, StepResult, encode
+from common.lora import read_adapter
+from common.protocol import LoRARequest, SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
 from scheduler.memory_trace import INTERVAL_S as MEMORY_TRACE_INTERVAL_S
 from scheduler.memory_trace import MemoryTrace
@@ -194,24 +195,30 @@ class LLM:
 
     def generate(
         self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate for every prompt in one continuous batch; outputs come back in input order."""
+        """Generate for every prompt in one continuous batch; outputs come back in input order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model);
+        the LLM needs enable_lora=True."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        self._check_loras(loras)
         encoded = [self.encode(prompt) for prompt in prompts]
         for p in params:  # a grammar xgrammar rejects is a ValueError before anything runs, as the API's 400
             if p.structured_output is not None:
                 self.executor.grammar.compile(p.structured_output)
         request_ids = {}
         try:
-            for index, (ids, p) in enumerate(zip(encoded, params)):
+            for index, (ids, p, lora) in enumerate(zip(encoded, params, loras)):
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, ids, p)
+                self.engine.add_request(request_id, ids, p, lora)
                 request_ids[request_id] = index
         except ValueError:  # a rejected prompt: none of this batch runs
             for request_id in request_ids:
@@ -226,6 +233,14 @@ class LLM:
                         results[index] = self._completion(index, out)
                         bar.update(1)
         return results
+
+    def _check_loras(self, loras: list[LoRARequest | None]) -> None:
+        """Every adapter named, checked before anything runs (a ValueError, as the API's 400)."""
+        named = {lora.key: lora for lora in loras if lora is not None}
+        if named and not self.config.enable_lora:
+            raise ValueError("a LoRA request needs LLM(..., enable_lora=True)")
+        for lora in named.values():
+            read_adapter(lora.lora_path, self.config.max_lora_rank)
 
     def _completion(self, index: int, out) -> CompletionOutput:
         samples = [

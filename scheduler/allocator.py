@@ -64,14 +64,17 @@ class Allocator(Protocol):
 
     def num_distinct_blocks(self, seq_ids: Sequence[int]) -> int: ...
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int], num_tokens: int) -> int: ...
+    # `salt`: keys a sequence's prefix-cache blocks apart (a LoRA adapter's); None: the base model's
+    def cached_prefix_tokens(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None = None) -> int: ...
 
     def can_allocate(
         self, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
+        salt: bytes | None = None,
     ) -> bool: ...
 
     def allocate(
         self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
+        salt: bytes | None = None,
     ) -> int: ...  # the leading tokens found in the prefix cache
 
     def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int: ...

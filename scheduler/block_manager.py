@@ -25,12 +25,14 @@ pool, whose block 0 is a real one).
 
 Prefix registry: a full block is keyed by a SHA-256 digest of (its parent's key, its token ids),
 chained from the first block, so a crafted collision cannot make one prompt read another's KV;
-a hit compares the token ids too. A block is registered (`register_computed`) only
+a hit compares the token ids too. A sequence allocated with a `salt` (its LoRA adapter's) chains its
+first key from the salt instead of nothing, so only sequences of the same salt share blocks. A block is registered (`register_computed`) only
 once the worker has confirmed the step that wrote its KV.
 """
 from __future__ import annotations
 
 import hashlib
+import struct
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -38,7 +40,16 @@ from collections.abc import Sequence
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, num_null_entries
 
-__all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key"]
+__all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key", "lora_salt"]
+
+
+def lora_salt(lora_int_id: int, lora_path: str) -> bytes:
+    """The prefix-cache salt of a LoRA adapter's sequences (its id first: the KV events' lora_id)."""
+    return struct.pack("<q", lora_int_id) + lora_path.encode()
+
+
+def _salt_lora_id(salt: bytes | None) -> int | None:
+    return None if salt is None else struct.unpack_from("<q", salt)[0]
 
 
 def block_key(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
@@ -70,8 +81,10 @@ class BlockManager(AllocatorBase):
         self.block_key: list[bytes | None] = [None] * num_blocks
         self.block_tokens: dict[int, tuple[int, ...]] = {}
         self.block_parent: dict[int, bytes | None] = {}  # a registered block's parent key (KV events)
+        self.block_lora: dict[int, int] = {}  # a registered block's LoRA adapter id, when salted (KV events)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # registered, ref 0; oldest first
         self.seq_keys: dict[int, list[bytes]] = {}  # keys of each sequence's leading full blocks
+        self.seq_salt: dict[int, bytes] = {}  # the salt of each salted sequence (a LoRA adapter's)
         # for the dashboard (scheduler/memory_view.py): a counter bumped by every change of a
         # table or a count, and the cached blocks evicted since the scheduler last took them
         self.version = 0
@@ -89,7 +102,8 @@ class BlockManager(AllocatorBase):
         first): for a stream that lost its history (Redis restarted empty)."""
         events: list[KVCacheEvent] = [AllBlocksCleared()]
         for key, block in self.cached_blocks.items():
-            events.append(BlockStored([key], self.block_parent[block], list(self.block_tokens[block]), self.block_size))
+            events.append(BlockStored([key], self.block_parent[block], list(self.block_tokens[block]), self.block_size,
+                                      self.block_lora.get(block)))
         return events
 
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -116,23 +130,25 @@ class BlockManager(AllocatorBase):
     # ---------------------------------------------------------------- allocate
     def can_allocate(
         self, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
+        salt: bytes | None = None,
     ) -> bool:
         """Whether a new sequence of `num_tokens` fits, keeping the watermark free for decodes.
 
         `token_ids` lets prefix-cache hits count; `final_tokens` is for reserving allocators.
         """
-        hits = self._lookup(token_ids, num_tokens) if token_ids is not None else []
+        hits = self._lookup(token_ids, num_tokens, salt) if token_ids is not None else []
         num_evictable_hits = sum(1 for block in hits if self.ref_counts[block] == 0)
         needed = self.blocks_for(num_tokens) - len(hits)
         return needed <= self.num_free_blocks - num_evictable_hits - self.watermark_blocks
 
     def allocate(
         self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
+        salt: bytes | None = None,
     ) -> int:
         """Give `seq_id` a table of `num_tokens` slots; returns how many leading tokens were
         prefix-cache hits (their KV is already there)."""
         assert seq_id not in self.block_tables, f"sequence {seq_id} already has a block table"
-        hits = self._lookup(token_ids, num_tokens) if token_ids is not None else []
+        hits = self._lookup(token_ids, num_tokens, salt) if token_ids is not None else []
         num_evictable_hits = sum(1 for block in hits if self.ref_counts[block] == 0)
         needed = self.blocks_for(num_tokens) - len(hits)
         if needed > self.num_free_blocks - num_evictable_hits:
@@ -145,6 +161,8 @@ class BlockManager(AllocatorBase):
         self.num_slots[seq_id] = num_tokens
         if self.enable_prefix_caching:
             self.seq_keys[seq_id] = [self.block_key[block] for block in hits]
+            if salt is not None:
+                self.seq_salt[seq_id] = salt
         return len(hits) * self.block_size
 
     # ---------------------------------------------------------------- append
@@ -211,11 +229,14 @@ class BlockManager(AllocatorBase):
         self.num_slots[child_id] = self.num_slots[parent_id]
         if parent_id in self.seq_keys:
             self.seq_keys[child_id] = list(self.seq_keys[parent_id])
+        if parent_id in self.seq_salt:
+            self.seq_salt[child_id] = self.seq_salt[parent_id]
 
     def free(self, seq_id: int) -> None:
         """Release a sequence's table (device or swap pool), tail block first."""
         del self.num_slots[seq_id]
         self.seq_keys.pop(seq_id, None)
+        self.seq_salt.pop(seq_id, None)
         self.version += 1
         if seq_id in self.cpu_tables:
             for block in reversed(self.cpu_tables.pop(seq_id)):
@@ -284,12 +305,12 @@ class BlockManager(AllocatorBase):
         self.ref_counts[block] += 1
 
     # ---------------------------------------------------------------- prefix cache
-    def _lookup(self, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+    def _lookup(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None = None) -> list[int]:
         """The cached blocks holding the leading full blocks of `token_ids`, never the block of
         the last token (its logits are needed)."""
         if not self.enable_prefix_caching:
             return []
-        hits, key, bs = [], None, self.block_size
+        hits, key, bs = [], salt, self.block_size
         for i in range((min(num_tokens, len(token_ids)) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             key = block_key(key, tokens)
@@ -299,9 +320,9 @@ class BlockManager(AllocatorBase):
             hits.append(block)
         return hits
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int], num_tokens: int) -> int:
+    def cached_prefix_tokens(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None = None) -> int:
         """How many leading tokens `allocate` would find cached."""
-        return len(self._lookup(token_ids, num_tokens)) * self.block_size
+        return len(self._lookup(token_ids, num_tokens, salt)) * self.block_size
 
     def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Key the sequence's full blocks whose KV the worker has confirmed; a key seen for the
@@ -310,10 +331,12 @@ class BlockManager(AllocatorBase):
         if keys is None:
             return
         bs, table = self.block_size, self.block_tables[seq_id]
+        salt = self.seq_salt.get(seq_id)
+        lora_id = _salt_lora_id(salt)
         for i in range(len(keys), num_computed_tokens // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             parent = keys[-1] if keys else None
-            key = block_key(parent, tokens)
+            key = block_key(parent or salt, tokens)
             keys.append(key)
             block = table[i]
             if block != NULL_BLOCK and key not in self.cached_blocks and self.block_key[block] is None:
@@ -321,14 +344,17 @@ class BlockManager(AllocatorBase):
                 self.block_key[block] = key
                 self.block_tokens[block] = tokens
                 self.block_parent[block] = parent
+                if lora_id is not None:
+                    self.block_lora[block] = lora_id
                 if self.kv_events is not None:
-                    self._stored(parent, key, tokens)
+                    self._stored(parent, key, tokens, lora_id)
 
     def _unregister(self, block: int) -> None:
         key = self.block_key[block]
         del self.cached_blocks[key]
         del self.block_tokens[block]
         del self.block_parent[block]
+        self.block_lora.pop(block, None)
         self.block_key[block] = None
         if self.kv_events is not None:
             last = self.kv_events[-1] if self.kv_events else None
@@ -337,14 +363,14 @@ class BlockManager(AllocatorBase):
             else:
                 self.kv_events.append(BlockRemoved([key]))
 
-    def _stored(self, parent: bytes | None, key: bytes, tokens: tuple[int, ...]) -> None:
+    def _stored(self, parent: bytes | None, key: bytes, tokens: tuple[int, ...], lora_id: int | None) -> None:
         """A BlockStored for the new key; one that extends the last event's chain joins it."""
         last = self.kv_events[-1] if self.kv_events else None
         if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
             last.block_hashes.append(key)
             last.token_ids.extend(tokens)
         else:
-            self.kv_events.append(BlockStored([key], parent, list(tokens), self.block_size))
+            self.kv_events.append(BlockStored([key], parent, list(tokens), self.block_size, lora_id))
 
     # ---------------------------------------------------------------- swap
     def can_swap_out(self, seq_ids: list[int]) -> bool:

@@ -84,13 +84,15 @@ class ContiguousAllocator(AllocatorBase):
         return None
 
     # ---------------------------------------------------------------- allocate
-    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None, final_tokens: int | None = None) -> bool:
+    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None, final_tokens: int | None = None,
+                     salt: bytes | None = None) -> bool:
         """Whether a region for a new sequence fits in one hole, keeping the watermark free."""
         needed = self.region_blocks(num_tokens, final_tokens)
         return needed <= self._num_free - self.watermark_blocks and self._first_fit(needed) is not None
 
     def allocate(
-        self, seq_id: int, num_tokens: int, token_ids: list[int] | None = None, final_tokens: int | None = None
+        self, seq_id: int, num_tokens: int, token_ids: list[int] | None = None, final_tokens: int | None = None,
+        salt: bytes | None = None,
     ) -> int:
         """Reserve the sequence's region; returns the number of prefix-cached tokens (always 0)."""
         assert seq_id not in self.block_tables, f"sequence {seq_id} already has a block table"
@@ -151,7 +153,7 @@ class ContiguousAllocator(AllocatorBase):
     num_cpu_blocks = 0
     num_free_cpu_blocks = 0
 
-    def cached_prefix_tokens(self, token_ids, num_tokens: int) -> int:
+    def cached_prefix_tokens(self, token_ids, num_tokens: int, salt: bytes | None = None) -> int:
         return 0
 
     def register_computed(self, seq_id: int, token_ids, num_computed_tokens: int) -> None:

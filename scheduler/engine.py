@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from common.protocol import SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
+from common.protocol import LoRARequest, SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
 from scheduler.memory_trace import MemoryTrace
 from scheduler.memory_view import MemoryEventLog
 from scheduler.scheduler import Scheduler
@@ -50,8 +50,9 @@ class LLMEngine:
         """`memory_events`: the event log of the engine this one replaces (its ids go on)."""
         return cls(Scheduler.from_hello(config, hello, memory_events), executor, wire, memory_trace)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.scheduler.add_request(request_id, prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> None:
+        self.scheduler.add_request(request_id, prompt_token_ids, params, lora_request=lora_request)
 
     def abort_request(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id)

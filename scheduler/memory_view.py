@@ -123,7 +123,8 @@ def build_snapshot(scheduler, engine: str = "0", scheduler_id: str = "",
 
 
 def _sequence_rows(scheduler, tables: PackedTables) -> list[list]:
-    """[request_id, seq_id, status, num_tokens, num_slots, pool, block_table] per table, device first."""
+    """[request_id, seq_id, status, num_tokens, num_slots, pool, block_table] per table, device first,
+    and the LoRA adapter's name after them for a sequence that runs with one."""
     bm, seqs, group_of_seq = scheduler.block_manager, scheduler._seqs, scheduler._group_of_seq
     held = [("gpu", seq_id, table) for seq_id, table in bm.block_tables.items()]
     held += [("cpu", seq_id, table) for seq_id, table in getattr(bm, "cpu_tables", {}).items()]
@@ -134,8 +135,10 @@ def _sequence_rows(scheduler, tables: PackedTables) -> list[list]:
         if seq is None:  # (not while the scheduler holds the table)
             rows.append(["", seq_id, "unknown", num_slots, num_slots, pool, packed])
         else:
-            rows.append([group_of_seq[seq_id].request_id, seq_id, seq.status.value, seq.num_tokens, num_slots,
-                         pool, packed])
+            group = group_of_seq[seq_id]
+            rows.append([group.request_id, seq_id, seq.status.value, seq.num_tokens, num_slots, pool, packed])
+            if group.lora is not None:
+                rows[-1].append(group.lora.lora_name)
     return rows
 
 

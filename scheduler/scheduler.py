@@ -44,11 +44,13 @@ from dataclasses import dataclass, field, replace
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
 from common.protocol import (
-    ITERATION_TOKENS_BUCKETS, NULL_BLOCK, PENDING_TOKEN, CachedSequence, NewSequence, SampledToken, SamplingParams,
+    ITERATION_TOKENS_BUCKETS, NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, NewSequence, SampledToken,
+    SamplingParams,
     StepPlan, StepResult, WorkerHello, num_beam_candidates, sample_seed,
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError
 from scheduler.block_manager import BlockManager
+from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.sequence import (
     BeamHypothesis, BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
@@ -163,6 +165,7 @@ class Scheduler:
         # alone, reported by take_failed(); False: it propagates.
         self.isolate_failures = False
         self._failed: list[FailedRequest] = []
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
 
     @classmethod
     def from_hello(cls, config: EngineConfig, hello: WorkerHello,
@@ -174,11 +177,14 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, lora_request: LoRARequest | None = None,
     ) -> SequenceGroup:
         self._check_admissible(request_id, prompt_token_ids, sampling_params)
+        if lora_request is not None and self.lora_slots is None:
+            raise RequestRejected(f"request {request_id!r} names LoRA adapter {lora_request.lora_name!r}, "
+                                  "but this engine runs without --enable-lora")
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), sampling_params)
-        group = SequenceGroup(request_id, [seq], sampling_params)
+        group = SequenceGroup(request_id, [seq], sampling_params, lora=lora_request)
         if sampling_params.beam_width:
             group.beam = BeamState(
                 sampling_params.beam_width, sampling_params.length_penalty, sampling_params.early_stopping,
@@ -227,6 +233,35 @@ class Scheduler:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
         self._retire(group)
         return True
+
+    def _pin_lora(self, group: SequenceGroup, plan: StepPlan) -> bool:
+        """Pin the group's adapter slot before it runs (a load into the plan if the slot must be
+        filled); False when every slot is pinned by other adapters. No adapter: True."""
+        if group.lora is None or group.lora_slot >= 0:
+            return True
+        acquired = self.lora_slots.acquire(group.lora)
+        if acquired is None:
+            return False
+        group.lora_slot, load = acquired
+        if load:
+            plan.lora_loads.append([group.lora_slot, group.lora])
+        return True
+
+    def lora_status(self) -> dict:
+        """SchedulerStatus's LoRA fields (vLLM's lora_requests_info and the slots' counters)."""
+        slots = self.lora_slots
+        if slots is None:
+            return {}
+        waiting = {g.lora.lora_name for queue in (self.waiting, self.swapped) for g in queue if g.lora is not None}
+        return {"running_lora_adapters": slots.running_names(), "waiting_lora_adapters": sorted(waiting),
+                "max_loras": slots.max_loras, "num_lora_loads_total": slots.num_loads,
+                "num_lora_evictions_total": slots.num_evictions}
+
+    def _unpin_lora(self, group: SequenceGroup) -> None:
+        """The group stopped running (preempted, finished, failed): its slot may be reused."""
+        if group.lora_slot >= 0:
+            self.lora_slots.release(group.lora)
+            group.lora_slot = -1
 
     def abort_sequence(self, request_id: str, index: int) -> bool:
         """End sample `index` of a request that streams its samples (a stop string the gateway
@@ -516,6 +551,8 @@ class Scheduler:
                 seq_ids = [seq.seq_id for seq in seqs]
                 if num_new is None or not self.block_manager.can_swap_in(seq_ids):
                     return
+                if not self._pin_lora(group, plan):  # its adapter waits for a slot
+                    return
                 self.swapped.pop(0)
                 copies = self.block_manager.swap_in(seq_ids)
                 plan.blocks_to_swap_in.extend(copies)
@@ -533,8 +570,12 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
         bm = self.block_manager
-        while self.waiting:
-            group = self.waiting[0]
+        i = 0  # waiting[:i]: groups whose adapter waits for a slot, passed over (they keep their place)
+        while i < len(self.waiting):
+            group = self.waiting[i]
+            if group.lora is not None and group.lora_slot < 0 and not self.lora_slots.available(group.lora):
+                i += 1
+                continue
             try:
                 seqs = group.seqs_with(SequenceStatus.WAITING)
                 if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
@@ -542,9 +583,10 @@ class Scheduler:
                 # a group still scoring its prompt computes every position: no prefix-cache lookup
                 tokens = [None if group.needs_prompt_logprobs else TokenView(seq) for seq in seqs]
                 final_tokens = self._final_tokens(group)
+                salt = group.prefix_salt
                 if len(seqs) == 1:
-                    hits = [0 if tokens[0] is None else bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens)]
-                    fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], final_tokens)
+                    hits = [0 if tokens[0] is None else bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens, salt)]
+                    fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], final_tokens, salt)
                 else:  # a preempted group recomputing: hits are a bonus, not counted on
                     hits = [0] * len(seqs)
                     needed = sum(bm.blocks_for(seq.num_tokens) for seq in seqs)
@@ -556,9 +598,10 @@ class Scheduler:
                     return
                 if not fits:
                     return
-                self.waiting.pop(0)
+                self._pin_lora(group, plan)  # available: checked above
+                self.waiting.pop(i)
                 for seq, view in zip(seqs, tokens):
-                    seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens)
+                    seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens, salt)
                     seq.status = SequenceStatus.RUNNING
                     if bm.enable_prefix_caching and view is not None:
                         self.prefix_cache_queries += seq.num_tokens
@@ -652,6 +695,7 @@ class Scheduler:
                 self._held_by_workers.discard(seq.seq_id)
                 plan.preempted_seq_ids.append(seq.seq_id)
             seq.num_sent_blocks = 0
+        self._unpin_lora(group)
         if self._preemption_mode(seqs) == "swap":
             copies = self.block_manager.swap_out([seq.seq_id for seq in seqs])
             plan.blocks_to_swap_out.extend(copies)
@@ -716,7 +760,7 @@ class Scheduler:
                     params = replace(params, prompt_logprobs=None)
                 plan.new_seqs.append(NewSequence(
                     seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
-                    seq.num_computed_tokens, n, params, num_samples,
+                    seq.num_computed_tokens, n, params, num_samples, group.lora_slot,
                 ))
                 held.add(seq_id)
             seq.num_sent_blocks = len(table)
@@ -915,6 +959,7 @@ class Scheduler:
         seq.status = status
 
     def _retire(self, group: SequenceGroup) -> None:
+        self._unpin_lora(group)
         self.groups.pop(group.request_id, None)
         for seq in group.seqs:
             self._seqs.pop(seq.seq_id, None)

@@ -5,7 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from common.protocol import SamplingParams
+from common.protocol import LoRARequest, SamplingParams
+from scheduler.block_manager import lora_salt
 
 
 class SequenceStatus(enum.Enum):
@@ -112,6 +113,13 @@ class SequenceGroup:
     # one sequence for good that streams its tokens (no beams, n = best_of = 1, max_tokens > 0): the
     # case `Scheduler.update` takes without its general path
     simple: bool = False
+    lora: LoRARequest | None = None  # [lora]: the adapter it runs with
+    lora_slot: int = -1  # the workers' slot of that adapter while the group runs (pinned), else -1
+
+    @property
+    def prefix_salt(self) -> bytes | None:
+        """What keys its prefix-cache blocks apart from other adapters' (None: the base model's)."""
+        return None if self.lora is None else lora_salt(self.lora.lora_int_id, self.lora.lora_path)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -215,7 +215,8 @@ class SchedulerServer:
             self.stream.finish(arrival, "error", invalid)
             return
         try:
-            self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.sampling_params)
+            self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                       lora_request=request.lora_request)
         except RequestRejected as exc:
             self.stream.finish(arrival, "error", str(exc))
             return
@@ -326,7 +327,7 @@ class SchedulerServer:
             engine=self.serving.engine_id, **(status_counters(s) if s else {}),
             kv_cache_dtype=hello.kv_cache_dtype if hello else "",
             kv_bytes_per_block=hello.kv_bytes_per_block if hello else 0,
-            num_waiting_tokens=s.num_waiting_tokens if s else 0,
+            num_waiting_tokens=s.num_waiting_tokens if s else 0, **(s.lora_status() if s else {}),
         )
         try:
             if not self.stream.publish_status(encode(status), has_memory=s is not None):

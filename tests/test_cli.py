@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.cli_args import add_config_args, config_from_args, config_to_argv, flag_fields
-from common.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, GatewayConfig, ServingConfig
+from common.config import KV_CACHE_DTYPES, LORA_RANKS, ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from pagoda import cli, up
 from tests.conftest import ROOT
 
@@ -126,7 +126,7 @@ def test_config_to_argv_writes_every_value_and_a_switch_only_off_its_default():
         "--gpu-memory-utilization=0.9",
         "--cpu-kv-cache-space=1.0", "--swap-space=2.5", "--no-prefix-caching", "--preemption-mode=auto",
         "--tensor-parallel-size=1",
-        "--allocator=paged"]
+        "--allocator=paged", "--max-loras=1", "--max-lora-rank=16"]
     argv = config_to_argv(ServingConfig(heartbeat_file="/run/alive"), exclude={"redis_url", "zmq_address"})
     assert {"--engine-id=0", "--step-timeout=60.0", "--drain-timeout=30.0", "--heartbeat-file=/run/alive"} <= set(argv)
     assert not [arg for arg in argv if arg.startswith(("--redis-url", "--zmq-address"))]
@@ -149,6 +149,9 @@ def _value_strategy(cls: type, f: dataclasses.Field) -> st.SearchStrategy:
         "gpu_memory_utilization": st.floats(0.01, 1.0),
         "port": st.integers(0, 65535),
         "kv_cache_dtype": st.sampled_from(KV_CACHE_DTYPES),  # checked by the config, not by argparse choices
+        "max_lora_rank": st.sampled_from(LORA_RANKS),
+        # a repeatable flag: each value written as its own `--lora-modules=VALUE`
+        "lora_modules": st.lists(st.text(min_size=1).filter(lambda v: v != "--"), max_size=3).map(tuple),
     }
     if f.name in special:
         values = special[f.name]

@@ -9,7 +9,7 @@ from common import protocol
 from common.config import ConfigError, EngineConfig
 from common.protocol import (
     PROTOCOL_VERSION, CachedSequence, GenerateRequest, HeldRequests, InvalidParamError, MemoryEvent, MemorySnapshot,
-    NewSequence, PromptLogprobs, ProtocolError, StructuredOutput,
+    LoRARequest, NewSequence, PromptLogprobs, ProtocolError, StructuredOutput,
     RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult, WorkerHello, decode, encode,
 )
 
@@ -63,6 +63,12 @@ MESSAGES = [
     MEMORY_EVENT, SNAPSHOT, StructuredOutput("json_object"), PromptLogprobs(2, 3, [-1.5], [4], [[]]),
     StepResult(4, 0, [SAMPLED], None, [PromptLogprobs(4, 1, [-0.5, -2.0], [1, 7], [[[9, -0.25]], [[3, -1.0]]])]),
     RequestEvent("cmpl-3", [], None, "length", prompt_logprobs=[None, [-0.5, 1, [[9, -0.25]]]]),
+    # [lora]: a request naming an adapter, a plan loading it into slot 1 for a new sequence
+    LoRARequest("sql", 7, "/adapters/sql"),
+    GenerateRequest("cmpl-4", [1, 2], SamplingParams(), "pagoda:replies:gw1", 1.7e9, LoRARequest("sql", 7, "/a")),
+    StepPlan(18, 2, [dataclasses.replace(NEW_SEQ, lora_slot=1)], lora_loads=[[1, LoRARequest("sql", 7, "/a")]]),
+    dataclasses.replace(STATUS, running_lora_adapters=["sql"], waiting_lora_adapters=["chat", "sql"], max_loras=4,
+                        num_lora_loads_total=3, num_lora_evictions_total=1),
 ]
 
 
@@ -159,15 +165,16 @@ def test_a_wrong_field_count_is_a_protocol_error(values):
 
 def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defaults():
     """A scheduler older than [scale-out] (no `engine`), than [observability] (no memory counters) or
-    than [quantization] (no KV cache dtype and block bytes), or than [cache-at-scale] (no waiting tokens)."""
-    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-14:]
-    old = _body(encode(STATUS))[1:-14]  # every field but the 14 appended
+    than [quantization] (no KV cache dtype and block bytes), than [cache-at-scale] (no waiting tokens) or
+    than [lora] (no adapters)."""
+    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-19:]
+    old = _body(encode(STATUS))[1:-19]  # every field but the 19 appended
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old)], use_bin_type=True)
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in new_fields}
     assert decode(data) == dataclasses.replace(STATUS, **defaults)
     assert decode(data).engine == "0"
     short = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old[:-1])], use_bin_type=True)
-    with pytest.raises(ProtocolError, match="SchedulerStatus expects 32 fields, got 17"):
+    with pytest.raises(ProtocolError, match="SchedulerStatus expects 37 fields, got 17"):
         decode(short)
 
 

@@ -48,6 +48,8 @@ class DecodeRunner:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)  # one query per row, always
         self.block_tables = torch.zeros((size, self.width), dtype=torch.int32, device=device)
+        # [lora]: each row's adapter slot (-1: none); a graph captured with it runs the LoRA kernels
+        self.lora_indices = torch.full((size,), -1, dtype=torch.int64, device=device) if input_batch.enable_lora else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its hidden states)
         self.captured_bytes = 0  # device memory the capture took (this process's pool before and after)
         self._num_dirty = 0  # rows [0, _num_dirty) may hold an earlier step's sequences
@@ -80,6 +82,11 @@ class DecodeRunner:
         self.slot_mapping[:n].copy_(ctx.slot_mapping)
         self.seq_lens[:n].copy_(ctx.seq_lens)
         torch.index_select(self.input_batch.block_table_device, 0, step.table_rows, out=self.block_tables[:n])
+        if self.lora_indices is not None:
+            if ctx.lora_indices is None:
+                self.lora_indices[:n] = -1
+            else:
+                self.lora_indices[:n].copy_(ctx.lora_indices)
         end = min(size, self._num_dirty)
         if n < end:  # rows an earlier, larger step left behind become padding again
             self.input_ids[n:end] = 0
@@ -87,6 +94,8 @@ class DecodeRunner:
             self.slot_mapping[n:end] = -1
             self.seq_lens[n:end] = 1
             self.block_tables[n:end] = 0
+            if self.lora_indices is not None:
+                self.lora_indices[n:end] = -1
         if self._num_dirty <= size:
             self._num_dirty = n
 
@@ -96,6 +105,7 @@ class DecodeRunner:
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
             max_seqlen_k=self.width * self.input_batch.block_size,
+            lora_indices=None if self.lora_indices is None else self.lora_indices[:size],
         )
         with attention_context(context):
             return self.model(self.input_ids[:size], self.positions[:size])

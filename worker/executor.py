@@ -122,6 +122,7 @@ class Executor:
         if self.sampler is not None:
             self._count_tokens(plan, scheduled, feed, feed_tokens)
             self._sync_grammars(scheduled)
+        self.runner.load_loras(plan.lora_loads)
         # swap-out first: a block leaving for the swap pool may be reused by this very step
         self.runner.swap_out(plan.blocks_to_swap_out)
         self.runner.swap_in(plan.blocks_to_swap_in)

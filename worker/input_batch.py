@@ -71,8 +71,9 @@ class InputBatch:
     """Rows of held sequences; `apply` takes each plan's diffs, `prepare` builds a step's tensors."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
-                 mirror: bool | None = None) -> None:
+                 mirror: bool | None = None, enable_lora: bool = False) -> None:
         self.block_size = block_size
+        self.enable_lora = enable_lora  # each token's adapter slot goes in the step's context
         self.device = device
         # a device mirror patched by scatter: on CUDA; on CPU only when a test asks for it
         self.mirror = device.type == "cuda" if mirror is None else mirror
@@ -149,27 +150,34 @@ class InputBatch:
         seq_lens = [start + n for start, n in zip(positions, counts)]
         cu_seqlens_q = list(accumulate(counts, initial=0))
         logits_indices = [end - 1 for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples]
+        lora = []
         if cu_seqlens_q[-1] == len(scheduled):  # decode only: one token per row
             ids = [s.held.token_ids[start] for s, start in zip(scheduled, positions)]
             token_rows = table_rows
+            if self.enable_lora:
+                lora = [s.held.lora_slot for s in scheduled]
         else:
             ids, token_rows, starts, positions = [], [], positions, []
             for s, row, start, n in zip(scheduled, table_rows, starts, counts):
                 ids += s.held.token_ids[start:start + n]
                 positions += range(start, start + n)
                 token_rows += [row] * n
+                if self.enable_lora:
+                    lora += [s.held.lora_slot] * n
+        if lora and max(lora) < 0:  # no row has an adapter: the hooks skip
+            lora = []
         max_blocks = max(map(self.num_blocks.__getitem__, table_rows))
         num_tokens, num_seqs, num_dirty = len(ids), len(seq_lens), len(self._dirty)
         fed_at = [cu_seqlens_q[i] for i, _ in feed]  # a fed row computes its one new token only
         fed_from = [draw for _, draw in feed]
         flat = self._staging.to_device(ids + positions + token_rows + seq_lens + cu_seqlens_q + table_rows
                                        + logits_indices + list(self._dirty) + list(self._dirty.values())
-                                       + fed_at + fed_from)
+                                       + fed_at + fed_from + lora)
         self._dirty = {}
         sizes = (num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs, len(logits_indices),
-                 num_dirty, num_dirty, len(feed), len(feed))
+                 num_dirty, num_dirty, len(feed), len(feed), len(lora))
         (input_ids, positions_t, token_rows_t, seq_lens_t, cu_t, table_rows_t, logits_t,
-         dirty_index, dirty_values, fed_at_t, fed_from_t) = flat.split(sizes)
+         dirty_index, dirty_values, fed_at_t, fed_from_t, lora_t) = flat.split(sizes)
         if feed:
             input_ids.index_copy_(0, fed_at_t, feed_tokens.index_select(0, fed_from_t))
         table = self.block_table_device
@@ -182,5 +190,6 @@ class InputBatch:
             block_tables=table[:, :max_blocks].index_select(0, table_rows_t),
             seq_lens=seq_lens_t.to(torch.int32),
             cu_seqlens_q=cu_t.to(torch.int32),
+            lora_indices=lora_t if lora else None,
         )
         return StepTensors(input_ids, positions_t, context, logits_t, table_rows_t)

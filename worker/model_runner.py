@@ -22,6 +22,7 @@ from worker.context import AttentionContext, attention_context
 from worker.cuda_graph import DecodeRunner, batch_size_buckets
 from worker.input_batch import InputBatch, StepTensors
 from worker.loader import load_model, resolve_scheme
+from worker.lora import LoRAManager
 from worker.quantization import QuantizationConfig
 from worker.models.layers import local_only
 from worker.parallel import get_tp_group
@@ -118,6 +119,9 @@ class ModelRunner:
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed,
                                                 self.scheme)
         self.max_model_len = self.model.max_positions
+        # [lora]: the adapter slots, allocated before the profile run so the KV pool's sizing counts them
+        self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.dtype,
+                                 self.device) if config.enable_lora else None)
         self.sliding_window = self.model.sliding_window()  # every layer's, or None
         self.block_size = config.block_size
         attn = self.model.attention_layers()[0]
@@ -140,7 +144,7 @@ class ModelRunner:
         )
         self.swap_caches = self._allocate_swap_pool(self.num_cpu_blocks)
         self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
-                                      self.block_size, self.device)
+                                      self.block_size, self.device, enable_lora=config.enable_lora)
         self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
         self.scored_hidden: torch.Tensor | None = None  # the last forward's rows prompt logprobs score
 
@@ -275,6 +279,15 @@ class ModelRunner:
         """The logits of the scored rows [start, stop) of the last forward: [rows, vocab_size]
         float32 on rank 0 (None on the others, which must call it alike: it gathers over the group)."""
         return self.model.compute_logits(self.scored_hidden[start:stop])
+
+    @torch.inference_mode()
+    def load_loras(self, loads: list[list]) -> None:
+        """A plan's adapters into their slots (before its step; on CUDA in stream order after the
+        steps launched before, which may still read a slot's old adapter)."""
+        if loads and self.lora is None:
+            raise ValueError("a plan loads a LoRA adapter into a worker started without --enable-lora")
+        for slot, lora in loads:
+            self.lora.load(slot, lora)
 
     @torch.inference_mode()
     def copy_blocks(self, src_to_dst: list[list[int]]) -> None:

@@ -415,7 +415,7 @@
       || (a.request_id < b.request_id ? -1 : a.request_id > b.request_id ? 1 : a.seq_id - b.seq_id));
     return rows.slice(0, MAX_TABLE_ROWS).map((seq) => ({
       request_id: seq.request_id, seq_id: seq.seq_id, status: seq.status, pool: seq.pool, num_tokens: seq.num_tokens,
-      block_table: seq.block_table,
+      block_table: seq.block_table, lora: seq.lora || "",
       last_block_slots: seq.block_table.length ? seq.num_slots - (seq.block_table.length - 1) * s.block_size : 0,
     }));
   }
@@ -440,7 +440,7 @@
       swatch.style.background = css(requestColour(row.request_id, false, false));
       who.append(swatch, shortId(row.request_id) + " ");
       who.append(el("span", "status", "seq " + row.seq_id + " · " + row.status + " · " + row.num_tokens + " tokens"
-        + (row.pool === "cpu" ? " · CPU" : "")));
+        + (row.pool === "cpu" ? " · CPU" : "") + (row.lora ? " · LoRA " + row.lora : "")));
       who.title = row.request_id;
       const blocks = el("div", "blocks");
       const table = row.block_table;

@@ -129,8 +129,9 @@ async def send(client, url: str, model: str, prompt: list[int], max_tokens: int)
     return result
 
 
-async def run_rate(base_url: str, model: str, requests: list[tuple[list[int], int]], rate: float,
+async def run_rate(base_url: str, model: str | list[str], requests: list[tuple[list[int], int]], rate: float,
                    burstiness: float = 1.0, seed: int = 0) -> tuple[list[RequestResult], float]:
+    """`model`: one for every request, or each request's (LoRA adapters)."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -138,12 +139,13 @@ async def run_rate(base_url: str, model: str, requests: list[tuple[list[int], in
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
         start = time.perf_counter()
 
-        async def later(at: float, prompt: list[int], max_tokens: int) -> RequestResult:
+        async def later(at: float, prompt: list[int], max_tokens: int, model: str) -> RequestResult:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             return await send(client, url, model, prompt, max_tokens)
 
         times = arrival_times(len(requests), rate, burstiness, seed)
-        results = await asyncio.gather(*(later(t, p, n) for t, (p, n) in zip(times, requests)))
+        models = model if isinstance(model, list) else [model] * len(requests)
+        results = await asyncio.gather(*(later(t, p, n, m) for t, (p, n), m in zip(times, requests, models)))
         return list(results), time.perf_counter() - start
 
 
@@ -252,6 +254,8 @@ def run(args) -> int:
     if args.sharegpt_output_len:
         requests = [(prompt, args.sharegpt_output_len) for prompt, _ in requests]
     rates, slos = parse_rates(args.request_rate), parse_slos(args.goodput)
+    if args.lora_adapters:
+        return run_lora(args, requests, rates, slos)
     runs: dict[str, list[dict]] = {}
     for target in (chosen := targets(args)):
         name, base_url, stack = target.name, target.base_url, None
@@ -300,3 +304,71 @@ def run(args) -> int:
         plot(result, Path(args.output).with_suffix(".png"))
     print(json.dumps(runs, indent=2))
     return 0
+
+
+def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], slos: dict[str, float]) -> int:
+    """`--lora-adapters N --launch`: one stack with N random adapters (--max-loras, default N); per
+    rate the requests on the base model, then the same requests spread round-robin over the
+    adapters; the LoRA run's output tokens/s over the base run's, its errors, and the adapter loads
+    against the fewest the request order allows (pagoda/bench/lora.py)."""
+    import tempfile
+
+    from pagoda.bench.lora import min_loads, random_adapters
+
+    if not args.launch:
+        raise ValueError("--lora-adapters needs --launch (it makes the adapters and serves them)")
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    max_loras = args.max_loras or args.lora_adapters
+    with tempfile.TemporaryDirectory(prefix="pagoda-lora-") as tmp:
+        adapters = random_adapters(args.model, args.lora_adapters, args.lora_rank, Path(tmp), args.seed)
+        flags = ["--model", args.model, "--device", args.device, "--no-prefix-caching", "--enable-lora",
+                 "--max-loras", str(max_loras), "--max-lora-rank", str(max(args.lora_rank, 16)),
+                 "--lora-modules", *(f"{name}={path}" for name, path in adapters)]
+        if args.num_gpu_blocks:
+            flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+        if args.max_num_seqs:
+            flags += ["--max-num-seqs", str(args.max_num_seqs)]
+        log(f"starting pagoda up with {len(adapters)} rank-{args.lora_rank} adapters, --max-loras {max_loras}")
+        stack = Stack(*flags, port=args.port).wait_ready()
+        order = [adapters[i % len(adapters)][0] for i in range(len(requests))]
+        runs: dict[str, list[dict]] = {"base": [], "lora": []}
+        try:
+            asyncio.run(run_rate(stack.url, args.served_model, requests[:2], float("inf")))  # warm up
+            for rate in rates:
+                for name, models in (("base", args.served_model), ("lora", order)):
+                    loads_before = parse_metrics_value(stack, "pagoda:lora_loads_total")
+                    results, duration = asyncio.run(run_rate(stack.url, models, requests, rate, args.burstiness,
+                                                             args.seed))
+                    metrics = {"request_rate": rate if rate != float("inf") else "inf",
+                               **summarize(results, duration, slos), "load_average_1m": round(os.getloadavg()[0], 2)}
+                    errors = sorted({r.error for r in results if r.error})
+                    if errors:
+                        metrics["errors"] = errors[:5]
+                    if name == "lora":
+                        loads = parse_metrics_value(stack, "pagoda:lora_loads_total") - loads_before
+                        fewest = min_loads(order, max_loras)
+                        metrics["lora_loads"] = {"loads": loads, "fewest_for_the_order": fewest,
+                                                 "ratio": round(loads / fewest, 3)}
+                    runs[name].append(metrics)
+                    log(f"{name} at {rate} req/s: {metrics['completed']} done, "
+                        f"{metrics['output_token_throughput']:.1f} tok/s")
+        finally:
+            stack.stop()
+    ratios = [{"request_rate": b["request_rate"],
+               "lora_over_base_output_tokens_per_s": round(lo["output_token_throughput"] / b["output_token_throughput"], 3)}
+              for b, lo in zip(runs["base"], runs["lora"])]
+    result = {
+        **header("serve", command_words("serve", args)), "model": args.model,
+        "workload": {"name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed,
+                     "max_output_len": args.max_output_len, "sharegpt_output_len": args.sharegpt_output_len},
+        "lora": {"adapters": len(adapters), "rank": args.lora_rank, "max_loras": max_loras, "per_rate": ratios},
+        "slos_s": slos, "runs": runs,
+    }
+    write_result(result, args.output)
+    print(json.dumps({"lora": result["lora"], "runs": runs}, indent=2))
+    return 0
+
+
+def parse_metrics_value(stack: Stack, name: str) -> float:
+    time.sleep(1.0)  # the schedulers' counters reach /metrics with their status, twice a second
+    return stack.metrics().get(name, 0.0)
