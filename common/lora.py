@@ -51,10 +51,21 @@ class LoRAModule:
     base_model_name: str | None = None
 
 
-def lora_int_id(name: str) -> int:
-    """A positive 31-bit id for an adapter's name, the same in every process (vLLM's lora_int_id
-    is the client's choice; a served adapter gets this one)."""
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") % (2**31 - 1) + 1
+def lora_int_id(name: str, fingerprint: str = "") -> int:
+    """A positive 31-bit id for an adapter's name (and `fingerprint`: its weights file's), the same in
+    every process that reads the same files (vLLM's lora_int_id is the client's choice; a served
+    adapter gets this one): an adapter retrained in place gets a new id, so no slot, host cache or
+    prefix-cache block keeps its old weights."""
+    return int.from_bytes(hashlib.sha256(f"{name}\0{fingerprint}".encode()).digest()[:4], "big") % (2**31 - 1) + 1
+
+
+def fingerprint(path: str | Path) -> str:
+    """The adapter's weights file's size and modification time (\"\" when it cannot be read)."""
+    try:
+        stat = (Path(path) / WEIGHTS_FILE).stat()
+    except OSError:
+        return ""
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def parse_lora_modules(items: tuple[str, ...] | list[str]) -> list[LoRAModule]:
@@ -93,7 +104,16 @@ def read_adapter(path: str | Path, max_lora_rank: int, shapes: dict[str, tuple[i
     """Check a PEFT adapter: its config, that it targets only projections Pagoda adapts, rank at
     most `max_lora_rank`, and (with `shapes`: target name -> (in, out) of the base model) that each
     A and B fits its layer. Raises LoRAAdapterError saying what is wrong."""
-    directory = Path(path)
+    try:
+        return _read_adapter(Path(path), max_lora_rank, shapes)
+    except LoRAAdapterError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:  # malformed files
+        raise LoRAAdapterError(f"{path}: not a readable PEFT adapter ({type(exc).__name__}: {exc})") from None
+
+
+def _read_adapter(directory: Path, max_lora_rank: int, shapes: dict | None) -> AdapterInfo:
+    path = directory
     config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_file.is_file():
         raise LoRAAdapterError(f"{path}: no {CONFIG_FILE} (a LoRA adapter is a PEFT directory)")
@@ -106,9 +126,13 @@ def read_adapter(path: str | Path, max_lora_rank: int, shapes: dict[str, tuple[i
         raise LoRAAdapterError(f"{config_file}: not JSON ({exc})")
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(f"{config_file}: not a JSON object")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or rank < 1:
         raise LoRAAdapterError(f"{path}: r must be a positive integer, not {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise LoRAAdapterError(f"{path}: lora_alpha must be a number, not {alpha!r}")
     if rank > max_lora_rank:
         raise LoRAAdapterError(f"{path}: LoRA rank {rank} is greater than --max-lora-rank {max_lora_rank}")
     for key, what in (("use_dora", "DoRA"), ("rank_pattern", "rank_pattern"), ("alpha_pattern", "alpha_pattern"),
@@ -125,9 +149,14 @@ def read_adapter(path: str | Path, max_lora_rank: int, shapes: dict[str, tuple[i
             raise LoRAAdapterError(f"{path}: tensor {key!r} is not a LoRA A or B weight of a linear layer")
         module, which = match["module"], match["which"]
         target = module.rsplit(".", 1)[-1]
+        if ".experts." in f".{module}.":
+            raise LoRAAdapterError(f"{path}: module {module!r} is a MoE expert: LoRA on experts is not supported")
         if target not in TARGETS or ".layers." not in f".{module}":
             raise LoRAAdapterError(f"{path}: module {module!r} cannot be adapted (only the layers' {', '.join(TARGETS)})")
-        modules.setdefault(module, {})[which] = list(meta["shape"])
+        shape = meta.get("shape") if isinstance(meta, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(n, int) for n in shape)):
+            raise LoRAAdapterError(f"{path}: tensor {key!r} has shape {shape!r}, not [rows, columns]")
+        modules.setdefault(module, {})[which] = shape
     if not modules:
         raise LoRAAdapterError(f"{path}: {WEIGHTS_FILE} holds no LoRA weights")
     for module, ab in modules.items():
@@ -148,7 +177,9 @@ def target_shapes(hf_config) -> dict[str, tuple[int, int]]:
     hidden = hf_config.hidden_size
     heads, kv_heads = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    inter = hf_config.intermediate_size
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-            "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden)}
+    inter = getattr(hf_config, "intermediate_size", None)
+    if inter:  # (a config without one: the MLP's shapes are the workers' to check)
+        shapes |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    return shapes

@@ -249,6 +249,9 @@ class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)
     error: str | None = None
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # only sequences that ask
+    # [lora] adapters the plan's lora_loads could not load: [[slot, what went wrong], ...] (the slot
+    # is left empty; the scheduler fails the requests that use it, and only those)
+    lora_errors: list[list] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -459,7 +462,7 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]
-    SchedulerStatus: 19, RequestEvent: 3, SamplingParams: 3, StepResult: 1, WorkerHello: 3,
+    SchedulerStatus: 19, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
     NewSequence: 1, StepPlan: 1, GenerateRequest: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

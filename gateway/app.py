@@ -175,7 +175,7 @@ class Gateway:
             self._authorize(request)
             name, path = _lora_fields(parse_json(await self._read_body(request)), ("lora_name", "lora_path"))
             try:
-                self.loras.add(name, path)
+                await asyncio.to_thread(self.loras.add, name, path)  # reads the adapter's files
             except LoRAAdapterError as exc:
                 raise bad_request(str(exc), "lora_path") from None
         except APIError as exc:
@@ -494,7 +494,7 @@ class Gateway:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for any other."""
         if model is None or model == self.served_model_name:
             return None
-        if self.loras is not None and model in self.loras.adapters:
+        if self.loras is not None and isinstance(model, str) and model in self.loras.adapters:
             return self.loras.adapters[model]
         adapters = f" and the LoRA adapters {sorted(self.loras.adapters)}" if self.loras and self.loras.adapters else ""
         raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 
-from common.lora import LoRAAdapterError, lora_int_id, parse_lora_modules, read_adapter, target_shapes
+from common.lora import LoRAAdapterError, fingerprint, lora_int_id, parse_lora_modules, read_adapter, target_shapes
 from common.models import ModelSource
 from common.protocol import LoRARequest
 
@@ -35,7 +35,7 @@ class LoRARegistry:
         if name == self.served_model_name or name in self.adapters:
             raise LoRAAdapterError(f"The lora adapter '{name}' has already been loaded.")
         read_adapter(path, self.max_lora_rank, self.shapes)
-        lora = LoRARequest(name, _unique_id(name, self.adapters), str(path))
+        lora = LoRARequest(name, _unique_id(lora_int_id(name, fingerprint(path)), self.adapters), str(path))
         self.adapters[name] = lora
         self.parents[name] = base_model_name or self.served_model_name
         log.info("serving LoRA adapter %r from %s", name, path)
@@ -55,9 +55,8 @@ class LoRARegistry:
                 "root": self.adapters[name].lora_path, "parent": self.parents[name]}
 
 
-def _unique_id(name: str, adapters: dict[str, LoRARequest]) -> int:
+def _unique_id(candidate: int, adapters: dict[str, LoRARequest]) -> int:
     taken = {lora.lora_int_id for lora in adapters.values()}
-    candidate = lora_int_id(name)
     while candidate in taken:  # two names hashing alike (one in 2**31): the next free id
         candidate = candidate % (2**31 - 1) + 1
     return candidate

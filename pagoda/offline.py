@@ -30,7 +30,7 @@ from tqdm import tqdm
 from common.config import EngineConfig
 from common.generation_config import default_sampling_params
 from common.models import pin_revision
-from common.lora import read_adapter
+from common.lora import read_adapter, target_shapes
 from common.protocol import LoRARequest, SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
 from scheduler.memory_trace import INTERVAL_S as MEMORY_TRACE_INTERVAL_S
@@ -239,8 +239,9 @@ class LLM:
         named = {lora.key: lora for lora in loras if lora is not None}
         if named and not self.config.enable_lora:
             raise ValueError("a LoRA request needs LLM(..., enable_lora=True)")
+        shapes = target_shapes(self.executor.runner.hf_config)
         for lora in named.values():
-            read_adapter(lora.lora_path, self.config.max_lora_rank)
+            read_adapter(lora.lora_path, self.config.max_lora_rank, shapes)
 
     def _completion(self, index: int, out) -> CompletionOutput:
         samples = [

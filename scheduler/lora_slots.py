@@ -65,6 +65,16 @@ class LoRASlots:
             del self.pins[key]
             self.idle[key] = None
 
+    def invalidate(self, slot: int) -> None:
+        """The workers hold nothing in `slot` (its load failed): free, once nothing pins it."""
+        key = next((k for k, s in self.slot_of.items() if s == slot), None)
+        if key is None or key in self.pins:
+            return
+        del self.slot_of[key]
+        self.idle.pop(key, None)
+        self.names.pop(key, None)
+        self.free.append(slot)
+
     def running_names(self) -> list[str]:
         return sorted(self.names[key] for key in self.pins)
 

@@ -257,6 +257,13 @@ class Scheduler:
                 "max_loras": slots.max_loras, "num_lora_loads_total": slots.num_loads,
                 "num_lora_evictions_total": slots.num_evictions}
 
+    def _fail_lora_slot(self, slot: int, message: str) -> None:
+        """The workers could not load the adapter of `slot`: the requests pinning it fail (and only
+        they), and the slot is empty again (a later request of that adapter loads it anew)."""
+        for group in [g for g in self.groups.values() if g.lora_slot == slot]:
+            self._fail(group, RuntimeError(message))
+        self.lora_slots.invalidate(slot)
+
     def _unpin_lora(self, group: SequenceGroup) -> None:
         """The group stopped running (preempted, finished, failed): its slot may be reused."""
         if group.lora_slot >= 0:
@@ -570,10 +577,15 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
         bm = self.block_manager
-        i = 0  # waiting[:i]: groups whose adapter waits for a slot, passed over (they keep their place)
+        # waiting[:i]: groups whose adapter waits for a slot, passed over (they keep their place). Once
+        # one waits, later groups of any adapter wait too (those of the base model go on): the
+        # adapters running drain, so a slot frees for it and no adapter starves.
+        i, adapter_waits = 0, False
         while i < len(self.waiting):
             group = self.waiting[i]
-            if group.lora is not None and group.lora_slot < 0 and not self.lora_slots.available(group.lora):
+            if group.lora is not None and group.lora_slot < 0 and (
+                    adapter_waits or not self.lora_slots.available(group.lora)):
+                adapter_waits = True
                 i += 1
                 continue
             try:
@@ -785,6 +797,8 @@ class Scheduler:
         if result.error:
             raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
         done = self._in_flight.popleft()
+        for slot, message in result.lora_errors:
+            self._fail_lora_slot(slot, message)
         self._apply_computed(done.scheduled)
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result)

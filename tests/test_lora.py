@@ -301,6 +301,8 @@ def _complete_all(client, requests):
 
 
 def test_an_unknown_adapter_is_a_404_model_not_found(stack, tiny):
+    odd = httpx.post(stack.url + "/v1/completions", json={"model": ["a0"], "prompt": "w5", "max_tokens": 1})
+    assert (odd.status_code, odd.json()["error"]["code"]) == (404, "model_not_found")
     response = httpx.post(stack.url + "/v1/completions", json={"model": "nope", "prompt": "w5", "max_tokens": 1})
     assert response.status_code == 404
     assert response.json() == {"error": {
@@ -335,10 +337,55 @@ def test_adapters_load_and_unload_at_runtime_while_requests_run(stack, tiny, tmp
     assert [m.id for m in client.models.list().data] == [directory.name, "a0", "a1"]
 
 
+def test_an_adapter_the_workers_cannot_load_fails_its_own_requests_alone(stack, tiny, tmp_path):
+    """Its files gone after the gateway checked them: its request ends in an error naming it, while
+    a stream of another adapter runs on to its end and the stack serves on."""
+    import shutil
+
+    directory, prompts, adapters, references, _ = tiny
+    shutil.copytree(adapters[3].lora_path, tmp_path / "gone")
+    load = httpx.post(stack.url + "/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "gone")})
+    assert load.status_code == 200
+    (tmp_path / "gone" / "adapter_model.safetensors").unlink()
+    client = _client(stack)
+    stream = client.completions.create(model="a0", prompt=families.prompt_text(prompts[0]), max_tokens=100,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    failed = httpx.post(stack.url + "/v1/completions", json={"model": "gone", "prompt": "w5 w6", "max_tokens": 4},
+                        timeout=60)
+    assert failed.status_code == 500
+    error = failed.json()["error"]
+    assert error["code"] == "engine_error" and "LoRA adapter 'gone' could not be loaded" in error["message"]
+    assert sum(len(chunk.choices[0].text) > 0 for chunk in stream) > 0  # a0's stream ran on
+    (answer,) = _complete_all(client, [("a1", families.prompt_text(prompts[1]))])
+    assert answer.choices[0].logprobs.tokens == families.token_strings(references[1].token_ids[0])
+    assert httpx.post(stack.url + "/v1/unload_lora_adapter", json={"lora_name": "gone"}).status_code == 200
+
+
+def test_an_adapter_retrained_in_place_gets_a_new_id(tiny, tmp_path):
+    """Unloaded, written again at the same path and loaded: a new id, so no slot, host cache or
+    cached prefix block serves the old weights."""
+    import shutil
+
+    from common.models import resolve_model
+    from gateway.lora import LoRARegistry
+
+    directory, _, adapters, _, _ = tiny
+    shutil.copytree(adapters[0].lora_path, tmp_path / "sql")
+    registry = LoRARegistry(resolve_model(str(directory)), directory.name, 16)
+    first = registry.add("sql", str(tmp_path / "sql"))
+    registry.remove("sql")
+    shutil.copy(Path(adapters[4].lora_path) / "adapter_model.safetensors", tmp_path / "sql")
+    shutil.copy(Path(adapters[4].lora_path) / "adapter_config.json", tmp_path / "sql")
+    second = registry.add("sql", str(tmp_path / "sql"))
+    assert (first.lora_name, first.lora_path) == (second.lora_name, second.lora_path)
+    assert first.lora_int_id != second.lora_int_id
+
+
 # ----------------------------------------------------------------------------- checks before serving
 
 
-@pytest.mark.parametrize("case", ["rank", "bin", "dora", "shapes", "embedding", "missing_b"])
+@pytest.mark.parametrize("case", ["rank", "bin", "dora", "shapes", "embedding", "missing_b", "garbage", "expert"])
 def test_an_adapter_that_cannot_be_served_is_refused_with_what_is_wrong(tiny, tmp_path, case):
     directory = tiny[0]
     path = tmp_path / "adapter"
@@ -356,6 +403,9 @@ def test_an_adapter_that_cannot_be_served_is_refused_with_what_is_wrong(tiny, tm
     elif case == "dora":
         (path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
         expected = "DoRA is not supported"
+    elif case == "garbage":
+        (path / "adapter_model.safetensors").write_bytes(b"abc")
+        expected = "not a readable PEFT adapter \\(error: unpack requires a buffer of 8 bytes\\)"
     elif case == "shapes":
         shapes = {**shapes, "q_proj": (64, 128)}
         expected = "maps 64 -> 64 features, the base model's q_proj maps 64 -> 128: an adapter of another model\\?"
@@ -366,6 +416,9 @@ def test_an_adapter_that_cannot_be_served_is_refused_with_what_is_wrong(tiny, tm
         if case == "embedding":
             tensors["base_model.model.model.embed_tokens.lora_A.weight"] = torch.zeros(8, 512)
             expected = "module 'model.embed_tokens' cannot be adapted"
+        elif case == "expert":
+            tensors["base_model.model.model.layers.0.mlp.experts.0.up_proj.lora_A.weight"] = torch.zeros(8, 64)
+            expected = "is a MoE expert: LoRA on experts is not supported"
         else:
             del tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
             expected = "module 'model.layers.0.self_attn.q_proj' has lora_B missing"
@@ -449,17 +502,17 @@ def test_the_bgmv_kernels_match_the_reference_in_the_interpreter(dtype):
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(9, 72, generator=gen).to(dtype)
-    a = (torch.randn(3, 24, 72, generator=gen) * 0.1).to(dtype)
-    b = (torch.randn(3, 200, 16, generator=gen) * 0.1).to(dtype)
+    a = (torch.randn(3, 136, 72, generator=gen) * 0.1).to(dtype)  # 136 rank rows: 3 programs of 64
+    b = (torch.randn(3, 200, 80, generator=gen) * 0.1).to(dtype)  # rank 80: 2 rounds of the expand's loop
     idx = torch.tensor([0, -1, 2, 2, 1, -1, 0, 1, 2])
     want = kernels.lora_shrink(x, a, idx, impl="torch")
     got = kernels.lora_shrink(x, a, idx, impl="triton")
     torch.testing.assert_close(got, want, **tolerance(torch.float32))
-    assert torch.equal(want[[1, 5]], torch.zeros(2, 24))  # no adapter: zeros
+    assert torch.equal(want[[1, 5]], torch.zeros(2, 136))  # no adapter: zeros
     y = torch.randn(9, 260, generator=gen).to(dtype)
     want_y, got_y = y.clone(), y.clone()
-    kernels.lora_expand(want[:, 8:24], b, idx, want_y, 40, impl="torch")
-    kernels.lora_expand(want[:, 8:24], b, idx, got_y, 40, impl="triton")
+    kernels.lora_expand(want[:, 8:88], b, idx, want_y, 40, impl="torch")
+    kernels.lora_expand(want[:, 8:88], b, idx, got_y, 40, impl="triton")
     torch.testing.assert_close(got_y, want_y, **tolerance(dtype))
     assert torch.equal(got_y[[1, 5]], y[[1, 5]]) and torch.equal(got_y[:, :40], y[:, :40])  # untouched
     assert torch.equal(got_y[:, 240:], y[:, 240:])
@@ -477,9 +530,9 @@ def _compile_lora_for_sm90() -> list[str]:
     for dtype in ("bf16", "fp16"):
         for fn, types, consts in [
             (tl_._lora_shrink_kernel, {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "idx_ptr": "*i64",
-                                       "out_ptr": "*fp32"}, {"BLOCK_R": 64, "BLOCK_K": tl_.SHRINK_BLOCK_K}),
+                                       "out_ptr": "*fp32"}, {"BLOCK_R": tl_.MAX_BLOCK_R, "BLOCK_K": tl_.SHRINK_BLOCK_K}),
             (tl_._lora_expand_kernel, {"t_ptr": "*fp32", "b_ptr": f"*{dtype}", "idx_ptr": "*i64",
-                                       "y_ptr": f"*{dtype}"}, {"BLOCK_N": tl_.EXPAND_BLOCK_N, "BLOCK_R": 16}),
+                                       "y_ptr": f"*{dtype}"}, {"BLOCK_N": tl_.EXPAND_BLOCK_N, "BLOCK_R": tl_.MAX_BLOCK_R}),
         ]:
             sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
             aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}

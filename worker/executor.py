@@ -122,12 +122,12 @@ class Executor:
         if self.sampler is not None:
             self._count_tokens(plan, scheduled, feed, feed_tokens)
             self._sync_grammars(scheduled)
-        self.runner.load_loras(plan.lora_loads)
+        lora_errors = self.runner.load_loras(plan.lora_loads) if plan.lora_loads else []
         # swap-out first: a block leaving for the swap pool may be reused by this very step
         self.runner.swap_out(plan.blocks_to_swap_out)
         self.runner.swap_in(plan.blocks_to_swap_in)
         self.runner.copy_blocks(plan.blocks_to_copy)
-        step = _InFlight(StepResult(plan.step, plan.epoch))
+        step = _InFlight(StepResult(plan.step, plan.epoch, lora_errors=lora_errors))
         self._in_flight.append(step)
         sampling = [s for s in scheduled if s.num_samples]
         self.state.record_draws(plan.step, [s.seq_id for s in sampling for _ in range(s.num_samples)])

@@ -121,9 +121,10 @@ class LoRAManager:
             raise ValueError(f"LoRA slot {slot} is not one of the {self.max_loras} (--max-loras)")
         if self.slots[slot] == lora.key:
             return
-        adapter = self._read(lora)
+        self.slots[slot] = None  # until the load is done: one that fails half-way leaves it empty
         for layer in self.layers.values():
             layer.clear(slot)
+        adapter = self._read(lora)
         for (name, part), (a, b) in adapter.weights.items():
             self.layers[name].set(slot, part, a, b)
         self.slots[slot] = lora.key

@@ -281,13 +281,20 @@ class ModelRunner:
         return self.model.compute_logits(self.scored_hidden[start:stop])
 
     @torch.inference_mode()
-    def load_loras(self, loads: list[list]) -> None:
+    def load_loras(self, loads: list[list]) -> list[list]:
         """A plan's adapters into their slots (before its step; on CUDA in stream order after the
-        steps launched before, which may still read a slot's old adapter)."""
+        steps launched before, which may still read a slot's old adapter). Returns [[slot, error]]
+        for each that could not be loaded (its slot is left empty): the step runs on."""
         if loads and self.lora is None:
             raise ValueError("a plan loads a LoRA adapter into a worker started without --enable-lora")
+        errors = []
         for slot, lora in loads:
-            self.lora.load(slot, lora)
+            try:
+                self.lora.load(slot, lora)
+            except Exception as exc:  # a missing, changed or foreign adapter fails its own requests only
+                log.warning("could not load LoRA adapter %r from %s: %s", lora.lora_name, lora.lora_path, exc)
+                errors.append([slot, f"LoRA adapter {lora.lora_name!r} could not be loaded: {exc}"])
+        return errors
 
     @torch.inference_mode()
     def copy_blocks(self, src_to_dst: list[list[int]]) -> None:
