@@ -363,7 +363,7 @@ def test_the_schedulers_waiting_prompt_tokens_bound_what_the_gateway_admits(smal
 def test_short_soak_passes(tmp_path):
     output = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pagoda.bench.soak", "--duration", "20", "--warmup", "6", "--concurrency", "16",
+        [sys.executable, "-m", "pagoda.bench.soak", "--duration", "12", "--warmup", "5", "--concurrency", "16",
          "--output", str(output), "--log", str(tmp_path / "stack.log"), "--device", "cpu"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
@@ -373,7 +373,7 @@ def test_short_soak_passes(tmp_path):
     requests = result["requests"]
     assert result["verdict"] == "pass" and result["reasons"] == []
     assert requests["failed"] == 0 and result["failures"] == []
-    assert requests["sent"] == requests["answered"] + requests["cancelled"] >= 40
+    assert requests["sent"] == requests["answered"] + requests["cancelled"] >= 24
     # request k's kind is fixed by the seed: each kind was sent, and answered or cancelled, as often as drawn
     drawn = collections.Counter(Load("", 0, 1).kind_of(k)[0] for k in range(requests["sent"]))
     assert {kind: sum(counts.values()) for kind, counts in requests["by_kind"].items()} == dict(drawn)

@@ -518,6 +518,37 @@ def test_the_bgmv_kernels_match_the_reference_in_the_interpreter(dtype):
     assert torch.equal(got_y[:, 240:], y[:, 240:])
 
 
+@pytest.mark.parametrize("idx", [[3, -1, 0, 3, 3, 1, -1, 0, 2, 2, 3], [-1] + [2] * 20 + [0] * 16 + [-1] * 3,
+                                 [1, -1, 2, 1] + [2] * 18 + [3, 0, 0]],
+                         ids=["decode-mixed", "prefill-runs", "mixed-step"])
+def test_the_cpu_path_applies_every_part_as_the_shrink_and_expand_do(idx):
+    """kernels.lora.lora_apply (a layer's parts at once, B block-diagonal; rows grouped by slot, or
+    run by run, in bfloat16) against the per-op reference (float32 in between); rows of no adapter
+    untouched."""
+    from kernels import lora
+
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.tensor(idx)
+    x = torch.randn(len(idx), 40, generator=gen).to(torch.bfloat16)
+    a = torch.randn(4, 3 * 16, 40, generator=gen) * 0.1  # 3 parts of rank 16
+    b_cat = torch.zeros(4, 3 * 16, 40)
+    bs = []
+    for p, (target, n) in enumerate([(0, 24), (24, 8), (32, 8)]):
+        b_cat[:, p * 16:(p + 1) * 16, target:target + n] = torch.randn(4, 16, n, generator=gen) * 0.1
+        bs.append(b_cat[:, p * 16:(p + 1) * 16, target:target + n].transpose(1, 2))
+    y = torch.randn(len(idx), 40, generator=gen).to(torch.bfloat16)
+    want, got = y.clone(), y.clone()
+    t = lora.lora_shrink(x, a, idx)
+    for p, (b, target) in enumerate(zip(bs, (0, 24, 32))):
+        lora.lora_expand(t[:, p * 16:(p + 1) * 16], b, idx, want, target)
+    segments = lora.Segments.of(idx)
+    assert [len(segments.runs), segments.rows is not None] == {11: [0, True], 40: [2, False], 25: [1, True]}[len(idx)]
+    lora.lora_apply(x, a.to(torch.bfloat16), b_cat.to(torch.bfloat16), segments, got)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance(torch.bfloat16))
+    untouched = idx < 0
+    assert torch.equal(got[untouched], y[untouched])
+
+
 def _compile_lora_for_sm90() -> list[str]:
     """The shrink and expand compiled for sm_90 (Triton's own ptxas), bf16 and fp16."""
     import triton

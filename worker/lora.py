@@ -5,7 +5,8 @@ adapter delta (kernels.lora_shrink / lora_expand: Punica's BGMV).
 Each adaptable layer (qkv_proj, o_proj, gate_up_proj, down_proj) gets a `LoRALayer`:
 
     a      [max_loras, parts * max_rank, in]    A of each part stacked: one shrink per layer
-    b[p]   [max_loras, out of part p, max_rank] B of part p, times the adapter's scaling
+    b[p]   [max_loras, out of part p, max_rank] B of part p, times the adapter's scaling (on the CPU a
+           view of b_cat [max_loras, parts * max_rank, out], block-diagonal: one GEMM for all parts)
 
 A fused layer has a part per projection it fuses (q, k, v; gate, up), each B writing its own
 output columns. Tensor parallelism shards them as the layer: a column-parallel layer's B by its
@@ -48,24 +49,30 @@ class LoRALayer:
             self.parts.append((shard_id, target, size, source))
         self.input_slice = layer.input_slice()  # row-parallel: this rank's columns of A
         self.a = torch.zeros(max_loras, len(self.parts) * max_rank, layer.input_size, dtype=dtype, device=device)
-        self.b = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for _, _, size, _ in self.parts]
+        self.b_cat = None
+        if device.type == "cpu":  # B block-diagonal over the parts [S, parts * R, out]: one GEMM a layer
+            self.b_cat = torch.zeros(max_loras, len(self.parts) * max_rank, layer.output_size, dtype=dtype)
+            self.b = [self.b_cat[:, p * max_rank:(p + 1) * max_rank, target:target + size].transpose(1, 2)
+                      for p, (_, target, size, _) in enumerate(self.parts)]
+        else:
+            self.b = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for _, _, size, _ in self.parts]
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         idx = ctx.lora_indices
         if idx is None:
             return y
-        groups = None
-        if not (y.is_cuda and not interpreting()):  # the reference: rows grouped by slot once a step
-            groups = ctx.kernel_cache.get("lora_groups")
-            if groups is None:
-                groups = ctx.kernel_cache["lora_groups"] = kernels.lora.slot_rows(idx)
-            if not groups:
-                return y
-        t = kernels.lora_shrink(x, self.a, idx, groups=groups)
         r = self.max_rank
-        for p, (_, target, _, _) in enumerate(self.parts):
-            kernels.lora_expand(t[:, p * r:(p + 1) * r], self.b[p], idx, y, target, groups=groups)
+        if y.is_cuda and not interpreting():  # BGMV: no host sync (CUDA graphs)
+            t = kernels.lora_shrink(x, self.a, idx)
+            for p, (_, target, _, _) in enumerate(self.parts):
+                kernels.lora_expand(t[:, p * r:(p + 1) * r], self.b[p], idx, y, target)
+            return y
+        segments = ctx.kernel_cache.get("lora_segments")  # the rows grouped by slot once a step
+        if segments is None:
+            segments = ctx.kernel_cache["lora_segments"] = kernels.lora.Segments.of(idx)
+        if not segments.empty:
+            kernels.lora.lora_apply(x, self.a, self.b_cat, segments, y)
         return y
 
     def clear(self, slot: int) -> None:
@@ -100,7 +107,7 @@ class LoRAManager:
         self.model = model
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
-        self.dtype = dtype
+        self.dtype = dtype  # the slots' (LoRALayer's): the activations'
         self.layers: dict[str, LoRALayer] = {}
         for name, module in model.named_modules():
             if isinstance(module, LinearBase) and not isinstance(module, LogitsHead) and name.rsplit(".", 1)[-1] in ADAPTABLE:
