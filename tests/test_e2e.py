@@ -2,17 +2,16 @@
 from __future__ import annotations
 
 import concurrent.futures
-import json
+import dataclasses
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
+from common.protocol import SamplingParams
 from tests.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -31,21 +30,29 @@ def client(stack):
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def offline_outputs(prompts: list[dict], max_tokens: int, tmp_path, *flags: str) -> list[dict]:
-    """`pagoda generate --json` on the same prompts: the reference the stack must equal."""
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pagoda.cli", "generate", "--json", "--device", "cpu", "--temperature", "0",
-         "--max-tokens", str(max_tokens), "--prompts-file", str(path), *flags],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in proc.stdout.splitlines()]
+@pytest.fixture(scope="module")
+def offline():
+    """The offline engine in this process (one load for the module), as `pagoda generate` runs it."""
+    from pagoda.offline import LLM
+
+    return LLM("default", device="cpu")
 
 
-def offline_texts(prompts: list[dict], max_tokens: int, tmp_path) -> list[str]:
-    return [out["text"] for out in offline_outputs(prompts, max_tokens, tmp_path)]
+def offline_outputs(llm, prompts: list[dict], max_tokens: int, **given) -> list[dict]:
+    """The offline engine on the same prompts, sampling as `pagoda generate` with these flags does
+    (greedy unless told; the model's generation_config.json for what is not given, except for beam
+    search): the reference the stack must equal."""
+    from pagoda.cli import GENERATE_SAMPLING
+
+    sampling = {name: value for name, value in given.items() if name in GENERATE_SAMPLING}
+    params = SamplingParams(max_tokens=max_tokens, **(GENERATE_SAMPLING | given))
+    if not params.beam_width:
+        params = dataclasses.replace(params, **{k: v for k, v in llm.default_sampling_params.items() if k not in sampling})
+    return [out.to_json() for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def offline_texts(llm, prompts: list[dict], max_tokens: int) -> list[str]:
+    return [out["text"] for out in offline_outputs(llm, prompts, max_tokens)]
 
 
 def test_models_lists_the_served_model(client):
@@ -108,10 +115,10 @@ def test_n_2_returns_two_choices(client):
     assert [c.text for c in again.choices] == [c.text for c in response.choices]  # seeded: reproducible
 
 
-def test_seeded_samples_equal_pagoda_generate(client, tmp_path):
+def test_seeded_samples_equal_the_offline_engines(client, offline):
     """One seed rule online and offline: n samples are one group, sample i seeded sample_seed(seed, i)."""
     prompt = "Once upon a time"
-    (expected,) = offline_outputs([{"prompt": prompt}], 12, tmp_path, "--temperature", "1", "--seed", "7", "--n", "3")
+    (expected,) = offline_outputs(offline, [{"prompt": prompt}], 12, temperature=1.0, seed=7, n=3)
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, n=3, seed=7)
     assert [(c.index, c.text, c.finish_reason) for c in response.choices] == [
         (i, sample["text"], sample["finish_reason"]) for i, sample in enumerate(expected["outputs"])]
@@ -119,9 +126,9 @@ def test_seeded_samples_equal_pagoda_generate(client, tmp_path):
     assert response.usage.completion_tokens == sum(len(sample["token_ids"]) for sample in expected["outputs"])
 
 
-def test_beam_search_returns_the_offline_engines_beams_best_first(client, tmp_path):
+def test_beam_search_returns_the_offline_engines_beams_best_first(client, offline):
     prompt = "The best way to learn a language is"
-    (expected,) = offline_outputs([{"prompt": prompt}], 8, tmp_path, "--beam-width", "2", "--n", "2")
+    (expected,) = offline_outputs(offline, [{"prompt": prompt}], 8, beam_width=2, n=2)
     assert len(expected["outputs"]) == 2
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=2,
                                          extra_body={"use_beam_search": True, "best_of": 2})
@@ -158,9 +165,9 @@ def test_logprobs(client):
     assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
 
 
-def test_32_concurrent_streams_match_pagoda_generate(client, tmp_path):
+def test_32_concurrent_streams_match_the_offline_engine(client, offline):
     prompts = [{"prompt": f"Here is fact number {i} about the ocean:"} for i in range(32)]
-    expected = offline_texts(prompts, 16, tmp_path)
+    expected = offline_texts(offline, prompts, 16)
 
     def stream(i: int) -> str:
         chunks = client.completions.create(model=MODEL, prompt=prompts[i]["prompt"], max_tokens=16, temperature=0,

@@ -197,12 +197,15 @@ def test_an_adapter_is_refused_before_anything_runs(llm, tiny, tmp_path):
 def test_a_tensor_parallel_group_of_2_serves_the_mixed_batch(tiny):
     """A shards as its layer's input (o_proj, down_proj), B as its layer's output (qkv, gate_up)."""
     from pagoda.offline import LLM
+    from worker.parallel import get_tp_group, set_tp_group
 
+    saved = get_tp_group()  # rank 0 runs here: the process's group until it is given back
     group = LLM(str(tiny[0]), enable_lora=True, max_loras=4, max_lora_rank=16, dtype="float32", tensor_parallel_size=2)
     try:
         _check(_mixed_batch(group, tiny), tiny)
     finally:
         group.close()
+        set_tp_group(saved)
 
 
 # ----------------------------------------------------------------------------- the default model, through the CLI

@@ -224,13 +224,20 @@ def test_beam_search_equals_transformers_on_smollm2(smollm2, smollm2_hf, width):
     assert any(out.outputs[0].finish_reason == "length" for out in outputs)
 
 
+@pytest.fixture(scope="module")
+def unpreempted(smollm2) -> list[list[int]]:
+    """The parity prompts' 32 greedy tokens with a pool that never preempts (once for every mode)."""
+    reconfigure(smollm2, enable_prefix_caching=False)
+    prompts = [smollm2.encode(p) for p in PARITY_PROMPTS]
+    return [o.token_ids for o in smollm2.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_smollm2_greedy_is_unchanged_by_forced_preemption(smollm2, mode):
+def test_smollm2_greedy_is_unchanged_by_forced_preemption(smollm2, unpreempted, mode):
     prompts = [smollm2.encode(p) for p in PARITY_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=32)
-    reconfigure(smollm2, enable_prefix_caching=False)
-    expected = [o.token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)]
+    expected = unpreempted
     reconfigure(smollm2, num_gpu_blocks=56, preemption_mode=mode, enable_prefix_caching=False)
     assert [o.token_ids for o in smollm2.generate(prompts, params, use_tqdm=False)] == expected
     s = smollm2.scheduler
