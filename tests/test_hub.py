@@ -260,8 +260,8 @@ def test_offline_generate_without_sampling_params_uses_the_models_and_given_ones
     assert local_llm.get_default_sampling_params() == SamplingParams(**SAMPLING)
     seen = []
     add_request = local_llm.engine.add_request
-    local_llm.engine.add_request = lambda request_id, ids, params: (seen.append(params),
-                                                                    add_request(request_id, ids, params))
+    local_llm.engine.add_request = lambda request_id, ids, params, *rest: (seen.append(params),
+                                                                           add_request(request_id, ids, params, *rest))
     try:
         local_llm.generate(PROMPT, use_tqdm=False)
         local_llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
