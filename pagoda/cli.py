@@ -418,6 +418,10 @@ def _add_bench_throughput(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
     t.add_argument("--skip-baseline", action="store_true", help="Pagoda only")
+    t.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="then the same requests on an engine serving N random adapters, round-robin (docs/lora.md)")
+    t.add_argument("--lora-rank", type=int, default=16, help="the random adapters' rank")
+    t.add_argument("--max-loras", type=int, default=None, help="that engine's adapter slots (default N)")
     t.add_argument("--output", help="write the result JSON here")
     t.set_defaults(handler=_bench_throughput)
 

@@ -63,13 +63,17 @@ ENGINE=(--device cuda --dtype bfloat16 --max-num-seqs 256 --max-num-batched-toke
 TESTS=${GPU_CHECK_TESTS:-tests/test_kernels_triton.py tests/test_kernels_fused.py tests/test_kernels_swap.py \
   tests/test_kernels_tuning.py tests/test_kernels_moe.py tests/test_input_batch.py tests/test_sampler.py \
   tests/test_tensor_parallel.py tests/test_models_gpu.py tests/test_token_feed.py tests/test_bench_profile.py \
-  tests/test_quantization.py tests/test_quant_formats.py tests/test_fp8_kv_cache.py}
-step tests 150 $PY -m pytest -q -n 8 -m gpu -p no:cacheprovider $TESTS
+  tests/test_quantization.py tests/test_quant_formats.py tests/test_fp8_kv_cache.py tests/test_lora_gpu.py}
+step tests 180 $PY -m pytest -q -n 8 -m gpu -p no:cacheprovider $TESTS
 step kernels 45 $PY -m pagoda.cli bench kernels --output "$prefix-kernels.json"
 step kernels-moe 60 $PY -m pagoda.cli bench kernels --moe --output "$prefix-kernels-moe.json"
 step throughput-96 150 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \
   --max-output-len 128 --ignore-eos --hf-batch-size 16 --seed 0 $([ "${HF_BASELINE:-1}" = 0 ] && echo --skip-baseline) \
   --output "$prefix-throughput-96.json"
+# [lora]: the same 96 requests on an engine serving 8 random rank-16 adapters, round-robin, over the base engine's
+step throughput-96-lora8 120 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \
+  --max-output-len 128 --ignore-eos --seed 0 --skip-baseline --lora-adapters 8 --lora-rank 16 \
+  --output "$prefix-throughput-96-lora8.json"
 if has_bench latency; then
   step latency 90 $PY -m pagoda.cli bench latency --model $MODEL --device cuda --dtype bfloat16 --batch-sizes 1,64 \
     --input-len 1024 --output-len 128 --output "$prefix-latency.json"

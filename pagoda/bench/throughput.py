@@ -29,10 +29,10 @@ def load_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
     return [([t % vocab_size for t in p.prompt_token_ids], min(p.output_len, args.max_output_len)) for p in pairs]
 
 
-def run_pagoda(llm, requests: list[tuple[list[int], int]], ignore_eos: bool) -> dict:
+def run_pagoda(llm, requests: list[tuple[list[int], int]], ignore_eos: bool, lora_request=None) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for _, n in requests]
     start = time.perf_counter()
-    outputs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    outputs = llm.generate([p for p, _ in requests], params, use_tqdm=False, lora_request=lora_request)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
     return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
@@ -118,6 +118,42 @@ def run(args) -> int:
         result["baseline"] = {"name": "transformers generate, padded static batches", **baseline}
         result["ratio"] = pagoda["output_tokens_per_s"] / baseline["output_tokens_per_s"]
     llm.close()
+    if args.lora_adapters:
+        result["lora"] = run_lora(args, requests, pagoda, log)
     write_result(result, args.output)
-    print(json.dumps({k: result[k] for k in ("pagoda", "baseline", "ratio") if k in result}, indent=2))
+    print(json.dumps({k: result[k] for k in ("pagoda", "baseline", "ratio", "lora") if k in result}, indent=2))
     return 0
+
+
+def run_lora(args, requests: list[tuple[list[int], int]], base: dict, log) -> dict:
+    """`--lora-adapters N`: the same requests on a second engine with N random adapters
+    (`--max-loras` slots, default N), request i on adapter i mod N; its throughput over the base
+    engine's, which has no LoRA at all."""
+    import tempfile
+    from pathlib import Path
+
+    from common.lora import lora_int_id
+    from common.protocol import LoRARequest
+    from pagoda.bench.lora import random_adapters
+    from pagoda.offline import LLM
+
+    max_loras = args.max_loras or args.lora_adapters
+    with tempfile.TemporaryDirectory(prefix="pagoda-lora-") as tmp:
+        adapters = [LoRARequest(name, lora_int_id(name), str(path))
+                    for name, path in random_adapters(args.model, args.lora_adapters, args.lora_rank, Path(tmp), args.seed)]
+        llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, allocator=args.allocator,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size,
+                  enable_lora=True, max_loras=max_loras, max_lora_rank=max(args.lora_rank, 16))
+        order = [adapters[i % len(adapters)] for i in range(len(requests))]
+        run_pagoda(llm, requests[:2], args.ignore_eos, order[:2])  # warm up
+        llm.reset()
+        lora = run_pagoda(llm, requests, args.ignore_eos, order)
+        slots = llm.scheduler.lora_slots
+        lora.update(lora_loads=slots.num_loads, lora_evictions=slots.num_evictions)
+        llm.close()
+    ratio = lora["output_tokens_per_s"] / base["output_tokens_per_s"]
+    log(f"pagoda with {len(adapters)} adapters: {lora['output_tokens_per_s']:.1f} output tokens/s, {ratio:.3f}x the base")
+    return {"adapters": len(adapters), "rank": args.lora_rank, "max_loras": max_loras, "pagoda": lora,
+            "lora_over_base_output_tokens_per_s": round(ratio, 3)}
