@@ -272,6 +272,7 @@ def test_the_fp8_gemm_on_a_gpu_is_its_emulation():
     torch.manual_seed(0)
     layer = _Layer(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
     layer.input_size, layer.output_size, layer.model_dtype = 4096, 6144, torch.bfloat16
+    layer.input_scale = None  # dynamic activation scales, as create_weights sets for a full-precision checkpoint
     method = fp8.Fp8LinearMethod()
     method.process_weights_after_loading(layer)
     assert layer.use_scaled_mm

@@ -138,7 +138,7 @@ def _load(layer: nn.Module, name: str, layout: TensorLayout, param: torch.Tensor
         _note_dtype(layer, name, tensor)
         if name.endswith("g_idx") and shard_id is not None:  # one order for the parts of a fused layer
             seen = getattr(layer, "_g_idx_parts", set())
-            if seen and not torch.equal(param.data, tensor.to(param.dtype)):
+            if seen and not torch.equal(param.data, tensor.to(param.device, param.dtype)):
                 raise UnsupportedQuantization(f"{what}: the fused parts' act-order g_idx differ (one order for "
                                               "q, k and v, and one for gate and up, is supported)")
             layer._g_idx_parts = seen | {shard_id}
