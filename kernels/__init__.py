@@ -262,23 +262,25 @@ def warmup_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, *, activation: s
     return len(configs)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, *, groups=None, impl: Impl = None) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, *, groups=None, meta=None,
+                impl: Impl = None) -> torch.Tensor:
     """[M, R] float32: each row of x [M, K] times its adapter's A [S, R, K] (idx [M]: its slot, -1:
-    none, zeros). `groups`: the reference's rows per slot, computed once a step (lora.slot_rows)."""
+    none, zeros). The rows grouped by slot once a step, for every layer: `groups` the reference's
+    (lora.slot_rows), `meta` the kernels' (triton_lora.LoRAMeta.of)."""
     if _use_triton(x, impl):
         from kernels import triton_lora
 
-        return triton_lora.lora_shrink(x, a, idx)
+        return triton_lora.lora_shrink(x, a, idx, meta)
     return lora.lora_shrink(x, a, idx, groups)
 
 
 def lora_expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, offset: int = 0, *,
-                groups=None, impl: Impl = None) -> None:
+                groups=None, meta=None, impl: Impl = None) -> None:
     """y[m, offset:offset + N] += t[m] @ B[idx[m]]^T for each row with an adapter (B [S, N, R])."""
     if _use_triton(y, impl):
         from kernels import triton_lora
 
-        return triton_lora.lora_expand(t, b, idx, y, offset)
+        return triton_lora.lora_expand(t, b, idx, y, offset, meta)
     return lora.lora_expand(t, b, idx, y, offset, groups)
 
 

@@ -3,7 +3,7 @@ default model: each adapter's greedy tokens are transformers+PEFT's and its logp
 1e-4 in float32, offline in a mixed batch (8 adapters and the base, 3 slots), under swap
 preemption, over a tensor-parallel group of 2, through `pagoda generate --lora` and through the
 served API; the slots, the prefix cache's keys by adapter, the checks before an adapter is served,
-the runtime load and unload endpoints and the BGMV kernels."""
+the runtime load and unload endpoints and the SGMV kernels."""
 from __future__ import annotations
 
 import json
@@ -444,24 +444,36 @@ def test_the_slots_never_hand_a_pinned_slot_to_another_adapter(ops, max_loras):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_bgmv_kernels_match_the_reference_in_the_interpreter(dtype):
+@pytest.mark.parametrize("rows", [9, 300], ids=["decode-tiles", "prefill-tiles"])
+def test_the_sgmv_kernels_match_the_reference_in_the_interpreter(dtype, rows):
+    """Rows of 3 slots and none, shuffled: the grouping by slot, tiles of 16 rows (decode) and 64
+    (prefill, a slot's rows over several tiles), the shrink's K split over programs, rank tiles."""
     import kernels
+    from kernels import triton_lora
+    from kernels.triton_lora import LoRAMeta
 
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(9, 72, generator=gen).to(dtype)
-    a = (torch.randn(3, 136, 72, generator=gen) * 0.1).to(dtype)  # 136 rank rows: 3 programs of 64
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=gen).to(dtype)
+    a = (torch.randn(3, 136, 200, generator=gen) * 0.1).to(dtype)  # 136 rank rows: 3 programs of 64
     b = (torch.randn(3, 200, 80, generator=gen) * 0.1).to(dtype)  # rank 80: 2 rounds of the expand's loop
-    idx = torch.tensor([0, -1, 2, 2, 1, -1, 0, 1, 2])
+    idx = torch.randint(-1, 3, (rows,), generator=gen)
+    idx[:4] = torch.tensor([0, -1, 2, 2])
+    meta = LoRAMeta.of(idx, 3)
+    assert meta.counts.tolist() == [int((idx == s).sum()) for s in range(3)]
+    assert sorted(idx[meta.order].tolist()) == idx[meta.order].tolist()
     want = kernels.lora_shrink(x, a, idx, impl="torch")
-    got = kernels.lora_shrink(x, a, idx, impl="triton")
-    torch.testing.assert_close(got, want, **tolerance(torch.float32))
-    assert torch.equal(want[[1, 5]], torch.zeros(2, 136))  # no adapter: zeros
-    y = torch.randn(9, 260, generator=gen).to(dtype)
+    got = kernels.lora_shrink(x, a, idx, meta=meta, impl="triton")
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    split = triton_lora.lora_shrink(x, a, idx, meta, split_k=3)  # K in 3 programs' partial sums
+    torch.testing.assert_close(split, want, **tolerance(dtype))
+    none = (idx == -1).nonzero().squeeze(1)
+    assert torch.equal(got[none], torch.zeros(len(none), 136))  # no adapter: zeros
+    y = torch.randn(rows, 260, generator=gen).to(dtype)
     want_y, got_y = y.clone(), y.clone()
     kernels.lora_expand(want[:, 8:88], b, idx, want_y, 40, impl="torch")
-    kernels.lora_expand(want[:, 8:88], b, idx, got_y, 40, impl="triton")
+    kernels.lora_expand(want[:, 8:88], b, idx, got_y, 40, meta=meta, impl="triton")
     torch.testing.assert_close(got_y, want_y, **tolerance(dtype))
-    assert torch.equal(got_y[[1, 5]], y[[1, 5]]) and torch.equal(got_y[:, :40], y[:, :40])  # untouched
+    assert torch.equal(got_y[none], y[none]) and torch.equal(got_y[:, :40], y[:, :40])  # untouched
     assert torch.equal(got_y[:, 240:], y[:, 240:])
 
 
@@ -504,13 +516,14 @@ def _compile_lora_for_sm90() -> list[str]:
 
     from kernels import triton_lora as tl_
 
+    meta = {"order_ptr": "*i64", "counts_ptr": "*i32", "starts_ptr": "*i32"}
     done = []
     for dtype in ("bf16", "fp16"):
         for fn, types, consts in [
-            (tl_._lora_shrink_kernel, {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "idx_ptr": "*i64",
-                                       "out_ptr": "*fp32"}, {"BLOCK_R": tl_.MAX_BLOCK_R, "BLOCK_K": tl_.SHRINK_BLOCK_K}),
-            (tl_._lora_expand_kernel, {"t_ptr": "*fp32", "b_ptr": f"*{dtype}", "idx_ptr": "*i64",
-                                       "y_ptr": f"*{dtype}"}, {"BLOCK_N": tl_.EXPAND_BLOCK_N, "BLOCK_R": tl_.MAX_BLOCK_R}),
+            (tl_._lora_shrink_kernel, {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "out_ptr": "*fp32", **meta},
+             {"BLOCK_M": 16, "BLOCK_R": tl_.MAX_BLOCK_R, "BLOCK_K": tl_.SHRINK_BLOCK_K, "PRECISION": "tf32"}),
+            (tl_._lora_expand_kernel, {"t_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", **meta},
+             {"BLOCK_M": 64, "BLOCK_N": tl_.EXPAND_BLOCK_N, "BLOCK_R": tl_.MAX_BLOCK_R, "PRECISION": "tf32"}),
         ]:
             sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
             aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
@@ -520,5 +533,5 @@ def _compile_lora_for_sm90() -> list[str]:
     return done
 
 
-def test_the_bgmv_kernels_compile_for_hopper_without_a_gpu():
+def test_the_sgmv_kernels_compile_for_hopper_without_a_gpu():
     assert count_compiled_for_sm90("tests.test_lora", "_compile_lora_for_sm90") == 4

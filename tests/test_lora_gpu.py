@@ -1,4 +1,4 @@
-"""[lora] on a CUDA device: the BGMV kernels against the per-op reference, and a mixed batch of 8
+"""[lora] on a CUDA device: the SGMV kernels against the per-op reference at decode and prefill sizes, and a mixed batch of 8
 adapters and the base model (3 slots) through the Triton kernels and the decode CUDA graphs, equal
 to transformers+PEFT in float32: greedy tokens exactly, logprobs within 1e-4. Imports no test-only
 package but peft, so a GPU host runs it from a source tree."""
@@ -13,16 +13,18 @@ from tests.triton_env import tolerance
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_torch_thread")]
 
 
-def test_the_bgmv_kernels_match_the_reference_on_cuda():
+@pytest.mark.parametrize("rows", [64, 2048])
+def test_the_sgmv_kernels_match_the_reference_on_cuda(rows):
     import kernels
 
-    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-    a = torch.randn(8, 16, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(8, 48, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
     b = torch.randn(8, 4096, 16, device="cuda", dtype=torch.bfloat16) * 0.02
-    idx = torch.randint(-1, 8, (64,), device="cuda")
+    idx = torch.randint(-1, 8, (rows,), device="cuda")
     want = kernels.lora_shrink(x, a, idx, impl="torch")
     torch.testing.assert_close(kernels.lora_shrink(x, a, idx), want, atol=1e-2, rtol=1e-2)
-    y = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    want = want[:, 16:32]
+    y = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     want_y, got_y = y.clone(), y.clone()
     kernels.lora_expand(want, b, idx, want_y, impl="torch")
     kernels.lora_expand(want, b, idx, got_y)

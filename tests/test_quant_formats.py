@@ -299,7 +299,10 @@ def test_float32_serves_the_dequantized_weight_and_no_packed_one():
 @triton_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, split_k", [(3, 1), (3, 2), (17, None)])
-def test_the_triton_int4_gemm_is_the_dequantized_weights(dtype, rows, split_k):
+@pytest.mark.parametrize("act_order", [True, False], ids=["act-order", "contiguous-groups"])
+def test_the_triton_int4_gemm_is_the_dequantized_weights(dtype, rows, split_k, act_order):
+    """Act-order gathers each input's group; contiguous groups (a K block within one) read one row
+    of scales and zeros per block."""
     from kernels.triton_int4 import Int4Packed, int4_matmul
     from worker.quantization.int4_checkpoints import Int4Weight
 
@@ -308,12 +311,13 @@ def test_the_triton_int4_gemm_is_the_dequantized_weights(dtype, rows, split_k):
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
     zeros = torch.randint(0, 16, (groups, n), generator=gen, dtype=torch.int32)
     scales = (torch.rand(groups, n, generator=gen) * 0.05 + 0.01).half()
-    g_idx = torch.randperm(k, generator=gen) // (k // groups)  # act-order
+    g_idx = (torch.randperm(k, generator=gen) if act_order else torch.arange(k)) // (k // groups)
     weight = Int4Weight(q, zeros, scales, g_idx)
     x = torch.randn(rows, k, generator=gen)
     expected_y = x.to(dtype).float() @ weight.dequantize(dtype).float().t()
     packed = Int4Packed.of(Int4Weight(q.to(DEVICE), zeros.to(DEVICE), scales.to(DEVICE), g_idx.to(DEVICE)))
-    block = (16, 32, 32) if DEVICE == "cpu" else None
+    assert packed.group_size == (0 if act_order else k // groups)
+    block = (16, 32, 64) if DEVICE == "cpu" else None  # contiguous: K blocks of 32, a group's
     y = int4_matmul(x.to(DEVICE, dtype), packed, split_k=split_k, block=block)
     assert y.dtype == dtype and y.shape == (rows, n)
     torch.testing.assert_close(y.float().cpu(), expected_y, **tolerance(dtype))
@@ -357,7 +361,7 @@ def test_a_quantized_moe_checkpoint_and_another_formats_flag_are_refused():
 
 def _compile_int4_for_sm90() -> list[str]:
     """The int4 GEMM compiled for sm_90 (Triton's own ptxas) at each tile size `tiles` picks, bf16
-    and fp16 activations. Run with TRITON_INTERPRET unset."""
+    and fp16 activations, contiguous groups of 128 and act-order. Run with TRITON_INTERPRET unset."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -366,10 +370,10 @@ def _compile_int4_for_sm90() -> list[str]:
 
     fn = triton_int4._int4_gemm
     done = []
-    for dtype in ("bf16", "fp16"):
+    for dtype, group_size in (("bf16", 128), ("fp16", 0)):
         for m in (1, 32, 256):
             block_m, block_n, block_k, warps = triton_int4.tiles(m)
-            consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32")
+            consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE=group_size, PRECISION="tf32")
             types = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "s_ptr": f"*{dtype}", "z_ptr": f"*{dtype}",
                      "g_ptr": "*i32", "out_ptr": "*fp32"}
             sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}

@@ -1,6 +1,6 @@
 """LoRA adapters on the worker: `max_loras` slots of stacked A and B weights behind every adaptable
 linear layer, filled by the plans' `lora_loads`, and the layers' `lora` hooks that add each row's
-adapter delta (kernels.lora_shrink / lora_expand: Punica's BGMV).
+adapter delta (kernels.lora_shrink / lora_expand: Punica's SGMV).
 
 Each adaptable layer (qkv_proj, o_proj, gate_up_proj, down_proj) gets a `LoRALayer`:
 
@@ -63,10 +63,15 @@ class LoRALayer:
         if idx is None:
             return y
         r = self.max_rank
-        if y.is_cuda and not interpreting():  # BGMV: no host sync (CUDA graphs)
-            t = kernels.lora_shrink(x, self.a, idx)
+        if y.is_cuda and not interpreting():  # SGMV: no host sync (CUDA graphs)
+            from kernels.triton_lora import LoRAMeta
+
+            meta = ctx.kernel_cache.get("lora_meta")  # the rows grouped by slot once a step
+            if meta is None:
+                meta = ctx.kernel_cache["lora_meta"] = LoRAMeta.of(idx, self.a.shape[0])
+            t = kernels.lora_shrink(x, self.a, idx, meta=meta)
             for p, (_, target, _, _) in enumerate(self.parts):
-                kernels.lora_expand(t[:, p * r:(p + 1) * r], self.b[p], idx, y, target)
+                kernels.lora_expand(t[:, p * r:(p + 1) * r], self.b[p], idx, y, target, meta=meta)
             return y
         segments = ctx.kernel_cache.get("lora_segments")  # the rows grouped by slot once a step
         if segments is None:
