@@ -56,7 +56,9 @@ def _slot_rows(pid, order_ptr, counts_ptr, starts_ptr, m_tiles, BLOCK_M: tl.cons
     return slot.to(tl.int64), rows.to(tl.int64), mask, tile * BLOCK_M < count
 
 
-@triton.jit
+# Arguments that vary from step to step are not specialized on (Triton would compile a variant per
+# value class while serving); LoRALayer.warmup compiles the rest at start-up.
+@triton.jit(do_not_specialize=["m_tiles", "k_per_split", "stride_os"])
 def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, counts_ptr, starts_ptr, out_ptr, K, R, m_tiles, k_per_split,
                         stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_os, stride_om, stride_or,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -81,7 +83,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, counts_ptr, starts_ptr, out_ptr
                  mask=mask_m[:, None] & mask_r[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m_tiles", "y_offset"])
 def _lora_expand_kernel(t_ptr, b_ptr, order_ptr, counts_ptr, starts_ptr, y_ptr, N, R, y_offset, m_tiles,
                         stride_tm, stride_tr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -114,9 +116,12 @@ def _block_r(r: int) -> int:
     return min(max(triton.next_power_of_2(r), 16), MAX_BLOCK_R)
 
 
+PREFILL_ROWS = 257  # steps of this many rows or more take prefill's row tiles
+
+
 def _block_m(m: int) -> int:
     """Rows per tile: 16 for decode-sized steps, 64 for prefill chunks."""
-    return 16 if m <= 256 else 64
+    return 16 if m < PREFILL_ROWS else 64
 
 
 def _split_k(tiles: int, k: int, device: torch.device) -> int:

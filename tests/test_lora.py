@@ -24,7 +24,7 @@ from scheduler.lora_slots import LoRASlots
 from pagoda.bench.stack import parse_samples
 from tests import families
 from tests.stack import Stack, wait_for
-from tests.lora_adapters import ADAPTERS, TOLERANCE, build_tiny, make_adapter
+from tests.lora_adapters import ALL, TOLERANCE, build_tiny, make_adapter
 from tests.lora_adapters import check_outputs as _check
 from tests.lora_adapters import mixed_batch as _mixed_batch
 from tests.triton_env import count_compiled_for_sm90, tolerance

@@ -41,7 +41,17 @@ def test_a_mixed_batch_of_8_adapters_on_cuda_matches_transformers_and_peft(tmp_p
     replays = []
     run = runner.run
     runner.run = lambda step: replays.append(1) or run(step)
+    compiled = _compiled_lora_variants()
     check_outputs(mixed_batch(llm, tiny), tiny)
     assert (llm.scheduler.lora_slots.num_loads, llm.scheduler.lora_slots.num_evictions) == (8, 5)
     assert replays, "no decode step ran from a CUDA graph"
+    assert _compiled_lora_variants() == compiled, "a LoRA kernel compiled while serving (LoRAManager.warmup)"
     llm.close()
+
+
+def _compiled_lora_variants() -> int:
+    """The variants of the SGMV kernels Triton has compiled in this process."""
+    from kernels import triton_lora
+
+    return sum(len(cache[0]) for fn in (triton_lora._lora_shrink_kernel, triton_lora._lora_expand_kernel)
+               for cache in fn.device_caches.values())

@@ -80,6 +80,21 @@ class LoRALayer:
             kernels.lora.lora_apply(x, self.a, self.b_cat, segments, y)
         return y
 
+    def warmup(self) -> None:
+        """Compile the kernels this layer launches (CUDA): both row tiles (decode's and prefill's),
+        no row with an adapter, so nothing is computed."""
+        from kernels.triton_lora import PREFILL_ROWS, LoRAMeta
+
+        device, dtype = self.a.device, self.a.dtype
+        for m in (1, PREFILL_ROWS):
+            idx = torch.full((m,), -1, dtype=torch.int64, device=device)
+            meta = LoRAMeta.of(idx, self.a.shape[0])
+            t = kernels.lora_shrink(torch.zeros(m, self.a.shape[2], dtype=dtype, device=device), self.a, idx, meta=meta)
+            y = torch.zeros(m, max(target + size for _, target, size, _ in self.parts), dtype=dtype, device=device)
+            for p, (_, target, _, _) in enumerate(self.parts):
+                kernels.lora_expand(t[:, p * self.max_rank:(p + 1) * self.max_rank], self.b[p], idx, y, target,
+                                    meta=meta)
+
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         for b in self.b:
@@ -127,6 +142,19 @@ class LoRAManager:
     @property
     def nbytes(self) -> int:
         return sum(layer.a.nbytes + sum(b.nbytes for b in layer.b) for layer in self.layers.values())
+
+    def warmup(self) -> int:
+        """Compile every LoRA kernel variant the model can launch, once per layer shape, so that
+        nothing compiles while serving (CUDA only); returns the shapes warmed."""
+        if next(iter(self.layers.values())).a.device.type != "cuda" or interpreting():
+            return 0
+        done = set()
+        for layer in self.layers.values():
+            key = (layer.a.shape, tuple(b.shape for b in layer.b), tuple(target for _, target, _, _ in layer.parts))
+            if key not in done:
+                layer.warmup()
+                done.add(key)
+        return len(done)
 
     def load(self, slot: int, lora: LoRARequest) -> None:
         if not 0 <= slot < self.max_loras:

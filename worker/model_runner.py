@@ -122,6 +122,8 @@ class ModelRunner:
         # [lora]: the adapter slots, allocated before the profile run so the KV pool's sizing counts them
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.dtype,
                                  self.device) if config.enable_lora else None)
+        if self.lora is not None:
+            self.lora.warmup()  # CUDA: no LoRA kernel compiles while serving
         self.sliding_window = self.model.sliding_window()  # every layer's, or None
         self.block_size = config.block_size
         attn = self.model.attention_layers()[0]
