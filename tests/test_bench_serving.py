@@ -131,3 +131,19 @@ def test_bench_throughput_runs_a_tensor_parallel_group(tmp_path, monkeypatch):
 
     assert result["tensor_parallel_size"] == 2
     assert result["pagoda"]["output_tokens"] == sum(min(p.output_len, 4) for p in sample_sharegpt(4, 0, "trace"))
+
+
+def test_bench_throughput_serves_the_same_requests_over_random_adapters(tmp_path):
+    """--lora-adapters 3 --max-loras 2: a second engine serves request i on adapter i mod 3; every
+    requested token comes out, each adapter loaded, one slot evicted at least once."""
+    out = tmp_path / "lora.json"
+    assert main(["bench", "throughput", "--model", f"dummy:{TINY}", "--device", "cpu", "--num-prompts", "4",
+                 "--max-output-len", "4", "--ignore-eos", "--skip-baseline", "--lora-adapters", "3",
+                 "--lora-rank", "8", "--max-loras", "2", "--source", "trace", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    lora = result["lora"]
+    assert (lora["adapters"], lora["rank"], lora["max_loras"]) == (3, 8, 2)
+    assert lora["pagoda"]["output_tokens"] == result["pagoda"]["output_tokens"]
+    assert lora["pagoda"]["lora_loads"] >= 3 and lora["pagoda"]["lora_evictions"] >= 1
+    assert lora["lora_over_base_output_tokens_per_s"] == pytest.approx(
+        lora["pagoda"]["output_tokens_per_s"] / result["pagoda"]["output_tokens_per_s"], abs=1e-3)
