@@ -193,6 +193,11 @@ class GatewayConfig:
                                                "prompt tokens accepted but not yet running, over every engine group, "
                                                "before 429 (default: no bound); a request alone in the queue is "
                                                "always accepted")
+    ttft_slo_ms: float | None = option(None, "--ttft-slo-ms",
+                                       "shed (429) a new request whose predicted wait in the queue, the prompt tokens "
+                                       "waiting ahead of it and its own over the engine groups' measured prefill "
+                                       "rate, exceeds this many ms (default: none); a request into an empty queue is "
+                                       "always accepted")
     request_timeout_s: float = option(600.0, "--request-timeout", "seconds a request may take (then 504)")
     gateway_id: str | None = no_flag(None, "names the reply stream; random per process, so a restarted gateway "
                                            "never reads its predecessor's stream")
@@ -224,6 +229,7 @@ class GatewayConfig:
         _check(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
         _check(self.max_num_queued_tokens is None or self.max_num_queued_tokens >= 1,
                "max_num_queued_tokens must be >= 1")
+        _check(self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "ttft_slo_ms must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
         _check(self.redis_restart_grace_s >= 0, "redis_restart_grace_s must be >= 0")

@@ -390,6 +390,8 @@ class SchedulerStatus:
     max_loras: int = 0  # 0: LoRA off
     num_lora_loads_total: int = 0
     num_lora_evictions_total: int = 0
+    # [cache-at-scale]: the workers' measured prefill rate (the gateway's --ttft-slo-ms predicts by it)
+    prefill_tokens_per_s: float = 0.0
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -462,7 +464,7 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]
-    SchedulerStatus: 19, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
+    SchedulerStatus: 20, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
     NewSequence: 1, StepPlan: 1, GenerateRequest: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

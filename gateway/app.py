@@ -526,8 +526,9 @@ class Gateway:
 
     def _admit(self, statuses: list[SchedulerStatus], num_tokens: int) -> None:
         """429 when the queue is full: --max-num-queued-requests, or --max-num-queued-tokens with this
-        request's `num_tokens` on top. A scheduler counts only what it has read from the stream, and
-        this gateway's submitted-but-unstarted requests also cover what still sits in Redis."""
+        request's `num_tokens` on top, or when its predicted wait is past --ttft-slo-ms. A scheduler
+        counts only what it has read from the stream, and this gateway's submitted-but-unstarted
+        requests also cover what still sits in Redis."""
         engine, config = self.engine, self.config
         pending = max(sum(s.num_waiting for s in statuses), engine.num_unstarted) + engine.num_unsubmitted
         if pending >= config.max_pending_requests:
@@ -535,16 +536,34 @@ class Gateway:
             raise APIError(
                 429, f"the server is busy: {pending} requests are already waiting; retry shortly",
                 "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
-        if config.max_num_queued_tokens is None:
+        if config.max_num_queued_tokens is None and config.ttft_slo_ms is None:
             return
         queued = (max(sum(s.num_waiting_tokens for s in statuses), engine.num_unstarted_tokens)
                   + engine.num_unsubmitted_tokens)
-        if queued and queued + num_tokens > config.max_num_queued_tokens:  # alone, a request is never refused
+        bound = config.max_num_queued_tokens
+        if bound is not None and queued and queued + num_tokens > bound:  # alone, a request is never refused
             self.metrics.requests_rejected.labels("max_num_queued_tokens").inc()
             raise APIError(
                 429, f"the server is busy: {queued} prompt tokens are already waiting and this request has "
                 f"{num_tokens} (--max-num-queued-tokens {config.max_num_queued_tokens}); retry shortly",
                 "rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_QUEUE_FULL_S)})
+        if config.ttft_slo_ms is not None:
+            self._check_ttft_slo(statuses, queued, num_tokens)
+
+    def _check_ttft_slo(self, statuses: list[SchedulerStatus], queued: int, num_tokens: int) -> None:
+        """429 when the predicted wait, the `queued` prompt tokens ahead and this request's own over
+        the groups' summed prefill rate, passes --ttft-slo-ms (a request into an empty queue passes)."""
+        rate = sum(s.prefill_tokens_per_s for s in statuses if s.prefill_tokens_per_s > 0)
+        if not queued or not rate:
+            return
+        predicted_ms = round((queued + num_tokens) / rate * 1000)
+        if predicted_ms > self.config.ttft_slo_ms:
+            self.metrics.requests_rejected.labels("ttft_slo_ms").inc()
+            raise APIError(
+                429, f"the server is busy: {queued} prompt tokens are waiting, and this request would wait about "
+                f"{predicted_ms} ms for its first token (--ttft-slo-ms {self.config.ttft_slo_ms:g}); retry shortly",
+                "rate_limit_error", code="queue_full",
+                headers={"Retry-After": str(max(RETRY_AFTER_QUEUE_FULL_S, -(-predicted_ms // 1000)))})
 
     async def _submit(self, requests: list[GenerateRequest]) -> Generation:
         try:

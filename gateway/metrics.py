@@ -58,7 +58,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's `finished_reason` values, all exported from 0
-REJECTION_REASONS = ("max_num_queued_requests", "max_num_queued_tokens")  # the flag of the bound a 429 met
+REJECTION_REASONS = ("max_num_queued_requests", "max_num_queued_tokens", "ttft_slo_ms")  # the flag a 429 met
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:

@@ -328,6 +328,7 @@ class SchedulerServer:
             kv_cache_dtype=hello.kv_cache_dtype if hello else "",
             kv_bytes_per_block=hello.kv_bytes_per_block if hello else 0,
             num_waiting_tokens=s.num_waiting_tokens if s else 0, **(s.lora_status() if s else {}),
+            prefill_tokens_per_s=hello.prefill_tokens_per_s if hello else 0.0,
         )
         try:
             if not self.stream.publish_status(encode(status), has_memory=s is not None):

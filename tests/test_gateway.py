@@ -907,6 +907,35 @@ def test_past_max_num_queued_tokens_a_request_is_429_unless_it_would_be_alone(cl
     assert _rejected(client, "max_num_queued_tokens") == before + 1
     assert gateway.engine.num_unstarted_tokens == 0 and gateway.engine.num_unsubmitted_tokens == 0
 
+
+def test_past_the_ttft_slo_a_request_is_shed_with_its_predicted_wait(client, fake, gateway):
+    """--ttft-slo-ms: the waiting prompt tokens and the request's own over the groups' measured
+    prefill rate predict its wait; past the SLO it is 429 with a Retry-After of that wait, counted
+    under ttft_slo_ms. Into an empty queue, or at the SLO exactly, it goes in."""
+    import dataclasses
+
+    config, before = gateway.config, _rejected(client, "ttft_slo_ms")
+    fake.publish("fake-busy", workers_ready=False, num_waiting=1, num_waiting_tokens=90, prefill_tokens_per_s=1000.0)
+    try:
+        gateway.config = dataclasses.replace(config, ttft_slo_ms=100.0)
+        r = client.post("/v1/completions", json={"prompt": [19556] * 11, "max_tokens": 1})
+        e = error(r, 429, type="rate_limit_error", code="queue_full")
+        assert e["message"] == ("the server is busy: 90 prompt tokens are waiting, and this request would wait about "
+                                "101 ms for its first token (--ttft-slo-ms 100); retry shortly")
+        assert r.headers["retry-after"] == "1"
+        assert client.post("/v1/completions", json={"prompt": [19556] * 10, "max_tokens": 1}).status_code == 200
+        fake.publish("fake-busy", workers_ready=False, num_waiting=1, num_waiting_tokens=90, prefill_tokens_per_s=20.0)
+        r = client.post("/v1/completions", json={"prompt": [19556] * 11, "max_tokens": 1})
+        assert error(r, 429, type="rate_limit_error", code="queue_full")["message"].endswith(
+            "would wait about 5050 ms for its first token (--ttft-slo-ms 100); retry shortly")
+        assert r.headers["retry-after"] == "6"
+        fake.redis.delete(streams.status_key("fake-busy"))
+        assert client.post("/v1/completions", json={"prompt": [19556] * 50, "max_tokens": 1}).status_code == 200
+    finally:
+        gateway.config = config
+        fake.redis.delete(streams.status_key("fake-busy"))
+    assert _rejected(client, "ttft_slo_ms") == before + 2
+
 def test_no_ready_scheduler_is_503_with_retry_after_and_health_follows(client, fake):
     assert client.get("/health").json() == {"status": "ok"}
     fake.publish(workers_ready=False)

@@ -210,15 +210,17 @@ MAX_QUEUED_TOKENS = 1000
 
 @pytest.fixture(scope="module")
 def small_stack():
-    """A stack running 2 sequences at a time, and a second gateway on its Redis that admits 4 queued
-    requests and 1,000 queued prompt tokens (--max-pending-requests: the older name of the first bound)."""
+    """A stack running 2 sequences at a time, and two more gateways on its Redis: one admits 4 queued
+    requests and 1,000 queued prompt tokens (--max-pending-requests: the older name of the first
+    bound), one sheds requests predicted to wait past --ttft-slo-ms 1."""
     server = RedisServer().start()
     stack = Stack("--redis-url", server.url, "--max-num-seqs", "2")
     gateway = Gateway(server.url, "--max-pending-requests", str(MAX_PENDING),  # starts while the model loads
                       "--max-num-queued-tokens", str(MAX_QUEUED_TOKENS))
-    stack.wait_ready(), gateway.wait_ready()
-    yield stack, gateway, server
-    assert gateway.stop() == 0
+    shedding = Gateway(server.url, "--ttft-slo-ms", "1")
+    stack.wait_ready(), gateway.wait_ready(), shedding.wait_ready()
+    yield stack, gateway, server, shedding
+    assert gateway.stop() == 0 and shedding.stop() == 0
     assert stack.stop() == 0
     server.stop()
 
@@ -260,7 +262,7 @@ def check_queue_full(status: int, headers: dict, body: dict) -> None:
 
 
 def test_admission_control_answers_429_beyond_max_pending_requests(small_stack):
-    stack, gateway, server = small_stack
+    stack, gateway, server, shedding = small_stack
     refs = asyncio.run(references(stack.url))  # through the stack's own gateway (no small limit)
     requests = [(("completion", "chat")[k % 2], (k // 2) % 4, k % 4 >= 2) for k in range(16)]
     start = time.monotonic()
@@ -315,7 +317,7 @@ def test_the_schedulers_waiting_prompt_tokens_bound_what_the_gateway_admits(smal
     from common import streams
     from common.protocol import decode
 
-    stack, gateway, server = small_stack
+    stack, gateway, server, shedding = small_stack
     r = redis.Redis.from_url(server.url)
 
     def waiting() -> tuple[int, int]:
@@ -338,21 +340,28 @@ def test_the_schedulers_waiting_prompt_tokens_bound_what_the_gateway_admits(smal
                 await asyncio.sleep(0.1)
             seen = waiting()
             refused = await client.post(gateway.url + "/v1/completions", json={"prompt": [19556] * 101, "max_tokens": 1})
+            shed = await client.post(shedding.url + "/v1/completions", json={"prompt": [19556] * 5, "max_tokens": 1})
             still = waiting()  # what the gateway saw: the running streams (4,000 tokens each) have not ended
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             await streaming.aclose()
-            return (seen, still), refused, [(await q).json() for q in queued]
+            return (seen, still), (refused, shed), [(await q).json() for q in queued]
 
     try:
-        seen, refused, answers = asyncio.run(scenario())
+        seen, (refused, shed), answers = asyncio.run(scenario())
     finally:
         r.close()
     assert seen == ((2, 900), (2, 900))
     check_queue_full(refused.status_code, dict(refused.headers), refused.json())
     assert refused.json()["error"]["message"] == ("the server is busy: 900 prompt tokens are already waiting and this "
                                                   "request has 101 (--max-num-queued-tokens 1000); retry shortly")
+    # the third gateway: 900 waiting tokens and 5 more at the workers' measured prefill rate take > 1 ms
+    assert shed.status_code == 429 and shed.json()["error"]["code"] == "queue_full"
+    predicted_ms = re.fullmatch(r"the server is busy: 900 prompt tokens are waiting, and this request would wait about "
+                                r"(\d+) ms for its first token \(--ttft-slo-ms 1\); retry shortly",
+                                shed.json()["error"]["message"]).group(1)
+    assert shed.headers["retry-after"] == str(max(1, -(-int(predicted_ms) // 1000)))
     assert [a["usage"]["prompt_tokens"] for a in answers] == [450, 450]
     drained, state, _ = wait_drained(gateway.url, server.url, timeout=10)
     assert state == ZERO
