@@ -67,6 +67,10 @@ class EngineConfig:
     swap_space_gb: float = option(4.0, "--swap-space", "GiB of CPU memory per worker for swapped-out KV")
     num_cpu_blocks: int | None = option(None, "--num-cpu-blocks", "override the swap pool size (blocks)")
     enable_prefix_caching: bool = option(True, "--no-prefix-caching", "turn automatic prefix caching off")
+    cpu_prefix_cache: bool = option(False, "--cpu-prefix-cache",
+                                    "keep prefix-cache blocks evicted from the device pool in the swap pool, and copy "
+                                    "them back on a hit, when the workers' measured copy beats recomputing a block "
+                                    "(swapped-out sequences come first; docs/architecture.md)")
     preemption_mode: str = option("auto", "--preemption-mode", "how a group is preempted when blocks run out "
                                   "(auto: the cheaper by measured rates)", choices=PREEMPTION_MODES)
     enforce_eager: bool = option(False, "--enforce-eager",

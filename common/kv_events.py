@@ -13,7 +13,9 @@ A block hash is the scheduler's prefix-registry key (scheduler/block_manager.py)
 SHA-256 over the parent's key and the block's token ids, chained from the first block. A
 BlockStored of several hashes is a chain: each one's parent is the hash before it, the first one's
 is `parent_block_hash` (None for a prompt's first block), and `token_ids` holds their tokens in
-order, `block_size` per hash. `medium` is "GPU" (the device pool, whatever the device).
+order, `block_size` per hash. `medium` is "GPU" (the device pool, whatever the device) or "CPU"
+(the prefix cache's CPU tier: a block evicted from the device pool is removed there and stored
+here; a hit on it does the reverse).
 
 Each engine group's scheduler appends one batch per loop that changed its cache to the Redis
 stream `pagoda:kv-events:<engine id>` (capped, field `batch`). A scheduler that starts (a new
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import msgpack
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # the prefix cache's CPU tier (scheduler/block_manager.py)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ dashboard draws, served at /dashboard/snapshot and written by `pagoda generate -
      "ref_counts": [0, 2, 2, 1, 0, ...],      one per device block id, 0 (the null block) included
      "cpu_ref_counts": [1, 1, 0, ...],        one per swap-pool block id
      "cached": [17, 18],                      device blocks held only by the prefix cache
+     "cpu_cached": [3],                       swap-pool blocks held only by its CPU tier (--cpu-prefix-cache)
      "sequences": [{"request_id": "cmpl-..", "seq_id": 4, "status": "running", "num_tokens": 37,
                     "num_slots": 37, "pool": "gpu", "block_table": [1, 2, 3]}, ...],
                                               (and "lora": its adapter's name, when it has one)
@@ -118,9 +119,10 @@ def check_snapshot(snapshot: dict) -> list[str]:
                 problems.append(f"{pool} block {block}: reference count {count}, held by {held} table(s)")
     if snapshot["ref_counts"] and snapshot["ref_counts"][0]:
         problems.append("the null block 0 has a reference count")
-    for block in snapshot["cached"]:
-        if snapshot["ref_counts"][block]:
-            problems.append(f"cached block {block} is held by a table")
+    for pool, cached_key, counts_key in (("", "cached", "ref_counts"), ("CPU-tier ", "cpu_cached", "cpu_ref_counts")):
+        for block in snapshot.get(cached_key, ()):
+            if snapshot[counts_key][block]:
+                problems.append(f"{pool}cached block {block} is held by a table")
     return problems
 
 

@@ -392,6 +392,11 @@ class SchedulerStatus:
     num_lora_evictions_total: int = 0
     # [cache-at-scale]: the workers' measured prefill rate (the gateway's --ttft-slo-ms predicts by it)
     prefill_tokens_per_s: float = 0.0
+    # [cache-at-scale]: the prefix cache's CPU tier (--cpu-prefix-cache): its hits in tokens, the
+    # blocks it holds, the blocks stored into it so far
+    cpu_prefix_cache_hits_total: int = 0
+    num_cpu_prefix_cache_blocks: int = 0
+    num_cpu_prefix_cache_stores_total: int = 0
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -450,6 +455,8 @@ class MemorySnapshot:
     sequences: list[list]
     events: list[MemoryEvent]  # the latest, oldest first
     stats: dict  # common/memory_snapshot.py STATS
+    # [cache-at-scale]: swap-pool blocks held only by the prefix cache's CPU tier (--cpu-prefix-cache)
+    cpu_cached: list[int] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- codec
@@ -464,8 +471,8 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]
-    SchedulerStatus: 20, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
-    NewSequence: 1, StepPlan: 1, GenerateRequest: 1,
+    SchedulerStatus: 23, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
+    NewSequence: 1, StepPlan: 1, GenerateRequest: 1, MemorySnapshot: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as

@@ -21,7 +21,9 @@ the whole deployment. Schedulers that share an engine id are summed into its one
                                      iteration_tokens_total (histogram of tokens per step); Pagoda's own:
                                      num_shared_blocks, num_blocks_saved_by_sharing,
                                      num_cow_copies_total, num_swapped_out_blocks_total,
-                                     num_swapped_in_blocks_total, prefix_cache_evictions_total;
+                                     num_swapped_in_blocks_total, prefix_cache_evictions_total,
+                                     cpu_prefix_cache_hits_total, cpu_prefix_cache_blocks,
+                                     cpu_prefix_cache_stores_total (--cpu-prefix-cache);
                                      cache_config_info{block_size,cache_dtype,kv_bytes_per_block,
                                      num_gpu_blocks,num_cpu_blocks} (vLLM's info gauge, value 1);
                                      with --enable-lora: lora_requests_info{running_lora_adapters,
@@ -114,6 +116,13 @@ ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[list[SchedulerStatus]], flo
      _summed("prefix_cache_hits_total")),
     (CounterMetricFamily, "pagoda:prefix_cache_evictions", "Prefix-cache blocks evicted to make room, in blocks.",
      _summed("num_prefix_evictions_total")),
+    (CounterMetricFamily, "pagoda:cpu_prefix_cache_hits",
+     "Prefix cache hits found in its CPU tier (--cpu-prefix-cache), in tokens: part of prefix_cache_hits.",
+     _summed("cpu_prefix_cache_hits_total")),
+    (GaugeMetricFamily, "pagoda:cpu_prefix_cache_blocks", "Blocks the prefix cache's CPU tier holds.",
+     _summed("num_cpu_prefix_cache_blocks")),
+    (CounterMetricFamily, "pagoda:cpu_prefix_cache_stores", "Blocks evicted from the device pool into the CPU tier.",
+     _summed("num_cpu_prefix_cache_stores_total")),
     (GaugeMetricFamily, "pagoda:num_shared_blocks", "KV cache blocks held by more than one block table.",
      _summed("num_shared_blocks")),
     (GaugeMetricFamily, "pagoda:num_blocks_saved_by_sharing",

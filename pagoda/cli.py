@@ -319,6 +319,18 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     o.add_argument("--requests", type=int, default=30, help="requests timed each way (after 2 warm-up ones)")
     o.add_argument("--output", help="write the result JSON here")
     o.set_defaults(handler=_bench_overhead)
+    t = benches.add_parser("cpu-tier", help="time to first token of an evicted prefix found in the prefix cache's CPU "
+                                             "tier against recomputed (--cpu-prefix-cache)")
+    t.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--dtype", default="auto", choices=DTYPES)
+    t.add_argument("--prefix-len", type=int, default=2000, help="tokens of the shared prefix")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt (1: the time to first token)")
+    t.add_argument("--rounds", type=int, default=3, help="timed rounds per engine, after one warm-up round")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--output", help="write the result JSON here")
+    t.set_defaults(handler=_bench_cpu_tier)
     _add_bench_step(benches.add_parser(
         "step", help="host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"))
     _add_bench_structured(benches.add_parser(
@@ -607,6 +619,12 @@ def _bench_memory(args) -> int:
 
         return replay(args)
     from pagoda.bench.memory import run
+
+    return run(args)
+
+
+def _bench_cpu_tier(args) -> int:
+    from pagoda.bench.cpu_tier import run
 
     return run(args)
 

@@ -28,6 +28,15 @@ chained from the first block, so a crafted collision cannot make one prompt read
 a hit compares the token ids too. A sequence allocated with a `salt` (its LoRA adapter's) chains its
 first key from the salt instead of nothing, so only sequences of the same salt share blocks. A block is registered (`register_computed`) only
 once the worker has confirmed the step that wrote its KV.
+
+CPU tier (`enable_cpu_tier`, [cache-at-scale]): a registered block evicted from the device pool is
+copied to a swap-pool block instead of being lost (a free one, else the oldest tier block's), and a
+later lookup that runs past the device hits into the tier promotes those blocks: each is copied
+back into a fresh device block, registered again there. A key lives in one tier. The copies go out
+with the plan being built (`take_tier_copies`): the workers run a plan's swap-outs before its
+swap-ins and both before its forward, so a demoted block is copied before it is written again. A
+swap-pool block read by a swap-in of this plan is not handed out again before the plan is taken.
+Swapped-out sequences come first: a swap-out evicts tier blocks as it needs them.
 """
 from __future__ import annotations
 
@@ -37,7 +46,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from common.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, num_null_entries
 
 __all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key", "lora_salt"]
@@ -92,6 +101,19 @@ class BlockManager(AllocatorBase):
         self.evicted: list[int] = []
         # KV events for routers (common/kv_events.py), taken by the scheduler server; None: not kept
         self.kv_events: list[KVCacheEvent] | None = None
+        # the CPU tier of the prefix registry (see the module's docstring); off until the scheduler
+        # finds that copying a block beats recomputing it
+        self.enable_cpu_tier = False
+        self.cpu_cached: dict[bytes, int] = {}  # key -> swap-pool block
+        self.cpu_block_key: list[bytes | None] = [None] * num_cpu_blocks
+        self.cpu_block_meta: dict[int, tuple[tuple[int, ...], bytes | None, int | None]] = {}  # tokens, parent, lora
+        self.cpu_evictable: OrderedDict[int, None] = OrderedDict()  # tier blocks, oldest first
+        self.tier_swap_out: list[list[int]] = []  # demotions of the plan being built [device, cpu]
+        self.tier_swap_in: list[list[int]] = []  # promotions [cpu, device]
+        self._cpu_read: list[int] = []  # swap-pool blocks a swap-in of this plan reads: freed with the plan
+        self._promoting: set[int] = set()  # device blocks a swap-in of this plan fills
+        self.num_cpu_tier_hits = 0  # blocks promoted
+        self.num_cpu_tier_stores = 0  # blocks demoted
 
     def record_kv_events(self) -> None:
         """Keep KV events from now on, starting with AllBlocksCleared: this pool starts empty."""
@@ -104,6 +126,9 @@ class BlockManager(AllocatorBase):
         for key, block in self.cached_blocks.items():
             events.append(BlockStored([key], self.block_parent[block], list(self.block_tokens[block]), self.block_size,
                                       self.block_lora.get(block)))
+        for key, cpu in self.cpu_cached.items():
+            tokens, parent, lora_id = self.cpu_block_meta[cpu]
+            events.append(BlockStored([key], parent, list(tokens), self.block_size, lora_id, MEDIUM_CPU))
         return events
 
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -125,7 +150,8 @@ class BlockManager(AllocatorBase):
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return len(self.cpu_free_queue)
+        """Swap-pool blocks a swap-out can take: free ones and the tier's."""
+        return len(self.cpu_free_queue) + len(self.cpu_evictable)
 
     # ---------------------------------------------------------------- allocate
     def can_allocate(
@@ -149,21 +175,27 @@ class BlockManager(AllocatorBase):
         prefix-cache hits (their KV is already there)."""
         assert seq_id not in self.block_tables, f"sequence {seq_id} already has a block table"
         hits = self._lookup(token_ids, num_tokens, salt) if token_ids is not None else []
+        tier_hits = self._lookup_cpu_tier(token_ids, num_tokens, salt, hits) if token_ids is not None else []
         num_evictable_hits = sum(1 for block in hits if self.ref_counts[block] == 0)
         needed = self.blocks_for(num_tokens) - len(hits)
         if needed > self.num_free_blocks - num_evictable_hits:
             raise NoFreeBlocksError(f"{needed} blocks needed, {self.num_free_blocks - num_evictable_hits} free")
         for block in hits:
             self._hold(block)
+        for cpu in tier_hits:  # out of the tier's LRU: the takes below may evict from it
+            del self.cpu_evictable[cpu]
         self.version += 1
         table = hits + [self._take() for _ in range(needed)]
+        keys = [self.block_key[block] for block in hits]
+        for cpu, block in zip(tier_hits, table[len(hits):]):
+            keys.append(self._promote(cpu, block))
         self.block_tables[seq_id] = table
         self.num_slots[seq_id] = num_tokens
         if self.enable_prefix_caching:
-            self.seq_keys[seq_id] = [self.block_key[block] for block in hits]
+            self.seq_keys[seq_id] = keys
             if salt is not None:
                 self.seq_salt[seq_id] = salt
-        return len(hits) * self.block_size
+        return (len(hits) + len(tier_hits)) * self.block_size
 
     # ---------------------------------------------------------------- append
     def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> AppendedSlots:
@@ -292,7 +324,11 @@ class BlockManager(AllocatorBase):
             block = self.free_queue.popleft()
         else:
             block, _ = self.evictable.popitem(last=False)
-            self._unregister(block)
+            entry = (self.block_key[block], self.block_tokens[block], self.block_parent[block],
+                     self.block_lora.get(block))
+            self._unregister(block)  # its BlockRemoved before the tier's BlockStored: one key, one tier
+            if self.enable_cpu_tier and block not in self._promoting:
+                self._demote(block, *entry)
             self.num_prefix_evictions += 1
             self.evicted.append(block)
         assert self.ref_counts[block] == 0
@@ -320,9 +356,28 @@ class BlockManager(AllocatorBase):
             hits.append(block)
         return hits
 
+    def _lookup_cpu_tier(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None,
+                         hits: list[int]) -> list[int]:
+        """The tier blocks holding the full blocks right after the device `hits` (the same rule:
+        never the block of the last token)."""
+        if not self.enable_cpu_tier or not self.cpu_cached:
+            return []
+        bs = self.block_size
+        key = self.block_key[hits[-1]] if hits else salt
+        found = []
+        for i in range(len(hits), (min(num_tokens, len(token_ids)) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = block_key(key, tokens)
+            cpu = self.cpu_cached.get(key)
+            if cpu is None or self.cpu_block_meta[cpu][0] != tokens:
+                break
+            found.append(cpu)
+        return found
+
     def cached_prefix_tokens(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None = None) -> int:
-        """How many leading tokens `allocate` would find cached."""
-        return len(self._lookup(token_ids, num_tokens, salt)) * self.block_size
+        """How many leading tokens `allocate` would find cached (in either tier)."""
+        hits = self._lookup(token_ids, num_tokens, salt)
+        return (len(hits) + len(self._lookup_cpu_tier(token_ids, num_tokens, salt, hits))) * self.block_size
 
     def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Key the sequence's full blocks whose KV the worker has confirmed; a key seen for the
@@ -340,6 +395,8 @@ class BlockManager(AllocatorBase):
             keys.append(key)
             block = table[i]
             if block != NULL_BLOCK and key not in self.cached_blocks and self.block_key[block] is None:
+                if key in self.cpu_cached:  # computed again past a miss: the device copy replaces the tier's
+                    self.cpu_free_queue.append(self._drop_from_tier(key))
                 self.cached_blocks[key] = block
                 self.block_key[block] = key
                 self.block_tokens[block] = tokens
@@ -357,20 +414,97 @@ class BlockManager(AllocatorBase):
         self.block_lora.pop(block, None)
         self.block_key[block] = None
         if self.kv_events is not None:
-            last = self.kv_events[-1] if self.kv_events else None
-            if isinstance(last, BlockRemoved):
-                last.block_hashes.append(key)
-            else:
-                self.kv_events.append(BlockRemoved([key]))
+            self._removed(key, MEDIUM_GPU)
 
-    def _stored(self, parent: bytes | None, key: bytes, tokens: tuple[int, ...], lora_id: int | None) -> None:
+    def _stored(self, parent: bytes | None, key: bytes, tokens: tuple[int, ...], lora_id: int | None,
+                medium: str = MEDIUM_GPU) -> None:
         """A BlockStored for the new key; one that extends the last event's chain joins it."""
         last = self.kv_events[-1] if self.kv_events else None
-        if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
+        if (isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent
+                and last.medium == medium):
             last.block_hashes.append(key)
             last.token_ids.extend(tokens)
         else:
-            self.kv_events.append(BlockStored([key], parent, list(tokens), self.block_size, lora_id))
+            self.kv_events.append(BlockStored([key], parent, list(tokens), self.block_size, lora_id, medium))
+
+    def _removed(self, key: bytes, medium: str) -> None:
+        last = self.kv_events[-1] if self.kv_events else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(key)
+        else:
+            self.kv_events.append(BlockRemoved([key], medium))
+
+    # ---------------------------------------------------------------- CPU tier
+    def _demote(self, block: int, key: bytes, tokens: tuple[int, ...], parent: bytes | None,
+                lora_id: int | None) -> None:
+        """Copy the device `block`, unregistered to be reused, into the tier under its key."""
+        if key in self.cpu_cached or not self.num_cpu_blocks:
+            return
+        cpu = self._take_cpu()
+        if cpu is None:
+            return
+        self.cpu_cached[key] = cpu
+        self.cpu_block_key[cpu] = key
+        self.cpu_block_meta[cpu] = (tokens, parent, lora_id)
+        self.cpu_evictable[cpu] = None
+        self.tier_swap_out.append([block, cpu])
+        self.num_cpu_tier_stores += 1
+        if self.kv_events is not None:
+            self._stored(parent, key, tokens, lora_id, MEDIUM_CPU)
+
+    def _promote(self, cpu: int, block: int) -> bytes:
+        """Register the tier block `cpu`'s key on the fresh device `block`, its copy coming with the
+        plan; the swap-pool block is freed once the plan is taken. Returns the key."""
+        key = self.cpu_block_key[cpu]
+        tokens, parent, lora_id = self.cpu_block_meta[cpu]
+        self._cpu_read.append(self._drop_from_tier(key))
+        self.cached_blocks[key] = block
+        self.block_key[block] = key
+        self.block_tokens[block] = tokens
+        self.block_parent[block] = parent
+        if lora_id is not None:
+            self.block_lora[block] = lora_id
+        if self.kv_events is not None:
+            self._stored(parent, key, tokens, lora_id)
+        self.tier_swap_in.append([cpu, block])
+        self._promoting.add(block)
+        self.num_cpu_tier_hits += 1
+        return key
+
+    def _drop_from_tier(self, key: bytes) -> int:
+        """Take `key`'s block out of the tier (its swap-pool block is the caller's); returns it."""
+        cpu = self.cpu_cached.pop(key)
+        self.cpu_evictable.pop(cpu, None)
+        del self.cpu_block_meta[cpu]
+        self.cpu_block_key[cpu] = None
+        if self.kv_events is not None:
+            self._removed(key, MEDIUM_CPU)
+        return cpu
+
+    def _take_cpu(self) -> int | None:
+        """A swap-pool block: a free one, else the oldest tier block's (None: neither)."""
+        if self.cpu_free_queue:
+            return self.cpu_free_queue.popleft()
+        if not self.cpu_evictable:
+            return None
+        cpu = next(iter(self.cpu_evictable))
+        return self._drop_from_tier(self.cpu_block_key[cpu])
+
+    def _free_cpu(self, cpu: int) -> None:
+        if self.enable_cpu_tier:  # a swap-in of this plan may read it: free with the plan
+            self._cpu_read.append(cpu)
+        else:
+            self.cpu_free_queue.append(cpu)
+
+    def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The plan being built is complete: its tier copies (swap-outs [device, cpu], swap-ins
+        [cpu, device]); the swap-pool blocks its swap-ins read become free."""
+        out, back = self.tier_swap_out, self.tier_swap_in
+        self.tier_swap_out, self.tier_swap_in = [], []
+        self.cpu_free_queue.extend(self._cpu_read)
+        self._cpu_read = []
+        self._promoting = set()
+        return out, back
 
     # ---------------------------------------------------------------- swap
     def can_swap_out(self, seq_ids: list[int]) -> bool:
@@ -391,7 +525,7 @@ class BlockManager(AllocatorBase):
                     cpu_table.append(self.null_cpu_block)
                     continue
                 if block not in mapping:
-                    mapping[block] = self.cpu_free_queue.popleft()
+                    mapping[block] = self._take_cpu()
                 cpu = mapping[block]
                 self.cpu_ref_counts[cpu] += 1
                 cpu_table.append(cpu)
@@ -424,7 +558,7 @@ class BlockManager(AllocatorBase):
                 table.append(mapping[cpu])
                 self.cpu_ref_counts[cpu] -= 1
                 if self.cpu_ref_counts[cpu] == 0:
-                    self.cpu_free_queue.append(cpu)
+                    self._free_cpu(cpu)
             self.block_tables[seq_id] = table
         return [[cpu, block] for cpu, block in mapping.items()]
 
@@ -470,7 +604,16 @@ class BlockManager(AllocatorBase):
         assert cpu_holders == self.cpu_ref_counts, "a swap-pool ref count is wrong"
         cpu_free = set(self.cpu_free_queue)
         assert len(cpu_free) == len(self.cpu_free_queue), "a swap block is twice in the free queue"
-        assert len(cpu_free) + sum(1 for c in self.cpu_ref_counts if c > 0) == self.num_cpu_blocks, "swap pool leak"
+        tier = set(self.cpu_evictable)
+        assert tier == set(self.cpu_cached.values()) == set(self.cpu_block_meta), "the tier's indexes disagree"
+        assert all(self.cpu_block_key[c] == k for k, c in self.cpu_cached.items()), "a tier block's key is wrong"
+        assert sum(k is not None for k in self.cpu_block_key) == len(tier), "an unindexed tier key"
+        assert all(self.cpu_ref_counts[c] == 0 for c in tier), "a tier block is held by a table"
+        assert not tier & cpu_free and not self.cpu_cached.keys() & self.cached_blocks.keys(), "a key in both tiers"
+        reading = set(self._cpu_read)
+        assert not reading & (tier | cpu_free), "a block read by a swap-in is free or in the tier"
+        in_use = sum(1 for c in self.cpu_ref_counts if c > 0)
+        assert len(cpu_free) + len(tier) + len(reading) + in_use == self.num_cpu_blocks, "swap pool leak"
 
     def _check_null_entries(self, seq_id: int, table: list[int], null: int) -> None:
         num_null = table.count(null)

@@ -10,6 +10,10 @@ The Scheduler records a MemoryEvent for each of these (the `kind`):
     prefix_evict  cached blocks evicted to make room (`blocks`: those blocks; no request)
     window        blocks that fell wholly outside their sequences' sliding window, left as null
                   entries in the tables (`blocks`: those blocks, each once; no request)
+    tier_store    evicted cached blocks copied into the prefix cache's CPU tier (`blocks`: the
+                  device blocks copied; no request)
+    tier_load     blocks a prefix hit found in the CPU tier, copied back (`blocks`: the device
+                  blocks they fill; no request: that sequence's prefix_hit names them too)
 
 An event's `blocks` keep the first MAX_EVENT_BLOCKS of them, `num_blocks` counts them all.
 
@@ -34,7 +38,8 @@ from common.memory_snapshot import pack_ints, pack_raw
 from common.protocol import NULL_BLOCK, MemoryEvent, MemorySnapshot
 from scheduler.allocator import num_null_entries
 
-EVENT_KINDS = ("fork", "cow", "swap_out", "swap_in", "recompute", "prefix_hit", "prefix_evict", "window")
+EVENT_KINDS = ("fork", "cow", "swap_out", "swap_in", "recompute", "prefix_hit", "prefix_evict", "window",
+               "tier_store", "tier_load")
 MAX_EVENTS = 256  # kept, and sent with each snapshot; the page drops those it has by id
 MAX_EVENT_BLOCKS = 32  # an event keeps its first blocks only (a fork of a long table names hundreds)
 
@@ -119,6 +124,7 @@ def build_snapshot(scheduler, engine: str = "0", scheduler_id: str = "",
         list(getattr(bm, "evictable", ())), _sequence_rows(scheduler, tables or PackedTables()),
         list(scheduler.memory_events.events),
         _stats(scheduler, ref_counts, gpu_counts),
+        list(getattr(bm, "cpu_evictable", ())),
     )
 
 
@@ -199,5 +205,8 @@ def status_counters(scheduler) -> dict:
         "num_swapped_out_blocks_total": scheduler.num_swapped_out_blocks,
         "num_swapped_in_blocks_total": scheduler.num_swapped_in_blocks,
         "num_prefix_evictions_total": getattr(bm, "num_prefix_evictions", 0),
+        "cpu_prefix_cache_hits_total": getattr(bm, "num_cpu_tier_hits", 0) * bm.block_size,
+        "num_cpu_prefix_cache_blocks": len(getattr(bm, "cpu_cached", ())),
+        "num_cpu_prefix_cache_stores_total": getattr(bm, "num_cpu_tier_stores", 0),
         "iteration_tokens": list(scheduler.iteration_tokens), "iteration_tokens_sum": scheduler.iteration_tokens_sum,
     }

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import math
 import struct
 import time
@@ -55,6 +56,8 @@ from scheduler.memory_view import MemoryEventLog
 from scheduler.sequence import (
     BeamHypothesis, BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int,
@@ -166,6 +169,24 @@ class Scheduler:
         self.isolate_failures = False
         self._failed: list[FailedRequest] = []
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
+        if config.cpu_prefix_cache:
+            self._enable_cpu_tier()
+
+    def _enable_cpu_tier(self) -> None:
+        """--cpu-prefix-cache: on when there is a swap pool and the cost model says that copying a
+        block back beats recomputing its tokens."""
+        bm = self.block_manager
+        if not getattr(bm, "enable_prefix_caching", False) or not getattr(bm, "num_cpu_blocks", 0):
+            log.warning("--cpu-prefix-cache: off (it needs prefix caching and a swap pool)")
+            return
+        copy_s, recompute_s = self.costs.swap_seconds(1) / 2, self.costs.recompute_seconds(bm.block_size)
+        if not copy_s < recompute_s:
+            log.warning("--cpu-prefix-cache: off, copying a block back (%.3g s) would not beat recomputing it (%.3g s)",
+                        copy_s, recompute_s)
+            return
+        bm.enable_cpu_tier = True
+        log.info("prefix cache: a CPU tier of up to %d blocks (a copy back %.3g s, a recompute %.3g s per block)",
+                 bm.num_cpu_blocks, copy_s, recompute_s)
 
     @classmethod
     def from_hello(cls, config: EngineConfig, hello: WorkerHello,
@@ -369,6 +390,14 @@ class Scheduler:
             self._schedule_swapped(plan, budget)
             if not self.swapped:
                 self._schedule_waiting(plan, budget)
+        if getattr(self.block_manager, "enable_cpu_tier", False):  # swap-outs run first, then swap-ins
+            out, back = self.block_manager.take_tier_copies()
+            plan.blocks_to_swap_out.extend(out)
+            plan.blocks_to_swap_in.extend(back)
+            if out:
+                self.memory_events.record(self.step, "tier_store", "", -1, [block for block, _ in out])
+            if back:
+                self.memory_events.record(self.step, "tier_load", "", -1, [block for _, block in back])
         self._in_flight.append(self._planning)
         self._ahead = {}
         self._count_step(plan)

@@ -531,6 +531,91 @@ def test_freed_registered_blocks_stay_cached_and_are_evicted_last_and_lru():
     bm.check_integrity()
 
 
+def tiered(num_blocks: int = 5, num_cpu_blocks: int = 3) -> BlockManager:
+    bm = BlockManager(num_blocks, 4, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=True)
+    bm.enable_cpu_tier = True
+    bm.record_kv_events()
+    return bm
+
+
+def test_an_evicted_cached_block_moves_to_the_cpu_tier_and_a_hit_copies_it_back():
+    """The device pool evicts PROMPT's 2 cached blocks for another sequence: each is copied to the
+    swap pool first (the plan's swap-outs). PROMPT again: both hit in the tier, come back into fresh
+    device blocks (the plan's swap-ins), registered there; the swap-pool blocks are free once the
+    plan is taken."""
+    bm = tiered()
+    bm.allocate(0, 11, PROMPT)  # [1, 2, 3]
+    computed(bm, 0, PROMPT)
+    bm.free(0)
+    assert bm.take_tier_copies() == ([], [])
+    alloc(bm, 1, 16)  # takes 4, 3, then evicts 2 and 1 (tail first)
+    assert bm.block_table(1) == [4, 3, 2, 1]
+    assert bm.take_tier_copies() == ([[2, 0], [1, 1]], [])
+    assert not bm.cached_blocks and list(bm.cpu_evictable) == [0, 1]
+    assert bm.num_cpu_tier_stores == 2 and bm.num_prefix_evictions == 2
+    bm.check_integrity()
+    bm.free(1)
+    assert bm.cached_prefix_tokens(PROMPT, 11) == 8
+    assert bm.allocate(2, 11, PROMPT) == 8
+    table = bm.block_table(2)
+    assert bm.tier_swap_in == [[1, table[0]], [0, table[1]]] and bm.num_cpu_tier_hits == 2
+    assert [bm.block_tokens[b] for b in table[:2]] == [tuple(PROMPT[:4]), tuple(PROMPT[4:8])]
+    assert not bm.cpu_cached and bm.num_free_cpu_blocks == 1  # the two read this plan are not free yet
+    bm.check_integrity()
+    assert bm.take_tier_copies() == ([], [[1, table[0]], [0, table[1]]])
+    assert bm.num_free_cpu_blocks == 3
+    bm.check_integrity()
+    assert bm.allocate(3, 11, PROMPT) == 8 and bm.block_table(3)[:2] == table[:2]  # on the device again
+    keys = [block_key(None, tuple(PROMPT[:4]))]
+    keys.append(block_key(keys[0], tuple(PROMPT[4:8])))
+    events = bm.take_kv_events()
+    stored, removed = "BlockStored", "BlockRemoved"  # a key leaves one tier before it enters the other
+    assert [(type(e).__name__, e.block_hashes, e.medium) for e in events[1:]] == [
+        (stored, keys, "GPU"),
+        (removed, [keys[1]], "GPU"), (stored, [keys[1]], "CPU"), (removed, [keys[0]], "GPU"), (stored, [keys[0]], "CPU"),
+        (removed, [keys[0]], "CPU"), (stored, [keys[0]], "GPU"), (removed, [keys[1]], "CPU"), (stored, [keys[1]], "GPU")]
+
+
+def test_the_cpu_tier_gives_way_to_swapped_sequences_and_evicts_its_oldest_block():
+    """3 swap-pool blocks, 2 held by the tier: a sequence of 2 blocks swaps out into the free one and
+    the tier's oldest; a third demotion takes the tier's oldest too."""
+    bm = tiered(num_blocks=6)
+    bm.allocate(0, 11, PROMPT)  # [1, 2, 3]
+    computed(bm, 0, PROMPT)
+    bm.free(0)
+    alloc(bm, 1, 20)  # 5 blocks: 4, 3, 5, then 2 and 1 evicted into the tier
+    bm.take_tier_copies()
+    assert list(bm.cpu_evictable) == [0, 1] and bm.num_free_cpu_blocks == 3
+    bm.free(1)
+    alloc(bm, 2, 8)
+    assert bm.can_swap_out([2])
+    copies = bm.swap_out([2])
+    assert [cpu for _, cpu in copies] == [2, 0]  # the free block, then the tier's oldest
+    assert list(bm.cpu_cached.values()) == [1] and bm.cpu_tables[2] == [2, 0]
+    bm.check_integrity()
+    bm.swap_in([2])
+    assert bm.take_tier_copies()[0] == []  # nothing the device evicted had a key
+    bm.check_integrity()
+
+
+def test_a_swap_pool_block_read_by_a_swap_in_is_not_reused_in_the_same_plan():
+    """A swapped sequence comes back; in the same plan a demotion needs a swap-pool block: not the
+    ones the swap-in reads (the workers run swap-outs first)."""
+    bm = tiered(num_blocks=4, num_cpu_blocks=2)
+    alloc(bm, 0, 8)  # [1, 2]
+    bm.swap_out([0])  # into cpu 0, 1
+    bm.take_tier_copies()
+    bm.allocate(1, 11, PROMPT)  # 3 blocks, 2 of them cached once freed
+    computed(bm, 1, PROMPT)
+    bm.free(1)
+    bm.take_tier_copies()
+    bm.swap_in([0])  # takes free 3, then evicts a cached block: no free swap-pool block to demote it to
+    out, back = bm.take_tier_copies()
+    assert out == [] and back == []
+    assert bm.num_free_cpu_blocks == 2
+    bm.check_integrity()
+
+
 def test_can_allocate_counts_hits_on_blocks_in_use_as_free_of_charge():
     bm = BlockManager(4, 4, enable_prefix_caching=True)  # 3 blocks
     bm.allocate(0, 11, PROMPT)
@@ -639,6 +724,22 @@ class KVModel:
         for src, dst in copies:
             dst_kv[dst] = list(src_kv[src])
 
+    def run_plan(self, swap_out=(), swap_in=(), cow=()) -> None:
+        """A plan's copies, as the workers run them: swap-outs (the CPU tier's too), swap-ins, then
+        copy-on-write; the forward's writes come after."""
+        tier_out, tier_in = self.bm.take_tier_copies() if self.bm.enable_cpu_tier else ([], [])
+        self.copy([*swap_out, *tier_out], self.kv, self.cpu_kv)
+        self.copy([*swap_in, *tier_in], self.cpu_kv, self.kv)
+        self.copy(cow, self.kv, self.kv)
+
+    def check_tier(self) -> None:
+        """Each CPU-tier block holds the states of its tokens, as its device block did: each slot's
+        state ends with its token and extends the slot's before it."""
+        for cpu, (tokens, _, _) in self.bm.cpu_block_meta.items():
+            states = self.cpu_kv[cpu]
+            assert [state[-1] for state in states] == list(tokens), f"tier block {cpu}"
+            assert all(b[:-1] == a for a, b in zip(states, states[1:])), f"tier block {cpu}"
+
     def check(self) -> None:
         """Every slot a query can still read holds its token's state; the null entries are exactly
         those the window released."""
@@ -657,13 +758,18 @@ class KVModel:
 
 @settings(max_examples=300, deadline=None)
 @given(ops=KV_OPS, num_blocks=st.integers(min_value=2, max_value=20), num_cpu_blocks=st.integers(0, 12),
-       block_size=st.sampled_from([1, 2, 4]), prefix_caching=st.booleans(), window=WINDOWS)
+       block_size=st.sampled_from([1, 2, 4]), prefix_caching=st.booleans(), window=WINDOWS, cpu_tier=st.booleans())
 def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_cpu_blocks, block_size, prefix_caching,
-                                                          window):
+                                                          window, cpu_tier):
+    """Each operation is one plan: with the CPU tier, its tier copies run as the workers run them
+    (swap-outs, then swap-ins, then copy-on-write, then the forward's writes)."""
     bm = BlockManager(num_blocks, block_size, watermark=0.0, num_cpu_blocks=num_cpu_blocks,
                       enable_prefix_caching=prefix_caching, sliding_window=window)
+    bm.enable_cpu_tier = cpu_tier and prefix_caching
     bm.record_kv_events()
     model = KVModel(bm)
+    run_plan = model.run_plan
+
     router = KVEventsModel(block_size)
     next_id = 0
     for op, pick, new_tokens in ops:
@@ -673,6 +779,7 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
             fits = bm.can_allocate(len(tokens), tokens)
             if fits:
                 hit = bm.allocate(next_id, len(tokens), tokens)
+                run_plan()
                 assert hit % block_size == 0 and hit <= max(len(tokens) - 1, 0)
                 assert prefix_caching or hit == 0
                 table = bm.block_table(next_id)  # the hit blocks already hold this prompt's prefix
@@ -692,7 +799,7 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
             seq = running[pick % len(running)]
             if bm.can_append(seq, len(new_tokens)):
                 copy = bm.append_slot(seq, len(new_tokens)).copy_on_write
-                model.copy([copy] if copy else [], model.kv, model.kv)
+                run_plan(cow=[copy] if copy else [])
                 start = len(model.tokens[seq])
                 model.tokens[seq] = model.tokens[seq] + new_tokens
                 model.write(seq, start)
@@ -714,7 +821,7 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
         elif op == "swap_out" and running:
             group = running[pick % len(running):][: 1 + pick % 3]
             if bm.can_swap_out(group):
-                model.copy(bm.swap_out(group), model.kv, model.cpu_kv)
+                run_plan(swap_out=bm.swap_out(group))
             else:
                 with pytest.raises(NoFreeBlocksError):
                     bm.swap_out(group)
@@ -726,7 +833,7 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
         elif op == "swap_in" and swapped:
             group = swapped[pick % len(swapped):][: 1 + pick % 3]
             if bm.can_swap_in(group):
-                model.copy(bm.swap_in(group), model.cpu_kv, model.kv)
+                run_plan(swap_in=bm.swap_in(group))
             else:
                 with pytest.raises(NoFreeBlocksError):
                     bm.swap_in(group)
@@ -734,14 +841,58 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
         model.check()
         if pick % 3 == 0:  # a router reading the scheduler's batches: replayed, they are its cache exactly
             router.apply(bm.take_kv_events())
-            assert router.cached == set(bm.cached_blocks)
+            assert router.cached == set(bm.cached_blocks) | set(bm.cpu_cached)
+        model.check_tier()
     router.apply(bm.take_kv_events())
-    assert router.cached == set(bm.cached_blocks)
+    assert router.cached == set(bm.cached_blocks) | set(bm.cpu_cached)
     late = KVEventsModel(block_size)  # a router that joins after a Redis restart: the snapshot alone
     late.apply(bm.kv_snapshot())
-    assert late.cached == set(bm.cached_blocks)
+    assert late.cached == set(bm.cached_blocks) | set(bm.cpu_cached)
     for seq in list(model.tokens):
         bm.free(seq)
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_total_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
+
+
+LONG_PREFIXES = [list(range(1, 13)), [1, 2, 3, 4] + [9] * 8, [5] * 12, [7, 8] * 6]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 3), max_size=5), st.booleans()), max_size=40),
+       num_blocks=st.integers(4, 12), num_cpu_blocks=st.integers(1, 8), block_size=st.sampled_from([1, 2, 4]))
+def test_prompts_sharing_prefixes_through_a_small_pool_hit_the_cpu_tier_with_their_kv(ops, num_blocks, num_cpu_blocks,
+                                                                                    block_size):
+    """Prompts of 4 long prefixes through a device pool too small to keep them cached: evicted
+    blocks go to the CPU tier and come back on hits, each holding its prefix's KV; the router's
+    replayed events are the two tiers' keys."""
+    bm = BlockManager(num_blocks, block_size, watermark=0.0, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=True)
+    bm.enable_cpu_tier = True
+    bm.record_kv_events()
+    model, router, live = KVModel(bm), KVEventsModel(block_size), []
+    for seq_id, (prefix, suffix, finish) in enumerate(ops):
+        tokens = LONG_PREFIXES[prefix] + suffix
+        if bm.can_allocate(len(tokens), tokens):
+            hit = bm.allocate(seq_id, len(tokens), tokens)
+            model.run_plan()
+            table = bm.block_table(seq_id)
+            assert [model.kv[table[p // block_size]][p % block_size] for p in range(hit)] == [
+                state(tokens, p) for p in range(hit)]
+            model.tokens[seq_id], model.skipped[seq_id], model.keyed[seq_id] = tokens, 0, hit // block_size
+            model.write(seq_id, hit)
+            model.register(seq_id)
+            live.append(seq_id)
+        if live and (finish or len(live) > 2):
+            done = live.pop(0)
+            bm.free(done)
+            del model.tokens[done], model.skipped[done], model.keyed[done]
+        bm.check_integrity()
+        model.check()
+        model.check_tier()
+        router.apply(bm.take_kv_events())
+        assert router.cached == set(bm.cached_blocks) | set(bm.cpu_cached)
+    for seq_id in live:
+        bm.free(seq_id)
+    bm.take_tier_copies()
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_total_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
 

@@ -136,3 +136,29 @@ def test_dummy_weights_are_drawn_in_the_target_dtype_and_seeded(monkeypatch):
     for (name, a), b, c in zip(first.named_parameters(), again.parameters(), other.parameters()):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
         assert "norm" in name or not torch.equal(a, c), name
+
+
+def test_the_cpu_prefix_cache_copies_an_evicted_prefix_back_and_generates_the_same_tokens():
+    """--cpu-prefix-cache: a 40-token prompt's 2 cached blocks, evicted from a 5-block device pool by
+    a longer prompt, move to the swap pool; the prompt again finds them there (32 cached tokens),
+    copied back through the workers' swap path, and generates the tokens it generated the first
+    time, which are those of a pool with no tier (recomputed)."""
+    from pagoda.offline import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt, other = list(range(5, 45)), list(range(100, 172))  # 3 blocks and 5 blocks with their 3 tokens
+    outputs = {}
+    for tier in (True, False):
+        llm = LLM(f"dummy:{TINY}", device="cpu", num_gpu_blocks=6, num_cpu_blocks=8, cpu_prefix_cache=tier,
+                  skip_tokenizer_init=True)
+        bm = llm.scheduler.block_manager
+        assert bm.enable_cpu_tier == tier
+        runs = [llm.generate([p], params, use_tqdm=False)[0] for p in (prompt, other, prompt)]
+        outputs[tier] = [(run.token_ids, run.num_cached_tokens) for run in runs]
+        assert (bm.num_cpu_tier_stores >= 2, bm.num_cpu_tier_hits) == ((True, 2) if tier else (False, 0))
+        bm.check_integrity()
+        llm.close()
+    assert [cached for _, cached in outputs[True]] == [0, 0, 32]
+    assert [cached for _, cached in outputs[False]] == [0, 0, 0]
+    assert [tokens for tokens, _ in outputs[True]] == [tokens for tokens, _ in outputs[False]]
+    assert outputs[True][2][0] == outputs[True][0][0]

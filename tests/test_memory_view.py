@@ -57,6 +57,7 @@ WORKLOADS = st.fixed_dictionaries({
     "num_cpu_blocks": st.sampled_from([0, 16, 40, 40]),
     "preemption_mode": st.sampled_from(["swap", "recompute", "auto"]),
     "enable_prefix_caching": st.booleans(),
+    "cpu_prefix_cache": st.booleans(),  # on only with prefix caching and a swap pool
     "async_scheduling": st.booleans(),
     "eos_rate": st.sampled_from([0.0, 0.1]),
     "seed": st.integers(0, 2**16),
@@ -81,7 +82,7 @@ def make_scheduler(w: dict) -> tuple[Scheduler, RecordingExecutor]:
     config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=96,
                           max_model_len=MAX_MODEL_LEN,
                           enable_prefix_caching=w["enable_prefix_caching"], async_scheduling=w["async_scheduling"],
-                          preemption_mode=w["preemption_mode"])
+                          preemption_mode=w["preemption_mode"], cpu_prefix_cache=w.get("cpu_prefix_cache", False))
     # the measured rates `auto` compares: swapping and recomputing cost alike, so both happen
     costs = PreemptionCosts(kv_bytes_per_block=1000, host_bandwidth=1e6, prefill_tokens_per_s=2000.0)
     window = w.get("sliding_window")
@@ -104,6 +105,9 @@ def check_against_scheduler(scheduler: Scheduler, snapshot: dict) -> None:
     for block in snapshot["cached"]:
         key = bm.block_key[block]
         assert key is not None and bm.cached_blocks[key] == block and bm.ref_counts[block] == 0
+    assert sorted(snapshot["cpu_cached"]) == sorted(bm.cpu_cached.values())  # the CPU tier's
+    assert bm.enable_cpu_tier == (scheduler.config.cpu_prefix_cache and bm.enable_prefix_caching
+                                  and bm.num_cpu_blocks > 0)
     expected = []
     for pool, tables in (("gpu", bm.block_tables), ("cpu", bm.cpu_tables)):
         for seq_id, table in tables.items():
@@ -149,8 +153,11 @@ def check_events(events: list[dict], plans: list[StepPlan]) -> None:
     for plan in plans:
         of_step = [e for e in events if e["step"] == plan.step]
         assert [e["blocks"] for e in of_step if e["kind"] == "cow"] == plan.blocks_to_copy
-        check_blocks([e for e in of_step if e["kind"] == "swap_out"], [gpu for gpu, _ in plan.blocks_to_swap_out])
-        check_blocks([e for e in of_step if e["kind"] == "swap_in"], [gpu for _, gpu in plan.blocks_to_swap_in])
+        # a group's swaps, then the CPU tier's copies (--cpu-prefix-cache)
+        check_blocks([e for e in of_step if e["kind"] in ("swap_out", "tier_store")],
+                     [gpu for gpu, _ in plan.blocks_to_swap_out])
+        check_blocks([e for e in of_step if e["kind"] in ("swap_in", "tier_load")],
+                     [gpu for _, gpu in plan.blocks_to_swap_in])
         for e in of_step:
             if e["kind"] == "recompute":  # its sequences leave the workers in that plan
                 assert e["blocks"]
@@ -249,13 +256,17 @@ def crowded(mode: str, sliding_window: int | None = None) -> dict:
     ("recompute", None, {"fork", "cow", "recompute", "prefix_hit", "prefix_evict"}),
     ("swap", 8, {"fork", "cow", "swap_out", "swap_in", "prefix_hit", "prefix_evict", "window"}),  # 16 requests
     ("recompute", 8, {"fork", "cow", "recompute", "prefix_hit", "prefix_evict", "window"}),
+    ("recompute", "cpu-tier", {"fork", "cow", "recompute", "prefix_hit", "prefix_evict", "tier_store", "tier_load"}),
 ])
 def test_a_crowded_pool_shows_every_kind_of_event(mode, window, expected, monkeypatch):
     """The property's checks do meet each kind of event (a random workload may miss some), with
     events of more blocks than an event keeps (3 here, 32 in earnest), and tables with null
-    entries (a sliding window of 8 tokens, one block)."""
+    entries (a sliding window of 8 tokens, one block), and the copies of the prefix cache's CPU tier."""
     monkeypatch.setattr(memory_view, "MAX_EVENT_BLOCKS", 3)
-    assert run_workload(crowded(mode, window)) == expected
+    tier = window == "cpu-tier"
+    workload = crowded(mode, None if tier else window)
+    workload["cpu_prefix_cache"] = tier
+    assert run_workload(workload) == expected
 
 
 def test_a_copy_on_write_of_a_request_that_fails_while_planned_is_neither_counted_nor_logged():

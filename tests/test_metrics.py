@@ -216,10 +216,12 @@ def test_scheduler_series_per_engine_sum_its_schedulers_and_weigh_usage_by_pool_
     statuses = [
         status("a", "0", num_cpu_blocks=100, cpu_cache_usage=0.5, num_shared_blocks=3, num_blocks_saved_by_sharing=9,
                num_cow_copies_total=4, num_swapped_out_blocks_total=20, num_swapped_in_blocks_total=12,
-               num_prefix_evictions_total=7),
+               num_prefix_evictions_total=7, cpu_prefix_cache_hits_total=64, num_cpu_prefix_cache_blocks=6,
+               num_cpu_prefix_cache_stores_total=9),
         status("b", "0", num_cpu_blocks=300, cpu_cache_usage=0.25, num_shared_blocks=1, num_blocks_saved_by_sharing=2,
                num_cow_copies_total=1, num_swapped_out_blocks_total=5, num_swapped_in_blocks_total=5,
-               num_prefix_evictions_total=0),
+               num_prefix_evictions_total=0, cpu_prefix_cache_hits_total=32, num_cpu_prefix_cache_blocks=1,
+               num_cpu_prefix_cache_stores_total=1),
         status("c", "1"),  # no swap pool: usage 0, not a division by zero
     ]
     found = families(GatewayMetrics(MODEL), statuses)
@@ -231,6 +233,9 @@ def test_scheduler_series_per_engine_sum_its_schedulers_and_weigh_usage_by_pool_
         "pagoda:num_swapped_out_blocks": ("counter", "_total", 25.0, 0.0),
         "pagoda:num_swapped_in_blocks": ("counter", "_total", 17.0, 0.0),
         "pagoda:prefix_cache_evictions": ("counter", "_total", 7.0, 0.0),
+        "pagoda:cpu_prefix_cache_hits": ("counter", "_total", 96.0, 0.0),
+        "pagoda:cpu_prefix_cache_blocks": ("gauge", "", 7.0, 0.0),
+        "pagoda:cpu_prefix_cache_stores": ("counter", "_total", 10.0, 0.0),
     }
     for name, (kind, suffix, engine_0, engine_1) in expected.items():
         assert found[name].type == kind, name

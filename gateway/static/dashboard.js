@@ -148,7 +148,7 @@
       const s = panel.snapshot;
       panel.view = {
         gpu: poolView(s.ref_counts, bySeq(s.sequences.filter((q) => q.pool === "gpu")), s.cached),
-        cpu: poolView(s.cpu_ref_counts, bySeq(s.sequences.filter((q) => q.pool === "cpu")), []),
+        cpu: poolView(s.cpu_ref_counts, bySeq(s.sequences.filter((q) => q.pool === "cpu")), s.cpu_cached || []),
       };
     }
     return panel.view;

@@ -1,0 +1,76 @@
+"""`pagoda bench cpu-tier`: the time to first token of a prompt whose long prefix was evicted from
+the device pool, found in the prefix cache's CPU tier (`--cpu-prefix-cache`) and copied back,
+against the same prompt recomputed, in one run ([cache-at-scale]'s goal: at most 0.5x).
+
+Each round draws a random prefix of `--prefix-len` tokens and two 16-token questions. On each
+engine (the tier on, then off; the device pool holds one such prompt): the prefix with the
+first question (its blocks cached), a filler prompt as long (which evicts them from the device
+pool), then the prefix with the second question, timed. The engines see the same prompts, and the
+timed prompts' tokens must agree.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+
+from common.protocol import SamplingParams
+from pagoda.bench.common import command_words, header, write_result
+
+QUESTION_LEN = 16
+
+
+def run(args) -> int:
+    from pagoda.offline import LLM
+
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    rng = random.Random(args.seed)
+    prompt_len = args.prefix_len + QUESTION_LEN
+    # one prompt's blocks, the null block and the watermark's: the filler evicts nearly all the prefix
+    pool = -(-(prompt_len + args.max_tokens) // args.block_size) + 2
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    rounds, runs, device = None, {}, "cpu"
+    for tier in (True, False):
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, skip_tokenizer_init=True,
+                  block_size=args.block_size, num_gpu_blocks=pool, num_cpu_blocks=2 * pool, cpu_prefix_cache=tier,
+                  max_num_batched_tokens=max(2048, prompt_len), enable_chunked_prefill=False)
+        device = str(llm.executor.runner.device)
+        if rounds is None:
+            vocab = int(llm.executor.runner.hf_config.vocab_size)
+            draw = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+            rounds = [(draw(args.prefix_len), draw(QUESTION_LEN), draw(QUESTION_LEN), draw(prompt_len))
+                      for _ in range(args.rounds + 1)]  # the first is a warm-up
+        name = "cpu_tier" if tier else "recompute"
+        timed = []
+        for prefix, first, second, filler in rounds:
+            for prompt in (prefix + first, filler):
+                llm.generate([prompt], params, use_tqdm=False)
+            start = time.perf_counter()
+            out = llm.generate([prefix + second], params, use_tqdm=False)[0]
+            timed.append((time.perf_counter() - start, out.num_cached_tokens, out.token_ids))
+        bm = llm.scheduler.block_manager
+        runs[name] = {"enabled": bool(bm.enable_cpu_tier), "ttft_s": [t for t, _, _ in timed[1:]],
+                      "median_ttft_s": statistics.median(t for t, _, _ in timed[1:]),
+                      "cached_tokens": [c for _, c, _ in timed[1:]], "token_ids": [ids for _, _, ids in timed[1:]],
+                      "cpu_tier_hits_blocks": bm.num_cpu_tier_hits, "cpu_tier_stores_blocks": bm.num_cpu_tier_stores}
+        log(f"{name}: median time to first token {runs[name]['median_ttft_s'] * 1000:.1f} ms, "
+            f"cached tokens {runs[name]['cached_tokens']}")
+        llm.close()
+    tier, recompute = runs["cpu_tier"], runs["recompute"]
+    ratio = tier["median_ttft_s"] / recompute["median_ttft_s"]
+    result = {
+        **header("cpu-tier", command_words("cpu-tier", args), device),
+        "model": args.model, "prefix_len": args.prefix_len, "block_size": args.block_size,
+        "device_pool_blocks": pool, "rounds": args.rounds,
+        "runs": {name: {k: v for k, v in r.items() if k != "token_ids"} for name, r in runs.items()},
+        "same_tokens": tier["token_ids"] == recompute["token_ids"],
+        "ttft_ratio_cpu_tier_over_recompute": round(ratio, 3),
+        "goal": "time to first token from the CPU tier <= 0.5x recompute's",
+        "goal_met": ratio <= 0.5 and tier["enabled"],
+    }
+    write_result(result, args.output)
+    print(json.dumps({k: result[k] for k in ("runs", "same_tokens", "ttft_ratio_cpu_tier_over_recompute",
+                                            "goal_met")}, indent=2))
+    return 0 if result["same_tokens"] else 1
