@@ -488,6 +488,8 @@ class BlockManager(AllocatorBase):
         if not self.cpu_evictable:
             return None
         cpu = next(iter(self.cpu_evictable))
+        # demoted in this very plan: its copy, not yet sent, would land after the new owner's
+        self.tier_swap_out = [op for op in self.tier_swap_out if op[1] != cpu]
         return self._drop_from_tier(self.cpu_block_key[cpu])
 
     def _free_cpu(self, cpu: int) -> None:

@@ -598,6 +598,22 @@ def test_the_cpu_tier_gives_way_to_swapped_sequences_and_evicts_its_oldest_block
     bm.check_integrity()
 
 
+def test_a_swap_out_that_takes_a_block_demoted_in_the_same_plan_cancels_that_copy():
+    """One swap-pool block: a demotion writes it, then, in the same plan, a preempted sequence's
+    swap-out takes it from the tier. The plan's swap-outs run in order, the tier's last: the
+    demotion's copy is dropped, or it would overwrite the sequence's KV."""
+    bm = tiered(num_blocks=5, num_cpu_blocks=1)
+    bm.allocate(0, 5, PROMPT[:5])  # [1, 2]: one full block registered
+    computed(bm, 0, PROMPT[:5])
+    bm.free(0)
+    alloc(bm, 1, 4)  # [3]: free blocks first
+    alloc(bm, 2, 12)  # [4, 2, 1]: the cached block 1 last, demoted into swap-pool block 0
+    assert bm.tier_swap_out == [[1, 0]] and list(bm.cpu_evictable) == [0]
+    assert bm.swap_out([1]) == [[3, 0]]  # the tier's block: the demotion is dropped with it
+    assert bm.take_tier_copies() == ([], []) and not bm.cpu_cached
+    bm.check_integrity()
+
+
 def test_a_swap_pool_block_read_by_a_swap_in_is_not_reused_in_the_same_plan():
     """A swapped sequence comes back; in the same plan a demotion needs a swap-pool block: not the
     ones the swap-in reads (the workers run swap-outs first)."""

@@ -427,3 +427,31 @@ def test_the_page_and_replay_share_one_reader_of_the_static_files_and_replay_nee
     with pytest.raises(FileNotFoundError, match="not one of the memory page's files"):
         read_static("../app.py")
     assert imported_after("import pagoda.bench.replay, pagoda.bench.synthetic_trace", NETWORKING | {"torch"}) == []
+
+
+def test_the_cpu_pool_draws_the_prefix_caches_cpu_tier_blocks_as_cached(tmp_path):
+    """--cpu-prefix-cache: a snapshot's `cpu_cached` swap-pool blocks are drawn in the cached colour in
+    the CPU pool's map, the other unheld ones as free."""
+    (snapshot,) = synthetic_trace(1_000, 1)
+    snapshot = {**snapshot, "num_cpu_blocks": 64, "cpu_ref_counts": [0] * 64, "cpu_cached": [3, 5, 40],
+                "sequences": [s for s in snapshot["sequences"] if s["pool"] == "gpu"]}
+    assert check_snapshot(snapshot) == []
+    page = tmp_path / "tier.html"
+    page.write_text(replay_page([snapshot]))
+    with Chromium() as browser:
+        browser.navigate(page.as_uri())
+        browser.wait_for("window.pagoda && pagoda.renders > 0", 20, "the page's first render")
+        found = browser.evaluate("""(() => {
+            const canvas = document.querySelector('.map-cpu'), d = pagoda.panel().drawn.cpu;
+            const pixels = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+            const classes = new Map([["38,43,51", "free"], ["89,97,109", "cached"]]);
+            const found = {};
+            for (let b = 0; b < d.n; b++) {
+                const i = 4 * (Math.floor(b / d.cols) * d.cell * canvas.width + (b % d.cols) * d.cell);
+                const name = classes.get(pixels[i] + "," + pixels[i + 1] + "," + pixels[i + 2]) || "unknown";
+                (found[name] = found[name] || []).push(b);
+            }
+            return found;
+        })()""")
+        assert found == {"cached": [3, 5, 40], "free": [b for b in range(64) if b not in (3, 5, 40)]}
+        assert browser.errors() == []
