@@ -552,8 +552,10 @@ class Gateway:
 
     def _check_ttft_slo(self, statuses: list[SchedulerStatus], queued: int, num_tokens: int) -> None:
         """429 when the predicted wait, the `queued` prompt tokens ahead and this request's own over
-        the groups' summed prefill rate, passes --ttft-slo-ms (a request into an empty queue passes)."""
-        rate = sum(s.prefill_tokens_per_s for s in statuses if s.prefill_tokens_per_s > 0)
+        the summed prefill rate of the groups whose workers are ready, passes --ttft-slo-ms (a
+        request into an empty queue passes; one whose own prefill alone passes it is refused while
+        anything waits)."""
+        rate = sum(s.prefill_tokens_per_s for s in statuses if s.workers_ready and s.prefill_tokens_per_s > 0)
         if not queued or not rate:
             return
         predicted_ms = round((queued + num_tokens) / rate * 1000)

@@ -67,6 +67,24 @@ def block_key(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
     return digest.digest()
 
 
+def _parents_first(entries: list[tuple]) -> list[tuple]:
+    """(key, parent, ...) entries with each one after its parent when its parent is among them
+    (the tier stores a chain tail first: eviction takes tails first)."""
+    present = {entry[0] for entry in entries}
+    done: set[bytes] = set()
+    ordered: list[tuple] = []
+    pending = entries
+    while pending:
+        ready = [e for e in pending if e[1] is None or e[1] in done or e[1] not in present]
+        if not ready:  # a cycle cannot be (keys hash their parents): keep the rest as they are
+            ordered += pending
+            break
+        ordered += ready
+        done.update(e[0] for e in ready)
+        pending = [e for e in pending if e[0] not in done]
+    return ordered
+
+
 class BlockManager(AllocatorBase):
     def __init__(
         self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0,
@@ -122,13 +140,14 @@ class BlockManager(AllocatorBase):
     def kv_snapshot(self) -> list[KVCacheEvent]:
         """The whole registry as events (AllBlocksCleared, then a BlockStored per key, parents
         first): for a stream that lost its history (Redis restarted empty)."""
-        events: list[KVCacheEvent] = [AllBlocksCleared()]
-        for key, block in self.cached_blocks.items():
-            events.append(BlockStored([key], self.block_parent[block], list(self.block_tokens[block]), self.block_size,
-                                      self.block_lora.get(block)))
+        entries = [(key, self.block_parent[block], self.block_tokens[block], self.block_lora.get(block), MEDIUM_GPU)
+                   for key, block in self.cached_blocks.items()]
         for key, cpu in self.cpu_cached.items():
             tokens, parent, lora_id = self.cpu_block_meta[cpu]
-            events.append(BlockStored([key], parent, list(tokens), self.block_size, lora_id, MEDIUM_CPU))
+            entries.append((key, parent, tokens, lora_id, MEDIUM_CPU))
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        for key, parent, tokens, lora_id, medium in _parents_first(entries):
+            events.append(BlockStored([key], parent, list(tokens), self.block_size, lora_id, medium))
         return events
 
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -489,7 +508,9 @@ class BlockManager(AllocatorBase):
             return None
         cpu = next(iter(self.cpu_evictable))
         # demoted in this very plan: its copy, not yet sent, would land after the new owner's
+        pending = len(self.tier_swap_out)
         self.tier_swap_out = [op for op in self.tier_swap_out if op[1] != cpu]
+        self.num_cpu_tier_stores -= pending - len(self.tier_swap_out)
         return self._drop_from_tier(self.cpu_block_key[cpu])
 
     def _free_cpu(self, cpu: int) -> None:

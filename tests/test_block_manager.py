@@ -610,7 +610,7 @@ def test_a_swap_out_that_takes_a_block_demoted_in_the_same_plan_cancels_that_cop
     alloc(bm, 2, 12)  # [4, 2, 1]: the cached block 1 last, demoted into swap-pool block 0
     assert bm.tier_swap_out == [[1, 0]] and list(bm.cpu_evictable) == [0]
     assert bm.swap_out([1]) == [[3, 0]]  # the tier's block: the demotion is dropped with it
-    assert bm.take_tier_copies() == ([], []) and not bm.cpu_cached
+    assert bm.take_tier_copies() == ([], []) and not bm.cpu_cached and bm.num_cpu_tier_stores == 0
     bm.check_integrity()
 
 
@@ -862,12 +862,24 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
     router.apply(bm.take_kv_events())
     assert router.cached == set(bm.cached_blocks) | set(bm.cpu_cached)
     late = KVEventsModel(block_size)  # a router that joins after a Redis restart: the snapshot alone
-    late.apply(bm.kv_snapshot())
+    late.apply(check_parents_first(bm.kv_snapshot()))
     assert late.cached == set(bm.cached_blocks) | set(bm.cpu_cached)
     for seq in list(model.tokens):
         bm.free(seq)
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_total_blocks and bm.num_free_cpu_blocks == num_cpu_blocks
+
+
+def check_parents_first(registry: list) -> list:
+    """The snapshot's BlockStored events name each parent before its children, where the parent
+    is cached too (in either tier); returns them."""
+    cached = {key for event in registry[1:] for key in event.block_hashes}
+    seen = set()
+    for event in registry[1:]:
+        parent = event.parent_block_hash
+        assert parent is None or parent in seen or parent not in cached, "a child before its parent"
+        seen.update(event.block_hashes)
+    return registry
 
 
 LONG_PREFIXES = [list(range(1, 13)), [1, 2, 3, 4] + [9] * 8, [5] * 12, [7, 8] * 6]
@@ -906,6 +918,9 @@ def test_prompts_sharing_prefixes_through_a_small_pool_hit_the_cpu_tier_with_the
         model.check_tier()
         router.apply(bm.take_kv_events())
         assert router.cached == set(bm.cached_blocks) | set(bm.cpu_cached)
+        late = KVEventsModel(block_size)  # a router that joins now: the snapshot alone
+        late.apply(check_parents_first(bm.kv_snapshot()))
+        assert late.cached == router.cached
     for seq_id in live:
         bm.free(seq_id)
     bm.take_tier_copies()

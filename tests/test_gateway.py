@@ -910,21 +910,25 @@ def test_past_max_num_queued_tokens_a_request_is_429_unless_it_would_be_alone(cl
 
 def test_past_the_ttft_slo_a_request_is_shed_with_its_predicted_wait(client, fake, gateway):
     """--ttft-slo-ms: the waiting prompt tokens and the request's own over the groups' measured
-    prefill rate predict its wait; past the SLO it is 429 with a Retry-After of that wait, counted
-    under ttft_slo_ms. Into an empty queue, or at the SLO exactly, it goes in."""
+    prefill rate (of the groups whose workers are ready) predict its wait; past the SLO it is 429
+    with a Retry-After of that wait, counted under ttft_slo_ms. Into an empty queue, or at the SLO
+    exactly, it goes in."""
     import dataclasses
 
     config, before = gateway.config, _rejected(client, "ttft_slo_ms")
-    fake.publish("fake-busy", workers_ready=False, num_waiting=1, num_waiting_tokens=90, prefill_tokens_per_s=1000.0)
     try:
         gateway.config = dataclasses.replace(config, ttft_slo_ms=100.0)
+        # a group whose workers are not ready adds nothing to the rate: no prediction, no shedding
+        fake.publish("fake-busy", workers_ready=False, num_waiting=1, num_waiting_tokens=90, prefill_tokens_per_s=1e3)
+        assert client.post("/v1/completions", json={"prompt": [19556] * 11, "max_tokens": 1}).status_code == 200
+        fake.publish("fake-busy", workers_ready=True, num_waiting=1, num_waiting_tokens=90, prefill_tokens_per_s=1e3)
         r = client.post("/v1/completions", json={"prompt": [19556] * 11, "max_tokens": 1})
         e = error(r, 429, type="rate_limit_error", code="queue_full")
         assert e["message"] == ("the server is busy: 90 prompt tokens are waiting, and this request would wait about "
                                 "101 ms for its first token (--ttft-slo-ms 100); retry shortly")
         assert r.headers["retry-after"] == "1"
         assert client.post("/v1/completions", json={"prompt": [19556] * 10, "max_tokens": 1}).status_code == 200
-        fake.publish("fake-busy", workers_ready=False, num_waiting=1, num_waiting_tokens=90, prefill_tokens_per_s=20.0)
+        fake.publish("fake-busy", workers_ready=True, num_waiting=1, num_waiting_tokens=90, prefill_tokens_per_s=20.0)
         r = client.post("/v1/completions", json={"prompt": [19556] * 11, "max_tokens": 1})
         assert error(r, 429, type="rate_limit_error", code="queue_full")["message"].endswith(
             "would wait about 5050 ms for its first token (--ttft-slo-ms 100); retry shortly")
