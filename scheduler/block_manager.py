@@ -416,14 +416,18 @@ class BlockManager(AllocatorBase):
             if block != NULL_BLOCK and key not in self.cached_blocks and self.block_key[block] is None:
                 if key in self.cpu_cached:  # computed again past a miss: the device copy replaces the tier's
                     self.cpu_free_queue.append(self._drop_from_tier(key))
-                self.cached_blocks[key] = block
-                self.block_key[block] = key
-                self.block_tokens[block] = tokens
-                self.block_parent[block] = parent
-                if lora_id is not None:
-                    self.block_lora[block] = lora_id
-                if self.kv_events is not None:
-                    self._stored(parent, key, tokens, lora_id)
+                self._register(block, key, tokens, parent, lora_id)
+
+    def _register(self, block: int, key: bytes, tokens: tuple[int, ...], parent: bytes | None,
+                  lora_id: int | None) -> None:
+        self.cached_blocks[key] = block
+        self.block_key[block] = key
+        self.block_tokens[block] = tokens
+        self.block_parent[block] = parent
+        if lora_id is not None:
+            self.block_lora[block] = lora_id
+        if self.kv_events is not None:
+            self._stored(parent, key, tokens, lora_id)
 
     def _unregister(self, block: int) -> None:
         key = self.block_key[block]
@@ -477,14 +481,7 @@ class BlockManager(AllocatorBase):
         key = self.cpu_block_key[cpu]
         tokens, parent, lora_id = self.cpu_block_meta[cpu]
         self._cpu_read.append(self._drop_from_tier(key))
-        self.cached_blocks[key] = block
-        self.block_key[block] = key
-        self.block_tokens[block] = tokens
-        self.block_parent[block] = parent
-        if lora_id is not None:
-            self.block_lora[block] = lora_id
-        if self.kv_events is not None:
-            self._stored(parent, key, tokens, lora_id)
+        self._register(block, key, tokens, parent, lora_id)
         self.tier_swap_in.append([cpu, block])
         self._promoting.add(block)
         self.num_cpu_tier_hits += 1
