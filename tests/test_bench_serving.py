@@ -147,3 +147,17 @@ def test_bench_throughput_serves_the_same_requests_over_random_adapters(tmp_path
     assert lora["pagoda"]["lora_loads"] >= 3 and lora["pagoda"]["lora_evictions"] >= 1
     assert lora["lora_over_base_output_tokens_per_s"] == pytest.approx(
         lora["pagoda"]["output_tokens_per_s"] / result["pagoda"]["output_tokens_per_s"], abs=1e-3)
+
+
+def test_bench_cpu_tier_serves_the_evicted_prefix_from_the_tier_with_the_device_hits_tokens(tmp_path):
+    """`pagoda bench cpu-tier` on the tiny model: the tier's engine finds the whole 64-token prefix
+    (the recomputing engine's pool kept 2 of its 4 blocks), and its tokens are the device hit's."""
+    out = tmp_path / "tier.json"
+    assert main(["bench", "cpu-tier", "--model", f"dummy:{TINY}", "--device", "cpu", "--prefix-len", "64",
+                 "--rounds", "1", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert runs["cpu_tier"]["enabled"] and not runs["recompute"]["enabled"]
+    assert [runs[name]["cached_tokens"] for name in ("cpu_tier", "recompute", "device_hit")] == [[64], [32], [64]]
+    assert runs["cpu_tier"]["cpu_tier_hits_blocks"] >= 4 and result["same_tokens_as_device_hit"] is True
+    assert result["device_pool_blocks"] == 8 and result["command"].startswith("pagoda bench cpu-tier --model dummy:")

@@ -5,8 +5,10 @@ against the same prompt recomputed, in one run ([cache-at-scale]'s goal: at most
 Each round draws a random prefix of `--prefix-len` tokens and two 16-token questions. On each
 engine (the tier on, then off; the device pool holds one such prompt): the prefix with the
 first question (its blocks cached), a filler prompt as long (which evicts them from the device
-pool), then the prefix with the second question, timed. The engines see the same prompts, and the
-timed prompts' tokens must agree.
+pool), then the prefix with the second question, timed. A third engine, whose pool keeps the
+prefix on the device, times the same prompts as a device hit: the tier's tokens must be its tokens
+(the same arithmetic: the question over the cached prefix). Recomputing the whole prompt is other
+arithmetic, which in bfloat16 may break a near tie the other way: its agreement is reported.
 """
 from __future__ import annotations
 
@@ -32,20 +34,20 @@ def run(args) -> int:
     pool = -(-(prompt_len + args.max_tokens) // args.block_size) + 2
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rounds, runs, device = None, {}, "cpu"
-    for tier in (True, False):
+    for name in ("cpu_tier", "recompute", "device_hit"):
+        tier = name == "cpu_tier"
         llm = LLM(args.model, device=args.device, dtype=args.dtype, skip_tokenizer_init=True,
-                  block_size=args.block_size, num_gpu_blocks=pool, num_cpu_blocks=2 * pool, cpu_prefix_cache=tier,
-                  max_num_batched_tokens=max(2048, prompt_len), enable_chunked_prefill=False)
+                  block_size=args.block_size, num_gpu_blocks=pool * (3 if name == "device_hit" else 1),
+                  num_cpu_blocks=2 * pool, cpu_prefix_cache=tier, max_num_batched_tokens=max(2048, prompt_len))
         device = str(llm.executor.runner.device)
         if rounds is None:
             vocab = int(llm.executor.runner.hf_config.vocab_size)
             draw = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
             rounds = [(draw(args.prefix_len), draw(QUESTION_LEN), draw(QUESTION_LEN), draw(prompt_len))
                       for _ in range(args.rounds + 1)]  # the first is a warm-up
-        name = "cpu_tier" if tier else "recompute"
         timed = []
         for prefix, first, second, filler in rounds:
-            for prompt in (prefix + first, filler):
+            for prompt in (prefix + first, filler):  # the device hit's pool keeps both
                 llm.generate([prompt], params, use_tqdm=False)
             start = time.perf_counter()
             out = llm.generate([prefix + second], params, use_tqdm=False)[0]
@@ -58,19 +60,22 @@ def run(args) -> int:
         log(f"{name}: median time to first token {runs[name]['median_ttft_s'] * 1000:.1f} ms, "
             f"cached tokens {runs[name]['cached_tokens']}")
         llm.close()
-    tier, recompute = runs["cpu_tier"], runs["recompute"]
+    tier, recompute, hit = runs["cpu_tier"], runs["recompute"], runs["device_hit"]
     ratio = tier["median_ttft_s"] / recompute["median_ttft_s"]
     result = {
         **header("cpu-tier", command_words("cpu-tier", args), device),
         "model": args.model, "prefix_len": args.prefix_len, "block_size": args.block_size,
         "device_pool_blocks": pool, "rounds": args.rounds,
         "runs": {name: {k: v for k, v in r.items() if k != "token_ids"} for name, r in runs.items()},
-        "same_tokens": tier["token_ids"] == recompute["token_ids"],
+        "same_tokens_as_device_hit": tier["token_ids"] == hit["token_ids"],
+        "same_tokens_as_recompute": [a == b for a, b in zip(tier["token_ids"], recompute["token_ids"])],
         "ttft_ratio_cpu_tier_over_recompute": round(ratio, 3),
+        "ttft_ratio_device_hit_over_recompute": round(hit["median_ttft_s"] / recompute["median_ttft_s"], 3),
         "goal": "time to first token from the CPU tier <= 0.5x recompute's",
         "goal_met": ratio <= 0.5 and tier["enabled"],
     }
     write_result(result, args.output)
-    print(json.dumps({k: result[k] for k in ("runs", "same_tokens", "ttft_ratio_cpu_tier_over_recompute",
-                                            "goal_met")}, indent=2))
-    return 0 if result["same_tokens"] else 1
+    print(json.dumps({k: result[k] for k in ("same_tokens_as_device_hit", "same_tokens_as_recompute",
+                                            "ttft_ratio_cpu_tier_over_recompute",
+                                            "ttft_ratio_device_hit_over_recompute", "goal_met")}, indent=2))
+    return 0 if result["same_tokens_as_device_hit"] else 1
