@@ -47,6 +47,8 @@ class Allocator(Protocol):
     block_size: int
     watermark_blocks: int  # kept free by can_allocate and can_swap_in, for the running sequences to grow
     enable_prefix_caching: bool
+    enable_cpu_tier: bool  # the prefix cache's CPU tier (--cpu-prefix-cache): off unless the scheduler sets it
+    num_cpu_blocks: int  # the swap pool
     num_slots: Mapping[int, int]  # per running or swapped sequence; read only
 
     @property
@@ -111,11 +113,21 @@ class Allocator(Protocol):
 
     def sharing_stats(self) -> tuple[int, int]: ...  # (logical, physical) device blocks
 
+    # the CPU tier's copies of the plan being built, once it is complete: (swap-outs [device, cpu],
+    # swap-ins [cpu, device]), which go after the plan's own
+    def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]: ...
+
     def check_integrity(self) -> None: ...
 
 
 class AllocatorBase:
     """The device pool's size and the tables' bookkeeping, the same for every allocator."""
+
+    enable_cpu_tier = False  # BlockManager alone has a CPU tier
+    num_cpu_blocks = 0
+
+    def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]:
+        return [], []
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float) -> None:
         if num_blocks < 2:

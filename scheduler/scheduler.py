@@ -176,7 +176,7 @@ class Scheduler:
         """--cpu-prefix-cache: on when there is a swap pool and the cost model says that copying a
         block back beats recomputing its tokens."""
         bm = self.block_manager
-        if not getattr(bm, "enable_prefix_caching", False) or not getattr(bm, "num_cpu_blocks", 0):
+        if not bm.enable_prefix_caching or not bm.num_cpu_blocks:
             log.warning("--cpu-prefix-cache: off (it needs prefix caching and a swap pool)")
             return
         copy_s, recompute_s = self.costs.swap_seconds(1) / 2, self.costs.recompute_seconds(bm.block_size)
@@ -390,7 +390,7 @@ class Scheduler:
             self._schedule_swapped(plan, budget)
             if not self.swapped:
                 self._schedule_waiting(plan, budget)
-        if getattr(self.block_manager, "enable_cpu_tier", False):  # swap-outs run first, then swap-ins
+        if self.block_manager.enable_cpu_tier:  # swap-outs run first, then swap-ins
             out, back = self.block_manager.take_tier_copies()
             plan.blocks_to_swap_out.extend(out)
             plan.blocks_to_swap_in.extend(back)
