@@ -330,6 +330,26 @@ class BlockManager(AllocatorBase):
         self.block_tables[seq_id] = [NULL_BLOCK] * end + table[end:]
         return released
 
+    def truncate(self, seq_id: int, num_slots: int) -> list[int]:
+        """Give back the slots past `num_slots` (for [speculative]: the draft tokens a verification
+        rejected); the blocks left wholly past them are released, tail first, and returned. The
+        slots kept cover every block the prefix registry keyed for the sequence (those hold
+        confirmed tokens) and every null entry a sliding window left. The table becomes a new list
+        (scheduler/memory_view.PackedTables relies on it)."""
+        table, bs = self.block_tables[seq_id], self.block_size
+        keep = self.blocks_for(num_slots)
+        if not 0 <= num_slots <= self.num_slots[seq_id]:
+            raise ValueError(f"sequence {seq_id} holds {self.num_slots[seq_id]} slots: cannot keep {num_slots}")
+        if len(self.seq_keys.get(seq_id, ())) * bs > num_slots or num_null_entries(table) > keep:
+            raise ValueError(f"sequence {seq_id}: {num_slots} slots would drop confirmed or skipped blocks")
+        released = table[keep:]
+        self.version += 1
+        for block in reversed(released):
+            self._release(block)
+        self.block_tables[seq_id] = table[:keep]
+        self.num_slots[seq_id] = num_slots
+        return released
+
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:

@@ -333,7 +333,7 @@ def test_check_integrity_catches_corrupted_state(corrupt):
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["allocate", "append", "fork", "free", "window"]),
+        st.sampled_from(["allocate", "append", "fork", "free", "window", "truncate"]),
         st.integers(min_value=0, max_value=1_000),  # picks a live sequence
         st.integers(min_value=0, max_value=40),  # token count
     ),
@@ -410,6 +410,16 @@ def test_random_operations_keep_the_invariants(ops, num_blocks, block_size, wind
                 for block in released:
                     assert bm.ref_counts[block] == old_counts[block] - 1
                 assert bm.num_free_blocks - free_before == sum(bm.ref_counts[block] == 0 for block in released)
+            elif op == "truncate":  # rejected speculative slots given back
+                old_table, old_counts, free_before = list(bm.block_table(seq)), list(bm.ref_counts), bm.num_free_blocks
+                nulls = old_table.count(NULL_BLOCK)
+                keep = min(max(n % (bm.num_slots[seq] + 1), nulls * block_size), bm.num_slots[seq])
+                released = bm.truncate(seq, keep)
+                assert bm.block_table(seq) == old_table[:bm.blocks_for(keep)] and bm.num_slots[seq] == keep
+                assert released == old_table[bm.blocks_for(keep):]
+                for block in released:
+                    assert bm.ref_counts[block] == old_counts[block] - 1
+                assert bm.num_free_blocks - free_before == sum(bm.ref_counts[block] == 0 for block in released)
             elif op == "fork":
                 free_before = bm.num_free_blocks
                 bm.fork(seq, next_id)
@@ -427,6 +437,32 @@ def test_random_operations_keep_the_invariants(ops, num_blocks, block_size, wind
     assert bm.num_free_blocks == bm.num_total_blocks
     assert sorted(bm.free_queue) == list(range(1, num_blocks))
     assert not any(bm.ref_counts)
+
+
+def test_truncate_gives_back_the_blocks_past_the_slots_kept_and_refuses_confirmed_ones():
+    """[speculative]'s rejected draft slots: blocks wholly past the slots kept are released tail
+    first (a shared one only loses this table's count); slots of blocks the prefix registry keyed,
+    or short of a sliding window's null entries, cannot go."""
+    bm = BlockManager(9, 4, enable_prefix_caching=True)
+    bm.allocate(0, 5, PROMPT[:5])  # [1, 2]
+    computed(bm, 0, PROMPT[:5])  # block 1 keyed
+    bm.append_slot(0, 6)  # 11 slots: [1, 2, 3]
+    bm.fork(0, 1)
+    assert bm.truncate(0, 6) == [3] and bm.block_table(0) == [1, 2] and bm.ref_counts[3] == 1  # seq 1 holds it
+    assert bm.truncate(1, 8) == [3] and bm.ref_counts[3] == 0 and bm.free_queue[-1] == 3
+    assert bm.truncate(0, 4) == [2] and bm.ref_counts[2] == 1
+    with pytest.raises(ValueError, match="would drop confirmed or skipped blocks"):
+        bm.truncate(0, 3)
+    with pytest.raises(ValueError, match="cannot keep 5"):
+        bm.truncate(0, 5)
+    bm.check_integrity()
+    windowed = BlockManager(9, 4, sliding_window=4)
+    alloc(windowed, 0, 12)
+    windowed.remove_skipped_blocks(0, 12)  # [0, 0, 3]
+    with pytest.raises(ValueError, match="would drop confirmed or skipped blocks"):
+        windowed.truncate(0, 4)
+    assert windowed.truncate(0, 9) == [] and windowed.num_slots[0] == 9
+    windowed.check_integrity()
 
 
 # ----------------------------------------------------------------------------- swap
@@ -690,7 +726,8 @@ SHARED_PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5,
 
 KV_OPS = st.lists(
     st.tuples(
-        st.sampled_from(["allocate", "append", "fork", "free", "swap_out", "swap_in", "window", "register"]),
+        st.sampled_from(["allocate", "append", "fork", "free", "swap_out", "swap_in", "window", "register",
+                         "truncate"]),
         st.integers(min_value=0, max_value=1_000),  # picks a sequence, a prefix
         st.lists(st.integers(min_value=0, max_value=3), max_size=14),  # new tokens
     ),
@@ -843,6 +880,15 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
                     bm.swap_out(group)
         elif op == "register" and running:
             model.register(running[pick % len(running)])
+        elif op == "truncate" and running:  # a verification rejected the tail: the kept tokens' KV stays
+            seq = running[pick % len(running)]
+            table = bm.block_table(seq)
+            floor = max(len(bm.seq_keys.get(seq, ())), table.count(NULL_BLOCK)) * block_size
+            if floor <= len(model.tokens[seq]):
+                keep = floor + pick % (len(model.tokens[seq]) - floor + 1)
+                bm.truncate(seq, keep)
+                model.tokens[seq] = model.tokens[seq][:keep]
+                model.keyed[seq] = min(model.keyed[seq], keep // block_size)
         elif op == "window" and running:  # the next step computes from `first` on (every token is written)
             seq = running[pick % len(running)]
             model.skip(seq, pick % (len(model.tokens[seq]) + 1))
