@@ -19,15 +19,26 @@ of the host blocks it writes, or at `synchronize()`. Pending scatters run in ord
 block written twice ends with the later contents. Staging tensors come from torch's caching
 allocators, which reuse device memory in stream order and pinned memory only after the copies
 that used it have completed.
+
+That staged path moves every byte three times (a gather, the copy across, a scatter) and the
+host's two are CPU memcpys. On CUDA the default is instead the direct path (`mode="direct"`,
+kernels/triton_swap.py): one kernel per layer copies the block pairs between the device pool and
+the pinned host pool itself, reading or writing host memory over the bus. It is queued on the
+same stream, so the ordering above holds with nothing deferred; `synchronize()` waits for the
+last swap's kernels, after which the host pool may be read on the host.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kernels.kv_quant import raw
+
+log = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 << 20  # the most one device-side staging tensor holds: a swap goes in chunks of this
 
@@ -42,6 +53,30 @@ class _PendingScatter:
     dst_set: frozenset[int]
 
 
+def _direct_works(device: torch.device) -> bool:
+    """Whether a kernel on `device` can read and write pinned host memory (unified addressing),
+    tried once on a few bytes; if not, swaps take the staged path."""
+    global _DIRECT_WORKS
+    if _DIRECT_WORKS is None:
+        from kernels.triton_swap import as_words, copy_blocks
+
+        try:
+            host = torch.arange(8, dtype=torch.int32).reshape(2, 4).pin_memory()
+            on_device = torch.zeros(2, 4, dtype=torch.int32, device=device)
+            ids = torch.tensor([0, 1], device=device)
+            copy_blocks(as_words(host), as_words(on_device), ids, ids.flip(0))
+            copy_blocks(as_words(on_device), as_words(host), ids, ids)
+            torch.cuda.synchronize(device)
+            _DIRECT_WORKS = host.flatten().tolist() == [4, 5, 6, 7, 0, 1, 2, 3]
+        except Exception as e:  # noqa: BLE001 - any failure means: stage instead
+            log.warning("swaps take the staged path: a kernel could not copy pinned host memory (%s)", e)
+            _DIRECT_WORKS = False
+    return _DIRECT_WORKS
+
+
+_DIRECT_WORKS: bool | None = None
+
+
 def swap_pairs(src_to_dst: torch.Tensor | Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
     """(src ids, dst ids), a dst named twice keeping its last src (as copying pair by pair would)."""
     pairs = src_to_dst.tolist() if isinstance(src_to_dst, torch.Tensor) else src_to_dst
@@ -54,13 +89,21 @@ class BlockSwapper:
     ([num_blocks, 2, block_size, num_kv_heads, head_dim]); see the module docstring. An fp8 pool
     moves as its uint8 view (torch has no index_copy_ for float8 on CPU): bit-exact."""
 
-    def __init__(self, device_caches: Sequence[torch.Tensor], host_caches: Sequence[torch.Tensor]) -> None:
+    def __init__(self, device_caches: Sequence[torch.Tensor], host_caches: Sequence[torch.Tensor],
+                 mode: Literal["direct", "staged"] | None = None) -> None:
         assert len(device_caches) == len(host_caches)
         self.device_caches = [raw(c) for c in device_caches]
         self.host_caches = [raw(c) for c in host_caches]
         self.device = self.device_caches[0].device if self.device_caches else torch.device("cpu")
         self.on_cuda = self.device.type == "cuda"
+        self.mode = mode or ("direct" if self.on_cuda and _direct_works(self.device) else "staged")
         self._pending: list[_PendingScatter] = []
+        self._last_direct: torch.cuda.Event | None = None  # recorded after the last direct swap
+        if self.mode == "direct":
+            from kernels.triton_swap import as_words
+
+            self._device_words = [as_words(c) for c in self.device_caches]
+            self._host_words = [as_words(c) for c in self.host_caches]
 
     @property
     def num_pending(self) -> int:
@@ -71,6 +114,8 @@ class BlockSwapper:
         src, dst = swap_pairs(device_to_host)
         if not src or not self.device_caches:
             return
+        if self.mode == "direct":
+            return self._copy_direct(self._device_words, self._host_words, src, dst)
         self.poll()
         first = self.device_caches[0]
         staged = torch.empty((len(self.device_caches), len(src), *first.shape[1:]), dtype=first.dtype,
@@ -90,6 +135,8 @@ class BlockSwapper:
         src, dst = swap_pairs(host_to_device)
         if not src or not self.device_caches:
             return
+        if self.mode == "direct":
+            return self._copy_direct(self._host_words, self._device_words, src, dst)
         self._flush_through(frozenset(src))
         first = self.host_caches[0]
         src_ids = torch.tensor(src, dtype=torch.int64)
@@ -109,6 +156,9 @@ class BlockSwapper:
 
     def synchronize(self) -> None:
         """Wait for every swap-out and run its host scatter: the host pool is up to date after."""
+        if self._last_direct is not None:
+            self._last_direct.synchronize()
+            self._last_direct = None
         while self._pending:
             self._scatter(self._pending.pop(0))
 
@@ -125,6 +175,17 @@ class BlockSwapper:
             pending.done.synchronize()
         for layer, cache in enumerate(self.host_caches):
             cache.index_copy_(0, pending.dst_ids, pending.staged[layer])
+
+    def _copy_direct(self, src_pools: list[torch.Tensor], dst_pools: list[torch.Tensor], src: list[int],
+                     dst: list[int]) -> None:
+        from kernels.triton_swap import copy_blocks
+
+        src_ids, dst_ids = self._device_ids(src), self._device_ids(dst)
+        for src_pool, dst_pool in zip(src_pools, dst_pools):
+            copy_blocks(src_pool, dst_pool, src_ids, dst_ids)
+        if self.on_cuda:
+            self._last_direct = torch.cuda.Event()
+            self._last_direct.record()
 
     def _device_ids(self, ids: list[int]) -> torch.Tensor:
         """[n] int64 on the device, copied from pinned memory without a host sync."""

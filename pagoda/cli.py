@@ -281,7 +281,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     benches = p.add_subparsers(dest="bench", required=True)
     k = benches.add_parser("kernels", help="Triton paged decode attention vs copy bandwidth and SDPA (CUDA only); "
                                            "--moe: the fused MoE kernel vs a loop over experts; "
-                                           "--int4: the int4 GEMM vs bf16")
+                                           "--int4: the int4 GEMM vs bf16; --swap: the KV swap paths")
     k.add_argument("--models", help="attention shapes, comma-separated (default llama-3.1-8b,smollm2-135m); with "
                                     "--moe, MoE shapes (default mixtral-8x7b,qwen3-30b-a3b; tiny without CUDA)")
     k.add_argument("--batch-sizes", default="1,16,64,256")
@@ -298,6 +298,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     k.add_argument("--int4", action="store_true",
                    help="time the Triton int4 weight-only GEMM beside the bf16 GEMM on Llama-3.1-8B's linear "
                         "shapes instead (batch 1, 16, 256 unless --batch-sizes says; CUDA only)")
+    k.add_argument("--swap", action="store_true",
+                   help="time the KV swap between the device pool and pinned host memory instead, staged against "
+                        "direct, at Llama-3.1-8B's pool shape (128 and 512 blocks unless --batch-sizes says; CUDA only)")
     k.set_defaults(handler=_bench_kernels)
     c = benches.add_parser("ops", help="ops (CPU, dispatch counter) or CUDA kernels (profiler) of one decode forward")
     c.add_argument("--model", default="default")

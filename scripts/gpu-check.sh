@@ -90,6 +90,12 @@ step latency-fp8 90 $PY -m pagoda.cli bench latency --model $MODEL --device cuda
 step latency-fp8-kv 90 $PY -m pagoda.cli bench latency --model $MODEL --device cuda --dtype bfloat16 \
   --kv-cache-dtype fp8 --batch-sizes 1,64 --input-len 1024 --output-len 128 --output "$prefix-latency-fp8-kv.json"
 
+# the KV swap between the device pool and pinned host memory: staged against direct
+step kernels-swap 60 $PY -m pagoda.cli bench kernels --swap --output "$prefix-kernels-swap.json"
+# [cache-at-scale]: an evicted 8k-token prefix found in the CPU tier and copied back, against recomputing it
+step cpu-tier 120 $PY -m pagoda.cli bench cpu-tier --model $MODEL --device cuda --dtype bfloat16 --prefix-len 8192 \
+  --rounds 3 --output "$prefix-cpu-tier.json"
+
 step throughput-384 60 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 384 \
   --max-output-len 128 --ignore-eos --seed 0 --skip-baseline --output "$prefix-throughput-384.json"
 step throughput-96-orca-oracle 60 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \

@@ -44,15 +44,18 @@ def test_swap_pairs_keeps_the_last_src_of_a_repeated_dst():
     assert swap_pairs([]) == ([], [])
 
 
+@pytest.mark.parametrize("mode", ["staged", "direct"])
 @pytest.mark.parametrize("seed", range(6))
-def test_batched_swaps_leave_the_pools_exactly_as_run_by_run_copies(seed):
+def test_batched_swaps_leave_the_pools_exactly_as_run_by_run_copies(seed, mode):
     """Rounds of swap-out then swap-in of random block sets over several layers, through the
-    worker's BlockSwapper and the synchronous kernels.swap_blocks, against the old per-run copies."""
+    worker's BlockSwapper (staged, and direct: the copy kernel of kernels/triton_swap.py, here in
+    Triton's interpreter) and the synchronous kernels.swap_blocks, against the old per-run copies."""
     rng = random.Random(seed)
     device, host = _pools(seed)
     want_device, want_host = [t.clone() for t in device], [t.clone() for t in host]
     sync_device, sync_host = [t.clone() for t in device], [t.clone() for t in host]
-    swapper = BlockSwapper(device, host)
+    swapper = BlockSwapper(device, host, mode=mode)
+    assert swapper.mode == mode and BlockSwapper(device, host).mode == "staged"  # direct is CUDA's default
     for _ in range(5):
         out = _random_pairs(rng, DEVICE_BLOCKS, HOST_BLOCKS)
         swapper.swap_out(out)
@@ -147,15 +150,51 @@ def test_swap_bandwidth_is_measured_through_the_swap_path_and_leaves_both_pools_
     assert _measure_host_bandwidth(SimpleNamespace(num_gpu_blocks=10, num_cpu_blocks=0)) == 0.0  # no swap pool
 
 
+def test_the_direct_copy_moves_a_block_as_the_widest_words_it_divides_into():
+    from kernels.triton_swap import as_words
+
+    assert as_words(torch.zeros(5, 2, 16, 2, 64, dtype=torch.bfloat16)).shape == (5, 2 * 16 * 2 * 64 // 2)
+    assert as_words(torch.zeros(5, 3, dtype=torch.float16)).dtype == torch.int16
+    assert as_words(torch.zeros(5, 3, dtype=torch.uint8)).dtype == torch.uint8
+    pool = torch.randn(4, 2, 8, dtype=torch.float32)
+    words = as_words(pool)
+    assert words.dtype == torch.int32 and words.data_ptr() == pool.data_ptr()  # a view, not a copy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_direct_swaps_read_and_write_the_pinned_pool_in_stream_order(dtype):
+    """On CUDA the default path: a kernel reads and writes the pinned host pool itself. The device
+    blocks can be overwritten right after swap_out (stream order); after synchronize() the host
+    holds them; a swap-in brings them back bit for bit (an fp8 pool moves as its bytes)."""
+    gen = torch.Generator().manual_seed(1)
+    device = [torch.randn(300, 2, 16, 8, 128, generator=gen).to("cuda", dtype) for _ in range(4)]
+    host = [torch.zeros(200, 2, 16, 8, 128, dtype=dtype).pin_memory() for _ in range(4)]
+    original = [d.clone() for d in device]
+    swapper = BlockSwapper(device, host)
+    assert swapper.mode == "direct"
+    ids = random.Random(0).sample(range(1, 300), 150)
+    swapper.swap_out([[d, h] for h, d in enumerate(ids)])
+    for d in device:
+        d.view(torch.uint8)[ids] = 0  # the blocks are reused by the next forward, queued after the copy
+    swapper.swap_in([[h, 1 + h] for h in range(len(ids))])
+    torch.cuda.synchronize()
+    for d, o in zip(device, original):
+        assert torch.equal(d[1:1 + len(ids)].view(torch.uint8), o[ids].view(torch.uint8))
+    swapper.synchronize()
+    for h, o in zip(host, original):
+        assert torch.equal(h[: len(ids)].view(torch.uint8), o[ids].cpu().view(torch.uint8))
+
+
 @pytest.mark.gpu
 def test_batched_swaps_round_trip_through_a_pinned_pool_asynchronously():
-    """On CUDA: the D2H copy is queued, the host scatter deferred; the device blocks can be
+    """On CUDA, the staged path: the D2H copy is queued, the host scatter deferred; the device blocks can be
     overwritten right after swap_out (stream order), and a swap-in brings them back."""
     gen = torch.Generator().manual_seed(0)
     device = [torch.randn(40, 2, 16, 2, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
     host = [torch.zeros(30, 2, 16, 2, 64, dtype=torch.bfloat16).pin_memory() for _ in range(3)]
     original = [d.clone() for d in device]
-    swapper = BlockSwapper(device, host)
+    swapper = BlockSwapper(device, host, mode="staged")
     ids = [37, 3, 4, 5, 21, 9]
     swapper.swap_out([[d, h] for h, d in enumerate(ids)])
     for d in device:

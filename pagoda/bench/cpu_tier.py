@@ -30,8 +30,9 @@ def run(args) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     rng = random.Random(args.seed)
     prompt_len = args.prefix_len + QUESTION_LEN
-    # one prompt's blocks, the null block and the watermark's: the filler evicts nearly all the prefix
-    pool = -(-(prompt_len + args.max_tokens) // args.block_size) + 2
+    # one prompt's blocks, the null block and the 1% watermark's: the filler evicts nearly all the prefix
+    need = -(-(prompt_len + args.max_tokens) // args.block_size)
+    pool = need + 2 + need // 99
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rounds, runs, device = None, {}, "cpu"
     for name in ("cpu_tier", "recompute", "device_hit"):

@@ -33,6 +33,9 @@ benchmarks/results/<date>-<device>-kernels-moe.json.
 compressed-tensors checkpoints' kernel, group 128) beside the bf16 GEMM (F.linear, cuBLAS) on
 Llama-3.1-8B's linear shapes at batch 1, 16 and 256 (`--batch-sizes` to change), each in a CUDA graph
 over enough weight copies to overflow L2: time, the weight bytes read over time, int4's speed-up.
+
+`--swap` instead times the KV swap between the device pool and the pinned host pool, staged
+against direct (`run_swap`), for 128 and 512 scattered blocks unless `--batch-sizes` says.
 """
 from __future__ import annotations
 
@@ -225,6 +228,8 @@ def run(args) -> int:
         return run_moe(args)
     if getattr(args, "int4", False):
         return run_int4(args)
+    if getattr(args, "swap", False):
+        return run_swap(args)
     if not torch.cuda.is_available():
         raise ValueError("bench kernels times the Triton kernels on a CUDA GPU, and torch sees none here; "
                          "run it on a GPU host (the kernels' CPU tests are `make test`)")
@@ -627,6 +632,86 @@ def run_int4(args) -> int:
         **header("kernels: int4 weight-only GEMM", command_words("kernels", args), str(device)),
         "torch": torch.__version__, "triton": triton.__version__, "dtype": "bfloat16", "group_size": INT4_GROUP,
         "timer": "CUDA graph of repeated calls over weights cycled past L2; median of replays, per call",
+        "results": rows,
+    }
+    write_result(result, args.output)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+# ----------------------------------------------------------------------------- --swap
+
+SWAP_LAYERS, SWAP_BLOCK = 32, (2, 16, 8, 128)  # Llama-3.1-8B's KV pool: 16-token blocks, 2 MB across layers
+SWAP_POOL_BLOCKS = 1024
+SWAP_REPEATS = 5
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_swap(args) -> int:
+    """`pagoda bench kernels --swap`: the KV swap between the device pool and the pinned host pool
+    (the preemption swap's and the prefix cache's CPU tier's path), staged (a gather, a copy
+    across, a scatter: kernels/swap.py) against direct (one kernel per layer reading or writing
+    host memory itself: kernels/triton_swap.py), beside a contiguous pinned copy of as many bytes
+    (the bus's ceiling), at Llama-3.1-8B's pool shape, scattered block ids."""
+    import random
+
+    if not torch.cuda.is_available():
+        raise ValueError("bench kernels --swap times swaps between a CUDA device and pinned host memory, and torch "
+                         "sees none here (the swap paths' CPU tests are tests/test_kernels_swap.py)")
+    from kernels.swap import BlockSwapper
+    from kernels.triton_common import interpreting
+
+    if interpreting():
+        raise ValueError("TRITON_INTERPRET=1 is set: the kernels would run in Triton's interpreter; unset it")
+    device, dtype, rng = torch.device("cuda"), torch.bfloat16, random.Random(0)
+    device_pools = [torch.randn(SWAP_POOL_BLOCKS, *SWAP_BLOCK, device=device, dtype=dtype) for _ in range(SWAP_LAYERS)]
+    host_pools = [torch.empty(SWAP_POOL_BLOCKS, *SWAP_BLOCK, dtype=dtype, pin_memory=True)
+                  for _ in range(SWAP_LAYERS)]
+    block_bytes = SWAP_LAYERS * math.prod(SWAP_BLOCK) * dtype.itemsize
+    rows = []
+    for n in [int(b) for b in (args.batch_sizes if args.batch_sizes != "1,16,64,256" else "128,512").split(",")]:
+        nbytes = n * block_bytes
+        pinned, on_device = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), torch.empty(
+            nbytes, dtype=torch.uint8, device=device)
+        ceiling = {"h2d_GBps": nbytes / statistics.median(
+                       _timed(lambda: on_device.copy_(pinned, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9,
+                   "d2h_GBps": nbytes / statistics.median(
+                       _timed(lambda: pinned.copy_(on_device, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9}
+        row = {"blocks": n, "bytes": nbytes, "contiguous_pinned_copy": ceiling}
+        for mode in ("staged", "direct"):
+            swapper = BlockSwapper(device_pools, host_pools, mode=mode)
+            outs, ins = [], []
+            for _ in range(SWAP_REPEATS + 1):
+                dev_ids = rng.sample(range(1, SWAP_POOL_BLOCKS), n)
+                host_ids = rng.sample(range(SWAP_POOL_BLOCKS), n)
+                before = device_pools[-1][dev_ids].clone()
+                outs.append(_timed(lambda: (swapper.swap_out(list(zip(dev_ids, host_ids))), swapper.synchronize())))
+                device_pools[-1][dev_ids] = 0
+                ins.append(_timed(lambda: swapper.swap_in(list(zip(host_ids, dev_ids)))))
+                assert torch.equal(device_pools[-1][dev_ids], before), f"{mode}: the round trip changed the blocks"
+            out_s, in_s = statistics.median(outs[1:]), statistics.median(ins[1:])
+            row[mode] = {"swap_out_ms": out_s * 1e3, "swap_in_ms": in_s * 1e3,
+                         "swap_out_GBps": nbytes / out_s / 1e9, "swap_in_GBps": nbytes / in_s / 1e9}
+        row["direct_over_staged_time"] = {
+            "swap_out": row["direct"]["swap_out_ms"] / row["staged"]["swap_out_ms"],
+            "swap_in": row["direct"]["swap_in_ms"] / row["staged"]["swap_in_ms"]}
+        rows.append(row)
+        print(f"{n:>4} blocks ({nbytes / 2**20:.0f} MiB): contiguous pinned H2D {ceiling['h2d_GBps']:.1f} GB/s, "
+              f"D2H {ceiling['d2h_GBps']:.1f}; " + "; ".join(
+                  f"{m} out {row[m]['swap_out_GBps']:.1f} GB/s, in {row[m]['swap_in_GBps']:.1f}"
+                  for m in ("staged", "direct")), file=sys.stderr, flush=True)
+    result = {
+        **header("kernels: KV swap, staged vs direct", command_words("kernels", args), str(device)),
+        "torch": torch.__version__, "dtype": "bfloat16", "layers": SWAP_LAYERS, "block_shape": list(SWAP_BLOCK),
+        "block_bytes_all_layers": block_bytes,
+        "timer": "host clock around each swap and a device sync (swap-out: until the host pool holds it); median",
         "results": rows,
     }
     write_result(result, args.output)
