@@ -40,31 +40,15 @@ Swapped-out sequences come first: a swap-out evicts tier blocks as it needs them
 """
 from __future__ import annotations
 
-import hashlib
-import struct
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from common.block_hash import block_key, lora_salt
+from common.block_hash import salt_lora_id as _salt_lora_id
 from common.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, num_null_entries
 
 __all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key", "lora_salt"]
-
-
-def lora_salt(lora_int_id: int, lora_path: str) -> bytes:
-    """The prefix-cache salt of a LoRA adapter's sequences (its id first: the KV events' lora_id)."""
-    return struct.pack("<q", lora_int_id) + lora_path.encode()
-
-
-def _salt_lora_id(salt: bytes | None) -> int | None:
-    return None if salt is None else struct.unpack_from("<q", salt)[0]
-
-
-def block_key(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
-    digest = hashlib.sha256(parent or b"")
-    digest.update(array("q", tokens).tobytes())
-    return digest.digest()
 
 
 def _parents_first(entries: list[tuple]) -> list[tuple]:

@@ -115,6 +115,7 @@ class SequenceGroup:
     simple: bool = False
     lora: LoRARequest | None = None  # [lora]: the adapter it runs with
     lora_slot: int = -1  # the workers' slot of that adapter while the group runs (pinned), else -1
+    prompt_block_keys: list[bytes] | None = None  # its prompt's full blocks' prefix-cache keys, once asked
 
     @property
     def prefix_salt(self) -> bytes | None:

@@ -711,3 +711,31 @@ def test_each_output_carries_the_prompt_tokens_its_request_found_cached_when_fir
     run_recording("c", prompt(40) + prompt(30, start=900))  # the first 2 blocks only
     run_recording("d", prompt(70, start=500))
     assert cached == {"a": {0}, "b": {64}, "c": {32}, "d": {0}}
+
+
+def test_a_prompt_whose_prefix_another_is_computing_waits_for_it_to_be_cached():
+    """SGLang's in-batch prefix caching: "b" and "c" arrive with "a" and share its first 3 blocks;
+    computing them again beside "a" would waste the step, so they wait one step and find them
+    cached (48 tokens each). "d" shares only 1 block (under MIN_SHARED_PREFIX_BLOCKS) and "e"
+    nothing: both go with "a". Every output is the one it has alone."""
+    engine = make_engine(enable_prefix_caching=True, wire=True)
+    engine.executor.forks = True  # "b" and "c" share "a"'s blocks while it runs
+    shared = prompt(48, start=300)
+    requests = {"a": shared + [1, 2], "b": shared + [3], "c": shared + [4, 5, 6], "d": shared[:16] + prompt(40),
+                "e": prompt(20, start=700)}
+    for request_id, ids in requests.items():
+        engine.add_request(request_id, ids, params(max_tokens=2, ignore_eos=True))
+    request_of = {seq_id_of(engine, request_id): request_id for request_id in requests}
+    seq_id_of_done = {request_id: seq_id for seq_id, request_id in request_of.items()}
+    cached: dict[str, int] = {}
+    done: dict = {}
+    admitted = []
+    while engine.has_unfinished_requests():
+        for out in step(engine, done):
+            cached.setdefault(out.request_id, out.num_cached_tokens)
+        admitted.append(sorted(request_of[s.seq_id] for s in last_plan(engine).new_seqs))
+    assert admitted[:2] == [["a", "d", "e"], ["b", "c"]]
+    assert cached == {"a": 0, "b": 48, "c": 48, "d": 0, "e": 0}
+    assert engine.scheduler.prefix_cache_hits == 96
+    for request_id, ids in requests.items():
+        assert done[request_id][0] == expected_output(seq_id_of_done[request_id], len(ids), 2), request_id
