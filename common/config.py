@@ -15,6 +15,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's --kv-cache-dtype: fp8 is
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # tool_choice "auto": the output's tool-call format
 GENERATION_CONFIGS = ("auto", "vllm")
+ROUTINGS = ("auto", "cache_aware", "pull")  # the gateway's --routing (gateway/router.py)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 # --quantization (worker/quantization): the checkpoint's own format or none (auto), full precision
 # (none), quantized as it loads (fp8, int4, int8), or a checkpoint format named
@@ -158,6 +159,10 @@ class ServingConfig:
                                      "seconds between renewing this scheduler's claims and looking for a dead one's requests")
     claim_idle_ms: int = option(10_000, "--claim-idle-ms",
                                 "a pending request unclaimed this long belongs to a dead scheduler and is taken over")
+    steal_after_ms: int = option(500, "--steal-after-ms",
+                                 "an idle scheduler takes requests another engine group's stream has "
+                                 "left unread this long while that group has no room or no live scheduler "
+                                 "(cache-aware routing sent them there)")
     worker_silence_s: float = option(10.0, "--worker-silence",
                                      "an idle worker says hello every 2 s; silence this long means it is gone")
 
@@ -168,6 +173,7 @@ class ServingConfig:
                "engine_id must be letters, digits, '-', '_' or '.'")
         _check(self.claim_interval_s > 0, "claim_interval_s must be > 0")
         _check(self.claim_idle_ms >= 0, "claim_idle_ms must be >= 0")
+        _check(self.steal_after_ms >= 0, "steal_after_ms must be >= 0")
         _check(self.worker_silence_s > 0, "worker_silence_s must be > 0")
         _check(self.step_timeout_s > 0, "step_timeout_s must be > 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
@@ -202,6 +208,14 @@ class GatewayConfig:
                                        "waiting ahead of it and its own over the engine groups' measured prefill "
                                        "rate, exceeds this many ms (default: none); a request into an empty queue is "
                                        "always accepted")
+    routing: str = option("auto", "--routing",
+                          "how requests reach the engine groups: cache_aware (to the group holding the longest "
+                          "cached prefix of the prompt, unless it is busier than the least loaded by more than "
+                          "--routing-balance-margin), pull (one shared stream, whichever group reads first), auto "
+                          "(cache_aware when more than one engine group is ready)", choices=ROUTINGS)
+    routing_balance_margin: int = option(16, "--routing-balance-margin",
+                                         "cache-aware routing: the most requests a group with the prompt's prefix "
+                                         "may have beyond the least loaded group's")
     request_timeout_s: float = option(600.0, "--request-timeout", "seconds a request may take (then 504)")
     gateway_id: str | None = no_flag(None, "names the reply stream; random per process, so a restarted gateway "
                                            "never reads its predecessor's stream")
@@ -235,6 +249,8 @@ class GatewayConfig:
                "max_num_queued_tokens must be >= 1")
         _check(self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "ttft_slo_ms must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        _check(self.routing in ROUTINGS, f"routing must be one of {', '.join(ROUTINGS)}")
+        _check(self.routing_balance_margin >= 0, "routing_balance_margin must be >= 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
         _check(self.redis_restart_grace_s >= 0, "redis_restart_grace_s must be >= 0")
         _check(self.chat_template is None or os.path.isfile(self.chat_template),

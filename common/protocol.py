@@ -397,6 +397,11 @@ class SchedulerStatus:
     cpu_prefix_cache_hits_total: int = 0
     num_cpu_prefix_cache_blocks: int = 0
     num_cpu_prefix_cache_stores_total: int = 0
+    # [cache-at-scale]: requests read from this engine group's own stream (a router sent them), from
+    # the shared stream, and stolen from another group's stream (left unread there)
+    num_routed_total: int = 0
+    num_shared_total: int = 0
+    num_stolen_total: int = 0
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -471,7 +476,7 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]
-    SchedulerStatus: 23, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
+    SchedulerStatus: 26, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
     NewSequence: 1, StepPlan: 1, GenerateRequest: 1, MemorySnapshot: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

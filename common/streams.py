@@ -1,6 +1,10 @@
 """Redis keys shared by the gateway and the schedulers, and the one field a stream entry carries.
 
-    pagoda:requests              stream, consumer group "schedulers"; entry {m: GenerateRequest}
+    pagoda:requests              stream, consumer group "schedulers"; entry {m: GenerateRequest}: the
+                                 shared stream, which every scheduler reads (`--routing pull`)
+    pagoda:requests:<engine>     stream per engine group, consumer group "schedulers", same entries:
+                                 the requests a gateway's cache-aware router sent to that group, which
+                                 its scheduler reads first and an idle one steals once left unread
     pagoda:aborts                stream every scheduler reads in full; entry {id: request_id}, or
                                  {id: request_id, index: i} to end that one output (sample) alone
     pagoda:replies:<gateway_id>  stream per gateway process; entries {m: RequestEvent}
@@ -16,6 +20,7 @@
 from __future__ import annotations
 
 REQUESTS = "pagoda:requests"
+GROUP_REQUESTS_PREFIX = "pagoda:requests:"
 SCHEDULER_GROUP = "schedulers"
 ABORTS = "pagoda:aborts"
 STARTED = "pagoda:started"
@@ -36,6 +41,10 @@ ABORTS_MAXLEN = 10_000
 KV_EVENTS_PREFIX = "pagoda:kv-events:"
 KV_EVENTS_FIELD = b"batch"
 KV_EVENTS_MAXLEN = 10_000  # batches (a few hundred bytes each); approximate (XADD MAXLEN ~)
+
+
+def group_requests_stream(engine_id: str) -> str:
+    return GROUP_REQUESTS_PREFIX + engine_id
 
 
 def kv_events_stream(engine_id: str) -> str:

@@ -130,7 +130,9 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
         self._loop = asyncio.get_running_loop()
-        self.engine = EngineClient(self.config.redis_url, self.config.gateway_id, self.config.redis_restart_grace_s)
+        self.engine = EngineClient(self.config.redis_url, self.config.gateway_id, self.config.redis_restart_grace_s,
+                                   self.config.routing, self.config.routing_balance_margin)
+        self.engine.router.on_route = lambda engine, reason: self.metrics.routing_decisions.labels(engine, reason).inc()
         await self.engine.start()
         log.info("gateway %s serving %s", self.config.gateway_id, self.served_model_name)
         try:

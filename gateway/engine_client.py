@@ -2,7 +2,7 @@
 
 One reader task per process XREADs the reply stream and fans events out to per-request queues:
 
-    XADD pagoda:requests {m: GenerateRequest}   ──▶ schedulers
+    XADD pagoda:requests[:<engine>] {m: GenerateRequest} ──▶ schedulers (the stream gateway/router.py picks)
     XREAD pagoda:replies:<gateway_id>           ◀── RequestEvents ──▶ queue of the request's HTTP handler
     XADD pagoda:aborts {id: request_id}         ──▶ every scheduler (disconnect, stop string)
     XADD pagoda:aborts {id, index}              ──▶ every scheduler (a stop string in one sample of n)
@@ -37,10 +37,12 @@ from common.memory_snapshot import snapshot_json
 from common.protocol import (
     GenerateRequest, HeldRequests, MemorySnapshot, ProtocolError, RequestEvent, SchedulerStatus, decode, encode,
 )
+from gateway.router import PrefixRouter
 
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000
+MAX_CONNECTIONS = 1024
 READ_COUNT = 512
 TRIM_INTERVAL_S = 1.0
 MAX_BACKOFF_S = 2.0
@@ -137,19 +139,23 @@ def _cancelling(task: asyncio.Task) -> bool:
 
 
 class EngineClient:
-    def __init__(self, redis_url: str, gateway_id: str, restart_grace_s: float = 3.0) -> None:
+    def __init__(self, redis_url: str, gateway_id: str, restart_grace_s: float = 3.0, routing: str = "auto",
+                 routing_balance_margin: int = 16) -> None:
         # retry_on_error: after a Redis restart each pooled connection fails once; reconnect and retry.
         # socket_timeout: a reply that never comes (seen once in some hundred Redis restarts: the
         # reader waiting on a fresh connection for the answer to an XREAD BLOCK 1000) is retried,
         # not waited for forever
+        # max_connections: redis-py's pool refuses past 100, which a burst of submissions reaches
         self.redis = aioredis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=READ_BLOCK_MS / 1000 + 9,
-                                       health_check_interval=30,
+                                       health_check_interval=30, max_connections=MAX_CONNECTIONS,
                                        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self.reply_stream = streams.reply_stream(gateway_id)
         self._queues: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._last_seq: dict[str, int] = {}  # per request: the last token-bearing event passed on
         self._started: set[str] = set()  # requests with an event: a scheduler holds them
-        self._entry_ids: dict[str, bytes] = {}  # per submitted request: its entry in the requests stream
+        self._entry_ids: dict[str, bytes] = {}  # per submitted request: its entry in its requests stream
+        self._streams: dict[str, str] = {}  # per submitted request: the requests stream it went to
+        self.router = PrefixRouter(self.redis, routing, routing_balance_margin)
         self._last_id = b"0-0"  # the reply stream is this process's own: everything on it is for us
         self._redis_run_id: str | None = None
         self._schedulers: set[str] = set()  # alive at the last look: they will say what they hold
@@ -168,6 +174,7 @@ class EngineClient:
         self._unstarted_payloads: dict[str, bytes] = {}
         self.status_ttl_s = 0.1  # admission reads scheduler status at most this often
         self._status_cache: tuple[float, list[SchedulerStatus]] = (0.0, [])
+        self._status_read: asyncio.Future | None = None  # the read under way, shared by its callers
         self._memory: dict[bytes, tuple[bytes, EngineMemory | None]] = {}  # key -> (its value, decoded once)
         self._memory_read_at = 0.0
         self._memory_watched_at = float("-inf")
@@ -206,14 +213,19 @@ class EngineClient:
         self.num_unsubmitted_tokens += num_tokens
         payloads = [encode(r) for r in requests]
         try:
+            statuses = await self.statuses()
+            targets = [await self.router.route(r, statuses) for r in requests]
             pipe = self.redis.pipeline(transaction=False)
-            for payload in payloads:
-                pipe.xadd(streams.REQUESTS, {streams.FIELD: payload})
-            for r, entry_id in zip(requests, await pipe.execute()):
+            for payload, stream in zip(payloads, targets):
+                pipe.xadd(stream, {streams.FIELD: payload})
+            for r, stream, entry_id in zip(requests, targets, await pipe.execute()):
                 self._entry_ids[r.request_id] = entry_id
+                self._streams[r.request_id] = stream
         except BaseException:
             for r in requests:  # some may have reached Redis before the failure: stop those
                 self._queues.pop(r.request_id, None)
+                self._streams.pop(r.request_id, None)
+                self.router.finished(r.request_id)
                 self.abort(r.request_id)
             raise
         finally:
@@ -238,6 +250,8 @@ class EngineClient:
         self._last_seq.pop(request_id, None)
         self._started.discard(request_id)
         self._entry_ids.pop(request_id, None)
+        self._streams.pop(request_id, None)
+        self.router.finished(request_id)
         if not started:
             self.unqueue(request_id)
         if abort:
@@ -282,10 +296,16 @@ class EngineClient:
 
     # ------------------------------------------------------------------ status
     async def statuses(self, fresh: bool = False) -> list[SchedulerStatus]:
-        """The live schedulers' status (their keys expire when they stop refreshing them)."""
+        """The live schedulers' status (their keys expire when they stop refreshing them). Callers
+        that arrive while a read is under way share it."""
         cached_at, cached = self._status_cache
         if not fresh and time.monotonic() - cached_at < self.status_ttl_s:
             return cached
+        if self._status_read is None or self._status_read.done():
+            self._status_read = asyncio.ensure_future(self._read_statuses())
+        return await asyncio.shield(self._status_read)
+
+    async def _read_statuses(self) -> list[SchedulerStatus]:
         keys = [key async for key in self.redis.scan_iter(match=streams.STATUS_PREFIX + "*", count=1000)]
         result = []
         for raw in await self.redis.mget(keys) if keys else []:
@@ -417,7 +437,8 @@ class EngineClient:
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 for request_id in unstarted:
-                    pipe.xadd(streams.REQUESTS, {streams.FIELD: self._unstarted_payloads[request_id]})
+                    stream = self._streams.get(request_id, streams.REQUESTS)
+                    pipe.xadd(stream, {streams.FIELD: self._unstarted_payloads[request_id]})
                 for request_id, entry_id in zip(unstarted, await pipe.execute()):
                     if request_id in self._queues:  # not released meanwhile
                         self._entry_ids[request_id] = entry_id
@@ -435,21 +456,27 @@ class EngineClient:
             self.abort(request_id)
 
     async def _queued_request_ids(self, first_entry_id: bytes) -> set[str]:
-        """The ids of the requests in the stream from `first_entry_id` on: by request id, not entry id,
-        since a draining scheduler hands a request back under a new entry."""
-        ids, start = set(), first_entry_id
-        while True:
-            entries = await self.redis.xrange(streams.REQUESTS, start, "+", count=1000)
-            for _, fields in entries:
-                try:
-                    request = decode(fields.get(streams.FIELD, b""))
-                except ProtocolError:
-                    continue
-                if isinstance(request, GenerateRequest):
-                    ids.add(request.request_id)
-            if len(entries) < 1000:
-                return ids
-            start = b"(" + entries[-1][0]
+        """The ids of the requests in the requests streams (the shared one and every engine group's)
+        from `first_entry_id` on: by request id, not entry id, since a draining scheduler hands a
+        request back under a new entry, and a busy group's request may be stolen into another's."""
+        ids = set()
+        group_streams = [key async for key in self.redis.scan_iter(match=streams.GROUP_REQUESTS_PREFIX + "*",
+                                                                     count=1000, _type="stream")]
+        for stream in [streams.REQUESTS, *group_streams]:
+            start = first_entry_id
+            while True:
+                entries = await self.redis.xrange(stream, start, "+", count=1000)
+                for _, fields in entries:
+                    try:
+                        request = decode(fields.get(streams.FIELD, b""))
+                    except ProtocolError:
+                        continue
+                    if isinstance(request, GenerateRequest):
+                        ids.add(request.request_id)
+                if len(entries) < 1000:
+                    break
+                start = b"(" + entries[-1][0]
+        return ids
 
     async def _held_requests(self) -> tuple[set[str], set[str]]:
         """The request ids the schedulers hold, and the schedulers that said so, since Redis restarted."""

@@ -14,7 +14,8 @@ the whole deployment. Schedulers that share an engine id are summed into its one
                                      request_prompt_tokens, request_generation_tokens (histograms);
                                      request_success_total{finished_reason}, prompt_tokens_total,
                                      generation_tokens_total, http_requests_total{route,status};
-                                     Pagoda's own requests_rejected_total{reason} (429s by the bound met)
+                                     Pagoda's own requests_rejected_total{reason} (429s by the bound met),
+                                     routing_decisions_total{engine,reason} (gateway/router.py)
     the schedulers, per engine       num_requests_running/waiting/swapped, kv_cache_usage_perc,
                                      cpu_cache_usage_perc, num_preemptions_total,
                                      prefix_cache_queries_total, prefix_cache_hits_total,
@@ -23,7 +24,9 @@ the whole deployment. Schedulers that share an engine id are summed into its one
                                      num_cow_copies_total, num_swapped_out_blocks_total,
                                      num_swapped_in_blocks_total, prefix_cache_evictions_total,
                                      cpu_prefix_cache_hits_total, cpu_prefix_cache_blocks,
-                                     cpu_prefix_cache_stores_total (--cpu-prefix-cache);
+                                     cpu_prefix_cache_stores_total (--cpu-prefix-cache),
+                                     requests_routed_total, requests_shared_total,
+                                     requests_stolen_total (the streams a group read requests from);
                                      cache_config_info{block_size,cache_dtype,kv_bytes_per_block,
                                      num_gpu_blocks,num_cpu_blocks} (vLLM's info gauge, value 1);
                                      with --enable-lora: lora_requests_info{running_lora_adapters,
@@ -110,6 +113,12 @@ ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[list[SchedulerStatus]], flo
      _usage("cpu_cache_usage", "num_cpu_blocks")),
     (CounterMetricFamily, "pagoda:num_preemptions", "Preemptions since the scheduler started.",
      _summed("num_preemptions_total")),
+    (CounterMetricFamily, "pagoda:requests_routed", "Requests read from the engine group's own stream (a "
+     "cache-aware router sent them there).", _summed("num_routed_total")),
+    (CounterMetricFamily, "pagoda:requests_shared", "Requests read from the shared stream (--routing pull).",
+     _summed("num_shared_total")),
+    (CounterMetricFamily, "pagoda:requests_stolen", "Requests taken from another engine group's stream, "
+     "which left them unread for --steal-after-ms.", _summed("num_stolen_total")),
     (CounterMetricFamily, "pagoda:prefix_cache_queries", "Prefix cache lookups, in tokens.",
      _summed("prefix_cache_queries_total")),
     (CounterMetricFamily, "pagoda:prefix_cache_hits", "Prefix cache hits, in tokens.",
@@ -293,6 +302,10 @@ class GatewayMetrics:
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", model,
                                          registry=r).labels(model_name)
+        self.routing_decisions = ModelLabelled(Counter(
+            "pagoda:routing_decisions", "This gateway's routing of requests to engine groups: to the group "
+            "holding the longest cached prefix (cache_hit), to the least loaded (least_loaded), or to the "
+            "shared stream (pull, engine \"\").", [*model, "engine", "reason"], registry=r), model_name)
         self.schedulers = SchedulerCollector(model_name)
         r.register(self.schedulers)
 

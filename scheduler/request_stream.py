@@ -1,13 +1,22 @@
 """One scheduler's side of Redis: the requests it reads and holds, the aborts, and the outbox.
 
-    XREADGROUP pagoda:requests (group "schedulers", consumer = this scheduler) ─▶ Arrival
-    XAUTOCLAIM entries idle > claim_idle_ms (a dead scheduler's)              ─▶ Arrival, before any newer one
+    XREADGROUP pagoda:requests:<engine>, then pagoda:requests (group "schedulers",
+               consumer = this scheduler)                                     ─▶ Arrival
+    XREADGROUP another group's pagoda:requests:<engine> whose oldest unread
+               entry waited steal_after_ms (it is busy), when this one is idle  ─▶ Arrival (stolen)
+    XAUTOCLAIM entries idle > claim_idle_ms (a dead scheduler's), any stream  ─▶ Arrival, before any newer one
     XREAD pagoda:aborts                                                       ─▶ request ids to abort
     outbox ─▶ XADD events to reply streams, HSET pagoda:started, XACK + XDEL, XADD KV events
               (one pipeline per flush)
               and SET pagoda:memory:<id>, the latest memory snapshot if one waits
 
-A request is acknowledged in the requests stream only when it ends, so a request held by a
+The streams: the shared one, which every scheduler reads, and one per engine group, where a
+gateway's cache-aware router puts the requests whose prefix that group has cached (common/streams.py).
+A scheduler reads its own group's stream first, then the shared one, as long as fewer than
+max_num_seqs requests wait in it: the rest wait in Redis, where an idle group steals them from a
+busy one. What follows holds on every stream.
+
+A request is acknowledged in its stream only when it ends, so a request held by a
 scheduler that dies stays pending in Redis: a live scheduler re-claims its own entries every
 claim_interval_s (XCLAIM, which resets their idle time) and takes over entries idle longer than
 claim_idle_ms (XAUTOCLAIM). While such orphans wait, no new request is read: they arrived first.
@@ -29,7 +38,9 @@ import redis
 
 from common import streams
 from common.config import ServingConfig
-from common.protocol import GenerateRequest, HeldRequests, ProtocolError, RequestEvent, SamplingParams, decode, encode
+from common.protocol import (
+    GenerateRequest, HeldRequests, ProtocolError, RequestEvent, SamplingParams, SchedulerStatus, decode, encode,
+)
 from scheduler.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -56,8 +67,9 @@ class Tracked:
     """A request this scheduler holds, from its read until its last event."""
 
     reply_stream: str
-    entry_id: bytes  # in the requests stream, acknowledged when the request ends
+    entry_id: bytes  # in its requests stream, acknowledged when the request ends
     logprobs: bool
+    stream: str = streams.REQUESTS  # the requests stream it came from
     ended: set[int] = field(default_factory=set)  # outputs whose last event went out
     started: bool = False  # a token went out: the request can no longer be run again from the start
     num_sent: int = 0  # token-bearing events sent (RequestEvent.seq)
@@ -70,6 +82,7 @@ class Arrival:
 
     entry_id: bytes
     request: GenerateRequest
+    stream: str = streams.REQUESTS
 
 
 # ----------------------------------------------------------------------------- the outbox
@@ -110,6 +123,7 @@ class Ack:
 
     entry_id: bytes
     request_id: str | None = None  # clears its started mark; None for an entry that never ran
+    stream: str = streams.REQUESTS
 
 
 @dataclass(slots=True)
@@ -129,6 +143,8 @@ class RequestStream:
         self.consumer = consumer
         self.redis = redis.Redis.from_url(serving.redis_url, socket_timeout=10, socket_connect_timeout=2,
                                           retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        self.own = streams.group_requests_stream(serving.engine_id)  # what routers send this group
+        self.others: list[str] = []  # the other engine groups' streams, as last found
         self.tracked: dict[str, Tracked] = {}
         self.early_aborts: dict[str, float] = {}  # aborts that arrived before their request
         self.outbox: list[OutboxEntry] = []  # Redis writes not yet done
@@ -137,35 +153,121 @@ class RequestStream:
         self.orphans = False  # a dead scheduler's requests wait to be taken over: read nothing new
         self.aborts_cursor = _recent_aborts_id()
         self.redis_run_id: str | None = None
+        self.num_routed = 0  # requests read from this group's own stream
+        self.num_shared = 0  # from the shared stream
+        self.num_stolen = 0  # from another group's stream, left unread there
         self._delete_idle_consumer = self.redis.register_script(_DELETE_IDLE_CONSUMER)
         self._last_maintain = 0.0  # maintain(): takeover checks, dead consumers
         self._last_renew = 0.0  # renew_claims(): also while a step runs
-        self._claim_cursor = "0-0"  # where the next XAUTOCLAIM scan resumes
+        self._last_steal = 0.0
+        self._claim_cursors: dict[str, str | bytes] = {}  # per stream: where the next XAUTOCLAIM scan resumes
         self._last_prune = 0.0
 
+    @property
+    def streams(self) -> list[str]:
+        """Every requests stream this scheduler reads or takes over from: its own first."""
+        return [self.own, streams.REQUESTS, *self.others]
+
     def ensure_group(self) -> None:
+        for stream in (self.own, streams.REQUESTS):
+            self._create_group(stream)
+        self._find_others()
+
+    def _create_group(self, stream: str) -> None:
         try:
-            self.redis.xgroup_create(streams.REQUESTS, streams.SCHEDULER_GROUP, id="0", mkstream=True)
+            self.redis.xgroup_create(stream, streams.SCHEDULER_GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def _find_others(self) -> None:
+        found = {key.decode() if isinstance(key, bytes) else key
+                 for key in self.redis.scan_iter(match=streams.GROUP_REQUESTS_PREFIX + "*", count=1000, _type="stream")}
+        self.others = sorted(found - {self.own})
+
     # ------------------------------------------------------------------ requests in
     def read(self, count: int, block: bool) -> list[Arrival]:
-        """Up to `count` new requests, waiting a little for them when `block`."""
+        """Up to `count` new requests: this group's own first, then the shared stream's; with
+        nothing there and `block` (this scheduler is idle), another group's that it left unread
+        (`_steal`), else waiting a little for one."""
+        count = min(count, READ_BATCH)
         try:
-            replies = self.redis.xreadgroup(
-                streams.SCHEDULER_GROUP, self.consumer, {streams.REQUESTS: ">"}, count=min(count, READ_BATCH),
-                block=IDLE_BLOCK_MS if block else None,
-            )
+            arrivals = self._read_new({self.own: ">"}, count)
+            self.num_routed += len(arrivals)
+            if len(arrivals) < count:
+                shared = self._read_new({streams.REQUESTS: ">"}, count - len(arrivals))
+                self.num_shared += len(shared)
+                arrivals += shared
+            if not arrivals and block:
+                arrivals = self._steal(count)
+            if not arrivals and block:  # (at most one a stream: the next read takes the rest)
+                arrivals = self._read_new({self.own: ">", streams.REQUESTS: ">"}, 1, block_ms=IDLE_BLOCK_MS)
+                self.num_routed += sum(a.stream == self.own for a in arrivals)
+                self.num_shared += sum(a.stream != self.own for a in arrivals)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            log.warning("the requests stream has no consumer group (Redis restarted empty?): recreating it")
+            log.warning("a requests stream has no consumer group (Redis restarted empty?): recreating them")
             self.ensure_group()
             return []
-        return self._unique([a for _, entries in replies or [] for entry_id, fields in entries
-                             if (a := self._arrival(entry_id, fields)) is not None])
+        return self._unique(arrivals)
+
+    def _read_new(self, keys: dict[str, str], count: int, block_ms: int | None = None) -> list[Arrival]:
+        replies = self.redis.xreadgroup(streams.SCHEDULER_GROUP, self.consumer, keys, count=count, block=block_ms)
+        return [a for stream, entries in replies or [] for entry_id, fields in entries
+                if (a := self._arrival(entry_id, fields, _name(stream))) is not None]
+
+    def _steal(self, count: int) -> list[Arrival]:
+        """Requests another engine group's stream has held unread for steal_after_ms while that
+        group has no room for them (max_num_seqs wait in its scheduler, by its status) or no live
+        scheduler: its router sent them there for its cache, and this group has room. Looked at
+        every steal_after_ms / 4 at most."""
+        now = time.monotonic()
+        if not self.others or now - self._last_steal < self.serving.steal_after_ms / 4000:
+            return []
+        self._last_steal = now
+        seconds, micros = self.redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        stolen: list[Arrival] = []
+        room_of: dict[str, bool] | None = None
+        for stream in self.others:
+            if len(stolen) >= count:
+                break
+            try:
+                groups = self.redis.xinfo_groups(stream)
+            except redis.ResponseError:  # gone (its Redis restarted empty)
+                continue
+            group = next((g for g in groups if _name(g["name"]) == streams.SCHEDULER_GROUP), None)
+            if group is None:  # its scheduler never came back after Redis restarted empty: make the group
+                self._create_group(stream)
+            last_read = b"0-0" if group is None else _bytes(group["last-delivered-id"])
+            oldest = self.redis.xrange(stream, b"(" + last_read, "+", count=1)
+            if not oldest or now_ms - int(oldest[0][0].split(b"-")[0]) < self.serving.steal_after_ms:
+                continue
+            if room_of is None:
+                room_of = self._engines_with_room()
+            if room_of.get(stream[len(streams.GROUP_REQUESTS_PREFIX):], False):
+                continue  # its scheduler will read it: it is between steps (a long one, maybe)
+            arrivals = self._read_new({stream: ">"}, count - len(stolen))
+            for arrival in arrivals:
+                log.info("stole request %s from %s: it waited there unread", arrival.request.request_id, stream)
+            stolen += arrivals
+        self.num_stolen += len(stolen)
+        return stolen
+
+    def _engines_with_room(self) -> dict[str, bool]:
+        """Per engine group with a live scheduler: whether one of them reads more (fewer than
+        max_num_seqs wait in it), as their statuses say. A group with no live scheduler is absent."""
+        keys = list(self.redis.scan_iter(match=streams.STATUS_PREFIX + "*", count=1000))
+        room: dict[str, bool] = {}
+        for raw in self.redis.mget(keys) if keys else []:
+            try:
+                status = decode(raw) if raw is not None else None
+            except ProtocolError:
+                continue
+            if isinstance(status, SchedulerStatus) and status.workers_ready:
+                room[status.engine] = room.get(status.engine, False) or status.num_waiting < status.max_num_seqs
+        return room
 
     def _unique(self, arrivals: list[Arrival]) -> list[Arrival]:
         """One arrival per request id: a second entry of it in the same read (a gateway queued it
@@ -173,27 +275,27 @@ class RequestStream:
         seen, unique = set(), []
         for arrival in arrivals:
             if arrival.request.request_id in seen:
-                self.outbox.append(Ack(arrival.entry_id))
+                self.outbox.append(Ack(arrival.entry_id, stream=arrival.stream))
             else:
                 seen.add(arrival.request.request_id)
                 unique.append(arrival)
         return unique
 
-    def _arrival(self, entry_id: bytes, fields: dict) -> Arrival | None:
+    def _arrival(self, entry_id: bytes, fields: dict, stream: str) -> Arrival | None:
         """The entry's request, unless it is malformed, a duplicate or already aborted (those end here)."""
         try:
             request = _decode_request(fields)
         except ProtocolError as exc:
             log.warning("dropped malformed request %s: %s", entry_id, exc)
-            self.outbox.append(Ack(entry_id))
+            self.outbox.append(Ack(entry_id, stream=stream))
             return None
         if request.request_id in self.tracked:
-            self.outbox.append(Ack(entry_id))  # a duplicate
+            self.outbox.append(Ack(entry_id, stream=stream))  # a duplicate
             return None
         if self.early_aborts.pop(request.request_id, None) is not None:
-            self.finish(Arrival(entry_id, request), "abort")
+            self.finish(Arrival(entry_id, request, stream), "abort")
             return None
-        return Arrival(entry_id, request)
+        return Arrival(entry_id, request, stream)
 
     def maintain_due(self) -> bool:
         return time.monotonic() - self._last_maintain >= self.serving.claim_interval_s
@@ -206,6 +308,7 @@ class RequestStream:
         requests another scheduler took over (drop them here without a word: they are its now)."""
         self._last_maintain = time.monotonic()
         try:
+            self._find_others()
             dropped = self._drop_taken_over()
             self.renew_claims()
             self.orphans = not draining and self._orphans_wait()
@@ -217,28 +320,44 @@ class RequestStream:
         return dropped
 
     def _orphans_wait(self) -> bool:
-        """Whether a pending entry has gone unclaimed for claim_idle_ms (its scheduler is dead)."""
-        return bool(self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", 1,
-                                              idle=self.serving.claim_idle_ms))
+        """Whether a pending entry of any stream has gone unclaimed for claim_idle_ms (its scheduler is dead)."""
+        for stream in self.streams:
+            try:
+                if self.redis.xpending_range(stream, streams.SCHEDULER_GROUP, "-", "+", 1,
+                                             idle=self.serving.claim_idle_ms):
+                    return True
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise  # (a stream without the group, Redis restarted empty: nothing of it is pending)
+        return False
 
     def renew_claims(self) -> None:
         """XCLAIM with JUSTID resets an entry's idle time (and not its delivery count)."""
         self._last_renew = time.monotonic()
-        ids = [t.entry_id for t in self.tracked.values()]
-        for i in range(0, len(ids), 1000):
-            self.redis.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, self.consumer, 0, ids[i:i + 1000],
-                              justid=True)
+        by_stream: dict[str, list[bytes]] = {}
+        for t in self.tracked.values():
+            by_stream.setdefault(t.stream, []).append(t.entry_id)
+        for stream, ids in by_stream.items():
+            try:
+                for i in range(0, len(ids), 1000):
+                    self.redis.xclaim(stream, streams.SCHEDULER_GROUP, self.consumer, 0, ids[i:i + 1000],
+                                      justid=True)
+            except redis.ResponseError as exc:  # Redis restarted empty: the entries went with it
+                if "NOGROUP" not in str(exc):
+                    raise
+                self._create_group(stream)  # for what gateways queue again, read once there is room
 
     def _drop_taken_over(self) -> list[str]:
         """Tracked requests now pending under another scheduler (this one stalled past claim_idle_ms)."""
         if not self.tracked:
             return []
-        own = {p["message_id"] for p in self._own_pending(len(self.tracked) + 1000)}
+        own = {(stream, p["message_id"]) for stream in {t.stream for t in self.tracked.values()}
+               for p in self._own_pending(stream, len(self.tracked) + 1000)}
         dropped = []
         for request_id, tracked in list(self.tracked.items()):
-            if tracked.entry_id in own:
+            if (tracked.stream, tracked.entry_id) in own:
                 continue
-            holder = self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, tracked.entry_id,
+            holder = self.redis.xpending_range(tracked.stream, streams.SCHEDULER_GROUP, tracked.entry_id,
                                                tracked.entry_id, 1)
             if holder and holder[0]["consumer"].decode() != self.consumer:  # (none: Redis restarted empty; keep it)
                 log.warning("request %s was taken over by %s; dropping it here", request_id,
@@ -248,77 +367,91 @@ class RequestStream:
         return dropped
 
     def _delete_dead_consumers(self) -> None:
-        """A dead scheduler's consumer leaves the group once its entries are all taken over."""
-        for consumer in self.redis.xinfo_consumers(streams.REQUESTS, streams.SCHEDULER_GROUP):
-            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
-            if name != self.consumer and consumer["pending"] == 0 and consumer["idle"] >= self.serving.claim_idle_ms:
-                if self._delete_idle_consumer(keys=[streams.REQUESTS], args=[streams.SCHEDULER_GROUP, name]) != -1:
-                    log.info("scheduler %s left the group: its requests were taken over", name)
+        """A dead scheduler's consumer leaves each stream's group once its entries there are all taken over."""
+        for stream in self.streams:
+            try:
+                consumers = self.redis.xinfo_consumers(stream, streams.SCHEDULER_GROUP)
+            except redis.ResponseError:  # another group's stream without its group yet
+                continue
+            for consumer in consumers:
+                name = _name(consumer["name"])
+                if name != self.consumer and consumer["pending"] == 0 and consumer["idle"] >= self.serving.claim_idle_ms:
+                    if self._delete_idle_consumer(keys=[stream], args=[streams.SCHEDULER_GROUP, name]) != -1:
+                        log.info("scheduler %s left the group of %s: its requests were taken over", name, stream)
 
     def take_over(self, count: int) -> list[Arrival]:
-        """Up to `count` requests of dead schedulers. One that had streamed (its text would repeat),
-        or that was delivered to too many schedulers that died (it may be what kills them), ends
-        with an error instead."""
+        """Up to `count` requests of dead schedulers, from any stream. One that had streamed (its
+        text would repeat), or that was delivered to too many schedulers that died (it may be what
+        kills them), ends with an error instead."""
         count = min(count, READ_BATCH)
+        arrivals: list[Arrival] = []
+        scanning = False  # a stream's scan has not come back to its start
+        for stream in self.streams:
+            if len(arrivals) >= count:
+                scanning = True
+                break
+            arrivals += self._take_over(stream, count - len(arrivals))
+            scanning |= self._claim_cursors.get(stream, "0-0") not in (b"0-0", "0-0")
+        self.orphans = scanning or self._orphans_wait()
+        return self._unique(arrivals)
+
+    def _take_over(self, stream: str, count: int) -> list[Arrival]:
         try:
             # One call scans at most 10 x count pending entries from the cursor; resuming there (not
             # at 0-0) gets past live schedulers' entries to the orphans behind them.
             next_id, entries = self.redis.xautoclaim(  # (Redis 7.0 adds a third element: deleted ids)
-                streams.REQUESTS, streams.SCHEDULER_GROUP, self.consumer, self.serving.claim_idle_ms,
-                start_id=self._claim_cursor, count=count,
+                stream, streams.SCHEDULER_GROUP, self.consumer, self.serving.claim_idle_ms,
+                start_id=self._claim_cursors.get(stream, "0-0"), count=count,
             )[:2]
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            self.orphans = False
-            self._claim_cursor = "0-0"
+            self._claim_cursors.pop(stream, None)
             return []
-        self._claim_cursor = next_id
-        if next_id in (b"0-0", "0-0"):  # a whole pass: orphans are left only if its last window had more
-            self.orphans = len(entries) == count and self._orphans_wait()
+        self._claim_cursors[stream] = next_id
         if any(fields is None for _, fields in entries):  # deleted from the stream while pending
-            self._ack_deleted()
+            self._ack_deleted(stream)
         entries = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
         if not entries:
             return []
         requests = [_try_decode_request(fields) for _, fields in entries]
         started = self.redis.hmget(streams.STARTED, [r.request_id if r else "" for r in requests])
-        deliveries = self._deliveries([entry_id for entry_id, _ in entries])
+        deliveries = self._deliveries(stream, [entry_id for entry_id, _ in entries])
         arrivals = []
         for (entry_id, fields), request, owner in zip(entries, requests, started):
             if request is None:
-                self._arrival(entry_id, fields)  # malformed: dropped there
+                self._arrival(entry_id, fields, stream)  # malformed: dropped there
                 continue
             if request.request_id in self.tracked:
                 continue  # ours all along (a claim renewed late)
             log.warning("took over request %s from a scheduler that stopped", request.request_id)
             if owner is not None:
-                self.finish(Arrival(entry_id, request), "error",
+                self.finish(Arrival(entry_id, request, stream), "error",
                             "the scheduler serving this request stopped after it had started streaming")
             elif deliveries.get(entry_id, 0) > MAX_DELIVERIES:
-                self.finish(Arrival(entry_id, request), "error",
+                self.finish(Arrival(entry_id, request, stream), "error",
                             f"the request was taken by {MAX_DELIVERIES} schedulers that each stopped; "
                             "it is not tried again")
-            elif (arrival := self._arrival(entry_id, fields)) is not None:
+            elif (arrival := self._arrival(entry_id, fields, stream)) is not None:
                 arrivals.append(arrival)
-        return self._unique(arrivals)
+        return arrivals
 
-    def _own_pending(self, count: int) -> list[dict]:
-        return self.redis.xpending_range(streams.REQUESTS, streams.SCHEDULER_GROUP, "-", "+", count,
+    def _own_pending(self, stream: str, count: int) -> list[dict]:
+        return self.redis.xpending_range(stream, streams.SCHEDULER_GROUP, "-", "+", count,
                                          consumername=self.consumer)
 
-    def _ack_deleted(self) -> None:
+    def _ack_deleted(self, stream: str) -> None:
         """Acknowledge this scheduler's pending entries that are gone from the stream (Redis 6.2's
         XAUTOCLAIM returns them as nils and keeps them pending; 7.0 drops them itself)."""
-        tracked = {t.entry_id for t in self.tracked.values()}
-        for p in self._own_pending(1000):
+        tracked = {t.entry_id for t in self.tracked.values() if t.stream == stream}
+        for p in self._own_pending(stream, 1000):
             entry_id = p["message_id"]
-            if entry_id not in tracked and not self.redis.xrange(streams.REQUESTS, entry_id, entry_id):
-                self.outbox.append(Ack(entry_id))
+            if entry_id not in tracked and not self.redis.xrange(stream, entry_id, entry_id):
+                self.outbox.append(Ack(entry_id, stream=stream))
 
-    def _deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
+    def _deliveries(self, stream: str, entry_ids: list[bytes]) -> dict[bytes, int]:
         """How many times each of this scheduler's pending entries has been delivered (claims count)."""
-        pending = self._own_pending(len(entry_ids) + len(self.tracked) + 1000)
+        pending = self._own_pending(stream, len(entry_ids) + len(self.tracked) + 1000)
         wanted = set(entry_ids)
         return {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] in wanted}
 
@@ -355,18 +488,19 @@ class RequestStream:
     def track(self, arrival: Arrival) -> None:
         params = arrival.request.sampling_params
         logprobs = isinstance(params, SamplingParams) and params.logprobs is not None
-        self.tracked[arrival.request.request_id] = Tracked(arrival.request.reply_stream, arrival.entry_id, logprobs)
+        self.tracked[arrival.request.request_id] = Tracked(arrival.request.reply_stream, arrival.entry_id, logprobs,
+                                                           arrival.stream)
 
     def finish(self, arrival: Arrival, reason: str, error: str | None = None) -> None:
         """End a request that is not tracked (refused, aborted early, or taken over) with one event."""
-        self._finish_tracked(arrival.request.request_id, Tracked(arrival.request.reply_stream, arrival.entry_id, False),
-                             reason, error)
+        self._finish_tracked(arrival.request.request_id,
+                             Tracked(arrival.request.reply_stream, arrival.entry_id, False, arrival.stream), reason, error)
 
     def retire(self, request_id: str) -> None:
         """A request whose last output ended without an event of ours (the gateway aborted it): ack it."""
         tracked = self.tracked.pop(request_id, None)
         if tracked is not None:
-            self.outbox.append(Ack(tracked.entry_id, request_id))
+            self.outbox.append(Ack(tracked.entry_id, request_id, tracked.stream))
             self.flush()
 
     def fail(self, request_id: str, message: str) -> None:
@@ -379,7 +513,7 @@ class RequestStream:
         failed, self.tracked = self.tracked, {}
         for request_id, tracked in failed.items():
             self.outbox.append(SendEvent(tracked.reply_stream, RequestEvent(request_id, [], None, "error", message)))
-            self.outbox.append(Ack(tracked.entry_id, request_id))
+            self.outbox.append(Ack(tracked.entry_id, request_id, tracked.stream))
         self.flush()
 
     def release_unstarted(self) -> list[str]:
@@ -393,14 +527,14 @@ class RequestStream:
         return released
 
     def hand_back_unstarted(self) -> list[str]:
-        """On drain: requests that have not streamed go back to the stream as new entries (the next
-        scheduler reads them at once; a rolling restart is not a death). Returns their ids."""
+        """On drain: requests that have not streamed go back to the shared stream as new entries
+        (the next scheduler reads them at once; a rolling restart is not a death). Returns their ids."""
         handed_back = [request_id for request_id, tracked in self.tracked.items() if not tracked.started]
         for request_id in handed_back:
             tracked = self.tracked.pop(request_id)
-            for _, fields in self.redis.xrange(streams.REQUESTS, tracked.entry_id, tracked.entry_id):
+            for _, fields in self.redis.xrange(tracked.stream, tracked.entry_id, tracked.entry_id):
                 self.outbox.append(Requeue(fields[streams.FIELD]))
-            self.outbox.append(Ack(tracked.entry_id, request_id))
+            self.outbox.append(Ack(tracked.entry_id, request_id, tracked.stream))
         self.flush()
         return handed_back
 
@@ -436,13 +570,13 @@ class RequestStream:
                 if seq.finish_reason is not None:
                     tracked.ended.add(seq.index)
             if out.finished:
-                self.outbox.append(Ack(tracked.entry_id, out.request_id))
+                self.outbox.append(Ack(tracked.entry_id, out.request_id, tracked.stream))
                 del self.tracked[out.request_id]
         self.flush()
 
     def _finish_tracked(self, request_id: str, tracked: Tracked, reason: str, error: str | None) -> None:
         self.outbox.append(SendEvent(tracked.reply_stream, RequestEvent(request_id, [], None, reason, error)))
-        self.outbox.append(Ack(tracked.entry_id, request_id))
+        self.outbox.append(Ack(tracked.entry_id, request_id, tracked.stream))
         self.flush()
 
     # ------------------------------------------------------------------ writes
@@ -465,9 +599,9 @@ class RequestStream:
                 case PublishKVEvents(stream, batch):
                     pipe.xadd(stream, {streams.KV_EVENTS_FIELD: batch}, maxlen=streams.KV_EVENTS_MAXLEN,
                               approximate=True)
-                case Ack(entry_id, request_id):
-                    pipe.xack(streams.REQUESTS, streams.SCHEDULER_GROUP, entry_id)
-                    pipe.xdel(streams.REQUESTS, entry_id)
+                case Ack(entry_id, request_id, stream):
+                    pipe.xack(stream, streams.SCHEDULER_GROUP, entry_id)
+                    pipe.xdel(stream, entry_id)
                     if request_id is not None:
                         pipe.hdel(streams.STARTED, request_id)
         if self.memory is not None:
@@ -519,6 +653,14 @@ class RequestStream:
     def delete_status(self) -> None:
         """At shutdown: the status and the memory snapshot."""
         self.redis.delete(streams.status_key(self.consumer), streams.memory_key(self.consumer))
+
+
+def _name(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else value
 
 
 def _recent_aborts_id() -> bytes:

@@ -200,7 +200,9 @@ class SchedulerServer:
 
     # ------------------------------------------------------------------ admission
     def _admit_arrivals(self, block: bool) -> None:
-        """A dead scheduler's requests come first: nothing new is read while any waits for room."""
+        """A dead scheduler's requests come first: nothing new is read while any waits for room.
+        At most max_num_seqs wait here: the rest wait in Redis, where an engine group with room
+        steals them from a busy group's stream (scheduler/request_stream.py)."""
         room = self.engine_config.max_num_seqs - len(self.scheduler.waiting)
         if room <= 0:
             return
@@ -329,6 +331,8 @@ class SchedulerServer:
             kv_bytes_per_block=hello.kv_bytes_per_block if hello else 0,
             num_waiting_tokens=s.num_waiting_tokens if s else 0, **(s.lora_status() if s else {}),
             prefill_tokens_per_s=hello.prefill_tokens_per_s if hello else 0.0,
+            num_routed_total=self.stream.num_routed, num_shared_total=self.stream.num_shared,
+            num_stolen_total=self.stream.num_stolen,
         )
         try:
             if not self.stream.publish_status(encode(status), has_memory=s is not None):

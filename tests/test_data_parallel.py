@@ -1,6 +1,8 @@
-"""`pagoda up --data-parallel-size 2` on CPU: two engine groups (a scheduler and a worker each) read
-the one request stream; /metrics shows each group's share; a group whose scheduler is killed loses
-only the requests it had started streaming, and the other group serves on meanwhile."""
+"""`pagoda up --data-parallel-size 2` on CPU: two engine groups (a scheduler and a worker each), the
+gateway routing by cache (`--routing auto`: cache-aware with two groups); /metrics shows each
+group's share; a prefix's later requests go to the group that cached it, and one too busy for them
+has them stolen by the other; a group whose scheduler is killed loses only the requests it had
+started streaming, and the other group serves on meanwhile."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -28,8 +30,10 @@ MAX_TOKENS = 24
 def stack(redis_server):
     # --max-num-seqs 2: a scheduler holds at most 2 running and 2 waiting requests, so 8 at once
     # must be shared; --claim-idle-ms 3000: a dead scheduler's requests are taken over after 3 s
+    # --num-gpu-blocks 64, --cpu-prefix-cache: 1,000 tokens evict a prefix into the CPU tier
     stack = Stack("--redis-url", redis_server.url, "--data-parallel-size", "2", "--max-num-seqs", "2",
-                  "--claim-idle-ms", "3000", "--worker-timeout", "10").wait_ready().wait_engines(2)
+                  "--claim-idle-ms", "3000", "--worker-timeout", "10", "--num-gpu-blocks", "64",
+                  "--cpu-prefix-cache").wait_ready().wait_engines(2)
     yield stack
     assert stack.stop() == 0
 
@@ -70,7 +74,26 @@ def scheduler_pid(stack: Stack, engine: str) -> int:
     raise AssertionError(f"no scheduler of engine {engine}")
 
 
-def test_both_engine_groups_take_requests_from_the_one_stream(stack):
+def routing_samples(stack: Stack) -> dict[tuple[str, str], float]:
+    with httpx.Client(timeout=10) as http:
+        text = http.get(stack.url + "/metrics").text
+    return {(labels["engine"], labels["reason"]): value for metric, labels, value in parse_samples(text)
+            if metric == "pagoda:routing_decisions_total"}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def complete(url: str, token_ids: list[int], max_tokens: int = 4) -> dict:
+    body = {"model": MODEL, "prompt": token_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=120) as http:
+        response = http.post(url + "/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_both_engine_groups_take_requests(stack):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: stream(stack.url, p), PROMPTS * 2))
     assert [(r["error"], len(r["tokens"])) for r in results] == [(None, MAX_TOKENS)] * 8
@@ -114,3 +137,75 @@ def test_a_killed_groups_started_requests_fail_and_the_rest_are_served(stack, re
     drained, state, _ = wait_drained(stack.url, redis_server.url, timeout=15)
     assert drained, state
     assert redis.Redis.from_url(redis_server.url).hlen(streams.STARTED) == 0
+
+
+def test_a_prefixs_later_requests_go_to_the_group_that_cached_it(stack):
+    """Each of two new 3-block prefixes goes to the group holding fewer blocks (smallest_cache); its
+    second request goes where its blocks are, by cache, and finds all 3 there: cached_tokens is
+    the blocks hit times the block size, and that group's prefix-cache hits grow by as much."""
+    prefixes = [list(range(1000, 1048)), list(range(3000, 3048))]
+    hits_before = engine_samples(stack, "pagoda:prefix_cache_hits_total")
+    owners = []
+    for p in prefixes:
+        before = routing_samples(stack)
+        first = complete(stack.url, p + [1, 2, 3])
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        [(owner, reason)] = delta(routing_samples(stack), before)
+        assert reason == "smallest_cache"
+        owners.append(owner)
+    hits = {}
+    for p, owner in zip(prefixes, owners):
+        before = routing_samples(stack)
+        second = complete(stack.url, p + [7, 8])
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        assert delta(routing_samples(stack), before) == {(owner, "cache_hit"): 1}
+        hits[owner] = hits.get(owner, 0) + 48
+    wait_for(lambda: delta(engine_samples(stack, "pagoda:prefix_cache_hits_total"), hits_before) == hits,
+             5, "each group's hits in its status")
+
+
+def test_a_busy_groups_requests_are_stolen_by_the_idle_one(stack):
+    """8 long requests of a prefix cached in one group all go there (within the balance margin);
+    it holds 2 running and 2 waiting (--max-num-seqs 2), the rest wait in its stream, and the other
+    group steals them after --steal-after-ms. Every one completes, once."""
+    prefix = list(range(5000, 5048))
+    before = routing_samples(stack)
+    complete(stack.url, prefix + [1])
+    [(owner, reason)] = delta(routing_samples(stack), before)
+    other = {"0": "1", "1": "0"}[owner]
+    stolen_before = engine_samples(stack, "pagoda:requests_stolen_total")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: complete(stack.url, prefix + [100 + i], max_tokens=24), range(8)))
+    assert [r["usage"]["completion_tokens"] for r in results] == [24] * 8
+    routes = delta(routing_samples(stack), before)
+    assert routes == {(owner, reason): 1, (owner, "cache_hit"): 8}
+    wait_for(lambda: engine_samples(stack, "pagoda:num_requests_running") == {"0": 0, "1": 0}, 5, "both groups idle")
+    stolen = delta(engine_samples(stack, "pagoda:requests_stolen_total"), stolen_before)
+    assert set(stolen) == {other} and 1 <= stolen[other] <= 4
+    wait_for(lambda: engine_samples(stack, "pagoda:num_requests_running") == {"0": 0, "1": 0}, 5, "both groups idle")
+
+
+def test_an_evicted_prefix_comes_back_from_the_cpu_tier_with_the_tokens_it_had(stack):
+    """--cpu-prefix-cache on the real stack: a prompt's 3 blocks are cached in one group; two
+    long prompts sharing only its first block follow it there (by cache) and evict its other two
+    from the 64-block pool into the group's CPU tier. The prompt again is routed there, finds
+    block 1 in the pool and blocks 2-3 in the tier (cached_tokens 48, tier hits 32), and generates
+    the tokens it generated when it computed them."""
+    prompt = list(range(7000, 7048)) + [1, 2, 3]
+    stores, hits = (engine_samples(stack, f"pagoda:cpu_prefix_cache_{name}_total") for name in ("stores", "hits"))
+    before = routing_samples(stack)
+    first = complete(stack.url, prompt, max_tokens=8)
+    [(owner, _)] = delta(routing_samples(stack), before)
+    # 60 blocks each, 59 of them new, of the 63: the second evicts all but the first one's, least
+    # recently used first, the prompt's blocks 2 and 3 among them
+    for start in (10_000, 20_000):
+        complete(stack.url, prompt[:16] + list(range(start, start + 930)), max_tokens=1)
+    assert delta(routing_samples(stack), before) == {(owner, "smallest_cache"): 1, (owner, "cache_hit"): 2}
+    wait_for(lambda: delta(engine_samples(stack, "pagoda:cpu_prefix_cache_stores_total"), stores).get(owner, 0) >= 2,
+             5, "the group's tier to hold the evicted blocks")
+    again = complete(stack.url, prompt, max_tokens=8)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+    wait_for(lambda: delta(engine_samples(stack, "pagoda:cpu_prefix_cache_hits_total"), hits) == {owner: 32}, 5,
+             "the group's tier hits in its status")
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -160,18 +160,22 @@ async def read_stream(client, url: str, body: dict, state: StreamState, stop_aft
 
 
 def queue_state(redis_url: str) -> dict:
-    """The requests stream: its length and the consumer group's pending entries."""
+    """The requests streams (the shared one and each engine group's): their lengths and the
+    consumer group's pending entries, summed."""
     import redis
 
     from common import streams
 
     client = redis.Redis.from_url(redis_url)
     try:
-        length = client.xlen(streams.REQUESTS)
-        try:
-            pending = client.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"]
-        except redis.ResponseError:  # no group yet: nothing can be pending
-            pending = 0
+        length = pending = 0
+        groups = client.scan_iter(match=streams.GROUP_REQUESTS_PREFIX + "*", count=1000, _type="stream")
+        for stream in [streams.REQUESTS, *groups]:
+            length += client.xlen(stream)
+            try:
+                pending += client.xpending(stream, streams.SCHEDULER_GROUP)["pending"]
+            except redis.ResponseError:  # no group yet: nothing can be pending
+                pass
         return {"xlen": length, "xpending": pending}
     finally:
         client.close()
