@@ -318,6 +318,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     _add_bench_latency(benches.add_parser(
         "latency", help="fixed input and output lengths through the offline engine: TTFT, TPOT, e2e per batch size"))
     _add_bench_serve(benches.add_parser("serve", help="online latency and throughput against the gateway"))
+    _add_bench_overload(benches.add_parser(
+        "overload", help="`pagoda up` with queue bounds at its sustainable rate, then at 4x it: answers by kind "
+                         "(completion or 429 with Retry-After), p99 TTFT of accepted requests, the stack's RSS"))
     o = benches.add_parser("overhead", help="time to first token through the stack minus the offline engine's (CPU)")
     o.add_argument("--requests", type=int, default=30, help="requests timed each way (after 2 warm-up ones)")
     o.add_argument("--output", help="write the result JSON here")
@@ -334,6 +337,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--output", help="write the result JSON here")
     t.set_defaults(handler=_bench_cpu_tier)
+    _add_bench_routing(benches.add_parser(
+        "routing", help="`pagoda up --data-parallel-size 2`: cache-aware routing against pull on conversations "
+                        "sharing system prompts: prefix-cache hit rate and request throughput, in one run"))
     _add_bench_step(benches.add_parser(
         "step", help="host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"))
     _add_bench_structured(benches.add_parser(
@@ -465,6 +471,36 @@ def _add_bench_latency(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0, help="the random prompts (and dummy weights)")
     t.add_argument("--output", help="write the result JSON here")
     t.set_defaults(handler=_bench_latency)
+
+
+def _add_bench_routing(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--routings", default="cache_aware,pull", help="`pagoda up --routing` values, one run each")
+    r.add_argument("--model", default="default", help="the model to serve")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--num-gpu-blocks", type=int, default=300,
+                   help="each engine group's KV pool, in blocks (the default holds about 4 of the 8 prefixes)")
+    r.add_argument("--max-num-seqs", type=int, default=8, help="each scheduler's batch limit")
+    r.add_argument("--num-prefixes", type=int, default=8, help="system prompts")
+    r.add_argument("--prefix-len", type=int, default=1000, help="tokens of each system prompt")
+    r.add_argument("--conversations", type=int, default=16, help="conversations sharing each system prompt")
+    r.add_argument("--question-len", type=int, default=32, help="tokens of each conversation's own question")
+    r.add_argument("--output-len", type=int, default=16, help="tokens generated per request (EOS ignored)")
+    r.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf sends all "
+                                                                              "at once")
+    r.add_argument("--steal-after-ms", type=int, default=None,
+                   help="`pagoda up --steal-after-ms` (default: its own)")
+    r.add_argument("--routing-balance-margin", type=int, default=None,
+                   help="`pagoda up --routing-balance-margin` (default: its own)")
+    r.add_argument("--seed", type=int, default=0, help="of the workload and the arrivals")
+    r.add_argument("--port", type=int, default=8100, help="the port to serve on")
+    r.add_argument("--output", help="write the result JSON here")
+    r.set_defaults(handler=_bench_routing)
+
+
+def _bench_routing(args) -> int:
+    from pagoda.bench.routing import run
+
+    return run(args)
 
 
 def _add_bench_serve(v: argparse.ArgumentParser) -> None:
@@ -600,6 +636,35 @@ def _bench_step(args) -> int:
 
 def _bench_serve(args) -> int:
     from pagoda.bench.serve import run
+
+    return run(args)
+
+
+def _add_bench_overload(v: argparse.ArgumentParser) -> None:
+    v.add_argument("--model", default="default", help="the model to serve")
+    v.add_argument("--device", default="cpu")
+    v.add_argument("--max-num-seqs", type=int, default=8, help="the scheduler's batch limit")
+    v.add_argument("--max-num-queued-requests", type=int, default=16, help="the gateway's bound on waiting requests")
+    v.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="the gateway's bound on waiting prompt tokens (default: none)")
+    v.add_argument("--sustainable-rate", type=float, default=None,
+                   help="requests/s of the first phase (default: 0.8x the capacity measured with "
+                        "--calibration-prompts requests sent at once)")
+    v.add_argument("--calibration-prompts", type=int, default=32, help="requests of the capacity measurement")
+    v.add_argument("--overload-factor", type=float, default=4.0, help="the second phase's rate over the first's")
+    v.add_argument("--duration", type=float, default=60.0, help="seconds of Poisson arrivals in each phase")
+    v.add_argument("--output-len", type=int, default=32, help="tokens generated per request (EOS ignored)")
+    v.add_argument("--num-prompts", type=int, default=1000, help="ShareGPT prompts, sent in order and cycled")
+    v.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
+    v.add_argument("--sample-interval", type=float, default=1.0, help="seconds between two RSS samples")
+    v.add_argument("--seed", type=int, default=0, help="of the prompts and the arrivals")
+    v.add_argument("--port", type=int, default=8100, help="the port to serve on")
+    v.add_argument("--output", help="write the result JSON here")
+    v.set_defaults(handler=_bench_overload)
+
+
+def _bench_overload(args) -> int:
+    from pagoda.bench.overload import run
 
     return run(args)
 

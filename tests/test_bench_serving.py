@@ -11,6 +11,7 @@ from pagoda.bench.serve import (
     RequestResult, Target, arrival_times, data_parallel_summary, parse_rates, parse_sizes, parse_slos, plot, summarize,
     targets,
 )
+from pagoda.bench.workloads import shared_prefix_requests
 from pagoda.cli import _add_bench_serve, main
 
 TINY = Path(__file__).parent / "data" / "tiny-llama.json"
@@ -161,3 +162,93 @@ def test_bench_cpu_tier_serves_the_evicted_prefix_from_the_tier_with_the_device_
     assert [runs[name]["cached_tokens"] for name in ("cpu_tier", "recompute", "device_hit")] == [[64], [32], [64]]
     assert runs["cpu_tier"]["cpu_tier_hits_blocks"] >= 4 and result["same_tokens_as_device_hit"] is True
     assert result["device_pool_blocks"] == 8 and result["command"].startswith("pagoda bench cpu-tier --model dummy:")
+
+
+def test_shared_prefix_requests_share_each_prefix_among_its_conversations_in_a_seeded_order():
+    requests = shared_prefix_requests(num_prefixes=3, prefix_len=40, conversations=5, question_len=8, output_len=7,
+                                      seed=3, vocab=(1000, 2000))
+    assert len(requests) == 15 and {n for _, n in requests} == {7}
+    assert all(len(p) == 48 and all(1000 <= t < 2000 for t in p) for p, _ in requests)
+    counts: dict[tuple[int, ...], int] = {}
+    for prompt, _ in requests:
+        counts[tuple(prompt[:40])] = counts.get(tuple(prompt[:40]), 0) + 1
+    assert sorted(counts.values()) == [5, 5, 5]
+    assert len({tuple(p[40:]) for p, _ in requests}) == 15  # every conversation its own question
+    order = [list(counts).index(tuple(p[:40])) for p, _ in requests]
+    assert order != sorted(order)  # shuffled, not grouped by prefix
+    assert shared_prefix_requests(3, 40, 5, 8, 7, seed=3, vocab=(1000, 2000)) == requests
+    assert shared_prefix_requests(3, 40, 5, 8, 7, seed=4, vocab=(1000, 2000)) != requests
+
+
+@pytest.mark.slow
+def test_bench_routing_serves_the_same_requests_routed_by_cache_and_pulled(tmp_path):
+    """`pagoda bench routing` at a tiny size: two stacks of two engine groups each serve all 6
+    requests; the cache-aware gateway sends each to a group, the pull one to the shared stream, and
+    each group reads exactly the requests that reached it."""
+    from common.redis_server import free_port
+
+    out = tmp_path / "routing.json"
+    assert main(["bench", "routing", "--num-prefixes", "2", "--prefix-len", "64", "--conversations", "3",
+                 "--output-len", "2", "--port", str(free_port()), "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert list(runs) == ["cache_aware", "pull"] and result["workload"]["num_requests"] == 6
+    for run in runs.values():
+        assert (run["completed"], run["failed"]) == (6, 0) and "errors" not in run
+        assert run["prefix_cache_queries_tokens"] == 6 * (64 + 32)  # one lookup per prompt
+        assert 0.0 <= run["prefix_cache_hit_rate"] <= 1.0
+        assert all(0.0 <= e["prefix_cache_hit_rate"] <= 1.0 for e in run["per_engine"].values())
+        assert sum(e[f"requests_{how}"] for e in run["per_engine"].values()
+                   for how in ("routed", "shared", "stolen")) == 6
+    aware = runs["cache_aware"]["routing_decisions"]
+    assert set(aware) <= {"cache_hit", "least_loaded"} and set(aware["least_loaded"]) <= {"0", "1"}
+    assert all(set(engines) <= {"0", "1"} for engines in aware.values())
+    assert sum(n for engines in aware.values() for n in engines.values()) == 6
+    assert runs["pull"]["routing_decisions"] == {"pull": {"": 6}}
+    assert sum(e["requests_shared"] for e in runs["pull"]["per_engine"].values()) == 6
+    assert {"hit_rate_ratio_cache_aware_over_pull", "request_throughput_ratio_cache_aware_over_pull",
+            "goal", "goal_met"} <= result.keys()
+    assert result["request_throughput_ratio_cache_aware_over_pull"] == pytest.approx(
+        runs["cache_aware"]["request_throughput"] / runs["pull"]["request_throughput"], abs=1e-3)
+    assert result["command"].startswith("pagoda bench routing --routings cache_aware,pull --model default")
+
+
+@pytest.mark.slow
+def test_bench_overload_answers_only_completions_and_429s_with_retry_after(tmp_path):
+    """`pagoda bench overload` at a tiny size: 1 req/s for 4 s, then 8 req/s with 2 queued
+    requests allowed; phase B meets the bound (429 queue_full with Retry-After), every other answer
+    is a completion of exactly its 4 tokens, and the result has the goal's fields."""
+    from common.redis_server import free_port
+
+    out = tmp_path / "overload.json"
+    assert main(["bench", "overload", "--duration", "4", "--sustainable-rate", "1", "--overload-factor", "8",
+                 "--max-num-queued-requests", "2", "--output-len", "4", "--max-num-seqs", "2",
+                 "--sample-interval", "0.5", "--port", str(free_port()), "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    phases = result["phases"]
+    assert result["calibration"] is None and result["sustainable_rate"] == 1.0
+    assert [phases[name]["request_rate"] for name in ("sustainable", "overload")] == [1.0, 8.0]
+    for phase in phases.values():
+        answers = phase["answers"]
+        assert answers["completed"] + answers["rejected_with_retry_after"] == phase["arrivals"] >= 1, answers
+        assert set(phase["status_counts"]) <= {"200", "429"}
+        assert answers["completed"] == phase["status_counts"]["200"] >= 1
+        assert answers["rejected_with_retry_after"] == phase["status_counts"].get("429", 0)
+        assert phase["output_tokens"] == 4 * answers["completed"] and "errors" not in phase
+        assert set(phase["rejection_codes"]) <= {"queue_full"}
+        assert phase["ttft_s"]["p99"] >= phase["ttft_s"]["median"] > 0
+        assert phase["memory"]["num_samples"] >= 2 and phase["memory"]["start_mib"] > 0
+    overload = phases["overload"]
+    assert overload["status_counts"]["429"] >= 1 and overload["rejection_codes"] == {
+        "queue_full": overload["status_counts"]["429"]}
+    assert sum(overload["retry_after_values"].values()) == overload["status_counts"]["429"]
+    goal = result["goal"]
+    assert goal["every_answer_completion_or_429_with_retry_after"] is True
+    assert goal["phase_b_rejected_429"] == overload["status_counts"]["429"]
+    assert goal["p99_ttft_ratio"] == pytest.approx(
+        overload["ttft_s"]["p99"] / phases["sustainable"]["ttft_s"]["p99"], abs=1e-3)
+    assert (goal["p99_ttft_ratio_max"], goal["memory_growth_max_fraction"]) == (3.0, 0.05)
+    assert goal["memory_growth_fraction"] == overload["memory"]["growth_fraction"]
+    assert goal["goal_met"] == (goal["p99_ttft_within"] and goal["memory_flat"])
+    assert result["memory"]["num_samples"] >= 4 and result["stack_exit_code"] == 0
+    assert result["command"].startswith("pagoda bench overload --model default --device cpu --max-num-seqs 2")

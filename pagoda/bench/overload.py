@@ -1,0 +1,358 @@
+"""`pagoda bench overload`: the stack under 4x the rate it sustains, with its queue bounds set.
+
+The goal measured: at `--overload-factor` (4) times the sustainable rate for `--duration` (60) s
+with `--max-num-queued-requests` (and optionally `--max-num-queued-tokens`) set, every answer is a
+completion or a 429 carrying Retry-After; the p99 time to first token of the accepted requests
+stays within 3x its value at the sustainable rate; and the stack's memory stays flat.
+
+One `pagoda up` (`--max-num-seqs`, the two bounds, prefix caching off so that the two phases'
+shared prompts cost the same) serves a pool of `--num-prompts` ShareGPT prompts (token ids,
+pagoda/bench/workloads.py), sent in order and cycled, each asking for exactly `--output-len`
+tokens with EOS ignored, as streams to `/v1/completions`.
+
+The sustainable rate is `--sustainable-rate` if given, else 0.8 times the capacity C measured first:
+`--calibration-prompts` requests sent at once (after two warm-up requests), C = completed / the
+seconds until the last answer (requests past the queue bound get 429 and are not counted).
+
+Phase A: `--duration` s of Poisson arrivals (seed `--seed`) at the sustainable rate; phase B: the
+same duration at `--overload-factor` times it (seed `--seed` + 1); each phase lasts until its
+last answer. Per phase, every answer by kind: completed (200, the stream's usage says exactly
+`--output-len` tokens, then [DONE]), incomplete (200 otherwise), stream_error (200 ended by an
+error event), rejected_with_retry_after and rejected_without_retry_after (429), other_status,
+transport_error; the TTFT (mean, p50, p99), E2E and throughput of the completed ones (`summarize`
+in pagoda/bench/serve.py); and the stack's memory: VmRSS (/proc/PID/status) summed over every
+process under `pagoda up` (gateway, scheduler, worker, redis-server) each `--sample-interval` s,
+its first, last and largest sample and the growth over the phase (last minus first, MiB and as a
+fraction of the first).
+
+The goal, judged on phase B against phase A: every phase-B answer completed or a 429 with
+Retry-After; p99 TTFT of B over that of A <= 3; memory growth over B <= 5% of its first sample.
+Exits 1 when either phase had an answer other than those two kinds (a correctness failure), else 0;
+the latency and memory goals are reported in the JSON (`goal`), not enforced.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.serve import RequestResult, arrival_times, summarize
+from pagoda.bench.soak import rss_mib
+from pagoda.bench.stack import Stack
+
+SUSTAINABLE_FRACTION = 0.8  # of the measured capacity
+GOAL_P99_TTFT_RATIO = 3.0
+GOAL_MEMORY_GROWTH_FRACTION = 0.05
+ALLOWED = ("completed", "rejected_with_retry_after")  # the only answers the goal admits
+KINDS = (*ALLOWED, "rejected_without_retry_after", "incomplete", "stream_error", "other_status", "transport_error")
+REQUEST_TIMEOUT_S = 600.0
+
+
+# ----------------------------------------------------------------------------- one request
+
+
+@dataclass(slots=True)
+class Answer:
+    """What one request got: its status and Retry-After, or its stream's tokens and timings."""
+
+    prompt_len: int
+    max_tokens: int
+    status: int | None = None
+    retry_after: str | None = None
+    error_code: str | None = None  # a non-200's OpenAI error code (queue_full for the bounds)
+    output_len: int = 0  # completion tokens, from the usage chunk
+    done: bool = False  # [DONE] arrived
+    ttft: float | None = None
+    e2e: float | None = None
+    error: str | None = None  # a stream's error event, or the transport's exception
+
+    @property
+    def kind(self) -> str:
+        if self.status is None:
+            return "transport_error"
+        if self.status == 429:
+            return "rejected_with_retry_after" if self.retry_after else "rejected_without_retry_after"
+        if self.status != 200:
+            return "other_status"
+        if self.error is not None:
+            return "stream_error"
+        return "completed" if self.done and self.output_len == self.max_tokens else "incomplete"
+
+    def as_result(self) -> RequestResult:
+        return RequestResult(self.prompt_len, self.output_len, self.ttft, self.e2e)
+
+
+async def send(client, url: str, prompt: list[int], max_tokens: int) -> Answer:
+    """One streamed completion of exactly `max_tokens` tokens (EOS ignored)."""
+    answer = Answer(len(prompt), max_tokens)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            status = response.status_code
+            answer.retry_after = response.headers.get("retry-after")
+            if status != 200:
+                answer.error_code = error_code(await response.aread())
+                answer.status = status
+                return answer
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    answer.done = True
+                elif line.startswith("data: "):
+                    read_chunk(answer, json.loads(line[6:]), time.perf_counter() - start)
+            answer.status = status  # after the whole stream: a transport error midway leaves it None
+    except Exception as exc:  # a benchmark counts failures, it does not stop on them
+        answer.error = f"{type(exc).__name__}: {exc}"
+    answer.e2e = time.perf_counter() - start
+    if answer.ttft is None and answer.done:  # no text before the end (serve.py's rule too)
+        answer.ttft = answer.e2e
+    return answer
+
+
+def read_chunk(answer: Answer, chunk: dict, elapsed: float) -> None:
+    if "error" in chunk:
+        answer.error = str(chunk["error"])
+    if chunk.get("usage"):
+        answer.output_len = chunk["usage"]["completion_tokens"]
+    if answer.ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+        answer.ttft = elapsed
+
+
+def error_code(body: bytes) -> str | None:
+    try:
+        return json.loads(body)["error"].get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+async def send_at(url: str, requests: list[tuple[list[int], int]], times: list[float]) -> tuple[list[Answer], float]:
+    """requests[i] at times[i] seconds from now; the answers and the seconds until the last one."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def later(at: float, prompt: list[int], max_tokens: int) -> Answer:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await send(client, url, prompt, max_tokens)
+
+        answers = await asyncio.gather(*(later(t, p, n) for t, (p, n) in zip(times, requests)))
+        return list(answers), time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+class RssSampler:
+    """A thread summing VmRSS over every process under `pagoda up` each `interval` seconds:
+    `samples` is [(seconds since start, MiB)]; `mark()` is the index the next sample will have."""
+
+    def __init__(self, stack: Stack, interval: float) -> None:
+        self.stack, self.interval = stack, interval
+        self.samples: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def total_mib(self) -> float:
+        return sum(mib for pid in self.stack.children().values() if (mib := rss_mib(pid)) is not None)
+
+    def sample(self) -> int:
+        mib = round(self.total_mib(), 1)
+        with self._lock:
+            self.samples.append((round(time.monotonic() - self._start, 2), mib))
+            return len(self.samples) - 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def mark(self) -> int:
+        """Take a sample now (a phase's first or last) and return its index."""
+        return self.sample()
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def memory_summary(samples: list[tuple[float, float]]) -> dict:
+    """First, last and largest summed RSS of a stretch, and its growth (last minus first)."""
+    first, last = samples[0][1], samples[-1][1]
+    growth = last - first
+    return {"start_mib": first, "end_mib": last, "max_mib": max(mib for _, mib in samples),
+            "growth_mib": round(growth, 1), "growth_fraction": round(growth / first, 4) if first else None,
+            "num_samples": len(samples)}
+
+
+# ----------------------------------------------------------------------------- phases
+
+
+def cycle(pool: list[tuple[list[int], int]], count: int) -> list[tuple[list[int], int]]:
+    return [pool[i % len(pool)] for i in range(count)]
+
+
+def poisson_times(rate: float, duration: float, seed: int) -> list[float]:
+    """Poisson arrival times within [0, duration) at `rate` per second."""
+    times = arrival_times(int(rate * duration * 2 + 20 * math.sqrt(rate * duration) + 10), rate, seed=seed)
+    return [t for t in times if t < duration]
+
+
+def phase_metrics(answers: list[Answer], wall: float) -> dict:
+    """A phase's answers by kind and status, and the completed ones' throughput and latencies."""
+    kinds = collections.Counter(a.kind for a in answers)
+    completed = [a for a in answers if a.kind == "completed"]
+    summary = summarize([a.as_result() for a in completed], wall, {})
+    rejected = [a for a in answers if a.status == 429]
+    errors = sorted({a.error for a in answers if a.error} | {f"HTTP {a.status} {a.error_code}" for a in answers
+                                                            if a.kind == "other_status"})
+    metrics = {
+        "arrivals": len(answers), "wall_s": round(wall, 3),
+        "answers": {kind: kinds.get(kind, 0) for kind in KINDS},
+        "status_counts": {str(s): n for s, n in sorted(collections.Counter(a.status for a in answers
+                                                                            if a.status is not None).items())},
+        "retry_after_values": dict(collections.Counter(a.retry_after for a in rejected if a.retry_after)),
+        "rejection_codes": dict(collections.Counter(str(a.error_code) for a in rejected)),
+        "accepted_fraction": round(len(completed) / len(answers), 4) if answers else None,
+        "output_tokens": sum(a.output_len for a in completed),
+        **{key: summary[key] for key in ("request_throughput", "output_token_throughput", "ttft_s", "e2e_s")},
+    }
+    if errors:
+        metrics["errors"] = errors[:5]
+    return metrics
+
+
+def run_phase(url: str, pool: list[tuple[list[int], int]], rate: float, duration: float, seed: int,
+              sampler: RssSampler) -> dict:
+    """Poisson arrivals at `rate` for `duration` s: their answers' metrics and the memory meanwhile."""
+    times = poisson_times(rate, duration, seed)
+    first = sampler.mark()
+    answers, wall = asyncio.run(send_at(url, cycle(pool, len(times)), times))
+    last = sampler.mark()
+    return {"request_rate": rate, "duration_s": duration, "seed": seed, **phase_metrics(answers, wall),
+            "memory": memory_summary(sampler.samples[first:last + 1])}
+
+
+def calibrate(url: str, pool: list[tuple[list[int], int]], count: int) -> dict:
+    """`count` requests at once: capacity = completed / seconds until the last answer."""
+    answers, wall = asyncio.run(send_at(url, cycle(pool, count), [0.0] * count))
+    metrics = phase_metrics(answers, wall)
+    capacity = metrics["answers"]["completed"] / wall
+    if not capacity:
+        raise RuntimeError(f"calibration: none of {count} requests completed ({metrics['answers']})")
+    return {"requests": count, "capacity_requests_per_s": round(capacity, 4),
+            "sustainable_rate": round(SUSTAINABLE_FRACTION * capacity, 4), "sustainable_fraction": SUSTAINABLE_FRACTION,
+            **{key: metrics[key] for key in ("wall_s", "answers", "ttft_s")}}
+
+
+# ----------------------------------------------------------------------------- the goal
+
+
+def goal(a: dict, b: dict) -> dict:
+    """Phase B (overload) against phase A (sustainable rate)."""
+    only_allowed = all(n == 0 for kind, n in b["answers"].items() if kind not in ALLOWED)
+    p99_a, p99_b = a["ttft_s"]["p99"], b["ttft_s"]["p99"]
+    ratio = round(p99_b / p99_a, 3) if p99_a and p99_b is not None else None
+    growth = b["memory"]["growth_fraction"]
+    result = {
+        "every_answer_completion_or_429_with_retry_after": only_allowed,
+        "phase_b_rejected_429": b["status_counts"].get("429", 0),  # 0: the bounds were never met
+        "p99_ttft_s": {"sustainable": p99_a, "overload": p99_b},
+        "p99_ttft_ratio": ratio, "p99_ttft_ratio_max": GOAL_P99_TTFT_RATIO,
+        "p99_ttft_within": ratio is not None and ratio <= GOAL_P99_TTFT_RATIO,
+        "memory_growth_fraction": growth, "memory_growth_max_fraction": GOAL_MEMORY_GROWTH_FRACTION,
+        "memory_flat": growth is not None and growth <= GOAL_MEMORY_GROWTH_FRACTION,
+    }
+    result["goal_met"] = only_allowed and result["p99_ttft_within"] and result["memory_flat"]
+    return result
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def launch(args) -> Stack:
+    flags = ["--model", args.model, "--device", args.device, "--no-prefix-caching",
+             "--max-num-seqs", str(args.max_num_seqs), "--max-num-queued-requests", str(args.max_num_queued_requests)]
+    if args.max_num_queued_tokens is not None:
+        flags += ["--max-num-queued-tokens", str(args.max_num_queued_tokens)]
+    return Stack(*flags, port=args.port).wait_ready()
+
+
+def load_pool(args) -> list[tuple[list[int], int]]:
+    from pagoda.bench.throughput import load_requests
+
+    source = SimpleNamespace(source=args.source, num_prompts=args.num_prompts, seed=args.seed,
+                             max_output_len=args.output_len)
+    return [(prompt, args.output_len) for prompt, _ in load_requests(source, vocab_size=1 << 31)]
+
+
+def brief(name: str, phase: dict) -> str:
+    answers = ", ".join(f"{kind} {n}" for kind, n in phase["answers"].items() if n)
+    memory = phase["memory"]
+    return (f"{name}: {phase['request_rate']:.3f} req/s offered, {phase['request_throughput']:.3f} completed/s; "
+            f"{answers}; TTFT p50 {fmt(phase['ttft_s']['median'])} s, p99 {fmt(phase['ttft_s']['p99'])} s; "
+            f"RSS {memory['start_mib']:.0f} -> {memory['end_mib']:.0f} MiB (max {memory['max_mib']:.0f})")
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def run(args) -> int:
+    """The `pagoda bench overload` command."""
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    pool = load_pool(args)
+    log(f"starting pagoda up --max-num-seqs {args.max_num_seqs} --max-num-queued-requests "
+        f"{args.max_num_queued_requests} --max-num-queued-tokens {args.max_num_queued_tokens}")
+    stack = launch(args)
+    url = stack.url + "/v1/completions"
+    calibration = None
+    try:
+        asyncio.run(send_at(url, pool[:2], [0.0, 0.0]))  # warm up
+        rate = args.sustainable_rate
+        if rate is None:
+            calibration = calibrate(url, pool, args.calibration_prompts)
+            rate = calibration["sustainable_rate"]
+            log(f"capacity {calibration['capacity_requests_per_s']} req/s: sustainable rate {rate} req/s")
+        with RssSampler(stack, args.sample_interval) as sampler:
+            idle = sampler.mark()
+            sustainable = run_phase(url, pool, rate, args.duration, args.seed, sampler)
+            log(brief("A (sustainable)", sustainable))
+            overload = run_phase(url, pool, rate * args.overload_factor, args.duration, args.seed + 1, sampler)
+            log(brief("B (overload)", overload))
+        samples = sampler.samples[idle:]
+    finally:
+        exit_code = stack.stop()
+    result = {
+        **header("overload", command_words("overload", args), args.device), "model": args.model,
+        "workload": {"name": "ShareGPT", "num_prompts": len(pool), "seed": args.seed, "output_len": args.output_len,
+                     "mean_prompt_tokens": sum(len(p) for p, _ in pool) / len(pool)},
+        "bounds": {"max_num_seqs": args.max_num_seqs, "max_num_queued_requests": args.max_num_queued_requests,
+                   "max_num_queued_tokens": args.max_num_queued_tokens},
+        "calibration": calibration, "sustainable_rate": rate, "overload_factor": args.overload_factor,
+        "phases": {"sustainable": sustainable, "overload": overload},
+        "goal": goal(sustainable, overload),
+        "memory": {**memory_summary(samples), "sample_interval_s": args.sample_interval, "samples": samples},
+        "stack_exit_code": exit_code,
+    }
+    write_result(result, args.output)
+    print(json.dumps({"sustainable_rate": rate, "goal": result["goal"]}, indent=2))
+    well_formed = all(n == 0 for phase in (sustainable, overload) for kind, n in phase["answers"].items()
+                      if kind not in ALLOWED)
+    return 0 if well_formed else 1
