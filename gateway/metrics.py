@@ -304,8 +304,9 @@ class GatewayMetrics:
                                          registry=r).labels(model_name)
         self.routing_decisions = ModelLabelled(Counter(
             "pagoda:routing_decisions", "This gateway's routing of requests to engine groups: to the group "
-            "holding the longest cached prefix (cache_hit), to the least loaded (least_loaded), or to the "
-            "shared stream (pull, engine \"\").", [*model, "engine", "reason"], registry=r), model_name)
+            "holding the longest cached prefix (cache_hit), a new prefix to the group holding the fewest blocks "
+            "(smallest_cache), past the balance margin to the least loaded (least_loaded), or to the shared "
+            "stream (pull, engine \"\").", [*model, "engine", "reason"], registry=r), model_name)
         self.schedulers = SchedulerCollector(model_name)
         r.register(self.schedulers)
 

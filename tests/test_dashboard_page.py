@@ -454,4 +454,7 @@ def test_the_cpu_pool_draws_the_prefix_caches_cpu_tier_blocks_as_cached(tmp_path
             return found;
         })()""")
         assert found == {"cached": [3, 5, 40], "free": [b for b in range(64) if b not in (3, 5, 40)]}
+        assert browser.evaluate("[pagoda.blockInfo(undefined, 5, 'cpu'), pagoda.blockInfo(undefined, 6, 'cpu')]") == [
+            "CPU block 5\ncached: in the prefix cache's CPU tier, copied back on a hit (evictable)", "CPU block 6\nfree"]
+        assert "its CPU tier: --cpu-prefix-cache" in browser.evaluate("document.getElementById('legend').textContent")
         assert browser.errors() == []

@@ -278,7 +278,11 @@
     const count = view.counts[block];
     const lines = [(pool === "gpu" ? "GPU" : "CPU") + " block " + block];
     if (pool === "gpu" && block === 0) return lines.concat("the null block (padding)").join("\n");
-    if (count === 0) return lines.concat(view.cached[block] ? "cached: free, held by the prefix cache (evictable)" : "free").join("\n");
+    if (count === 0) {
+      const cached = pool === "gpu" ? "cached: free, held by the prefix cache (evictable)"
+        : "cached: in the prefix cache's CPU tier, copied back on a hit (evictable)";
+      return lines.concat(view.cached[block] ? cached : "free").join("\n");
+    }
     lines.push("reference count " + count + (count > 1 ? " (shared)" : ""));
     const holders = new Map(); // request -> [seq_id:logical]
     for (const seq of view.seqs) {
