@@ -5,8 +5,8 @@ rule, fed by the schedulers' KV events instead of an approximate tree of its own
                its LoRA adapter) ─▶ per ready engine group, how many leading hashes it holds
        ├─ the longest match, if any and its group's load is within `margin` of the least loaded's
        │                                                   ─▶ XADD pagoda:requests:<that engine>
-       ├─ no match: the group holding the fewest blocks (the most room for a new prefix), the least
-       │  loaded of those                                  ─▶ XADD pagoda:requests:<that engine>
+       ├─ no match: of the groups within `margin` of the least loaded, the one holding the fewest
+       │  blocks (the most room for a new prefix)          ─▶ XADD pagoda:requests:<that engine>
        └─ a match too busy: the least loaded group         ─▶ XADD pagoda:requests:<that engine>
 
 What a group holds is the replay of its KV event stream (`pagoda:kv-events:<engine>`, read here
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -47,7 +47,8 @@ class PrefixRouter:
         self.mode = mode  # "auto" (cache-aware when more than one engine group is ready), "cache_aware", "pull"
         self.margin = margin
         self.cached: dict[str, set[bytes]] = {}  # per engine: its KV events replayed
-        self.expected: dict[str, dict[bytes, float]] = {}  # per engine: hash -> until when (monotonic)
+        # per engine: hash -> until when (monotonic), oldest first: expired from the front as routes come
+        self.expected: dict[str, OrderedDict[bytes, float]] = {}
         self.outstanding: Counter[str] = Counter()  # per engine: this gateway's requests routed there, not ended
         self.routed: Counter[tuple[str, str]] = Counter()  # (engine, reason) -> requests
         self._engine_of: dict[str, str] = {}  # request id -> the engine it was routed to
@@ -63,13 +64,15 @@ class PrefixRouter:
             self._count("", "pull")
             return streams.REQUESTS
         await self._read_events(groups)
+        now = time.monotonic()
+        for expected in self.expected.values():
+            while expected and next(iter(expected.values())) <= now:
+                expected.popitem(last=False)
         engine, reason, hashes = self.choose(request, groups)
-        until = time.monotonic() + EXPECTED_TTL_S
-        expected = self.expected.setdefault(engine, {})
-        expected.update(dict.fromkeys(hashes, until))
-        if len(expected) > 4 * max(len(self.cached.get(engine, ())), 1024):  # now and then: drop the expired
-            now = time.monotonic()
-            self.expected[engine] = {h: t for h, t in expected.items() if t > now}
+        expected = self.expected.setdefault(engine, OrderedDict())
+        for h in hashes:
+            expected[h] = now + EXPECTED_TTL_S
+            expected.move_to_end(h)
         self.outstanding[engine] += 1
         self._engine_of[request.request_id] = engine
         self._count(engine, reason)
@@ -93,17 +96,18 @@ class PrefixRouter:
         match, load, engine, hashes = max(scored, key=lambda s: (s[0], -s[1]))
         if match > 0 and load - least <= self.margin:
             return engine, "cache_hit", hashes
-        if match == 0:  # a new prefix: where the most room is (SGLang's smallest tree), spreading prefixes
-            _, _, engine, hashes = min(scored, key=lambda s: (self.cache_size(s[2], now), s[1]))
+        if match == 0:  # a new prefix: where the most room is (SGLang's smallest tree), spreading prefixes,
+            # among the groups within the margin of the least loaded
+            balanced = [s for s in scored if s[1] - least <= self.margin]
+            _, _, engine, hashes = min(balanced, key=lambda s: (self.cache_size(s[2]), s[1]))
             return engine, "smallest_cache", hashes
         _, _, engine, hashes = min(scored, key=lambda s: (s[1], -s[0]))
         return engine, "least_loaded", hashes
 
-    def cache_size(self, engine: str, now: float) -> int:
-        """The blocks the group holds, or is about to (this router's expected ones)."""
-        cached = self.cached.get(engine, set())
-        return len(cached) + sum(1 for h, until in self.expected.get(engine, {}).items()
-                                 if until > now and h not in cached)
+    def cache_size(self, engine: str) -> int:
+        """The blocks the group holds, and those it is about to (this router's expected ones: a
+        block both cached and expected counts twice, alike for every group)."""
+        return len(self.cached.get(engine, ())) + len(self.expected.get(engine, ()))
 
     def _count(self, engine: str, reason: str) -> None:
         self.routed[(engine, reason)] += 1

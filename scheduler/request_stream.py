@@ -188,8 +188,9 @@ class RequestStream:
     # ------------------------------------------------------------------ requests in
     def read(self, count: int, block: bool) -> list[Arrival]:
         """Up to `count` new requests: this group's own first, then the shared stream's; with
-        nothing there and `block` (this scheduler is idle), another group's that it left unread
-        (`_steal`), else waiting a little for one."""
+        nothing there, another group's that it left unread (`_steal`: when `block`, this scheduler
+        being idle, from a group with no room; else only from one with no live scheduler); with
+        nothing anywhere and `block`, waiting a little for one."""
         count = min(count, READ_BATCH)
         try:
             arrivals = self._read_new({self.own: ">"}, count)
@@ -198,8 +199,8 @@ class RequestStream:
                 shared = self._read_new({streams.REQUESTS: ">"}, count - len(arrivals))
                 self.num_shared += len(shared)
                 arrivals += shared
-            if not arrivals and block:
-                arrivals = self._steal(count)
+            if not arrivals:  # busy, only from a group with no live scheduler: else it would wait on
+                arrivals = self._steal(count, dead_only=not block)
             if not arrivals and block:  # (at most one a stream: the next read takes the rest)
                 arrivals = self._read_new({self.own: ">", streams.REQUESTS: ">"}, 1, block_ms=IDLE_BLOCK_MS)
                 self.num_routed += sum(a.stream == self.own for a in arrivals)
@@ -213,15 +214,24 @@ class RequestStream:
         return self._unique(arrivals)
 
     def _read_new(self, keys: dict[str, str], count: int, block_ms: int | None = None) -> list[Arrival]:
-        replies = self.redis.xreadgroup(streams.SCHEDULER_GROUP, self.consumer, keys, count=count, block=block_ms)
+        try:
+            replies = self.redis.xreadgroup(streams.SCHEDULER_GROUP, self.consumer, keys, count=count,
+                                            block=block_ms)
+        except redis.ResponseError as exc:  # Redis restarted empty: what a gateway queued again waits
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("a requests stream has no consumer group (Redis restarted empty?): recreating it")
+            for stream in keys:
+                self._create_group(stream)
+            return []
         return [a for stream, entries in replies or [] for entry_id, fields in entries
                 if (a := self._arrival(entry_id, fields, _name(stream))) is not None]
 
-    def _steal(self, count: int) -> list[Arrival]:
+    def _steal(self, count: int, dead_only: bool = False) -> list[Arrival]:
         """Requests another engine group's stream has held unread for steal_after_ms while that
         group has no room for them (max_num_seqs wait in its scheduler, by its status) or no live
-        scheduler: its router sent them there for its cache, and this group has room. Looked at
-        every steal_after_ms / 4 at most."""
+        scheduler: its router sent them there for its cache, and this group has room. A busy
+        scheduler (`dead_only`) takes only a dead group's. Looked at every steal_after_ms / 4 at most."""
         now = time.monotonic()
         if not self.others or now - self._last_steal < self.serving.steal_after_ms / 4000:
             return []
@@ -246,7 +256,8 @@ class RequestStream:
                 continue
             if room_of is None:
                 room_of = self._engines_with_room()
-            if room_of.get(stream[len(streams.GROUP_REQUESTS_PREFIX):], False):
+            engine = stream[len(streams.GROUP_REQUESTS_PREFIX):]
+            if room_of.get(engine, False) or (dead_only and engine in room_of):
                 continue  # its scheduler will read it: it is between steps (a long one, maybe)
             arrivals = self._read_new({stream: ">"}, count - len(stolen))
             for arrival in arrivals:
@@ -309,7 +320,7 @@ class RequestStream:
         self._last_maintain = time.monotonic()
         try:
             self._find_others()
-            dropped = self._drop_taken_over()
+            dropped = self._drop_taken_over()  # first: renewing would claim them back (XCLAIM takes any entry)
             self.renew_claims()
             self.orphans = not draining and self._orphans_wait()
             self._delete_dead_consumers()
@@ -357,8 +368,13 @@ class RequestStream:
         for request_id, tracked in list(self.tracked.items()):
             if (tracked.stream, tracked.entry_id) in own:
                 continue
-            holder = self.redis.xpending_range(tracked.stream, streams.SCHEDULER_GROUP, tracked.entry_id,
-                                               tracked.entry_id, 1)
+            try:
+                holder = self.redis.xpending_range(tracked.stream, streams.SCHEDULER_GROUP, tracked.entry_id,
+                                                   tracked.entry_id, 1)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                continue  # the entry went with a Redis restart: keep the request
             if holder and holder[0]["consumer"].decode() != self.consumer:  # (none: Redis restarted empty; keep it)
                 log.warning("request %s was taken over by %s; dropping it here", request_id,
                             holder[0]["consumer"].decode())
@@ -437,8 +453,13 @@ class RequestStream:
         return arrivals
 
     def _own_pending(self, stream: str, count: int) -> list[dict]:
-        return self.redis.xpending_range(stream, streams.SCHEDULER_GROUP, "-", "+", count,
-                                         consumername=self.consumer)
+        try:
+            return self.redis.xpending_range(stream, streams.SCHEDULER_GROUP, "-", "+", count,
+                                             consumername=self.consumer)
+        except redis.ResponseError as exc:  # the stream or its group went with a Redis restart
+            if "NOGROUP" not in str(exc):
+                raise
+            return []
 
     def _ack_deleted(self, stream: str) -> None:
         """Acknowledge this scheduler's pending entries that are gone from the stream (Redis 6.2's

@@ -700,6 +700,8 @@ class Scheduler:
         shared = 0
         while shared < len(keys) and keys[shared] in computing:
             shared += 1
+        # a hit never covers the block of the last token (it must be computed): beyond it, nothing to wait for
+        shared = min(shared, (group.seqs[0].num_tokens - 1) // self.block_manager.block_size)
         if shared < self.MIN_SHARED_PREFIX_BLOCKS:
             return False
         cached = self.block_manager.cached_prefix_tokens(TokenView(group.seqs[0]), group.seqs[0].num_tokens,

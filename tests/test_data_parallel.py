@@ -139,6 +139,64 @@ def test_a_killed_groups_started_requests_fail_and_the_rest_are_served(stack, re
     assert redis.Redis.from_url(redis_server.url).hlen(streams.STARTED) == 0
 
 
+def request_stream_lengths(redis_url: str) -> int:
+    """Entries in every requests stream (the shared one and each group's)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        names = [streams.REQUESTS, *client.scan_iter(match=streams.GROUP_REQUESTS_PREFIX + "*", _type="stream")]
+        return sum(client.xlen(name) for name in names)
+    finally:
+        client.close()
+
+
+def prefix_on_each_group(stack: Stack) -> dict[str, list[int]]:
+    """A cached 16-token block in each group: new prompts go to the group holding fewer blocks, so
+    they come to both."""
+    found: dict[str, list[int]] = {}
+    for i in range(20):
+        prefix = list(range(30_000 + 16 * i, 30_000 + 16 * i + 16))
+        before = routing_samples(stack)
+        complete(stack.url, prefix + [1], max_tokens=1)
+        [(engine, _)] = delta(routing_samples(stack), before)
+        found.setdefault(engine, prefix)
+        if len(found) == 2:
+            return found
+    raise AssertionError(f"20 new prompts all went to engine(s) {sorted(found)}")
+
+
+def test_a_redis_killed_with_4_running_and_20_queued_serves_all_24_once(stack, redis_server):
+    """Redis SIGKILLed and back empty (no persistence) while each group runs 2 requests and 20 more
+    are queued: held by a scheduler that read them (2 at most per group) or unread in the groups'
+    streams. The gateway queues the unread ones again under their ids, the schedulers keep what
+    they hold, and all 24 complete with every token; the prompt tokens scheduled are each
+    request's once; nothing is left in Redis."""
+    prefixes = prefix_on_each_group(stack)  # the long requests follow them: 2 to each group
+    running = [prefixes[engine] + [7, 8, 9, i] for engine in ("0", "1") for i in range(2)]
+    queued = [list(range(45_000 + 100 * i, 45_000 + 100 * i + 20)) for i in range(20)]
+    time.sleep(0.6)  # a status (every 0.5 s) after the prompts above: their lookups counted
+    queried_before = sum(engine_samples(stack, "pagoda:prefix_cache_queries_total").values())
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        long = [pool.submit(complete, stack.url, ids, 120) for ids in running]
+        wait_for(lambda: engine_samples(stack, "pagoda:num_requests_running") == {"0": 2, "1": 2}, 30,
+                 "each group to run 2")
+        short = [pool.submit(complete, stack.url, ids, 8) for ids in queued]
+        wait_for(lambda: sum(engine_samples(stack, "pagoda:num_requests_waiting").values()) >= 2
+                 and request_stream_lengths(redis_server.url) == 24, 30, "all 24 in Redis, 2 or more held")
+        redis_server.kill()
+        redis_server.stop()  # its directory goes: the restart is empty
+        redis_server.start()
+        results = [f.result(timeout=300) for f in long + short]
+    assert [r["usage"]["completion_tokens"] for r in results] == [120] * 4 + [8] * 20
+    wait_for(lambda: sum(engine_samples(stack, "pagoda:prefix_cache_queries_total").values()) - queried_before
+             >= 24 * 20, 5, "the last lookups in the statuses")
+    time.sleep(0.6)
+    queried = sum(engine_samples(stack, "pagoda:prefix_cache_queries_total").values()) - queried_before
+    assert queried == 24 * 20  # each request scheduled once (all 20 tokens long)
+    drained, state, _ = wait_drained(stack.url, redis_server.url, timeout=15)
+    assert drained, state
+    stack.wait_engines(2, timeout=30)
+
+
 def test_a_prefixs_later_requests_go_to_the_group_that_cached_it(stack):
     """Each of two new 3-block prefixes goes to the group holding fewer blocks (smallest_cache); its
     second request goes where its blocks are, by cache, and finds all 3 there: cached_tokens is

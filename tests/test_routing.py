@@ -178,8 +178,9 @@ def test_a_scheduler_reads_its_own_stream_first_then_the_shared_one(redis_url, r
 
 def test_an_idle_group_steals_what_a_busy_group_left_unread_and_acks_it_there(redis_url, r):
     """Stealing is for a scheduler with nothing to run (`read(block=True)`), from a group with no
-    room or no live scheduler (here none), of what waited unread steal_after_ms."""
+    room (here: its status says 8 wait in it), of what waited unread steal_after_ms."""
     busy = scheduler_stream(redis_url, "1", "sched-1")
+    r.set(streams.status_key("sched-1"), encode(status("1", running=8, waiting=8)))  # alive, no room
     idle = scheduler_stream(redis_url, "0", "sched-0", steal_after_ms=300)
     assert idle.others == ["pagoda:requests:1"]
     submit(r, "pagoda:requests:1", "waited")
@@ -187,7 +188,8 @@ def test_an_idle_group_steals_what_a_busy_group_left_unread_and_acks_it_there(re
     time.sleep(0.35)
     submit(r, "pagoda:requests:1", "fresh")
     idle._last_steal = 0.0
-    assert idle.read(4, block=False) == []  # busy itself: it steals nothing
+    assert idle.read(4, block=False) == []  # busy itself: it steals nothing from a live group
+    idle._last_steal = 0.0
     stolen = idle.read(4, block=True)
     assert [(a.request.request_id, a.stream) for a in stolen] == [
         ("waited", "pagoda:requests:1"), ("fresh", "pagoda:requests:1")]  # the oldest waited: the rest come along
@@ -247,3 +249,40 @@ def test_what_a_group_with_room_left_unread_is_not_stolen(redis_url, r):
     idle._last_steal = 0.0
     assert [a.request.request_id for a in idle.read(4, block=True)] == ["queued"]
     idle.redis.close()
+
+
+def test_a_busy_scheduler_steals_only_from_a_group_with_no_live_scheduler(redis_url, r):
+    """Busy itself (`read(block=False)`), a scheduler leaves a full group's stale entries to the
+    idle ones, but takes a dead group's: else they would wait while every live group is busy."""
+    busy = scheduler_stream(redis_url, "0", "sched-0", steal_after_ms=0)
+    submit(r, "pagoda:requests:1", "stranded")
+    r.set(streams.status_key("sched-1"), encode(status("1", running=8, waiting=8)))  # alive, no room
+    busy._find_others()
+    assert busy.read(4, block=False) == []
+    r.delete(streams.status_key("sched-1"))  # its status expired: dead
+    busy._last_steal = 0.0
+    assert [a.request.request_id for a in busy.read(4, block=False)] == ["stranded"]
+    busy.redis.close()
+
+
+def test_a_new_prefix_goes_to_the_emptier_group_only_within_the_margin(router, r):
+    cache(r, "1", SYSTEM_A)  # group 1 holds 3 blocks, group 0 none
+    assert route(router, request("a", SYSTEM_B), [status("0", running=2), status("1")]) == "pagoda:requests:0"
+    assert route(router, request("b", SYSTEM_B[:16] + [9] * 40), [status("0", running=3), status("1")]) == (
+        "pagoda:requests:1")  # group 0 is 3 past the least loaded: over the margin of 2
+    # a prompt nothing matches: group 0 holds fewer blocks (3 expected against 3 cached + 3 expected),
+    # but is 4 past the least loaded: the emptier group within the margin is group 1
+    assert route(router, request("c", [11] * 48), [status("0", running=5), status("1")]) == "pagoda:requests:1"
+    assert router.routed == {("0", "smallest_cache"): 1, ("1", "least_loaded"): 1, ("1", "smallest_cache"): 1}
+
+
+def test_a_stream_without_its_group_loses_nothing_read_from_the_others(redis_url, r):
+    """Redis restarted empty and a gateway queued a request again on this group's stream: the shared
+    stream has no consumer group yet. The request read from the own stream is kept, and the missing
+    group is made for the next read."""
+    s = scheduler_stream(redis_url, "0", "sched-0")
+    r.xgroup_destroy(streams.REQUESTS, streams.SCHEDULER_GROUP)
+    submit(r, "pagoda:requests:0", "queued-again")
+    assert [a.request.request_id for a in s.read(4, block=False)] == ["queued-again"]
+    assert [g["name"] for g in r.xinfo_groups(streams.REQUESTS)] == [b"schedulers"]
+    s.redis.close()
