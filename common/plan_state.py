@@ -56,6 +56,13 @@ class ScheduledSequence:
     num_computed_tokens: int  # before this step: the first position it computes
     num_scheduled_tokens: int
     num_samples: int  # tokens it draws after this step: 0 unless it computes its last token
+    # [speculative] drafts computed after its last token and verified: the step draws 1 + len of
+    # them (one per position); they are not in held.token_ids (only accepted ones come back)
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_draws(self) -> int:
+        return len(self.draft_token_ids) + 1 if self.draft_token_ids else self.num_samples
 
 
 @dataclass(slots=True)
@@ -124,7 +131,7 @@ class PlanState:
             held = HeldSequence(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                                 new.num_computed_tokens, list(new.block_ids), new.sampling_params, new.lora_slot)
             self.seqs[new.seq_id] = held
-            steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples))
+            steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples, None))
         seqs = self.seqs
         for cached in plan.cached_seqs:  # the hot loop of a decode step: kept free of calls
             held = seqs.get(cached.seq_id)
@@ -138,6 +145,12 @@ class PlanState:
                 del table[cached.block_table_offset:]
                 table += new_block_ids
             token_ids = held.token_ids
+            if cached.accepted_token_ids:  # drafts its last step verified: their KV is written
+                if held.num_computed_tokens != len(token_ids):
+                    raise ProtocolError(f"plan step {plan.step} gives sequence {cached.seq_id} accepted drafts "
+                                        "while it has tokens to compute")
+                token_ids += cached.accepted_token_ids
+                held.num_computed_tokens += len(cached.accepted_token_ids)
             if held.num_computed_tokens == len(token_ids):  # it sampled: add that token
                 token = cached.last_token_id
                 if token == PENDING_TOKEN:  # the one it drew in the step before
@@ -151,24 +164,36 @@ class PlanState:
                         raise ProtocolError(f"plan step {plan.step} asks for sequence {seq_id}'s pending token, "
                                             "which this worker did not draw in the step before")
                 token_ids.append(token)
-            steps.append((cached.seq_id, held, cached.num_scheduled_tokens, cached.num_samples))
+            steps.append((cached.seq_id, held, cached.num_scheduled_tokens, cached.num_samples,
+                          cached.draft_token_ids))
         if self.placeholders:
             self.placeholder_step = self.drawn_step
         return self._schedule(plan.step, steps)
 
-    def _schedule(self, step: int, steps: list[tuple[int, HeldSequence, int, int]]) -> list[ScheduledSequence]:
-        """Count each sequence's scheduled tokens as computed, after checking it can compute them."""
+    def _schedule(self, step: int, steps: list[tuple[int, HeldSequence, int, int, list[int] | None]]
+                  ) -> list[ScheduledSequence]:
+        """Count each sequence's scheduled tokens as computed, after checking it can compute them.
+        A sequence with drafts computes its last token and them: only the last token counts (the
+        next plan's accepted_token_ids adds the drafts that passed)."""
         capacity = self.block_size
         scheduled = []
-        for seq_id, held, n, num_samples in steps:
+        for seq_id, held, n, num_samples, drafts in steps:
             start = held.num_computed_tokens
             end, num_tokens = start + n, len(held.token_ids)
-            if n < 1 or end > num_tokens:
+            if drafts:
+                if start + 1 != num_tokens or n != 1 + len(drafts):
+                    raise ProtocolError(f"plan step {step} gives sequence {seq_id} {len(drafts)} drafts with {n} "
+                                        "tokens scheduled: drafts follow its last token only")
+            elif n < 1 or end > num_tokens:
                 raise ProtocolError(f"plan step {step} schedules {n} tokens sequence {seq_id} does not have")
             if end > len(held.block_table) * capacity:
                 raise ProtocolError(f"plan step {step}: sequence {seq_id}'s block table does not cover slot {end - 1}")
             if num_samples < 1:
                 raise ProtocolError(f"plan step {step} asks sequence {seq_id} for {num_samples} samples")
+            if drafts:
+                held.num_computed_tokens = num_tokens
+                scheduled.append(ScheduledSequence(seq_id, held, start, n, num_samples, drafts))
+                continue
             held.num_computed_tokens = end
             scheduled.append(ScheduledSequence(seq_id, held, start, n, num_samples if end == num_tokens else 0))
         return scheduled

@@ -23,7 +23,8 @@ import msgpack
 
 # 5: CachedSequence.last_token_id may be PENDING_TOKEN (async scheduling)
 # 6: a StepPlan's cached_seqs and a StepResult's sampled travel as columns (_COLUMNS_OF)
-PROTOCOL_VERSION = 6
+# 7: CachedSequence.draft_token_ids and accepted_token_ids ([speculative])
+PROTOCOL_VERSION = 7
 _EXT_MESSAGE = 1
 
 
@@ -197,6 +198,13 @@ class CachedSequence:
     num_scheduled_tokens: int
     last_token_id: int  # the newest token, appended if the worker lacks it; PENDING_TOKEN: the one it sampled last step
     num_samples: int = 1  # tokens drawn if this step computes its last token
+    # [speculative] draft tokens proposed after last_token_id: the step computes them too (after its
+    # last token, num_scheduled_tokens = 1 + len(drafts)) and verifies them, emitting the accepted
+    # ones and one more (docs/speculative.md). The worker does not keep them.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # the drafts the sequence's last verification accepted: appended before last_token_id, their KV
+    # already written by that step (counted computed)
+    accepted_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -402,6 +410,12 @@ class SchedulerStatus:
     num_routed_total: int = 0
     num_shared_total: int = 0
     num_stolen_total: int = 0
+    # [speculative]: vLLM's spec_decode counters: verifications with drafts, draft tokens, accepted
+    # drafts, and per draft position how often it was accepted
+    spec_num_drafts_total: int = 0
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -475,8 +489,8 @@ _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
-_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]
-    SchedulerStatus: 26, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
+_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]; [speculative]
+    SchedulerStatus: 30, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
     NewSequence: 1, StepPlan: 1, GenerateRequest: 1, MemorySnapshot: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

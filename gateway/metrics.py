@@ -31,7 +31,10 @@ the whole deployment. Schedulers that share an engine id are summed into its one
                                      num_gpu_blocks,num_cpu_blocks} (vLLM's info gauge, value 1);
                                      with --enable-lora: lora_requests_info{running_lora_adapters,
                                      waiting_lora_adapters,max_lora} (vLLM's), lora_loads_total,
-                                     lora_evictions_total
+                                     lora_evictions_total; with --speculative-config (vLLM's):
+                                     spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total,
+                                     spec_decode_num_accepted_tokens_total,
+                                     spec_decode_num_accepted_tokens_per_pos_total{position}
 
 One output's phases, as vLLM times a request (the gateway's clock; the scheduler's first-scheduled
 time comes on the request's first token-bearing event, RequestEvent.scheduled_at):
@@ -143,6 +146,12 @@ ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[list[SchedulerStatus]], flo
      _summed("num_swapped_out_blocks_total")),
     (CounterMetricFamily, "pagoda:num_swapped_in_blocks", "Blocks swapped in from the CPU pool.",
      _summed("num_swapped_in_blocks_total")),
+    (CounterMetricFamily, "pagoda:spec_decode_num_drafts", "Speculative verifications that had drafts "
+     "(--speculative-config).", _summed("spec_num_drafts_total")),
+    (CounterMetricFamily, "pagoda:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+     _summed("spec_num_draft_tokens_total")),
+    (CounterMetricFamily, "pagoda:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     _summed("spec_num_accepted_tokens_total")),
 )
 
 
@@ -195,6 +204,14 @@ class SchedulerCollector(Collector):
             counts, total = iteration_tokens(statuses)
             steps.add_metric([self.model_name, engine], list(zip(bounds, counts)), total)
         yield steps
+        per_pos = CounterMetricFamily("pagoda:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, per position in the draft.",
+                                      labels=["model_name", "engine", "position"])
+        for engine, statuses in groups.items():
+            counts = [sum(x) for x in zip(*(s.spec_accepted_per_pos for s in statuses if s.spec_accepted_per_pos))]
+            for position, count in enumerate(counts):
+                per_pos.add_metric([self.model_name, engine, str(position)], count)
+        yield per_pos
 
 
     def _lora_series(self, groups: dict[str, list[SchedulerStatus]]):

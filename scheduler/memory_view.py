@@ -14,6 +14,9 @@ The Scheduler records a MemoryEvent for each of these (the `kind`):
                   device blocks copied; no request)
     tier_load     blocks a prefix hit found in the CPU tier, copied back (`blocks`: the device
                   blocks they fill; no request: that sequence's prefix_hit names them too)
+    spec_reject   [speculative] blocks a verification's rejected drafts had taken, given back
+                  (`blocks`: those blocks; only when a block became empty). Until the result,
+                  a sequence's `num_slots` passes its tokens by its drafts: the speculative slots
 
 An event's `blocks` keep the first MAX_EVENT_BLOCKS of them, `num_blocks` counts them all.
 
@@ -39,7 +42,7 @@ from common.protocol import NULL_BLOCK, MemoryEvent, MemorySnapshot
 from scheduler.allocator import num_null_entries
 
 EVENT_KINDS = ("fork", "cow", "swap_out", "swap_in", "recompute", "prefix_hit", "prefix_evict", "window",
-               "tier_store", "tier_load")
+               "tier_store", "tier_load", "spec_reject")
 MAX_EVENTS = 256  # kept, and sent with each snapshot; the page drops those it has by id
 MAX_EVENT_BLOCKS = 32  # an event keeps its first blocks only (a fork of a long table names hundreds)
 

@@ -54,6 +54,7 @@ from scheduler.allocator import Allocator, NoFreeBlocksError
 from scheduler.block_manager import BlockManager
 from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
+from scheduler.speculation import Speculator, can_speculate
 from scheduler.sequence import (
     BeamHypothesis, BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
 )
@@ -97,6 +98,7 @@ class _InFlight:
     step: int
     scheduled: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it computes
     samples: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it draws, if it computes its last
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts it verifies ([speculative])
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +174,10 @@ class Scheduler:
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         if config.cpu_prefix_cache:
             self._enable_cpu_tier()
+        self.speculator = Speculator(config.speculative) if config.speculative else None
+        if self.speculator is not None and not hasattr(self.block_manager, "truncate"):
+            raise ValueError(f"speculative decoding needs the paged allocator, not {config.allocator!r}")
+        self._batch = 0  # running groups when the plan being made began (the drafts' length scales by it)
 
     def _enable_cpu_tier(self) -> None:
         """--cpu-prefix-cache: on when there is a swap pool and the cost model says that copying a
@@ -382,10 +388,11 @@ class Scheduler:
         self._planning = _InFlight(self.step)
         self._copies = []
         self._left_window = []
-        self._ahead = self._in_flight[-1].scheduled if self._in_flight else {}  # read only
+        self._ahead = self._ahead_of(self._in_flight[-1]) if self._in_flight else {}  # read only
         if self.sliding_window is not None:
             self._remove_skipped_blocks(self.running)
         budget = _Budget(self.config.max_num_batched_tokens)
+        self._batch = len(self.running)
         preempted = self._schedule_running(plan, budget)
         if not preempted:
             self._schedule_swapped(plan, budget)
@@ -403,6 +410,15 @@ class Scheduler:
         self._ahead = {}
         self._count_step(plan)
         return plan
+
+    @staticmethod
+    def _ahead_of(in_flight: _InFlight) -> dict[int, int]:
+        """The tokens a plan in flight surely computes per sequence: of one verifying drafts only
+        its last token (how many drafts it keeps is not known yet), so it counts as drawing its
+        next token there: it waits for that result and is no preemption victim meanwhile."""
+        if not in_flight.drafts:
+            return in_flight.scheduled
+        return in_flight.scheduled | dict.fromkeys(in_flight.drafts, 1)
 
     def _count_step(self, plan: StepPlan) -> None:
         if self._copies:
@@ -464,7 +480,7 @@ class Scheduler:
         computed = seq.num_computed_tokens + in_flight
         if computed < num_tokens:  # a prompt chunk that is not the last: it draws nothing
             return True
-        if self._in_flight[-1].samples.get(seq.seq_id) != 1:
+        if self._in_flight[-1].samples.get(seq.seq_id) != 1 or self._wants_drafts(seq):
             return False
         max_tokens = seq.sampling_params.max_tokens
         # with the token in flight
@@ -499,7 +515,12 @@ class Scheduler:
                 if num_new is None:  # out of budget this step, or waiting for a result; stays running
                     self.running.append(group)
                     continue
+                drafts = self._group_drafts(group, seqs, num_new, budget) if self.speculator is not None else None
                 extra = self._extra_slots(seqs, num_new)
+                if drafts and not self._can_grow(seqs, extra):  # no preemption for drafts
+                    for i, seq in enumerate(seqs):
+                        num_new[i] -= len(drafts.pop(seq.seq_id, ()))
+                    extra = self._extra_slots(seqs, num_new)
                 while not self._can_grow(seqs, extra):
                     victim = queue[-1] if queue else group
                     if self._draws_in_flight(victim):
@@ -518,7 +539,7 @@ class Scheduler:
                         break
                 else:
                     self._grow(seqs, extra, plan)
-                    self._add_to_plan(seqs, num_new, plan, budget)
+                    self._add_to_plan(seqs, num_new, plan, budget, drafts)
                     self.running.append(group)
             except Exception as exc:
                 self._fail(group, exc, plan)
@@ -538,7 +559,7 @@ class Scheduler:
         in_flight = self._ahead.get(seq_id, 0)
         computed = seq.num_computed_tokens + in_flight  # as in _chunk_sizes and _extra_slots
         if in_flight and computed == num_tokens:  # the plan in flight draws its next token: PENDING_TOKEN
-            if self._in_flight[-1].samples.get(seq_id) != 1:  # `_can_run_ahead`, inlined
+            if self._in_flight[-1].samples.get(seq_id) != 1 or self._wants_drafts(seq):  # `_can_run_ahead`, inlined
                 return False
             max_tokens = seq.sampling_params.max_tokens
             if (max_tokens is not None and num_output + 1 >= max_tokens) or num_tokens + 1 >= self.max_model_len:
@@ -548,27 +569,64 @@ class Scheduler:
             return False
         else:
             last_token_id = output[-1] if num_output else seq.prompt_token_ids[-1]
+        num_samples = 1 if num_output else group.best_of  # as in _add_to_plan
+        drafts = (self._drafts(group, seq, budget.tokens) if self.speculator is not None and num_samples == 1
+                  and last_token_id != PENDING_TOKEN else None)
         bm = self.block_manager
-        extra = computed + 1 - bm.num_slots[seq_id]
-        if extra > 0 and not bm.grow_in_place(seq_id, extra):
+        while True:
+            n = 1 + len(drafts) if drafts else 1
+            extra = computed + n - bm.num_slots[seq_id]
+            if extra <= 0 or bm.grow_in_place(seq_id, extra):
+                break
             try:  # alone in its group, it can grow exactly when it can append
                 appended = bm.append_slot(seq_id, extra)
             except NoFreeBlocksError:
+                if drafts:  # no room for the drafts: no preemption for them, one token instead
+                    drafts = None
+                    continue
                 return False
             if appended.copy_on_write is not None:
                 self._copied_on_write(group, seq_id, appended.copy_on_write, plan)
             if appended.first_changed_block < seq.num_sent_blocks:
                 seq.num_sent_blocks = appended.first_changed_block
+            break
         table = bm.block_table(seq_id)
-        num_samples = 1 if num_output else group.best_of  # as in _add_to_plan
         first_new = seq.num_sent_blocks
-        plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
-        seq.num_sent_blocks = len(table)
         planning = self._planning
-        planning.scheduled[seq_id] = 1
-        planning.samples[seq_id] = num_samples
-        budget.tokens -= 1
+        if drafts or seq.accepted_unsent:
+            plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, n, last_token_id,
+                                                   num_samples, drafts or [], seq.accepted_unsent))
+            seq.accepted_unsent = []
+            if drafts:
+                planning.drafts[seq_id] = drafts
+        else:
+            plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
+        seq.num_sent_blocks = len(table)
+        planning.scheduled[seq_id] = n
+        planning.samples[seq_id] = n if drafts else num_samples
+        budget.tokens -= n
         return True
+
+    def _wants_drafts(self, seq: Sequence) -> bool:
+        """[speculative] A sequence that would draft next waits for its token rather than run ahead."""
+        return (self.speculator is not None and can_speculate(seq.sampling_params)
+                and self.speculator.wants(seq.seq_id, self.step))
+
+    def _drafts(self, group: SequenceGroup, seq: Sequence, tokens_left: int) -> list[int] | None:
+        """[speculative] Drafts for a sequence whose step computes its last token (not pending):
+        never past its max_tokens or the context, nor beyond the step's token budget."""
+        params = seq.sampling_params
+        if not can_speculate(params):
+            return None
+        num_output = len(seq.output_token_ids)
+        num_tokens = len(seq.prompt_token_ids) + num_output
+        most = min(tokens_left - 1, self.max_model_len - num_tokens - 1)
+        if params.max_tokens is not None:
+            most = min(most, params.max_tokens - num_output - 1)
+        if most < 1:
+            return None
+        return self.speculator.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, most,
+                                       self._batch, self.step) or None
 
     def _preempt_or_fail(self, victim: SequenceGroup, plan: StepPlan) -> None:
         """A victim whose preemption raises fails alone, not the group it was making room for."""
@@ -821,8 +879,27 @@ class Scheduler:
         return "swap" if self.costs.swap_seconds(num_blocks) < self.costs.recompute_seconds(num_tokens) else "recompute"
 
     # ------------------------------------------------------------------ plan
-    def _add_to_plan(self, seqs: list[Sequence], num_new: list[int], plan: StepPlan, budget: _Budget) -> None:
-        """`seqs`: of one group."""
+    def _group_drafts(self, group: SequenceGroup, seqs: list[Sequence], num_new: list[int],
+                      budget: _Budget) -> dict[int, list[int]] | None:
+        """[speculative] Drafts for the sequences of a group (n > 1: each sample speculates alone)
+        whose step computes their last token, added to their `num_new`."""
+        if group.beam is not None:
+            return None
+        drafts, tokens_left = {}, budget.tokens - sum(num_new)
+        for i, seq in enumerate(seqs):
+            if (num_new[i] != 1 or not seq.output_token_ids or self._ahead.get(seq.seq_id)
+                    or seq.num_computed_tokens + 1 != seq.num_tokens or seq.seq_id not in self._held_by_workers):
+                continue
+            draft = self._drafts(group, seq, tokens_left + 1)
+            if draft:
+                drafts[seq.seq_id] = draft
+                num_new[i] += len(draft)
+                tokens_left -= len(draft)
+        return drafts
+
+    def _add_to_plan(self, seqs: list[Sequence], num_new: list[int], plan: StepPlan, budget: _Budget,
+                     drafts: dict[int, list[int]] | None = None) -> None:
+        """`seqs`: of one group; `drafts`: of its sequences that verify some ([speculative])."""
         if not seqs:
             return
         block_table, held = self.block_manager.block_table, self._held_by_workers
@@ -840,9 +917,15 @@ class Scheduler:
             if seq_id in held:
                 first_new = seq.num_sent_blocks
                 last_token_id = PENDING_TOKEN if self._pending(seq) else seq.last_token_id
+                draft = drafts.get(seq_id) if drafts else None
                 plan.cached_seqs.append(CachedSequence(
-                    seq_id, table[first_new:], first_new, n, last_token_id, num_samples,
+                    seq_id, table[first_new:], first_new, n, last_token_id, num_samples, draft or [],
+                    seq.accepted_unsent,
                 ))
+                seq.accepted_unsent = []
+                if draft:
+                    self._planning.drafts[seq_id] = draft
+                    num_samples = n
             else:
                 params = seq.sampling_params
                 if params.prompt_logprobs is not None and not group.needs_prompt_logprobs:  # a recompute: scored
@@ -852,6 +935,7 @@ class Scheduler:
                     seq.num_computed_tokens, n, params, num_samples, group.lora_slot,
                 ))
                 held.add(seq_id)
+                seq.accepted_unsent = []  # in its output
             seq.num_sent_blocks = len(table)
             scheduled[seq_id] = n
             samples[seq_id] = num_samples
@@ -876,6 +960,10 @@ class Scheduler:
         done = self._in_flight.popleft()
         for slot, message in result.lora_errors:
             self._fail_lora_slot(slot, message)
+        touched: dict[str, SequenceGroup] = {}
+        new_counts: dict[int, int] = {}
+        if done.drafts:
+            self._verify_drafts(done, result, touched, new_counts)
         self._apply_computed(done.scheduled)
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result)
@@ -888,10 +976,10 @@ class Scheduler:
                     samples[sampled.seq_id] = [sampled]
                 else:
                     drawn.append(sampled)
-        touched: dict[str, SequenceGroup] = {}
-        new_counts: dict[int, int] = {}
         seqs, group_of_seq, running = self._seqs, self._group_of_seq, SequenceStatus.RUNNING
         for seq_id, sampled in samples.items():
+            if seq_id in done.drafts:
+                continue  # _verify_drafts
             seq = seqs.get(seq_id)
             if seq is None or seq.status is not running:
                 continue  # aborted while the step ran, or its group failed
@@ -949,6 +1037,48 @@ class Scheduler:
         for group in ended:
             self._retire(group)
         return outputs
+
+    def _verify_drafts(self, done: _InFlight, result: StepResult, touched: dict[str, SequenceGroup],
+                       new_counts: dict[int, int]) -> None:
+        """[speculative] The tokens of the sequences that verified drafts: the accepted drafts then
+        one more (a + 1 of them). The slots of the rejected drafts are given back before the step's
+        KV is counted computed (only the a + 1 positions verified are: the prefix cache never sees a
+        draft that was not accepted); the tokens are appended one by one, so a stop token or the
+        length ends the sequence exactly where it would have ended without drafts."""
+        emitted: dict[int, list[SampledToken]] = {seq_id: [] for seq_id in done.drafts}
+        for sampled in result.sampled:
+            if sampled.seq_id in emitted:
+                emitted[sampled.seq_id].append(sampled)
+        bm, speculator = self.block_manager, self.speculator
+        for seq_id, drafts in done.drafts.items():
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran, or its group failed
+            group = self._group_of_seq[seq_id]
+            tokens = emitted[seq_id]
+            num_accepted = len(tokens) - 1
+            try:
+                if not 0 <= num_accepted <= len(drafts) or any(
+                        t.token_id != d for t, d in zip(tokens[:num_accepted], drafts)):
+                    raise ValueError(f"step {result.step} verified sequence {seq_id}'s drafts {drafts} as "
+                                     f"{[t.token_id for t in tokens]}")
+                computed = seq.num_computed_tokens + 1 + num_accepted
+                released = bm.truncate(seq_id, computed)
+                if released:
+                    self._record("spec_reject", group, seq_id, released)
+                seq.num_sent_blocks = min(seq.num_sent_blocks, len(bm.block_table(seq_id)))
+                done.scheduled[seq_id] = 1 + num_accepted
+                speculator.record(seq_id, len(drafts), num_accepted, result.step)
+                touched[group.request_id] = group
+                for token in tokens:
+                    self._append(group, seq, token, new_counts)
+                    if seq.status.finished:
+                        break
+                else:
+                    seq.accepted_unsent = drafts[:num_accepted]
+            except Exception as exc:
+                touched.pop(group.request_id, None)
+                self._fail(group, exc)
 
     def _collect_prompt_logprobs(self, result: StepResult) -> None:
         """Each scored position once: a recompute after preemption scores held positions again."""
@@ -1051,6 +1181,9 @@ class Scheduler:
 
     def _retire(self, group: SequenceGroup) -> None:
         self._unpin_lora(group)
+        if self.speculator is not None:
+            for seq in group.seqs:
+                self.speculator.forget(seq.seq_id)
         self.groups.pop(group.request_id, None)
         for seq in group.seqs:
             self._seqs.pop(seq.seq_id, None)

@@ -41,6 +41,8 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_sent_blocks: int = 0  # block ids the workers already hold (plan diffs)
+    # [speculative] drafts its last verification accepted, not yet sent to the workers (their KV is)
+    accepted_unsent: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -41,6 +41,7 @@ from common.transport import WorkerLink
 from scheduler.memory_view import MemoryEventLog, PackedTables, build_snapshot, memory_version, status_counters
 from scheduler.request_stream import IDLE_BLOCK_MS, Arrival, PublishKVEvents, RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
+from scheduler.speculation import spec_counters
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +333,7 @@ class SchedulerServer:
             num_waiting_tokens=s.num_waiting_tokens if s else 0, **(s.lora_status() if s else {}),
             prefill_tokens_per_s=hello.prefill_tokens_per_s if hello else 0.0,
             num_routed_total=self.stream.num_routed, num_shared_total=self.stream.num_shared,
-            num_stolen_total=self.stream.num_stolen,
+            num_stolen_total=self.stream.num_stolen, **(spec_counters(s.speculator) if s else {}),
         )
         try:
             if not self.stream.publish_status(encode(status), has_memory=s is not None):

@@ -130,7 +130,7 @@ class Executor:
         step = _InFlight(StepResult(plan.step, plan.epoch, lora_errors=lora_errors))
         self._in_flight.append(step)
         sampling = [s for s in scheduled if s.num_samples]
-        self.state.record_draws(plan.step, [s.seq_id for s in sampling for _ in range(s.num_samples)])
+        self.state.record_draws(plan.step, [s.seq_id for s in sampling for _ in range(s.num_draws)])
         self._drawn_tokens = None
         if not scheduled:
             return
@@ -142,8 +142,9 @@ class Executor:
         if not sampling:
             return
         step.sampling = sampling
+        step.speculative = logits is not None and logits.shape[0] > len(sampling)  # rows of drafts
         if self.sampler is None:  # rank > 0: rank 0's draws, for the next plan's PENDING_TOKENs
-            token_ids = torch.empty(sum(s.num_samples for s in sampling), dtype=torch.int64, device=self.runner.device)
+            token_ids = torch.empty(sum(s.num_draws for s in sampling), dtype=torch.int64, device=self.runner.device)
             self.group.broadcast(token_ids)
             step.host = self._host_copy(token_ids)
         else:
@@ -179,10 +180,11 @@ class Executor:
         values = step.host.values()
         sampling = step.sampling
         if step.batch is None:  # rank > 0
-            seq_ids = [s.seq_id for s in sampling for _ in range(s.num_samples)]
+            seq_ids = [s.seq_id for s in sampling for _ in range(s.num_draws)]
             sampled = [SampledToken(seq_id, int(token_id), 0.0) for seq_id, token_id in zip(seq_ids, values)]
         else:
-            sampled = step.result.sampled = _sampled_tokens(sampling, step.batch.to_host(values))
+            sampled = _sampled_tokens(sampling, step.batch.to_host(values))
+            step.result.sampled = _verified(sampling, sampled) if step.speculative else sampled
         self.state.fill(step.result.step, [s.token_id for s in sampled])
         if step is self._in_flight[-1]:
             self.state.record_sampled(sampled)  # what a PENDING_TOKEN of the next plan stands for
@@ -222,7 +224,11 @@ class Executor:
     def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
         """The grammar masks of the step's constrained rows (waiting for a grammar still
         compiling): None when no row is constrained."""
-        constrained = [(row, s.seq_id) for row, s in enumerate(sampling) if s.held.sampling_params.structured_output]
+        constrained, row = [], 0
+        for s in sampling:  # (a row with drafts has 1 + k logits rows; the scheduler drafts none constrained)
+            if s.held.sampling_params.structured_output:
+                constrained.append((row, s.seq_id))
+            row += len(s.draft_token_ids) + 1 if s.draft_token_ids else 1
         return self.grammar.fill(constrained) if constrained else None
 
 
@@ -259,6 +265,7 @@ class _InFlight:
     batch: SampledBatch | None = None  # rank 0's draws on the device
     host: HostCopy | None = None  # the draws' host copy (rank 0: `batch.packed`; others: the token ids)
     done: bool = False
+    speculative: bool = False  # some row verifies drafts
 
     def complete(self, executor: Executor) -> None:
         if not self.done:
@@ -268,16 +275,47 @@ class _InFlight:
 
 
 def _sampling_rows(sampling: list[ScheduledSequence]) -> list[SamplingRow]:
-    return [SamplingRow(s.seq_id, (held := s.held).sampling_params, len(held.token_ids) - held.num_prompt_tokens,
-                        s.num_samples) for s in sampling]
+    """One row per logits row: a sequence with k drafts has k + 1, the j-th as if its output held
+    j more tokens (a seeded row draws at position j what it would draw there without drafts)."""
+    rows = []
+    for s in sampling:
+        held = s.held
+        num_output = len(held.token_ids) - held.num_prompt_tokens
+        if s.draft_token_ids:
+            rows += [SamplingRow(s.seq_id, held.sampling_params, num_output + j) for j in range(s.num_draws)]
+        else:
+            rows.append(SamplingRow(s.seq_id, held.sampling_params, num_output, s.num_samples))
+    return rows
+
+
+def _verified(sampling: list[ScheduledSequence], sampled: list[SampledToken]) -> list[SampledToken]:
+    """[speculative] Of a row with drafts d_1..d_k and its draws x_0..x_k (x_j drawn from the
+    target's distribution after d_1..d_j): x_0..x_a, where d_1..d_a equal x_0..x_a-1 and x_a is
+    the first draw that differs from its draft (or the bonus, x_k). A draft is thus accepted with
+    the target's probability of it, and every token kept is a draw from the target given the tokens
+    before it: the output has the target's distribution (greedy: exactly the tokens without
+    drafts; seeded: the same tokens as without drafts)."""
+    out, i = [], 0
+    for s in sampling:
+        n = s.num_draws
+        drafts = s.draft_token_ids
+        if not drafts:
+            out += sampled[i:i + n]
+        else:
+            a = 0
+            while a < len(drafts) and sampled[i + a].token_id == drafts[a]:
+                a += 1
+            out += sampled[i:i + a + 1]
+        i += n
+    return out
 
 
 def _sampled_tokens(sampling: list[ScheduledSequence], out: SamplerOutput) -> list[SampledToken]:
-    """One SampledToken per draw, in row order: out holds each row's `num_samples` draws in turn."""
+    """One SampledToken per draw, in row order: out holds each row's draws in turn."""
     if len(out.token_ids) == len(sampling):  # one draw per row (each row draws at least one)
         seq_ids = [s.seq_id for s in sampling]
     else:
-        seq_ids = [s.seq_id for s in sampling for _ in range(s.num_samples)]
+        seq_ids = [s.seq_id for s in sampling for _ in range(s.num_draws)]
     return list(map(SampledToken, seq_ids, out.token_ids, out.logprobs, out.top_logprobs))
 
 

@@ -150,6 +150,11 @@ class InputBatch:
         seq_lens = [start + n for start, n in zip(positions, counts)]
         cu_seqlens_q = list(accumulate(counts, initial=0))
         logits_indices = [end - 1 for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples]
+        if cu_seqlens_q[-1] != len(scheduled) and any(s.draft_token_ids for s in scheduled):
+            # [speculative] a row with drafts is scored at each of its 1 + k positions
+            logits_indices = [i for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples
+                              for i in (range(end - 1 - len(s.draft_token_ids), end) if s.draft_token_ids
+                                        else (end - 1,))]
         lora = []
         if cu_seqlens_q[-1] == len(scheduled):  # decode only: one token per row
             ids = [s.held.token_ids[start] for s, start in zip(scheduled, positions)]
@@ -160,6 +165,8 @@ class InputBatch:
             ids, token_rows, starts, positions = [], [], positions, []
             for s, row, start, n in zip(scheduled, table_rows, starts, counts):
                 ids += s.held.token_ids[start:start + n]
+                if s.draft_token_ids:
+                    ids += s.draft_token_ids
                 positions += range(start, start + n)
                 token_rows += [row] * n
                 if self.enable_lora:

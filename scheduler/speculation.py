@@ -1,0 +1,114 @@
+"""[speculative] The scheduler's side of speculative decoding: which sequences draft, how many
+tokens, and the counts vLLM's spec-decode metrics report.
+
+The n-gram method needs no model: the scheduler holds every sequence's tokens and proposes the
+drafts itself (scheduler/ngram.py); the worker verifies them in the step's one forward.
+
+Adaptive length, per sequence: it starts at `num_speculative_tokens`; a verification that
+accepts every draft keeps (or restores) it, one that accepts a of k tries a + 1 next. A sequence
+that twice in a row finds no draft or has every draft rejected stops drafting for 2, 4, ... steps,
+up to 64 after rejected drafts, 8 after a lookup that found nothing (an accepted draft resets
+that), and meanwhile runs ahead under async scheduling as any other: a workload the lookup does
+not fit costs almost nothing. The
+batch lowers it too: with more than `FREE_BATCH` sequences running, compute stops being free,
+and the length is scaled by FREE_BATCH / running (at least 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.speculative import SpeculativeConfig
+from scheduler.ngram import propose
+
+FREE_BATCH = 8  # running sequences up to which a step's extra draft tokens cost little
+MAX_BACKOFF_STEPS = 64  # after drafts rejected
+MAX_NO_MATCH_BACKOFF_STEPS = 8  # after lookups that found nothing (they cost only the step's overlap)
+
+
+@dataclass(slots=True)
+class _Adaptive:
+    length: int  # the next draft's length at most
+    misses: int = 0  # tries in a row that found no draft or had all its drafts rejected
+    resume_step: int = 0  # no drafts before this step
+
+
+def can_speculate(params) -> bool:
+    """Requests whose drafts the worker can verify: not beam search (each beam is one token a
+    step), not constrained (the grammar's mask is per step), no penalties (they count the
+    output, drafts included, per position)."""
+    return (params.beam_width == 0 and params.structured_output is None and params.repetition_penalty == 1.0
+            and not params.presence_penalty and not params.frequency_penalty)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self._seqs: dict[int, _Adaptive] = {}
+        # vLLM's spec_decode counters
+        self.num_drafts = 0  # verifications with at least one draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k  # how often the draft at position i was accepted
+
+    def wants(self, seq_id: int, step: int) -> bool:
+        """Whether the sequence would try drafts at `step` (else it is backing off). Async
+        scheduling runs a sequence one step ahead of its tokens, which a draft cannot: one that
+        wants drafts waits for its token instead."""
+        state = self._seqs.get(seq_id)
+        return state is None or step >= state.resume_step
+
+    def propose(self, seq_id: int, tokens: list[int], most: int, num_running: int, step: int) -> list[int]:
+        """Up to `most` drafts for the sequence whose tokens are `tokens` (its last one computed
+        at `step`)."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _Adaptive(self.k)
+        if step < state.resume_step:
+            return []
+        k = min(state.length, most)
+        if num_running > FREE_BATCH:
+            k = min(k, max(1, self.k * FREE_BATCH // num_running))
+        drafts = propose(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max) if k >= 1 else []
+        if not drafts:
+            self._missed(state, step, MAX_NO_MATCH_BACKOFF_STEPS)
+        return drafts
+
+    def record(self, seq_id: int, num_drafts: int, num_accepted: int, step: int) -> None:
+        """A verification of `num_drafts` drafts at `step` accepted the first `num_accepted`."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return
+        if num_accepted == 0:
+            self._missed(state, step, MAX_BACKOFF_STEPS)
+            state.length = 1
+            return
+        state.misses = 0
+        state.length = self.k if num_accepted == num_drafts else min(self.k, num_accepted + 1)
+
+    @staticmethod
+    def _missed(state: _Adaptive, step: int, most: int) -> None:
+        state.misses += 1
+        if state.misses >= 2:
+            state.resume_step = step + min(2 ** (state.misses - 1), most)
+
+    def forget(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+def spec_counters(speculator: Speculator | None) -> dict:
+    """The SchedulerStatus fields of the spec-decode counters."""
+    if speculator is None:
+        return {}
+    return {"spec_num_drafts_total": speculator.num_drafts, "spec_num_draft_tokens_total": speculator.num_draft_tokens,
+            "spec_num_accepted_tokens_total": speculator.num_accepted_tokens,
+            "spec_accepted_per_pos": list(speculator.accepted_per_pos)}
