@@ -33,11 +33,8 @@ class _Adaptive:
 
 
 def can_speculate(params) -> bool:
-    """Requests whose drafts the worker can verify: not beam search (each beam is one token a
-    step), not constrained (the grammar's mask is per step), no penalties (they count the
-    output, drafts included, per position)."""
-    return (params.beam_width == 0 and params.structured_output is None and params.repetition_penalty == 1.0
-            and not params.presence_penalty and not params.frequency_penalty)
+    """Requests whose drafts the worker can verify: all but beam search (each beam is one token a step)."""
+    return params.beam_width == 0
 
 
 class Speculator:

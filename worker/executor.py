@@ -224,12 +224,15 @@ class Executor:
     def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
         """The grammar masks of the step's constrained rows (waiting for a grammar still
         compiling): None when no row is constrained."""
-        constrained, row = [], 0
-        for s in sampling:  # (a row with drafts has 1 + k logits rows; the scheduler drafts none constrained)
+        constrained, drafted, row = [], {}, 0
+        for s in sampling:  # a row with drafts has 1 + k logits rows, masked in turn
+            n = len(s.draft_token_ids) + 1 if s.draft_token_ids else 1
             if s.held.sampling_params.structured_output:
-                constrained.append((row, s.seq_id))
-            row += len(s.draft_token_ids) + 1 if s.draft_token_ids else 1
-        return self.grammar.fill(constrained) if constrained else None
+                constrained += [(row + j, s.seq_id) for j in range(n)]
+                if s.draft_token_ids:
+                    drafted[s.seq_id] = s.draft_token_ids
+            row += n
+        return self.grammar.fill(constrained, drafted) if constrained else None
 
 
 class HostCopy:
@@ -282,7 +285,8 @@ def _sampling_rows(sampling: list[ScheduledSequence]) -> list[SamplingRow]:
         held = s.held
         num_output = len(held.token_ids) - held.num_prompt_tokens
         if s.draft_token_ids:
-            rows += [SamplingRow(s.seq_id, held.sampling_params, num_output + j) for j in range(s.num_draws)]
+            drafts = s.draft_token_ids
+            rows += [SamplingRow(s.seq_id, held.sampling_params, num_output + j, 1, drafts[:j]) for j in range(s.num_draws)]
         else:
             rows.append(SamplingRow(s.seq_id, held.sampling_params, num_output, s.num_samples))
     return rows

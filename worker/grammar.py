@@ -221,15 +221,21 @@ class GrammarState:
 
     # ------------------------------------------------------------------------- masks
 
-    def fill(self, rows: list[tuple[int, int]]) -> TokenMask | None:
+    def fill(self, rows: list[tuple[int, int]], drafted: dict[int, list[int]] | None = None) -> TokenMask | None:
         """The step's mask for these (logits row, seq_id) pairs, synced first; None when no row is
-        constrained. A finished grammar allows only the stop tokens."""
+        constrained. A finished grammar allows only the stop tokens. `drafted` ([speculative]): the
+        drafts of sequences that verify some; each has 1 + k rows, in order, masked as the grammar
+        stands after the drafts before them (`_fill_drafted`)."""
         rows = [(row, seq_id) for row, seq_id in rows if seq_id in self.matchers]
         if not rows:
             return None
         bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         live, live_at, ended_at = [], [], []
+        drafted_at: dict[int, list[int]] = {}
         for i, (_, seq_id) in enumerate(rows):
+            if drafted and seq_id in drafted:
+                drafted_at.setdefault(seq_id, []).append(i)
+                continue
             matched = self.matchers[seq_id]
             if matched.compiling is not None:
                 self._finish_compile(seq_id, matched)
@@ -243,7 +249,35 @@ class GrammarState:
             self._batch.batch_fill_next_token_bitmask(live, bitmask, live_at)
         for i in ended_at:
             bitmask[i] = _only(self.stop_token_ids, bitmask.shape[1])
+        for seq_id, at in drafted_at.items():
+            self._fill_drafted(seq_id, drafted[seq_id], bitmask, at)
         return TokenMask([row for row, _ in rows], bitmask)
+
+    def _fill_drafted(self, seq_id: int, drafts: list[int], bitmask: torch.Tensor, at: list[int]) -> None:
+        """Position j's mask is the grammar's after d_1..d_j: the matcher accepts the drafts one by
+        one, then rolls them back (the verification decides what stays; the next plan's tokens
+        are consumed as any). After a draft the grammar refuses, the positions are unreachable (the
+        draw before it cannot equal it): they repeat the last mask."""
+        matched = self.matchers[seq_id]
+        if matched.compiling is not None:
+            self._finish_compile(seq_id, matched)
+        matcher = matched.matcher
+        stop_only = _only(self.stop_token_ids, bitmask.shape[1])
+        accepted = 0
+        for j, i in enumerate(at):
+            if matcher is None or matcher.is_terminated():
+                bitmask[i] = stop_only
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
+            if j == len(drafts):
+                break
+            if matcher is None or matcher.is_terminated() or not matcher.accept_token(drafts[j]):
+                for rest in at[j + 1:]:
+                    bitmask[rest] = bitmask[i]
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
 
 
 def _only(token_ids: list[int], num_words: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -46,6 +47,9 @@ class SamplingRow:
     params: SamplingParams
     num_output_tokens: int
     num_samples: int = 1
+    # [speculative] the drafts before this position (a verification's row j has d_1..d_j): the
+    # penalties count them as output
+    drafted: list[int] | tuple = ()
 
 
 @dataclass(slots=True)
@@ -307,9 +311,42 @@ class Sampler:
             else:
                 penalty = torch.index_select(counts.penalty, 0, state_rows, out=out)
                 x = torch.sub(x, penalty, out=penalty)  # into the gathered rows: one [rows, vocab] buffer, not two
+        if any(rows[i].drafted for i in penalized):
+            self._penalize_drafted(logits, x, rows, penalized, state_row_ids)
         if len(penalized) == len(rows):
             return x, True
         return logits.index_copy(0, _to_device(penalized, torch.int64, device), x), True
+
+    def _penalize_drafted(self, logits: torch.Tensor, x: torch.Tensor, rows: list[SamplingRow], penalized: list[int],
+                          state_row_ids: list[int]) -> None:
+        """[speculative] In x (the penalized rows, a tensor of its own), the entries of the tokens
+        drafted before each row's position recomputed from the raw logits as if those drafts were
+        output: repetition (they are seen), then presence and frequency over the count plus the
+        drafts'. The other entries are right as they are."""
+        at, tokens, index, state, extra, rep, freq, pres = [], [], [], [], [], [], [], []
+        for k, (i, state_row) in enumerate(zip(penalized, state_row_ids)):
+            drafted = rows[i].drafted
+            if not drafted:
+                continue
+            p = rows[i].params
+            for token, n in Counter(drafted).items():
+                tokens.append(token)
+                at.append(k)
+                index.append(i)
+                state.append(state_row)
+                extra.append(n)
+                rep.append(p.repetition_penalty)
+                freq.append(p.frequency_penalty)
+                pres.append(p.presence_penalty)
+        device = logits.device
+        tokens = _to_device(tokens, torch.int64, device)
+        raw = logits[_to_device(index, torch.int64, device), tokens]
+        count = self.token_counts.output_counts[_to_device(state, torch.int64, device), tokens]
+        rep_t = _to_device(rep, torch.float32, device)
+        value = torch.where(raw > 0, raw / rep_t, raw * rep_t)
+        value = value - _to_device(freq, torch.float32, device) * (count + _to_device(extra, torch.float32, device)) \
+            - _to_device(pres, torch.float32, device)
+        x.index_put_((_to_device(at, torch.int64, device), tokens), value)
 
     def _apply_logit_bias(self, logits: torch.Tensor, owned: bool,
                           rows: list[SamplingRow]) -> tuple[torch.Tensor, bool]:
