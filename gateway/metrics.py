@@ -338,8 +338,10 @@ class GatewayMetrics:
 
     def size_token_buckets(self, statuses: list[SchedulerStatus]) -> None:
         """Make the token-count histograms from the schedulers' context length, unless made already."""
-        if self.request_prompt_tokens is None and statuses:
-            self._token_histograms(max(x.max_model_len for x in statuses))
+        # a scheduler whose workers are not ready yet says max_model_len 0: wait for a real one
+        max_model_len = max((x.max_model_len for x in statuses), default=0)
+        if self.request_prompt_tokens is None and max_model_len >= 1:
+            self._token_histograms(max_model_len)
 
     def observe_tokens(self, gap: float, num_tokens: int) -> None:
         """`num_tokens` tokens came `gap` seconds apart (one event's tokens share its wait)."""

@@ -169,6 +169,10 @@ def _generate(args) -> int:
         f"{tokens} output tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s)",
         file=sys.stderr,
     )
+    if s.speculator is not None:
+        spec = s.speculator
+        print(f"pagoda: speculative ({spec.config.method}): {spec.num_accepted_tokens}/{spec.num_draft_tokens} draft "
+              f"tokens accepted ({spec.acceptance_rate:.1%}) in {spec.num_drafts} verifications", file=sys.stderr)
     if llm.memory_trace is not None:
         print(f"pagoda: {llm.memory_trace.num_snapshots} memory snapshots in {args.memory_trace}", file=sys.stderr)
     return 0
@@ -352,6 +356,42 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     _add_bench_quality(benches.add_parser(
         "quality", help="accuracy of each --quantization scheme: perplexity on a fixed text through prompt logprobs, "
                         "greedy agreement with full precision"))
+    _add_bench_speculative(benches.add_parser(
+        "speculative", help="output tokens/s through the served API with --speculative-config against without, in "
+                            "one run: acceptance rate, speedup, identical outputs (docs/speculative.md)"))
+
+
+def _add_bench_speculative(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--workload", default="edit", choices=["edit", "sharegpt"],
+                   help="edit: chats asking to copy a code file or passage with a light edit "
+                        "(benchmarks/data/edit-prompts.jsonl, /v1/chat/completions); sharegpt: ShareGPT prompts as "
+                        "token ids (/v1/completions)")
+    s.add_argument("--num-prompts", type=int, default=20, help="requests of each run (edit: at most the 20 in the set)")
+    s.add_argument("--max-tokens", type=int, default=128, help="cap on each request's output tokens (greedy)")
+    s.add_argument("--ignore-eos", action="store_true", help="every request generates exactly --max-tokens")
+    s.add_argument("--concurrency", type=int, default=1, help="requests in flight at most (1: one stream at a time)")
+    s.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
+                   help="the speculative run's `pagoda up --speculative-config` (vLLM's JSON keys)")
+    s.add_argument("--model", default="default", help="the model to serve")
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    s.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="`pagoda up --quantization` (default: not passed, its own default)")
+    s.add_argument("--max-num-seqs", type=int, default=None, help="each scheduler's batch limit (default: its own)")
+    s.add_argument("--num-gpu-blocks", type=int, default=None, help="the KV pool, in blocks (default: what fits)")
+    s.add_argument("--prompts", default=None, help="edit: another prompts file, one {\"messages\": [...]} per line")
+    s.add_argument("--seed", type=int, default=0, help="sharegpt: the sample's seed")
+    s.add_argument("--source", default="auto", choices=["auto", "package", "trace"], help="sharegpt: where from")
+    s.add_argument("--port", type=int, default=None, help="the port to serve on (default: a free one)")
+    s.add_argument("--log-dir", default=None, help="the stacks' logs, baseline.log and speculative.log "
+                                                  "(default: a new folder under the temp dir)")
+    s.add_argument("--output", help="write the result JSON here")
+    s.set_defaults(handler=_bench_speculative)
+
+
+def _bench_speculative(args) -> int:
+    from pagoda.bench.speculative import run
+
+    return run(args)
 
 
 def _add_bench_quality(q: argparse.ArgumentParser) -> None:

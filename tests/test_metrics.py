@@ -102,6 +102,8 @@ def test_build_1_2_5_buckets_is_vllms():
 def test_token_histograms_are_sized_by_the_first_statuses_seen_and_then_kept():
     metrics = GatewayMetrics(MODEL)
     assert "pagoda:request_prompt_tokens" not in families(metrics)  # the context length is not known yet
+    # a scheduler whose workers are still loading says 0: /metrics still renders, unsized
+    assert "pagoda:request_prompt_tokens" not in families(metrics, [status("a", max_model_len=0, workers_ready=False)])
     found = families(metrics, [status("a", max_model_len=100), status("b", max_model_len=300)])
     assert bucket_bounds(found["pagoda:request_prompt_tokens"]) == [1, 2, 5, 10, 20, 50, 100, 200, float("inf")]
     found = families(metrics, [status("a", max_model_len=5000)])
