@@ -366,7 +366,7 @@ def _add_bench_speculative(s: argparse.ArgumentParser) -> None:
                    help="edit: chats asking to copy a code file or passage with a light edit "
                         "(benchmarks/data/edit-prompts.jsonl, /v1/chat/completions); sharegpt: ShareGPT prompts as "
                         "token ids (/v1/completions)")
-    s.add_argument("--num-prompts", type=int, default=20, help="requests of each run (edit: at most the 20 in the set)")
+    s.add_argument("--num-prompts", type=int, default=20, help="requests of each run (edit: past the 20 of the set, the set again in order)")
     s.add_argument("--max-tokens", type=int, default=128, help="cap on each request's output tokens (greedy)")
     s.add_argument("--ignore-eos", action="store_true", help="every request generates exactly --max-tokens")
     s.add_argument("--concurrency", type=int, default=1, help="requests in flight at most (1: one stream at a time)")

@@ -559,7 +559,8 @@ class Scheduler:
         in_flight = self._ahead.get(seq_id, 0)
         computed = seq.num_computed_tokens + in_flight  # as in _chunk_sizes and _extra_slots
         if in_flight and computed == num_tokens:  # the plan in flight draws its next token: PENDING_TOKEN
-            if self._in_flight[-1].samples.get(seq_id) != 1 or self._wants_drafts(seq):  # `_can_run_ahead`, inlined
+            if self._in_flight[-1].samples.get(seq_id) != 1 or (  # `_can_run_ahead`, inlined
+                    self.speculator is not None and self._wants_drafts(seq)):
                 return False
             max_tokens = seq.sampling_params.max_tokens
             if (max_tokens is not None and num_output + 1 >= max_tokens) or num_tokens + 1 >= self.max_model_len:

@@ -115,9 +115,9 @@ def workload(args) -> tuple[list[Request], Request]:
     """The workload's requests and a warm-up request outside it."""
     if args.workload == "edit":
         chats = load_edit_prompts(args.prompts or EDIT_PROMPTS)
-        if args.num_prompts > len(chats):
-            raise ValueError(f"--num-prompts {args.num_prompts}: the edit set has {len(chats)} prompts")
-        return [Request(messages=tuple(c)) for c in chats[:args.num_prompts]], Request(messages=tuple(WARM_UP_CHAT))
+        # more than the set (a batch of 32): the set again, in order (a repeat's prompt is a prefix-cache hit)
+        chats = [chats[i % len(chats)] for i in range(args.num_prompts)]
+        return [Request(messages=tuple(c)) for c in chats], Request(messages=tuple(WARM_UP_CHAT))
     from pagoda.bench.workloads import sample_sharegpt
 
     pairs = sample_sharegpt(args.num_prompts + 1, args.seed, args.source)  # the last one warms up
