@@ -178,6 +178,7 @@ class Scheduler:
         if self.speculator is not None and not hasattr(self.block_manager, "truncate"):
             raise ValueError(f"speculative decoding needs the paged allocator, not {config.allocator!r}")
         self._batch = 0  # running groups when the plan being made began (the drafts' length scales by it)
+        self._reserve = 0  # while planning running groups: those still to plan (drafts never take their blocks)
 
     def _enable_cpu_tier(self) -> None:
         """--cpu-prefix-cache: on when there is a swap pool and the cost model says that copying a
@@ -506,6 +507,7 @@ class Scheduler:
         preempted = False
         while queue:
             group = queue.popleft()
+            self._reserve = len(queue)  # [speculative] blocks drafts leave free: one per group still to plan
             try:
                 if len(group.seqs) == 1 and group.beam is None and self._decode_alone(group, plan, budget):
                     self.running.append(group)
@@ -626,8 +628,16 @@ class Scheduler:
             most = min(most, params.max_tokens - num_output - 1)
         if most < 1:
             return None
-        return self.speculator.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, most,
-                                       self._batch, self.step) or None
+        drafts = self.speculator.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, most,
+                                         self._batch, self.step)
+        if drafts:
+            # drafts take a new block only while every group still to plan keeps one free: they
+            # never cost a later group its step, or a preemption
+            bs, bm = self.block_manager.block_size, self.block_manager
+            extra = -(-(num_tokens + len(drafts)) // bs) - len(bm.block_table(seq.seq_id))
+            if extra > 0 and bm.num_free_blocks - extra < self._reserve:
+                drafts = drafts[:-(-num_tokens // bs) * bs - num_tokens]  # the room left in its last block
+        return drafts or None
 
     def _preempt_or_fail(self, victim: SequenceGroup, plan: StepPlan) -> None:
         """A victim whose preemption raises fails alone, not the group it was making room for."""
@@ -1070,6 +1080,11 @@ class Scheduler:
                 seq.num_sent_blocks = min(seq.num_sent_blocks, len(bm.block_table(seq_id)))
                 done.scheduled[seq_id] = 1 + num_accepted
                 speculator.record(seq_id, len(drafts), num_accepted, result.step)
+                if bm.enable_prefix_caching and computed // bm.block_size > seq.num_computed_tokens // bm.block_size:
+                    # the blocks the verified run filled, keyed now: a token below may end the
+                    # sequence and free its table before _apply_computed would key them
+                    bm.register_computed(seq_id, seq.prompt_token_ids + seq.output_token_ids + drafts[:num_accepted],
+                                         computed)
                 touched[group.request_id] = group
                 for token in tokens:
                     self._append(group, seq, token, new_counts)
