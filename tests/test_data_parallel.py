@@ -176,17 +176,18 @@ def test_a_redis_killed_with_4_running_and_20_queued_serves_all_24_once(stack, r
     time.sleep(0.6)  # a status (every 0.5 s) after the prompts above: their lookups counted
     queried_before = sum(engine_samples(stack, "pagoda:prefix_cache_queries_total").values())
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
-        long = [pool.submit(complete, stack.url, ids, 64) for ids in running]
+        long = [pool.submit(complete, stack.url, ids, 48) for ids in running]
         wait_for(lambda: engine_samples(stack, "pagoda:num_requests_running") == {"0": 2, "1": 2}, 30,
                  "each group to run 2")
-        short = [pool.submit(complete, stack.url, ids, 8) for ids in queued]
+        short = [pool.submit(complete, stack.url, ids, 4) for ids in queued]  # 4 tokens each, 2 at a time per group
         wait_for(lambda: sum(engine_samples(stack, "pagoda:num_requests_waiting").values()) >= 2
                  and request_stream_lengths(redis_server.url) == 24, 30, "all 24 in Redis, 2 or more held")
+        assert not any(f.done() for f in long), "a long request ended before Redis was killed"
         redis_server.kill()
         redis_server.stop()  # its directory goes: the restart is empty
         redis_server.start()
         results = [f.result(timeout=300) for f in long + short]
-    assert [r["usage"]["completion_tokens"] for r in results] == [64] * 4 + [8] * 20
+    assert [r["usage"]["completion_tokens"] for r in results] == [48] * 4 + [4] * 20
     wait_for(lambda: sum(engine_samples(stack, "pagoda:prefix_cache_queries_total").values()) - queried_before
              >= 24 * 20, 5, "the last lookups in the statuses")
     time.sleep(0.6)

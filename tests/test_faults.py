@@ -25,13 +25,30 @@ MODEL = "SmolLM2-135M-Instruct"
 LONG = {"model": MODEL, "prompt": "Tell me a very long story about a dragon.", "max_tokens": 2000,
         "ignore_eos": True, "temperature": 0, "stream": True}
 SHORT_PROMPTS = ["The capital of France is", "One, two, three,", "def fibonacci(n):"]
+DRAIN_TIMEOUT_S = 5  # --drain-timeout: how long the SIGTERM test's cut stream runs on
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_worker():
+    """The stack here runs with OMP_NUM_THREADS=1 (as tests/test_load.py's): on 2 cores the worker's
+    two intra-op threads wait on each other whenever the gateway, the scheduler or this process holds a
+    core; a step of two streams took 1.25 s with two under load, 0.18 s with one."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    if saved is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = saved
 
 
 @pytest.fixture(scope="module")
 def stack(redis_server):
     # --max-num-seqs 2: with two streams running, later requests queue (in the scheduler and in Redis)
+    # --claim-idle-ms 3000: a killed scheduler's requests are taken over 3 s after its last claim (not 10)
     stack = Stack("--redis-url", redis_server.url, "--max-num-seqs", "2", "--worker-timeout", "5",
-                  "--step-timeout", "30", "--drain-timeout", "10").wait_ready()
+                  "--step-timeout", "30", "--drain-timeout", str(DRAIN_TIMEOUT_S),
+                  "--claim-idle-ms", "3000").wait_ready()
     yield stack
     assert stack.stop() == 0
 
@@ -199,12 +216,13 @@ def test_a_redis_restart_loses_no_accepted_request(stack, r, redis_server, refer
     short, long_start = references
     prompts = SHORT_PROMPTS + SHORT_PROMPTS[:1]
     pids = stack.children()
+    long_tokens = 100  # the streams outlast the restart (checked below); the queued requests wait for them
     # the requests queued again wait for every other: a slow (shared) CPU may take minutes
     with concurrent.futures.ThreadPoolExecutor(7) as pool, httpx.Client(timeout=300) as http:
         streams_ = []
         for _ in range(2):
             started = concurrent.futures.Future()
-            streams_.append(pool.submit(stream, stack.url, {**LONG, "max_tokens": 200}, started))
+            streams_.append(pool.submit(stream, stack.url, {**LONG, "max_tokens": long_tokens}, started))
             assert started.result(timeout=120), "the stream ended before its third token"
         held = [pool.submit(complete, http, stack, p, 8) for p in prompts[:2]]
         wait_for(lambda: r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"] == 4, 10,
@@ -215,9 +233,10 @@ def test_a_redis_restart_loses_no_accepted_request(stack, r, redis_server, refer
         redis_server.start()  # the same port, empty
         wait_for(lambda: stack.health() == 200, 30, "the scheduler's status in the new Redis")
         after = pool.submit(complete, http, stack, SHORT_PROMPTS[2], 8)  # before the gateway saw the restart
+        assert not any(f.done() for f in streams_), "a stream ended before Redis was back"
         assert [f.result(timeout=300) for f in lost] == [short[p] for p in prompts[2:]]
         for result in (f.result(timeout=120) for f in streams_):
-            assert (result["error"], result["done"], len(result["tokens"])) == (None, True, 200)
+            assert (result["error"], result["done"], len(result["tokens"])) == (None, True, long_tokens)
             assert result["tokens"][:len(long_start)] == long_start
         assert [f.result(timeout=120) for f in held] == [short[p] for p in prompts[:2]]
         assert after.result(timeout=120) == short[SHORT_PROMPTS[2]]
@@ -242,7 +261,7 @@ def test_sigterm_drains_then_exits_0(stack, references):
         signalled = time.monotonic()
         wait_for(lambda: stack.health() == 0, 5, "the gateway to stop accepting connections")
         finished, failed = finishing.result(timeout=30), cut.result(timeout=30)
-    assert failed["ended"] - signalled > 9  # it ran on until --drain-timeout 10
+    assert failed["ended"] - signalled > DRAIN_TIMEOUT_S - 1  # it ran on until --drain-timeout
     assert (len(finished["tokens"]), finished["error"], finished["done"]) == (10, None, True)  # ran to its end
     assert failed["done"] and failed["error"]["code"] == "service_unavailable"  # cut at --drain-timeout
     assert failed["error"]["message"] == "the server is shutting down; retry the request"
