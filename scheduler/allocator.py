@@ -117,6 +117,8 @@ class Allocator(Protocol):
     # swap-ins [cpu, device]), which go after the plan's own
     def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]: ...
 
+    def truncate(self, seq_id: int, num_slots: int) -> list[int]: ...  # [speculative]: blocks released
+
     def check_integrity(self) -> None: ...
 
 
@@ -128,6 +130,11 @@ class AllocatorBase:
 
     def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]:
         return [], []
+
+    def truncate(self, seq_id: int, num_slots: int) -> list[int]:
+        """Give back the slots past `num_slots` ([speculative] rejected drafts): the paged block
+        manager's; a contiguous reservation has none to give back."""
+        raise NotImplementedError(f"{type(self).__name__} cannot give slots back (speculative decoding)")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float) -> None:
         if num_blocks < 2:

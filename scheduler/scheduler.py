@@ -175,7 +175,7 @@ class Scheduler:
         if config.cpu_prefix_cache:
             self._enable_cpu_tier()
         self.speculator = Speculator(config.speculative) if config.speculative else None
-        if self.speculator is not None and not hasattr(self.block_manager, "truncate"):
+        if self.speculator is not None and config.allocator != "paged":
             raise ValueError(f"speculative decoding needs the paged allocator, not {config.allocator!r}")
         self._batch = 0  # running groups when the plan being made began (the drafts' length scales by it)
         self._reserve = 0  # while planning running groups: those still to plan (drafts never take their blocks)
