@@ -32,7 +32,9 @@ DRAIN_TIMEOUT_S = 5  # --drain-timeout: how long the SIGTERM test's cut stream r
 def one_thread_per_worker():
     """The stack here runs with OMP_NUM_THREADS=1 (as tests/test_load.py's): on 2 cores the worker's
     two intra-op threads wait on each other whenever the gateway, the scheduler or this process holds a
-    core; a step of two streams took 1.25 s with two under load, 0.18 s with one."""
+    core. On a 2-core host shared with another test run, a step of two streams took 1.25 s with two
+    threads and 0.18 s with one: with two, the Redis-restart test took 4-5 minutes (once past its 300 s
+    timeout) and the SIGTERM test's 10-token stream once missed the drain."""
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     yield
