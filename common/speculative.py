@@ -3,9 +3,12 @@
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
 `method` "ngram" is prompt lookup: the scheduler proposes the tokens that followed the latest
-earlier occurrence of the sequence's last n tokens (scheduler/ngram.py), and the target model
-verifies them in one forward (worker/executor.py). "draft_model", "eagle" and "eagle3" are vLLM's
-other methods; they are recognised and refused with a clear error until they are built.
+earlier occurrence of the sequence's last n tokens (scheduler/ngram.py). "draft_model" is a
+smaller model with the target's vocabulary (`model`: any name `--model` takes), run by rank 0 of
+the worker over its own paged KV pool with the target's block ids (worker/drafter.py): the
+scheduler only reserves the slots. Either way the target model verifies the drafts in one forward
+(worker/executor.py). "eagle" and "eagle3" are vLLM's other methods; they are recognised and
+refused with a clear error until they are built.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-BUILT_METHODS = ("ngram",)
+BUILT_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
         "draft_tensor_parallel_size")
@@ -44,6 +47,13 @@ class SpeculativeConfig:
                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                "need 1 <= prompt_lookup_min <= prompt_lookup_max")
         _check(self.draft_tensor_parallel_size in (None, 1), "draft_tensor_parallel_size must be 1 (or unset)")
+        _check(self.method != "draft_model" or bool(self.model),
+               'method "draft_model" needs "model": the draft\'s checkpoint (a name --model takes)')
+
+    @property
+    def drafts_on_worker(self) -> bool:
+        """The worker proposes the drafts (a model does); the scheduler sends placeholders."""
+        return self.method == "draft_model"
 
 
 def _check(ok: bool, message: str) -> None:

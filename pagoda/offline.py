@@ -148,6 +148,11 @@ class LLM:
     def reset(self, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None, **config_changes) -> None:
         """A fresh scheduler over the loaded worker, forgetting every request: a smaller KV or
         swap pool (at most the worker's), another preemption mode, prefix caching on or off."""
+        config = self.config.replace(**config_changes)
+        spec = config.speculative
+        if spec is not None and spec.drafts_on_worker and not self.executor.drafts_on_worker:
+            raise ValueError("speculative method draft_model needs a worker loaded with its draft: "
+                             "LLM(..., speculative_config={'method': 'draft_model', ...})")
         hello = self.executor.hello()
         if self.ranks is not None:
             hello = dataclasses.replace(hello, num_gpu_blocks=self.num_blocks[0], num_cpu_blocks=self.num_blocks[1])
@@ -159,7 +164,7 @@ class LLM:
             self.ranks.check_usable()
             self.executor.group.broadcast_bytes(RESET)
         self.executor.reset()
-        self.engine = LLMEngine.from_hello(self.config.replace(**config_changes), hello, self.step_executor,
+        self.engine = LLMEngine.from_hello(config, hello, self.step_executor,
                                            wire=self.wire, memory_trace=self.memory_trace,
                                            memory_events=self.memory_events)
 

@@ -628,8 +628,9 @@ class Scheduler:
             most = min(most, params.max_tokens - num_output - 1)
         if most < 1:
             return None
-        drafts = self.speculator.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, most,
-                                         self._batch, self.step)
+        speculator = self.speculator
+        tokens = None if speculator.config.drafts_on_worker else seq.prompt_token_ids + seq.output_token_ids
+        drafts = speculator.propose(seq.seq_id, tokens, most, self._batch, self.step)
         if drafts:
             # drafts take a new block only while every group still to plan keeps one free: they
             # never cost a later group its step, or a preemption
@@ -1068,9 +1069,10 @@ class Scheduler:
             group = self._group_of_seq[seq_id]
             tokens = emitted[seq_id]
             num_accepted = len(tokens) - 1
+            accepted = [t.token_id for t in tokens[:num_accepted]]  # a draft model's: known only now
             try:
                 if not 0 <= num_accepted <= len(drafts) or any(
-                        t.token_id != d for t, d in zip(tokens[:num_accepted], drafts)):
+                        a != d and d != PENDING_TOKEN for a, d in zip(accepted, drafts)):
                     raise ValueError(f"step {result.step} verified sequence {seq_id}'s drafts {drafts} as "
                                      f"{[t.token_id for t in tokens]}")
                 computed = seq.num_computed_tokens + 1 + num_accepted
@@ -1083,15 +1085,14 @@ class Scheduler:
                 if bm.enable_prefix_caching and computed // bm.block_size > seq.num_computed_tokens // bm.block_size:
                     # the blocks the verified run filled, keyed now: a token below may end the
                     # sequence and free its table before _apply_computed would key them
-                    bm.register_computed(seq_id, seq.prompt_token_ids + seq.output_token_ids + drafts[:num_accepted],
-                                         computed)
+                    bm.register_computed(seq_id, seq.prompt_token_ids + seq.output_token_ids + accepted, computed)
                 touched[group.request_id] = group
                 for token in tokens:
                     self._append(group, seq, token, new_counts)
                     if seq.status.finished:
                         break
                 else:
-                    seq.accepted_unsent = drafts[:num_accepted]
+                    seq.accepted_unsent = accepted
             except Exception as exc:
                 touched.pop(group.request_id, None)
                 self._fail(group, exc)

@@ -2,7 +2,10 @@
 tokens, and the counts vLLM's spec-decode metrics report.
 
 The n-gram method needs no model: the scheduler holds every sequence's tokens and proposes the
-drafts itself (scheduler/ngram.py); the worker verifies them in the step's one forward.
+drafts itself (scheduler/ngram.py). With a draft model the worker proposes them (rank 0 runs the
+draft just before the target): the plan holds k placeholders (PENDING_TOKEN) whose slots the
+scheduler allocated, and the verified tokens tell which drafts were accepted. Either way the
+worker verifies the drafts in the step's one forward.
 
 Adaptive length, per sequence: it starts at `num_speculative_tokens`; a verification that
 accepts every draft keeps (or restores) it, one that accepts a of k tries a + 1 next. A sequence
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.protocol import PENDING_TOKEN
 from common.speculative import SpeculativeConfig
 from scheduler.ngram import propose
 
@@ -55,9 +59,9 @@ class Speculator:
         state = self._seqs.get(seq_id)
         return state is None or step >= state.resume_step
 
-    def propose(self, seq_id: int, tokens: list[int], most: int, num_running: int, step: int) -> list[int]:
+    def propose(self, seq_id: int, tokens: list[int] | None, most: int, num_running: int, step: int) -> list[int]:
         """Up to `most` drafts for the sequence whose tokens are `tokens` (its last one computed
-        at `step`)."""
+        at `step`; a draft model needs no tokens: placeholders the worker fills)."""
         state = self._seqs.get(seq_id)
         if state is None:
             state = self._seqs[seq_id] = _Adaptive(self.k)
@@ -66,6 +70,8 @@ class Speculator:
         k = min(state.length, most)
         if num_running > FREE_BATCH:
             k = min(k, max(1, self.k * FREE_BATCH // num_running))
+        if k >= 1 and self.config.drafts_on_worker:
+            return [PENDING_TOKEN] * k
         drafts = propose(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max) if k >= 1 else []
         if not drafts:
             self._missed(state, step, MAX_NO_MATCH_BACKOFF_STEPS)

@@ -25,6 +25,7 @@ from common.plan_state import PlanState, ScheduledSequence
 from common.protocol import PENDING_TOKEN, SampledToken, StepPlan, StepResult, WorkerHello
 from kernels.kv_quant import raw
 from worker.grammar import GrammarState, TokenMask
+from worker.input_batch import StepTensors
 from worker.model_runner import ModelRunner
 from worker.parallel import TensorParallelGroup, set_tp_group
 from worker.prompt_logprobs import prompt_logprobs, scored_indices, scored_spans
@@ -60,6 +61,8 @@ class Executor:
         self._in_flight: deque[_InFlight] = deque()  # launched steps not finished yet, oldest first
         self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, on the device
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: the tokens' copies to the host
+        spec = config.speculative
+        self.drafts_on_worker = spec is not None and spec.drafts_on_worker  # [speculative] a draft model
 
     def form_group(self, generation: int) -> None:
         """Join the group's incarnation `generation` (the worker: the plan's epoch), forgetting
@@ -135,6 +138,8 @@ class Executor:
         if not scheduled:
             return
         tensors, spans = self.runner.prepare(scheduled, feed, feed_tokens), scored_spans(scheduled)
+        if self.drafts_on_worker:
+            self._draft(scheduled, tensors)
         logits = self.runner.forward(tensors, scored_indices(spans)) if spans else self.runner.forward(tensors)
         if spans:  # every rank: the scored rows' logits are gathered to rank 0 chunk by chunk
             step.result.prompt_logprobs = prompt_logprobs(self.runner.scored_logits, spans)
@@ -188,6 +193,35 @@ class Executor:
         self.state.fill(step.result.step, [s.token_id for s in sampled])
         if step is self._in_flight[-1]:
             self.state.record_sampled(sampled)  # what a PENDING_TOKEN of the next plan stands for
+
+    def _draft(self, scheduled: list[ScheduledSequence], tensors: StepTensors) -> None:
+        """[speculative] A draft model's drafts in place of the plan's placeholders: in each drafting
+        row's draft_token_ids (the sampler and the grammar read them) and in the step's input ids.
+        Rank 0's draft runs over every step (its KV mirrors the target's, worker/drafter.py) and
+        sends its drafts to the other ranks. The host waits for them: a drafting sequence's next
+        plan waits for its tokens anyway."""
+        rows = [i for i, s in enumerate(scheduled) if s.draft_token_ids and s.draft_token_ids[0] == PENDING_TOKEN]
+        if not rows and self.runner.drafter is None:
+            return
+        ks = [len(scheduled[i].draft_token_ids) for i in rows]
+        starts, start = [], 0
+        for i, s in enumerate(scheduled):
+            if s.draft_token_ids and s.draft_token_ids[0] == PENDING_TOKEN:
+                starts.append(start)
+            start += s.num_scheduled_tokens
+        if self.runner.drafter is not None:
+            drafts = self.runner.drafter.propose(tensors, rows, starts, ks)
+        else:
+            drafts = torch.empty(sum(ks), dtype=torch.int64, device=self.runner.device)
+        if not rows:
+            return
+        drafts = self.group.broadcast(drafts)
+        at = torch.tensor([s + 1 + j for s, k in zip(starts, ks) for j in range(k)], device=drafts.device)
+        tensors.input_ids.index_copy_(0, at, drafts)
+        values, o = drafts.tolist(), 0
+        for i, k in zip(rows, ks):
+            scheduled[i].draft_token_ids[:] = values[o:o + k]
+            o += k
 
     def _feeds_constrained(self, plan: StepPlan) -> bool:
         seqs = self.state.seqs
@@ -357,7 +391,7 @@ def _measure_host_bandwidth(runner: ModelRunner) -> float:
         runner._sync()
         start = time.perf_counter()
         runner.swap_out(out)
-        runner.swapper.synchronize()  # waits for the copy and runs the host-side scatter
+        runner.synchronize_swaps()  # waits for the copy and runs the host-side scatter
         runner.swap_in(back)
         runner._sync()
         seconds.append(time.perf_counter() - start)

@@ -20,6 +20,7 @@ from common.protocol import StepPlan
 from kernels.kv_quant import kv_cache_dtype
 from worker.context import AttentionContext, attention_context
 from worker.cuda_graph import DecodeRunner, batch_size_buckets
+from worker.drafter import DraftModel
 from worker.input_batch import InputBatch, StepTensors
 from worker.loader import load_model, resolve_scheme
 from worker.lora import LoRAManager
@@ -119,6 +120,8 @@ class ModelRunner:
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed,
                                                 self.scheme)
         self.max_model_len = self.model.max_positions
+        # [speculative] a draft model: loaded by every rank (its shapes size the pool alike), kept by rank 0
+        self.drafter = self._load_drafter(config, rank)
         # [lora]: the adapter slots, allocated before the profile run so the KV pool's sizing counts them
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.dtype,
                                  self.device) if config.enable_lora else None)
@@ -130,6 +133,8 @@ class ModelRunner:
         self.kv_shape = (2, self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_bytes_per_block = kv_bytes_per_block(len(self.model.attention_layers()), self.block_size,
                                                      attn.num_kv_heads, attn.head_dim, self.kv_cache_dtype)
+        self.kv_bytes_per_block += sum(kv_bytes_per_block(1, self.block_size, heads, head_dim, self.kv_cache_dtype)
+                                       for _, _, heads, head_dim in self.draft_kv_shapes)
         kernels.warmup(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                        block_size=self.block_size, dtype=self.dtype, device=self.device,
                        max_model_len=self.max_model_len,  # CUDA: nothing compiles while serving
@@ -140,6 +145,9 @@ class ModelRunner:
         self.prefill_tokens_per_s = self._profile_prefill()
         self.num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_that_fit()
         self.kv_caches = self._allocate_kv_cache(self.num_gpu_blocks)
+        self.draft_kv_caches = ([] if self.drafter is None else
+                                self.drafter.allocate(self.num_gpu_blocks, self.block_size, self.kv_cache_dtype,
+                                                      self.device))
         self.num_cpu_blocks = (
             config.num_cpu_blocks if config.num_cpu_blocks is not None
             else int(config.swap_space_gb * (1 << 30) // self.kv_bytes_per_block)
@@ -149,6 +157,23 @@ class ModelRunner:
                                       self.block_size, self.device, enable_lora=config.enable_lora)
         self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
         self.scored_hidden: torch.Tensor | None = None  # the last forward's rows prompt logprobs score
+
+    def _load_drafter(self, config: EngineConfig, rank: int) -> DraftModel | None:
+        self.draft_kv_shapes: list[tuple[int, ...]] = []
+        spec = config.speculative
+        if spec is None or not spec.drafts_on_worker:
+            return None
+        drafter = DraftModel(config, self.dtype, self.device, self.max_model_len, int(self.hf_config.vocab_size))
+        self.max_model_len = min(self.max_model_len, drafter.max_positions)
+        self.draft_kv_shapes = drafter.kv_shapes(config.block_size)
+        if self.device.type == "cuda":
+            for variant in {(a.sliding_window, a.logit_softcap) for a in drafter.layers}:
+                a = drafter.layers[0]
+                kernels.warmup(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                               block_size=config.block_size, dtype=self.dtype, device=self.device,
+                               max_model_len=self.max_model_len, attention_variants={variant},
+                               kv_cache_dtype=self.kv_cache_dtype)
+        return drafter if rank == 0 else None
 
     def _eager_decode(self) -> bool:
         if self.config.enforce_eager:
@@ -199,11 +224,15 @@ class ModelRunner:
         then locked up front; on CPU untouched pages cost nothing until a swap writes them). Swaps
         go through `self.swapper`, batched per layer (kernels/swap.py)."""
         pin = self.device.type == "cuda"
+        pools = self.kv_caches + self.draft_kv_caches  # [speculative] a draft's layers swap with the target's
         caches = [
-            torch.empty((num_blocks, *self.kv_shape), dtype=self.kv_cache_dtype, device="cpu", pin_memory=pin)
-            for _ in self.model.attention_layers()
+            torch.empty((num_blocks, *pool.shape[1:]), dtype=self.kv_cache_dtype, device="cpu", pin_memory=pin)
+            for pool in pools
         ] if num_blocks else []
-        self.swapper = kernels.BlockSwapper(self.kv_caches if caches else [], caches)
+        n = len(self.kv_caches) if caches else 0
+        self.swapper = kernels.BlockSwapper(pools[:n], caches[:n])
+        # a swapper moves layers of one shape: the draft's have their own
+        self.draft_swapper = kernels.BlockSwapper(pools[n:], caches[n:]) if caches and self.draft_kv_caches else None
         return caches
 
     @torch.inference_mode()
@@ -301,6 +330,7 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, src_to_dst: list[list[int]]) -> None:
         kernels.copy_blocks(self.kv_caches, src_to_dst)
+        kernels.copy_blocks(self.draft_kv_caches, src_to_dst)  # [speculative] (one shape per call)
 
     @torch.inference_mode()
     def swap_out(self, device_to_cpu: list[list[int]]) -> None:
@@ -308,11 +338,21 @@ class ModelRunner:
         # copy to the host is asynchronous on CUDA (its host-side scatter runs later, in order)
         if device_to_cpu:
             self.swapper.swap_out(device_to_cpu)
+            if self.draft_swapper is not None:
+                self.draft_swapper.swap_out(device_to_cpu)
 
     @torch.inference_mode()
     def swap_in(self, cpu_to_device: list[list[int]]) -> None:
         if cpu_to_device:
             self.swapper.swap_in(cpu_to_device)
+            if self.draft_swapper is not None:
+                self.draft_swapper.swap_in(cpu_to_device)
+
+    def synchronize_swaps(self) -> None:
+        """Wait for the swaps queued so far (their host-side scatters included)."""
+        self.swapper.synchronize()
+        if self.draft_swapper is not None:
+            self.draft_swapper.synchronize()
 
 
 def flatten_rows(rows: list[ScheduledRow], samples: list[bool], block_size: int, device: torch.device) -> StepTensors:
