@@ -1,7 +1,7 @@
 """Pure-PyTorch references for the paged-attention kernels (the CPU path and the test oracle)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,13 @@ def paged_attention(
     assert plan.sliding_window == sliding_window, "a plan is made for one window (a step caches one per window)"
     for bucket in plan.decode_buckets:
         _decode(query, kv_cache, bucket, scale, out, logit_softcap, scales)
+    for bucket in plan.chunk_buckets:
+        if logit_softcap:  # the eager order, a row at a time
+            for i, start, q_len, seq_len in bucket.prefills:
+                _attend_masked(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, sliding_window,
+                               logit_softcap, scales)
+        else:
+            _chunks(query, kv_cache, bucket, scale, out, scales)
     for i, start, q_len, seq_len in plan.prefills:
         if sliding_window or logit_softcap:
             _attend_masked(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, sliding_window,
@@ -81,10 +88,26 @@ class DecodeBucket:
 
 
 @dataclass(slots=True)
+class ChunkBucket:
+    """Sequences with the same short query length n after a context ([speculative] a last token
+    and its drafts), attended in one batched call; query i of a row of KV length m sees keys
+    [0, m - n + i]."""
+
+    q_rows: torch.Tensor  # [b, n] int64: each row's query rows
+    blocks: torch.Tensor  # [b, num_blocks] int64: their block tables, cut to the longest KV
+    mask: torch.Tensor  # [b, 1, n, L] bool: the slots each query attends to
+    prefills: list[tuple[int, int, int, int]]  # its rows as AttentionPlan.prefills has them
+
+
+SHORT_QUERY_MAX = 17  # queries per sequence up to which a step batches them (1 + the most drafts)
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     decode_buckets: list[DecodeBucket]
     prefills: list[tuple[int, int, int, int]]  # (sequence, first query row, query length, KV length)
     sliding_window: int | None = None  # the window the buckets were cut for
+    chunk_buckets: list[ChunkBucket] = field(default_factory=list)
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -121,7 +144,57 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlen
         ))
     prefills = [(i, starts[i], starts[i + 1] - starts[i], lens[i]) for i in range(len(lens))
                 if starts[i + 1] - starts[i] > 1]
-    return AttentionPlan(buckets, prefills, sliding_window)
+    chunks = []
+    if len(prefills) > 1 and not sliding_window:  # short chunks of several sequences: batched
+        chunks, prefills = _chunk_buckets(prefills, block_tables, block_size), [
+            p for p in prefills if p[2] > SHORT_QUERY_MAX or p[2] == p[3]]
+    return AttentionPlan(buckets, prefills, sliding_window, chunks)
+
+
+def _chunk_buckets(prefills: list[tuple[int, int, int, int]], block_tables: torch.Tensor,
+                   block_size: int) -> list[ChunkBucket]:
+    """The short chunks after a context, grouped by query length and then by KV length (as decodes)."""
+    by_length: dict[int, list[tuple[int, int, int, int]]] = {}
+    for p in prefills:
+        if p[2] <= SHORT_QUERY_MAX and p[2] < p[3]:
+            by_length.setdefault(p[2], []).append(p)
+    device = block_tables.device
+    buckets = []
+    for n, rows in by_length.items():
+        rows.sort(key=lambda p: p[3])
+        groups: list[list[tuple[int, int, int, int]]] = []
+        for p in rows:
+            if not groups or p[3] > 1.25 * groups[-1][0][3] + block_size:
+                groups.append([])
+            groups[-1].append(p)
+        for group in groups:
+            lens = torch.tensor([p[3] for p in group], device=device)
+            num_blocks = -(-group[-1][3] // block_size)
+            keys = torch.arange(num_blocks * block_size, device=device)
+            last = lens[:, None] - n + torch.arange(n, device=device)  # [b, n]: each query's position
+            buckets.append(ChunkBucket(
+                torch.tensor([p[1] for p in group], device=device)[:, None] + torch.arange(n, device=device),
+                block_tables[torch.tensor([p[0] for p in group], device=device), :num_blocks].long(),
+                (keys[None, None, :] <= last[:, :, None])[:, None], group,
+            ))
+    return buckets
+
+
+def _chunks(query, kv_cache, bucket: ChunkBucket, scale, out, scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """One bucket's short chunks: K and V gathered once for all its rows, slots past a row's keys
+    masked (and zeroed: they may hold anything, NaN included)."""
+    (b, n), (num_blocks, block_size, num_kv_heads, head_dim) = bucket.q_rows.shape, (bucket.blocks.shape[1],
+                                                                                     *kv_cache.shape[2:])
+    flat = bucket.blocks.flatten()
+    k, v = (_select(kv_cache, i, flat, scales).view(b, num_blocks * block_size, num_kv_heads, head_dim)
+            for i in (0, 1))
+    beyond = ~bucket.mask[:, 0, -1]  # [b, L]: past the row's last key
+    k.masked_fill_(beyond[:, :, None, None], 0)
+    v.masked_fill_(beyond[:, :, None, None], 0)
+    q = query[bucket.q_rows.flatten()].float().view(b, n, -1, head_dim).transpose(1, 2)  # [b, heads, n, hd]
+    o = F.scaled_dot_product_attention(q, k.float().transpose(1, 2), v.float().transpose(1, 2),
+                                       attn_mask=bucket.mask, scale=scale, enable_gqa=True)
+    out[bucket.q_rows.flatten()] = o.transpose(1, 2).reshape(b * n, -1, head_dim).to(out.dtype)
 
 
 def _window_bucket(q_rows: torch.Tensor, block_tables: torch.Tensor, lens: list[int], rows: list[int],

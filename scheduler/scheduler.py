@@ -392,6 +392,13 @@ class Scheduler:
         self._ahead = self._ahead_of(self._in_flight[-1]) if self._in_flight else {}  # read only
         if self.sliding_window is not None:
             self._remove_skipped_blocks(self.running)
+        if self._ahead and self.speculator is not None and self._waits_for_drafts():
+            # [speculative] most of the batch drafts next, from tokens not drawn yet: planning ahead
+            # would run the rest alone, and the two halves would take turns, a step each
+            self._in_flight.append(self._planning)
+            self._ahead = {}
+            self._count_step(plan)
+            return plan
         budget = _Budget(self.config.max_num_batched_tokens)
         self._batch = len(self.running)
         preempted = self._schedule_running(plan, budget)
@@ -609,6 +616,17 @@ class Scheduler:
         planning.samples[seq_id] = n if drafts else num_samples
         budget.tokens -= n
         return True
+
+    def _waits_for_drafts(self) -> bool:
+        """[speculative] Whether at least half the sequences drawing in the plan in flight want
+        drafts next (so they cannot be planned before its result)."""
+        drawing = wanting = 0
+        for seq_id, in_flight in self._ahead.items():
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq.num_computed_tokens + in_flight == seq.num_tokens:
+                drawing += 1
+                wanting += self._wants_drafts(seq)
+        return 2 * wanting >= drawing > 0
 
     def _wants_drafts(self, seq: Sequence) -> bool:
         """[speculative] A sequence that would draft next waits for its token rather than run ahead."""

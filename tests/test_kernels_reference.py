@@ -424,3 +424,20 @@ def test_no_window_and_no_softcap_is_the_plain_path():
     plain = _run(case, 0.125)
     for window, softcap in ((None, None), (0, 0.0), (0, None)):
         torch.testing.assert_close(_run_masked(case, 0.125, window, softcap), plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_short_chunks_after_a_context_are_batched_by_length_and_match_dense_attention(dtype):
+    """[speculative] A last token and its drafts per sequence: the chunks of one query length
+    attend in one batched call per context group (NaN-poisoned padding zeroed), as dense attention."""
+    from kernels.reference import plan_attention
+
+    bs = 16
+    specs = [(40, 5), (3 * bs + 2, 5), (300, 5), (41, 5), (22, 3), (70, 3), (bs + 1, 1), (2 * bs, 2 * bs)]
+    case = _build(specs, group=2, head_dim=32, block_size=bs, dtype=dtype, seed=9)
+    plan = plan_attention(case.block_tables, case.seq_lens, case.cu_seqlens_q, bs)
+    assert sorted(sorted(p[0] for p in b.prefills) for b in plan.chunk_buckets) == [[0, 1, 3], [2], [4], [5]]
+    assert [p[0] for p in plan.prefills] == [7]  # a whole prompt runs as a prefill
+    out = _run(case, 0.125)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), _dense_attention(case.seqs, 2, 0.125), **_tol(dtype))

@@ -198,3 +198,4 @@ def test_a_draft_models_drafts_are_checked_against_the_grammar(default_drafting_
     assert [(s.token_ids, s.finish_reason) for s in out.outputs] == expected[0]
     assert llm.scheduler.speculator.num_accepted_tokens > 5
     assert re.fullmatch(pattern, out.outputs[0].text)
+

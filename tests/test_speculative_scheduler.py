@@ -217,3 +217,37 @@ def test_drafts_change_no_token_and_every_key_read_is_the_right_one(name, aborts
     for seed in range(12):
         drafted += go(seed, aborts, **CONFIGS[name]).executor.num_drafted
     assert drafted > 50  # drafts were verified (accepted and rejected) all along
+
+
+def test_a_plan_made_ahead_is_empty_while_most_of_the_batch_waits_to_draft():
+    """Async scheduling plans a step while the one before runs; a sequence that drafts next waits
+    for its token. When at least half the sequences drawing in the step in flight want drafts, the
+    plan made ahead is empty (else the rest would run alone and the two halves take turns); when
+    fewer do, the others run ahead as usual."""
+    engine = make_engine(True, token_fn=copying, num_gpu_blocks=256)
+    rng = random.Random(3)
+    for i in range(12):
+        engine.add_request(f"r{i}", [rng.randint(10, 60) for _ in range(12)],
+                           SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    s, held, ahead = engine.scheduler, [0], [0]
+    schedule = s.schedule
+
+    def checked():
+        drawing = wanting = 0
+        if s._in_flight:
+            for seq_id, n in s._ahead_of(s._in_flight[-1]).items():
+                seq = s._seqs.get(seq_id)
+                if seq is not None and seq.num_computed_tokens + n == seq.num_tokens:
+                    drawing += 1
+                    wanting += s.speculator.wants(seq_id, s.step + 1)
+        plan = schedule()
+        if drawing and 2 * wanting >= drawing:
+            assert not plan.cached_seqs and not plan.new_seqs, f"step {plan.step} ran ahead of {wanting}/{drawing}"
+            held[0] += 1
+        elif drawing and plan.cached_seqs:
+            ahead[0] += 1
+        return plan
+
+    s.schedule = checked
+    run(engine)
+    assert held[0] > 5 and ahead[0] > 5  # both cases met
