@@ -130,6 +130,9 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", speculative.to_json(self.speculative_config))
         except speculative.SpeculativeConfigError as exc:
             raise ConfigError(str(exc)) from None
+        spec = self.speculative
+        _check(spec is None or spec.quantization in (None, *QUANTIZATIONS),
+               f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}")
 
     @property
     def speculative(self) -> speculative.SpeculativeConfig | None:

@@ -20,7 +20,7 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 BUILT_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-        "draft_tensor_parallel_size")
+        "draft_tensor_parallel_size", "quantization")
 
 
 class SpeculativeConfigError(ValueError):
@@ -35,6 +35,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     draft_tensor_parallel_size: int | None = None
+    quantization: str | None = None  # draft_model: the draft's --quantization (None: the target's)
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")

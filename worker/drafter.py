@@ -27,6 +27,7 @@ import torch
 
 from common.config import EngineConfig
 from common.models import resolve_model
+from kernels.kv_quant import kv_cache_dtype
 from worker.context import AttentionContext, attention_context
 from worker.input_batch import StepTensors
 from worker.loader import load_model, resolve_scheme
@@ -38,15 +39,19 @@ log = logging.getLogger(__name__)
 class DraftModel:
     """The draft model and its KV pool's layers (allocated by the runner beside the target's)."""
 
-    def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                 vocab_size: int) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, max_model_len: int, vocab_size: int) -> None:
+        from worker.model_runner import resolve_dtype
+
         spec = config.speculative
         self.source = resolve_model(spec.model, None, config.download_dir)
-        scheme = resolve_scheme(config.quantization, self.source, device)
+        scheme = resolve_scheme(spec.quantization or config.quantization, self.source, device)
+        self.dtype = resolve_dtype(config.dtype, device, scheme)  # its own: an int4 draft of a float32 target
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         group = get_tp_group()
         set_tp_group(TensorParallelGroup())  # whole on this rank: its layers never talk to the others
         try:
-            self.model, self.hf_config = load_model(self.source, dtype, device, max_model_len, config.seed, scheme)
+            self.model, self.hf_config = load_model(self.source, self.dtype, device, max_model_len, config.seed,
+                                                    scheme)
         finally:
             set_tp_group(group)
         draft_vocab = int(self.hf_config.vocab_size)
@@ -57,14 +62,16 @@ class DraftModel:
         self.max_positions = self.model.max_positions
         log.info("draft model %s loaded (%d layers)", self.source.name, len(self.layers))
 
-    def kv_shapes(self, block_size: int) -> list[tuple[int, ...]]:
-        """Each layer's block: [2, block_size, num_kv_heads, head_dim]."""
-        return [(2, block_size, a.num_kv_heads, a.head_dim) for a in self.layers]
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """A block's K and V over the draft's layers, in its cache's dtype."""
+        bits = torch.finfo(self.kv_cache_dtype).bits
+        return sum(2 * block_size * a.num_kv_heads * a.head_dim * bits // 8 for a in self.layers)
 
-    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> list[torch.Tensor]:
         caches = []
-        for attn, shape in zip(self.layers, self.kv_shapes(block_size)):
-            attn.kv_cache = torch.zeros((num_blocks, *shape), dtype=dtype, device=device)
+        for attn in self.layers:
+            attn.kv_cache = torch.zeros((num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim),
+                                        dtype=self.kv_cache_dtype, device=device)
             caches.append(attn.kv_cache)
         return caches
 

@@ -133,8 +133,7 @@ class ModelRunner:
         self.kv_shape = (2, self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_bytes_per_block = kv_bytes_per_block(len(self.model.attention_layers()), self.block_size,
                                                      attn.num_kv_heads, attn.head_dim, self.kv_cache_dtype)
-        self.kv_bytes_per_block += sum(kv_bytes_per_block(1, self.block_size, heads, head_dim, self.kv_cache_dtype)
-                                       for _, _, heads, head_dim in self.draft_kv_shapes)
+        self.kv_bytes_per_block += self.draft_kv_bytes_per_block
         kernels.warmup(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                        block_size=self.block_size, dtype=self.dtype, device=self.device,
                        max_model_len=self.max_model_len,  # CUDA: nothing compiles while serving
@@ -146,8 +145,7 @@ class ModelRunner:
         self.num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_that_fit()
         self.kv_caches = self._allocate_kv_cache(self.num_gpu_blocks)
         self.draft_kv_caches = ([] if self.drafter is None else
-                                self.drafter.allocate(self.num_gpu_blocks, self.block_size, self.kv_cache_dtype,
-                                                      self.device))
+                                self.drafter.allocate(self.num_gpu_blocks, self.block_size, self.device))
         self.num_cpu_blocks = (
             config.num_cpu_blocks if config.num_cpu_blocks is not None
             else int(config.swap_space_gb * (1 << 30) // self.kv_bytes_per_block)
@@ -159,20 +157,19 @@ class ModelRunner:
         self.scored_hidden: torch.Tensor | None = None  # the last forward's rows prompt logprobs score
 
     def _load_drafter(self, config: EngineConfig, rank: int) -> DraftModel | None:
-        self.draft_kv_shapes: list[tuple[int, ...]] = []
+        self.draft_kv_bytes_per_block = 0
         spec = config.speculative
         if spec is None or not spec.drafts_on_worker:
             return None
-        drafter = DraftModel(config, self.dtype, self.device, self.max_model_len, int(self.hf_config.vocab_size))
+        drafter = DraftModel(config, self.device, self.max_model_len, int(self.hf_config.vocab_size))
         self.max_model_len = min(self.max_model_len, drafter.max_positions)
-        self.draft_kv_shapes = drafter.kv_shapes(config.block_size)
-        if self.device.type == "cuda":
-            for variant in {(a.sliding_window, a.logit_softcap) for a in drafter.layers}:
-                a = drafter.layers[0]
-                kernels.warmup(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                               block_size=config.block_size, dtype=self.dtype, device=self.device,
-                               max_model_len=self.max_model_len, attention_variants={variant},
-                               kv_cache_dtype=self.kv_cache_dtype)
+        self.draft_kv_bytes_per_block = drafter.kv_bytes_per_block(config.block_size)
+        if self.device.type == "cuda" and rank == 0:
+            a = drafter.layers[0]
+            kernels.warmup(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                           block_size=config.block_size, dtype=drafter.dtype, device=self.device,
+                           max_model_len=self.max_model_len, kv_cache_dtype=drafter.kv_cache_dtype,
+                           attention_variants={(a.sliding_window, a.logit_softcap) for a in drafter.layers})
         return drafter if rank == 0 else None
 
     def _eager_decode(self) -> bool:
@@ -226,7 +223,7 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         pools = self.kv_caches + self.draft_kv_caches  # [speculative] a draft's layers swap with the target's
         caches = [
-            torch.empty((num_blocks, *pool.shape[1:]), dtype=self.kv_cache_dtype, device="cpu", pin_memory=pin)
+            torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, device="cpu", pin_memory=pin)
             for pool in pools
         ] if num_blocks else []
         n = len(self.kv_caches) if caches else 0
