@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-BUILT_METHODS = ("ngram", "draft_model")
+BUILT_METHODS = ("ngram", "draft_model", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
         "draft_tensor_parallel_size", "quantization")
@@ -48,13 +48,13 @@ class SpeculativeConfig:
                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                "need 1 <= prompt_lookup_min <= prompt_lookup_max")
         _check(self.draft_tensor_parallel_size in (None, 1), "draft_tensor_parallel_size must be 1 (or unset)")
-        _check(self.method != "draft_model" or bool(self.model),
-               'method "draft_model" needs "model": the draft\'s checkpoint (a name --model takes)')
+        _check(self.method not in ("draft_model", "eagle") or bool(self.model),
+               f'method "{self.method}" needs "model": the draft\'s checkpoint (a name --model takes)')
 
     @property
     def drafts_on_worker(self) -> bool:
         """The worker proposes the drafts (a model does); the scheduler sends placeholders."""
-        return self.method == "draft_model"
+        return self.method in ("draft_model", "eagle")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -212,3 +212,110 @@ def test_a_draft_models_drafts_are_checked_against_the_grammar(default_drafting_
     assert llm.scheduler.speculator.num_accepted_tokens > 5
     assert re.fullmatch(pattern, out.outputs[0].text)
 
+
+
+# ----------------------------------------------------------------------------- EAGLE
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tiny, tmp_path_factory) -> str:
+    """A random EAGLE-1 head for the tiny target, in the checkpoint layout vLLM loads (fc, one
+    layer without input_layernorm; the target's embeddings and LM head)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(TINY_LLAMA)
+    config.num_hidden_layers = 1
+    config.architectures = ["EagleLlamaForCausalLM"]
+    h, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    gen = torch.Generator().manual_seed(5)
+    shapes = {"fc.weight": (h, 2 * h), "layers.0.self_attn.q_proj.weight": (q, h),
+              "layers.0.self_attn.k_proj.weight": (kv, h), "layers.0.self_attn.v_proj.weight": (kv, h),
+              "layers.0.self_attn.o_proj.weight": (h, q), "layers.0.mlp.gate_proj.weight": (inter, h),
+              "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter)}
+    weights = {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in shapes.items()}
+    weights["layers.0.post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    path = tmp_path_factory.mktemp("tiny-eagle")
+    config.save_pretrained(path)
+    save_file(weights, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _eagle_reference(target, weights: dict, config, tokens: list[int], k: int) -> list[int]:
+    """EAGLE-1's k greedy drafts after `tokens`, dense: the head's input at position p is
+    (embedding of token p + 1, the target's last hidden state at p), causal over p = 0..L-1, then
+    each draft with the head's own output before it."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    with torch.no_grad():
+        hidden = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+        embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
+        rotary = LlamaRotaryEmbedding(config)
+        nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+
+        def rms(x, w):
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps))
+
+        def head(inputs):  # inputs: [(token, hidden)] at positions 0..n-1 -> outputs [n, h]
+            x = torch.cat([embed[[t for t, _ in inputs]], torch.stack([g for _, g in inputs])], -1) @ weights["fc.weight"].T
+            n = x.shape[0]
+            qs = (x @ weights["layers.0.self_attn.q_proj.weight"].T).view(n, nh, hd).transpose(0, 1)[None]
+            ks = (x @ weights["layers.0.self_attn.k_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
+            vs = (x @ weights["layers.0.self_attn.v_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
+            cos, sin = rotary(vs, torch.arange(n)[None])
+            qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
+            attn = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            x = x + attn[0].transpose(0, 1).reshape(n, nh * hd) @ weights["layers.0.self_attn.o_proj.weight"].T
+            m = rms(x, weights["layers.0.post_attention_layernorm.weight"])
+            m = torch.nn.functional.silu(m @ weights["layers.0.mlp.gate_proj.weight"].T) * (
+                m @ weights["layers.0.mlp.up_proj.weight"].T)
+            return x + m @ weights["layers.0.mlp.down_proj.weight"].T
+
+        inputs = [(tokens[p + 1], hidden[p]) for p in range(len(tokens) - 1)]
+        drafts = []
+        for _ in range(k):
+            out = head(inputs)[-1]
+            drafts.append(int((out @ lm_head.T).argmax()))
+            inputs.append((drafts[-1], out))
+        return drafts
+
+
+def test_an_eagle_head_drafts_what_dense_eagle_drafts_and_changes_no_token(tiny, eagle_head):
+    """Every step's drafts are those of EAGLE-1 computed densely from the sequence's tokens and
+    the target's hidden states: the head's paged KV, its catch-up over the positions the target
+    kept, and its drafting passes are right. The outputs are those without drafts."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from pagoda.offline import LLM
+
+    target = tiny[1]
+    spec = {"method": "eagle", "model": eagle_head, "num_speculative_tokens": 3}
+    llm = LLM(str(tiny[0]), dtype="float32", skip_tokenizer_init=True, num_gpu_blocks=200, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS[:2]
+    expected = _generate(llm, prompts, params)
+    drafter, seen = llm.executor.runner.drafter, []
+    propose = drafter.propose
+
+    def recorded(step, rows, starts, ks, scheduled):
+        drafts, o = propose(step, rows, starts, ks, scheduled).tolist(), 0
+        for r, k in zip(rows, ks):
+            seen.append((list(scheduled[r].held.token_ids), drafts[o:o + k]))
+            o += k
+        return torch.tensor(drafts, dtype=torch.int64)
+
+    drafter.propose = recorded
+    assert _generate(llm, prompts, params, spec) == expected
+    assert len(seen) >= 6 and llm.scheduler.speculator.num_draft_tokens > 0
+    weights, config = load_file(f"{eagle_head}/model.safetensors"), AutoConfig.from_pretrained(eagle_head)
+    for tokens, drafts in seen:
+        assert drafts == _eagle_reference(target, weights, config, tokens, len(drafts)), tokens
+
+
+def test_eagle_is_refused_with_tensor_parallelism_and_eagle3_is_not_built(eagle_head):
+    with pytest.raises(ConfigError, match="eagle with --tensor-parallel-size > 1 is not built"):
+        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "eagle", "model": eagle_head})
+    with pytest.raises(ConfigError, match="not built yet"):
+        EngineConfig(speculative_config={"method": "eagle3", "model": eagle_head})

@@ -75,8 +75,18 @@ class DraftModel:
             caches.append(attn.kv_cache)
         return caches
 
+    def forget(self, seq_ids) -> None:
+        """Nothing is kept per sequence (EagleDrafter keeps hidden states)."""
+
+    def reset(self) -> None:
+        pass
+
+    def keep(self, scheduled, hidden) -> None:
+        pass
+
     @torch.inference_mode()
-    def propose(self, step: StepTensors, rows: list[int], starts: list[int], ks: list[int]) -> torch.Tensor:
+    def propose(self, step: StepTensors, rows: list[int], starts: list[int], ks: list[int],
+                scheduled=None) -> torch.Tensor:
         """The drafts of the step's drafting rows, flat in row order ([sum(ks)] int64), after the
         draft's KV took every token of the step. `rows`: their indices in the step; `starts`: the
         flat index of each one's last token x_L; `ks`: how many drafts each."""

@@ -91,6 +91,8 @@ class Executor:
         self._drawn_tokens = None
         self.state.reset()
         self.runner.reset()
+        if self.runner.drafter is not None:
+            self.runner.drafter.reset()
         if self.sampler is not None:
             self.sampler.token_counts.reset()
             self.grammar.reset()
@@ -122,6 +124,8 @@ class Executor:
         feed = self.state.feed
         feed_tokens = self._drawn_tokens if feed else None
         self.runner.update_inputs(plan)
+        if self.runner.drafter is not None and (plan.finished_seq_ids or plan.preempted_seq_ids):
+            self.runner.drafter.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
         if self.sampler is not None:
             self._count_tokens(plan, scheduled, feed, feed_tokens)
             self._sync_grammars(scheduled)
@@ -141,6 +145,8 @@ class Executor:
         if self.drafts_on_worker:
             self._draft(scheduled, tensors)
         logits = self.runner.forward(tensors, scored_indices(spans)) if spans else self.runner.forward(tensors)
+        if self.runner.keeps_hidden:  # [speculative] EAGLE's next catch-up
+            self.runner.drafter.keep(scheduled, self.runner.last_hidden)
         if spans:  # every rank: the scored rows' logits are gathered to rank 0 chunk by chunk
             step.result.prompt_logprobs = prompt_logprobs(self.runner.scored_logits, spans)
             self.runner.scored_hidden = None
@@ -201,7 +207,8 @@ class Executor:
         sends its drafts to the other ranks. The host waits for them: a drafting sequence's next
         plan waits for its tokens anyway."""
         rows = [i for i, s in enumerate(scheduled) if s.draft_token_ids and s.draft_token_ids[0] == PENDING_TOKEN]
-        if not rows and self.runner.drafter is None:
+        drafter = self.runner.drafter
+        if not rows and drafter is None:
             return
         ks = [len(scheduled[i].draft_token_ids) for i in rows]
         starts, start = [], 0
@@ -209,8 +216,8 @@ class Executor:
             if s.draft_token_ids and s.draft_token_ids[0] == PENDING_TOKEN:
                 starts.append(start)
             start += s.num_scheduled_tokens
-        if self.runner.drafter is not None:
-            drafts = self.runner.drafter.propose(tensors, rows, starts, ks)
+        if drafter is not None:
+            drafts = drafter.propose(tensors, rows, starts, ks, scheduled)
         else:
             drafts = torch.empty(sum(ks), dtype=torch.int64, device=self.runner.device)
         if not rows:

@@ -21,6 +21,7 @@ from kernels.kv_quant import kv_cache_dtype
 from worker.context import AttentionContext, attention_context
 from worker.cuda_graph import DecodeRunner, batch_size_buckets
 from worker.drafter import DraftModel
+from worker.eagle import EagleDrafter
 from worker.input_batch import InputBatch, StepTensors
 from worker.loader import load_model, resolve_scheme
 from worker.lora import LoRAManager
@@ -158,9 +159,17 @@ class ModelRunner:
 
     def _load_drafter(self, config: EngineConfig, rank: int) -> DraftModel | None:
         self.draft_kv_bytes_per_block = 0
+        self.keeps_hidden = False  # [speculative] EAGLE: the last forward's hidden states, kept
+        self.last_hidden: torch.Tensor | None = None
         spec = config.speculative
         if spec is None or not spec.drafts_on_worker:
             return None
+        if spec.method == "eagle":  # rank 0 only (a group of one: the config refuses more)
+            drafter = EagleDrafter(config, self.model, self.dtype, self.device, self.max_model_len,
+                                   self.kv_cache_dtype)
+            self.draft_kv_bytes_per_block = drafter.kv_bytes_per_block(config.block_size)
+            self.keeps_hidden = True
+            return drafter
         drafter = DraftModel(config, self.device, self.max_model_len, int(self.hf_config.vocab_size))
         self.max_model_len = min(self.max_model_len, drafter.max_positions)
         self.draft_kv_bytes_per_block = drafter.kv_bytes_per_block(config.block_size)
@@ -173,7 +182,7 @@ class ModelRunner:
         return drafter if rank == 0 else None
 
     def _eager_decode(self) -> bool:
-        if self.config.enforce_eager:
+        if self.config.enforce_eager or self.keeps_hidden:
             return True
         if self.device.type == "cuda" and self.world_size > 1:
             # capturing NCCL collectives in CUDA graphs needs more care than it is worth here
@@ -299,6 +308,8 @@ class ModelRunner:
         """The model on the step's own shapes (prefill, mixed steps, and everything with enforce_eager)."""
         with attention_context(step.context):
             hidden = self.model(step.input_ids, step.positions)
+        if self.keeps_hidden:
+            self.last_hidden = hidden
         self.scored_hidden = None if scored_indices is None else hidden[scored_indices]
         return self.model.compute_logits(hidden[step.logits_indices])
 
