@@ -133,9 +133,9 @@ class EngineConfig:
         spec = self.speculative
         _check(spec is None or spec.quantization in (None, *QUANTIZATIONS),
                f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}")
-        _check(spec is None or spec.method != "eagle" or self.tensor_parallel_size == 1,
-               "speculative method eagle with --tensor-parallel-size > 1 is not built yet (the head shares "
-               "the target's embeddings and LM head, sharded there)")
+        _check(spec is None or not spec.method.startswith("eagle") or self.tensor_parallel_size == 1,
+               f"speculative method {spec and spec.method} with --tensor-parallel-size > 1 is not built yet (the "
+               "head shares the target's embeddings, sharded there)")
 
     @property
     def speculative(self) -> speculative.SpeculativeConfig | None:

@@ -7,8 +7,8 @@ earlier occurrence of the sequence's last n tokens (scheduler/ngram.py). "draft_
 smaller model with the target's vocabulary (`model`: any name `--model` takes), run by rank 0 of
 the worker over its own paged KV pool with the target's block ids (worker/drafter.py): the
 scheduler only reserves the slots. Either way the target model verifies the drafts in one forward
-(worker/executor.py). "eagle" and "eagle3" are vLLM's other methods; they are recognised and
-refused with a clear error until they are built.
+(worker/executor.py). "eagle" and "eagle3" are EAGLE heads over the target's hidden states
+(worker/eagle.py), run like the draft model.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-BUILT_METHODS = ("ngram", "draft_model", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
         "draft_tensor_parallel_size", "quantization")
@@ -39,8 +38,6 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")
-        _check(self.method in BUILT_METHODS,
-               f"speculative method {self.method!r} is not built yet in Pagoda (built: {', '.join(BUILT_METHODS)})")
         _check(isinstance(self.num_speculative_tokens, int)
                and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
@@ -48,13 +45,13 @@ class SpeculativeConfig:
                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                "need 1 <= prompt_lookup_min <= prompt_lookup_max")
         _check(self.draft_tensor_parallel_size in (None, 1), "draft_tensor_parallel_size must be 1 (or unset)")
-        _check(self.method not in ("draft_model", "eagle") or bool(self.model),
+        _check(self.method == "ngram" or bool(self.model),
                f'method "{self.method}" needs "model": the draft\'s checkpoint (a name --model takes)')
 
     @property
     def drafts_on_worker(self) -> bool:
         """The worker proposes the drafts (a model does); the scheduler sends placeholders."""
-        return self.method in ("draft_model", "eagle")
+        return self.method != "ngram"
 
 
 def _check(ok: bool, message: str) -> None:

@@ -55,7 +55,7 @@ def test_the_flag_takes_vllms_json_and_refuses_what_it_cannot_run():
     assert EngineConfig(speculative_config=NGRAM).speculative_config == json.dumps(NGRAM, sort_keys=True)
     assert EngineConfig().speculative is None
     for bad, words in [("{", "not JSON"), ('{"method": "medusa"}', "must be one of"),
-                       ('{"method": "eagle3", "model": "x"}', "not built yet"),
+                       ('{"method": "eagle3"}', 'needs "model"'),
                        ('{"num_speculative_tokens": 0}', r"in \[1, 16\]"), ('{"k": 1}', "unknown"),
                        ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min <=")]:
         with pytest.raises(ConfigError, match=words):

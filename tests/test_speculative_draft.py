@@ -296,8 +296,128 @@ def test_an_eagle_head_drafts_what_dense_eagle_drafts_and_changes_no_token(tiny,
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = PROMPTS[:2]
     expected = _generate(llm, prompts, params)
-    drafter, seen = llm.executor.runner.drafter, []
-    propose = drafter.propose
+    seen = _recording(llm.executor.runner.drafter)
+    assert _generate(llm, prompts, params, spec) == expected
+    assert len(seen) >= 6 and llm.scheduler.speculator.num_draft_tokens > 0
+    weights, config = load_file(f"{eagle_head}/model.safetensors"), AutoConfig.from_pretrained(eagle_head)
+    for tokens, drafts in seen:
+        assert drafts == _eagle_reference(target, weights, config, tokens, len(drafts)), tokens
+
+
+def test_eagle_heads_are_refused_with_tensor_parallelism(eagle_head):
+    for method in ("eagle", "eagle3"):
+        with pytest.raises(ConfigError, match=f"{method} with --tensor-parallel-size > 1 is not built"):
+            EngineConfig(tensor_parallel_size=2, speculative_config={"method": method, "model": eagle_head})
+
+
+@pytest.fixture(scope="module")
+def deep_tiny(tmp_path_factory):
+    """(directory, model) of a random 8-layer tiny Llama: EAGLE-3 reads its layers 2, 4 and 5."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(TINY_LLAMA)
+    config.num_hidden_layers = 8
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-llama-8")
+    model.save_pretrained(path)
+    return str(path), model
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory) -> str:
+    """A random EAGLE-3 head in its checkpoint layout (`midlayer.*`, fc over 3 x hidden, q/k/v
+    over 2 x hidden, its own norm and LM head over a draft vocabulary of 200, d2t)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(TINY_LLAMA)
+    config.num_hidden_layers, config.draft_vocab_size = 1, 200
+    config.architectures = ["Eagle3LlamaForCausalLM"]
+    h, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    gen = torch.Generator().manual_seed(6)
+    shapes = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (kv, 2 * h), "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, q), "midlayer.mlp.gate_proj.weight": (inter, h),
+              "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter),
+              "lm_head.weight": (200, h)}
+    weights = {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in shapes.items()}
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        weights[f"{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    draft_to_target = torch.sort(torch.randperm(512, generator=gen)[:200]).values
+    weights["d2t"] = draft_to_target - torch.arange(200)
+    weights["t2d"] = torch.zeros(512, dtype=torch.bool).index_fill_(0, draft_to_target, True)
+    path = tmp_path_factory.mktemp("tiny-eagle3")
+    config.save_pretrained(path)
+    save_file(weights, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _eagle3_reference(target, weights: dict, config, tokens: list[int], k: int) -> list[int]:
+    """EAGLE-3's k greedy drafts after `tokens`, dense: at position p, (embedding of token p + 1,
+    fc(the residual stream entering target layers 2, 4, 5 at p)); each draft then with the head's
+    output before its final norm."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    w = {name.replace("midlayer.", ""): t for name, t in weights.items()}
+    with torch.no_grad():
+        states = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        fused = torch.cat([states[2][0], states[4][0], states[5][0]], -1) @ w["fc.weight"].T
+        embed, rotary = target.model.embed_tokens.weight, LlamaRotaryEmbedding(config)
+        nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+
+        def rms(x, name):
+            return w[f"{name}.weight"] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps))
+
+        def head(inputs):  # [(token, hidden)] at positions 0..n-1 -> (normed, prenorm) [n, h]
+            e, hidden = embed[[t for t, _ in inputs]], torch.stack([g for _, g in inputs])
+            x = torch.cat([rms(e, "input_layernorm"), rms(hidden, "hidden_norm")], -1)
+            n = x.shape[0]
+            qs = (x @ w["self_attn.q_proj.weight"].T).view(n, nh, hd).transpose(0, 1)[None]
+            ks = (x @ w["self_attn.k_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
+            vs = (x @ w["self_attn.v_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
+            cos, sin = rotary(vs, torch.arange(n)[None])
+            qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
+            attn = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            residual = hidden + attn[0].transpose(0, 1).reshape(n, nh * hd) @ w["self_attn.o_proj.weight"].T
+            m = rms(residual, "post_attention_layernorm")
+            m = torch.nn.functional.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)
+            prenorm = residual + m @ w["mlp.down_proj.weight"].T
+            return rms(prenorm, "norm"), prenorm
+
+        inputs = [(tokens[p + 1], fused[p]) for p in range(len(tokens) - 1)]
+        drafts = []
+        for _ in range(k):
+            normed, prenorm = head(inputs)
+            draft = int((normed[-1] @ w["lm_head.weight"].T).argmax())
+            drafts.append(draft + int(w["d2t"][draft]))
+            inputs.append((drafts[-1], prenorm[-1]))
+        return drafts
+
+
+def test_an_eagle3_head_drafts_what_dense_eagle3_drafts_and_changes_no_token(deep_tiny, eagle3_head):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from pagoda.offline import LLM
+
+    spec = {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3}
+    llm = LLM(deep_tiny[0], dtype="float32", skip_tokenizer_init=True, num_gpu_blocks=200, speculative_config=spec)
+    assert llm.executor.runner.drafter.aux_layers == (2, 4, 5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = _generate(llm, PROMPTS[:2], params)
+    seen = _recording(llm.executor.runner.drafter)
+    assert _generate(llm, PROMPTS[:2], params, spec) == expected
+    assert len(seen) >= 6
+    weights, config = load_file(f"{eagle3_head}/model.safetensors"), AutoConfig.from_pretrained(eagle3_head)
+    for tokens, drafts in seen:
+        assert drafts == _eagle3_reference(deep_tiny[1], weights, config, tokens, len(drafts)), tokens
+
+
+def _recording(drafter) -> list[tuple[list[int], list[int]]]:
+    """Record each drafting row's tokens and drafts as the drafter proposes them."""
+    seen, propose = [], drafter.propose
 
     def recorded(step, rows, starts, ks, scheduled):
         drafts, o = propose(step, rows, starts, ks, scheduled).tolist(), 0
@@ -307,15 +427,4 @@ def test_an_eagle_head_drafts_what_dense_eagle_drafts_and_changes_no_token(tiny,
         return torch.tensor(drafts, dtype=torch.int64)
 
     drafter.propose = recorded
-    assert _generate(llm, prompts, params, spec) == expected
-    assert len(seen) >= 6 and llm.scheduler.speculator.num_draft_tokens > 0
-    weights, config = load_file(f"{eagle_head}/model.safetensors"), AutoConfig.from_pretrained(eagle_head)
-    for tokens, drafts in seen:
-        assert drafts == _eagle_reference(target, weights, config, tokens, len(drafts)), tokens
-
-
-def test_eagle_is_refused_with_tensor_parallelism_and_eagle3_is_not_built(eagle_head):
-    with pytest.raises(ConfigError, match="eagle with --tensor-parallel-size > 1 is not built"):
-        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "eagle", "model": eagle_head})
-    with pytest.raises(ConfigError, match="not built yet"):
-        EngineConfig(speculative_config={"method": "eagle3", "model": eagle_head})
+    return seen

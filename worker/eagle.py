@@ -1,6 +1,9 @@
-"""[speculative] `method: eagle`: an EAGLE head (Li et al. 2024) drafts from the target's own
-hidden states, in the checkpoint format vLLM loads (EAGLE-1 for Llama: `fc` over [embedding,
-hidden] then one decoder layer without its input norm; the target's embeddings and LM head).
+"""[speculative] `method: eagle` / `eagle3`: an EAGLE head (Li et al. 2024, 2025) drafts from the
+target's own hidden states, in the checkpoint layouts vLLM loads for Llama-shaped targets:
+EAGLE-1, `fc` over [embedding, hidden] then one decoder layer without its input norm, the
+target's LM head; EAGLE-3, `fc` fusing the residual stream entering three of the target's layers,
+one layer over [norm(embedding), norm(hidden)], its own norm and LM head over a draft vocabulary
+(`d2t` maps it to the target's). Both use the target's embeddings.
 
 The head's input at position p is (token p + 1, the target's hidden state at p), and its output
 there predicts token p + 2. It runs on rank 0 of a group of one, just before the target's
@@ -32,7 +35,7 @@ from common.plan_state import ScheduledSequence
 from worker.context import AttentionContext, attention_context
 from worker.input_batch import StepTensors
 from worker.loader import hf_directory
-from worker.models.layers import RMSNorm, RotaryEmbedding, default_weight_loader
+from worker.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, default_weight_loader
 from worker.models.llama import LlamaAttention, LlamaMLP, head_dim_of
 from worker.models.weights import iter_safetensors
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
@@ -61,6 +64,55 @@ class EagleLayer(nn.Module):
         return self.mlp(h) + residual
 
 
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's one layer (`midlayer` in its checkpoints): attention over [norm(embedding),
+    norm(hidden)] (q, k, v take 2 x hidden), the hidden states as the residual stream."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, 0)
+        head_dim = head_dim_of(config)
+        self.self_attn.qkv_proj = QKVParallelLinear(2 * config.hidden_size, head_dim, config.num_attention_heads,
+                                                    config.num_key_value_heads,
+                                                    bias=bool(getattr(config, "attention_bias", False)))
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, embeddings, h, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = h
+        x = torch.cat([self.input_layernorm(embeddings), self.hidden_norm(h)], dim=-1)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, x, rotary), residual)
+        return self.mlp(h), residual
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 (Li et al. 2025): `fc` fuses three of the target's layers' hidden states (low, middle,
+    high); one layer; its own norm and LM head over a draft vocabulary mapped to the target's by
+    `d2t` (target id = draft id + d2t[draft id])."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(3 * getattr(config, "target_hidden_size", h), h, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(config)])
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.draft_vocab_size = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        self.d2t = nn.Parameter(torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False)
+        self.rotary = RotaryEmbedding(head_dim_of(config))
+
+    def forward(self, embeddings, hidden, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed output for the logits, the output before the norm: the next pass's hidden)."""
+        h, residual = self.layers[0](positions, embeddings, hidden, self.rotary)
+        return self.norm(h, residual)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
 class EagleHead(nn.Module):
     def __init__(self, config, fc_bias: bool) -> None:
         super().__init__()
@@ -69,33 +121,38 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([EagleLayer(config)])
         self.rotary = RotaryEmbedding(head_dim_of(config))
 
-    def forward(self, embeddings: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.layers[0](positions, self.fc(torch.cat([embeddings, hidden], dim=-1)), self.rotary)
+    def forward(self, embeddings: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        out = self.layers[0](positions, self.fc(torch.cat([embeddings, hidden], dim=-1)), self.rotary)
+        return out, out
 
-    def load_weights(self, weights) -> None:
-        params = dict(self.named_parameters())
-        owners = {f"{prefix}.{name}" if prefix else name: module for prefix, module in self.named_modules()
-                  for name, _ in module.named_parameters(recurse=False)}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith(SHARED) or "rotary_emb.inv_freq" in name:
-                continue
-            shard = None
-            for ours, theirs, shard_id in STACKED_PARAMS:
-                if f".{theirs}." in name:
-                    name, shard = name.replace(f".{theirs}.", f".{ours}."), shard_id
-                    break
-            if name not in params:
-                raise ValueError(f"the EAGLE checkpoint's {name} is no weight of an EAGLE-1 Llama head")
-            param = params[name]
-            loader = getattr(param, "weight_loader", None) or getattr(owners[name], "weight_loader",
-                                                                       default_weight_loader)
+
+def load_head_weights(head: nn.Module, weights) -> None:
+    params = dict(head.named_parameters())
+    owners = {f"{prefix}.{name}" if prefix else name: module for prefix, module in head.named_modules()
+              for name, _ in module.named_parameters(recurse=False)}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        name = name.removeprefix("model.").replace("midlayer.", "layers.0.")
+        if (name.startswith(SHARED) and name not in params) or "rotary_emb.inv_freq" in name or name == "t2d":
+            continue
+        shard = None
+        for ours, theirs, shard_id in STACKED_PARAMS:
+            if f".{theirs}." in name:
+                name, shard = name.replace(f".{theirs}.", f".{ours}."), shard_id
+                break
+        if name not in params:
+            raise ValueError(f"the EAGLE checkpoint's {name} is no weight of {type(head).__name__}")
+        param = params[name]
+        loader = getattr(param, "weight_loader", None) or getattr(owners[name], "weight_loader",
+                                                                   default_weight_loader)
+        if name == "d2t":
+            param.data.copy_(tensor.load())
+        else:
             loader(param, tensor, shard)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"weights missing from the EAGLE checkpoint: {missing[:5]}")
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"weights missing from the EAGLE checkpoint: {missing[:5]}")
 
 
 class EagleDrafter:
@@ -109,17 +166,24 @@ class EagleDrafter:
         if hf_config.hidden_size != target.config.hidden_size:
             raise ValueError(f"the EAGLE head {source.name} has hidden size {hf_config.hidden_size}, the target "
                              f"{target.config.hidden_size}")
+        self.eagle3 = config.speculative.method == "eagle3"
         names = [name for name, _ in iter_safetensors(hf_directory(source))]
         group = get_tp_group()
         set_tp_group(TensorParallelGroup())  # whole on rank 0
         try:
-            head = EagleHead(hf_config, fc_bias=any(n.removeprefix("model.") == "fc.bias" for n in names))
+            head = (Eagle3Head(hf_config) if self.eagle3 else
+                    EagleHead(hf_config, fc_bias=any(n.removeprefix("model.") == "fc.bias" for n in names)))
         finally:
             set_tp_group(group)
-        head.load_weights(iter_safetensors(hf_directory(source)))
+        load_head_weights(head, iter_safetensors(hf_directory(source)))
         head.rotary.init_cache(LlamaRotaryEmbedding, hf_config, max_model_len)
         self.head = head.to(device=device, dtype=dtype).eval()
         self.target = target
+        # EAGLE-3 reads the residual stream entering three of the target's layers (vLLM's choice)
+        num_layers = len(target.layers)
+        self.aux_layers = (2, num_layers // 2, num_layers - 3) if self.eagle3 else ()
+        if self.eagle3 and num_layers < 7:  # three distinct layers, in order
+            raise ValueError(f"EAGLE-3 reads the target's layers 2, L/2 and L-3: the target has {num_layers}")
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
         self.layers = [head.layers[0].self_attn.attn]
         self.max_positions = max_model_len
@@ -144,8 +208,14 @@ class EagleDrafter:
         self.pending.clear()
 
     def _run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, context: AttentionContext):
+        """(the output the logits read, the next pass's hidden input)."""
         with attention_context(context):
             return self.head(self.target.model.embed_tokens(ids), hidden.to(self.dtype), positions)
+
+    def _greedy(self, out: torch.Tensor) -> torch.Tensor:
+        if self.eagle3:
+            return self.head.to_target_ids(self.head.lm_head(out).argmax(dim=-1))
+        return self.target.compute_logits(out).argmax(dim=-1)
 
     @torch.inference_mode()
     def propose(self, step: StepTensors, rows: list[int], starts: list[int], ks: list[int],
@@ -188,12 +258,14 @@ class EagleDrafter:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         )
-        out = self._run(torch.tensor(ids, device=device), torch.cat(hiddens),
-                        torch.tensor(positions, device=device), context)
+        hidden = torch.cat(hiddens).to(self.dtype)
+        if self.eagle3:  # the three layers' states, fused
+            hidden = self.head.fc(hidden)
+        out, g = self._run(torch.tensor(ids, device=device), hidden, torch.tensor(positions, device=device), context)
         if not with_first:
             return _flat(drafts, ks)
-        g = out[torch.tensor([last[rows[j]] for j in with_first], device=device)]
-        token = self.target.compute_logits(g).argmax(dim=-1)
+        index = torch.tensor([last[rows[j]] for j in with_first], device=device)
+        token, g = self._greedy(out[index]), g[index]
         live = with_first
         drafts[live, 0] = token
         flat = torch.tensor(starts, dtype=torch.int64, device=device)
@@ -211,8 +283,8 @@ class EagleDrafter:
                 seq_lens=(pos + 1).to(torch.int32),
                 cu_seqlens_q=torch.arange(len(live) + 1, dtype=torch.int32, device=device),
             )
-            g = self._run(token, g, pos, context)
-            token = self.target.compute_logits(g).argmax(dim=-1)
+            out, g = self._run(token, g, pos, context)
+            token = self._greedy(out)
             drafts[live, i] = token
         return _flat(drafts, ks)
 

@@ -161,14 +161,17 @@ class ModelRunner:
         self.draft_kv_bytes_per_block = 0
         self.keeps_hidden = False  # [speculative] EAGLE: the last forward's hidden states, kept
         self.last_hidden: torch.Tensor | None = None
+        self._aux: list[torch.Tensor] = []  # EAGLE-3's, of the forward running
         spec = config.speculative
         if spec is None or not spec.drafts_on_worker:
             return None
-        if spec.method == "eagle":  # rank 0 only (a group of one: the config refuses more)
+        if spec.method in ("eagle", "eagle3"):  # rank 0 only (a group of one: the config refuses more)
             drafter = EagleDrafter(config, self.model, self.dtype, self.device, self.max_model_len,
                                    self.kv_cache_dtype)
             self.draft_kv_bytes_per_block = drafter.kv_bytes_per_block(config.block_size)
             self.keeps_hidden = True
+            for i in drafter.aux_layers:  # EAGLE-3: the residual stream entering these layers
+                self.model.layers[i].register_forward_pre_hook(self._capture_aux)
             return drafter
         drafter = DraftModel(config, self.device, self.max_model_len, int(self.hf_config.vocab_size))
         self.max_model_len = min(self.max_model_len, drafter.max_positions)
@@ -180,6 +183,10 @@ class ModelRunner:
                            max_model_len=self.max_model_len, kv_cache_dtype=drafter.kv_cache_dtype,
                            attention_variants={(a.sliding_window, a.logit_softcap) for a in drafter.layers})
         return drafter if rank == 0 else None
+
+    def _capture_aux(self, layer, args) -> None:
+        h, residual = args[1], args[2]  # (positions, h, residual, rotary)
+        self._aux.append(h if residual is None else h + residual)
 
     def _eager_decode(self) -> bool:
         if self.config.enforce_eager or self.keeps_hidden:
@@ -306,10 +313,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_eager(self, step: StepTensors, scored_indices: torch.Tensor | None = None) -> torch.Tensor | None:
         """The model on the step's own shapes (prefill, mixed steps, and everything with enforce_eager)."""
+        self._aux.clear()
         with attention_context(step.context):
             hidden = self.model(step.input_ids, step.positions)
         if self.keeps_hidden:
-            self.last_hidden = hidden
+            self.last_hidden = torch.cat(self._aux, dim=-1) if self._aux else hidden
         self.scored_hidden = None if scored_indices is None else hidden[scored_indices]
         return self.model.compute_logits(hidden[step.logits_indices])
 
