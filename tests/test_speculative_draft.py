@@ -19,7 +19,7 @@ import torch
 
 from common.config import ConfigError, EngineConfig
 from common.protocol import SamplingParams, StructuredOutput
-from tests.conftest import TINY_LLAMA
+from tests.conftest import ROOT, TINY_LLAMA
 from tests.test_speculative import COPY_PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -218,28 +218,10 @@ def test_a_draft_models_drafts_are_checked_against_the_grammar(default_drafting_
 
 
 @pytest.fixture(scope="module")
-def eagle_head(tiny, tmp_path_factory) -> str:
-    """A random EAGLE-1 head for the tiny target, in the checkpoint layout vLLM loads (fc, one
-    layer without input_layernorm; the target's embeddings and LM head)."""
-    from safetensors.torch import save_file
+def eagle_head(tmp_path_factory) -> str:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(TINY_LLAMA)
-    config.num_hidden_layers = 1
-    config.architectures = ["EagleLlamaForCausalLM"]
-    h, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    gen = torch.Generator().manual_seed(5)
-    shapes = {"fc.weight": (h, 2 * h), "layers.0.self_attn.q_proj.weight": (q, h),
-              "layers.0.self_attn.k_proj.weight": (kv, h), "layers.0.self_attn.v_proj.weight": (kv, h),
-              "layers.0.self_attn.o_proj.weight": (h, q), "layers.0.mlp.gate_proj.weight": (inter, h),
-              "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter)}
-    weights = {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in shapes.items()}
-    weights["layers.0.post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
-    path = tmp_path_factory.mktemp("tiny-eagle")
-    config.save_pretrained(path)
-    save_file(weights, str(path / "model.safetensors"))
-    return str(path)
+    return _write_eagle_head(tmp_path_factory.mktemp("tiny-eagle"), AutoConfig.from_pretrained(TINY_LLAMA), False, 5)
 
 
 def _eagle_reference(target, weights: dict, config, tokens: list[int], k: int) -> list[int]:
@@ -326,32 +308,9 @@ def deep_tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eagle3_head(tmp_path_factory) -> str:
-    """A random EAGLE-3 head in its checkpoint layout (`midlayer.*`, fc over 3 x hidden, q/k/v
-    over 2 x hidden, its own norm and LM head over a draft vocabulary of 200, d2t)."""
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(TINY_LLAMA)
-    config.num_hidden_layers, config.draft_vocab_size = 1, 200
-    config.architectures = ["Eagle3LlamaForCausalLM"]
-    h, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    gen = torch.Generator().manual_seed(6)
-    shapes = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (q, 2 * h),
-              "midlayer.self_attn.k_proj.weight": (kv, 2 * h), "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
-              "midlayer.self_attn.o_proj.weight": (h, q), "midlayer.mlp.gate_proj.weight": (inter, h),
-              "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter),
-              "lm_head.weight": (200, h)}
-    weights = {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in shapes.items()}
-    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
-        weights[f"{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
-    draft_to_target = torch.sort(torch.randperm(512, generator=gen)[:200]).values
-    weights["d2t"] = draft_to_target - torch.arange(200)
-    weights["t2d"] = torch.zeros(512, dtype=torch.bool).index_fill_(0, draft_to_target, True)
-    path = tmp_path_factory.mktemp("tiny-eagle3")
-    config.save_pretrained(path)
-    save_file(weights, str(path / "model.safetensors"))
-    return str(path)
+    return _write_eagle_head(tmp_path_factory.mktemp("tiny-eagle3"), AutoConfig.from_pretrained(TINY_LLAMA), True, 6)
 
 
 def _eagle3_reference(target, weights: dict, config, tokens: list[int], k: int) -> list[int]:
@@ -428,3 +387,56 @@ def _recording(drafter) -> list[tuple[list[int], list[int]]]:
 
     drafter.propose = recorded
     return seen
+
+
+def _write_eagle_head(path, config, eagle3: bool, seed: int) -> str:
+    """A random EAGLE-1 or EAGLE-3 head for targets of `config`'s shape, in the checkpoint layout
+    vLLM loads. EAGLE-1: fc over [embedding, hidden], one layer without input_layernorm (the
+    target's embeddings and LM head). EAGLE-3: `midlayer.*` with q/k/v over 2 x hidden, fc over 3 x
+    hidden, its own norm and LM head over a draft vocabulary of 200, d2t and t2d."""
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = 1
+    config.architectures = ["Eagle3LlamaForCausalLM" if eagle3 else "EagleLlamaForCausalLM"]
+    h, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv, qkv_in = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, h * (1 + eagle3)
+    layer = "midlayer" if eagle3 else "layers.0"
+    shapes = {"fc.weight": (h, (3 if eagle3 else 2) * h), f"{layer}.self_attn.q_proj.weight": (q, qkv_in),
+              f"{layer}.self_attn.k_proj.weight": (kv, qkv_in), f"{layer}.self_attn.v_proj.weight": (kv, qkv_in),
+              f"{layer}.self_attn.o_proj.weight": (h, q), f"{layer}.mlp.gate_proj.weight": (inter, h),
+              f"{layer}.mlp.up_proj.weight": (inter, h), f"{layer}.mlp.down_proj.weight": (h, inter)}
+    norms = [f"{layer}.post_attention_layernorm"]
+    if eagle3:
+        config.draft_vocab_size = 200
+        shapes["lm_head.weight"] = (200, h)
+        norms += [f"{layer}.input_layernorm", f"{layer}.hidden_norm", "norm"]
+    gen = torch.Generator().manual_seed(seed)
+    weights = {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in shapes.items()}
+    for norm in norms:
+        weights[f"{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    if eagle3:
+        draft_to_target = torch.sort(torch.randperm(config.vocab_size, generator=gen)[:200]).values
+        weights["d2t"] = draft_to_target - torch.arange(200)
+        weights["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, draft_to_target, True)
+    config.save_pretrained(path)
+    save_file(weights, str(path / "model.safetensors"))
+    return str(path)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_the_default_model_with_a_random_eagle_head_changes_no_token(method, tmp_path):
+    """Random heads of the default model's shape (no trained one can be fetched here): the
+    outputs are the tokens without drafts, whatever the drafts."""
+    from transformers import AutoConfig
+
+    from pagoda.offline import LLM
+
+    config = AutoConfig.from_pretrained(str(ROOT / "worker" / "configs" / "smollm2-135m.json"))
+    spec = {"method": method, "model": _write_eagle_head(tmp_path, config, method == "eagle3", 7),
+            "num_speculative_tokens": 3}
+    llm = LLM("default", quantization="none", num_gpu_blocks=100, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = _generate(llm, COPY_PROMPTS[:1], params)
+    assert _generate(llm, COPY_PROMPTS[:1], params, spec) == expected
+    assert llm.scheduler.speculator.num_draft_tokens > 0
