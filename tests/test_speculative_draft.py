@@ -224,31 +224,36 @@ def eagle_head(tmp_path_factory) -> str:
     return _write_eagle_head(tmp_path_factory.mktemp("tiny-eagle"), AutoConfig.from_pretrained(TINY_LLAMA), False, 5)
 
 
+def _causal_attention(x: torch.Tensor, weights: dict, prefix: str, config, rotary) -> torch.Tensor:
+    """A Llama attention block's output over positions 0..n-1 of x, dense (transformers' rotary)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    n, nh, nkv, hd = x.shape[0], config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    qs, ks, vs = ((x @ weights[f"{prefix}.{p}_proj.weight"].T).view(n, heads, hd).transpose(0, 1)[None]
+                  for p, heads in (("q", nh), ("k", nkv), ("v", nkv)))
+    cos, sin = rotary(vs, torch.arange(n)[None])
+    qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
+    attn = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+    return attn[0].transpose(0, 1).reshape(n, nh * hd) @ weights[f"{prefix}.o_proj.weight"].T
+
+
 def _eagle_reference(target, weights: dict, config, tokens: list[int], k: int) -> list[int]:
     """EAGLE-1's k greedy drafts after `tokens`, dense: the head's input at position p is
     (embedding of token p + 1, the target's last hidden state at p), causal over p = 0..L-1, then
     each draft with the head's own output before it."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     with torch.no_grad():
         hidden = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
         embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
         rotary = LlamaRotaryEmbedding(config)
-        nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
 
         def rms(x, w):
             return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps))
 
         def head(inputs):  # inputs: [(token, hidden)] at positions 0..n-1 -> outputs [n, h]
             x = torch.cat([embed[[t for t, _ in inputs]], torch.stack([g for _, g in inputs])], -1) @ weights["fc.weight"].T
-            n = x.shape[0]
-            qs = (x @ weights["layers.0.self_attn.q_proj.weight"].T).view(n, nh, hd).transpose(0, 1)[None]
-            ks = (x @ weights["layers.0.self_attn.k_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
-            vs = (x @ weights["layers.0.self_attn.v_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
-            cos, sin = rotary(vs, torch.arange(n)[None])
-            qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
-            attn = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            x = x + attn[0].transpose(0, 1).reshape(n, nh * hd) @ weights["layers.0.self_attn.o_proj.weight"].T
+            x = x + _causal_attention(x, weights, "layers.0.self_attn", config, rotary)
             m = rms(x, weights["layers.0.post_attention_layernorm.weight"])
             m = torch.nn.functional.silu(m @ weights["layers.0.mlp.gate_proj.weight"].T) * (
                 m @ weights["layers.0.mlp.up_proj.weight"].T)
@@ -317,14 +322,13 @@ def _eagle3_reference(target, weights: dict, config, tokens: list[int], k: int) 
     """EAGLE-3's k greedy drafts after `tokens`, dense: at position p, (embedding of token p + 1,
     fc(the residual stream entering target layers 2, 4, 5 at p)); each draft then with the head's
     output before its final norm."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     w = {name.replace("midlayer.", ""): t for name, t in weights.items()}
     with torch.no_grad():
         states = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
         fused = torch.cat([states[2][0], states[4][0], states[5][0]], -1) @ w["fc.weight"].T
         embed, rotary = target.model.embed_tokens.weight, LlamaRotaryEmbedding(config)
-        nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
 
         def rms(x, name):
             return w[f"{name}.weight"] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps))
@@ -332,14 +336,7 @@ def _eagle3_reference(target, weights: dict, config, tokens: list[int], k: int) 
         def head(inputs):  # [(token, hidden)] at positions 0..n-1 -> (normed, prenorm) [n, h]
             e, hidden = embed[[t for t, _ in inputs]], torch.stack([g for _, g in inputs])
             x = torch.cat([rms(e, "input_layernorm"), rms(hidden, "hidden_norm")], -1)
-            n = x.shape[0]
-            qs = (x @ w["self_attn.q_proj.weight"].T).view(n, nh, hd).transpose(0, 1)[None]
-            ks = (x @ w["self_attn.k_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
-            vs = (x @ w["self_attn.v_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
-            cos, sin = rotary(vs, torch.arange(n)[None])
-            qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
-            attn = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            residual = hidden + attn[0].transpose(0, 1).reshape(n, nh * hd) @ w["self_attn.o_proj.weight"].T
+            residual = hidden + _causal_attention(x, w, "self_attn", config, rotary)
             m = rms(residual, "post_attention_layernorm")
             m = torch.nn.functional.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)
             prenorm = residual + m @ w["mlp.down_proj.weight"].T

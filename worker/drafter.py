@@ -104,13 +104,7 @@ class DraftModel:
         for i in range(1, max(ks) + 1):  # d_i at position L+i: its KV, and d_(i+1) where k > i
             live = [j for j, k in enumerate(ks) if k >= i]
             at = flat[live] + i
-            positions = step.positions[at]
-            context = AttentionContext(
-                slot_mapping=step.context.slot_mapping[at],
-                block_tables=step.context.block_tables.index_select(0, table_rows[live]),
-                seq_lens=(positions + 1).to(torch.int32),
-                cu_seqlens_q=torch.arange(len(live) + 1, dtype=torch.int32, device=device),
-            )
+            positions, context = one_token_each(step, at, table_rows[live])
             with attention_context(context):
                 hidden = self.model(token[live], positions)
             more = [n for n, j in enumerate(live) if ks[j] > i]
@@ -125,3 +119,16 @@ class DraftModel:
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).argmax(dim=-1)
+
+
+def one_token_each(step: StepTensors, at: torch.Tensor, table_rows: torch.Tensor) -> tuple[torch.Tensor, AttentionContext]:
+    """(positions, attention context) of a drafting pass: one token per row, at the step's flat
+    token indices `at` (their positions and slots), under the rows `table_rows` of the step's
+    block tables, each seeing the keys up to its own position."""
+    positions = step.positions[at]
+    return positions, AttentionContext(
+        slot_mapping=step.context.slot_mapping[at],
+        block_tables=step.context.block_tables.index_select(0, table_rows),
+        seq_lens=(positions + 1).to(torch.int32),
+        cu_seqlens_q=torch.arange(len(at) + 1, dtype=torch.int32, device=at.device),
+    )

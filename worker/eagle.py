@@ -33,6 +33,7 @@ from common.config import EngineConfig
 from common.models import resolve_model
 from common.plan_state import ScheduledSequence
 from worker.context import AttentionContext, attention_context
+from worker.drafter import one_token_each
 from worker.input_batch import StepTensors
 from worker.loader import hf_directory
 from worker.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, default_weight_loader
@@ -275,14 +276,7 @@ class EagleDrafter:
             if not keep:
                 break
             live, token, g = [live[n] for n in keep], token[keep], g[keep]
-            at = flat[live] + i - 1
-            pos = step.positions[at]
-            context = AttentionContext(
-                slot_mapping=step.context.slot_mapping[at],
-                block_tables=step.context.block_tables.index_select(0, scheduled_rows[live]),
-                seq_lens=(pos + 1).to(torch.int32),
-                cu_seqlens_q=torch.arange(len(live) + 1, dtype=torch.int32, device=device),
-            )
+            pos, context = one_token_each(step, flat[live] + i - 1, scheduled_rows[live])
             out, g = self._run(token, g, pos, context)
             token = self._greedy(out)
             drafts[live, i] = token
