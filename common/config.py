@@ -95,7 +95,7 @@ class EngineConfig:
     # [speculative] (docs/speculative.md); a dict from LLM(speculative_config=...) becomes its JSON text
     speculative_config: str | None = option(None, "--speculative-config",
                                             "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
-                                            "\"num_speculative_tokens\": 4}' (methods: ngram, draft_model; docs/speculative.md)")
+                                            "\"num_speculative_tokens\": 4}' (methods: ngram, draft_model, eagle, eagle3; docs/speculative.md)")
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")

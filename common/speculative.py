@@ -47,6 +47,8 @@ class SpeculativeConfig:
         _check(self.draft_tensor_parallel_size in (None, 1), "draft_tensor_parallel_size must be 1 (or unset)")
         _check(self.method == "ngram" or bool(self.model),
                f'method "{self.method}" needs "model": the draft\'s checkpoint (a name --model takes)')
+        _check(self.quantization is None or self.method == "draft_model",
+               'the speculative "quantization" key is the draft model\'s (method "draft_model")')
 
     @property
     def drafts_on_worker(self) -> bool:

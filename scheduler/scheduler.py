@@ -490,8 +490,6 @@ class Scheduler:
             return True
         if self._in_flight[-1].samples.get(seq.seq_id) != 1 or self._wants_drafts(seq):
             return False
-        if self.speculator is not None and self.speculator.config.method.startswith("eagle"):
-            return False  # [speculative] the head's catch-up reads every token on the worker's host
         max_tokens = seq.sampling_params.max_tokens
         # with the token in flight
         return (max_tokens is None or num_output + 1 < max_tokens) and num_tokens + 1 < self.max_model_len

@@ -34,7 +34,7 @@ def draft_config(model: str, k: int = 4) -> dict:
 @pytest.fixture(scope="module")
 def drafts(tiny, tmp_path_factory) -> dict[str, str]:
     """Draft checkpoints for the tiny target: "self" (the target), "close" (its weights plus noise)
-    and "foreign" (random, one layer, other head shapes)."""
+    and "foreign" (random, one layer, other head shapes, a context of 256 positions)."""
     from transformers import AutoConfig, LlamaForCausalLM
 
     directory, model = tiny
@@ -45,6 +45,7 @@ def drafts(tiny, tmp_path_factory) -> dict[str, str]:
             p.add_(torch.randn_like(p) * 0.05 * p.abs().mean())
     config = AutoConfig.from_pretrained(TINY_LLAMA)
     config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 1, 2, 1, 32
+    config.max_position_embeddings = 256  # a shorter context than the target's 1024
     foreign = LlamaForCausalLM(config).eval()
     paths = {"self": str(directory)}
     for name, m in (("close", close), ("foreign", foreign)):
@@ -94,6 +95,7 @@ def test_tiny_drafts_change_no_token_of_greedy_seeded_or_stopped_outputs(tiny, d
         assert _generate(llm, PROMPTS, params, draft_config(drafts[name])) == expected
     spec = llm.scheduler.speculator
     assert spec.num_draft_tokens > 0
+    assert llm.config.max_model_len == (1024 if name == "close" else 256)  # the shorter context of the two
     if name == "close":  # agrees often, not always: both paths of the verification ran
         assert 0.3 * spec.num_draft_tokens < spec.num_accepted_tokens < spec.num_draft_tokens
 
@@ -189,6 +191,8 @@ def test_the_speculative_quantization_key_is_the_drafts_own():
     assert EngineConfig(speculative_config=INT4_SELF).speculative.quantization == "int4"
     with pytest.raises(ConfigError, match="speculative quantization must be one of"):
         EngineConfig(speculative_config={**INT4_SELF, "quantization": "int3"})
+    with pytest.raises(ConfigError, match='"quantization" key is the draft model'):
+        EngineConfig(speculative_config={"method": "eagle", "model": "x", "quantization": "int4"})
 
 
 def test_the_default_model_drafted_by_its_int4_self_changes_no_token(default_drafting_itself):

@@ -16,9 +16,10 @@ target's block ids:
   pass i:    d_(i-1) with the head's own output before it, at position L + i - 2: d_i.
 
 The catch-up of the next step rewrites the positions the drafting passes wrote, with the target's
-hidden states, as far as the target kept the drafts. A sequence that lost its kept states (a
-swap, a recompute's first step) drafts nothing useful for a step: its placeholders stay 0 and are
-rejected. A block shared from the prefix cache holds the head's KV of its last position for the
+hidden states, as far as the target kept the drafts. Under async scheduling a position whose next
+token is still on the device waits for a later catch-up. A sequence that lost its kept states (a
+swap) drafts nothing useful for a step: its placeholders stay 0 and are rejected, and the head's KV of the positions of its last step before stays empty. A block
+shared from the prefix cache holds the head's KV of its last position for the
 token that followed it in the sequence that computed it, which may not be this one's next token:
 acceptance, never the output, can tell.
 """
@@ -287,7 +288,7 @@ class EagleDrafter:
         i = 0
         for s in scheduled:
             n = s.num_scheduled_tokens
-            kept = hidden[i:i + n]
+            kept = hidden[i:i + n].clone()  # not a view: the step's whole tensor would stay alive
             left = self.pending.get(s.seq_id)  # positions whose next token the catch-up lacked
             if left is not None and left[0] + left[1].shape[0] == s.num_computed_tokens:
                 self.pending[s.seq_id] = (left[0], torch.cat([left[1], kept]))

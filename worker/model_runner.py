@@ -172,17 +172,24 @@ class ModelRunner:
             self.keeps_hidden = True
             for i in drafter.aux_layers:  # EAGLE-3: the residual stream entering these layers
                 self.model.layers[i].register_forward_pre_hook(self._capture_aux)
+            self._warm_up_drafter(drafter)
             return drafter
-        drafter = DraftModel(config, self.device, self.max_model_len, int(self.hf_config.vocab_size))
+        # the draft at its own context (or --max-model-len where given): the engine's is the shorter
+        drafter = DraftModel(config, self.device, config.max_model_len, int(self.hf_config.vocab_size))
         self.max_model_len = min(self.max_model_len, drafter.max_positions)
         self.draft_kv_bytes_per_block = drafter.kv_bytes_per_block(config.block_size)
-        if self.device.type == "cuda" and rank == 0:
+        if rank == 0:
+            self._warm_up_drafter(drafter)
+        return drafter if rank == 0 else None
+
+    def _warm_up_drafter(self, drafter) -> None:
+        """CUDA: the draft's (or head's) attention kernels compile now, not while serving."""
+        if self.device.type == "cuda":
             a = drafter.layers[0]
             kernels.warmup(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                           block_size=config.block_size, dtype=drafter.dtype, device=self.device,
+                           block_size=self.config.block_size, dtype=drafter.dtype, device=self.device,
                            max_model_len=self.max_model_len, kv_cache_dtype=drafter.kv_cache_dtype,
                            attention_variants={(a.sliding_window, a.logit_softcap) for a in drafter.layers})
-        return drafter if rank == 0 else None
 
     def _capture_aux(self, layer, args) -> None:
         h, residual = args[1], args[2]  # (positions, h, residual, rotary)
