@@ -112,6 +112,33 @@ def test_greedy_matches_transformers_under_preemption(hf_outputs, prompt_ids, nu
     assert bm.num_free_blocks == bm.num_total_blocks
 
 
+SPEC_MAX_TOKENS = 16  # four more engines, three with a second model to run: fewer tokens keep them within budget
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+def test_greedy_with_each_speculative_method_matches_transformers(method, hf_outputs, prompt_ids, device, tmp_path):
+    """[speculative] The parity prompts with drafts: transformers' greedy tokens whatever the drafts
+    (n-gram lookups; the default model as its own draft model; random EAGLE-1 and EAGLE-3 heads of
+    its shape, as no trained one can be fetched here)."""
+    from transformers import AutoConfig
+
+    from common.protocol import SamplingParams
+    from pagoda.offline import LLM
+    from tests.conftest import ROOT
+    from tests.test_speculative_draft import _write_eagle_head
+
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = "default"
+    elif method.startswith("eagle"):
+        config = AutoConfig.from_pretrained(str(ROOT / "worker" / "configs" / "smollm2-135m.json"))
+        spec["model"] = _write_eagle_head(tmp_path, config, method == "eagle3", 7)
+    llm = LLM("default", device=device, dtype="float32", speculative_config=spec)
+    outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=SPEC_MAX_TOKENS), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [expected[:SPEC_MAX_TOKENS] for expected in hf_outputs]
+    assert llm.scheduler.speculator.num_draft_tokens > 0
+
+
 def test_chat_answer_names_paris(device):
     proc = subprocess.run(
         [sys.executable, "-m", "pagoda.cli", "generate", "--chat", "--prompt", "What is the capital of France?",

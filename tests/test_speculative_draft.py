@@ -19,7 +19,7 @@ import torch
 
 from common.config import ConfigError, EngineConfig
 from common.protocol import SamplingParams, StructuredOutput
-from tests.conftest import ROOT, TINY_LLAMA
+from tests.conftest import TINY_LLAMA
 from tests.test_speculative import COPY_PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -423,21 +423,3 @@ def _write_eagle_head(path, config, eagle3: bool, seed: int) -> str:
     config.save_pretrained(path)
     save_file(weights, str(path / "model.safetensors"))
     return str(path)
-
-
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_the_default_model_with_a_random_eagle_head_changes_no_token(method, tmp_path):
-    """Random heads of the default model's shape (no trained one can be fetched here): the
-    outputs are the tokens without drafts, whatever the drafts."""
-    from transformers import AutoConfig
-
-    from pagoda.offline import LLM
-
-    config = AutoConfig.from_pretrained(str(ROOT / "worker" / "configs" / "smollm2-135m.json"))
-    spec = {"method": method, "model": _write_eagle_head(tmp_path, config, method == "eagle3", 7),
-            "num_speculative_tokens": 3}
-    llm = LLM("default", quantization="none", num_gpu_blocks=100, speculative_config=spec)
-    params = SamplingParams(temperature=0, max_tokens=12)
-    expected = _generate(llm, COPY_PROMPTS[:1], params)
-    assert _generate(llm, COPY_PROMPTS[:1], params, spec) == expected
-    assert llm.scheduler.speculator.num_draft_tokens > 0
