@@ -73,7 +73,7 @@ def test_model_runner_copy_blocks_goes_through_kernels(monkeypatch):
 
     calls = []
     monkeypatch.setattr(kernels, "copy_blocks", lambda caches, pairs: calls.append((caches, pairs)))
-    runner = SimpleNamespace(kv_caches=[torch.zeros(1)])
+    runner = SimpleNamespace(kv_caches=[torch.zeros(1)], draft_kv_caches=[])
     ModelRunner.copy_blocks(runner, [[1, 2]])
     assert calls == [(runner.kv_caches, [[1, 2]])]
 

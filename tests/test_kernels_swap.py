@@ -116,7 +116,7 @@ def test_model_runner_swaps_go_through_its_swapper():
 
     device, host = _pools(3)
     original = [t.clone() for t in device]
-    runner = SimpleNamespace(swapper=BlockSwapper(device, host))
+    runner = SimpleNamespace(swapper=BlockSwapper(device, host), draft_swapper=None)
     ModelRunner.swap_out(runner, [[2, 5], [3, 6]])
     ModelRunner.swap_out(runner, [])
     ModelRunner.swap_in(runner, [[5, 10], [6, 11]])
@@ -134,7 +134,8 @@ def test_swap_bandwidth_is_measured_through_the_swap_path_and_leaves_both_pools_
     calls = []
     runner = SimpleNamespace(
         device=torch.device("cpu"), num_gpu_blocks=DEVICE_BLOCKS, num_cpu_blocks=HOST_BLOCKS, kv_bytes_per_block=12345,
-        swap_caches=host, swapper=swapper, _sync=lambda: None,
+        swap_caches=host, swapper=swapper, draft_swapper=None, _sync=lambda: None,
+        synchronize_swaps=lambda: ModelRunner.synchronize_swaps(runner),
         swap_out=lambda pairs: calls.append(("out", pairs)) or ModelRunner.swap_out(runner, pairs),
         swap_in=lambda pairs: calls.append(("in", pairs)) or ModelRunner.swap_in(runner, pairs),
     )

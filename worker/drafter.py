@@ -30,7 +30,7 @@ from common.models import resolve_model
 from kernels.kv_quant import kv_cache_dtype
 from worker.context import AttentionContext, attention_context
 from worker.input_batch import StepTensors
-from worker.loader import load_model, resolve_scheme
+from worker.loader import load_model, resolve_dtype, resolve_scheme
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,6 @@ class DraftModel:
     """The draft model and its KV pool's layers (allocated by the runner beside the target's)."""
 
     def __init__(self, config: EngineConfig, device: torch.device, max_model_len: int, vocab_size: int) -> None:
-        from worker.model_runner import resolve_dtype
-
         spec = config.speculative
         self.source = resolve_model(spec.model, None, config.download_dir)
         scheme = resolve_scheme(spec.quantization or config.quantization, self.source, device)

@@ -175,6 +175,16 @@ def load_model(
     return model, config
 
 
+def resolve_dtype(name: str, device: torch.device, scheme: QuantizationConfig | None = None) -> torch.dtype:
+    """--dtype: auto is bfloat16 on CUDA, float32 on the CPU, unless the quantization scheme's
+    kernels want another (the CPU int4/int8 kernels: bfloat16)."""
+    if name == "auto":
+        if scheme is not None and device.type in scheme.auto_dtype:
+            return scheme.auto_dtype[device.type]
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
 def resolve_scheme(flag: str, source: ModelSource, device: torch.device) -> QuantizationConfig | None:
     """The quantization scheme `--quantization flag` gives this model on `device`."""
     bits = _gguf_bits(source) if source.kind == "gguf" and flag == "auto" else None

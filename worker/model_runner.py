@@ -23,9 +23,8 @@ from worker.cuda_graph import DecodeRunner, batch_size_buckets
 from worker.drafter import DraftModel
 from worker.eagle import EagleDrafter
 from worker.input_batch import InputBatch, StepTensors
-from worker.loader import load_model, resolve_scheme
+from worker.loader import load_model, resolve_dtype, resolve_scheme
 from worker.lora import LoRAManager
-from worker.quantization import QuantizationConfig
 from worker.models.layers import local_only
 from worker.parallel import get_tp_group
 
@@ -43,16 +42,6 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", (torch.cuda.current_device() + rank) % torch.cuda.device_count())
     return device
-
-
-def resolve_dtype(name: str, device: torch.device, scheme: QuantizationConfig | None = None) -> torch.dtype:
-    """--dtype: auto is bfloat16 on CUDA, float32 on the CPU, unless the quantization scheme's
-    kernels want another (the CPU int4/int8 kernels: bfloat16)."""
-    if name == "auto":
-        if scheme is not None and device.type in scheme.auto_dtype:
-            return scheme.auto_dtype[device.type]
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 @dataclass(slots=True)
@@ -353,7 +342,8 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, src_to_dst: list[list[int]]) -> None:
         kernels.copy_blocks(self.kv_caches, src_to_dst)
-        kernels.copy_blocks(self.draft_kv_caches, src_to_dst)  # [speculative] (one shape per call)
+        if self.draft_kv_caches:  # [speculative] (one shape per call)
+            kernels.copy_blocks(self.draft_kv_caches, src_to_dst)
 
     @torch.inference_mode()
     def swap_out(self, device_to_cpu: list[list[int]]) -> None:
