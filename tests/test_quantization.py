@@ -187,6 +187,22 @@ def test_the_cpu_packed_kernels_agree_with_the_dequantized_weight_in_bfloat16(me
     assert torch.allclose(method.apply(layer, few, None).float(), dense, rtol=2e-2, atol=2e-2)
     # past packed_max_rows the dequantized weight itself
     assert torch.equal(method.apply(layer, many, None), nn.functional.linear(many, layer.weight))
+    # no rows (the logits of a step where no sequence samples: a prompt chunk before its last)
+    assert method.apply(layer, few[:0], None).shape == (0, 96)
+
+
+def test_a_prompt_in_chunks_under_int4_gives_the_tokens_of_one_chunk():
+    """The default model as served on the CPU (int4): a prompt of 150 tokens in chunks of 64, the
+    first two sampling nothing, gives the tokens the whole prompt in one step gives."""
+    from common.protocol import SamplingParams
+    from pagoda.offline import LLM
+
+    llm = LLM("default", device="cpu", quantization="int4")
+    prompt = [{"prompt_token_ids": list(range(100, 250))}]
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    whole = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    llm.reset(max_num_batched_tokens=64)
+    assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == whole
 
 
 def test_a_shape_the_cpu_int4_kernel_does_not_take_serves_the_dequantized_weight():

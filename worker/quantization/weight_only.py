@@ -107,7 +107,7 @@ class _WeightOnlyMethod(UnquantizedLinearMethod):
         raise NotImplementedError
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.packed is None or x.shape[0] > self.packed_max_rows:
+        if layer.packed is None or not 0 < x.shape[0] <= self.packed_max_rows:  # no rows: a step that samples none
             return F.linear(x, layer.weight, bias)
         y = self.packed_mm(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
