@@ -33,12 +33,15 @@ class SimSeq:
     table: list[int] = field(default_factory=list)
     held: bool = False  # the worker holds it (sent in full once)
     cpu_blocks: list[int] = field(default_factory=list)  # while swapped out
+    drafts: list[int] = field(default_factory=list)  # [speculative] verified by the step in flight
+    accepted: list[int] = field(default_factory=list)  # accepted drafts the next plan carries
 
 
 class PlanMaker:
     def __init__(self, seed: int, block_size: int, num_blocks: int, num_cpu_blocks: int, max_seqs: int,
-                 max_len: int = 60, vocab: int = 500) -> None:
+                 max_len: int = 60, vocab: int = 500, draft_rate: float = 0.0) -> None:
         self.rng = random.Random(seed)
+        self.draft_rate = draft_rate  # [speculative] how often a decoding sequence verifies 1-4 drafts
         self.bs, self.max_seqs, self.max_len, self.vocab = block_size, max_seqs, max_len, vocab
         self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
         self.ref = [0] * num_blocks
@@ -148,6 +151,11 @@ class PlanMaker:
     def _schedule(self, seq: SimSeq, plan: StepPlan) -> None:
         bs, remaining = self.bs, len(seq.tokens) - seq.num_computed
         n = 1 if remaining == 1 else self.rng.randint(1, remaining)
+        drafts = []
+        if seq.held and remaining == 1 and len(seq.tokens) > seq.num_prompt and self.rng.random() < self.draft_rate:
+            drafts = self._tokens(self.rng.randint(1, 4))
+            n = 1 + len(drafts)
+            self.stats["verify"] += 1
         start, end = seq.num_computed, seq.num_computed + n
         held_len, changed = len(seq.table), len(seq.table)
         for i in range(start // bs, min(len(seq.table), -(-end // bs))):  # copy-on-write of shared blocks
@@ -161,15 +169,27 @@ class PlanMaker:
         while len(seq.table) < -(-end // bs):
             seq.table.append(self._alloc())
         if seq.held:
-            plan.cached_seqs.append(CachedSequence(seq.seq_id, seq.table[changed:], changed, n, seq.tokens[-1]))
+            plan.cached_seqs.append(CachedSequence(seq.seq_id, seq.table[changed:], changed, n, seq.tokens[-1], 1,
+                                                   drafts, seq.accepted))
         else:
             plan.new_seqs.append(NewSequence(seq.seq_id, seq.tokens[:seq.num_prompt], seq.tokens[seq.num_prompt:],
                                              list(seq.table), seq.num_computed, n, GREEDY))
             seq.held = True
-        seq.num_computed = end
+        seq.accepted, seq.drafts = [], drafts
+        seq.num_computed = start + 1 if drafts else end  # drafts count once accepted
 
     def sampled(self, seq_id: int, token: int) -> None:
         next(s for s in self.running if s.seq_id == seq_id).tokens.append(token)
+
+    def verified(self, seq_id: int, draws: list[int]) -> None:
+        """[speculative] The step drew a token after each of the sequence's 1 + k positions: a random
+        number of drafts passes (the worker does not judge), then the draw after the last of them."""
+        seq = next(s for s in self.running if s.seq_id == seq_id)
+        accepted = seq.drafts[:self.rng.randint(0, len(seq.drafts))]
+        seq.tokens += accepted + [draws[len(accepted)]]
+        seq.num_computed += len(accepted)
+        seq.accepted, seq.drafts = accepted, []
+        self.stats["accepted"] += len(accepted)
 
 
 def _steps(maker: PlanMaker, state: PlanState, num_steps: int):
@@ -295,8 +315,8 @@ def test_padding_rows_write_nothing_and_leave_real_rows_unchanged(impl):
 def _runner(directory, **overrides):
     from worker.model_runner import ModelRunner
 
-    config = EngineConfig(model=str(directory), device="cpu", block_size=8, num_gpu_blocks=600, num_cpu_blocks=200,
-                          max_num_seqs=12, **overrides)
+    config = EngineConfig(**{"model": str(directory), "device": "cpu", "block_size": 8, "num_gpu_blocks": 600,
+                             "num_cpu_blocks": 200, "max_num_seqs": 12, **overrides})
     return ModelRunner(config)
 
 
@@ -335,6 +355,46 @@ def test_static_decode_path_matches_eager_token_for_token(tiny, one_torch_thread
     assert [n for n in padded_sizes if n not in buckets], padded_sizes  # some steps ran padded
     assert max(padded_sizes) > 8  # the largest bucket, 12, ran
     assert min(maker.stats[k] for k in ("prefix", "fork", "cow_held", "swap", "recompute")) > 0, maker.stats
+
+
+def test_verify_steps_run_as_one_decode_row_per_token_and_match_the_chunk_path(tiny, one_torch_thread):
+    """[speculative] Batch expansion: steps whose sequences verify drafts (or compute at most
+    MAX_EXPANDED_QUERY tokens) run through the static decode buffers, a row per token, and give the
+    chunk path's logits, draws and KV pool, through copy-on-write, swaps, recomputes and random
+    accept/reject patterns."""
+    eager, static = _runner(tiny[0], enforce_eager=True), _runner(tiny[0], max_num_seqs=64)
+    assert static.decode_runner.expand_short is False  # CPU: the chunk path's batched attention is faster
+    static.decode_runner.expand_short = True
+    maker = PlanMaker(seed=5, block_size=8, num_blocks=600, num_cpu_blocks=200, max_seqs=12, draft_rate=0.5)
+    state = PlanState(8)
+    expanded = Counter()
+    static_run = static.decode_runner.run
+    static.decode_runner.run = lambda step: (expanded.update([step.token_rows is not None]), static_run(step))[1]
+    for plan, scheduled in _steps(maker, state, 160):
+        logits = []
+        for runner in (eager, static):
+            runner.update_inputs(plan)
+            runner.swap_out(plan.blocks_to_swap_out)
+            runner.swap_in(plan.blocks_to_swap_in)
+            runner.copy_blocks(plan.blocks_to_copy)
+            if scheduled:
+                logits.append(runner.forward(runner.prepare(scheduled)))
+        if not scheduled:
+            continue
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+        draws = iter(logits[0].argmax(-1).tolist())
+        assert logits[1].argmax(-1).tolist() == logits[0].argmax(-1).tolist()
+        for s in scheduled:
+            if s.draft_token_ids:
+                maker.verified(s.seq_id, [next(draws) for _ in range(s.num_draws)])
+            elif s.num_samples:
+                maker.sampled(s.seq_id, next(draws))
+        assert next(draws, None) is None
+    for a, b in zip(eager.kv_caches, static.kv_caches):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        assert not b[0].any()
+    assert expanded[True] > 30 and expanded[False] > 10, expanded  # verify steps, and decode-only ones
+    assert min(maker.stats[k] for k in ("verify", "accepted", "cow_held", "swap", "recompute")) > 0, maker.stats
 
 
 def test_enforce_eager_reaches_the_worker_through_pagoda_up(tmp_path):
@@ -399,3 +459,37 @@ def test_the_graphs_fit_in_what_the_pool_sizing_left_for_them(tiny):
     decode = runner.decode_runner
     assert sorted(decode.graphs) == decode.buckets and decode.captured_bytes > 0
     assert decode.captured_bytes <= cuda_graph_bytes(64, runner.activation_bytes_per_token, len(decode.buckets))
+
+
+@pytest.mark.gpu
+def test_verify_steps_replay_the_decode_graphs_and_give_the_chunk_paths_logits(tiny):
+    """[speculative] On CUDA, steps that verify drafts run in the decode graphs (batch expansion:
+    CUDA graphs for the verify step, bucketed by the rows it expands to)."""
+    from worker.model_runner import ModelRunner
+
+    kwargs = dict(model=str(tiny[0]), device="cuda", dtype="float32", block_size=16, num_gpu_blocks=256,
+                  num_cpu_blocks=0, max_num_seqs=48)
+    eager, graphed = ModelRunner(EngineConfig(enforce_eager=True, **kwargs)), ModelRunner(EngineConfig(**kwargs))
+    assert graphed.decode_runner.expand_short
+    replayed = Counter()
+    run = graphed.decode_runner.run
+    graphed.decode_runner.run = lambda step: (replayed.update([step.token_rows is not None]), run(step))[1]
+    maker = PlanMaker(seed=7, block_size=16, num_blocks=256, num_cpu_blocks=0, max_seqs=12, draft_rate=0.5)
+    state = PlanState(16)
+    for plan, scheduled in _steps(maker, state, 80):
+        logits = []
+        for runner in (eager, graphed):
+            runner.update_inputs(plan)
+            runner.copy_blocks(plan.blocks_to_copy)
+            if scheduled:
+                logits.append(runner.forward(runner.prepare(scheduled)))
+        if not scheduled:
+            continue
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+        draws = iter(logits[0].argmax(-1).tolist())
+        for s in scheduled:
+            if s.draft_token_ids:
+                maker.verified(s.seq_id, [next(draws) for _ in range(s.num_draws)])
+            elif s.num_samples:
+                maker.sampled(s.seq_id, next(draws))
+    assert replayed[True] > 10 and replayed[False] > 5, replayed

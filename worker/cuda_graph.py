@@ -11,6 +11,14 @@ Triton launch (grid and split count) is the same at capture and at every replay.
     rows [n, bucket)     padding: token 0 at position 0, slot -1 (write_kv skips it), seq_len 1
                          over a table of zeros: it attends to slot 0 of the null block 0, which no
                          sequence writes, and its logits are never read
+
+[speculative] A verify step (each sequence computes its last token and its k drafts) runs here too,
+by batch expansion (vLLM V0's batch-expansion scorer): each of its tokens becomes a decode row of
+its own, under its sequence's block table, with KV length position + 1. Each layer writes every
+row's KV before any row attends, so the row of draft j sees the KV of the tokens before it, as in
+the chunk. The KV of the context is read once per row instead of once per sequence, which a
+short query can afford; so any step whose sequences each compute at most MAX_EXPANDED_QUERY
+tokens may run this way (`expand_short`: on CUDA, where it puts verify steps in the graphs).
 """
 from __future__ import annotations
 
@@ -36,9 +44,11 @@ def batch_size_buckets(max_num_seqs: int) -> list[int]:
 class DecodeRunner:
     """The static buffers of the largest bucket, each bucket running on their first rows."""
 
-    def __init__(self, model, input_batch: InputBatch, max_num_seqs: int, device: torch.device) -> None:
+    def __init__(self, model, input_batch: InputBatch, max_num_seqs: int, device: torch.device,
+                 expand_short: bool = False) -> None:
         self.model = model
         self.input_batch = input_batch
+        self.expand_short = expand_short  # [speculative] steps of short queries run as one decode row per token
         self.buckets = batch_size_buckets(max_num_seqs)
         self.width = input_batch.width
         size = self.buckets[-1]
@@ -58,7 +68,8 @@ class DecodeRunner:
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
     def can_run(self, step: StepTensors) -> bool:
-        return (step.decode_only and step.table_rows is not None
+        return ((step.decode_only and step.table_rows is not None
+                 or self.expand_short and step.token_rows is not None)
                 and step.input_ids.shape[0] <= self.buckets[-1] and self.input_batch.width == self.width)
 
     def run(self, step: StepTensors) -> torch.Tensor:
@@ -80,8 +91,13 @@ class DecodeRunner:
         self.input_ids[:n].copy_(step.input_ids)
         self.positions[:n].copy_(step.positions)
         self.slot_mapping[:n].copy_(ctx.slot_mapping)
-        self.seq_lens[:n].copy_(ctx.seq_lens)
-        torch.index_select(self.input_batch.block_table_device, 0, step.table_rows, out=self.block_tables[:n])
+        if step.decode_only:
+            self.seq_lens[:n].copy_(ctx.seq_lens)
+            rows = step.table_rows
+        else:  # batch expansion: a row per token, which sees the KV up to its own position
+            torch.add(step.positions[:n], 1, out=self.seq_lens[:n])
+            rows = step.token_rows
+        torch.index_select(self.input_batch.block_table_device, 0, rows, out=self.block_tables[:n])
         if self.lora_indices is not None:
             if ctx.lora_indices is None:
                 self.lora_indices[:n] = -1

@@ -23,6 +23,10 @@ from common.plan_state import ScheduledSequence
 from common.protocol import StepPlan
 from worker.context import AttentionContext
 
+# [speculative] the longest query a step may give each sequence and still run as decode rows, one
+# per token (worker/cuda_graph.py): a token and its 16 drafts at most
+MAX_EXPANDED_QUERY = 17
+
 
 @dataclass(slots=True)
 class StepTensors:
@@ -31,6 +35,9 @@ class StepTensors:
     context: AttentionContext
     logits_indices: torch.Tensor  # [num_sampled] the last position of each sampling row
     table_rows: torch.Tensor | None = None  # [num_seqs] int64: each sequence's row of the persistent table
+    # [speculative] [num_tokens] int64: each token's row of the persistent table, where every
+    # sequence computes at most MAX_EXPANDED_QUERY tokens (a verify step: a token and its drafts)
+    token_rows: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -199,4 +206,5 @@ class InputBatch:
             cu_seqlens_q=cu_t.to(torch.int32),
             lora_indices=lora_t if lora else None,
         )
-        return StepTensors(input_ids, positions_t, context, logits_t, table_rows_t)
+        short = num_tokens != num_seqs and max(counts) <= MAX_EXPANDED_QUERY
+        return StepTensors(input_ids, positions_t, context, logits_t, table_rows_t, token_rows_t if short else None)

@@ -195,7 +195,10 @@ class ModelRunner:
 
     def _start_decode_runner(self) -> DecodeRunner:
         """The static decode buffers; on CUDA their graphs, captured now that the KV pool exists."""
-        runner = DecodeRunner(self.model, self.input_batch, self.config.max_num_seqs, self.device)
+        # [speculative] verify steps join the graphs by batch expansion on CUDA; on CPU the chunk
+        # path's batched attention is the faster of the two
+        runner = DecodeRunner(self.model, self.input_batch, self.config.max_num_seqs, self.device,
+                              expand_short=self.device.type == "cuda")
         if self.device.type == "cuda":
             runner.capture()
             bound = cuda_graph_bytes(self.config.max_num_seqs, self.activation_bytes_per_token, len(runner.buckets))
