@@ -356,6 +356,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     _add_bench_quality(benches.add_parser(
         "quality", help="accuracy of each --quantization scheme: perplexity on a fixed text through prompt logprobs, "
                         "greedy agreement with full precision"))
+    _add_bench_verify(benches.add_parser(
+        "verify", help="a speculative verify step (a token and k drafts per sequence) against a decode step, in the "
+                       "model runner: CUDA graphs on CUDA (docs/speculative.md)"))
     _add_bench_speculative(benches.add_parser(
         "speculative", help="output tokens/s through the served API with --speculative-config against without, in "
                             "one run: acceptance rate, speedup, identical outputs (docs/speculative.md)"))
@@ -386,6 +389,29 @@ def _add_bench_speculative(s: argparse.ArgumentParser) -> None:
                                                   "(default: a new folder under the temp dir)")
     s.add_argument("--output", help="write the result JSON here")
     s.set_defaults(handler=_bench_speculative)
+
+
+def _add_bench_verify(v: argparse.ArgumentParser) -> None:
+    v.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    v.add_argument("--device", default="auto")
+    v.add_argument("--dtype", default="auto", choices=DTYPES)
+    v.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    v.add_argument("--batch-sizes", default="1,16", help="sequences per step, comma-separated (one row each)")
+    v.add_argument("--num-speculative-tokens", default="1,2,4", help="drafts per sequence (k), comma-separated")
+    v.add_argument("--context-len", type=int, default=1024, help="tokens each sequence holds before the step")
+    v.add_argument("--max-num-seqs", type=int, default=256, help="the largest CUDA graph bucket (rows)")
+    v.add_argument("--iters", type=int, default=30, help="timed runs of each step (the median is reported)")
+    v.add_argument("--warmup", type=int, default=5, help="untimed runs first")
+    v.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--output", help="write the result JSON here")
+    v.set_defaults(handler=_bench_verify)
+
+
+def _bench_verify(args) -> int:
+    from pagoda.bench.verify import run
+
+    return run(args)
 
 
 def _bench_speculative(args) -> int:

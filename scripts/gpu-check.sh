@@ -67,6 +67,11 @@ TESTS=${GPU_CHECK_TESTS:-tests/test_kernels_triton.py tests/test_kernels_fused.p
 step tests 180 $PY -m pytest -q -n 8 -m gpu -p no:cacheprovider $TESTS
 step kernels 45 $PY -m pagoda.cli bench kernels --output "$prefix-kernels.json"
 step kernels-moe 60 $PY -m pagoda.cli bench kernels --moe --output "$prefix-kernels-moe.json"
+# [speculative]: a verify step (k drafts per sequence, in the decode graphs by batch expansion) against a decode step
+if has_bench verify; then
+  step verify 90 $PY -m pagoda.cli bench verify --model $MODEL --device cuda --dtype bfloat16 --batch-sizes 1,16,64 \
+    --num-speculative-tokens 1,2,4,8 --context-len 1024 --output "$prefix-verify.json"
+fi
 step throughput-96 150 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \
   --max-output-len 128 --ignore-eos --hf-batch-size 16 --seed 0 $([ "${HF_BASELINE:-1}" = 0 ] && echo --skip-baseline) \
   --output "$prefix-throughput-96.json"
