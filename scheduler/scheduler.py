@@ -99,6 +99,7 @@ class _InFlight:
     scheduled: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it computes
     samples: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it draws, if it computes its last
     drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts it verifies ([speculative])
+    planned_at: float = 0.0  # [speculative] time.monotonic() when the plan was made (StepCost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +176,7 @@ class Scheduler:
         if config.cpu_prefix_cache:
             self._enable_cpu_tier()
         self.speculator = Speculator(config.speculative) if config.speculative else None
+        self._last_result_at = 0.0  # [speculative] time.monotonic() of the last result
         if self.speculator is not None and config.allocator != "paged":
             raise ValueError(f"speculative decoding needs the paged allocator, not {config.allocator!r}")
         self._batch = 0  # running groups when the plan being made began (the drafts' length scales by it)
@@ -386,7 +388,7 @@ class Scheduler:
         self.step += 1
         plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop)
         self._to_drop = []
-        self._planning = _InFlight(self.step)
+        self._planning = _InFlight(self.step, planned_at=time.monotonic() if self.speculator is not None else 0.0)
         self._copies = []
         self._left_window = []
         self._ahead = self._ahead_of(self._in_flight[-1]) if self._in_flight else {}  # read only
@@ -992,6 +994,8 @@ class Scheduler:
             self._fail_lora_slot(slot, message)
         touched: dict[str, SequenceGroup] = {}
         new_counts: dict[int, int] = {}
+        if self.speculator is not None:
+            self._observe_cost(done, result)
         if done.drafts:
             self._verify_drafts(done, result, touched, new_counts)
         self._apply_computed(done.scheduled)
@@ -1067,6 +1071,16 @@ class Scheduler:
         for group in ended:
             self._retire(group)
         return outputs
+
+    def _observe_cost(self, done: _InFlight, result: StepResult) -> None:
+        """[speculative] The step's seconds for the draft price: from the later of its plan and the
+        result before (steps planned ahead overlap the one in flight), to its result."""
+        now = time.monotonic()
+        num_tokens = sum(done.scheduled.values())
+        if num_tokens:
+            self.speculator.cost.observe(num_tokens, now - max(self._last_result_at, done.planned_at),
+                                         len(result.sampled))
+        self._last_result_at = now
 
     def _verify_drafts(self, done: _InFlight, result: StepResult, touched: dict[str, SequenceGroup],
                        new_counts: dict[int, int]) -> None:

@@ -12,12 +12,20 @@ accepts every draft keeps (or restores) it, one that accepts a of k tries a + 1 
 that twice in a row finds no draft or has every draft rejected stops drafting for 2, 4, ... steps,
 up to 64 after rejected drafts, 8 after a lookup that found nothing (an accepted draft resets
 that), and meanwhile runs ahead under async scheduling as any other: a workload the lookup does
-not fit costs almost nothing. The
-batch lowers it too: with more than `FREE_BATCH` sequences running, compute stops being free,
-and the length is scaled by FREE_BATCH / running (at least 1).
+not fit costs almost nothing.
+
+The batch lowers it too: with more than `FREE_BATCH` sequences running, compute stops being free.
+A draft token is then priced as goodput prices it (SmartSpec, Liu et al. 2024): `StepCost` fits a
+step's seconds as fixed + per_token x tokens to the recent steps, so the price of one more token in
+a step is per_token x the tokens emitted per second, in tokens. A sequence whose drafts are
+accepted with probability alpha each (its recent rate) drafts j only while alpha^j, the chance
+the j-th draft is accepted, is above that price: drafts are nearly free on a GPU at a small batch,
+and go to the sequences that gain from them on a compute-bound device. Until the fit is known (a
+few steps of varied sizes) the length is scaled by FREE_BATCH / running. Either way at least 1.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from common.protocol import PENDING_TOKEN
@@ -29,11 +37,64 @@ MAX_BACKOFF_STEPS = 64  # after drafts rejected
 MAX_NO_MATCH_BACKOFF_STEPS = 8  # after lookups that found nothing (they cost only the step's overlap)
 
 
+ACCEPT_DECAY = 0.8  # weight of a sequence's earlier verifications in its acceptance rate
+PRIOR_ACCEPTED, PRIOR_TRIED = 1.4, 2.0  # a new sequence's rate: 0.7, worth two verifications
+
+
 @dataclass(slots=True)
 class _Adaptive:
     length: int  # the next draft's length at most
     misses: int = 0  # tries in a row that found no draft or had all its drafts rejected
     resume_step: int = 0  # no drafts before this step
+    accepted: float = PRIOR_ACCEPTED  # decayed counts of drafts accepted, and of drafts judged (the
+    tried: float = PRIOR_TRIED  # accepted and the first rejected): alpha = accepted / tried
+
+
+class StepCost:
+    """A step's seconds as fixed + per_token x tokens (exponentially weighted least squares over
+    the recent steps), and the tokens they emitted per second: the price of a draft token."""
+
+    def __init__(self, decay: float = 0.97, min_steps: int = 16) -> None:
+        self.decay, self.min_steps = decay, min_steps
+        self.steps = 0
+        self._w = self._n = self._nn = self._t = self._nt = self._emitted = 0.0
+
+    def observe(self, num_tokens: int, seconds: float, emitted: int) -> None:
+        """A step that computed `num_tokens` tokens in `seconds` (from the later of its launch and
+        the step before's result) and emitted `emitted`."""
+        d = self.decay
+        self._w = self._w * d + 1
+        self._n = self._n * d + num_tokens
+        self._nn = self._nn * d + num_tokens * num_tokens
+        self._t = self._t * d + seconds
+        self._nt = self._nt * d + num_tokens * seconds
+        self._emitted = self._emitted * d + emitted
+        self.steps += 1
+
+    @property
+    def per_token(self) -> float | None:
+        """Seconds a step's one more token costs; None until the steps seen vary in size."""
+        if self.steps < self.min_steps:
+            return None
+        mean_n = self._n / self._w
+        var = self._nn / self._w - mean_n * mean_n
+        if var < max(1.0, 0.01 * mean_n * mean_n):  # sizes too alike to tell the slope
+            return None
+        return max(0.0, (self._nt / self._w - mean_n * self._t / self._w) / var)
+
+    def price(self) -> float | None:
+        """Tokens a step forgoes per token it computes: per_token x tokens emitted per second."""
+        per_token = self.per_token
+        return None if per_token is None or self._t <= 0 else per_token * self._emitted / self._t
+
+
+def drafts_worth(alpha: float, price: float) -> int:
+    """The most drafts j with alpha^j above the price (j-th draft accepted with chance alpha^j)."""
+    if price <= 0 or alpha >= 1:
+        return 1 << 30
+    if alpha <= price:
+        return 0
+    return math.ceil(math.log(price) / math.log(alpha)) - 1
 
 
 def can_speculate(params) -> bool:
@@ -46,6 +107,7 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self._seqs: dict[int, _Adaptive] = {}
+        self.cost = StepCost()
         # vLLM's spec_decode counters
         self.num_drafts = 0  # verifications with at least one draft
         self.num_draft_tokens = 0
@@ -69,7 +131,10 @@ class Speculator:
             return []
         k = min(state.length, most)
         if num_running > FREE_BATCH:
-            k = min(k, max(1, self.k * FREE_BATCH // num_running))
+            price = self.cost.price()
+            worth = (self.k * FREE_BATCH // num_running if price is None
+                     else drafts_worth(state.accepted / state.tried, price))
+            k = min(k, max(1, worth))
         if k >= 1 and self.config.drafts_on_worker:
             return [PENDING_TOKEN] * k
         drafts = propose(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max) if k >= 1 else []
@@ -87,6 +152,8 @@ class Speculator:
         state = self._seqs.get(seq_id)
         if state is None:
             return
+        state.accepted = state.accepted * ACCEPT_DECAY + num_accepted
+        state.tried = state.tried * ACCEPT_DECAY + num_accepted + (num_accepted < num_drafts)
         if num_accepted == 0:
             self._missed(state, step, MAX_BACKOFF_STEPS)
             state.length = 1

@@ -94,6 +94,59 @@ def test_adaptive_length_backs_off_on_misses_and_recovers_on_acceptance():
     assert spec.accepted_per_pos == [2, 1, 0, 0]
 
 
+def test_step_cost_fits_fixed_plus_per_token_and_prices_a_draft_token():
+    from scheduler.speculation import StepCost
+
+    cost = StepCost(decay=1.0, min_steps=4)
+    for n in (32, 64, 32):
+        cost.observe(n, 0.080 + 0.002 * n, emitted=40)
+    assert cost.per_token is None  # too few steps
+    cost.observe(64, 0.080 + 0.002 * 64, emitted=40)
+    assert cost.per_token == pytest.approx(0.002)
+    # 160 tokens emitted in 0.08 x 4 + 0.002 x 192 = 0.704 s: a token computed costs 0.002 x 227.3 emitted
+    assert cost.price() == pytest.approx(0.002 * 160 / 0.704)
+    same = StepCost(decay=1.0, min_steps=2)
+    for _ in range(5):
+        same.observe(32, 0.1, emitted=32)
+    assert same.per_token is None and same.price() is None  # one size: no slope
+    free = StepCost(decay=1.0, min_steps=2)
+    for n in (1, 5, 1, 5):
+        free.observe(n, 0.010, emitted=2)  # a GPU at batch 1: the drafts cost nothing
+    assert free.per_token == pytest.approx(0, abs=1e-12) and free.price() == pytest.approx(0, abs=1e-9)
+
+
+def test_drafts_worth_their_price():
+    from scheduler.speculation import drafts_worth
+
+    assert drafts_worth(0.8, 0.3) == 5  # 0.8^5 = 0.33 > 0.3 > 0.8^6 = 0.26
+    assert drafts_worth(0.5, 0.3) == 1 and drafts_worth(0.3, 0.3) == 0 and drafts_worth(0.2, 0.5) == 0
+    assert drafts_worth(0.5, 0.25) == 1  # 0.5^2 is not above 0.25
+    assert drafts_worth(0.9, 0.0) >= 16 and drafts_worth(1.0, 0.5) >= 16
+
+
+def test_a_priced_batch_gives_the_drafts_to_the_sequences_that_gain_from_them():
+    """Past FREE_BATCH running, with the step cost known, a sequence drafts while its acceptance
+    rate to the power j beats the price of a token; without it, FREE_BATCH / running (at least 1)."""
+    from scheduler.speculation import StepCost
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3]
+    for seq_id, accepted in ((1, 4), (2, 1)):  # 1 accepts every draft, 2 one of four, twice
+        spec.propose(seq_id, tokens, most=8, num_running=1, step=1)
+        spec.record(seq_id, 4, accepted, step=1)
+        spec.record(seq_id, 4, accepted, step=2)
+    assert spec.propose(1, tokens, most=8, num_running=32, step=3) == [4]  # no price yet: 4 * 8 // 32
+    spec.cost = StepCost(decay=1.0)
+    for n in (32, 64) * 8:  # 2 ms a token, 80 ms fixed; 40 tokens emitted a step: the price is 0.45
+        spec.cost.observe(n, 0.080 + 0.002 * n, emitted=40)
+    assert spec.cost.price() == pytest.approx(0.002 * 40 / 0.176)
+    # seq 1: alpha = (1.4 x 0.64 + 4 x 0.8 + 4) / (2 x 0.64 + 4 x 0.8 + 4) = 0.95: 0.95^4 = 0.83 > 0.45
+    assert spec.propose(1, tokens, most=8, num_running=32, step=3) == [4, 5, 1, 2]
+    # seq 2: alpha = (1.4 x 0.64 + 0.8 + 1) / (2 x 0.64 + 2 x 0.8 + 2) = 0.55: one draft (0.55^2 = 0.30)
+    assert spec.propose(2, tokens, most=8, num_running=32, step=3) == [4]
+    assert spec.propose(2, tokens, most=8, num_running=8, step=3) == [4, 5]  # a free batch: its own length
+
+
 # ----------------------------------------------------------------------------- the worker's side
 
 
