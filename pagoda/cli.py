@@ -373,6 +373,9 @@ def _add_bench_speculative(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-tokens", type=int, default=128, help="cap on each request's output tokens (greedy)")
     s.add_argument("--ignore-eos", action="store_true", help="every request generates exactly --max-tokens")
     s.add_argument("--concurrency", type=int, default=1, help="requests in flight at most (1: one stream at a time)")
+    s.add_argument("--rounds", type=int, default=1,
+                   help="the workload this many times through each stack, the two in turn (both stay up); the "
+                        "speedup is then the median of the rounds' ratios")
     s.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
                    help="the speculative run's `pagoda up --speculative-config` (vLLM's JSON keys)")
     s.add_argument("--model", default="default", help="the model to serve")
@@ -384,7 +387,7 @@ def _add_bench_speculative(s: argparse.ArgumentParser) -> None:
     s.add_argument("--prompts", default=None, help="edit: another prompts file, one {\"messages\": [...]} per line")
     s.add_argument("--seed", type=int, default=0, help="sharegpt: the sample's seed")
     s.add_argument("--source", default="auto", choices=["auto", "package", "trace"], help="sharegpt: where from")
-    s.add_argument("--port", type=int, default=None, help="the port to serve on (default: a free one)")
+    s.add_argument("--port", type=int, default=None, help="the baseline's port, the speculative stack's the next one (default: free ones)")
     s.add_argument("--log-dir", default=None, help="the stacks' logs, baseline.log and speculative.log "
                                                   "(default: a new folder under the temp dir)")
     s.add_argument("--output", help="write the result JSON here")

@@ -1073,11 +1073,18 @@ class Scheduler:
         return outputs
 
     def _observe_cost(self, done: _InFlight, result: StepResult) -> None:
-        """[speculative] The step's seconds for the draft price: from the later of its plan and the
-        result before (steps planned ahead overlap the one in flight), to its result."""
-        now = time.monotonic()
+        """[speculative] The step's seconds for the draft price, if it verified drafts and computed
+        nothing else than a token and its drafts a sequence (the price is that of one more draft in
+        such a step: prompt tokens cost less, computing no logits, and a step without drafts runs
+        the decode path): from the later of its plan and the last result of a step that computed
+        something (a plan made ahead overlaps the one in flight; an empty one computes nothing),
+        to its result."""
         num_tokens = sum(done.scheduled.values())
-        if num_tokens:
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        drafts = done.drafts
+        if drafts and all(n == 1 + len(drafts.get(seq_id, ())) for seq_id, n in done.scheduled.items()):
             self.speculator.cost.observe(num_tokens, now - max(self._last_result_at, done.planned_at),
                                          len(result.sampled))
         self._last_result_at = now

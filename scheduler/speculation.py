@@ -16,12 +16,14 @@ not fit costs almost nothing.
 
 The batch lowers it too: with more than `FREE_BATCH` sequences running, compute stops being free.
 A draft token is then priced as goodput prices it (SmartSpec, Liu et al. 2024): `StepCost` fits a
-step's seconds as fixed + per_token x tokens to the recent steps, so the price of one more token in
-a step is per_token x the tokens emitted per second, in tokens. A sequence whose drafts are
+step's seconds as fixed + per_token x tokens computed + per_emitted x tokens emitted to the recent
+verify steps, so the price of one more token in a step is per_token x the tokens emitted per
+second, in tokens. A sequence whose drafts are
 accepted with probability alpha each (its recent rate) drafts j only while alpha^j, the chance
 the j-th draft is accepted, is above that price: drafts are nearly free on a GPU at a small batch,
-and go to the sequences that gain from them on a compute-bound device. Until the fit is known (a
-few steps of varied sizes) the length is scaled by FREE_BATCH / running. Either way at least 1.
+and go to the sequences that gain from them on a compute-bound device. Until the fit is known (16
+verify steps of varied sizes) the length is scaled by FREE_BATCH / running, one more every other
+step so that the sizes vary. Either way at least 1.
 """
 from __future__ import annotations
 
@@ -51,41 +53,44 @@ class _Adaptive:
 
 
 class StepCost:
-    """A step's seconds as fixed + per_token x tokens (exponentially weighted least squares over
-    the recent steps), and the tokens they emitted per second: the price of a draft token."""
+    """A step's seconds as fixed + per_token x tokens computed + per_emitted x tokens emitted
+    (exponentially weighted least squares over the recent steps), and the tokens emitted per
+    second: the price of a draft token. The emitted tokens' own cost (sampling them, the result,
+    detokenizing: host work on the same cores) is paid with or without drafts; apart, it would be
+    counted in the tokens computed, which grow with the tokens emitted."""
 
     def __init__(self, decay: float = 0.97, min_steps: int = 16) -> None:
         self.decay, self.min_steps = decay, min_steps
         self.steps = 0
-        self._w = self._n = self._nn = self._t = self._nt = self._emitted = 0.0
+        self._sums = [0.0] * 9  # w, n, e, t, nn, ne, ee, nt, et
 
     def observe(self, num_tokens: int, seconds: float, emitted: int) -> None:
         """A step that computed `num_tokens` tokens in `seconds` (from the later of its launch and
         the step before's result) and emitted `emitted`."""
+        n, e, t = num_tokens, emitted, seconds
         d = self.decay
-        self._w = self._w * d + 1
-        self._n = self._n * d + num_tokens
-        self._nn = self._nn * d + num_tokens * num_tokens
-        self._t = self._t * d + seconds
-        self._nt = self._nt * d + num_tokens * seconds
-        self._emitted = self._emitted * d + emitted
+        self._sums = [a * d + b for a, b in zip(self._sums, (1.0, n, e, t, n * n, n * e, e * e, n * t, e * t))]
         self.steps += 1
 
     @property
     def per_token(self) -> float | None:
-        """Seconds a step's one more token costs; None until the steps seen vary in size."""
+        """Seconds a step's one more token computed costs; None until the steps seen vary enough
+        in tokens computed apart from tokens emitted to tell the two slopes."""
         if self.steps < self.min_steps:
             return None
-        mean_n = self._n / self._w
-        var = self._nn / self._w - mean_n * mean_n
-        if var < max(1.0, 0.01 * mean_n * mean_n):  # sizes too alike to tell the slope
+        w, n, e, t, nn, ne, ee, nt, et = (x / self._sums[0] for x in self._sums)
+        var_n, var_e, cov_ne = nn - n * n, ee - e * e, ne - n * e
+        cov_nt, cov_et = nt - n * t, et - e * t
+        det = var_n * var_e - cov_ne * cov_ne
+        if var_n < max(1.0, 0.01 * n * n) or det <= 0.01 * var_n * var_e:  # too alike, or e tracks n
             return None
-        return max(0.0, (self._nt / self._w - mean_n * self._t / self._w) / var)
+        return max(0.0, (cov_nt * var_e - cov_et * cov_ne) / det)
 
     def price(self) -> float | None:
         """Tokens a step forgoes per token it computes: per_token x tokens emitted per second."""
         per_token = self.per_token
-        return None if per_token is None or self._t <= 0 else per_token * self._emitted / self._t
+        _, _, e, t = self._sums[:4]
+        return None if per_token is None or t <= 0 else per_token * e / t
 
 
 def drafts_worth(alpha: float, price: float) -> int:
@@ -132,8 +137,10 @@ class Speculator:
         k = min(state.length, most)
         if num_running > FREE_BATCH:
             price = self.cost.price()
-            worth = (self.k * FREE_BATCH // num_running if price is None
-                     else drafts_worth(state.accepted / state.tried, price))
+            if price is None:  # the fit needs steps of varied sizes: every other step one draft more
+                worth = self.k * FREE_BATCH // num_running + step % 2
+            else:
+                worth = drafts_worth(state.accepted / state.tried, price)
             k = min(k, max(1, worth))
         if k >= 1 and self.config.drafts_on_worker:
             return [PENDING_TOKEN] * k

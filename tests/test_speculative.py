@@ -94,24 +94,30 @@ def test_adaptive_length_backs_off_on_misses_and_recovers_on_acceptance():
     assert spec.accepted_per_pos == [2, 1, 0, 0]
 
 
-def test_step_cost_fits_fixed_plus_per_token_and_prices_a_draft_token():
+def test_step_cost_fits_fixed_plus_per_token_and_per_emitted_and_prices_a_draft_token():
     from scheduler.speculation import StepCost
 
-    cost = StepCost(decay=1.0, min_steps=4)
-    for n in (32, 64, 32):
-        cost.observe(n, 0.080 + 0.002 * n, emitted=40)
+    steps = [(32, 40), (64, 50), (48, 60), (64, 70), (32, 36), (96, 80)]  # (computed, emitted)
+    cost = StepCost(decay=1.0, min_steps=6)
+    for n, e in steps[:5]:
+        cost.observe(n, 0.080 + 0.002 * n + 0.001 * e, emitted=e)
     assert cost.per_token is None  # too few steps
-    cost.observe(64, 0.080 + 0.002 * 64, emitted=40)
-    assert cost.per_token == pytest.approx(0.002)
-    # 160 tokens emitted in 0.08 x 4 + 0.002 x 192 = 0.704 s: a token computed costs 0.002 x 227.3 emitted
-    assert cost.price() == pytest.approx(0.002 * 160 / 0.704)
+    n, e = steps[5]
+    cost.observe(n, 0.080 + 0.002 * n + 0.001 * e, emitted=e)
+    assert cost.per_token == pytest.approx(0.002)  # the emitted tokens' own millisecond apart
+    seconds = sum(0.080 + 0.002 * n + 0.001 * e for n, e in steps)
+    assert cost.price() == pytest.approx(0.002 * sum(e for _, e in steps) / seconds)
     same = StepCost(decay=1.0, min_steps=2)
     for _ in range(5):
         same.observe(32, 0.1, emitted=32)
     assert same.per_token is None and same.price() is None  # one size: no slope
+    tracking = StepCost(decay=1.0, min_steps=2)
+    for n in (32, 64, 48, 96):
+        tracking.observe(n, 0.1 + 0.003 * n, emitted=n // 2)
+    assert tracking.per_token is None  # emitted follows computed exactly: the two slopes are one
     free = StepCost(decay=1.0, min_steps=2)
-    for n in (1, 5, 1, 5):
-        free.observe(n, 0.010, emitted=2)  # a GPU at batch 1: the drafts cost nothing
+    for n, e in ((1, 2), (5, 3), (1, 1), (5, 5)):
+        free.observe(n, 0.010, emitted=e)  # a GPU at batch 1: the drafts cost nothing
     assert free.per_token == pytest.approx(0, abs=1e-12) and free.price() == pytest.approx(0, abs=1e-9)
 
 
@@ -135,10 +141,11 @@ def test_a_priced_batch_gives_the_drafts_to_the_sequences_that_gain_from_them():
         spec.propose(seq_id, tokens, most=8, num_running=1, step=1)
         spec.record(seq_id, 4, accepted, step=1)
         spec.record(seq_id, 4, accepted, step=2)
-    assert spec.propose(1, tokens, most=8, num_running=32, step=3) == [4]  # no price yet: 4 * 8 // 32
+    assert spec.propose(1, tokens, most=8, num_running=32, step=4) == [4]  # no price yet: 4 * 8 // 32
+    assert spec.propose(1, tokens, most=8, num_running=32, step=3) == [4, 5]  # and one more every other step
     spec.cost = StepCost(decay=1.0)
-    for n in (32, 64) * 8:  # 2 ms a token, 80 ms fixed; 40 tokens emitted a step: the price is 0.45
-        spec.cost.observe(n, 0.080 + 0.002 * n, emitted=40)
+    for n, e in ((32, 36), (64, 44), (32, 44), (64, 36)) * 4:  # 2 ms a token computed, 80 fixed: price 0.45
+        spec.cost.observe(n, 0.080 + 0.002 * n, emitted=e)
     assert spec.cost.price() == pytest.approx(0.002 * 40 / 0.176)
     # seq 1: alpha = (1.4 x 0.64 + 4 x 0.8 + 4) / (2 x 0.64 + 4 x 0.8 + 4) = 0.95: 0.95^4 = 0.83 > 0.45
     assert spec.propose(1, tokens, most=8, num_running=32, step=3) == [4, 5, 1, 2]

@@ -329,28 +329,40 @@ def stack_flags(args, speculative: bool) -> list[str]:
     return flags
 
 
-def measure(args, name: str, requests: list[Request], warm_up: Request, log_dir: Path) -> tuple[dict, list[Stream]]:
-    """One configuration: start its stack, warm it up, send the workload, read its counters."""
+def start(args, name: str, log_dir: Path, port: int | None, warm_up: Request) -> Stack:
+    """One configuration's stack, started and warmed up."""
     flags = stack_flags(args, name == "speculative")
     stack_log = log_dir / f"{name}.log"
     log(f"{name}: starting pagoda up {' '.join(flags)} (log: {stack_log})")
-    stack = Stack(*flags, port=args.port, log=stack_log).wait_ready()
-    try:
-        warm, _ = asyncio.run(send_all(stack.url, [warm_up], min(args.max_tokens, 16), 1))
-        if warm[0].error:
-            raise RuntimeError(f"{name}: the warm-up request failed: {warm[0].error}; see {stack_log}")
-        before = read_counters(stack)
-        streams, wall = asyncio.run(send_all(stack.url, requests, args.max_tokens, args.concurrency, args.ignore_eos))
-        after = read_counters(stack)
-    finally:
-        code = stack.stop()
-        if code not in (0, None):
-            log(f"{name}: pagoda up exited with {code}; see {stack_log}")
+    stack = Stack(*flags, port=port, log=stack_log).wait_ready()
+    stack.log_path = stack_log
+    warm, _ = asyncio.run(send_all(stack.url, [warm_up], min(args.max_tokens, 16), 1))
+    if warm[0].error:
+        stack.stop()
+        raise RuntimeError(f"{name}: the warm-up request failed: {warm[0].error}; see {stack_log}")
+    return stack
+
+
+def serve(args, name: str, stack: Stack, requests: list[Request]) -> tuple[dict, list[Stream], dict, dict]:
+    """The workload once through a stack: its metrics, streams and spec-decode counters before and after."""
+    before = read_counters(stack)
+    streams, wall = asyncio.run(send_all(stack.url, requests, args.max_tokens, args.concurrency, args.ignore_eos))
+    after = read_counters(stack)
     metrics = {**run_metrics(streams, wall), "spec_decode": spec_metrics(before, after),
-               "load_average_1m": round(os.getloadavg()[0], 2), "log": str(stack_log)}
+               "load_average_1m": round(os.getloadavg()[0], 2), "log": str(stack.log_path)}
     log(f"{name}: {metrics['completed']}/{len(requests)} done, {metrics['output_tokens']} tokens in "
         f"{metrics['wall_s']} s: {metrics['output_tokens_per_s']} tok/s; spec decode {metrics['spec_decode']}")
-    return metrics, streams
+    return metrics, streams, before, after
+
+
+def merged(rounds: list[tuple[dict, list[Stream], dict, dict]]) -> dict:
+    """One configuration's metrics over every round: its requests and its summed wall time."""
+    if len(rounds) == 1:
+        return rounds[0][0]
+    streams = [stream for _, got, _, _ in rounds for stream in got]
+    metrics = run_metrics(streams, sum(m["wall_s"] for m, _, _, _ in rounds))
+    return {**metrics, "spec_decode": spec_metrics(rounds[0][2], rounds[-1][3]),
+            "load_average_1m": rounds[-1][0]["load_average_1m"], "log": rounds[0][0]["log"]}
 
 
 def run(args) -> int:
@@ -367,10 +379,25 @@ def run(args) -> int:
     requests, warm_up = workload(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pagoda-bench-speculative-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, dict] = {}
-    streams: dict[str, list[Stream]] = {}
-    for name in RUNS:
-        runs[name], streams[name] = measure(args, name, requests, warm_up, log_dir)
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    stacks: dict[str, Stack] = {}
+    served: dict[str, list] = {name: [] for name in RUNS}
+    try:
+        for i, name in enumerate(RUNS):  # both stay up, idle while the other serves
+            stacks[name] = start(args, name, log_dir, None if args.port is None else args.port + i, warm_up)
+        for r in range(args.rounds):  # in turn, the order swapped each round: a drift falls on both
+            for name in RUNS if r % 2 == 0 else RUNS[::-1]:
+                served[name].append(serve(args, name, stacks[name], requests))
+    finally:
+        for name, stack in stacks.items():
+            code = stack.stop()
+            if code not in (0, None):
+                log(f"{name}: pagoda up exited with {code}; see {stack.log_path}")
+    runs = {name: merged(served[name]) for name in RUNS}
+    streams = {name: served[name][0][1] for name in RUNS}
+    ratios = [round(s[0]["output_tokens_per_s"] / b[0]["output_tokens_per_s"], 3)
+              for b, s in zip(served["baseline"], served["speculative"]) if b[0]["output_tokens_per_s"]]
     result = {
         **header("speculative", command_words("speculative", args), resolved_device(args.device)),
         "model": args.model, "quantization": args.quantization, "speculative_config": json.loads(args.speculative_config),
@@ -378,7 +405,9 @@ def run(args) -> int:
                      "endpoint": requests[0].path, "source": str(args.prompts or EDIT_PROMPTS.relative_to(ROOT))
                      if args.workload == "edit" else f"ShareGPT ({args.source}), seed {args.seed}"},
         "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "concurrency": args.concurrency,
-        "runs": runs, "speedup": speedup(runs), "outputs": compare_outputs(streams["baseline"], streams["speculative"]),
+        "rounds": args.rounds, "round_speedups": ratios,
+        "runs": runs, "speedup": statistics.median(ratios) if args.rounds > 1 and ratios else speedup(runs),
+        "outputs": compare_outputs(streams["baseline"], streams["speculative"]),
     }
     write_result(result, args.output)
     print(summary_line(result))
