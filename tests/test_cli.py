@@ -178,7 +178,7 @@ def _configs(cls: type) -> st.SearchStrategy:
 
 
 @pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__name__)
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_a_config_turned_into_argv_parses_back_to_itself(cls, data):
     config = data.draw(_configs(cls))
