@@ -18,12 +18,13 @@ The batch lowers it too: with more than `FREE_BATCH` sequences running, compute 
 A draft token is then priced as goodput prices it (SmartSpec, Liu et al. 2024): `StepCost` fits a
 step's seconds as fixed + per_token x tokens computed + per_emitted x tokens emitted to the recent
 verify steps, so the price of one more token in a step is per_token x the tokens emitted per
-second, in tokens. A sequence whose drafts are
-accepted with probability alpha each (its recent rate) drafts j only while alpha^j, the chance
-the j-th draft is accepted, is above that price: drafts are nearly free on a GPU at a small batch,
-and go to the sequences that gain from them on a compute-bound device. Until the fit is known (16
+second, in tokens. A sequence whose drafts are accepted with probability alpha each (its recent
+rate) drafts j only while alpha^j, the chance the j-th draft is accepted, is above that price:
+drafts are nearly free on a GPU at a small batch, and go to the sequences that gain from them on a
+compute-bound device. Until the fit is known (16
 verify steps of varied sizes) the length is scaled by FREE_BATCH / running, one more every other
-step so that the sizes vary. Either way at least 1.
+verify step so that the sizes vary (then the last price stands while the steps are too alike to fit
+again). Either way at least 1.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class StepCost:
         self.decay, self.min_steps = decay, min_steps
         self.steps = 0
         self._sums = [0.0] * 9  # w, n, e, t, nn, ne, ee, nt, et
+        self._price: float | None = None  # the last price the fit gave
 
     def observe(self, num_tokens: int, seconds: float, emitted: int) -> None:
         """A step that computed `num_tokens` tokens in `seconds` (from the later of its launch and
@@ -87,10 +89,13 @@ class StepCost:
         return max(0.0, (cov_nt * var_e - cov_et * cov_ne) / det)
 
     def price(self) -> float | None:
-        """Tokens a step forgoes per token it computes: per_token x tokens emitted per second."""
+        """Tokens a step forgoes per token it computes: per_token x tokens emitted per second. Once
+        known it is kept while the recent steps are too alike to fit (priced lengths make them so)."""
         per_token = self.per_token
         _, _, e, t = self._sums[:4]
-        return None if per_token is None or t <= 0 else per_token * e / t
+        if per_token is not None and t > 0:
+            self._price = per_token * e / t
+        return self._price
 
 
 def drafts_worth(alpha: float, price: float) -> int:
@@ -137,8 +142,8 @@ class Speculator:
         k = min(state.length, most)
         if num_running > FREE_BATCH:
             price = self.cost.price()
-            if price is None:  # the fit needs steps of varied sizes: every other step one draft more
-                worth = self.k * FREE_BATCH // num_running + step % 2
+            if price is None:  # the fit needs steps of varied sizes: every other verify step one draft more
+                worth = self.k * FREE_BATCH // num_running + self.cost.steps % 2
             else:
                 worth = drafts_worth(state.accepted / state.tried, price)
             k = min(k, max(1, worth))

@@ -115,6 +115,13 @@ def test_step_cost_fits_fixed_plus_per_token_and_per_emitted_and_prices_a_draft_
     for n in (32, 64, 48, 96):
         tracking.observe(n, 0.1 + 0.003 * n, emitted=n // 2)
     assert tracking.per_token is None  # emitted follows computed exactly: the two slopes are one
+    kept = StepCost(decay=0.5, min_steps=4)
+    for n, e in steps:
+        kept.observe(n, 0.080 + 0.002 * n + 0.001 * e, emitted=e)
+    known = kept.price()
+    for _ in range(40):  # priced lengths make the steps alike: the fit fades, its last price stays
+        kept.observe(64, 0.2, emitted=50)
+    assert kept.per_token is None and kept.price() == known
     free = StepCost(decay=1.0, min_steps=2)
     for n, e in ((1, 2), (5, 3), (1, 1), (5, 5)):
         free.observe(n, 0.010, emitted=e)  # a GPU at batch 1: the drafts cost nothing
@@ -142,7 +149,8 @@ def test_a_priced_batch_gives_the_drafts_to_the_sequences_that_gain_from_them():
         spec.record(seq_id, 4, accepted, step=1)
         spec.record(seq_id, 4, accepted, step=2)
     assert spec.propose(1, tokens, most=8, num_running=32, step=4) == [4]  # no price yet: 4 * 8 // 32
-    assert spec.propose(1, tokens, most=8, num_running=32, step=3) == [4, 5]  # and one more every other step
+    spec.cost.observe(64, 0.2, emitted=40)
+    assert spec.propose(1, tokens, most=8, num_running=32, step=4) == [4, 5]  # and one more every other verify step
     spec.cost = StepCost(decay=1.0)
     for n, e in ((32, 36), (64, 44), (32, 44), (64, 36)) * 4:  # 2 ms a token computed, 80 fixed: price 0.45
         spec.cost.observe(n, 0.080 + 0.002 * n, emitted=e)

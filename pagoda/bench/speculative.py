@@ -334,13 +334,23 @@ def start(args, name: str, log_dir: Path, port: int | None, warm_up: Request) ->
     flags = stack_flags(args, name == "speculative")
     stack_log = log_dir / f"{name}.log"
     log(f"{name}: starting pagoda up {' '.join(flags)} (log: {stack_log})")
-    stack = Stack(*flags, port=port, log=stack_log).wait_ready()
+    stack = Stack(*flags, port=port, log=stack_log)
     stack.log_path = stack_log
-    warm, _ = asyncio.run(send_all(stack.url, [warm_up], min(args.max_tokens, 16), 1))
-    if warm[0].error:
-        stack.stop()
-        raise RuntimeError(f"{name}: the warm-up request failed: {warm[0].error}; see {stack_log}")
+    try:
+        stack.wait_ready()
+        warm, _ = asyncio.run(send_all(stack.url, [warm_up], min(args.max_tokens, 16), 1))
+        if warm[0].error:
+            raise RuntimeError(f"{name}: the warm-up request failed: {warm[0].error}; see {stack_log}")
+    except BaseException:
+        stop(name, stack)
+        raise
     return stack
+
+
+def stop(name: str, stack: Stack) -> None:
+    code = stack.stop()
+    if code not in (0, None):
+        log(f"{name}: pagoda up exited with {code}; see {stack.log_path}")
 
 
 def serve(args, name: str, stack: Stack, requests: list[Request]) -> tuple[dict, list[Stream], dict, dict]:
@@ -383,17 +393,20 @@ def run(args) -> int:
         raise ValueError("--rounds must be >= 1")
     stacks: dict[str, Stack] = {}
     served: dict[str, list] = {name: [] for name in RUNS}
+    # on the CPU both stay up, idle while the other serves; a GPU holds one stack's pool at a time
+    together = resolved_device(args.device) == "cpu"
+    port = {name: None if args.port is None else args.port + i for i, name in enumerate(RUNS)}
     try:
-        for i, name in enumerate(RUNS):  # both stay up, idle while the other serves
-            stacks[name] = start(args, name, log_dir, None if args.port is None else args.port + i, warm_up)
         for r in range(args.rounds):  # in turn, the order swapped each round: a drift falls on both
             for name in RUNS if r % 2 == 0 else RUNS[::-1]:
+                if name not in stacks:
+                    stacks[name] = start(args, name, log_dir, port[name], warm_up)
                 served[name].append(serve(args, name, stacks[name], requests))
+                if not together:
+                    stop(name, stacks.pop(name))
     finally:
         for name, stack in stacks.items():
-            code = stack.stop()
-            if code not in (0, None):
-                log(f"{name}: pagoda up exited with {code}; see {stack.log_path}")
+            stop(name, stack)
     runs = {name: merged(served[name]) for name in RUNS}
     streams = {name: served[name][0][1] for name in RUNS}
     ratios = [round(s[0]["output_tokens_per_s"] / b[0]["output_tokens_per_s"], 3)
