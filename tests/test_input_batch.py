@@ -357,6 +357,32 @@ def test_static_decode_path_matches_eager_token_for_token(tiny, one_torch_thread
     assert min(maker.stats[k] for k in ("prefix", "fork", "cow_held", "swap", "recompute")) > 0, maker.stats
 
 
+def _drive(maker: PlanMaker, state: PlanState, runners: list, num_steps: int, tol: float) -> None:
+    """[speculative] Each random plan through every runner (swaps and copies first), each step's
+    logits the first runner's; its greedy draws go back to the maker (1 + k for a verification)."""
+    for plan, scheduled in _steps(maker, state, num_steps):
+        logits = []
+        for runner in runners:
+            runner.update_inputs(plan)
+            runner.swap_out(plan.blocks_to_swap_out)
+            runner.swap_in(plan.blocks_to_swap_in)
+            runner.copy_blocks(plan.blocks_to_copy)
+            if scheduled:
+                logits.append(runner.forward(runner.prepare(scheduled)))
+        if not scheduled:
+            continue
+        for other in logits[1:]:
+            torch.testing.assert_close(other, logits[0], atol=tol, rtol=tol)
+            assert other.argmax(-1).tolist() == logits[0].argmax(-1).tolist()
+        draws = iter(logits[0].argmax(-1).tolist())
+        for s in scheduled:
+            if s.draft_token_ids:
+                maker.verified(s.seq_id, [next(draws) for _ in range(s.num_draws)])
+            elif s.num_samples:
+                maker.sampled(s.seq_id, next(draws))
+        assert next(draws, None) is None
+
+
 def test_verify_steps_run_as_one_decode_row_per_token_and_match_the_chunk_path(tiny, one_torch_thread):
     """[speculative] Batch expansion: steps whose sequences verify drafts (or compute at most
     MAX_EXPANDED_QUERY tokens) run through the static decode buffers, a row per token, and give the
@@ -366,30 +392,10 @@ def test_verify_steps_run_as_one_decode_row_per_token_and_match_the_chunk_path(t
     assert static.decode_runner.expand_short is False  # CPU: the chunk path's batched attention is faster
     static.decode_runner.expand_short = True
     maker = PlanMaker(seed=5, block_size=8, num_blocks=600, num_cpu_blocks=200, max_seqs=12, draft_rate=0.5)
-    state = PlanState(8)
     expanded = Counter()
     static_run = static.decode_runner.run
     static.decode_runner.run = lambda step: (expanded.update([step.token_rows is not None]), static_run(step))[1]
-    for plan, scheduled in _steps(maker, state, 160):
-        logits = []
-        for runner in (eager, static):
-            runner.update_inputs(plan)
-            runner.swap_out(plan.blocks_to_swap_out)
-            runner.swap_in(plan.blocks_to_swap_in)
-            runner.copy_blocks(plan.blocks_to_copy)
-            if scheduled:
-                logits.append(runner.forward(runner.prepare(scheduled)))
-        if not scheduled:
-            continue
-        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
-        draws = iter(logits[0].argmax(-1).tolist())
-        assert logits[1].argmax(-1).tolist() == logits[0].argmax(-1).tolist()
-        for s in scheduled:
-            if s.draft_token_ids:
-                maker.verified(s.seq_id, [next(draws) for _ in range(s.num_draws)])
-            elif s.num_samples:
-                maker.sampled(s.seq_id, next(draws))
-        assert next(draws, None) is None
+    _drive(maker, PlanState(8), [eager, static], 160, tol=1e-5)
     for a, b in zip(eager.kv_caches, static.kv_caches):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
         assert not b[0].any()
@@ -475,21 +481,5 @@ def test_verify_steps_replay_the_decode_graphs_and_give_the_chunk_paths_logits(t
     run = graphed.decode_runner.run
     graphed.decode_runner.run = lambda step: (replayed.update([step.token_rows is not None]), run(step))[1]
     maker = PlanMaker(seed=7, block_size=16, num_blocks=256, num_cpu_blocks=0, max_seqs=12, draft_rate=0.5)
-    state = PlanState(16)
-    for plan, scheduled in _steps(maker, state, 80):
-        logits = []
-        for runner in (eager, graphed):
-            runner.update_inputs(plan)
-            runner.copy_blocks(plan.blocks_to_copy)
-            if scheduled:
-                logits.append(runner.forward(runner.prepare(scheduled)))
-        if not scheduled:
-            continue
-        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
-        draws = iter(logits[0].argmax(-1).tolist())
-        for s in scheduled:
-            if s.draft_token_ids:
-                maker.verified(s.seq_id, [next(draws) for _ in range(s.num_draws)])
-            elif s.num_samples:
-                maker.sampled(s.seq_id, next(draws))
+    _drive(maker, PlanState(16), [eager, graphed], 80, tol=1e-4)
     assert replayed[True] > 10 and replayed[False] > 5, replayed
