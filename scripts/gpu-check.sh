@@ -4,8 +4,8 @@
 #   scripts/gpu-check.sh [RESULTS_DIR]      (default benchmarks/results)
 #
 # The host needs Python with torch (CUDA) and triton; the runtime packages it lacks travel as
-# wheels in .whl/ (../shared/gpu/fetch-wheels.sh makes them on a machine with a registry) and are
-# installed to /tmp/site. Each step has its own time limit; a step that fails or runs out is
+# wheels in .whl/ (scripts/fetch-wheels.sh makes them on a machine with a registry, at
+# requirements.lock's versions) and are installed to /tmp/site. Each step has its own time limit; a step that fails or runs out is
 # reported and the next one runs. Results: RESULTS_DIR/<date>-<gpu>-<step>.json (and .log), and a
 # summary table last. Where $OUT is set (the device tool), the results are also packed into
 # $OUT/gpu-check.tar.gz. See docs/benchmarks.md ("A GPU host in one command").
