@@ -9,8 +9,8 @@ rejects fails there, with the words the worker's compile would give (tests/test_
 checks both on bad and good specs of every kind), and the parse takes well under a millisecond.
 A spec that parses is then compiled for real against the gateway's tokenizer (its token masks: the
 worker's compile) on a small thread pool, within GRAMMAR_COMPILE_BUDGET_S: the worker compiles inside
-its step, so a spec that takes longer (a string maxLength of 100 takes ~1 s, thousands of optional
-properties a minute) would stall every sequence; it is refused instead. Each distinct spec is checked
+its step, so a spec that takes longer (hundreds of required properties take about a second, thousands
+of optional ones far longer) would stall every sequence; it is refused instead. Each distinct spec is checked
 once and only its verdict is kept. Beyond the worker's rule, a spec's text is at most
 MAX_GRAMMAR_CHARS and a JSON schema at most MAX_SCHEMA_DEPTH levels deep (its conversion alone takes
 seconds).
@@ -157,7 +157,8 @@ class StructuredOutputChecker:
                 threading.Thread(target=self._compile, args=(key, job, spec), name="grammar-compile").start()
         job.started.wait()
         budget = GRAMMAR_COMPILE_BUDGET_S
-        if not job.done.wait(max(0.0, job.start + budget - time.monotonic())):
+        # over the budget whether it is still running or took longer (a budget of 0 refuses every spec)
+        if not job.done.wait(max(0.0, job.start + budget - time.monotonic())) or job.seconds > budget:
             return (f"the {NOUNS[spec.kind]} takes more than {budget:g} s to compile into a token mask: lower its "
                     "maxLength/maxItems/repetition bounds or simplify it")
         return job.error
@@ -171,6 +172,7 @@ class StructuredOutputChecker:
             except InvalidStructuredOutput as exc:
                 job.error = str(exc)
             finally:
+                job.seconds = time.monotonic() - job.start
                 with self._lock:
                     self._compiling.pop(key, None)
                 job.done.set()
@@ -181,6 +183,7 @@ class _Compile:
     started: threading.Event = field(default_factory=threading.Event)  # a thread began the compile
     start: float = 0.0  # time.monotonic() then
     done: threading.Event = field(default_factory=threading.Event)
+    seconds: float = 0.0  # the compile's, once done
     error: str | None = None  # the library's words, when it rejects the spec
 
 

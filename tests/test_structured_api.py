@@ -6,6 +6,7 @@ The real stack's answers are tests/test_openai_api.py's ("api" section) and test
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -18,6 +19,7 @@ from gateway.app import Gateway
 from gateway.models import ChatCompletionRequest, CompletionRequest, InvalidField, validate
 from gateway.openai_api import APIError
 from gateway.structured import StructuredOutputChecker, requested_structured_output, structured_output_of
+from tests.grammar_errors import assert_relays
 
 VOCAB_SIZE = 49152
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -99,25 +101,33 @@ def parse_error(gateway, kind: str, body: dict) -> tuple[int, str | None, str]:
     return caught.value.status, caught.value.param, caught.value.message
 
 
-@pytest.mark.parametrize("kind, body, param, message", [
-    ("completion", {"guided_json": {"type": "foo"}}, "guided_json",
-     'guided_json: invalid JSON schema: Unsupported type "foo"'),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}},
-     "response_format", "response_format: invalid JSON schema: Cannot find field $defs in #/$defs/missing"),
-    ("completion", {"guided_regex": "(ab"}, "guided_regex",
-     "guided_regex: invalid regular expression: Regex parsing error at position 4: The parenthesis is not closed."),
-    ("chat", {"guided_regex": "(?<=a)b"}, "guided_regex",
-     "guided_regex: invalid regular expression: Regex parsing error at position 3: Lookbehind is not supported yet."),
-    ("completion", {"guided_grammar": "root ::= value"}, "guided_grammar",
-     'guided_grammar: invalid grammar: EBNF parser error at line 1, column 10: Rule "value" is not defined'),
-    ("completion", {"guided_json": SCHEMA, "use_beam_search": True, "n": 2}, "guided_json",
-     "guided_json is not supported with use_beam_search (beam search ranks beams by the model's own logprobs)"),
-], ids=["schema-type-foo", "json-schema-dangling-ref", "regex-unclosed", "regex-lookbehind", "grammar-undefined-rule",
-        "beam-search"])
-def test_what_the_worker_would_reject_is_a_400_naming_the_field(gateway, kind, body, param, message):
+DANGLING_REF = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+
+
+@pytest.mark.parametrize("kind, body, param, ours, library", [
+    ("completion", {"guided_json": {"type": "foo"}}, "guided_json", "guided_json: invalid JSON schema",
+     ("from_json_schema", '{"type":"foo"}')),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DANGLING_REF}}},
+     "response_format", "response_format: invalid JSON schema", ("from_json_schema", json.dumps(DANGLING_REF))),
+    ("completion", {"guided_regex": "(ab"}, "guided_regex", "guided_regex: invalid regular expression",
+     ("from_regex", "(ab")),
+    ("chat", {"guided_regex": "(?<=a)b"}, "guided_regex", "guided_regex: invalid regular expression",
+     ("from_regex", "(?<=a)b")),
+    ("completion", {"guided_grammar": "root ::= value"}, "guided_grammar", "guided_grammar: invalid grammar",
+     ("from_ebnf", "root ::= value")),
+], ids=["schema-type-foo", "json-schema-dangling-ref", "regex-unclosed", "regex-lookbehind", "grammar-undefined-rule"])
+def test_what_the_worker_would_reject_is_a_400_naming_the_field(gateway, kind, body, param, ours, library):
     base = {"prompt": "hi"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
-    assert parse_error(gateway, kind, {**base, **body}) == (400, param, message)
+    status, named, message = parse_error(gateway, kind, {**base, **body})
+    assert (status, named) == (400, param)
+    assert_relays(message, ours, *library)
+
+
+def test_beam_search_with_a_structured_output_is_a_400_naming_the_field(gateway):
+    body = {"prompt": "hi", "guided_json": SCHEMA, "use_beam_search": True, "n": 2}
+    assert parse_error(gateway, "completion", body) == (
+        400, "guided_json",
+        "guided_json is not supported with use_beam_search (beam search ranks beams by the model's own logprobs)")
 
 
 def test_a_constrained_request_carries_its_structured_output_and_logit_bias_to_the_worker(gateway):
@@ -188,8 +198,9 @@ def test_each_spec_is_checked_once_and_the_oldest_verdict_is_forgotten(monkeypat
     checker = StructuredOutputChecker(verdicts_kept=2)
     bad, good, other = (StructuredOutput("regex", "(a"), StructuredOutput("regex", "a+"),
                         StructuredOutput("regex", "b+"))
-    message = "invalid regular expression: Regex parsing error at position 3: The parenthesis is not closed."
-    assert [checker.error(bad), checker.error(good), checker.error(bad), checker.error(good)] == [message, None] * 2
+    message = checker.error(bad)
+    assert_relays(message, "invalid regular expression", "from_regex", "(a")
+    assert [checker.error(good), checker.error(bad), checker.error(good)] == [None, message, None]
     assert compiled == ["(a", "a+"]
     checker.error(other)  # a third spec: the least recently used one, "(a", is forgotten
     assert [checker.error(good), checker.error(bad)] == [None, message]
@@ -296,17 +307,49 @@ def test_a_spec_over_64_kib_written_compactly_is_a_400_naming_the_field(gateway,
     assert parse_error(gateway, kind, {**base, **body}) == (400, param, message)
 
 
-def test_a_spec_that_compiles_past_the_budget_is_refused_and_the_verdict_kept(gateway, monkeypatch):
-    # a string of at most 60 characters compiles in ~0.5 s against the default model's 49,152 tokens
+def over_budget(param: str | None, noun: str, budget: str) -> str:
+    return (f"{param + ': ' if param else ''}the {noun} takes more than {budget} s to compile into a token mask: "
+            "lower its maxLength/maxItems/repetition bounds or simplify it")
+
+
+def test_a_budget_no_compile_meets_refuses_the_spec_and_the_verdict_is_kept(gateway, monkeypatch):
     body = {"messages": [{"role": "user", "content": "hi"}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
                 "type": "string", "maxLength": 60}}}}
-    refused = (400, "response_format", "response_format: the JSON schema takes more than 0.05 s to compile into a "
-                                       "token mask: lower its maxLength/maxItems/repetition bounds or simplify it")
-    monkeypatch.setattr(structured, "GRAMMAR_COMPILE_BUDGET_S", 0.05)
+    refused = (400, "response_format", over_budget("response_format", "JSON schema", "0"))
+    monkeypatch.setattr(structured, "GRAMMAR_COMPILE_BUDGET_S", 0.0)
     assert parse_error(gateway, "chat", body) == refused
-    monkeypatch.setattr(structured, "GRAMMAR_COMPILE_BUDGET_S", 60.0)
+    monkeypatch.setattr(structured, "GRAMMAR_COMPILE_BUDGET_S", 600.0)
     assert parse_error(gateway, "chat", body) == refused  # kept: the spec is not compiled again
     fast = gateway._parse("chat", {**body, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "s", "schema": {"type": "string", "maxLength": 4}}}})  # ~10 ms: within any budget here
+        "name": "s", "schema": {"type": "string", "maxLength": 4}}}})  # a new spec, compiled within the budget
     assert fast.params.structured_output == StructuredOutput("json_schema", '{"type":"string","maxLength":4}')
+
+
+def test_a_compile_still_running_at_the_budget_is_refused_without_waiting_for_it(tokenizer, monkeypatch):
+    release, compiled = threading.Event(), []
+
+    def held(compiler, spec):  # the real parse; the tokenizer's compile held until released
+        if not isinstance(compiler, structured.GrammarParser):
+            assert release.wait(60)
+            compiled.append(spec.spec)
+        return compile_structured_output(compiler, spec)
+
+    monkeypatch.setattr(structured, "compile_structured_output", held)
+    monkeypatch.setattr(structured, "GRAMMAR_COMPILE_BUDGET_S", 0.1)
+    checker = StructuredOutputChecker(tokenizer, VOCAB_SIZE)
+    spec = StructuredOutput("regex", "[0-9]+")
+    assert checker.error(spec) == over_budget(None, "regular expression", "0.1")
+    assert compiled == []  # answered while the compile was still held
+    release.set()
+    assert checker.error(spec) == over_budget(None, "regular expression", "0.1")  # the verdict kept
+
+
+def test_a_large_schema_is_refused_under_a_small_budget_by_the_real_compile(tokenizer, monkeypatch):
+    # 300 required integer properties: about a second to compile against the default model's 49,152
+    # tokens (xgrammar 0.2.8 and 0.2.9 alike), twenty times the budget
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)},
+              "required": [f"p{i}" for i in range(300)]}
+    monkeypatch.setattr(structured, "GRAMMAR_COMPILE_BUDGET_S", 0.05)
+    checker = StructuredOutputChecker(tokenizer, VOCAB_SIZE)
+    assert checker.error(json_schema_spec(schema)) == over_budget(None, "JSON schema", "0.05")
