@@ -251,6 +251,16 @@ def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client):
     answer = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1, temperature=0)
     assert answer.usage.prompt_tokens_details.cached_tokens == (answer.usage.prompt_tokens - 1) // 16 * 16
 
+def test_the_drained_metrics_count_each_prompt_answered_before_them_once(client, stack):
+    """pagoda:prefix_cache_queries_total gains each prompt's tokens once, read by wait_drained right
+    after the answer (a status published before the request would show it drained, uncounted)."""
+    queries = "pagoda:prefix_cache_queries_total"
+    for i in range(3):
+        before = stack.wait_drained(30)[queries]
+        client.completions.create(model=MODEL, prompt=[300 + i + j for j in range(20)], max_tokens=1)
+        assert stack.wait_drained(30)[queries] == before + 20
+
+
 def test_kill_9_of_pagoda_up_takes_every_child_down_and_a_new_stack_starts_on_its_port(stack):
     """Last in this module: it ends the stack. Each child lives in a session of its own, so only the
     parent-death signal can take it down with a supervisor that had no chance to stop it."""

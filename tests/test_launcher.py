@@ -55,6 +55,31 @@ def test_the_launcher_cli_without_a_command_prints_its_usage_and_exits_2():
     assert proc.stderr == "usage: python -m pagoda.bench.stack [--log PATH] [PAGODA UP FLAGS] -- COMMAND [ARGS]\n"
 
 
+def test_wait_drained_reads_only_statuses_published_after_it_was_called(monkeypatch):
+    """A status from before a request that has since been answered shows the stack drained without the
+    request's counts: wait_drained waits for a status every scheduler published after its call."""
+    import time
+    from types import SimpleNamespace
+
+    from pagoda.bench.stack import GAUGES, Stack
+
+    stack = Stack.__new__(Stack)
+    stack.redis_url = "redis://unused"
+    called = time.time()
+    published = iter([[called - 0.3, called + 0.2], [called + 0.4, called - 0.1], [called + 0.4, called + 0.5]])
+    reads = []
+
+    def statuses():
+        reads.append(next(published))
+        return [SimpleNamespace(updated_at=t) for t in reads[-1]]
+
+    monkeypatch.setattr(stack, "statuses", statuses)
+    monkeypatch.setattr(stack, "metrics", lambda: {**dict.fromkeys(GAUGES, 0), "queries": len(reads)})
+    monkeypatch.setattr(time, "time", lambda: called)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    assert stack.wait_drained(60) == {**dict.fromkeys(GAUGES, 0), "queries": 3}  # both fresh on the third read
+
+
 def test_parse_metrics_drops_labels_and_comments():
     text = '# HELP x y\n# TYPE x gauge\npagoda:num_requests_running{model="m"} 2.0\npagoda:kv_cache_usage_perc 0.5\n'
     assert parse_metrics(text) == {"pagoda:num_requests_running": 2.0, "pagoda:kv_cache_usage_perc": 0.5}

@@ -737,5 +737,7 @@ def test_a_prompt_whose_prefix_another_is_computing_waits_for_it_to_be_cached():
     assert admitted[:2] == [["a", "d", "e"], ["b", "c"]]
     assert cached == {"a": 0, "b": 48, "c": 48, "d": 0, "e": 0}
     assert engine.scheduler.prefix_cache_hits == 96
+    # each prompt looked up once, at its admission: "b" and "c" were deferred a step, not counted twice
+    assert engine.scheduler.prefix_cache_queries == sum(len(ids) for ids in requests.values())
     for request_id, ids in requests.items():
         assert done[request_id][0] == expected_output(seq_id_of_done[request_id], len(ids), 2), request_id

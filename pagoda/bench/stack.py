@@ -76,8 +76,8 @@ class Stack:
             self.redis_url = json.loads(self.addresses.read_text())["redis_url"]
         return self
 
-    def engines(self) -> dict[str, bool]:
-        """The live engine groups, from the schedulers' status keys: {engine id: workers ready}."""
+    def statuses(self) -> list:
+        """The live schedulers' SchedulerStatus, read from their keys in Redis."""
         import redis
 
         from common import streams
@@ -89,10 +89,13 @@ class Stack:
             statuses = [decode(raw) for raw in client.mget(keys) if raw is not None] if keys else []
         finally:
             client.close()
+        return [status for status in statuses if isinstance(status, SchedulerStatus)]
+
+    def engines(self) -> dict[str, bool]:
+        """The live engine groups, from the schedulers' status keys: {engine id: workers ready}."""
         ready: dict[str, bool] = {}
-        for status in statuses:
-            if isinstance(status, SchedulerStatus):
-                ready[status.engine] = ready.get(status.engine, False) or status.workers_ready
+        for status in self.statuses():
+            ready[status.engine] = ready.get(status.engine, False) or status.workers_ready
         return ready
 
     def wait_engines(self, count: int, timeout: float = 600) -> Stack:
@@ -141,11 +144,16 @@ class Stack:
 
     def wait_drained(self, timeout: float) -> dict[str, float]:
         """The metrics once no KV block is used and no request runs or waits in any engine group, or at
-        the deadline (a gauge is absent while no scheduler is live)."""
+        the deadline (a gauge is absent while no scheduler is live). Only statuses every scheduler
+        published after this call count: one from before a request that has already been answered
+        shows it neither running nor counted (a status is published twice a second)."""
+        since = time.time()
         deadline = time.monotonic() + timeout
         while True:
+            fresh = self.redis_url is None or all(s.updated_at > since for s in self.statuses())
             metrics = self.metrics()
-            if [metrics.get(g) for g in GAUGES] == [0, 0, 0, 0] or time.monotonic() > deadline:
+            drained = fresh and [metrics.get(g) for g in GAUGES] == [0, 0, 0, 0]
+            if drained or time.monotonic() > deadline:
                 return metrics
             time.sleep(0.2)
 
