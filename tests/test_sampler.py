@@ -159,7 +159,9 @@ def test_logprobs_over_a_large_batch(sampler):
     out = sampler(logits, rows)
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     exact = torch.log_softmax(logits.double(), dim=-1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-    assert out.logprobs == pytest.approx(exact.tolist(), rel=0, abs=1e-6)
+    # float32: a sum of 5,000 exponentials rounds by a few 1e-6, its digits set by the CPU's vector
+    # width (torch's own float32 log_softmax of these logits is 5e-6 off on an AVX2 CPU)
+    assert out.logprobs == pytest.approx(exact.tolist(), rel=0, abs=1e-5)
     raw = torch.log_softmax(logits, dim=-1)
     for i in range(0, 300, 50):
         assert out.top_logprobs[i][0] == [out.token_ids[i], out.logprobs[i]]
