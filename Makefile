@@ -6,7 +6,8 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # The exact versions the suite passed with (`make lock` refreshes it); setup installs them.
 LOCK   := requirements.lock
-# CPU build from the local index; a GPU host installs its own CUDA torch into .venv before `make setup`.
+# CPU build from the local index; a GPU host installs its own CUDA torch (the lock's release) into
+# .venv before `make setup`. Another TORCH conflicts with the lock: `make lock TORCH=...` moves both.
 TORCH  ?= $(shell grep -m1 '^torch==' $(LOCK))
 CONSTRAINTS := $(VENV)/constraints.txt
 

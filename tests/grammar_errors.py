@@ -5,23 +5,25 @@ library's C++ source location. The library's wording is its own and moves betwee
 library itself instead of writing it out."""
 from __future__ import annotations
 
+import re
+
+# "[06:49:29] /project/cpp/regex_converter.cc:94: " before xgrammar's reason
+SOURCE_LOCATION = re.compile(r"^\[[\d:]+\]\s*\S+:\d+:\s*")
+
 
 def library_reason(convert: str, text: str) -> str:
-    """What xgrammar raises for `text` through `xgr.Grammar.<convert>` (from_json_schema, from_regex,
-    from_ebnf), as it raises it."""
+    """The first line of what xgrammar raises for `text` through `xgr.Grammar.<convert>`
+    (from_json_schema, from_regex, from_ebnf), its source location left out."""
     import xgrammar as xgr
 
     try:
         getattr(xgr.Grammar, convert)(text)
     except RuntimeError as exc:
-        return str(exc).strip()
+        return SOURCE_LOCATION.sub("", str(exc).strip()).splitlines()[0].strip()
     raise AssertionError(f"xgrammar accepts {text!r}")
 
 
 def assert_relays(message: str, ours: str, convert: str, text: str) -> None:
     """`message` is `ours` exactly, then ": " and the library's reason for `text`."""
-    assert message.startswith(ours + ": "), message
-    reason = message[len(ours) + 2:]
-    raised = library_reason(convert, text)
-    assert reason and "\n" not in reason and ".cc:" not in reason, reason
-    assert raised.endswith(reason), (reason, raised)
+    reason = library_reason(convert, text)
+    assert reason and message == f"{ours}: {reason}", (message, reason)

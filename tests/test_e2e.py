@@ -251,6 +251,7 @@ def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client):
     answer = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1, temperature=0)
     assert answer.usage.prompt_tokens_details.cached_tokens == (answer.usage.prompt_tokens - 1) // 16 * 16
 
+
 def test_the_drained_metrics_count_each_prompt_answered_before_them_once(client, stack):
     """pagoda:prefix_cache_queries_total gains each prompt's tokens once, read by wait_drained right
     after the answer (a status published before the request would show it drained, uncounted)."""

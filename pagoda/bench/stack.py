@@ -146,7 +146,8 @@ class Stack:
         """The metrics once no KV block is used and no request runs or waits in any engine group, or at
         the deadline (a gauge is absent while no scheduler is live). Only statuses every scheduler
         published after this call count: one from before a request that has already been answered
-        shows it neither running nor counted (a status is published twice a second)."""
+        shows it neither running nor counted (a status is published twice a second). The statuses'
+        `updated_at` is the schedulers' wall clock: this machine's, where `pagoda up` runs them."""
         since = time.time()
         deadline = time.monotonic() + timeout
         while True:
