@@ -416,6 +416,7 @@ class SchedulerStatus:
     spec_num_draft_tokens_total: int = 0
     spec_num_accepted_tokens_total: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    draining: bool = False  # SIGTERM: finishing what it runs, taking nothing new (routers pass it over)
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -489,8 +490,8 @@ _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
-_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]; [speculative]
-    SchedulerStatus: 30, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
+_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]; [speculative]; draining
+    SchedulerStatus: 31, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
     NewSequence: 1, StepPlan: 1, GenerateRequest: 1, MemorySnapshot: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

@@ -41,6 +41,10 @@ ABORTS_MAXLEN = 10_000
 KV_EVENTS_PREFIX = "pagoda:kv-events:"
 KV_EVENTS_FIELD = b"batch"
 KV_EVENTS_MAXLEN = 10_000  # batches (a few hundred bytes each); approximate (XADD MAXLEN ~)
+# set by a router that missed some of a group's events (its cursor fell behind the cap): the group's
+# scheduler appends a snapshot of its cache (AllBlocksCleared, then every cached block) and deletes it
+KV_RESYNC_PREFIX = "pagoda:kv-resync:"
+KV_RESYNC_TTL_S = 10
 
 
 def group_requests_stream(engine_id: str) -> str:
@@ -49,6 +53,10 @@ def group_requests_stream(engine_id: str) -> str:
 
 def kv_events_stream(engine_id: str) -> str:
     return KV_EVENTS_PREFIX + engine_id
+
+
+def kv_resync_key(engine_id: str) -> str:
+    return KV_RESYNC_PREFIX + engine_id
 
 
 def reply_stream(gateway_id: str) -> str:

@@ -7,7 +7,9 @@ rule, fed by the schedulers' KV events instead of an approximate tree of its own
        │                                                   ─▶ XADD pagoda:requests:<that engine>
        ├─ no match: of the groups within `margin` of the least loaded, the one holding the fewest
        │  blocks (the most room for a new prefix)          ─▶ XADD pagoda:requests:<that engine>
-       └─ a match too busy: the least loaded group         ─▶ XADD pagoda:requests:<that engine>
+       └─ a match too busy, or a prompt shorter than a block: the least loaded group
+                                                           ─▶ XADD pagoda:requests:<that engine>
+    Ties break by load, then round-robin; a group whose scheduler is draining takes nothing.
 
 What a group holds is the replay of its KV event stream (`pagoda:kv-events:<engine>`, read here
 from its start, common/kv_events.py), plus the hashes of the prompts this router sent it in the
@@ -27,6 +29,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -54,6 +57,8 @@ class PrefixRouter:
         self._engine_of: dict[str, str] = {}  # request id -> the engine it was routed to
         self._cursors: dict[str, bytes] = {}
         self._events_read_at = 0.0
+        self._turn = 0  # rotates the order ties break in
+        self.num_resyncs = 0  # KV event streams read again from a snapshot (events were missed)
         self.on_route: Callable[[str, str], None] | None = None  # (engine, reason) of each decision: a metric
 
     # ------------------------------------------------------------------ routing
@@ -80,29 +85,34 @@ class PrefixRouter:
 
     def choose(self, request: GenerateRequest, groups: dict[str, SchedulerStatus]) -> tuple[str, str, list[bytes]]:
         """(engine, why: "cache_hit", "smallest_cache" or "least_loaded", the prompt's block hashes
-        for that engine)."""
+        for that engine). Every tie breaks by load, then by turn (round-robin over the groups)."""
         lora = request.lora_request
         salt = None if lora is None else lora_salt(lora.lora_int_id, lora.lora_path)
         hashes_by_size: dict[int, list[bytes]] = {}
         now = time.monotonic()
         scored = []
-        for engine, status in sorted(groups.items()):
-            size = status.block_size
+        engines = sorted(groups)
+        for i, engine in enumerate(engines):
+            size = groups[engine].block_size
             if size not in hashes_by_size:
                 hashes_by_size[size] = prompt_block_hashes(request.prompt_token_ids, size, salt)
             hashes = hashes_by_size[size]
-            scored.append((self._match(engine, hashes, now), self.load(engine, status), engine, hashes))
-        least = min(load for _, load, _, _ in scored)
-        match, load, engine, hashes = max(scored, key=lambda s: (s[0], -s[1]))
-        if match > 0 and load - least <= self.margin:
-            return engine, "cache_hit", hashes
-        if match == 0:  # a new prefix: where the most room is (SGLang's smallest tree), spreading prefixes,
-            # among the groups within the margin of the least loaded
-            balanced = [s for s in scored if s[1] - least <= self.margin]
-            _, _, engine, hashes = min(balanced, key=lambda s: (self.cache_size(s[2]), s[1]))
-            return engine, "smallest_cache", hashes
-        _, _, engine, hashes = min(scored, key=lambda s: (s[1], -s[0]))
-        return engine, "least_loaded", hashes
+            turn = (i - self._turn) % len(engines)
+            scored.append(_Candidate(self._match(engine, hashes, now), self.load(engine, groups[engine]), turn,
+                                     engine, hashes))
+        self._turn += 1
+        least = min(c.load for c in scored)
+        best = min(scored, key=lambda c: (-c.match, c.load, c.turn))
+        if best.match > 0 and best.load - least <= self.margin:
+            return best.engine, "cache_hit", best.hashes
+        if best.match == 0 and best.hashes:  # a new prefix: where the most room is (SGLang's smallest
+            # tree), spreading prefixes, among the groups within the margin of the least loaded
+            balanced = [c for c in scored if c.load - least <= self.margin]
+            best = min(balanced, key=lambda c: (self.cache_size(c.engine), c.load, c.turn))
+            return best.engine, "smallest_cache", best.hashes
+        # a prefix too busy where it is cached, or a prompt shorter than a block (no prefix to place)
+        best = min(scored, key=lambda c: (c.load, -c.match, c.turn))
+        return best.engine, "least_loaded", best.hashes
 
     def cache_size(self, engine: str) -> int:
         """The blocks the group holds, and those it is about to (this router's expected ones: a
@@ -136,32 +146,78 @@ class PrefixRouter:
         if time.monotonic() - self._events_read_at < EVENTS_READ_INTERVAL_S:
             return
         self._events_read_at = time.monotonic()
+        engines = sorted(groups)
         while True:
-            keys = {streams.kv_events_stream(e): self._cursors.get(e, b"0-0") for e in groups}
-            replies = await self.redis.xread(keys, count=EVENTS_READ_COUNT)
-            if not replies:
-                return
+            pipe = self.redis.pipeline(transaction=False)
+            for engine in engines:
+                pipe.xrange(streams.kv_events_stream(engine), count=1)
+            pipe.xread({streams.kv_events_stream(e): self._cursors.get(e, b"0-0") for e in engines},
+                       count=EVENTS_READ_COUNT)
+            *firsts, replies = await pipe.execute()
+            for engine, first in zip(engines, firsts):
+                if first and self._missed_events(engine, *first[0]):
+                    await self._resync(engine)
             full = False
-            for stream, entries in replies:
+            for stream, entries in replies or []:
                 engine = (stream.decode() if isinstance(stream, bytes) else stream)[len(streams.KV_EVENTS_PREFIX):]
-                cached = self.cached.setdefault(engine, set())
-                for entry_id, fields in entries:
-                    self._cursors[engine] = entry_id
-                    try:
-                        batch = kv_events.decode_batch(fields.get(streams.KV_EVENTS_FIELD, b""))
-                    except ValueError as exc:
-                        log.warning("ignoring an undecodable KV event batch of engine %s: %s", engine, exc)
-                        continue
-                    kv_events.replay(batch.events, cached)
+                self._replay(engine, entries)
                 full |= len(entries) == EVENTS_READ_COUNT
             if not full:
                 return
 
+    def _replay(self, engine: str, entries: list) -> None:
+        cached = self.cached.setdefault(engine, set())
+        for entry_id, fields in entries:
+            self._cursors[engine] = entry_id
+            try:
+                batch = kv_events.decode_batch(fields.get(streams.KV_EVENTS_FIELD, b""))
+            except ValueError as exc:
+                log.warning("ignoring an undecodable KV event batch of engine %s: %s", engine, exc)
+                continue
+            kv_events.replay(batch.events, cached)
+
+    def _missed_events(self, engine: str, first_id: bytes, fields: dict) -> bool:
+        """Whether the stream lost events this router has not read: its first entry is past the
+        cursor (the cap trimmed the stream beyond it), or, read from the start, it does not begin
+        where its scheduler did (with AllBlocksCleared)."""
+        cursor = self._cursors.get(engine)
+        if cursor is not None:
+            return _entry_id(first_id) > _entry_id(cursor)
+        try:
+            events = kv_events.decode_batch(fields.get(streams.KV_EVENTS_FIELD, b"")).events
+        except ValueError:
+            return True
+        return not events or not isinstance(events[0], kv_events.AllBlocksCleared)
+
+    async def _resync(self, engine: str) -> None:
+        """Forget what the group holds (a removal it missed would leave a hash it no longer holds),
+        replay what the stream still has, and ask its scheduler for a snapshot of its whole cache."""
+        log.info("the KV events of engine %s were trimmed past this router's cursor: re-syncing", engine)
+        self.cached[engine] = set()
+        self.num_resyncs += 1
+        await self.redis.set(streams.kv_resync_key(engine), b"1", ex=streams.KV_RESYNC_TTL_S)
+
+
+def _entry_id(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(slots=True)
+class _Candidate:
+    match: int  # the prompt's leading blocks the group holds or is about to
+    load: int
+    turn: int  # its place in this decision's round-robin order
+    engine: str
+    hashes: list[bytes]
+
 
 def _ready_groups(statuses: list[SchedulerStatus]) -> dict[str, SchedulerStatus]:
-    """One status per engine group whose workers are ready (the latest, if two schedulers share it)."""
+    """One status per engine group whose workers are ready and whose scheduler is not draining (the
+    latest, if two schedulers share it)."""
     groups: dict[str, SchedulerStatus] = {}
     for status in statuses:
-        if status.workers_ready and (status.engine not in groups or status.updated_at > groups[status.engine].updated_at):
+        if status.workers_ready and not status.draining and (
+                status.engine not in groups or status.updated_at > groups[status.engine].updated_at):
             groups[status.engine] = status
     return groups

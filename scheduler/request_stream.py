@@ -150,6 +150,7 @@ class RequestStream:
         self.outbox: list[OutboxEntry] = []  # Redis writes not yet done
         self.memory: bytes | None = None  # the latest memory snapshot, not yet written (sent with the outbox)
         self.memory_watched = False  # a gateway serves the dashboard's data (streams.MEMORY_WATCH), as of the status
+        self.kv_resync_asked = False  # a router missed KV events (streams.kv_resync_key), as of the status
         self.orphans = False  # a dead scheduler's requests wait to be taken over: read nothing new
         self.aborts_cursor = _recent_aborts_id()
         self.redis_run_id: str | None = None
@@ -659,8 +660,10 @@ class RequestStream:
             pipe.pexpire(key, ttl_ms)
         else:
             pipe.delete(key)
-        _, watched, memory = pipe.execute()
+        pipe.delete(streams.kv_resync_key(self.serving.engine_id))  # the number deleted: 1 when asked
+        _, watched, memory, resync = pipe.execute()
         self.memory_watched = bool(watched)
+        self.kv_resync_asked |= bool(resync)
         if has_memory and memory and not watched:  # no page for MEMORY_WATCH_TTL_S: the snapshot goes (once)
             self.redis.delete(key)
         return has_memory and bool(watched) and bool(memory)

@@ -137,6 +137,8 @@ class SchedulerServer:
             self._drain_logged = True
             log.info("draining: %d request(s) held, %.0f s to finish", len(self.stream.tracked),
                      self.drain_deadline - time.monotonic())
+            self._last_status = float("-inf")  # routers learn at once that this group takes nothing new
+            self._publish_status()
         for request_id in self.stream.hand_back_unstarted():
             if self.scheduler is not None:
                 self.scheduler.abort_request(request_id)
@@ -296,8 +298,10 @@ class SchedulerServer:
         s = self.scheduler
         if s is not None and self.serving.kv_events:
             events = s.block_manager.take_kv_events()
-            if self.stream.redis_run_id != self._kv_events_run_id:  # Redis restarted empty: the stream too
+            if self.stream.redis_run_id != self._kv_events_run_id or self.stream.kv_resync_asked:
+                # Redis restarted empty (the stream too), or a router missed events: the whole cache
                 events, self._kv_events_run_id = s.block_manager.kv_snapshot(), self.stream.redis_run_id
+                self.stream.kv_resync_asked = False
             self._queue_kv_events(events)
         self.stream.flush()
         self._publish_status()
@@ -334,6 +338,7 @@ class SchedulerServer:
             prefill_tokens_per_s=hello.prefill_tokens_per_s if hello else 0.0,
             num_routed_total=self.stream.num_routed, num_shared_total=self.stream.num_shared,
             num_stolen_total=self.stream.num_stolen, **(spec_counters(s.speculator) if s else {}),
+            draining=self.drain_deadline is not None,
         )
         try:
             if not self.stream.publish_status(encode(status), has_memory=s is not None):

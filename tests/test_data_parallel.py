@@ -38,9 +38,9 @@ def stack(redis_server):
     assert stack.stop() == 0
 
 
-def stream(url: str, prompt: str) -> dict:
+def stream(url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
     """One streamed completion to its end: its tokens, the error object if any, its prompt tokens."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
     tokens, error, prompt_tokens = [], None, None
     with httpx.Client(timeout=120) as http, http.stream("POST", url + "/v1/completions", json=body) as response:
@@ -101,6 +101,29 @@ def test_both_engine_groups_take_requests(stack):
     queried = engine_samples(stack, "pagoda:prefix_cache_queries_total")  # prompt tokens each group scheduled
     assert sorted(queried) == ["0", "1"] and min(queried.values()) > 0
     assert sum(queried.values()) == sum(r["prompt_tokens"] for r in results)  # each request ran once
+    wait_for(lambda: engine_samples(stack, "pagoda:num_requests_running") == {"0": 0, "1": 0}, 5, "both groups idle")
+
+
+def test_concurrent_prompts_shorter_than_a_block_are_served_by_both_groups(stack):
+    """24 short prompts at once hold no block to route by: they go by load (then in turn), so both
+    groups read some from their own streams (what a busy group leaves unread, the other may steal),
+    and each request is decided and read once."""
+    names = ("pagoda:requests_routed_total", "pagoda:requests_stolen_total")
+    before, decisions = [engine_samples(stack, name) for name in names], routing_samples(stack)
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(24)]
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(lambda p: stream(stack.url, p, max_tokens=4), prompts))
+    assert [(r["error"], len(r["tokens"])) for r in results] == [(None, 4)] * 24
+    assert max(r["prompt_tokens"] for r in results) < 16  # the block size: no prefix to place
+    by_reason = delta(routing_samples(stack), decisions)
+    assert {reason for _, reason in by_reason} == {"least_loaded"} and sum(by_reason.values()) == 24
+    assert {engine for engine, _ in by_reason} == {"0", "1"}
+
+    def read():
+        return [delta(engine_samples(stack, name), b) for name, b in zip(names, before)]
+    wait_for(lambda: sum(sum(counts.values()) for counts in read()) == 24, 5, "every request read, in the statuses")
+    routed, _ = read()
+    assert sorted(routed) == ["0", "1"]
     wait_for(lambda: engine_samples(stack, "pagoda:num_requests_running") == {"0": 0, "1": 0}, 5, "both groups idle")
 
 

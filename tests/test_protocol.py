@@ -167,15 +167,15 @@ def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defa
     """A scheduler older than [scale-out] (no `engine`), than [observability] (no memory counters) or
     than [quantization] (no KV cache dtype and block bytes), than [cache-at-scale] (no waiting tokens) or
     than [lora] (no adapters), or than the prefill rate (--ttft-slo-ms), the CPU tier's counters and
-    the routing counters, or than [speculative] (no spec_decode counters)."""
-    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-30:]
-    old = _body(encode(STATUS))[1:-30]  # every field but the 30 appended
+    the routing counters, than [speculative] (no spec_decode counters), or than `draining`."""
+    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-31:]
+    old = _body(encode(STATUS))[1:-31]  # every field but the 31 appended
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old)], use_bin_type=True)
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in new_fields}
     assert decode(data) == dataclasses.replace(STATUS, **defaults)
     assert decode(data).engine == "0"
     short = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old[:-1])], use_bin_type=True)
-    with pytest.raises(ProtocolError, match="SchedulerStatus expects 48 fields, got 17"):
+    with pytest.raises(ProtocolError, match="SchedulerStatus expects 49 fields, got 17"):
         decode(short)
 
 

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from common import streams
 from common.block_hash import lora_salt, prompt_block_hashes
 from common.config import ServingConfig
-from common.kv_events import AllBlocksCleared, KVEventBatch, encode_batch
+from common.kv_events import AllBlocksCleared, BlockRemoved, KVEventBatch, encode_batch
 from common.protocol import GenerateRequest, LoRARequest, SamplingParams, SchedulerStatus, encode
 from gateway.router import PrefixRouter
 from scheduler import request_stream
@@ -27,13 +27,14 @@ SYSTEM_A = list(range(1000, 1000 + 3 * BLOCK))  # 3 full blocks
 SYSTEM_B = list(range(5000, 5000 + 3 * BLOCK))
 
 
-def status(engine: str, running: int = 0, waiting: int = 0, ready: bool = True) -> SchedulerStatus:
+def status(engine: str, running: int = 0, waiting: int = 0, ready: bool = True, draining: bool = False
+           ) -> SchedulerStatus:
     return SchedulerStatus(
         scheduler_id=f"sched-{engine}", model="m", max_model_len=4096, block_size=BLOCK, max_request_tokens=10_000,
         max_num_seqs=8, max_num_batched_tokens=2048, enable_chunked_prefill=True, num_gpu_blocks=100,
         workers_ready=ready, num_running=running, num_waiting=waiting, num_swapped=0, kv_cache_usage=0.0,
         num_preemptions_total=0, prefix_cache_queries_total=0, prefix_cache_hits_total=0, updated_at=time.time(),
-        engine=engine)
+        engine=engine, draining=draining)
 
 
 def request(request_id: str, tokens: list[int], lora: LoRARequest | None = None) -> GenerateRequest:
@@ -286,3 +287,61 @@ def test_a_stream_without_its_group_loses_nothing_read_from_the_others(redis_url
     assert [a.request.request_id for a in s.read(4, block=False)] == ["queued-again"]
     assert [g["name"] for g in r.xinfo_groups(streams.REQUESTS)] == [b"schedulers"]
     s.redis.close()
+
+
+def test_prompts_shorter_than_a_block_spread_by_load_then_in_turn(router, r):
+    """No block to place: neither group's cache matters (group 1 holds 3 blocks, group 0 none).
+    In flight together they alternate by load; one at a time (equal loads), by turn."""
+    cache(r, "1", SYSTEM_A)
+    groups = [status("0"), status("1")]
+    together = [route(router, request(f"t{i}", [40 + i] * 6), groups) for i in range(6)]
+    assert together == ["pagoda:requests:0", "pagoda:requests:1"] * 3
+    assert router.outstanding == {"0": 3, "1": 3}
+    one_at_a_time = []
+    for i in range(4):
+        one_at_a_time.append(route(router, request(f"o{i}", [60 + i] * 6), groups))
+        router.finished(f"o{i}")
+    assert sorted(one_at_a_time) == ["pagoda:requests:0"] * 2 + ["pagoda:requests:1"] * 2
+    assert one_at_a_time[0] != one_at_a_time[1] and one_at_a_time[2] != one_at_a_time[3]
+    # a busier group is passed over whatever the turn
+    assert [route(router, request(f"b{i}", [80 + i] * 6), [status("0", running=9), status("1")])
+            for i in range(2)] == ["pagoda:requests:1"] * 2
+    assert router.routed == {("0", "least_loaded"): 5, ("1", "least_loaded"): 7}
+
+
+def test_a_draining_group_takes_nothing_even_holding_the_prefix(make_router, r):
+    cache(r, "1", SYSTEM_A)
+    router = make_router()
+    assert route(router, request("a", SYSTEM_A), [status("0"), status("1", draining=True)]) == "pagoda:requests:0"
+    assert router.routed == {("0", "smallest_cache"): 1}
+    auto = make_router("auto")  # one group left to route to: the shared stream, which the others read
+    assert route(auto, request("b", SYSTEM_A), [status("0"), status("1", draining=True)]) == streams.REQUESTS
+
+
+def test_a_router_whose_cursor_fell_behind_the_cap_forgets_and_asks_for_a_snapshot(router, r):
+    """Group 1 stores A, then removes it; the stream is trimmed past the removal before the router
+    reads again. It must not keep A: it forgets what it held, replays what the stream still has, and
+    asks the scheduler for a snapshot (streams.kv_resync_key), once."""
+    stream = streams.kv_events_stream("1")
+    r.xadd(stream, {streams.KV_EVENTS_FIELD: encode_batch(KVEventBatch(0.0, [AllBlocksCleared()], "1"))})
+    hashes = cache(r, "1", SYSTEM_A)
+    groups = [status("0"), status("1")]
+    assert route(router, request("a", SYSTEM_A), groups) == "pagoda:requests:1"
+    assert router.num_resyncs == 0 and r.get(streams.kv_resync_key("1")) is None
+    router.expected.clear()
+    r.xadd(stream, {streams.KV_EVENTS_FIELD: encode_batch(KVEventBatch(0.0, [BlockRemoved(hashes)], "1"))})
+    cache(r, "1", SYSTEM_B)
+    r.xtrim(stream, maxlen=1, approximate=False)  # the removal went with the cap
+    assert route(router, request("b", SYSTEM_A), groups) == "pagoda:requests:0"
+    assert router.cached["1"] == set(prompt_block_hashes(SYSTEM_B, BLOCK))
+    assert router.num_resyncs == 1 and r.get(streams.kv_resync_key("1")) == b"1"
+    assert route(router, request("c", SYSTEM_B), groups) == "pagoda:requests:1"  # read on: no second ask
+    assert router.num_resyncs == 1
+
+
+def test_a_router_started_on_a_trimmed_stream_asks_for_a_snapshot(make_router, r):
+    cache(r, "1", SYSTEM_A)  # the stream does not begin with its scheduler's AllBlocksCleared
+    router = make_router()
+    route(router, request("a", SYSTEM_B), [status("0"), status("1")])
+    assert router.num_resyncs == 1 and r.get(streams.kv_resync_key("1")) == b"1"
+    assert router.cached["1"] == set(prompt_block_hashes(SYSTEM_A, BLOCK))  # what the stream has, meanwhile

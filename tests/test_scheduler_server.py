@@ -981,7 +981,9 @@ def test_drain_ends_what_cannot_finish_in_time_with_an_error(harness):
     harness.wait_ready()
     harness.submit("long", prompt(10), max_tokens=400)
     harness.wait_until(lambda: "long" in harness.events, 3.0, "long to start")
+    assert harness.status().draining is False
     harness.server.drain(timeout_s=0.5)
+    harness.wait_until(lambda: harness.status().draining, 0.4, "the status to say draining (routers pass it over)")
     harness.thread.join(5)
     assert not harness.thread.is_alive()
     events = harness.wait_finished("long")["long"]
@@ -1139,6 +1141,13 @@ def test_kv_events_replay_into_the_schedulers_exact_set_of_cached_hashes(make_ha
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert all(e.block_size == BLOCK_SIZE and e.medium == "GPU" and e.lora_id is None for e in stored)
     assert stored[0].parent_block_hash is None and stored[0].token_ids[:3] == [100, 101, 102]
+
+    # a router that missed events (the cap trimmed them) asks for a snapshot: the stream's last
+    # batch and the snapshot after it replay into the registry exactly
+    r.xtrim(streams.kv_events_stream("7"), maxlen=1, approximate=False)
+    r.set(streams.kv_resync_key("7"), b"1")
+    h.wait_until(lambda: len(batches()) == 2 and not r.exists(streams.kv_resync_key("7")), 2.0, "the snapshot")
+    assert isinstance(batches()[1].events[0], AllBlocksCleared) and replayed() == set(bm.cached_blocks)
 
     h.submit("long", prompt(40, start=900), max_tokens=400)
     h.wait_until(lambda: "long" in h.events, 3.0, "the long request to start")
