@@ -86,13 +86,13 @@ class EngineConfig:
     seed: int = no_flag(0, "seeds dummy weights only; `pagoda generate --seed` is the sampling seed")
     allocator: str = option("paged", "--allocator",
                             "KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)", choices=ALLOCATORS)
-    # [lora] (docs/lora.md)
+    # LoRA adapters (docs/lora.md)
     enable_lora: bool = option(False, "--enable-lora", "serve LoRA adapters (--lora-modules) beside the base model")
     max_loras: int = option(1, "--max-loras", "LoRA adapters in one step at most (the workers' adapter slots)")
     max_lora_rank: int = option(16, "--max-lora-rank", "the highest LoRA rank an adapter may have")
     max_cpu_loras: int | None = option(None, "--max-cpu-loras",
                                        "LoRA adapters each worker keeps read in host memory (default: --max-loras)")
-    # [speculative] (docs/speculative.md); a dict from LLM(speculative_config=...) becomes its JSON text
+    # speculative decoding (docs/speculative.md); a dict from LLM(speculative_config=...) becomes its JSON text
     speculative_config: str | None = option(None, "--speculative-config",
                                             "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                                             "\"num_speculative_tokens\": 4}' (methods: ngram, draft_model, eagle, eagle3; docs/speculative.md)")
@@ -248,7 +248,7 @@ class GatewayConfig:
     tool_call_parser: str = option("auto", "--tool-call-parser",
                                    'the format of tool calls under tool_choice "auto" (auto: detected from the chat '
                                    "template)", choices=TOOL_CALL_PARSERS)
-    # [lora] (docs/lora.md); --enable-lora and --max-lora-rank are the engine's flags too
+    # LoRA adapters (docs/lora.md); --enable-lora and --max-lora-rank are the engine's flags too
     enable_lora: bool = option(False, "--enable-lora", "serve LoRA adapters (--lora-modules) beside the base model")
     lora_modules: tuple[str, ...] = option((), "--lora-modules",
                                            "LoRA adapters in PEFT's format, each NAME=PATH or JSON "

@@ -56,7 +56,7 @@ class ScheduledSequence:
     num_computed_tokens: int  # before this step: the first position it computes
     num_scheduled_tokens: int
     num_samples: int  # tokens it draws after this step: 0 unless it computes its last token
-    # [speculative] drafts computed after its last token and verified: the step draws 1 + len of
+    # drafts computed after its last token and verified: the step draws 1 + len of
     # them (one per position); they are not in held.token_ids (only accepted ones come back)
     draft_token_ids: list[int] = field(default_factory=list)
 

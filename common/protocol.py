@@ -23,7 +23,7 @@ import msgpack
 
 # 5: CachedSequence.last_token_id may be PENDING_TOKEN (async scheduling)
 # 6: a StepPlan's cached_seqs and a StepResult's sampled travel as columns (_COLUMNS_OF)
-# 7: CachedSequence.draft_token_ids and accepted_token_ids ([speculative])
+# 7: CachedSequence.draft_token_ids and accepted_token_ids
 PROTOCOL_VERSION = 7
 _EXT_MESSAGE = 1
 
@@ -54,7 +54,7 @@ class SamplingParams:
     beam_width: int = 0  # > 0: beam search (deterministic; the n best beams are returned)
     length_penalty: float = 1.0  # beam score = sum of logprobs / generated length ** length_penalty
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
-    # [openai-api] (appended: an older peer's SamplingParams still decodes)
+    # appended (an older peer's SamplingParams still decodes)
     logit_bias: list[list] = field(default_factory=list)  # [[token_id, bias], ...]: added to the logits
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob, rank and top k
     structured_output: StructuredOutput | None = None  # a grammar the output must follow (worker/grammar.py)
@@ -185,7 +185,7 @@ class NewSequence:
     num_scheduled_tokens: int
     sampling_params: SamplingParams
     num_samples: int = 1  # tokens drawn if this step computes its last token (best_of for a first token)
-    lora_slot: int = -1  # [lora]: the workers' adapter slot its tokens use (-1: the base model alone)
+    lora_slot: int = -1  # the workers' adapter slot its tokens use (-1: the base model alone)
 
 
 @dataclass(slots=True)
@@ -198,7 +198,7 @@ class CachedSequence:
     num_scheduled_tokens: int
     last_token_id: int  # the newest token, appended if the worker lacks it; PENDING_TOKEN: the one it sampled last step
     num_samples: int = 1  # tokens drawn if this step computes its last token
-    # [speculative] draft tokens proposed after last_token_id: the step computes them too (after its
+    # draft tokens proposed after last_token_id: the step computes them too (after its
     # last token, num_scheduled_tokens = 1 + len(drafts)) and verifies them, emitting the accepted
     # ones and one more (docs/speculative.md). The worker does not keep them.
     draft_token_ids: list[int] = field(default_factory=list)
@@ -218,7 +218,7 @@ class StepPlan:
     blocks_to_copy: list[list[int]] = field(default_factory=list)  # copy-on-write (src, dst)
     blocks_to_swap_in: list[list[int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_swap_out: list[list[int]] = field(default_factory=list)  # (gpu, cpu)
-    # [lora] adapters to load before the step: [[slot, LoRARequest], ...] (a slot no sequence of
+    # adapters to load before the step: [[slot, LoRARequest], ...] (a slot no sequence of
     # the step or of a step in flight uses; the scheduler pins an adapter while it runs)
     lora_loads: list[list] = field(default_factory=list)
 
@@ -257,7 +257,7 @@ class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)
     error: str | None = None
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # only sequences that ask
-    # [lora] adapters the plan's lora_loads could not load: [[slot, what went wrong], ...] (the slot
+    # adapters the plan's lora_loads could not load: [[slot, what went wrong], ...] (the slot
     # is left empty; the scheduler fails the requests that use it, and only those)
     lora_errors: list[list] = field(default_factory=list)
 
@@ -318,7 +318,7 @@ class GenerateRequest:
     sampling_params: SamplingParams
     reply_stream: str  # the gateway process's reply stream
     arrival_time: float  # time.time() at the gateway
-    lora_request: LoRARequest | None = None  # [lora]: the adapter the request's `model` names
+    lora_request: LoRARequest | None = None  # the adapter the request's `model` names
 
 
 @dataclass(slots=True)
@@ -374,7 +374,7 @@ class SchedulerStatus:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     engine: str = "0"  # the scheduler's --engine-id: the `engine` label of its /metrics series
-    # [observability]: the swap pool, sharing and the memory counters (gateway/metrics.py)
+    # the swap pool, sharing and the memory counters (gateway/metrics.py)
     num_cpu_blocks: int = 0
     cpu_cache_usage: float = 0.0  # 0..1, the swap pool
     num_shared_blocks: int = 0  # device blocks held by more than one table
@@ -389,28 +389,28 @@ class SchedulerStatus:
     # the KV cache's configuration (vLLM's cache_config_info): its element type and one block's bytes
     kv_cache_dtype: str = ""
     kv_bytes_per_block: int = 0
-    # [cache-at-scale]: the prompt tokens of the waiting requests (the gateway's --max-num-queued-tokens)
+    # the prompt tokens of the waiting requests (the gateway's --max-num-queued-tokens)
     num_waiting_tokens: int = 0
-    # [lora]: the adapters of the running and of the waiting requests (vLLM's lora_requests_info),
+    # the adapters of the running and of the waiting requests (vLLM's lora_requests_info),
     # the workers' slots, and the adapters loaded into them and evicted from them so far
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
     max_loras: int = 0  # 0: LoRA off
     num_lora_loads_total: int = 0
     num_lora_evictions_total: int = 0
-    # [cache-at-scale]: the workers' measured prefill rate (the gateway's --ttft-slo-ms predicts by it)
+    # the workers' measured prefill rate (the gateway's --ttft-slo-ms predicts by it)
     prefill_tokens_per_s: float = 0.0
-    # [cache-at-scale]: the prefix cache's CPU tier (--cpu-prefix-cache): its hits in tokens, the
+    # the prefix cache's CPU tier (--cpu-prefix-cache): its hits in tokens, the
     # blocks it holds, the blocks stored into it so far
     cpu_prefix_cache_hits_total: int = 0
     num_cpu_prefix_cache_blocks: int = 0
     num_cpu_prefix_cache_stores_total: int = 0
-    # [cache-at-scale]: requests read from this engine group's own stream (a router sent them), from
+    # requests read from this engine group's own stream (a router sent them), from
     # the shared stream, and stolen from another group's stream (left unread there)
     num_routed_total: int = 0
     num_shared_total: int = 0
     num_stolen_total: int = 0
-    # [speculative]: vLLM's spec_decode counters: verifications with drafts, draft tokens, accepted
+    # vLLM's spec_decode counters: verifications with drafts, draft tokens, accepted
     # drafts, and per draft position how often it was accepted
     spec_num_drafts_total: int = 0
     spec_num_draft_tokens_total: int = 0
@@ -475,7 +475,7 @@ class MemorySnapshot:
     sequences: list[list]
     events: list[MemoryEvent]  # the latest, oldest first
     stats: dict  # common/memory_snapshot.py STATS
-    # [cache-at-scale]: swap-pool blocks held only by the prefix cache's CPU tier (--cpu-prefix-cache)
+    # swap-pool blocks held only by the prefix cache's CPU tier (--cpu-prefix-cache)
     cpu_cached: list[int] = field(default_factory=list)
 
 
@@ -490,7 +490,7 @@ _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
-_ADDED_FIELDS: dict[type, int] = {  # engine; [observability]; [openai-api]; [models]; [quantization]; [cache-at-scale]; [lora]; [speculative]; draining
+_ADDED_FIELDS: dict[type, int] = {  # how many, per message
     SchedulerStatus: 31, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
     NewSequence: 1, StepPlan: 1, GenerateRequest: 1, MemorySnapshot: 1,
 }

@@ -1,4 +1,4 @@
-"""[speculative] `--speculative-config`: vLLM's JSON keys, parsed and checked once.
+"""`--speculative-config`: vLLM's JSON keys, parsed and checked once.
 
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 

@@ -119,7 +119,7 @@ class Gateway:
         self.eos_token_ids = frozenset(([eos] if isinstance(eos, int) else [])
                                        + token_ids(generation_config.get("eos_token_id")))
         self.metrics = GatewayMetrics(self.served_model_name)
-        # [lora]: the adapters a request may name as its model (gateway/lora.py)
+        # the adapters a request may name as its model (gateway/lora.py)
         self.loras = (LoRARegistry(source, self.served_model_name, config.max_lora_rank, config.lora_modules)
                       if config.enable_lora else None)
         self.engine: EngineClient | None = None

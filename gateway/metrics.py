@@ -215,7 +215,7 @@ class SchedulerCollector(Collector):
 
 
     def _lora_series(self, groups: dict[str, list[SchedulerStatus]]):
-        """[lora], for the engine groups serving adapters: vLLM's lora_requests_info (the adapters of
+        """For the engine groups serving adapters: vLLM's lora_requests_info (the adapters of
         the running and waiting requests, comma-separated in labels; the value is the status's time)
         and the adapters loaded into and evicted from the workers' slots."""
         if not groups:

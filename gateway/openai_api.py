@@ -67,10 +67,6 @@ class ParsedRequest:
     max_tool_calls: int | None = None  # parallel_tool_calls false: 1
 
     @property
-    def num_choices(self) -> int:
-        return len(self.prompts) * self.n
-
-    @property
     def chosen_at_end(self) -> bool:
         """best_of > n or beam search: the scheduler picks the n outputs when the request ends."""
         return self.params.beam_width > 0 or self.params.best_of is not None

@@ -89,7 +89,7 @@ class DecodeBucket:
 
 @dataclass(slots=True)
 class ChunkBucket:
-    """Sequences with the same short query length n after a context ([speculative] a last token
+    """Sequences with the same short query length n after a context (a last token
     and its drafts), attended in one batched call; query i of a row of KV length m sees keys
     [0, m - n + i]."""
 

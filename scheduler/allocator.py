@@ -117,7 +117,7 @@ class Allocator(Protocol):
     # swap-ins [cpu, device]), which go after the plan's own
     def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]: ...
 
-    def truncate(self, seq_id: int, num_slots: int) -> list[int]: ...  # [speculative]: blocks released
+    def truncate(self, seq_id: int, num_slots: int) -> list[int]: ...  # blocks released
 
     def check_integrity(self) -> None: ...
 
@@ -132,7 +132,7 @@ class AllocatorBase:
         return [], []
 
     def truncate(self, seq_id: int, num_slots: int) -> list[int]:
-        """Give back the slots past `num_slots` ([speculative] rejected drafts): the paged block
+        """Give back the slots past `num_slots` (rejected drafts): the paged block
         manager's; a contiguous reservation has none to give back."""
         raise NotImplementedError(f"{type(self).__name__} cannot give slots back (speculative decoding)")
 

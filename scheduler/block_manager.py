@@ -29,7 +29,7 @@ a hit compares the token ids too. A sequence allocated with a `salt` (its LoRA a
 first key from the salt instead of nothing, so only sequences of the same salt share blocks. A block is registered (`register_computed`) only
 once the worker has confirmed the step that wrote its KV.
 
-CPU tier (`enable_cpu_tier`, [cache-at-scale]): a registered block evicted from the device pool is
+CPU tier (`enable_cpu_tier`): a registered block evicted from the device pool is
 copied to a swap-pool block instead of being lost (a free one, else the oldest tier block's), and a
 later lookup that runs past the device hits into the tier promotes those blocks: each is copied
 back into a fresh device block, registered again there. A key lives in one tier. The copies go out
@@ -315,7 +315,7 @@ class BlockManager(AllocatorBase):
         return released
 
     def truncate(self, seq_id: int, num_slots: int) -> list[int]:
-        """Give back the slots past `num_slots` (for [speculative]: the draft tokens a verification
+        """Give back the slots past `num_slots` (speculative decoding: the draft tokens a verification
         rejected); the blocks left wholly past them are released, tail first, and returned. The
         slots kept cover every block the prefix registry keyed for the sequence (those hold
         confirmed tokens) and every null entry a sliding window left. The table becomes a new list

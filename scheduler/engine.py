@@ -27,12 +27,6 @@ class StepExecutor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
-class OverlappedExecutor(StepExecutor, Protocol):
-    def launch(self, plan: StepPlan) -> None: ...
-
-    def finish(self) -> StepResult: ...
-
-
 class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor: StepExecutor, wire: bool = False,
                  memory_trace: MemoryTrace | None = None) -> None:

@@ -14,7 +14,7 @@ The Scheduler records a MemoryEvent for each of these (the `kind`):
                   device blocks copied; no request)
     tier_load     blocks a prefix hit found in the CPU tier, copied back (`blocks`: the device
                   blocks they fill; no request: that sequence's prefix_hit names them too)
-    spec_reject   [speculative] blocks a verification's rejected drafts had taken, given back
+    spec_reject   blocks a verification's rejected drafts had taken, given back
                   (`blocks`: those blocks; only when a block became empty). Until the result,
                   a sequence's `num_slots` passes its tokens by its drafts: the speculative slots
 

@@ -1,4 +1,4 @@
-"""[speculative] groundwork: n-gram prompt lookup (vLLM's `ngram` method), the draft proposer that
+"""N-gram prompt lookup (vLLM's `ngram` method), the draft proposer that
 needs no model. The scheduler holds every sequence's token ids, so it can propose drafts itself.
 
 `propose(tokens, k, min_n, max_n)`: for n from `max_n` down to `min_n`, the latest earlier place

@@ -98,8 +98,8 @@ class _InFlight:
     step: int
     scheduled: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it computes
     samples: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it draws, if it computes its last
-    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts it verifies ([speculative])
-    planned_at: float = 0.0  # [speculative] time.monotonic() when the plan was made (StepCost)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts it verifies
+    planned_at: float = 0.0  # time.monotonic() when the plan was made (StepCost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +176,7 @@ class Scheduler:
         if config.cpu_prefix_cache:
             self._enable_cpu_tier()
         self.speculator = Speculator(config.speculative) if config.speculative else None
-        self._last_result_at = 0.0  # [speculative] time.monotonic() of the last result
+        self._last_result_at = 0.0  # time.monotonic() of the last result
         if self.speculator is not None and config.allocator != "paged":
             raise ValueError(f"speculative decoding needs the paged allocator, not {config.allocator!r}")
         self._batch = 0  # running groups when the plan being made began (the drafts' length scales by it)
@@ -395,7 +395,7 @@ class Scheduler:
         if self.sliding_window is not None:
             self._remove_skipped_blocks(self.running)
         if self._ahead and self.speculator is not None and self._waits_for_drafts():
-            # [speculative] most of the batch drafts next, from tokens not drawn yet: planning ahead
+            # most of the batch drafts next, from tokens not drawn yet: planning ahead
             # would run the rest alone, and the two halves would take turns, a step each
             self._in_flight.append(self._planning)
             self._ahead = {}
@@ -516,7 +516,7 @@ class Scheduler:
         preempted = False
         while queue:
             group = queue.popleft()
-            self._reserve = len(queue)  # [speculative] blocks drafts leave free: one per group still to plan
+            self._reserve = len(queue)  # blocks drafts leave free: one per group still to plan
             try:
                 if len(group.seqs) == 1 and group.beam is None and self._decode_alone(group, plan, budget):
                     self.running.append(group)
@@ -620,7 +620,7 @@ class Scheduler:
         return True
 
     def _waits_for_drafts(self) -> bool:
-        """[speculative] Whether at least half the sequences drawing in the plan in flight want
+        """Whether at least half the sequences drawing in the plan in flight want
         drafts next (so they cannot be planned before its result)."""
         drawing = wanting = 0
         for seq_id, in_flight in self._ahead.items():
@@ -631,12 +631,12 @@ class Scheduler:
         return 2 * wanting >= drawing > 0
 
     def _wants_drafts(self, seq: Sequence) -> bool:
-        """[speculative] A sequence that would draft next waits for its token rather than run ahead."""
+        """A sequence that would draft next waits for its token rather than run ahead."""
         return (self.speculator is not None and can_speculate(seq.sampling_params)
                 and self.speculator.wants(seq.seq_id, self.step))
 
     def _drafts(self, group: SequenceGroup, seq: Sequence, tokens_left: int) -> list[int] | None:
-        """[speculative] Drafts for a sequence whose step computes its last token (not pending):
+        """Drafts for a sequence whose step computes its last token (not pending):
         never past its max_tokens or the context, nor beyond the step's token budget."""
         params = seq.sampling_params
         if not can_speculate(params):
@@ -913,7 +913,7 @@ class Scheduler:
     # ------------------------------------------------------------------ plan
     def _group_drafts(self, group: SequenceGroup, seqs: list[Sequence], num_new: list[int],
                       budget: _Budget) -> dict[int, list[int]] | None:
-        """[speculative] Drafts for the sequences of a group (n > 1: each sample speculates alone)
+        """Drafts for the sequences of a group (n > 1: each sample speculates alone)
         whose step computes their last token, added to their `num_new`."""
         if group.beam is not None:
             return None
@@ -931,7 +931,7 @@ class Scheduler:
 
     def _add_to_plan(self, seqs: list[Sequence], num_new: list[int], plan: StepPlan, budget: _Budget,
                      drafts: dict[int, list[int]] | None = None) -> None:
-        """`seqs`: of one group; `drafts`: of its sequences that verify some ([speculative])."""
+        """`seqs`: of one group; `drafts`: of its sequences that verify some."""
         if not seqs:
             return
         block_table, held = self.block_manager.block_table, self._held_by_workers
@@ -1073,7 +1073,7 @@ class Scheduler:
         return outputs
 
     def _observe_cost(self, done: _InFlight, result: StepResult) -> None:
-        """[speculative] The step's seconds for the draft price, if it verified drafts and computed
+        """The step's seconds for the draft price, if it verified drafts and computed
         nothing else than a token and its drafts a sequence (the price is that of one more draft in
         such a step: prompt tokens cost less, computing no logits, and a step without drafts runs
         the decode path): from the later of its plan and the last result of a step that computed
@@ -1091,7 +1091,7 @@ class Scheduler:
 
     def _verify_drafts(self, done: _InFlight, result: StepResult, touched: dict[str, SequenceGroup],
                        new_counts: dict[int, int]) -> None:
-        """[speculative] The tokens of the sequences that verified drafts: the accepted drafts then
+        """The tokens of the sequences that verified drafts: the accepted drafts then
         one more (a + 1 of them). The slots of the rejected drafts are given back before the step's
         KV is counted computed (only the a + 1 positions verified are: the prefix cache never sees a
         draft that was not accepted); the tokens are appended one by one, so a stop token or the

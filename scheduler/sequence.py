@@ -41,7 +41,7 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_sent_blocks: int = 0  # block ids the workers already hold (plan diffs)
-    # [speculative] drafts its last verification accepted, not yet sent to the workers (their KV is)
+    # drafts its last verification accepted, not yet sent to the workers (their KV is)
     accepted_unsent: list[int] = field(default_factory=list)
 
     @property
@@ -115,7 +115,7 @@ class SequenceGroup:
     # one sequence for good that streams its tokens (no beams, n = best_of = 1, max_tokens > 0): the
     # case `Scheduler.update` takes without its general path
     simple: bool = False
-    lora: LoRARequest | None = None  # [lora]: the adapter it runs with
+    lora: LoRARequest | None = None  # the adapter it runs with
     lora_slot: int = -1  # the workers' slot of that adapter while the group runs (pinned), else -1
     prompt_block_keys: list[bytes] | None = None  # its prompt's full blocks' prefix-cache keys, once asked
 

@@ -1,4 +1,4 @@
-"""[speculative] The scheduler's side of speculative decoding: which sequences draft, how many
+"""The scheduler's side of speculative decoding: which sequences draft, how many
 tokens, and the counts vLLM's spec-decode metrics report.
 
 The n-gram method needs no model: the scheduler holds every sequence's tokens and proposes the

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch, replay
+from common.kv_events import BlockRemoved, BlockStored, replay
 from scheduler.allocator import AppendedSlots
 from scheduler.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError, block_key
 

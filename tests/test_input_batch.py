@@ -157,7 +157,7 @@ class PlanMaker:
             n = 1 + len(drafts)
             self.stats["verify"] += 1
         start, end = seq.num_computed, seq.num_computed + n
-        held_len, changed = len(seq.table), len(seq.table)
+        changed = len(seq.table)
         for i in range(start // bs, min(len(seq.table), -(-end // bs))):  # copy-on-write of shared blocks
             if self.ref[seq.table[i]] > 1:
                 new = self._alloc()

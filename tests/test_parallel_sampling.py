@@ -30,7 +30,6 @@ from pagoda.up import healthy
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SequenceStatus
 from scheduler.server import SchedulerServer
-from tests.conftest import ROOT
 
 BLOCK_SIZE = 8
 MODEL = "SmolLM2-135M-Instruct"  # the gateway's tokenizer and name; the tiny Llama's vocabulary is its first 512 ids

@@ -344,7 +344,7 @@ def test_a_long_prompt_takes_all_its_blocks_at_admission_and_gives_them_back_as_
     engine = windowed_engine(window, num_gpu_blocks=32, max_num_batched_tokens=32)
     engine.add_request("a", prompt(100), params(max_tokens=2, ignore_eos=True))
     engine.step()
-    plans, bm = engine.executor.plans, engine.scheduler.block_manager
+    plans = engine.executor.plans
     assert plans[0].new_seqs[0].block_ids == list(range(1, 14))  # 100 tokens: 13 blocks, as without a window
     held = []
     for _ in range(3):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from common.protocol import SamplingParams, decode, encode, sample_seed
-from tests.conftest import ROOT
 from tests.prompts import LONG_TEXT, PARITY_PROMPTS
 
 MODES = ["swap", "recompute", "auto"]

@@ -3,7 +3,6 @@ the heartbeat's step clock, results in plan order across an epoch change, and a 
 answered with its error (the real path: tests/test_faults.py, tests/test_e2e.py)."""
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest

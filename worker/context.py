@@ -19,7 +19,7 @@ class AttentionContext:
     # launch is the same at capture and replay.
     max_seqlen_k: int | None = None
     kv_splits: int | None = None
-    # [lora]: each token's adapter slot (-1: none; worker/lora.py); None: no adapter in the step
+    # each token's adapter slot (-1: none; worker/lora.py); None: no adapter in the step
     lora_indices: torch.Tensor | None = None
 
 

@@ -12,7 +12,7 @@ Triton launch (grid and split count) is the same at capture and at every replay.
                          over a table of zeros: it attends to slot 0 of the null block 0, which no
                          sequence writes, and its logits are never read
 
-[speculative] A verify step (each sequence computes its last token and its k drafts) runs here too,
+A verify step (each sequence computes its last token and its k drafts) runs here too,
 by batch expansion (vLLM V0's batch-expansion scorer): each of its tokens becomes a decode row of
 its own, under its sequence's block table, with KV length position + 1. Each layer writes every
 row's KV before any row attends, so the row of draft j sees the KV of the tokens before it, as in
@@ -48,7 +48,7 @@ class DecodeRunner:
                  expand_short: bool = False) -> None:
         self.model = model
         self.input_batch = input_batch
-        self.expand_short = expand_short  # [speculative] steps of short queries run as one decode row per token
+        self.expand_short = expand_short  # steps of short queries run as one decode row per token
         self.buckets = batch_size_buckets(max_num_seqs)
         self.width = input_batch.width
         size = self.buckets[-1]
@@ -58,7 +58,7 @@ class DecodeRunner:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)  # one query per row, always
         self.block_tables = torch.zeros((size, self.width), dtype=torch.int32, device=device)
-        # [lora]: each row's adapter slot (-1: none); a graph captured with it runs the LoRA kernels
+        # each row's adapter slot (-1: none); a graph captured with it runs the LoRA kernels
         self.lora_indices = torch.full((size,), -1, dtype=torch.int64, device=device) if input_batch.enable_lora else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its hidden states)
         self.captured_bytes = 0  # device memory the capture took (this process's pool before and after)

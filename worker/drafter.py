@@ -1,4 +1,4 @@
-"""[speculative] `method: draft_model`: a smaller model with the target's vocabulary proposes k
+"""`method: draft_model`: a smaller model with the target's vocabulary proposes k
 tokens per sequence, greedily, just before the target verifies them in the same step.
 
 Its KV lives in its own paged pool (one cache per draft layer) indexed by the target's block ids:

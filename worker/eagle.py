@@ -1,4 +1,4 @@
-"""[speculative] `method: eagle` / `eagle3`: an EAGLE head (Li et al. 2024, 2025) drafts from the
+"""`method: eagle` / `eagle3`: an EAGLE head (Li et al. 2024, 2025) drafts from the
 target's own hidden states, in the checkpoint layouts vLLM loads for Llama-shaped targets:
 EAGLE-1, `fc` over [embedding, hidden] then one decoder layer without its input norm, the
 target's LM head; EAGLE-3, `fc` fusing the residual stream entering three of the target's layers,

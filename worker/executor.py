@@ -62,7 +62,7 @@ class Executor:
         self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, on the device
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: the tokens' copies to the host
         spec = config.speculative
-        self.drafts_on_worker = spec is not None and spec.drafts_on_worker  # [speculative] a draft model
+        self.drafts_on_worker = spec is not None and spec.drafts_on_worker  # a draft model
 
     def form_group(self, generation: int) -> None:
         """Join the group's incarnation `generation` (the worker: the plan's epoch), forgetting
@@ -145,7 +145,7 @@ class Executor:
         if self.drafts_on_worker:
             self._draft(scheduled, tensors)
         logits = self.runner.forward(tensors, scored_indices(spans)) if spans else self.runner.forward(tensors)
-        if self.runner.keeps_hidden:  # [speculative] EAGLE's next catch-up
+        if self.runner.keeps_hidden:  # EAGLE's next catch-up
             self.runner.drafter.keep(scheduled, self.runner.last_hidden)
         if spans:  # every rank: the scored rows' logits are gathered to rank 0 chunk by chunk
             step.result.prompt_logprobs = prompt_logprobs(self.runner.scored_logits, spans)
@@ -201,7 +201,7 @@ class Executor:
             self.state.record_sampled(sampled)  # what a PENDING_TOKEN of the next plan stands for
 
     def _draft(self, scheduled: list[ScheduledSequence], tensors: StepTensors) -> None:
-        """[speculative] A draft model's drafts in place of the plan's placeholders: in each drafting
+        """A draft model's drafts in place of the plan's placeholders: in each drafting
         row's draft_token_ids (the sampler and the grammar read them) and in the step's input ids.
         Rank 0's draft runs over every step (its KV mirrors the target's, worker/drafter.py) and
         sends its drafts to the other ranks. The host waits for them: a drafting sequence's next
@@ -334,7 +334,7 @@ def _sampling_rows(sampling: list[ScheduledSequence]) -> list[SamplingRow]:
 
 
 def _verified(sampling: list[ScheduledSequence], sampled: list[SampledToken]) -> list[SampledToken]:
-    """[speculative] Of a row with drafts d_1..d_k and its draws x_0..x_k (x_j drawn from the
+    """Of a row with drafts d_1..d_k and its draws x_0..x_k (x_j drawn from the
     target's distribution after d_1..d_j): x_0..x_a, where d_1..d_a equal x_0..x_a-1 and x_a is
     the first draw that differs from its draft (or the bonus, x_k). A draft is thus accepted with
     the target's probability of it, and every token kept is a draw from the target given the tokens

@@ -223,7 +223,7 @@ class GrammarState:
 
     def fill(self, rows: list[tuple[int, int]], drafted: dict[int, list[int]] | None = None) -> TokenMask | None:
         """The step's mask for these (logits row, seq_id) pairs, synced first; None when no row is
-        constrained. A finished grammar allows only the stop tokens. `drafted` ([speculative]): the
+        constrained. A finished grammar allows only the stop tokens. `drafted`: the
         drafts of sequences that verify some; each has 1 + k rows, in order, masked as the grammar
         stands after the drafts before them (`_fill_drafted`)."""
         rows = [(row, seq_id) for row, seq_id in rows if seq_id in self.matchers]

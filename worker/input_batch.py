@@ -23,7 +23,7 @@ from common.plan_state import ScheduledSequence
 from common.protocol import StepPlan
 from worker.context import AttentionContext
 
-# [speculative] the longest query a step may give each sequence and still run as decode rows, one
+# the longest query a step may give each sequence and still run as decode rows, one
 # per token (worker/cuda_graph.py): a token and its 16 drafts at most
 MAX_EXPANDED_QUERY = 17
 
@@ -35,7 +35,7 @@ class StepTensors:
     context: AttentionContext
     logits_indices: torch.Tensor  # [num_sampled] the last position of each sampling row
     table_rows: torch.Tensor | None = None  # [num_seqs] int64: each sequence's row of the persistent table
-    # [speculative] [num_tokens] int64: each token's row of the persistent table, where every
+    # [num_tokens] int64: each token's row of the persistent table, where every
     # sequence computes at most MAX_EXPANDED_QUERY tokens (a verify step: a token and its drafts)
     token_rows: torch.Tensor | None = None
 
@@ -158,7 +158,7 @@ class InputBatch:
         cu_seqlens_q = list(accumulate(counts, initial=0))
         logits_indices = [end - 1 for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples]
         if cu_seqlens_q[-1] != len(scheduled) and any(s.draft_token_ids for s in scheduled):
-            # [speculative] a row with drafts is scored at each of its 1 + k positions
+            # a row with drafts is scored at each of its 1 + k positions
             logits_indices = [i for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples
                               for i in (range(end - 1 - len(s.draft_token_ids), end) if s.draft_token_ids
                                         else (end - 1,))]

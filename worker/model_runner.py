@@ -110,9 +110,9 @@ class ModelRunner:
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed,
                                                 self.scheme)
         self.max_model_len = self.model.max_positions
-        # [speculative] a draft model: loaded by every rank (its shapes size the pool alike), kept by rank 0
+        # a draft model: loaded by every rank (its shapes size the pool alike), kept by rank 0
         self.drafter = self._load_drafter(config, rank)
-        # [lora]: the adapter slots, allocated before the profile run so the KV pool's sizing counts them
+        # the adapter slots, allocated before the profile run so the KV pool's sizing counts them
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.dtype,
                                  self.device) if config.enable_lora else None)
         if self.lora is not None:
@@ -148,7 +148,7 @@ class ModelRunner:
 
     def _load_drafter(self, config: EngineConfig, rank: int) -> DraftModel | None:
         self.draft_kv_bytes_per_block = 0
-        self.keeps_hidden = False  # [speculative] EAGLE: the last forward's hidden states, kept
+        self.keeps_hidden = False  # EAGLE: the last forward's hidden states, kept
         self.last_hidden: torch.Tensor | None = None
         self._aux: list[torch.Tensor] = []  # EAGLE-3's, of the forward running
         spec = config.speculative
@@ -195,7 +195,7 @@ class ModelRunner:
 
     def _start_decode_runner(self) -> DecodeRunner:
         """The static decode buffers; on CUDA their graphs, captured now that the KV pool exists."""
-        # [speculative] verify steps join the graphs by batch expansion on CUDA; on CPU the chunk
+        # verify steps join the graphs by batch expansion on CUDA; on CPU the chunk
         # path's batched attention is the faster of the two
         runner = DecodeRunner(self.model, self.input_batch, self.config.max_num_seqs, self.device,
                               expand_short=self.device.type == "cuda")
@@ -236,7 +236,7 @@ class ModelRunner:
         then locked up front; on CPU untouched pages cost nothing until a swap writes them). Swaps
         go through `self.swapper`, batched per layer (kernels/swap.py)."""
         pin = self.device.type == "cuda"
-        pools = self.kv_caches + self.draft_kv_caches  # [speculative] a draft's layers swap with the target's
+        pools = self.kv_caches + self.draft_kv_caches  # a draft's layers swap with the target's
         caches = [
             torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, device="cpu", pin_memory=pin)
             for pool in pools
@@ -345,7 +345,7 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, src_to_dst: list[list[int]]) -> None:
         kernels.copy_blocks(self.kv_caches, src_to_dst)
-        if self.draft_kv_caches:  # [speculative] (one shape per call)
+        if self.draft_kv_caches:  # (one shape per call)
             kernels.copy_blocks(self.draft_kv_caches, src_to_dst)
 
     @torch.inference_mode()

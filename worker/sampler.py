@@ -47,7 +47,7 @@ class SamplingRow:
     params: SamplingParams
     num_output_tokens: int
     num_samples: int = 1
-    # [speculative] the drafts before this position (a verification's row j has d_1..d_j): the
+    # the drafts before this position (a verification's row j has d_1..d_j): the
     # penalties count them as output
     drafted: list[int] | tuple = ()
 
@@ -319,7 +319,7 @@ class Sampler:
 
     def _penalize_drafted(self, logits: torch.Tensor, x: torch.Tensor, rows: list[SamplingRow], penalized: list[int],
                           state_row_ids: list[int]) -> None:
-        """[speculative] In x (the penalized rows, a tensor of its own), the entries of the tokens
+        """In x (the penalized rows, a tensor of its own), the entries of the tokens
         drafted before each row's position recomputed from the raw logits as if those drafts were
         output: repetition (they are seen), then presence and frequency over the count plus the
         drafts'. The other entries are right as they are."""

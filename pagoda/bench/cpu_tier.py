@@ -1,6 +1,6 @@
 """`pagoda bench cpu-tier`: the time to first token of a prompt whose long prefix was evicted from
 the device pool, found in the prefix cache's CPU tier (`--cpu-prefix-cache`) and copied back,
-against the same prompt recomputed, in one run ([cache-at-scale]'s goal: at most 0.5x).
+against the same prompt recomputed, in one run (the goal: at most 0.5x).
 
 Each round draws a random prefix of `--prefix-len` tokens and two 16-token questions. On each
 engine (the tier on, then off; the device pool holds one such prompt): the prefix with the

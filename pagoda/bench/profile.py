@@ -25,7 +25,7 @@ bandwidth`: the weight bytes of the model's parameters, the KV bytes the step re
 mean tokens per sequence over the profiled steps x layers x 2 x kv_heads x head_dim x the KV
 dtype's bytes), and a device-to-device copy's (read + write) bandwidth measured in this process
 before the model loads (pagoda.bench.kernels.copy_bandwidth); `step_over_roofline` is the median
-step wall time over it. `goals` holds the [overlap] issue's: busy >= 95%, step <= 1.25 x roofline.
+step wall time over it. `goals` holds the targets: busy >= 95%, step <= 1.25 x roofline.
 
 `host` (CPU and CUDA): the host time by part of the profiled steps, through pagoda bench step's
 clocks (pagoda.bench.step.PartClock, TimedProxy, step_parts) over the in-process engine: schedule,

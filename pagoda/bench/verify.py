@@ -1,5 +1,5 @@
 """`pagoda bench verify`: what a speculative verify step costs against a plain decode step, in the
-model runner ([speculative]; docs/speculative.md).
+model runner (docs/speculative.md).
 
 For each batch size B, B sequences of `--context-len` random tokens are prefilled, then two steps
 are timed, each the runner's forward over the same positions again and again (its KV rewritten

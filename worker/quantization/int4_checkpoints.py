@@ -67,18 +67,6 @@ def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] | None = 
     return values.flatten(-2).movedim(-1, dim).contiguous()
 
 
-def pack_int4(values: torch.Tensor, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """`unpack_int4`'s inverse: values 0..15 along `dim` (a multiple of 8) -> int32 words."""
-    values = values.movedim(dim, -1).to(torch.int64)
-    values = values.unflatten(-1, (-1, PACK))
-    if order is not None:
-        values = values[..., list(order)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
-    words = ((values & 0xF) << shifts).sum(-1)
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)
-    return words.to(torch.int32).movedim(-1, dim).contiguous()
-
-
 @dataclass
 class Int4Weight:
     """A layer's int4 weight whatever its format: w[n, k] = (q[n, k] - zeros[g_idx[k], n]) *
