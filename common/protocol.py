@@ -556,6 +556,16 @@ def encode(message: Any) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, message], default=_default, use_bin_type=True)
 
 
+def decode_events(data: bytes) -> list[RequestEvent]:
+    """A reply-stream entry: every event one flush of a scheduler wrote for that gateway (a list),
+    or one event (a scheduler of before the batched return path). ProtocolError otherwise."""
+    message = decode(data)
+    events = message if isinstance(message, list) else [message]
+    if not all(isinstance(event, RequestEvent) for event in events):
+        raise ProtocolError("a reply entry holds RequestEvents only")
+    return events
+
+
 def decode(data: bytes) -> Any:
     """Decode bytes from `encode`; raises ProtocolError on anything malformed. The version is read
     first: a peer of another version is refused by it, not by what its message holds."""

@@ -35,7 +35,8 @@ import redis.asyncio as aioredis
 from common import streams
 from common.memory_snapshot import snapshot_json
 from common.protocol import (
-    GenerateRequest, HeldRequests, MemorySnapshot, ProtocolError, RequestEvent, SchedulerStatus, decode, encode,
+    GenerateRequest, HeldRequests, MemorySnapshot, ProtocolError, RequestEvent, SchedulerStatus, decode,
+    decode_events, encode,
 )
 from gateway.router import PrefixRouter
 
@@ -494,14 +495,16 @@ class EngineClient:
         return held, reported
 
     def _dispatch(self, fields: dict) -> None:
+        """One reply entry: the events a scheduler's flush wrote for this gateway, to their requests."""
         try:
-            event = decode(fields.get(streams.FIELD, b""))
+            events = decode_events(fields.get(streams.FIELD, b""))
         except ProtocolError as exc:
             log.warning("dropped a malformed reply: %s", exc)
             return
-        if not isinstance(event, RequestEvent):
-            log.warning("dropped a reply that is a %s, not a RequestEvent", type(event).__name__)
-            return
+        for event in events:
+            self._deliver(event)
+
+    def _deliver(self, event: RequestEvent) -> None:
         queue = self._queues.get(event.request_id)
         if queue is None:  # a request that has been finished or aborted here
             return

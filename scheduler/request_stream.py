@@ -6,8 +6,8 @@
                entry waited steal_after_ms (it is busy), when this one is idle  ─▶ Arrival (stolen)
     XAUTOCLAIM entries idle > claim_idle_ms (a dead scheduler's), any stream  ─▶ Arrival, before any newer one
     XREAD pagoda:aborts                                                       ─▶ request ids to abort
-    outbox ─▶ XADD events to reply streams, HSET pagoda:started, XACK + XDEL, XADD KV events
-              (one pipeline per flush)
+    outbox ─▶ HSET pagoda:started, XADD each reply stream one entry of all its events (and one
+              EXPIRE), XACK + XDEL, XADD KV events (one pipeline per flush)
               and SET pagoda:memory:<id>, the latest memory snapshot if one waits
 
 The streams: the shared one, which every scheduler reads, and one per engine group, where a
@@ -603,29 +603,47 @@ class RequestStream:
 
     # ------------------------------------------------------------------ writes
     def flush(self) -> None:
-        """Send the outbox in one pipeline. On a connection error it is kept, in order, for the next
-        try; a command Redis refuses (XACK after Redis restarted empty: no group) is logged, not retried."""
+        """Send the outbox in one pipeline of a constant number of commands per stream written: the
+        started marks (one HSET), one entry per reply stream holding every event for its gateway
+        (vLLM's EngineCoreOutputs: one write per gateway per step, not one per request) with one
+        EXPIRE, the requeued requests and KV events in order, then the acknowledgements (one XACK
+        and one XDEL per requests stream, one HDEL). On a connection error the outbox is kept, in
+        order, for the next try; a command Redis refuses (XACK after Redis restarted empty: no
+        group) is logged, not retried."""
         if not self.outbox and self.memory is None:
             return
         pipe = self.redis.pipeline(transaction=False)
+        marks: dict[str, str] = {}
+        replies: dict[str, list[RequestEvent]] = {}
+        acks: dict[str, list[bytes]] = {}
+        unmarks: list[str] = []
         for entry in self.outbox:
             match entry:
-                case SendEvent(reply_stream, event):
-                    pipe.xadd(reply_stream, {streams.FIELD: encode(event)}, maxlen=REPLY_STREAM_MAXLEN,
-                              approximate=True)
-                    pipe.expire(reply_stream, streams.REPLY_STREAM_TTL_S)
                 case MarkStarted(request_id):
-                    pipe.hset(streams.STARTED, request_id, self.consumer)
+                    marks[request_id] = self.consumer
+                case SendEvent(reply_stream, event):
+                    replies.setdefault(reply_stream, []).append(event)
+                case Ack(entry_id, request_id, stream):
+                    acks.setdefault(stream, []).append(entry_id)
+                    if request_id is not None:
+                        unmarks.append(request_id)
+        if marks:
+            pipe.hset(streams.STARTED, mapping=marks)
+        for reply_stream, events in replies.items():
+            pipe.xadd(reply_stream, {streams.FIELD: encode(events)}, maxlen=REPLY_STREAM_MAXLEN, approximate=True)
+            pipe.expire(reply_stream, streams.REPLY_STREAM_TTL_S)
+        for entry in self.outbox:
+            match entry:
                 case Requeue(payload):
                     pipe.xadd(streams.REQUESTS, {streams.FIELD: payload})
                 case PublishKVEvents(stream, batch):
                     pipe.xadd(stream, {streams.KV_EVENTS_FIELD: batch}, maxlen=streams.KV_EVENTS_MAXLEN,
                               approximate=True)
-                case Ack(entry_id, request_id, stream):
-                    pipe.xack(stream, streams.SCHEDULER_GROUP, entry_id)
-                    pipe.xdel(stream, entry_id)
-                    if request_id is not None:
-                        pipe.hdel(streams.STARTED, request_id)
+        for stream, entry_ids in acks.items():
+            pipe.xack(stream, streams.SCHEDULER_GROUP, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
+        if unmarks:
+            pipe.hdel(streams.STARTED, *unmarks)
         if self.memory is not None:
             pipe.set(streams.memory_key(self.consumer), self.memory, px=int(streams.STATUS_TTL_S * 1000))
         results = pipe.execute(raise_on_error=False)

@@ -22,8 +22,8 @@ from common import streams
 from common.config import EngineConfig
 from common.plan_state import PlanState
 from common.protocol import (
-    PENDING_TOKEN, CachedSequence, GenerateRequest, NewSequence, ProtocolError, RequestEvent, SampledToken,
-    SamplingParams, StepPlan, decode, encode,
+    PENDING_TOKEN, CachedSequence, GenerateRequest, NewSequence, ProtocolError, SampledToken, SamplingParams,
+    StepPlan, decode_events, encode,
 )
 from common.redis_server import RedisServer, free_port
 from scheduler.engine import LLMEngine
@@ -556,12 +556,12 @@ def test_the_scheduler_process_overlaps_steps_with_a_worker_process_and_gives_th
             for _, entries in r.xread({replies: cursor}, block=500) or []:
                 for entry_id, fields in entries:
                     cursor = entry_id
-                    event = decode(fields[streams.FIELD])
-                    assert isinstance(event, RequestEvent) and event.error is None, event
-                    tokens, logprobs, _ = got[event.request_id]
-                    tokens += event.token_ids
-                    logprobs += [tuple(lp) for lp in event.logprobs or []]
-                    got[event.request_id][2] = event.finish_reason
+                    for event in decode_events(fields[streams.FIELD]):
+                        assert event.error is None, event
+                        tokens, logprobs, _ = got[event.request_id]
+                        tokens += event.token_ids
+                        logprobs += [tuple(lp) for lp in event.logprobs or []]
+                        got[event.request_id][2] = event.finish_reason
         assert {rid: (v[0], v[2]) for rid, v in got.items()} == {
             f"r{i}": (expected[i][0][0], expected[i][0][3]) for i in range(len(PROMPTS))}
         for i in range(len(PROMPTS)):

@@ -20,7 +20,7 @@ import uvicorn
 
 from common import streams
 from common.config import EngineConfig, GatewayConfig, ServingConfig
-from common.protocol import GenerateRequest, SamplingParams, StepPlan, decode, encode, sample_seed
+from common.protocol import GenerateRequest, SamplingParams, StepPlan, decode, decode_events, encode, sample_seed
 from common.redis_server import RedisServer, free_port
 from common.tokenizer import load_tokenizer
 from common.transport import SchedulerLink
@@ -358,7 +358,7 @@ def test_an_abort_of_one_output_is_never_kept_for_a_request_not_yet_read(stack):
         assert time.monotonic() < deadline, f"the request did not finish: {events}"
         for _, entries in r.xread({replies: cursor}, block=100) or []:
             for cursor, fields in entries:
-                events.append(decode(fields[streams.FIELD]))
+                events += decode_events(fields[streams.FIELD])
     assert {(e.index, e.finish_reason) for e in events if e.finish_reason} == {(0, "length"), (1, "length")}
     assert sum(len(e.token_ids) for e in events) == 2 * 3
     assert "later-0" not in stack.server.stream.early_aborts

@@ -8,7 +8,7 @@ import pytest
 from common import protocol
 from common.config import ConfigError, EngineConfig
 from common.protocol import (
-    PROTOCOL_VERSION, CachedSequence, GenerateRequest, HeldRequests, InvalidParamError, MemoryEvent, MemorySnapshot,
+    PROTOCOL_VERSION, CachedSequence, decode_events, GenerateRequest, HeldRequests, InvalidParamError, MemoryEvent, MemorySnapshot,
     LoRARequest, NewSequence, PromptLogprobs, ProtocolError, StructuredOutput,
     RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult, WorkerHello, decode, encode,
 )
@@ -398,3 +398,13 @@ def test_kv_event_batches_are_plain_msgpack_in_vllms_array_layout():
                 msgpack.packb({"ts": 1})):
         with pytest.raises(ValueError, match="not a KV event batch"):
             decode_batch(bad)
+
+
+def test_a_reply_entry_holds_a_flushs_events_or_one_event():
+    """A scheduler writes one entry per reply stream per flush: the list of its events for that
+    gateway; one of before the batched return path wrote one event per entry. Anything else is refused."""
+    first, last = RequestEvent("a", [5], None), RequestEvent("b", [], None, "stop", None, 1)
+    assert decode_events(encode([first, last])) == [first, last]
+    assert decode_events(encode(first)) == [first]
+    with pytest.raises(ProtocolError, match="a reply entry holds RequestEvents only"):
+        decode_events(encode([first, STATUS]))

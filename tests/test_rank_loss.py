@@ -30,7 +30,7 @@ import pytest
 import redis
 
 from common import streams
-from common.protocol import GenerateRequest, RequestEvent, SamplingParams, SchedulerStatus, decode, encode
+from common.protocol import GenerateRequest, RequestEvent, SamplingParams, SchedulerStatus, decode, decode_events, encode
 from common.redis_server import free_port
 from tests.conftest import TINY_LLAMA
 from tests.stack import ROOT, wait_for
@@ -115,14 +115,14 @@ class Client:
         for _, entries in self.r.xread({REPLIES: self.cursor}, block=20) or []:
             for entry_id, fields in entries:
                 self.cursor = entry_id
-                event = decode(fields[streams.FIELD])
-                events = self.events.setdefault(event.request_id, [])
-                assert not events or events[-1].finish_reason is None, f"an event after {event.request_id}'s last"
-                events.append(event)
-                if event.token_ids and event.request_id not in self.owners:
-                    owner = self.r.hget(streams.STARTED, event.request_id)  # set with its first token
-                    if owner is not None:
-                        self.owners[event.request_id] = owner.decode()
+                for event in decode_events(fields[streams.FIELD]):
+                    events = self.events.setdefault(event.request_id, [])
+                    assert not events or events[-1].finish_reason is None, f"an event after {event.request_id}'s last"
+                    events.append(event)
+                    if event.token_ids and event.request_id not in self.owners:
+                        owner = self.r.hget(streams.STARTED, event.request_id)  # set with its first token
+                        if owner is not None:
+                            self.owners[event.request_id] = owner.decode()
 
     def wait(self, condition, timeout: float, what: str) -> float:
         start = time.monotonic()

@@ -20,7 +20,7 @@ from common.config import EngineConfig, ServingConfig
 from common.protocol import (
     PENDING_TOKEN, GenerateRequest, HeldRequests, RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan,
     StepResult,
-    WorkerHello, decode, encode,
+    WorkerHello, decode, decode_events, encode,
 )
 from common.redis_server import RedisServer, free_port, stable_port
 from common.transport import SchedulerLink
@@ -183,11 +183,10 @@ class Harness:
         for _, entries in replies or []:
             for entry_id, fields in entries:
                 self.cursor = entry_id
-                event = decode(fields[streams.FIELD])
-                assert isinstance(event, RequestEvent)
-                events = self.events.setdefault(event.request_id, [])
-                assert not events or events[-1].finish_reason is None, f"an event after {event.request_id}'s last"
-                events.append(event)
+                for event in decode_events(fields[streams.FIELD]):
+                    events = self.events.setdefault(event.request_id, [])
+                    assert not events or events[-1].finish_reason is None, f"an event after {event.request_id}'s last"
+                    events.append(event)
 
     def finished(self, request_id: str) -> bool:
         events = self.events.get(request_id)
@@ -1182,3 +1181,42 @@ def test_an_append_only_redis_killed_and_restarted_keeps_the_queue_and_what_each
     finally:
         client.close()
         server.stop()
+
+
+def test_a_step_of_256_outputs_writes_one_entry_per_reply_stream(redis_url, r):
+    """Batch 256 over two gateways: a decode step's flush is one XADD and one EXPIRE per reply
+    stream, each entry holding that gateway's events in order; the step that starts the requests
+    adds one HSET of their started marks, the step that ends them one XACK and one XDEL of their
+    entries and one HDEL of the marks. Nothing else is written."""
+    from scheduler.request_stream import Arrival, RequestStream
+    from scheduler.sequence import RequestOutput, SequenceOutput
+
+    rs = RequestStream(ServingConfig(redis_url=redis_url), "scheduler-1")
+    rs.ensure_group()
+    gateways = [streams.reply_stream("g0"), streams.reply_stream("g1")]
+    entry_ids = [r.xadd(streams.REQUESTS, {streams.FIELD: b"x"}) for _ in range(256)]
+    r.xreadgroup(streams.SCHEDULER_GROUP, "scheduler-1", {streams.REQUESTS: ">"})
+    for i, entry_id in enumerate(entry_ids):
+        rs.track(Arrival(entry_id, GenerateRequest(f"r{i}", [1], SamplingParams(), gateways[i % 2], 0.0)))
+    tokens: list[int] = []
+
+    def step(finish: str | None = None) -> dict[str, int]:
+        tokens.append(100 + len(tokens))
+        outputs = [RequestOutput(f"r{i}", [1], [SequenceOutput(0, list(tokens), 1, 0.0, None, finish)],
+                                 finish is not None) for i in range(256)]
+        r.config_resetstat()
+        rs.emit(outputs)
+        stats = r.info("commandstats")
+        return {name.removeprefix("cmdstat_"): s["calls"] for name, s in stats.items() if name != "cmdstat_config"}
+
+    assert step() == {"hset": 1, "xadd": 2, "expire": 2}  # the first token: the started marks
+    assert step() == {"xadd": 2, "expire": 2}
+    assert step("length") == {"xadd": 2, "expire": 2, "xack": 1, "xdel": 1, "hdel": 1}
+    for g, gateway in enumerate(gateways):
+        entries = [decode_events(fields[streams.FIELD]) for _, fields in r.xrange(gateway)]
+        assert [[(e.request_id, e.token_ids, e.finish_reason, e.seq) for e in events] for events in entries] == [
+            [(f"r{i}", [token], finish, seq) for i in range(g, 256, 2)]
+            for seq, (token, finish) in enumerate([(100, None), (101, None), (102, "length")], 1)]
+    assert r.hlen(streams.STARTED) == 0 and r.xlen(streams.REQUESTS) == 0
+    assert r.xpending(streams.REQUESTS, streams.SCHEDULER_GROUP)["pending"] == 0 and rs.tracked == {}
+    rs.redis.close()
