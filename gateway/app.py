@@ -92,7 +92,7 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
             Route("/dashboard/events", gateway.dashboard_events, methods=["GET"]),
         ],
         middleware=[Middleware(CountResponses, metrics=gateway.metrics), Middleware(RequestIds)],
-        exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
+        exception_handlers={APIError: _api_error, HTTPException: _http_exception, Exception: _unexpected},
         lifespan=gateway.lifespan,
     )
     app.state.gateway = gateway
@@ -156,57 +156,42 @@ class Gateway:
 
     # ------------------------------------------------------------------ simple routes
     async def models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except APIError as exc:
-            return error_response(exc)
+        self._authorize(request)
         loras = self.loras.cards(self.created) if self.loras is not None else []
         return JSONResponse({"object": "list", "data": [self._card(), *loras]})
 
     async def model(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            lora = self._check_model(request.path_params["model"])
-        except APIError as exc:
-            return error_response(exc)
+        self._authorize(request)
+        lora = self._check_model(request.path_params["model"])
         return JSONResponse(self._card() if lora is None else self.loras.card(lora.lora_name, self.created))
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"} (--allow-runtime-lora-updating)."""
+        self._authorize(request)
+        name, path = _lora_fields(parse_json(await self._read_body(request)), ("lora_name", "lora_path"))
         try:
-            self._authorize(request)
-            name, path = _lora_fields(parse_json(await self._read_body(request)), ("lora_name", "lora_path"))
-            try:
-                await asyncio.to_thread(self.loras.add, name, path)  # reads the adapter's files
-            except LoRAAdapterError as exc:
-                raise bad_request(str(exc), "lora_path") from None
-        except APIError as exc:
-            return error_response(exc)
+            await asyncio.to_thread(self.loras.add, name, path)  # reads the adapter's files
+        except LoRAAdapterError as exc:
+            raise bad_request(str(exc), "lora_path") from None
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: requests already queued keep it."""
+        self._authorize(request)
+        (name,) = _lora_fields(parse_json(await self._read_body(request)), ("lora_name",))
         try:
-            self._authorize(request)
-            (name,) = _lora_fields(parse_json(await self._read_body(request)), ("lora_name",))
-            try:
-                self.loras.remove(name)
-            except KeyError:
-                raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
-                               code="model_not_found") from None
-        except APIError as exc:
-            return error_response(exc)
+            self.loras.remove(name)
+        except KeyError:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                           code="model_not_found") from None
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     def _card(self) -> dict:
         return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}
 
     async def health(self, request: Request) -> Response:
-        try:
-            self._check_open()
-            self._ready(await self._statuses(fresh=True))
-        except APIError as exc:
-            return error_response(exc)
+        self._check_open()
+        self._ready(await self._statuses(fresh=True))
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -278,8 +263,6 @@ class Gateway:
             echoes = await asyncio.to_thread(self._echoes, parsed) if parsed.echo else None
             requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival, echoes, lora)
             generation = await self._submit(requests)
-        except APIError as exc:
-            return error_response(exc)
         except ClientDisconnect:  # left while sending the body: nothing was submitted
             return Response(status_code=499)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in parsed.prompts))
@@ -612,6 +595,11 @@ def unavailable(message: str) -> APIError:
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    """An APIError raised by a route: the OpenAI error object and its status."""
+    return error_response(exc)
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
