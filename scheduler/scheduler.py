@@ -37,7 +37,6 @@ import bisect
 import itertools
 import logging
 import math
-import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -47,16 +46,16 @@ from common.block_hash import prompt_block_hashes
 from common.config import EngineConfig
 from common.protocol import (
     ITERATION_TOKENS_BUCKETS, NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, NewSequence, SampledToken,
-    SamplingParams,
-    StepPlan, StepResult, WorkerHello, num_beam_candidates, sample_seed,
+    SamplingParams, StepPlan, StepResult, WorkerHello, sample_seed,
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError
+from scheduler.beam import SequenceOps, beam_step
 from scheduler.block_manager import BlockManager
 from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.speculation import Speculator, can_speculate
 from scheduler.sequence import (
-    BeamHypothesis, BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
+    BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
 )
 
 log = logging.getLogger(__name__)
@@ -118,11 +117,6 @@ class PreemptionCosts:
         return num_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s > 0 else math.inf
 
 
-def _f32(x: float) -> float:
-    """Round to float32, as transformers' beam scores are."""
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
 class Scheduler:
     def __init__(
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
@@ -136,6 +130,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.num_eos_token_ids = len(eos_token_ids)
+        self._beam_ops = SequenceOps(self._fork, self._finish, self._forget)
         self.costs = costs
         self.sliding_window = sliding_window
         self.block_manager: Allocator = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
@@ -1061,7 +1056,7 @@ class Scheduler:
                         ended.append(group)
                     continue
                 if group.beam is not None and len(group.beam.pending) == len(group.seqs):
-                    self._beam_step(group)
+                    beam_step(group, self.eos_token_ids, self.num_eos_token_ids, self._beam_ops)
                 if (out := self._output(group, new_counts)) is not None:
                     outputs.append(out)
                     if out.finished:  # group.is_finished
@@ -1235,6 +1230,10 @@ class Scheduler:
             self._to_drop.append(seq.seq_id)
         seq.status = status
 
+    def _forget(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.seq_id, None)
+        self._group_of_seq.pop(seq.seq_id, None)
+
     def _retire(self, group: SequenceGroup) -> None:
         self._unpin_lora(group)
         if self.speculator is not None:
@@ -1247,77 +1246,6 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             if group in queue:
                 queue.remove(group)
-
-    # ------------------------------------------------------------------ beam search
-    def _beam_step(self, group: SequenceGroup) -> None:
-        """One step of transformers' beam search (GenerationMixin._beam_search) for one request:
-        keep the best 2 * width continuations of all beams, file those among the first `width`
-        that end (EOS, or the length limit) as finished hypotheses, go on with the best `width`
-        that do not. Scores are float32 sums, as there."""
-        beam = group.beam
-        beams = group.seqs
-        pending, beam.pending = beam.pending, {}
-        k = num_beam_candidates(beam.width, self.num_eos_token_ids)
-        candidates = []  # (score, beam index, token, logprob)
-        for b, seq in enumerate(beams):
-            for token, logprob in pending[seq.seq_id].top_logprobs[:k]:
-                candidates.append((_f32(seq.cumulative_logprob + logprob), b, token, logprob))
-        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        candidates = candidates[:k]
-        generated = len(beams[0].output_token_ids) + 1
-        at_max = generated >= beam.max_new_tokens
-        ends = [at_max or c[2] in self.eos_token_ids for c in candidates]
-        penalty = _f32(generated ** beam.length_penalty)
-        for (score, b, token, _), ended in zip(candidates[: beam.width], ends):
-            if ended:
-                reason = "stop" if token in self.eos_token_ids else "length"
-                self._file_hypothesis(beam, BeamHypothesis(
-                    _f32(score / penalty), beams[b].output_token_ids + [token], score, reason,
-                ))
-        going_on = [c for c, ended in zip(candidates, ends) if not ended][: beam.width]
-        if not going_on:
-            beam.done = True
-        else:
-            if len(beam.finished) == beam.width:
-                length = beam.max_new_tokens if beam.early_stopping == "never" and beam.length_penalty > 0 else generated
-                best_possible = _f32(going_on[0][0] / _f32(length ** beam.length_penalty))
-                beam.improvable = best_possible > beam.finished[-1].score
-            beam.done = not beam.improvable or (beam.early_stopping is True and len(beam.finished) == beam.width)
-        if beam.done:
-            for seq in beams:
-                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-            return
-        self._advance_beams(group, going_on)
-
-    @staticmethod
-    def _file_hypothesis(beam: BeamState, hypothesis: BeamHypothesis) -> None:
-        finished = beam.finished
-        at = len(finished)
-        while at > 0 and finished[at - 1].score < hypothesis.score:
-            at -= 1
-        finished.insert(at, hypothesis)
-        del finished[beam.width:]
-
-    def _advance_beams(self, group: SequenceGroup, going_on: list[tuple]) -> None:
-        """The next beams: a parent chosen once goes on as itself, chosen again it is forked
-        (sharing its blocks), not chosen it is freed."""
-        parents = list(group.seqs)
-        chosen: set[int] = set()
-        next_beams = []
-        for score, b, token, _ in going_on:
-            parent = parents[b]
-            seq = self._fork(group, parent, 0) if parent.seq_id in chosen else parent
-            chosen.add(parent.seq_id)
-            next_beams.append((seq, score, token))
-        for parent in parents:
-            if parent.seq_id not in chosen:
-                self._finish(parent, SequenceStatus.FINISHED_ABORTED)
-                self._seqs.pop(parent.seq_id, None)
-                self._group_of_seq.pop(parent.seq_id, None)
-        for seq, score, token in next_beams:
-            seq.output_token_ids.append(token)
-            seq.cumulative_logprob = score
-        group.seqs = [seq for seq, _, _ in next_beams]
 
     # ------------------------------------------------------------------ outputs
     def _output(self, group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput | None:
