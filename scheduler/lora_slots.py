@@ -12,8 +12,10 @@ another adapter.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
-from common.protocol import LoRARequest
+from common.protocol import LoRARequest, StepPlan
+from scheduler.sequence import SequenceGroup
 
 
 class LoRASlots:
@@ -74,6 +76,32 @@ class LoRASlots:
         self.idle.pop(key, None)
         self.names.pop(key, None)
         self.free.append(slot)
+
+    def pin(self, group: SequenceGroup, plan: StepPlan) -> bool:
+        """Pin the group's adapter slot before it runs (a load into the plan if the slot must be
+        filled); False when every slot is pinned by other adapters."""
+        if group.lora_slot >= 0:
+            return True
+        acquired = self.acquire(group.lora)
+        if acquired is None:
+            return False
+        group.lora_slot, load = acquired
+        if load:
+            plan.lora_loads.append([group.lora_slot, group.lora])
+        return True
+
+    def unpin(self, group: SequenceGroup) -> None:
+        """The group stopped running (preempted, finished, failed): its slot may be reused."""
+        if group.lora_slot >= 0:
+            self.release(group.lora)
+            group.lora_slot = -1
+
+    def status(self, not_running: Iterable[SequenceGroup]) -> dict:
+        """SchedulerStatus's LoRA fields (vLLM's lora_requests_info and the slots' counters)."""
+        waiting = {g.lora.lora_name for g in not_running if g.lora is not None}
+        return {"running_lora_adapters": self.running_names(), "waiting_lora_adapters": sorted(waiting),
+                "max_loras": self.max_loras, "num_lora_loads_total": self.num_loads,
+                "num_lora_evictions_total": self.num_evictions}
 
     def running_names(self) -> list[str]:
         return sorted(self.names[key] for key in self.pins)

@@ -261,27 +261,13 @@ class Scheduler:
         return True
 
     def _pin_lora(self, group: SequenceGroup, plan: StepPlan) -> bool:
-        """Pin the group's adapter slot before it runs (a load into the plan if the slot must be
-        filled); False when every slot is pinned by other adapters. No adapter: True."""
-        if group.lora is None or group.lora_slot >= 0:
-            return True
-        acquired = self.lora_slots.acquire(group.lora)
-        if acquired is None:
-            return False
-        group.lora_slot, load = acquired
-        if load:
-            plan.lora_loads.append([group.lora_slot, group.lora])
-        return True
+        """False when the group's adapter waits for a slot; no adapter: True."""
+        return group.lora is None or self.lora_slots.pin(group, plan)
 
     def lora_status(self) -> dict:
-        """SchedulerStatus's LoRA fields (vLLM's lora_requests_info and the slots' counters)."""
-        slots = self.lora_slots
-        if slots is None:
+        if self.lora_slots is None:
             return {}
-        waiting = {g.lora.lora_name for queue in (self.waiting, self.swapped) for g in queue if g.lora is not None}
-        return {"running_lora_adapters": slots.running_names(), "waiting_lora_adapters": sorted(waiting),
-                "max_loras": slots.max_loras, "num_lora_loads_total": slots.num_loads,
-                "num_lora_evictions_total": slots.num_evictions}
+        return self.lora_slots.status(itertools.chain(self.waiting, self.swapped))
 
     def _fail_lora_slot(self, slot: int, message: str) -> None:
         """The workers could not load the adapter of `slot`: the requests pinning it fail (and only
@@ -289,12 +275,6 @@ class Scheduler:
         for group in [g for g in self.groups.values() if g.lora_slot == slot]:
             self._fail(group, RuntimeError(message))
         self.lora_slots.invalidate(slot)
-
-    def _unpin_lora(self, group: SequenceGroup) -> None:
-        """The group stopped running (preempted, finished, failed): its slot may be reused."""
-        if group.lora_slot >= 0:
-            self.lora_slots.release(group.lora)
-            group.lora_slot = -1
 
     def abort_sequence(self, request_id: str, index: int) -> bool:
         """End sample `index` of a request that streams its samples (a stop string the gateway
@@ -869,7 +849,8 @@ class Scheduler:
                 self._held_by_workers.discard(seq.seq_id)
                 plan.preempted_seq_ids.append(seq.seq_id)
             seq.num_sent_blocks = 0
-        self._unpin_lora(group)
+        if group.lora_slot >= 0:
+            self.lora_slots.unpin(group)
         if self._preemption_mode(seqs) == "swap":
             copies = self.block_manager.swap_out([seq.seq_id for seq in seqs])
             plan.blocks_to_swap_out.extend(copies)
@@ -1235,7 +1216,8 @@ class Scheduler:
         self._group_of_seq.pop(seq.seq_id, None)
 
     def _retire(self, group: SequenceGroup) -> None:
-        self._unpin_lora(group)
+        if group.lora_slot >= 0:
+            self.lora_slots.unpin(group)
         if self.speculator is not None:
             for seq in group.seqs:
                 self.speculator.forget(seq.seq_id)
