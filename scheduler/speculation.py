@@ -29,11 +29,17 @@ again). Either way at least 1.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from common.protocol import PENDING_TOKEN
+from common.protocol import PENDING_TOKEN, SampledToken, StepResult
 from common.speculative import SpeculativeConfig
 from scheduler.ngram import propose
+from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import _Budget, _InFlight
 
 FREE_BATCH = 8  # running sequences up to which a step's extra draft tokens cost little
 MAX_BACKOFF_STEPS = 64  # after drafts rejected
@@ -194,3 +200,132 @@ def spec_counters(speculator: Speculator | None) -> dict:
     return {"spec_num_drafts_total": speculator.num_drafts, "spec_num_draft_tokens_total": speculator.num_draft_tokens,
             "spec_num_accepted_tokens_total": speculator.num_accepted_tokens,
             "spec_accepted_per_pos": list(speculator.accepted_per_pos)}
+
+
+class DraftSteps:
+    """The Scheduler's speculative steps, a base of Scheduler over its state (`speculator`,
+    `block_manager`, `step`, the sequences, the plan being made and the one in flight): which
+    sequences draft in the plan being made, and what a verification's result means for each."""
+
+    def _waits_for_drafts(self) -> bool:
+        """Whether at least half the sequences drawing in the plan in flight want
+        drafts next (so they cannot be planned before its result)."""
+        drawing = wanting = 0
+        for seq_id, in_flight in self._ahead.items():
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq.num_computed_tokens + in_flight == seq.num_tokens:
+                drawing += 1
+                wanting += self._wants_drafts(seq)
+        return 2 * wanting >= drawing > 0
+
+    def _wants_drafts(self, seq: Sequence) -> bool:
+        """A sequence that would draft next waits for its token rather than run ahead."""
+        return (self.speculator is not None and can_speculate(seq.sampling_params)
+                and self.speculator.wants(seq.seq_id, self.step))
+
+    def _drafts(self, group: SequenceGroup, seq: Sequence, tokens_left: int) -> list[int] | None:
+        """Drafts for a sequence whose step computes its last token (not pending):
+        never past its max_tokens or the context, nor beyond the step's token budget."""
+        params = seq.sampling_params
+        if not can_speculate(params):
+            return None
+        num_output = len(seq.output_token_ids)
+        num_tokens = len(seq.prompt_token_ids) + num_output
+        most = min(tokens_left - 1, self.max_model_len - num_tokens - 1)
+        if params.max_tokens is not None:
+            most = min(most, params.max_tokens - num_output - 1)
+        if most < 1:
+            return None
+        speculator = self.speculator
+        tokens = None if speculator.config.drafts_on_worker else seq.prompt_token_ids + seq.output_token_ids
+        drafts = speculator.propose(seq.seq_id, tokens, most, self._batch, self.step)
+        if drafts:
+            # drafts take a new block only while every group still to plan keeps one free: they
+            # never cost a later group its step, or a preemption
+            bs, bm = self.block_manager.block_size, self.block_manager
+            extra = -(-(num_tokens + len(drafts)) // bs) - len(bm.block_table(seq.seq_id))
+            if extra > 0 and bm.num_free_blocks - extra < self._reserve:
+                drafts = drafts[:-(-num_tokens // bs) * bs - num_tokens]  # the room left in its last block
+        return drafts or None
+
+    def _group_drafts(self, group: SequenceGroup, seqs: list[Sequence], num_new: list[int],
+                      budget: _Budget) -> dict[int, list[int]] | None:
+        """Drafts for the sequences of a group (n > 1: each sample speculates alone)
+        whose step computes their last token, added to their `num_new`."""
+        if group.beam is not None:
+            return None
+        drafts, tokens_left = {}, budget.tokens - sum(num_new)
+        for i, seq in enumerate(seqs):
+            if (num_new[i] != 1 or not seq.output_token_ids or self._ahead.get(seq.seq_id)
+                    or seq.num_computed_tokens + 1 != seq.num_tokens or seq.seq_id not in self._held_by_workers):
+                continue
+            draft = self._drafts(group, seq, tokens_left + 1)
+            if draft:
+                drafts[seq.seq_id] = draft
+                num_new[i] += len(draft)
+                tokens_left -= len(draft)
+        return drafts
+
+    def _observe_cost(self, done: _InFlight, result: StepResult) -> None:
+        """The step's seconds for the draft price, if it verified drafts and computed
+        nothing else than a token and its drafts a sequence (the price is that of one more draft in
+        such a step: prompt tokens cost less, computing no logits, and a step without drafts runs
+        the decode path): from the later of its plan and the last result of a step that computed
+        something (a plan made ahead overlaps the one in flight; an empty one computes nothing),
+        to its result."""
+        num_tokens = sum(done.scheduled.values())
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        drafts = done.drafts
+        if drafts and all(n == 1 + len(drafts.get(seq_id, ())) for seq_id, n in done.scheduled.items()):
+            self.speculator.cost.observe(num_tokens, now - max(self._last_result_at, done.planned_at),
+                                         len(result.sampled))
+        self._last_result_at = now
+
+    def _verify_drafts(self, done: _InFlight, result: StepResult, touched: dict[str, SequenceGroup],
+                       new_counts: dict[int, int]) -> None:
+        """The tokens of the sequences that verified drafts: the accepted drafts then
+        one more (a + 1 of them). The slots of the rejected drafts are given back before the step's
+        KV is counted computed (only the a + 1 positions verified are: the prefix cache never sees a
+        draft that was not accepted); the tokens are appended one by one, so a stop token or the
+        length ends the sequence exactly where it would have ended without drafts."""
+        emitted: dict[int, list[SampledToken]] = {seq_id: [] for seq_id in done.drafts}
+        for sampled in result.sampled:
+            if sampled.seq_id in emitted:
+                emitted[sampled.seq_id].append(sampled)
+        bm, speculator = self.block_manager, self.speculator
+        for seq_id, drafts in done.drafts.items():
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran, or its group failed
+            group = self._group_of_seq[seq_id]
+            tokens = emitted[seq_id]
+            num_accepted = len(tokens) - 1
+            accepted = [t.token_id for t in tokens[:num_accepted]]  # a draft model's: known only now
+            try:
+                if not 0 <= num_accepted <= len(drafts) or any(
+                        a != d and d != PENDING_TOKEN for a, d in zip(accepted, drafts)):
+                    raise ValueError(f"step {result.step} verified sequence {seq_id}'s drafts {drafts} as "
+                                     f"{[t.token_id for t in tokens]}")
+                computed = seq.num_computed_tokens + 1 + num_accepted
+                released = bm.truncate(seq_id, computed)
+                if released:
+                    self._record("spec_reject", group, seq_id, released)
+                seq.num_sent_blocks = min(seq.num_sent_blocks, len(bm.block_table(seq_id)))
+                done.scheduled[seq_id] = 1 + num_accepted
+                speculator.record(seq_id, len(drafts), num_accepted, result.step)
+                if bm.enable_prefix_caching and computed // bm.block_size > seq.num_computed_tokens // bm.block_size:
+                    # the blocks the verified run filled, keyed now: a token below may end the
+                    # sequence and free its table before _apply_computed would key them
+                    bm.register_computed(seq_id, seq.prompt_token_ids + seq.output_token_ids + accepted, computed)
+                touched[group.request_id] = group
+                for token in tokens:
+                    self._append(group, seq, token, new_counts)
+                    if seq.status.finished:
+                        break
+                else:
+                    seq.accepted_unsent = accepted
+            except Exception as exc:
+                touched.pop(group.request_id, None)
+                self._fail(group, exc)
