@@ -91,6 +91,19 @@ def _engine_memory(key: bytes, raw: bytes) -> EngineMemory | None:
     return EngineMemory(snapshot.engine, snapshot.scheduler_id, snapshot.version, text)
 
 
+@dataclass(slots=True)
+class _Submitted:
+    """A request of this gateway, from its submission until its handler releases it."""
+
+    queue: asyncio.Queue[RequestEvent] | None  # its handler's (its Generation's); None once its events stopped
+    num_prompt_tokens: int
+    payload: bytes | None = None  # as sent, while no event came: put on the stream again if Redis loses it
+    entry_id: bytes | None = None  # in its requests stream, once the XADD is done
+    stream: str = streams.REQUESTS  # the requests stream it went to
+    last_seq: int = 0  # the last token-bearing event passed on
+    has_event: bool = False  # a scheduler holds it
+
+
 class Generation:
     """The requests of one HTTP request (one per prompt), from submission until each has finished
     or been aborted."""
@@ -151,11 +164,7 @@ class EngineClient:
                                        health_check_interval=30, max_connections=MAX_CONNECTIONS,
                                        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self.reply_stream = streams.reply_stream(gateway_id)
-        self._queues: dict[str, asyncio.Queue[RequestEvent]] = {}
-        self._last_seq: dict[str, int] = {}  # per request: the last token-bearing event passed on
-        self._started: set[str] = set()  # requests with an event: a scheduler holds them
-        self._entry_ids: dict[str, bytes] = {}  # per submitted request: its entry in its requests stream
-        self._streams: dict[str, str] = {}  # per submitted request: the requests stream it went to
+        self._requests: dict[str, _Submitted] = {}
         self.router = PrefixRouter(self.redis, routing, routing_balance_margin)
         self._last_id = b"0-0"  # the reply stream is this process's own: everything on it is for us
         self._redis_run_id: str | None = None
@@ -170,9 +179,6 @@ class EngineClient:
         self.num_unstarted = 0  # submitted, no event back yet (queued in Redis or in a scheduler)
         self.num_unsubmitted_tokens = 0  # their prompt tokens (the gateway's --max-num-queued-tokens)
         self.num_unstarted_tokens = 0
-        self._unstarted_tokens: dict[str, int] = {}  # per unstarted request: its prompt's tokens
-        # per unstarted request: its entry as sent, put on the stream again if a Redis restart loses it
-        self._unstarted_payloads: dict[str, bytes] = {}
         self.status_ttl_s = 0.1  # admission reads scheduler status at most this often
         self._status_cache: tuple[float, list[SchedulerStatus]] = (0.0, [])
         self._status_read: asyncio.Future | None = None  # the read under way, shared by its callers
@@ -208,7 +214,7 @@ class EngineClient:
         """Register the requests' queue, then XADD them (so no event can arrive unregistered)."""
         generation = Generation(self, [r.request_id for r in requests])
         for r in requests:
-            self._queues[r.request_id] = generation.queue
+            self._requests[r.request_id] = _Submitted(generation.queue, len(r.prompt_token_ids))
         num_tokens = sum(len(r.prompt_token_ids) for r in requests)
         self.num_unsubmitted += len(requests)
         self.num_unsubmitted_tokens += num_tokens
@@ -220,12 +226,11 @@ class EngineClient:
             for payload, stream in zip(payloads, targets):
                 pipe.xadd(stream, {streams.FIELD: payload})
             for r, stream, entry_id in zip(requests, targets, await pipe.execute()):
-                self._entry_ids[r.request_id] = entry_id
-                self._streams[r.request_id] = stream
+                submitted = self._requests[r.request_id]
+                submitted.entry_id, submitted.stream = entry_id, stream
         except BaseException:
             for r in requests:  # some may have reached Redis before the failure: stop those
-                self._queues.pop(r.request_id, None)
-                self._streams.pop(r.request_id, None)
+                self._requests.pop(r.request_id, None)
                 self.router.finished(r.request_id)
                 self.abort(r.request_id)
             raise
@@ -235,35 +240,33 @@ class EngineClient:
         self.num_unstarted += len(requests)
         self.num_unstarted_tokens += num_tokens
         for r, payload in zip(requests, payloads):
-            self._unstarted_tokens[r.request_id] = len(r.prompt_token_ids)
-            self._unstarted_payloads[r.request_id] = payload
+            self._requests[r.request_id].payload = payload
         return generation
 
     def unqueue(self, request_id: str) -> None:
         """The request no longer counts as queued here: its first event came (a scheduler runs it),
         or it ended before one."""
         self.num_unstarted -= 1
-        self.num_unstarted_tokens -= self._unstarted_tokens.pop(request_id, 0)
-        self._unstarted_payloads.pop(request_id, None)
+        submitted = self._requests.get(request_id)
+        if submitted is not None and submitted.payload is not None:
+            self.num_unstarted_tokens -= submitted.num_prompt_tokens
+            submitted.payload = None
 
     def _release(self, request_id: str, started: bool, abort: bool) -> None:
-        self._queues.pop(request_id, None)
-        self._last_seq.pop(request_id, None)
-        self._started.discard(request_id)
-        self._entry_ids.pop(request_id, None)
-        self._streams.pop(request_id, None)
-        self.router.finished(request_id)
         if not started:
             self.unqueue(request_id)
+        self._requests.pop(request_id, None)
+        self.router.finished(request_id)
         if abort:
             self.abort(request_id)
 
     def fail_all(self, message: str) -> None:
         """End every request in flight here with an error event and abort it in the schedulers (the
         gateway is shutting down)."""
-        for request_id, queue in list(self._queues.items()):
-            queue.put_nowait(RequestEvent(request_id, [], None, "error", message))
-            self.abort(request_id)
+        for request_id, submitted in list(self._requests.items()):
+            if submitted.queue is not None:
+                submitted.queue.put_nowait(RequestEvent(request_id, [], None, "error", message))
+                self.abort(request_id)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Stop the request in the schedulers, or only its output `index`. Fire and forget: safe to
@@ -421,37 +424,40 @@ class EngineClient:
         if (self._restart.schedulers | alive) - reported and time.monotonic() < self._restart.deadline:
             return
         self._restart = None
-        candidates = [r for r in self._queues if r not in held and r in self._entry_ids]
+        candidates = {r: s.entry_id for r, s in self._requests.items()
+                      if r not in held and s.queue is not None and s.entry_id is not None}
         if not candidates:
             return
-        first = min((self._entry_ids[r] for r in candidates), key=lambda e: tuple(map(int, e.split(b"-"))))
+        first = min(candidates.values(), key=lambda e: tuple(map(int, e.split(b"-"))))
         queued = await self._queued_request_ids(first)
         lost = [r for r in candidates if r not in queued]
-        started = {r for r in lost if r in self._started}
+        started = {r for r in lost if self._requests[r].has_event}
         await self._read_batch(block=False)  # a request that ended has its events out before its entry goes
         # (an error queued behind a started request's last events is never read: it has ended by then)
-        lost = [r for r in lost if r in self._queues and (r in started or r not in self._started)]
-        unstarted = [r for r in lost if r not in started and r in self._unstarted_payloads]
+        lost = [r for r in lost if (s := self._requests.get(r)) is not None and s.queue is not None
+                and (r in started or not s.has_event)]
+        unstarted = [r for r in lost if r not in started and self._requests[r].payload is not None]
         if unstarted:
             log.warning("Redis restarted: queueing again %d request(s) it lost before a scheduler read them",
                         len(unstarted))
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 for request_id in unstarted:
-                    stream = self._streams.get(request_id, streams.REQUESTS)
-                    pipe.xadd(stream, {streams.FIELD: self._unstarted_payloads[request_id]})
+                    submitted = self._requests[request_id]
+                    pipe.xadd(submitted.stream, {streams.FIELD: submitted.payload})
                 for request_id, entry_id in zip(unstarted, await pipe.execute()):
-                    if request_id in self._queues:  # not released meanwhile
-                        self._entry_ids[request_id] = entry_id
+                    if (submitted := self._requests.get(request_id)) is not None:  # not released meanwhile
+                        submitted.entry_id = entry_id
                 lost = [r for r in lost if r not in unstarted]
             except Exception as exc:  # Redis went again: these fail as lost
                 log.warning("could not queue them again (%s)", exc)
         if lost:
             log.warning("Redis restarted: failing %d request(s) it lost (no scheduler holds them)", len(lost))
         for request_id in lost:
-            queue = self._queues.get(request_id)
-            if queue is None:  # its client left while the pipeline ran
+            submitted = self._requests.get(request_id)
+            if submitted is None or submitted.queue is None:  # its client left while the pipeline ran
                 continue
+            queue = submitted.queue
             message = OUTPUT_LOST if request_id in started else REDIS_RESTARTED
             queue.put_nowait(RequestEvent(request_id, [], None, "error", message))
             self.abort(request_id)
@@ -505,20 +511,20 @@ class EngineClient:
             self._deliver(event)
 
     def _deliver(self, event: RequestEvent) -> None:
-        queue = self._queues.get(event.request_id)
-        if queue is None:  # a request that has been finished or aborted here
+        submitted = self._requests.get(event.request_id)
+        if submitted is None or submitted.queue is None:  # finished or aborted here, or its events stopped
             return
-        self._started.add(event.request_id)
+        submitted.has_event = True
         if event.seq:
-            last = self._last_seq.get(event.request_id, 0)
+            last = submitted.last_seq
             if event.seq <= last:
                 log.warning("dropped event %d of %s: already seen (a retried write)", event.seq, event.request_id)
                 return
-            self._last_seq[event.request_id] = event.seq
+            submitted.last_seq = event.seq
             if event.seq > last + 1:  # events in between were lost (Redis restarted before this gateway read them)
                 log.warning("request %s lost events %d to %d; failing it", event.request_id, last + 1, event.seq - 1)
-                queue.put_nowait(RequestEvent(event.request_id, [], None, "error", OUTPUT_LOST))
-                self._queues.pop(event.request_id)  # its end: nothing more goes to its handler
+                submitted.queue.put_nowait(RequestEvent(event.request_id, [], None, "error", OUTPUT_LOST))
+                submitted.queue = None  # its end: nothing more goes to its handler
                 self.abort(event.request_id)
                 return
-        queue.put_nowait(event)
+        submitted.queue.put_nowait(event)

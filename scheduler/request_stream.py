@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import redis
@@ -193,7 +195,8 @@ class RequestStream:
         being idle, from a group with no room; else only from one with no live scheduler); with
         nothing anywhere and `block`, waiting a little for one."""
         count = min(count, READ_BATCH)
-        try:
+        arrivals: list[Arrival] = []
+        with _unless_group_missing(self._regroup):
             arrivals = self._read_new({self.own: ">"}, count)
             self.num_routed += len(arrivals)
             if len(arrivals) < count:
@@ -206,25 +209,18 @@ class RequestStream:
                 arrivals = self._read_new({self.own: ">", streams.REQUESTS: ">"}, 1, block_ms=IDLE_BLOCK_MS)
                 self.num_routed += sum(a.stream == self.own for a in arrivals)
                 self.num_shared += sum(a.stream != self.own for a in arrivals)
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            log.warning("a requests stream has no consumer group (Redis restarted empty?): recreating them")
-            self.ensure_group()
-            return []
         return self._unique(arrivals)
 
+    def _regroup(self, *stream_names: str) -> None:
+        log.warning("a requests stream has no consumer group (Redis restarted empty?): making it again")
+        for stream in stream_names or (self.own, streams.REQUESTS):
+            self._create_group(stream)
+
     def _read_new(self, keys: dict[str, str], count: int, block_ms: int | None = None) -> list[Arrival]:
-        try:
+        replies = None
+        with _unless_group_missing(lambda: self._regroup(*keys)):  # what a gateway queued again waits
             replies = self.redis.xreadgroup(streams.SCHEDULER_GROUP, self.consumer, keys, count=count,
                                             block=block_ms)
-        except redis.ResponseError as exc:  # Redis restarted empty: what a gateway queued again waits
-            if "NOGROUP" not in str(exc):
-                raise
-            log.warning("a requests stream has no consumer group (Redis restarted empty?): recreating it")
-            for stream in keys:
-                self._create_group(stream)
-            return []
         return [a for stream, entries in replies or [] for entry_id, fields in entries
                 if (a := self._arrival(entry_id, fields, _name(stream))) is not None]
 
@@ -319,28 +315,22 @@ class RequestStream:
         """Renew this scheduler's claims; note whether a dead scheduler's requests wait; returns the
         requests another scheduler took over (drop them here without a word: they are its now)."""
         self._last_maintain = time.monotonic()
-        try:
+        dropped: list[str] = []
+        with _unless_group_missing():  # (read() makes the group again)
             self._find_others()
             dropped = self._drop_taken_over()  # first: renewing would claim them back (XCLAIM takes any entry)
             self.renew_claims()
             self.orphans = not draining and self._orphans_wait()
             self._delete_dead_consumers()
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            return []  # Redis restarted empty: read() recreates the group
         return dropped
 
     def _orphans_wait(self) -> bool:
         """Whether a pending entry of any stream has gone unclaimed for claim_idle_ms (its scheduler is dead)."""
         for stream in self.streams:
-            try:
+            with _unless_group_missing():
                 if self.redis.xpending_range(stream, streams.SCHEDULER_GROUP, "-", "+", 1,
                                              idle=self.serving.claim_idle_ms):
                     return True
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise  # (a stream without the group, Redis restarted empty: nothing of it is pending)
         return False
 
     def renew_claims(self) -> None:
@@ -350,14 +340,11 @@ class RequestStream:
         for t in self.tracked.values():
             by_stream.setdefault(t.stream, []).append(t.entry_id)
         for stream, ids in by_stream.items():
-            try:
+            # (the entries went with the group; what gateways queue again is read once there is room)
+            with _unless_group_missing(lambda: self._create_group(stream)):
                 for i in range(0, len(ids), 1000):
                     self.redis.xclaim(stream, streams.SCHEDULER_GROUP, self.consumer, 0, ids[i:i + 1000],
                                       justid=True)
-            except redis.ResponseError as exc:  # Redis restarted empty: the entries went with it
-                if "NOGROUP" not in str(exc):
-                    raise
-                self._create_group(stream)  # for what gateways queue again, read once there is room
 
     def _drop_taken_over(self) -> list[str]:
         """Tracked requests now pending under another scheduler (this one stalled past claim_idle_ms)."""
@@ -369,13 +356,10 @@ class RequestStream:
         for request_id, tracked in list(self.tracked.items()):
             if (tracked.stream, tracked.entry_id) in own:
                 continue
-            try:
+            holder = None  # the entry went with a Redis restart: keep the request
+            with _unless_group_missing():
                 holder = self.redis.xpending_range(tracked.stream, streams.SCHEDULER_GROUP, tracked.entry_id,
                                                    tracked.entry_id, 1)
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                continue  # the entry went with a Redis restart: keep the request
             if holder and holder[0]["consumer"].decode() != self.consumer:  # (none: Redis restarted empty; keep it)
                 log.warning("request %s was taken over by %s; dropping it here", request_id,
                             holder[0]["consumer"].decode())
@@ -413,18 +397,18 @@ class RequestStream:
         return self._unique(arrivals)
 
     def _take_over(self, stream: str, count: int) -> list[Arrival]:
-        try:
+        claimed = None
+        with _unless_group_missing():
             # One call scans at most 10 x count pending entries from the cursor; resuming there (not
             # at 0-0) gets past live schedulers' entries to the orphans behind them.
-            next_id, entries = self.redis.xautoclaim(  # (Redis 7.0 adds a third element: deleted ids)
+            claimed = self.redis.xautoclaim(  # (Redis 7.0 adds a third element: deleted ids)
                 stream, streams.SCHEDULER_GROUP, self.consumer, self.serving.claim_idle_ms,
                 start_id=self._claim_cursors.get(stream, "0-0"), count=count,
-            )[:2]
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
+            )
+        if claimed is None:
             self._claim_cursors.pop(stream, None)
             return []
+        next_id, entries = claimed[:2]
         self._claim_cursors[stream] = next_id
         if any(fields is None for _, fields in entries):  # deleted from the stream while pending
             self._ack_deleted(stream)
@@ -454,13 +438,10 @@ class RequestStream:
         return arrivals
 
     def _own_pending(self, stream: str, count: int) -> list[dict]:
-        try:
+        with _unless_group_missing():
             return self.redis.xpending_range(stream, streams.SCHEDULER_GROUP, "-", "+", count,
                                              consumername=self.consumer)
-        except redis.ResponseError as exc:  # the stream or its group went with a Redis restart
-            if "NOGROUP" not in str(exc):
-                raise
-            return []
+        return []
 
     def _ack_deleted(self, stream: str) -> None:
         """Acknowledge this scheduler's pending entries that are gone from the stream (Redis 6.2's
@@ -695,6 +676,21 @@ class RequestStream:
     def delete_status(self) -> None:
         """At shutdown: the status and the memory snapshot."""
         self.redis.delete(streams.status_key(self.consumer), streams.memory_key(self.consumer))
+
+
+@contextmanager
+def _unless_group_missing(on_missing: Callable[[], None] | None = None) -> Iterator[None]:
+    """The one answer to NOGROUP: the stream, or its consumer group, went with a Redis that
+    restarted empty. Nothing of it is pending or held any more; the call it interrupts answers with
+    what it had before (`on_missing` may make the group again, from the stream's start, for what
+    gateways queue again)."""
+    try:
+        yield
+    except redis.ResponseError as exc:
+        if "NOGROUP" not in str(exc):
+            raise
+        if on_missing is not None:
+            on_missing()
 
 
 def _name(value: str | bytes) -> str:

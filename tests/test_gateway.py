@@ -1187,7 +1187,7 @@ def test_the_incremental_detokenizer_reproduces_decode(tokenizer, skip_special_t
 def test_finished_and_aborted_requests_leave_no_state_behind(gateway, client):
     client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 1})
     engine = gateway.engine
-    assert wait_for(lambda: not engine._queues and engine.num_unstarted == 0 and engine.num_unsubmitted == 0)
+    assert wait_for(lambda: not engine._requests and engine.num_unstarted == 0 and engine.num_unsubmitted == 0)
 
 
 def test_gateway_config_validates_and_names_itself():
