@@ -248,7 +248,12 @@ def test_bench_overload_answers_only_completions_and_429s_with_retry_after(tmp_p
         assert phase["output_tokens"] == 4 * answers["completed"] and "errors" not in phase
         assert set(phase["rejection_codes"]) <= {"queue_full"}
         assert phase["ttft_s"]["p99"] >= phase["ttft_s"]["median"] > 0
-        assert phase["memory"]["num_samples"] >= 2 and phase["memory"]["start_mib"] > 0
+        memory = phase["memory"]
+        assert memory["num_samples"] >= 2 and memory["start_mib"] > 0
+        assert {"gateway", "scheduler", "worker"} <= set(memory["processes"])  # each one's RSS, beside the sum
+        assert memory["start_mib"] == pytest.approx(sum(p["start_mib"] for p in memory["processes"].values()),
+                                                    abs=0.1 * len(memory["processes"]))
+        assert memory["growth_fraction"] == max(p["growth_fraction"] for p in memory["processes"].values())
     overload = phases["overload"]
     assert overload["status_counts"]["429"] >= 1 and overload["rejection_codes"] == {
         "queue_full": overload["status_counts"]["429"]}
@@ -260,6 +265,8 @@ def test_bench_overload_answers_only_completions_and_429s_with_retry_after(tmp_p
         overload["ttft_s"]["p99"] / phases["sustainable"]["ttft_s"]["p99"], abs=1e-3)
     assert (goal["p99_ttft_ratio_max"], goal["memory_growth_max_fraction"]) == (3.0, 0.05)
     assert goal["memory_growth_fraction"] == overload["memory"]["growth_fraction"]
+    assert goal["memory_growth_by_process"] == {
+        name: p["growth_fraction"] for name, p in overload["memory"]["processes"].items()}
     assert goal["goal_met"] == (goal["p99_ttft_within"] and goal["memory_flat"])
     assert result["memory"]["num_samples"] >= 4 and result["stack_exit_code"] == 0
     assert result["command"].startswith("pagoda bench overload --model default --device cpu --max-num-seqs 2")

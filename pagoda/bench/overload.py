@@ -20,13 +20,14 @@ last answer. Per phase, every answer by kind: completed (200, the stream's usage
 `--output-len` tokens, then [DONE]), incomplete (200 otherwise), stream_error (200 ended by an
 error event), rejected_with_retry_after and rejected_without_retry_after (429), other_status,
 transport_error; the TTFT (mean, p50, p99), E2E and throughput of the completed ones (`summarize`
-in pagoda/bench/serve.py); and the stack's memory: VmRSS (/proc/PID/status) summed over every
-process under `pagoda up` (gateway, scheduler, worker, redis-server) each `--sample-interval` s,
-its first, last and largest sample and the growth over the phase (last minus first, MiB and as a
-fraction of the first).
+in pagoda/bench/serve.py); and the stack's memory: VmRSS (/proc/PID/status) of each process
+under `pagoda up` (gateway, scheduler, worker, redis-server) each `--sample-interval` s, per
+process and summed: the first, last and largest sample and the growth over the phase (last minus
+first, MiB and as a fraction of the first).
 
 The goal, judged on phase B against phase A: every phase-B answer completed or a 429 with
-Retry-After; p99 TTFT of B over that of A <= 3; memory growth over B <= 5% of its first sample.
+Retry-After; p99 TTFT of B over that of A <= 3; each process's memory growth over B <= 5% of its
+first sample.
 Exits 1 when either phase had an answer other than those two kinds (a correctness failure), else 0;
 the latency and memory goals are reported in the JSON (`goal`), not enforced.
 """
@@ -154,22 +155,23 @@ async def send_at(url: str, requests: list[tuple[list[int], int]], times: list[f
 
 
 class RssSampler:
-    """A thread summing VmRSS over every process under `pagoda up` each `interval` seconds:
-    `samples` is [(seconds since start, MiB)]; `mark()` is the index the next sample will have."""
+    """A thread reading the VmRSS of every process under `pagoda up` each `interval` seconds:
+    `samples` is [(seconds since start, {process: MiB})]; `mark()` is the index the next sample will have."""
 
     def __init__(self, stack: Stack, interval: float) -> None:
         self.stack, self.interval = stack, interval
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, dict[str, float]]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._start = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
-    def total_mib(self) -> float:
-        return sum(mib for pid in self.stack.children().values() if (mib := rss_mib(pid)) is not None)
+    def process_mib(self) -> dict[str, float]:
+        return {name: round(mib, 1) for name, pid in sorted(self.stack.children().items())
+                if (mib := rss_mib(pid)) is not None}
 
     def sample(self) -> int:
-        mib = round(self.total_mib(), 1)
+        mib = self.process_mib()
         with self._lock:
             self.samples.append((round(time.monotonic() - self._start, 2), mib))
             return len(self.samples) - 1
@@ -191,13 +193,21 @@ class RssSampler:
         self._thread.join()
 
 
-def memory_summary(samples: list[tuple[float, float]]) -> dict:
-    """First, last and largest summed RSS of a stretch, and its growth (last minus first)."""
-    first, last = samples[0][1], samples[-1][1]
-    growth = last - first
-    return {"start_mib": first, "end_mib": last, "max_mib": max(mib for _, mib in samples),
-            "growth_mib": round(growth, 1), "growth_fraction": round(growth / first, 4) if first else None,
-            "num_samples": len(samples)}
+def memory_summary(samples: list[tuple[float, dict[str, float]]]) -> dict:
+    """A stretch's RSS, summed over the processes and per process (those it began and ended with):
+    first, last and largest, and the growth (last minus first). `growth_fraction` is the largest
+    process's: each must stay flat, not only their sum."""
+    processes = {name: _rss_series([mib[name] for _, mib in samples if name in mib])
+                 for name in samples[0][1] if name in samples[-1][1]}
+    growths = [p["growth_fraction"] for p in processes.values() if p["growth_fraction"] is not None]
+    return {**_rss_series([round(sum(mib.values()), 1) for _, mib in samples]),
+            "growth_fraction": max(growths) if growths else None, "num_samples": len(samples), "processes": processes}
+
+
+def _rss_series(series: list[float]) -> dict:
+    first, last = series[0], series[-1]
+    return {"start_mib": first, "end_mib": last, "max_mib": max(series), "growth_mib": round(last - first, 1),
+            "growth_fraction": round((last - first) / first, 4) if first else None}
 
 
 # ----------------------------------------------------------------------------- phases
@@ -276,6 +286,7 @@ def goal(a: dict, b: dict) -> dict:
         "p99_ttft_ratio": ratio, "p99_ttft_ratio_max": GOAL_P99_TTFT_RATIO,
         "p99_ttft_within": ratio is not None and ratio <= GOAL_P99_TTFT_RATIO,
         "memory_growth_fraction": growth, "memory_growth_max_fraction": GOAL_MEMORY_GROWTH_FRACTION,
+        "memory_growth_by_process": {name: p["growth_fraction"] for name, p in b["memory"]["processes"].items()},
         "memory_flat": growth is not None and growth <= GOAL_MEMORY_GROWTH_FRACTION,
     }
     result["goal_met"] = only_allowed and result["p99_ttft_within"] and result["memory_flat"]
