@@ -431,7 +431,8 @@ class EngineClient:
         first = min(candidates.values(), key=lambda e: tuple(map(int, e.split(b"-"))))
         queued = await self._queued_request_ids(first)
         lost = [r for r in candidates if r not in queued]
-        started = {r for r in lost if self._requests[r].has_event}
+        # (a handler may have released one during the await above)
+        started = {r for r in lost if (s := self._requests.get(r)) is not None and s.has_event}
         await self._read_batch(block=False)  # a request that ended has its events out before its entry goes
         # (an error queued behind a started request's last events is never read: it has ended by then)
         lost = [r for r in lost if (s := self._requests.get(r)) is not None and s.queue is not None

@@ -192,7 +192,7 @@ class PrefixRouter:
     async def _resync(self, engine: str) -> None:
         """Forget what the group holds (a removal it missed would leave a hash it no longer holds),
         replay what the stream still has, and ask its scheduler for a snapshot of its whole cache."""
-        log.info("the KV events of engine %s were trimmed past this router's cursor: re-syncing", engine)
+        log.info("this router missed KV events of engine %s (the stream's cap trimmed them): re-syncing", engine)
         self.cached[engine] = set()
         self.num_resyncs += 1
         await self.redis.set(streams.kv_resync_key(engine), b"1", ex=streams.KV_RESYNC_TTL_S)

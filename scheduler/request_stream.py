@@ -7,7 +7,7 @@
     XAUTOCLAIM entries idle > claim_idle_ms (a dead scheduler's), any stream  ─▶ Arrival, before any newer one
     XREAD pagoda:aborts                                                       ─▶ request ids to abort
     outbox ─▶ HSET pagoda:started, XADD each reply stream one entry of all its events (and one
-              EXPIRE), XACK + XDEL, XADD KV events (one pipeline per flush)
+              EXPIRE), XADD requeued requests and KV events, XACK + XDEL (one pipeline per flush)
               and SET pagoda:memory:<id>, the latest memory snapshot if one waits
 
 The streams: the shared one, which every scheduler reads, and one per engine group, where a
@@ -659,7 +659,7 @@ class RequestStream:
             pipe.pexpire(key, ttl_ms)
         else:
             pipe.delete(key)
-        pipe.delete(streams.kv_resync_key(self.serving.engine_id))  # the number deleted: 1 when asked
+        pipe.exists(streams.kv_resync_key(self.serving.engine_id))  # deleted once the snapshot is queued
         _, watched, memory, resync = pipe.execute()
         self.memory_watched = bool(watched)
         self.kv_resync_asked |= bool(resync)

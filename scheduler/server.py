@@ -301,7 +301,9 @@ class SchedulerServer:
             if self.stream.redis_run_id != self._kv_events_run_id or self.stream.kv_resync_asked:
                 # Redis restarted empty (the stream too), or a router missed events: the whole cache
                 events, self._kv_events_run_id = s.block_manager.kv_snapshot(), self.stream.redis_run_id
-                self.stream.kv_resync_asked = False
+                if self.stream.kv_resync_asked:  # (asked again meanwhile: this snapshot, sent after, answers it)
+                    self.stream.redis.delete(streams.kv_resync_key(self.serving.engine_id))
+                    self.stream.kv_resync_asked = False
             self._queue_kv_events(events)
         self.stream.flush()
         self._publish_status()
