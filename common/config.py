@@ -249,6 +249,11 @@ class GatewayConfig:
     tool_call_parser: str = option("auto", "--tool-call-parser",
                                    'the format of tool calls under tool_choice "auto" (auto: detected from the chat '
                                    "template)", choices=TOOL_CALL_PARSERS)
+    enable_auto_tool_choice: bool = option(False, "--enable-auto-tool-choice",
+                                           "vLLM's flag, accepted: tool_choice \"auto\" parses calls wherever there "
+                                           "is a tool-call format, flag or not; with it, the gateway refuses to start "
+                                           "without one (no --tool-call-parser, and none detected from the chat "
+                                           "template)")
     # LoRA adapters (docs/lora.md); --enable-lora and --max-lora-rank are the engine's flags too
     enable_lora: bool = option(False, "--enable-lora", "serve LoRA adapters (--lora-modules) beside the base model")
     lora_modules: tuple[str, ...] = option((), "--lora-modules",

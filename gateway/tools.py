@@ -20,6 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.config import TOOL_CALL_PARSERS
 from common.protocol import StructuredOutput
 from common.structured_output import json_schema_spec
 from gateway.models import ChatCompletionRequest, ChatMessage, InvalidField, TextPart, Tool
@@ -34,6 +35,10 @@ FORMAT_MISSING = (
     'served one has none: pass tool_choice "required" or {"type": "function", "function": {"name": ...}} '
     "(the call is then constrained by a grammar, with any model), or serve a template that has one "
     "(--chat-template FILE, --tool-call-parser)")
+AUTO_TOOL_CHOICE_NEEDS_A_FORMAT = (
+    "--enable-auto-tool-choice needs a tool-call format, and the chat template teaches none that --tool-call-parser "
+    f"auto recognizes: pass --tool-call-parser {'|'.join(p for p in TOOL_CALL_PARSERS if p != 'auto')}, or a "
+    "--chat-template FILE that has one")
 
 
 # ----------------------------------------------------------------------------- the request

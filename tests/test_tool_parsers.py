@@ -1,20 +1,22 @@
 """The model-native tool-call formats beside Hermes and Llama 3.1's JSON (gateway/tool_parsers.py):
 Qwen3-Coder's XML, Mistral's [TOOL_CALLS] and the pythonic list, each on exact outputs and as
 streamed deltas; a function the request does not declare staying text in every format; the
-format detected from each template."""
+format detected from each template; and --enable-auto-tool-choice."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from common.config import ConfigError, GatewayConfig
 from common.tokenizer import load_tokenizer
+from gateway.app import Gateway
 from gateway.openai_api import parse_chat
 from gateway.tokenizer import PromptEncoder
 from gateway.tool_parsers import (
     HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser, detect_tool_call_format,
 )
-from gateway.tools import NO_ARGUMENTS
+from gateway.tools import AUTO_TOOL_CHOICE_NEEDS_A_FORMAT, NO_ARGUMENTS
 from tests.tool_calls import call, feed, message
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -268,3 +270,14 @@ def test_auto_serves_the_detected_formats_parser_with_the_requests_tools(tokeniz
     parsed = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}, encoder, len(tokenizer))
     assert parsed.tool_parser == parser
     assert PromptEncoder(tokenizer, None, format).tool_call_format == format  # --tool-call-parser names it
+
+
+def test_enable_auto_tool_choice_refuses_to_start_without_a_format(tokenizer):
+    with pytest.raises(ConfigError) as error:
+        Gateway(GatewayConfig(enable_auto_tool_choice=True), tokenizer)  # the default model's template has none
+    assert str(error.value) == AUTO_TOOL_CHOICE_NEEDS_A_FORMAT == (
+        "--enable-auto-tool-choice needs a tool-call format, and the chat template teaches none that "
+        "--tool-call-parser auto recognizes: pass --tool-call-parser hermes|llama3_json|qwen3_coder|mistral|pythonic, "
+        "or a --chat-template FILE that has one")
+    gateway = Gateway(GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder"), tokenizer)
+    assert gateway.encoder.tool_call_format == "qwen3_coder"
