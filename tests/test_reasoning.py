@@ -1,0 +1,254 @@
+"""Reasoning output (gateway/reasoning.py, --reasoning-parser): the parsers on exact outputs cut at
+every character (the streamed deltas add up to the whole message), thinking switched off by the
+prompt or the template's kwargs, special and plain tags through the real detokenizer, and the
+chat API through one served scripted model (tests/scripted.py) with the openai SDK."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import scripted
+from common.config import ConfigError, GatewayConfig
+from common.protocol import RequestEvent
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.openai_api import APIError, parse_chat
+from gateway.reasoning import PARSERS, ReasoningStream, ThinkParser, reasoning_parser
+from gateway.serving import ChoiceState, ResponseShape, usage
+from gateway.tokenizer import PromptEncoder
+from gateway.tools import ToolCallStream
+
+# One scripted model for every test here: the user's last word picks the script.
+SCRIPTS = {
+    # plain (not special) tags, the closing one cut in two tokens
+    "hello": ["<think>\n", "Greet them.", "</th", "ink>", "\n\nHello", " there!"],
+    # DeepSeek R1's way: the template opened the block; the special </think> continues with the answer
+    # (so a prompt that ends with `<think></think>`, thinking off, is answered "\n\nDone.")
+    "quietly": ["Quiet thought.", "</think>", "\n\nDone."],
+    # a special <think>, then a plain piece holding the closing tag, then a Hermes call
+    "weather": ["<think>", "I should call", " a tool.", "</think>\n", "<tool_call>",
+                '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>"],
+    # thinking that never ends
+    "muse": ["Musing", " on", " and on."],
+}
+SPECIAL = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+# what each script's output is, as (reasoning, content), under deepseek_r1 and qwen3 alike
+EXPECTED = {
+    "hello": ("\nGreet them.", "\n\nHello there!"),
+    "quietly": ("Quiet thought.", "\n\nDone."),
+    "weather": ("I should call a tool.", '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                                         "</tool_call>"),
+    "muse": ("Musing on and on.", None),
+}
+# the tokens up to the one that completes the closing tag; all of them (EOS too) when it never comes
+REASONING_TOKENS = {"hello": 4, "quietly": 2, "weather": 4, "muse": 4}
+TEXTS = {cue: scripted.text(SCRIPTS, cue) for cue in SCRIPTS}
+
+
+def stream(parser, thinking: bool, pieces: list[str]) -> tuple[str, str]:
+    """The reasoning and answer deltas of `pieces`, each concatenated."""
+    s = ReasoningStream(parser, thinking)
+    reasoning = answer = ""
+    for i, piece in enumerate(pieces):
+        r, a = s.feed(piece, i == len(pieces) - 1)
+        reasoning, answer = reasoning + r, answer + a
+    return reasoning, answer
+
+
+def cuts(text: str):
+    """`text` one character at a time, and in two pieces at every boundary."""
+    yield list(text)
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+
+
+@pytest.mark.parametrize("name", PARSERS)
+@pytest.mark.parametrize("cue", SCRIPTS)
+def test_the_deltas_add_up_to_the_message_however_the_output_is_cut(name, cue):
+    parser, text = PARSERS[name], TEXTS[cue]
+    reasoning, answer = ReasoningStream(parser, True).split(text)
+    assert (reasoning, answer or None) == EXPECTED[cue]
+    for pieces in cuts(text):
+        streamed = stream(parser, True, pieces)
+        assert streamed == (reasoning or "", answer)
+        assert "<think>" not in streamed[1] and "</think>" not in streamed[1]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("<think>\nGreet them.</th", ("\nGreet them.</th", "")),  # cut inside the closing tag: all reasoning
+    ("<thi", ("<thi", "")),
+    ("<think></think>Hi", (None, "Hi")),
+    ("Before<think>inside</think>after", ("Beforeinside", "after")),  # the first opening tag is dropped
+    ("a</think>b</think>c", ("a", "b</think>c")),  # the first closing tag ends the thinking
+])
+def test_unclosed_and_unusual_outputs(text, expected):
+    parser = ThinkParser()
+    assert ReasoningStream(parser, True).split(text) == expected
+    for pieces in cuts(text):
+        assert stream(parser, True, pieces) == (expected[0] or "", expected[1])
+
+
+def test_nothing_is_sent_while_the_text_could_still_become_a_tag():
+    s = ReasoningStream(ThinkParser(), True)
+    assert s.feed("<", False) == ("", "")
+    assert s.feed("/th", False) == ("", "")
+    assert s.feed("x", False) == ("</thx", "")
+    assert s.feed("</think>", False) == ("", "")
+    assert s.feed("A", True) == ("", "A")
+
+
+def test_thinking_off_the_whole_output_is_the_answer():
+    for pieces in cuts("<think>x</think>y"):
+        assert stream(ThinkParser(), False, pieces) == ("", "<think>x</think>y")
+    assert ReasoningStream(ThinkParser(), False).split("Done.") == (None, "Done.")
+
+
+@pytest.mark.parametrize("name, prompt_tail, kwargs, thinking", [
+    ("deepseek_r1", "user hi\nassistant\n", {}, True),
+    ("deepseek_r1", "<｜Assistant｜><think>\n", {}, True),
+    ("deepseek_r1", "assistant\n<think>\n\n</think>\n\n", {}, False),  # the template closed it: thinking off
+    ("deepseek_r1", "user hi\n", {"enable_thinking": False}, True),  # R1 has no switch
+    ("qwen3", "user hi\n", {"enable_thinking": False}, False),
+    ("qwen3", "user hi\n", {"enable_thinking": True}, True),
+    ("qwen3", "<think></think>", {"enable_thinking": True}, False),
+])
+def test_the_prompt_and_the_template_kwargs_say_whether_the_output_starts_thinking(name, prompt_tail, kwargs,
+                                                                                  thinking):
+    assert PARSERS[name].thinking(prompt_tail, kwargs) is thinking
+
+
+def test_reasoning_tokens_count_up_to_the_token_that_completes_the_end_tag():
+    s = ReasoningStream(ThinkParser(), True)
+    text = ""
+    for n, piece in enumerate(SCRIPTS["hello"], 1):
+        text += piece
+        s.observe(text, n)
+    assert s.num_tokens == 4  # "<think>\n", "Greet them.", "</th", "ink>"
+    off = ReasoningStream(ThinkParser(), False)
+    off.observe("Done.", 1)
+    assert off.num_tokens == 0
+
+
+def test_unknown_parser_and_bad_default_kwargs_are_config_errors():
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'x'"):
+        reasoning_parser("x")
+    with pytest.raises(ConfigError, match="reasoning_parser must be one of"):
+        GatewayConfig(reasoning_parser="x")
+    with pytest.raises(ConfigError, match="default_chat_template_kwargs must be a JSON object"):
+        GatewayConfig(default_chat_template_kwargs="[1]")
+    with pytest.raises(ConfigError, match="default_chat_template_kwargs must be a JSON object"):
+        GatewayConfig(default_chat_template_kwargs="{")
+    assert GatewayConfig(default_chat_template_kwargs='{"a": 1}').chat_template_kwargs == {"a": 1}
+
+
+# ----------------------------------------------------------------------------- through the real tokenizer
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return scripted.build(tmp_path_factory.mktemp("reasoning"), SCRIPTS, special=SPECIAL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def parsed_chat(tokenizer, cue: str, parser: str = "deepseek_r1", **fields):
+    encoder = PromptEncoder(tokenizer, reasoning_parser=parser, tool_call_parser="hermes")
+    body = {"messages": [{"role": "user", "content": f"What about {cue}"}], **fields}
+    return parse_chat(body, encoder, len(tokenizer))
+
+
+def run_choice(tokenizer, parsed, cue: str, max_tokens: int | None = None):
+    """The script's tokens (then EOS) into one choice, one event per token; (streamed chunks, body)."""
+    ids = tokenizer.convert_tokens_to_ids(SCRIPTS[cue]) + [tokenizer.eos_token_id]
+    reason = "stop"
+    if max_tokens is not None and max_tokens < len(ids):
+        ids, reason = ids[:max_tokens], "length"
+    choice = ChoiceState(0, "r", IncrementalDetokenizer(tokenizer, parsed.skip_special_tokens, parsed.skipped_token_ids),
+                         [], frozenset([tokenizer.eos_token_id]), 0.0,
+                         tools=ToolCallStream(parsed.tool_parser) if parsed.tool_parser else None,
+                         reasoning=ReasoningStream(parsed.reasoning_parser, parsed.thinking))
+    shape = ResponseShape.new("chat", "m", None, str, "abc")
+    chunks = []
+    for i, token_id in enumerate(ids):
+        choice.add(RequestEvent("r", [token_id], None, reason if i == len(ids) - 1 else None))
+        chunks += shape.choice_deltas(choice, *choice.take_delta())
+    return chunks, shape.body([choice], usage([[1]], [choice]))
+
+
+def joined(chunks: list[dict], key: str) -> str:
+    return "".join(c["delta"].get(key) or "" for c in chunks)
+
+
+@pytest.mark.parametrize("cue", ["hello", "quietly", "muse"])
+def test_special_and_plain_tags_reach_the_parser_and_never_the_content(tokenizer, cue):
+    parsed = parsed_chat(tokenizer, cue)
+    assert parsed.skip_special_tokens and parsed.skipped_token_ids is not None  # <think> kept, </s> and others not
+    chunks, body = run_choice(tokenizer, parsed, cue)
+    message = body["choices"][0]["message"]
+    reasoning, content = EXPECTED[cue]
+    assert message == {"role": "assistant", "content": content, "reasoning_content": reasoning, "reasoning": reasoning}
+    assert (joined(chunks, "reasoning_content"), joined(chunks, "content")) == (reasoning, content or "")
+    assert joined(chunks, "reasoning") == reasoning
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": REASONING_TOKENS[cue]}
+
+
+def test_other_special_tokens_stay_out_of_the_text(tokenizer):
+    chunks, body = run_choice(tokenizer, parsed_chat(tokenizer, "weather"), "weather")
+    assert body["choices"][0]["message"]["content"] == '\n\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    assert body["choices"][0]["message"]["reasoning_content"] == "I should call a tool."
+
+
+def test_the_thinking_comes_first_then_the_tool_parser_reads_the_answer(tokenizer):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    parsed = parsed_chat(tokenizer, "weather", tools=tools)
+    chunks, body = run_choice(tokenizer, parsed, "weather")
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == "I should call a tool." and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert joined(chunks, "reasoning_content") == "I should call a tool." and joined(chunks, "content") == ""
+    streamed = [c["delta"]["tool_calls"][0]["function"] for c in chunks if "tool_calls" in c["delta"]]
+    assert streamed == [{"name": "get_weather", "arguments": ""}, {"arguments": '{"city": "Paris"}'}]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_prompt_that_closes_the_thinking_makes_the_output_content(tokenizer):
+    for parser in PARSERS:
+        parsed = parsed_chat(tokenizer, "hello", parser, chat_template_kwargs={"enable_thinking": False})
+        assert not parsed.thinking
+        chunks, body = run_choice(tokenizer, parsed, "quietly", max_tokens=None)
+        message = body["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (None, "Quiet thought.\n\nDone.")
+
+
+def test_chat_template_kwargs_must_be_an_object(tokenizer):
+    with pytest.raises(APIError) as error:
+        parsed_chat(tokenizer, "hello", chat_template_kwargs=["enable_thinking"])
+    assert error.value.status == 400 and error.value.body()["error"] == {
+        "message": 'chat_template_kwargs must be an object, got ["enable_thinking"]', "type": "invalid_request_error",
+        "param": "chat_template_kwargs", "code": None}
+
+
+def test_template_kwargs_reach_the_template_and_the_request_overrides_the_default(tokenizer):
+    encoder = PromptEncoder(tokenizer, chat_template_kwargs={"enable_thinking": False})
+    messages = [{"role": "user", "content": "hi"}]
+    tail = tokenizer.convert_ids_to_tokens(encoder.encode_chat(messages))[-2:]
+    assert tail == ["<think>", "</think>"]
+    assert encoder.encode_chat(messages, template_kwargs={"enable_thinking": True, "unknown": 1}) == \
+        PromptEncoder(tokenizer).encode_chat(messages)
+    # apply_chat_template's own parameters are no template variables
+    assert encoder.encode_chat(messages, template_kwargs={"tokenize": False, "enable_thinking": True}) == \
+        PromptEncoder(tokenizer).encode_chat(messages)
+
+
+def test_without_a_reasoning_parser_nothing_changes(tokenizer):
+    parsed = parse_chat({"messages": [{"role": "user", "content": "What about hello"}]}, PromptEncoder(tokenizer),
+                        len(tokenizer))
+    assert (parsed.reasoning_parser, parsed.skipped_token_ids) == (None, None)
+    assert json.dumps(usage([[1]], [])) == json.dumps(
+        {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}})
