@@ -252,3 +252,140 @@ def test_without_a_reasoning_parser_nothing_changes(tokenizer):
     assert (parsed.reasoning_parser, parsed.skipped_token_ids) == (None, None)
     assert json.dumps(usage([[1]], [])) == json.dumps(
         {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}})
+
+
+# ----------------------------------------------------------------------------- the served model (openai SDK)
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    from tests.stack import Stack
+
+    stack = Stack("--model", str(model_dir), "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes",
+                  "--max-model-len", "256", "--num-gpu-blocks", "128", "--num-cpu-blocks", "16").wait_ready()
+    yield stack
+    assert stack.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def qwen3_client(stack, model_dir):
+    """A second gateway on the stack's Redis, in process: --reasoning-parser qwen3 and thinking off
+    by default (--default-chat-template-kwargs)."""
+    from openai import OpenAI
+
+    from common.redis_server import free_port
+    from gateway.app import create_app
+    from tests.stack import serve_app
+
+    port = free_port()
+    config = GatewayConfig(redis_url=stack.redis_url, model=str(model_dir), port=port, reasoning_parser="qwen3",
+                           default_chat_template_kwargs='{"enable_thinking": false}')
+    with serve_app(create_app(config), port):
+        yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def ask(client, cue: str, **kwargs):
+    return client.chat.completions.create(model=None, messages=[{"role": "user", "content": f"What about {cue}"}],
+                                          temperature=0, **kwargs)
+
+
+def fields(message) -> tuple:
+    extra = message.model_extra
+    assert extra["reasoning"] == extra["reasoning_content"]
+    return extra["reasoning_content"], message.content
+
+
+def streamed(client, cue: str, **kwargs) -> tuple[dict, object]:
+    """Each choice's (reasoning, content, finish_reason, tool_calls deltas) from a stream, and its usage."""
+    chunks = list(ask(client, cue, stream=True, stream_options={"include_usage": True}, **kwargs))
+    out: dict = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            delta, got = choice.delta, out.setdefault(choice.index, ["", "", None, []])
+            extra = delta.model_extra or {}
+            assert extra.get("reasoning") == extra.get("reasoning_content")
+            got[0] += extra.get("reasoning_content") or ""
+            got[1] += delta.content or ""
+            got[2] = choice.finish_reason or got[2]
+            got[3] += delta.tool_calls or []
+    for reasoning, content, *_ in out.values():
+        assert not any(tag in content for tag in ("<think>", "</think>", "</th", "ink>"))
+    return out, chunks[-1].usage
+
+
+@pytest.mark.parametrize("cue", ["hello", "quietly", "muse"])
+def test_served_chat_whole_and_streamed(client, cue):
+    response = ask(client, cue)
+    choice = response.choices[0]
+    assert fields(choice.message) == EXPECTED[cue] and choice.finish_reason == "stop"
+    assert response.usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS[cue]
+    out, stream_usage = streamed(client, cue)
+    assert out[0][:3] == [EXPECTED[cue][0], EXPECTED[cue][1] or "", "stop"]
+    assert stream_usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS[cue]
+
+
+def test_served_n2_each_choice_parses_its_own_thinking(client):
+    response = ask(client, "hello", n=2)
+    assert [fields(c.message) for c in response.choices] == [EXPECTED["hello"]] * 2
+    assert response.usage.completion_tokens_details.reasoning_tokens == 2 * REASONING_TOKENS["hello"]
+    out, _ = streamed(client, "hello", n=2)
+    assert {i: got[:2] for i, got in out.items()} == {i: list(EXPECTED["hello"]) for i in (0, 1)}
+
+
+def test_served_thinking_then_a_tool_call(client):
+    choice = ask(client, "weather", tools=[WEATHER_TOOL]).choices[0]
+    assert fields(choice.message) == ("I should call a tool.", None) and choice.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+    out, _ = streamed(client, "weather", tools=[WEATHER_TOOL])
+    reasoning, content, finish_reason, calls = out[0]
+    assert (reasoning, content, finish_reason) == ("I should call a tool.", "", "tool_calls")
+    assert calls[0].function.name == "get_weather" and calls[1].function.arguments == '{"city": "Paris"}'
+
+
+def test_served_max_tokens_inside_the_thinking_is_all_reasoning(client):
+    response = ask(client, "hello", max_tokens=3)  # "<think>\n", "Greet them.", "</th"
+    choice = response.choices[0]
+    assert fields(choice.message) == ("\nGreet them.</th", None) and choice.finish_reason == "length"
+    assert response.usage.completion_tokens_details.reasoning_tokens == 3
+    out, _ = streamed(client, "hello", max_tokens=3)
+    assert out[0][:3] == ["\nGreet them.</th", "", "length"]
+
+
+def test_served_stop_strings_apply_to_the_whole_output(client):
+    choice = ask(client, "hello", stop=["them"]).choices[0]
+    assert fields(choice.message) == ("\nGreet ", None) and choice.finish_reason == "stop"
+    choice = ask(client, "hello", stop=["there"]).choices[0]
+    assert fields(choice.message) == ("\nGreet them.", "\n\nHello ")
+
+
+def test_served_chat_template_kwargs_turn_thinking_off(client):
+    response = ask(client, "hello", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert fields(response.choices[0].message) == (None, "\n\nDone.")
+    assert response.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_served_default_chat_template_kwargs_and_the_request_overriding_them(qwen3_client):
+    assert fields(ask(qwen3_client, "hello").choices[0].message) == (None, "\n\nDone.")
+    on = ask(qwen3_client, "hello", extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert fields(on.choices[0].message) == EXPECTED["hello"]
+    out, _ = streamed(qwen3_client, "hello", extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert out[0][:2] == list(EXPECTED["hello"])
+
+
+def test_served_chat_template_kwargs_not_an_object_is_a_400(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, "hello", extra_body={"chat_template_kwargs": "enable_thinking"})
+    assert error.value.body["param"] == "chat_template_kwargs"
