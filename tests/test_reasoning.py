@@ -389,3 +389,12 @@ def test_served_chat_template_kwargs_not_an_object_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as error:
         ask(client, "hello", extra_body={"chat_template_kwargs": "enable_thinking"})
     assert error.value.body["param"] == "chat_template_kwargs"
+
+
+def test_the_openapi_document_describes_the_reasoning_fields():
+    from gateway.openapi import openapi_document
+
+    schemas = openapi_document("m", 100, 1 << 20)["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]["description"]
+    found = json.dumps(schemas)
+    assert found.count('"reasoning_content"') == 2 and '"completion_tokens_details"' in found
