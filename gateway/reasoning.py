@@ -5,7 +5,8 @@ beside `content`, streamed as `delta.reasoning_content` and `delta.reasoning`.
     parser        the output                           no end tag in the output
     deepseek_r1   [<think>] reasoning </think> answer  all reasoning (the template opened the block)
     qwen3         [<think>] reasoning </think> answer  all reasoning, unless chat_template_kwargs
-                                                       says enable_thinking: false (then all answer)
+                  (or reasoning <tool_call><function=   says enable_thinking: false (then all answer)
+                  ...: the call is the answer)
 
 Before the first end tag everything is reasoning, whether or not the output opened the block
 (its first opening tag is dropped); after it, everything is the answer. A prompt that already
@@ -19,8 +20,9 @@ from it, so the deltas add up to the message however the tags are cut into token
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.config import REASONING_PARSERS
@@ -34,7 +36,6 @@ class ReasoningScan:
 
 class ReasoningParser(Protocol):
     tags: tuple[str, ...]  # the format's markers: they must stay in the text the parser sees
-    end: str  # the marker that ends the reasoning
 
     def thinking(self, prompt_tail: str, template_kwargs: Mapping[str, Any]) -> bool:
         """Whether the output starts in reasoning, from the prompt's last text and the template's kwargs."""
@@ -53,11 +54,14 @@ def _partial_suffix(text: str, tag: str) -> int:
 @dataclass(frozen=True, slots=True)
 class ThinkParser:
     """`<think>reasoning</think>answer`, the opening tag optional. `switch`: a chat template kwarg
-    that, false, turns thinking off (Qwen3's enable_thinking)."""
+    that, false, turns thinking off (Qwen3's enable_thinking). `implicit_end`: (tag, what follows
+    it): that tag, followed after whitespace by that text, also ends the thinking and starts the
+    answer (Qwen3.5's `<tool_call>` then `<function=`, a call made without closing the thinking)."""
 
     start: str = "<think>"
     end: str = "</think>"
     switch: str | None = None
+    implicit_end: tuple[str, str] | None = None
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -70,14 +74,37 @@ class ThinkParser:
 
     def scan(self, text: str, final: bool) -> ReasoningScan:
         end = text.find(self.end)
+        before_end = text if end < 0 else text[:end]
+        implicit, pending = self._implicit(before_end, final or end >= 0)
+        if implicit is not None:
+            return ReasoningScan(self._without_start(text[:implicit]), implicit)
         if end >= 0:
             return ReasoningScan(self._without_start(text[:end]), end + len(self.end))
         if final:
             return ReasoningScan(self._without_start(text), None)
-        held = _partial_suffix(text, self.end)
-        if self.start not in text:
-            held = max(held, _partial_suffix(text, self.start))
-        return ReasoningScan(self._without_start(text[:len(text) - held]), None)
+        held = max(_partial_suffix(text, tag) for tag in self._held_tags(text))
+        sure = min(len(text) - held, len(text) if pending is None else pending)
+        return ReasoningScan(self._without_start(text[:sure]), None)
+
+    def _held_tags(self, text: str) -> list[str]:
+        """The tags a partial end of the text may still become."""
+        tags = [self.end] + ([] if self.start in text else [self.start])
+        return tags + ([self.implicit_end[0]] if self.implicit_end else [])
+
+    def _implicit(self, text: str, final: bool) -> tuple[int | None, int | None]:
+        """(where an implicit end starts the answer, or None; where one may still come, or None)."""
+        if self.implicit_end is None:
+            return None, None
+        tag, follows = self.implicit_end
+        at = text.find(tag)
+        while at >= 0:
+            after = text[at + len(tag):].lstrip()
+            if after.startswith(follows):
+                return at, None
+            if not final and follows.startswith(after):
+                return None, at
+            at = text.find(tag, at + 1)
+        return None, None
 
     def _without_start(self, reasoning: str) -> str:
         return reasoning.replace(self.start, "", 1)
@@ -85,7 +112,7 @@ class ThinkParser:
 
 PARSERS: dict[str, ReasoningParser] = {
     "deepseek_r1": ThinkParser(),
-    "qwen3": ThinkParser(switch="enable_thinking"),
+    "qwen3": ThinkParser(switch="enable_thinking", implicit_end=("<tool_call>", "<function")),
 }
 assert set(PARSERS) == set(REASONING_PARSERS)
 
@@ -102,12 +129,11 @@ def reasoning_parser(name: str | None) -> ReasoningParser | None:
 @dataclass(slots=True)
 class ReasoningStream:
     """One choice's output as reasoning and answer: whole (`split`) or as deltas (`feed`), and
-    the tokens spent thinking (`observe`: every token up to the one that completes the end tag;
-    all of them when thinking never ends; none when the prompt turned thinking off).
+    the tokens spent thinking (`num_tokens`).
 
-        text[:released]           fed so far
-        reasoning[:reasoning_sent] sent as reasoning deltas
-        text[answer_start:][:answer_sent] sent on as the answer
+        text                            fed so far (released)
+        reasoning[:reasoning_sent]      sent as reasoning deltas
+        text[answer_start:][:answer_sent]  sent on as the answer
     """
 
     parser: ReasoningParser
@@ -115,9 +141,7 @@ class ReasoningStream:
     text: str = ""
     reasoning_sent: int = 0
     answer_sent: int = 0
-    num_tokens: int = 0  # reasoning_tokens
-    ended: bool = False  # the end tag has come (observe's view)
-    checked: int = 0  # observe: the text before this holds no end tag
+    token_ends: list[int] = field(default_factory=list)  # per token, the length of the output's text after it
 
     def _scan(self, text: str, final: bool) -> ReasoningScan:
         return self.parser.scan(text, final) if self.thinking else ReasoningScan("", 0)
@@ -140,18 +164,25 @@ class ReasoningStream:
         self.answer_sent += len(answer)
         return reasoning, answer
 
-    def observe(self, text: str, num_tokens: int) -> None:
-        """After each token: `text`, the output so far, and `num_tokens`, the tokens so far."""
-        if not self.thinking or self.ended:
-            return
-        self.num_tokens = num_tokens
-        end = self.parser.end
-        self.ended = text.find(end, self.checked) >= 0
-        self.checked = max(0, len(text) - len(end) + 1)
+    def observe(self, text: str) -> None:
+        """After each token: `text`, the output so far."""
+        self.token_ends.append(len(text))
+
+    def num_tokens(self, text: str) -> int:
+        """reasoning_tokens of the whole output `text`: the tokens up to the one whose text reaches
+        the answer (the one that completes `</think>`); all of them when thinking never ends; none
+        when the prompt turned thinking off."""
+        if not self.thinking:
+            return 0
+        start = self._scan(text, True).answer_start
+        if start is None:
+            return len(self.token_ends)
+        return min(bisect_left(self.token_ends, start) + 1, len(self.token_ends))
 
 
-def reasoning_tokens(streams: list[ReasoningStream | None]) -> dict | None:
-    """usage.completion_tokens_details when the choices parse reasoning (None: they do not)."""
-    if not streams or streams[0] is None:
+def reasoning_tokens(outputs: list[tuple[ReasoningStream | None, str]]) -> dict | None:
+    """usage.completion_tokens_details of the choices' (reasoning stream, text); None when they do
+    not parse reasoning."""
+    if not outputs or outputs[0][0] is None:
         return None
-    return {"reasoning_tokens": sum(s.num_tokens for s in streams)}
+    return {"reasoning_tokens": sum(stream.num_tokens(text) for stream, text in outputs)}

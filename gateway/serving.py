@@ -127,7 +127,7 @@ class ChoiceState:
             if not (last_of_stop and token_id in self.hidden_token_ids):
                 self._append(self.detokenizer.add(token_id))
             if self.reasoning is not None:
-                self.reasoning.observe(self.text, self.num_tokens)
+                self.reasoning.observe(self.text)
         if event.finish_reason is not None and not self.finished:
             self._append(self.detokenizer.flush())
             if not self.finished:
@@ -261,8 +261,8 @@ class ResponseShape:
 
     def choice_deltas(self, choice: ChoiceState, text: str, entries: list[TokenLogprob]) -> list[dict]:
         """The chunks' choices for what `choice` released (take_delta): one, or none when there is
-        nothing to send; with tools, a chunk per content or tool_calls delta (the logprobs and the
-        finish_reason on the last)."""
+        nothing to send; with tools or a reasoning parser, a chunk per reasoning, content or
+        tool_calls delta (the logprobs and the finish_reason on the last)."""
         if choice.tools is None and choice.reasoning is None:
             if text or entries or choice.finished:
                 return [self.choice_delta(choice.index, text, entries, choice.finish_reason)]
@@ -315,7 +315,7 @@ def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> dict:
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-    details = reasoning_tokens([c.reasoning for c in choices])
+    details = reasoning_tokens([(c.reasoning, c.text) for c in choices])
     return body if details is None else body | {"completion_tokens_details": details}
 
 

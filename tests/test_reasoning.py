@@ -120,13 +120,33 @@ def test_the_prompt_and_the_template_kwargs_say_whether_the_output_starts_thinki
 def test_reasoning_tokens_count_up_to_the_token_that_completes_the_end_tag():
     s = ReasoningStream(ThinkParser(), True)
     text = ""
-    for n, piece in enumerate(SCRIPTS["hello"], 1):
+    for piece in SCRIPTS["hello"]:
         text += piece
-        s.observe(text, n)
-    assert s.num_tokens == 4  # "<think>\n", "Greet them.", "</th", "ink>"
+        s.observe(text)
+    assert s.num_tokens(text) == 4  # "<think>\n", "Greet them.", "</th", "ink>"
+    assert s.num_tokens(text[:20]) == 6  # cut inside the tag (a stop string): all of them
     off = ReasoningStream(ThinkParser(), False)
-    off.observe("Done.", 1)
-    assert off.num_tokens == 0
+    off.observe("Done.")
+    assert off.num_tokens("Done.") == 0
+
+
+QWEN_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("qwen3", "Let me call." + QWEN_CALL, ("Let me call.", QWEN_CALL)),
+    ("qwen3", "<think>\nCall." + QWEN_CALL, ("\nCall.", QWEN_CALL)),
+    ("deepseek_r1", "Let me call." + QWEN_CALL, ("Let me call." + QWEN_CALL, "")),
+    ("qwen3", "I mention <tool_call> here.</think>Answer", ("I mention <tool_call> here.", "Answer")),
+    ("qwen3", "I write <tool_call>", ("I write <tool_call>", "")),  # no <function= after it: still thinking
+    ("qwen3", "Call " + QWEN_CALL + "</think>Later", ("Call ", QWEN_CALL + "</think>Later")),
+])
+def test_qwen3_ends_the_thinking_at_a_tool_call_that_opens_a_function(name, text, expected):
+    """vLLM's qwen3 parser: Qwen3.5 may call a tool (qwen3_coder's format) without closing the thinking."""
+    parser = PARSERS[name]
+    assert ReasoningStream(parser, True).split(text) == expected
+    for pieces in cuts(text):
+        assert stream(parser, True, pieces) == expected
 
 
 def test_unknown_parser_and_bad_default_kwargs_are_config_errors():
