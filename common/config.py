@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's --kv-cache-dtype: fp8 is
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # tool_choice "auto": the output's tool-call format (gateway/tool_parsers.py)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # --reasoning-parser: the thinking format (gateway/reasoning.py)
 GENERATION_CONFIGS = ("auto", "vllm")
 ROUTINGS = ("auto", "cache_aware", "pull")  # the gateway's --routing (gateway/router.py)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
@@ -254,6 +256,13 @@ class GatewayConfig:
                                            "is a tool-call format, flag or not; with it, the gateway refuses to start "
                                            "without one (no --tool-call-parser, and none detected from the chat "
                                            "template)")
+    reasoning_parser: str | None = option(None, "--reasoning-parser",
+                                          "split the model's thinking from its answer on chat completions "
+                                          "(message.reasoning_content; default: not parsed)", choices=REASONING_PARSERS)
+    default_chat_template_kwargs: str | None = option(
+        None, "--default-chat-template-kwargs",
+        'a JSON object of variables for the chat template (e.g. \'{"enable_thinking": false}\'); a request\'s '
+        "chat_template_kwargs override its keys")
     # LoRA adapters (docs/lora.md); --enable-lora and --max-lora-rank are the engine's flags too
     enable_lora: bool = option(False, "--enable-lora", "serve LoRA adapters (--lora-modules) beside the base model")
     lora_modules: tuple[str, ...] = option((), "--lora-modules",
@@ -283,6 +292,9 @@ class GatewayConfig:
         _check(self.tool_call_parser in TOOL_CALL_PARSERS,
                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         _check(self.generation_config in GENERATION_CONFIGS, "generation_config must be auto or vllm")
+        _check(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+               f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+        self.chat_template_kwargs  # a config error now, not at the first request
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))  # a list, or None: none
         _check(self.enable_lora or not self.lora_modules, "--lora-modules needs --enable-lora")
         _check(self.enable_lora or not self.allow_runtime_lora_updating, "--allow-runtime-lora-updating needs --enable-lora")
@@ -295,3 +307,16 @@ class GatewayConfig:
 
     def replace(self, **changes) -> GatewayConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def chat_template_kwargs(self) -> dict:
+        """--default-chat-template-kwargs as an object ({} when not given)."""
+        if self.default_chat_template_kwargs is None:
+            return {}
+        try:
+            kwargs = json.loads(self.default_chat_template_kwargs)
+        except ValueError as exc:
+            raise ConfigError(f"default_chat_template_kwargs must be a JSON object: {exc}") from None
+        _check(isinstance(kwargs, dict), "default_chat_template_kwargs must be a JSON object, got "
+               f"{self.default_chat_template_kwargs!r}")
+        return kwargs

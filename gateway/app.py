@@ -45,6 +45,7 @@ from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, G
 from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
 from gateway.models import InvalidField
 from gateway.openapi import openapi_endpoint
+from gateway.reasoning import ReasoningStream
 from gateway.openai_api import (
     APIError, ParsedRequest, bad_request, error_response, parse_chat, parse_completion, parse_json,
 )
@@ -111,7 +112,8 @@ class Gateway:
         if self.default_sampling_params:
             log.info("default sampling parameters from the model's generation_config.json: %s "
                      "(--generation-config vllm ignores them)", self.default_sampling_params)
-        self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser)
+        self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser,
+                                     config.chat_template_kwargs, config.reasoning_parser)
         if config.enable_auto_tool_choice and self.encoder.tool_call_format is None:
             raise ConfigError(AUTO_TOOL_CHOICE_NEEDS_A_FORMAT)
         self.vocab_size = len(self.tokenizer)
@@ -308,12 +310,16 @@ class Gateway:
             requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream, arrival_time,
                                             lora))
             for i in range(parsed.n):
-                detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens)
+                detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens,
+                                                     parsed.skipped_token_ids)
                 tools = ToolCallStream(parsed.tool_parser, parsed.max_tool_calls) if parsed.tool_parser else None
+                reasoning = ReasoningStream(parsed.reasoning_parser, parsed.thinking) if parsed.reasoning_parser \
+                    else None
                 choices.append(ChoiceState(
                     p * parsed.n + i, request_id, detokenizer, parsed.stop, hidden, arrival, i, parsed.chosen_at_end,
                     num_prompt_tokens=len(prompt), echo=echoes[p] if echoes else None,
                     prompt_token_ids=prompt if parsed.prompt_logprobs is not None else [], tools=tools,
+                    reasoning=reasoning,
                 ))
         return requests, choices
 

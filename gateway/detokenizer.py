@@ -19,16 +19,22 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """The concatenation of `add`s and the final `flush` equals `tokenizer.decode(token_ids)`."""
+    """The concatenation of `add`s and the final `flush` equals `tokenizer.decode(token_ids)`.
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    `skipped_ids`, when given, are left out and every other token decoded, special or not:
+    skip_special_tokens that keeps some special tokens (a reasoning parser's tags)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, skipped_ids: frozenset[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.skipped_ids = skipped_ids if skip_special_tokens else None
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self.skipped_ids is not None:
+            return self.tokenizer.decode([t for t in token_ids if t not in self.skipped_ids], skip_special_tokens=False)
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:

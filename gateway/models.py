@@ -280,6 +280,10 @@ class ChatCompletionRequest(SamplingRequest):
                           '"required" (at least one call, constrained by a grammar) or {"type": "function", '
                           '"function": {"name": ...}} (that function, constrained by a grammar).')
     parallel_tool_calls: optional(bool, "Default true; false: at most one call.")
+    chat_template_kwargs: optional(dict[str, Any], "vLLM's: variables for the chat template, over the server's "
+                                                   "--default-chat-template-kwargs (e.g. {\"enable_thinking\": "
+                                                   "false} turns a Qwen3 template's thinking off); keys the "
+                                                   "template does not use are ignored.")
     functions: Unsupported = None
 
 
@@ -376,6 +380,7 @@ _MESSAGES = {
     "string_type": "must be a string, got {input}",
     "list_type": "must be a list, got {input}",
     "model_type": "must be an object, got {input}",
+    "dict_type": "must be an object, got {input}",
     "model_attributes_type": "must be an object, got {input}",
     "finite_number": "must be a finite number, got {input}",
     "literal_error": "must be {expected}, got {input}",

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 
 from common.protocol import MAX_BEAM_WIDTH, MAX_SAMPLES, SamplingParams
 from gateway.models import ChatCompletionRequest, CompletionRequest, InvalidField, Request, SamplingRequest, validate
+from gateway.reasoning import ReasoningParser
 from gateway.structured import requested_structured_output
 from gateway.tools import ToolCalling, ToolParser, chat_messages, renders_tool_calls, tool_calling
 
@@ -65,6 +66,10 @@ class ParsedRequest:
     structured_param: str | None = None
     tool_parser: ToolParser | None = None  # chat with tools: how each choice's output becomes tool_calls
     max_tool_calls: int | None = None  # parallel_tool_calls false: 1
+    reasoning_parser: ReasoningParser | None = None  # chat under --reasoning-parser: each choice's thinking apart
+    thinking: bool = False  # the output starts in reasoning (the prompt did not turn thinking off)
+    # skip_special_tokens, but a reasoning parser's special tags kept: the ids decoding leaves out
+    skipped_token_ids: frozenset[int] | None = None
 
     @property
     def chosen_at_end(self) -> bool:
@@ -119,7 +124,7 @@ def parse_chat(body: dict, encoder, vocab_size: int, defaults: Mapping[str, Any]
     except InvalidField as exc:
         raise bad_request(str(exc), exc.param) from None
     try:
-        prompt = encoder.encode_chat(messages, calling.tools)
+        prompt = encoder.encode_chat(messages, calling.tools, request.chat_template_kwargs)
     except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
     if not prompt:
@@ -130,7 +135,22 @@ def parse_chat(body: dict, encoder, vocab_size: int, defaults: Mapping[str, Any]
     elif request.top_logprobs is not None:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     parsed = _common(request, "chat", [prompt], _max_tokens(request), logprobs, defaults)
-    return _with_tool_calling(parsed, calling, encoder)
+    return _with_reasoning(_with_tool_calling(parsed, calling, encoder), request, encoder)
+
+
+def _with_reasoning(parsed: ParsedRequest, request: ChatCompletionRequest, encoder) -> ParsedRequest:
+    """Under --reasoning-parser: whether the output starts in thinking (the prompt's end and the
+    template's kwargs say), and if so, the parser's tags kept in the text even when they are special
+    tokens (thinking off, the output is decoded as without a parser)."""
+    parser = encoder.reasoning_parser
+    if parser is None:
+        return parsed
+    kwargs = {**encoder.chat_template_kwargs, **(request.chat_template_kwargs or {})}
+    parsed.reasoning_parser = parser
+    parsed.thinking = parser.thinking(encoder.prompt_tail(parsed.prompts[0]), kwargs)
+    if parsed.thinking and parsed.skip_special_tokens:
+        parsed.skipped_token_ids = encoder.skipped_ids_keeping(parser.tags)
+    return parsed
 
 
 def _with_tool_calling(parsed: ParsedRequest, calling: ToolCalling, encoder) -> ParsedRequest:

@@ -35,8 +35,16 @@ USAGE = {
             "properties": {"cached_tokens": {"type": "integer", "minimum": 0,
                                              "description": "Prompt tokens found in the prefix cache."}},
         },
+        "completion_tokens_details": {
+            "type": "object", "required": ["reasoning_tokens"],
+            "description": "Chat under --reasoning-parser only.",
+            "properties": {"reasoning_tokens": {"type": "integer", "minimum": 0,
+                                                "description": "The tokens up to the one that ends the thinking."}},
+        },
     },
 }
+REASONING = {"type": ["string", "null"], "description": "Under --reasoning-parser: the model's thinking (both names "
+                                                         "carry the same text)."}
 
 FINISH_REASON = {"enum": ["stop", "length"]}
 
@@ -155,14 +163,16 @@ CHAT_RESPONSE = _completion_body("chatcmpl", "chat.completion", _choice({"messag
     "required": ["role", "content"],
     "description": "With tool calls (finish_reason tool_calls) the content is null, or the text before the calls.",
     "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
-                   "tool_calls": {"type": "array", "items": TOOL_CALL}},
+                   "tool_calls": {"type": "array", "items": TOOL_CALL},
+                   "reasoning_content": REASONING, "reasoning": REASONING},
 }}))
 CHAT_CHUNK = _completion_body("chatcmpl", "chat.completion.chunk", _choice({"delta": {
     "type": "object",
     "description": "The first chunk of each choice holds its role and an empty content; later ones the new "
                    "text, if any, or the tool calls' deltas.",
     "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
-                   "tool_calls": {"type": "array", "items": TOOL_CALL_DELTA}},
+                   "tool_calls": {"type": "array", "items": TOOL_CALL_DELTA},
+                   "reasoning_content": REASONING, "reasoning": REASONING},
 }}, True), True)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common.protocol import RequestEvent
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.reasoning import ReasoningStream, reasoning_tokens
 from gateway.tools import ToolCallStream
 
 
@@ -94,6 +95,12 @@ class ChoiceState:
     prompt_logprobs: list | None = None  # the request's RequestEvent.prompt_logprobs, once it came
     prompt_logprobs_sent: bool = False
     tools: ToolCallStream | None = None  # chat with tools: the output as tool_calls
+    reasoning: ReasoningStream | None = None  # chat under --reasoning-parser: the thinking apart from the answer
+
+    @property
+    def answer_text(self) -> str:
+        """The text that is the answer: all of it, or what follows the thinking (tools parse only this)."""
+        return self.text if self.reasoning is None else self.reasoning.split(self.text)[1]
 
     @property
     def output_text(self) -> str:
@@ -119,6 +126,8 @@ class ChoiceState:
             last_of_stop = event.finish_reason == "stop" and i == len(event.token_ids) - 1
             if not (last_of_stop and token_id in self.hidden_token_ids):
                 self._append(self.detokenizer.add(token_id))
+            if self.reasoning is not None:
+                self.reasoning.observe(self.text)
         if event.finish_reason is not None and not self.finished:
             self._append(self.detokenizer.flush())
             if not self.finished:
@@ -222,12 +231,10 @@ class ResponseShape:
             entry = {"index": c.index}
             if self.kind == "completion":
                 entry["text"] = c.output_text
-            elif c.tools is not None:
-                entry["message"] = c.tools.message(c.text)
             else:
-                entry["message"] = {"role": "assistant", "content": c.text}
+                entry["message"] = chat_message(c)
             entry["logprobs"] = self._logprobs(c.output_logprobs(c.echo is not None and self.logprobs is not None))
-            entry["finish_reason"] = c.tools.finish_reason(c.text, c.finish_reason) if c.tools else c.finish_reason
+            entry["finish_reason"] = chat_finish_reason(c) if self.kind == "chat" else c.finish_reason
             if self.prompt_logprobs is not None:
                 entry["prompt_logprobs"] = self.choice_prompt_logprobs(c)
             out.append(entry)
@@ -254,20 +261,50 @@ class ResponseShape:
 
     def choice_deltas(self, choice: ChoiceState, text: str, entries: list[TokenLogprob]) -> list[dict]:
         """The chunks' choices for what `choice` released (take_delta): one, or none when there is
-        nothing to send; with tools, a chunk per content or tool_calls delta (the logprobs and the
-        finish_reason on the last)."""
-        if choice.tools is None:
+        nothing to send; with tools or a reasoning parser, a chunk per reasoning, content or
+        tool_calls delta (the logprobs and the finish_reason on the last)."""
+        if choice.tools is None and choice.reasoning is None:
             if text or entries or choice.finished:
                 return [self.choice_delta(choice.index, text, entries, choice.finish_reason)]
             return []
-        deltas = choice.tools.feed(text, choice.finished)
+        deltas = message_deltas(choice, text)
         if not deltas and (entries or choice.finished):
             deltas = [{}]
         out = [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
         if out:
             out[-1]["logprobs"] = self._logprobs(entries) if entries else None
-            out[-1]["finish_reason"] = choice.tools.finish_reason(choice.text, choice.finish_reason)
+            out[-1]["finish_reason"] = chat_finish_reason(choice) if choice.finished else None
         return out
+
+
+def chat_message(choice: ChoiceState) -> dict:
+    """A chat choice's whole message: its answer as content (or tool_calls, with tools) and, under
+    a reasoning parser, its thinking as reasoning_content and reasoning (null when there is none;
+    content then null when empty)."""
+    if choice.reasoning is None:
+        return choice.tools.message(choice.text) if choice.tools else {"role": "assistant", "content": choice.text}
+    reasoning, answer = choice.reasoning.split(choice.text)
+    message = choice.tools.message(answer) if choice.tools else {"role": "assistant", "content": answer}
+    message["content"] = message["content"] or None
+    return message | {"reasoning_content": reasoning, "reasoning": reasoning}
+
+
+def chat_finish_reason(choice: ChoiceState) -> str | None:
+    """"tool_calls" when the answer holds calls; else the scheduler's reason."""
+    return choice.tools.finish_reason(choice.answer_text, choice.finish_reason) if choice.tools else choice.finish_reason
+
+
+def message_deltas(choice: ChoiceState, text: str) -> list[dict]:
+    """The chat deltas for `text`, what `choice` released: its thinking as a reasoning delta, then
+    its answer as content, or tool_calls with tools."""
+    deltas = []
+    if choice.reasoning is not None:
+        thought, text = choice.reasoning.feed(text, choice.finished)
+        if thought:
+            deltas.append({"reasoning_content": thought, "reasoning": thought})
+    if choice.tools is not None:
+        return deltas + choice.tools.feed(text, choice.finished)
+    return deltas + ([{"content": text}] if text else [])
 
 
 def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> dict:
@@ -275,9 +312,11 @@ def usage(prompts: list[list[int]], choices: list[ChoiceState]) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_tokens for c in choices)
     cached_tokens = sum({c.request_id: c.num_cached_tokens for c in choices}.values())
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    details = reasoning_tokens([(c.reasoning, c.text) for c in choices])
+    return body if details is None else body | {"completion_tokens_details": details}
 
 
 def sse(obj) -> str:
