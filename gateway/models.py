@@ -284,6 +284,9 @@ class ChatCompletionRequest(SamplingRequest):
                                                    "--default-chat-template-kwargs (e.g. {\"enable_thinking\": "
                                                    "false} turns a Qwen3 template's thinking off); keys the "
                                                    "template does not use are ignored.")
+    thinking_token_budget: optional(int, "vLLM's: the thinking's tokens at most (needs --reasoning-parser); then "
+                                         "the end-of-thinking tag is forced and the answer follows.",
+                                    ge=0, le=MAX_INT_PARAM)
     functions: Unsupported = None
 
 

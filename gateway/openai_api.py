@@ -144,13 +144,28 @@ def _with_reasoning(parsed: ParsedRequest, request: ChatCompletionRequest, encod
     tokens (thinking off, the output is decoded as without a parser)."""
     parser = encoder.reasoning_parser
     if parser is None:
+        if request.thinking_token_budget is not None:
+            raise bad_request("thinking_token_budget needs a reasoning parser (the server's --reasoning-parser)",
+                              "thinking_token_budget")
         return parsed
     kwargs = {**encoder.chat_template_kwargs, **(request.chat_template_kwargs or {})}
     parsed.reasoning_parser = parser
     parsed.thinking = parser.thinking(encoder.prompt_tail(parsed.prompts[0]), kwargs)
     if parsed.thinking and parsed.skip_special_tokens:
         parsed.skipped_token_ids = encoder.skipped_ids_keeping(parser.tags)
+    if parsed.thinking and (request.thinking_token_budget is not None or parsed.params.structured_output):
+        end = encoder.tokenizer.encode(parser.end, add_special_tokens=False)
+        _gate_on_the_thinking(parsed.params, end, request.thinking_token_budget)
     return parsed
+
+
+def _gate_on_the_thinking(params: SamplingParams, end_token_ids: list[int], budget: int | None) -> None:
+    """The worker lets the model think freely until these tokens, then applies the grammar; with a
+    budget it forces them once the thinking holds that many tokens (worker/reasoning_gate.py)."""
+    if params.beam_width:
+        raise bad_request("thinking_token_budget does not apply to beam search", "thinking_token_budget")
+    params.reasoning_end_token_ids = end_token_ids
+    params.thinking_token_budget = budget
 
 
 def _with_tool_calling(parsed: ParsedRequest, calling: ToolCalling, encoder) -> ParsedRequest:

@@ -36,6 +36,7 @@ class ReasoningScan:
 
 class ReasoningParser(Protocol):
     tags: tuple[str, ...]  # the format's markers: they must stay in the text the parser sees
+    end: str  # the tag that ends the thinking: the worker's thinking budget forces its tokens
 
     def thinking(self, prompt_tail: str, template_kwargs: Mapping[str, Any]) -> bool:
         """Whether the output starts in reasoning, from the prompt's last text and the template's kwargs."""

@@ -254,6 +254,22 @@ def test_chat_template_kwargs_must_be_an_object(tokenizer):
         "param": "chat_template_kwargs", "code": None}
 
 
+def test_the_worker_gets_the_end_tag_to_gate_on_only_while_the_output_thinks(tokenizer):
+    end = [tokenizer.convert_tokens_to_ids("</think>")]
+    params = parsed_chat(tokenizer, "hello", thinking_token_budget=5).params
+    assert (params.reasoning_end_token_ids, params.thinking_token_budget) == (end, 5)
+    params = parsed_chat(tokenizer, "hello", guided_choice=["a"]).params  # a grammar waits for the thinking
+    assert (params.reasoning_end_token_ids, params.thinking_token_budget) == (end, None)
+    assert parsed_chat(tokenizer, "hello").params.reasoning_end_token_ids == []  # nothing to gate
+    off = parsed_chat(tokenizer, "hello", thinking_token_budget=5, chat_template_kwargs={"enable_thinking": False},
+                      parser="qwen3")
+    assert (off.params.reasoning_end_token_ids, off.params.thinking_token_budget) == ([], None)
+    with pytest.raises(APIError) as error:
+        parsed_chat(tokenizer, "hello", parser=None, thinking_token_budget=5)
+    assert error.value.body()["error"]["param"] == "thinking_token_budget"
+    assert "needs a reasoning parser" in error.value.body()["error"]["message"]
+
+
 def test_template_kwargs_reach_the_template_and_the_request_overrides_the_default(tokenizer):
     encoder = PromptEncoder(tokenizer, chat_template_kwargs={"enable_thinking": False})
     messages = [{"role": "user", "content": "hi"}]
@@ -401,6 +417,37 @@ def test_served_default_chat_template_kwargs_and_the_request_overriding_them(qwe
     assert fields(on.choices[0].message) == EXPECTED["hello"]
     out, _ = streamed(qwen3_client, "hello", extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     assert out[0][:2] == list(EXPECTED["hello"])
+
+
+@pytest.mark.parametrize("cue, budget, expected, num_reasoning", [
+    # "<think>\n" and "Greet them." then </think> forced: the special </think> goes on "\n\nDone."
+    ("hello", 2, ("\nGreet them.", "\n\nDone."), 3),
+    ("muse", 0, (None, "\n\nDone."), 1),  # the thinking ends at once
+    ("quietly", 8, EXPECTED["quietly"], 2),  # a budget the thinking stays within changes nothing
+])
+def test_served_thinking_token_budget_forces_the_end_of_the_thinking(client, cue, budget, expected, num_reasoning):
+    response = ask(client, cue, extra_body={"thinking_token_budget": budget})
+    assert fields(response.choices[0].message) == expected
+    assert response.usage.completion_tokens_details.reasoning_tokens == num_reasoning
+    out, _ = streamed(client, cue, extra_body={"thinking_token_budget": budget})
+    assert out[0][:2] == [expected[0] or "", expected[1]]
+
+
+def test_served_grammar_applies_after_the_thinking(client):
+    """The thinking is free (no answer the grammar allows starts with "Quiet thought."), then the
+    answer is the grammar's, not the script's "\n\nDone."."""
+    response = ask(client, "quietly", extra_body={"guided_choice": ["Musing on"]})
+    assert fields(response.choices[0].message) == ("Quiet thought.", "Musing on")
+    assert ask(client, "quietly", extra_body={"guided_choice": ["Musing on"], "chat_template_kwargs": {
+        "enable_thinking": False}}).choices[0].message.content == "Musing on"
+
+
+def test_served_thinking_token_budget_out_of_range_is_a_400(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, "hello", extra_body={"thinking_token_budget": -1})
+    assert error.value.body["param"] == "thinking_token_budget"
 
 
 def test_served_chat_template_kwargs_not_an_object_is_a_400(client):
