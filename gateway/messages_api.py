@@ -113,7 +113,8 @@ def chat_request(body: dict, need_max_tokens: bool = True) -> dict:
     need(isinstance(messages, list) and messages, "messages must be a non-empty list", "messages")
     chat = {key: body[key] for key in SAMPLING if key in body}
     system = body.get("system")
-    chat["messages"] = ([{"role": "system", "content": joined_text(system, "system", ("text",), "system")}] if system else [])
+    system_text = joined_text(system, "system", ("text",), "system") if system else ""
+    chat["messages"] = [{"role": "system", "content": system_text}] if system_text else []
     for i, message in enumerate(messages):
         chat["messages"] += chat_messages(message, f"messages[{i}]")
     if max_tokens is not None:
@@ -161,8 +162,9 @@ def chat_messages(message, where: str) -> list[dict]:
 
 
 def _tool_call(block: dict, at: str) -> dict:
-    need(isinstance(block.get("id"), str) and isinstance(block.get("name"), str) and isinstance(block.get("input"), dict),
-         f"{at} must have a string id and name and an object input", "messages")
+    need(isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+         and isinstance(block.get("input"), dict), f"{at} must have a string id and name and an object input",
+         "messages")
     return {"id": block["id"], "type": "function",
             "function": {"name": block["name"], "arguments": json.dumps(block["input"], ensure_ascii=False)}}
 

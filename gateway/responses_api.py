@@ -165,7 +165,8 @@ def chat_messages(items: list[dict]) -> list[dict]:
     messages, names = [], {}
     for item in items:
         if item["type"] == "message":
-            messages.append({"role": item["role"], "content": joined_text(item["content"], "input", TEXT_PARTS, "input")})
+            text = joined_text(item["content"], "input", TEXT_PARTS, "input")
+            messages.append({"role": item["role"], "content": text})
         elif item["type"] == "function_call":
             names[item["call_id"]] = item["name"]
             call = {"id": item["call_id"], "type": "function",

@@ -20,8 +20,8 @@ PARIS = '{"city": "Paris"}'
 USAGE = {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
          "prompt_tokens_details": {"cached_tokens": 16}, "completion_tokens_details": {"reasoning_tokens": 4}}
 # a chat answer with every block: reasoning, text, a call
-MESSAGE = {"role": "assistant", "reasoning_content": "Think.", "content": "Let me look.",
-           "tool_calls": [{"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}}]}
+CALL = {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}}
+MESSAGE = {"role": "assistant", "reasoning_content": "Think.", "content": "Let me look.", "tool_calls": [CALL]}
 CHAT = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
         "choices": [{"index": 0, "message": MESSAGE, "logprobs": None, "finish_reason": "tool_calls"}], "usage": USAGE}
 
@@ -34,7 +34,8 @@ def chunk(delta: dict | None = None, finish_reason: str | None = None, usage: di
 
 # the same answer streamed, as the chat path sends it
 CHUNKS = [
-    chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "Thi"}), chunk({"reasoning_content": "nk."}),
+    chunk({"role": "assistant", "content": ""}),
+    chunk({"reasoning_content": "Thi"}), chunk({"reasoning_content": "nk."}),
     chunk({"content": "Let me"}), chunk({"content": " look."}),
     chunk({"tool_calls": [{"index": 0, "id": "call_abc", "type": "function",
                            "function": {"name": "get_weather", "arguments": ""}}]}),
@@ -116,8 +117,9 @@ def test_a_chat_answer_is_a_reasoning_item_a_message_and_a_function_call():
          "content": [{"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": []}]},
         {"id": "fc_1", "type": "function_call", "call_id": "call_abc", "name": "get_weather", "arguments": PARIS,
          "status": "completed"}]
-    assert response["usage"] == {"input_tokens": 20, "input_tokens_details": {"cached_tokens": 16, "cache_write_tokens": 0}, "output_tokens": 9,
-                                 "output_tokens_details": {"reasoning_tokens": 4}, "total_tokens": 29}
+    assert response["usage"] == {
+        "input_tokens": 20, "input_tokens_details": {"cached_tokens": 16, "cache_write_tokens": 0}, "output_tokens": 9,
+        "output_tokens_details": {"reasoning_tokens": 4}, "total_tokens": 29}
     assert (response["id"], response["status"], response["incomplete_details"]) == ("resp_1", "completed", None)
     parsed = Response.model_validate(response)
     assert parsed.output_text == "Let me look."
@@ -252,8 +254,8 @@ def test_a_chat_answer_is_a_thinking_a_text_and_a_tool_use_block():
 
 
 @pytest.mark.parametrize("finish_reason, stop_string, expected", [
-    ("stop", None, ("end_turn", None)), ("stop", "END", ("stop_sequence", "END")), ("length", None, ("max_tokens", None)),
-    ("tool_calls", None, ("tool_use", None))])
+    ("stop", None, ("end_turn", None)), ("stop", "END", ("stop_sequence", "END")),
+    ("length", None, ("max_tokens", None)), ("tool_calls", None, ("tool_use", None))])
 def test_stop_reasons(finish_reason, stop_string, expected):
     chat = {**CHAT, "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
                                  "finish_reason": finish_reason}]}
