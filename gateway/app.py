@@ -3,6 +3,8 @@
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
     GET  /v1/models/{model}     GET  /health                     GET /metrics
     GET  /openapi.json
+    POST /v1/responses          GET  /v1/responses/{id}          the Responses API (gateway/responses_api.py)
+    POST /v1/messages           POST /v1/messages/count_tokens   the Messages API (gateway/messages_api.py)
     GET  /dashboard/snapshot    GET  /dashboard/events (SSE)     the memory page's data (not in /openapi.json)
 
 Every answer carries X-Request-Id: the client's own, echoed, or else the request's id (the hex
