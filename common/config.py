@@ -14,7 +14,8 @@ ALLOCATORS = ("paged", "orca-max", "orca-pow2", "orca-oracle")  # KV allocators 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's --kv-cache-dtype: fp8 is fp8_e4m3 (torch.float8_e4m3fn)
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # tool_choice "auto": the output's tool-call format
+# tool_choice "auto": the output's tool-call format (gateway/tool_parsers.py)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")
 GENERATION_CONFIGS = ("auto", "vllm")
 ROUTINGS = ("auto", "cache_aware", "pull")  # the gateway's --routing (gateway/router.py)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
@@ -251,6 +252,11 @@ class GatewayConfig:
     tool_call_parser: str = option("auto", "--tool-call-parser",
                                    'the format of tool calls under tool_choice "auto" (auto: detected from the chat '
                                    "template)", choices=TOOL_CALL_PARSERS)
+    enable_auto_tool_choice: bool = option(False, "--enable-auto-tool-choice",
+                                           "vLLM's flag, accepted: tool_choice \"auto\" parses calls wherever there "
+                                           "is a tool-call format, flag or not; with it, the gateway refuses to start "
+                                           "without one (no --tool-call-parser, and none detected from the chat "
+                                           "template)")
     # LoRA adapters (docs/lora.md); --enable-lora and --max-lora-rank are the engine's flags too
     enable_lora: bool = option(False, "--enable-lora", "serve LoRA adapters (--lora-modules) beside the base model")
     lora_modules: tuple[str, ...] = option((), "--lora-modules",

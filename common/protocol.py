@@ -58,6 +58,11 @@ class SamplingParams:
     logit_bias: list[list] = field(default_factory=list)  # [[token_id, bias], ...]: added to the logits
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob, rank and top k
     structured_output: StructuredOutput | None = None  # a grammar the output must follow (worker/grammar.py)
+    # a thinking model's output reasons until these tokens (its end-of-thinking tag): the grammar
+    # applies after them, and `thinking_token_budget` reasoning tokens at most are drawn before
+    # they are forced (worker/reasoning_gate.py); empty: the output is all answer
+    reasoning_end_token_ids: list[int] = field(default_factory=list)
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -111,6 +116,14 @@ class SamplingParams:
                      and self.structured_output.kind in STRUCTURED_OUTPUT_KINDS, "structured_output",
                      f"structured_output.kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}")
             _require(not self.beam_width, "structured_output", "structured output does not apply to beam search")
+        _require(all(isinstance(t, int) and 0 <= t < 2**31 for t in self.reasoning_end_token_ids),
+                 "reasoning_end_token_ids", "reasoning_end_token_ids must be token ids")
+        if self.thinking_token_budget is not None:
+            _require(0 <= self.thinking_token_budget <= MAX_INT_PARAM, "thinking_token_budget",
+                     f"thinking_token_budget must be in [0, {MAX_INT_PARAM}]")
+            _require(bool(self.reasoning_end_token_ids), "thinking_token_budget",
+                     "thinking_token_budget needs the tokens that end the thinking (a reasoning parser)")
+            _require(not self.beam_width, "thinking_token_budget", "a thinking budget does not apply to beam search")
 
 
 MAX_INT_PARAM = 1 << 24  # bounds every count a request names, so none overflows a tensor
@@ -491,7 +504,7 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # how many, per message
-    SchedulerStatus: 31, RequestEvent: 3, SamplingParams: 3, StepResult: 2, WorkerHello: 3,
+    SchedulerStatus: 31, RequestEvent: 3, SamplingParams: 5, StepResult: 2, WorkerHello: 3,
     NewSequence: 1, StepPlan: 1, GenerateRequest: 1, MemorySnapshot: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common.admission import AdmissionLimits, check_admissible
-from common.config import GatewayConfig
+from common.config import ConfigError, GatewayConfig
 from common.generation_config import default_sampling_params, read_generation_config, token_ids
 from common.models import resolve_model
 from common.lora import LoRAAdapterError
@@ -54,7 +54,7 @@ from gateway.openai_api import (
 from gateway.serving import SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, sse, usage
 from gateway.structured import StructuredOutputChecker
 from gateway.tokenizer import PromptEncoder
-from gateway.tools import ToolCallStream
+from gateway.tools import AUTO_TOOL_CHOICE_NEEDS_A_FORMAT, ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ class Gateway:
             log.info("default sampling parameters from the model's generation_config.json: %s "
                      "(--generation-config vllm ignores them)", self.default_sampling_params)
         self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser)
+        if config.enable_auto_tool_choice and self.encoder.tool_call_format is None:
+            raise ConfigError(AUTO_TOOL_CHOICE_NEEDS_A_FORMAT)
         self.vocab_size = len(self.tokenizer)
         self.token_text = token_text_cache(self.tokenizer)
         self.structured = StructuredOutputChecker(self.tokenizer, self.vocab_size)

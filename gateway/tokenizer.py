@@ -17,7 +17,7 @@ class PromptEncoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None,
                  tool_call_parser: str = "auto") -> None:
         # here, not at module level: the offline engine encodes prompts without the API's modules
-        from gateway.tools import tool_call_format
+        from gateway.tool_parsers import tool_call_format
 
         self.tokenizer = tokenizer
         self.chat_template = chat_template

@@ -4,193 +4,41 @@ becomes OpenAI's `tool_calls`.
 
     tool_choice  the template gets  the output                                     parsed by
     "none"       no tools           text                                           nothing
-    "auto"       the tools          text and/or calls in the template's format     HermesParser, Llama3JsonParser
+    "auto"       the tools          text and/or calls in the template's format     PARSERS[--tool-call-parser]
     "required"   the tools          [{"name", "parameters"}, ...] under a grammar  RequiredParser
     named        the tools          that function's arguments under a grammar      NamedParser
 
-A parser scans the output so far (`scan(text, final)`): how much of it is content for sure, and
-the calls complete so far. The whole body (`ToolCallStream.message`) and the streamed deltas
-(`ToolCallStream.feed`) both come from it, so the deltas of a stream add up to the body.
+A parser (gateway/tool_parsers.py) scans the output so far (`scan(text, final)`): how much of it
+is content for sure, the calls complete so far and the call being generated. The whole body
+(`ToolCallStream.message`) and the streamed deltas (`ToolCallStream.feed`) both come from it, so
+the deltas of a stream add up to the body.
 """
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from common.config import TOOL_CALL_PARSERS
 from common.protocol import StructuredOutput
 from common.structured_output import json_schema_spec
 from gateway.models import ChatCompletionRequest, ChatMessage, InvalidField, TextPart, Tool
 from gateway.structured import requested_structured_output
+from gateway.tool_parsers import (
+    HERMES_END, HERMES_START, PARSERS, Call, NamedParser, RequiredParser, Scan, ToolParser, load_json,
+)
 
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what follows is a call
 NO_ARGUMENTS = {"type": "object", "properties": {}}  # a function declared without parameters
 FORMAT_MISSING = (
     'tool_choice "auto" (the default with tools) needs a chat template with a tool-call format, and the '
     'served one has none: pass tool_choice "required" or {"type": "function", "function": {"name": ...}} '
     "(the call is then constrained by a grammar, with any model), or serve a template that has one "
     "(--chat-template FILE, --tool-call-parser)")
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    name: str
-    arguments: str  # JSON text of an object
-
-
-@dataclass(slots=True)
-class Scan:
-    content_end: int  # text[:content_end] is content for sure (after a final scan: the content)
-    calls: list[Call]  # the calls complete so far, in order; a later scan of a longer text starts with them
-
-
-class ToolParser(Protocol):
-    streams_arguments: bool  # the arguments stream as generated (else each call comes whole)
-    tags: tuple[str, ...]  # the format's markers: they must stay in the text
-
-    def scan(self, text: str, final: bool) -> Scan: ...
-
-
-# ----------------------------------------------------------------------------- the parsers
-
-def _call(obj: Any, keys: tuple[str, ...]) -> Call | None:
-    """{"name": str, <one of keys>: {...}} -> a Call; anything else is not a call."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = next((obj[k] for k in keys if k in obj), None)
-    if not isinstance(arguments, dict):
-        return None
-    return Call(obj["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that could be the start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-@dataclass(frozen=True, slots=True)
-class HermesParser:
-    """Hermes (SmolLM2-1.7B, Qwen 2.5): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-    one block per call, after optional text (the content). A block that is not a call is left out;
-    an output with no call at all is all content. At the end, an unclosed last block counts if its
-    JSON is whole (the model stopped before the closing tag)."""
-
-    streams_arguments = False
-    tags = (HERMES_START, HERMES_END)
-    _block = re.compile(re.escape(HERMES_START) + r"(.*?)" + re.escape(HERMES_END), re.DOTALL)
-
-    def scan(self, text: str, final: bool) -> Scan:
-        start = text.find(HERMES_START)
-        if start < 0:
-            end = len(text) if final else len(text[:len(text) - _partial_suffix(text, HERMES_START)].rstrip())
-            return Scan(end, [])
-        blocks, tail = [], start
-        for match in self._block.finditer(text, start):
-            blocks.append(match.group(1))
-            tail = match.end()
-        if final and (last := text.find(HERMES_START, tail)) >= 0:
-            blocks.append(text[last + len(HERMES_START):])
-        calls = [c for c in (_call(_loads(b), ("arguments", "parameters")) for b in blocks) if c is not None]
-        if final and not calls:
-            return Scan(len(text), [])
-        return Scan(len(text[:start].rstrip()), calls)
-
-
-@dataclass(frozen=True, slots=True)
-class Llama3JsonParser:
-    """Llama 3.1's JSON calls: the output is `{"name": ..., "parameters": {...}}` (optionally after
-    `<|python_tag|>`; several separated by ';'), or it is all content."""
-
-    streams_arguments = False
-    tags = ()  # <|python_tag|> may be left out of the text: the JSON alone says it is a call
-
-    def scan(self, text: str, final: bool) -> Scan:
-        body = text.lstrip()
-        tagged = body.startswith(PYTHON_TAG)
-        if tagged:
-            body = body[len(PYTHON_TAG):].lstrip()
-        if not final and (not body or not tagged and PYTHON_TAG.startswith(body)):  # too early to tell
-            return Scan(0, [])
-        if not body.startswith("{"):
-            return Scan(len(text), [])
-        calls, decoder, at = [], json.JSONDecoder(), 0
-        while at < len(body):
-            try:
-                obj, at = decoder.raw_decode(body, at)
-            except (ValueError, RecursionError):
-                break  # not complete yet, or not JSON
-            call = _call(obj, ("parameters", "arguments"))
-            if call is None:
-                break
-            calls.append(call)
-            while at < len(body) and (body[at].isspace() or body[at] == ";"):
-                at += 1
-        if final and not calls:
-            return Scan(len(text), [])
-        return Scan(0, calls)
-
-
-@dataclass(frozen=True, slots=True)
-class RequiredParser:
-    """tool_choice "required": the grammar makes the output a JSON array of {"name", "parameters"}."""
-
-    streams_arguments = False
-    tags = ()
-
-    def scan(self, text: str, final: bool) -> Scan:
-        items = _loads(text) if text.rstrip().endswith("]") else None
-        calls = [_call(item, ("parameters",)) for item in items] if isinstance(items, list) else []
-        if calls and None not in calls:
-            return Scan(0, calls)
-        return Scan(len(text) if final else 0, [])
-
-
-@dataclass(frozen=True, slots=True)
-class NamedParser:
-    """A named function: the grammar makes the output that function's arguments, which stream as
-    they are generated. Cut off (finish_reason "length"), the output is not a call."""
-
-    name: str
-    streams_arguments = True
-    tags = ()
-
-    def scan(self, text: str, final: bool) -> Scan:
-        if final and isinstance(_loads(text), dict):
-            return Scan(0, [Call(self.name, text)])
-        return Scan(len(text) if final else 0, [])
-
-
-PARSERS = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
-
-
-def detect_tool_call_format(template: str) -> str | None:
-    """The tool-call format a chat template teaches its model, from the template's text."""
-    if HERMES_START in template:
-        return "hermes"
-    if PYTHON_TAG in template or '"parameters": dictionary' in template:
-        return "llama3_json"
-    return None
-
-
-def tool_call_format(tool_call_parser: str, template: str) -> str | None:
-    """--tool-call-parser: "auto" detects the format from the template (None: it has none)."""
-    if tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
-    return detect_tool_call_format(template) if tool_call_parser == "auto" else tool_call_parser
+AUTO_TOOL_CHOICE_NEEDS_A_FORMAT = (
+    "--enable-auto-tool-choice needs a tool-call format, and the chat template teaches none that --tool-call-parser "
+    f"auto recognizes: pass --tool-call-parser {'|'.join(p for p in TOOL_CALL_PARSERS if p != 'auto')}, or a "
+    "--chat-template FILE that has one")
 
 
 # ----------------------------------------------------------------------------- the request
@@ -222,7 +70,7 @@ def tool_calling(request: ChatCompletionRequest, format: str | None) -> ToolCall
     if choice in (None, "auto"):
         if format is None:
             raise InvalidField(FORMAT_MISSING, "tool_choice")
-        return ToolCalling(rendered, None, PARSERS[format], max_calls)
+        return ToolCalling(rendered, None, PARSERS[format]({t.function.name: parameters(t) for t in tools}), max_calls)
     _check_no_other_grammar(request)
     if choice == "required":
         schema = required_schema(tools, max_calls)
@@ -383,7 +231,7 @@ def _text(content: str | list[TextPart] | None) -> str:
 def _arguments(text: str) -> dict | str:
     """A call's arguments as an object, as templates take them; text that is not the JSON of one (a
     model can make such a call, and its client sends it back) stays text."""
-    arguments = _loads(text)
+    arguments = load_json(text)
     return arguments if isinstance(arguments, dict) else text
 
 
@@ -401,16 +249,16 @@ def tool_call(call: Call, call_id: str) -> dict:
 class ToolCallStream:
     """One choice's output as OpenAI's chat message (`message`) or as deltas (`feed`):
 
-        text[:content_sent]   sent as content
-        calls[:calls_sent]    sent as tool_calls deltas (a named function: its header, then its arguments)
+        text[:content_sent]   sent as content (only before the first call: content never follows one)
+        ids                   the calls started: each sent its header (id, name), all but the
+                              last their whole arguments, the last arguments[:arguments_sent]
     """
 
     parser: ToolParser
     max_calls: int | None = None
     text: str = ""
     content_sent: int = 0
-    calls_sent: int = 0
-    arguments_sent: int = 0  # a named function's: characters of the output sent as arguments
+    arguments_sent: int = 0
     ids: list[str] = field(default_factory=list)
 
     def message(self, text: str) -> dict:
@@ -431,35 +279,33 @@ class ToolCallStream:
     def feed(self, delta: str, final: bool) -> list[dict]:
         """The chat deltas for `delta`, the output's next released text (`final`: its last)."""
         self.text += delta
-        if self.parser.streams_arguments:
-            return self._feed_arguments()
         scan = self._scan(self.text, final)
         out = []
-        if scan.content_end > self.content_sent:
+        if not self.ids and scan.content_end > self.content_sent:
             out.append({"content": self.text[self.content_sent:scan.content_end]})
             self.content_sent = scan.content_end
-        for index in range(self.calls_sent, len(scan.calls)):
-            call = scan.calls[index]
-            self.ids.append(new_call_id())
-            out.append({"tool_calls": [{"index": index, "id": self.ids[index], "type": "function",
-                                        "function": {"name": call.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
-        self.calls_sent = len(scan.calls)
+        calls = scan.calls + ([scan.partial] if scan.partial is not None else [])
+        for index in range(max(len(self.ids) - 1, 0), len(calls)):
+            out += self._call_deltas(index, calls[index])
         return out
 
-    def _feed_arguments(self) -> list[dict]:
+    def _call_deltas(self, index: int, call: Call) -> list[dict]:
+        """A call's header when it is new, then the part of its arguments not sent yet."""
         out = []
-        if not self.ids:
+        if index == len(self.ids):
             self.ids.append(new_call_id())
-            out.append({"tool_calls": [{"index": 0, "id": self.ids[0], "type": "function",
-                                        "function": {"name": self.parser.name, "arguments": ""}}]})
-        if len(self.text) > self.arguments_sent:
-            out.append({"tool_calls": [{"index": 0, "function": {"arguments": self.text[self.arguments_sent:]}}]})
-            self.arguments_sent = len(self.text)
+            self.arguments_sent = 0
+            out.append({"tool_calls": [{"index": index, "id": self.ids[index], "type": "function",
+                                        "function": {"name": call.name, "arguments": ""}}]})
+        if len(call.arguments) > self.arguments_sent:
+            arguments, self.arguments_sent = call.arguments[self.arguments_sent:], len(call.arguments)
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
         return out
 
     def _scan(self, text: str, final: bool) -> Scan:
         scan = self.parser.scan(text, final)
         if self.max_calls is not None:
             scan.calls = scan.calls[:self.max_calls]
+            if len(scan.calls) >= self.max_calls:
+                scan.partial = None
         return scan

@@ -18,6 +18,7 @@ FULL_PARAMS = SamplingParams(
     frequency_penalty=-0.5, repetition_penalty=1.1, max_tokens=None, min_tokens=3,
     stop_token_ids=[7, 8], ignore_eos=True, logprobs=5, logit_bias=[[5, -100.0], [6, 2.5]], prompt_logprobs=2,
     structured_output=StructuredOutput("json_schema", '{"type": "object"}'),
+    reasoning_end_token_ids=[11, 12], thinking_token_budget=64,
 )
 NEW_SEQ = NewSequence(
     seq_id=3, prompt_token_ids=[1, 2, 3, 4], output_token_ids=[9], block_ids=[5, 6],
@@ -193,11 +194,12 @@ def test_an_event_from_a_scheduler_before_cached_tokens_decodes_as_0():
 
 
 def test_sampling_params_from_a_gateway_before_openai_api_decode_with_the_defaults():
-    """A gateway older than [openai-api] sends SamplingParams without its last 3 fields."""
-    old = _body(encode(FULL_PARAMS))[1:-3]
+    """A gateway older than the OpenAI API's extra fields sends SamplingParams without its last 5."""
+    old = _body(encode(FULL_PARAMS))[1:-5]
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SamplingParams), *old)], use_bin_type=True)
     assert decode(data) == dataclasses.replace(FULL_PARAMS, logit_bias=[], prompt_logprobs=None,
-                                               structured_output=None)
+                                               structured_output=None, reasoning_end_token_ids=[],
+                                               thinking_token_budget=None)
 
 
 @pytest.mark.parametrize("params, param", [
@@ -206,6 +208,9 @@ def test_sampling_params_from_a_gateway_before_openai_api_decode_with_the_defaul
     (dict(structured_output=StructuredOutput("yaml")), "structured_output"),
     (dict(structured_output=StructuredOutput("json_object"), beam_width=2), "structured_output"),
     (dict(max_tokens=-1), "max_tokens"),
+    (dict(thinking_token_budget=4), "thinking_token_budget"),
+    (dict(reasoning_end_token_ids=[1], thinking_token_budget=-1), "thinking_token_budget"),
+    (dict(reasoning_end_token_ids=[-1]), "reasoning_end_token_ids"),
 ])
 def test_openai_api_params_out_of_bounds_name_the_param(params, param):
     with pytest.raises(InvalidParamError) as info:

@@ -17,10 +17,12 @@ from gateway.models import ChatCompletionRequest, InvalidField
 from gateway.openai_api import parse_chat
 from gateway.serving import ChoiceState, ResponseShape
 from gateway.tokenizer import PromptEncoder
-from gateway.tools import (
-    FORMAT_MISSING, NO_ARGUMENTS, HermesParser, Llama3JsonParser, NamedParser, RequiredParser, ToolCallStream,
-    chat_messages, detect_tool_call_format, tool_call_format, tool_calling,
+from gateway.tool_parsers import (
+    HermesParser, Llama3JsonParser, MistralParser, NamedParser, PythonicParser, Qwen3CoderParser, RequiredParser,
+    detect_tool_call_format, tool_call_format,
 )
+from gateway.tools import FORMAT_MISSING, NO_ARGUMENTS, ToolCallStream, chat_messages, tool_calling
+from tests.tool_calls import call, concatenated, feed, message
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
@@ -28,6 +30,7 @@ TOOLS = [
                                       "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time"}},
 ]
+SCHEMAS = {"get_weather": WEATHER, "get_time": NO_ARGUMENTS}  # what the parsers of a request with TOOLS get
 PARIS = '{"city": "Paris"}'
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 HERMES_TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -43,46 +46,6 @@ TOOLS_TEMPLATE = (
     "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
     "{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-def message(parser, text: str, reason: str = "stop", max_calls: int | None = None) -> tuple[dict, str]:
-    """The whole message (call ids left out) and the finish_reason."""
-    stream = ToolCallStream(parser, max_calls)
-    body = stream.message(text)
-    for call in body.get("tool_calls", []):
-        assert call.pop("id").startswith("call_") and len(call["function"]) == 2
-    return body, stream.finish_reason(text, reason)
-
-
-def call(name: str, arguments: str) -> dict:
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def feed(parser, pieces: list[str], max_calls: int | None = None) -> list[dict]:
-    """The deltas for each released piece (the last one final), each call id checked and left out."""
-    stream = ToolCallStream(parser, max_calls)
-    out = []
-    for i, piece in enumerate(pieces):
-        deltas = stream.feed(piece, i == len(pieces) - 1)
-        for delta in deltas:
-            for entry in delta.get("tool_calls", []):
-                if "id" in entry:
-                    assert entry.pop("id") == stream.ids[entry["index"]]
-        out.append(deltas)
-    return out
-
-
-def concatenated(deltas: list[list[dict]]) -> tuple[str | None, list[dict]]:
-    """What a client makes of the deltas: the content, and each call's name and arguments joined."""
-    content, calls = None, {}
-    for delta in (d for step in deltas for d in step):
-        if "content" in delta:
-            content = (content or "") + delta["content"]
-        for entry in delta.get("tool_calls", []):
-            joined = calls.setdefault(entry["index"], {"type": "function", "function": {"name": "", "arguments": ""}})
-            joined["function"]["name"] += entry["function"].get("name", "")
-            joined["function"]["arguments"] += entry["function"]["arguments"]
-    return content, [calls[i] for i in sorted(calls)]
 
 
 # ----------------------------------------------------------------------------- Hermes
@@ -209,21 +172,40 @@ def test_named_the_output_is_the_arguments_and_streams_as_generated():
     ]
 
 
+QWEN_CALLS = ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_news>\n"
+              "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+FORECAST = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+
+
 @pytest.mark.parametrize("parser, text", [
     (HermesParser(), f"Sure, I will check the weather <tools> for you.\n{HERMES_CALL}\n{HERMES_TIME}"),
     (HermesParser(), "No <tool_call> here after all"),
+    (HermesParser(SCHEMAS), f'<tool_call>\n{{"name": "get_news", "arguments": {{}}}}\n</tool_call>\n{HERMES_TIME}'),
     (Llama3JsonParser(), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                          '{"name": "get_time", "parameters": {}}'),
     (Llama3JsonParser(), "  <|python_ta and then text"),
+    (Qwen3CoderParser({**SCHEMAS, "get_weather": FORECAST}), QWEN_CALLS),
+    (Qwen3CoderParser(SCHEMAS), "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),
+    (Qwen3CoderParser(SCHEMAS), "A <tool_call> that never was"),
+    (MistralParser(SCHEMAS), 'Let me look. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                             '{"name": "get_time", "arguments": {}}]'),
+    (MistralParser(SCHEMAS), '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_news[ARGS]{}'
+                             "[TOOL_CALLS]get_time[ARGS]{}"),
+    (MistralParser(SCHEMAS), "[TOOL_CALLS] is what I would write"),
+    (PythonicParser(SCHEMAS), '<|python_start|>[get_weather(city="Paris"), get_time()]<|python_end|>'),
+    (PythonicParser(SCHEMAS), "[1, 2] are numbers"),
     (RequiredParser(), '[{"name":"get_weather","parameters":{"city":"Paris"}}]'),
     (NamedParser("get_weather"), '{"city":"Paris"}'),
-], ids=["hermes", "hermes-no-call", "llama3-json", "llama3-json-no-call", "required", "named"])
+], ids=["hermes", "hermes-no-call", "hermes-unknown-function", "llama3-json", "llama3-json-no-call", "qwen3-coder",
+        "qwen3-coder-cut-off", "qwen3-coder-no-call", "mistral-array", "mistral-named", "mistral-no-call", "pythonic",
+        "pythonic-no-call", "required", "named"])
 def test_the_deltas_add_up_to_the_message_however_the_text_is_cut(parser, text):
     body, _ = message(parser, text)
-    for cut in range(len(text) + 1):
-        for pieces in ([text[:cut], text[cut:], ""], [*text, ""]):
-            content, calls = concatenated(feed(parser, pieces))
-            assert (content, calls) == (body["content"], body.get("tool_calls", []))
+    cuts = [[text[:cut], text[cut:], ""] for cut in range(len(text) + 1)]
+    for pieces in [*cuts, [*text, ""]]:
+        content, calls = concatenated(feed(parser, pieces))
+        assert (content, calls) == (body["content"], body.get("tool_calls", []))
 
 
 def test_a_streamed_choice_carries_its_logprobs_and_the_finish_reason_on_its_last_chunk(tokenizer):
@@ -251,8 +233,8 @@ def test_tool_choice_decides_the_tools_the_grammar_and_the_parser():
     none = tool_calling(request(tools=TOOLS, tool_choice="none"), "hermes")
     assert (none.tools, none.structured_output, none.parser) == (None, None, None)
     auto = tool_calling(request(tools=TOOLS), "hermes")
-    assert auto.tools == TOOLS and auto.structured_output is None and auto.parser == HermesParser()
-    assert tool_calling(request(tools=TOOLS, tool_choice="auto"), "llama3_json").parser == Llama3JsonParser()
+    assert auto.tools == TOOLS and auto.structured_output is None and auto.parser == HermesParser(SCHEMAS)
+    assert tool_calling(request(tools=TOOLS, tool_choice="auto"), "llama3_json").parser == Llama3JsonParser(SCHEMAS)
     required = tool_calling(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), None)
     assert required.parser == RequiredParser() and required.max_calls == 1
     assert json.loads(required.structured_output.spec) == ({"type": "array", "minItems": 1, "maxItems": 1, "items": {
@@ -300,7 +282,7 @@ def test_the_format_is_detected_from_the_template_unless_named(tokenizer):
     assert tool_call_format("auto", "{{ messages }}") is None
     assert tool_call_format("hermes", "{{ messages }}") == "hermes"
     with pytest.raises(ValueError):
-        tool_call_format("mistral", HERMES_TEMPLATE)
+        tool_call_format("granite", HERMES_TEMPLATE)
 
 
 # ----------------------------------------------------------------------------- the conversation
@@ -346,7 +328,7 @@ def test_a_template_that_renders_tool_calls_gets_them_with_their_arguments_as_ob
 def test_a_chat_template_file_with_a_tool_format_serves_auto(tokenizer):
     encoder = PromptEncoder(tokenizer, HERMES_TEMPLATE + "{{ messages[0].content }}")
     parsed = parse_chat({"messages": CONVERSATION[:1], "tools": TOOLS}, encoder, len(tokenizer))
-    assert parsed.tool_parser == HermesParser() and parsed.params.structured_output is None
+    assert parsed.tool_parser == HermesParser(SCHEMAS) and parsed.params.structured_output is None
     assert parsed.skip_special_tokens  # <tool_call> is no special token of this tokenizer: nothing to keep
 
 

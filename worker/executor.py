@@ -25,6 +25,7 @@ from common.plan_state import PlanState, ScheduledSequence
 from common.protocol import PENDING_TOKEN, SampledToken, StepPlan, StepResult, WorkerHello
 from kernels.kv_quant import raw
 from worker.grammar import GrammarState, TokenMask
+from worker.reasoning_gate import gated
 from worker.input_batch import StepTensors
 from worker.model_runner import ModelRunner
 from worker.parallel import TensorParallelGroup, set_tp_group
@@ -233,7 +234,7 @@ class Executor:
     def _feeds_constrained(self, plan: StepPlan) -> bool:
         seqs = self.state.seqs
         return any(c.last_token_id == PENDING_TOKEN and c.seq_id in seqs
-                   and seqs[c.seq_id].sampling_params.structured_output for c in plan.cached_seqs)
+                   and gated(seqs[c.seq_id].sampling_params) for c in plan.cached_seqs)
 
     def _host_copy(self, values: torch.Tensor) -> HostCopy:
         if self._copy_stream is None and values.is_cuda:
@@ -258,7 +259,7 @@ class Executor:
     def _sync_grammars(self, scheduled: list[ScheduledSequence]) -> None:
         """Before the forward: the matchers of the step's constrained sequences brought up to their
         tokens, and the grammar of one met first set compiling (it overlaps the forward)."""
-        constrained = [(s.seq_id, s.held) for s in scheduled if s.held.sampling_params.structured_output]
+        constrained = [(s.seq_id, s.held) for s in scheduled if gated(s.held.sampling_params)]
         if constrained:
             self.grammar.sync(constrained)
 
@@ -268,7 +269,7 @@ class Executor:
         constrained, drafted, row = [], {}, 0
         for s in sampling:  # a row with drafts has 1 + k logits rows, masked in turn
             n = len(s.draft_token_ids) + 1 if s.draft_token_ids else 1
-            if s.held.sampling_params.structured_output:
+            if gated(s.held.sampling_params):
                 constrained += [(row + j, s.seq_id) for j in range(n)]
                 if s.draft_token_ids:
                     drafted[s.seq_id] = s.draft_token_ids

@@ -7,7 +7,9 @@ sampler's TokenCounts: freed with the plan's finished and preempted ids; a seque
 NewSequence: first scheduling, a fork, a swap-in, a recompute after preemption) gets a new matcher
 that replays its output tokens, so its state after preemption is the one it had; a held one
 consumes the tokens appended to it since. Per step `fill` writes one bitmask, a row per
-constrained sampling row, that the Sampler applies as one batched op.
+constrained sampling row, that the Sampler applies as one batched op. A thinking model's sequence
+passes its reasoning through a ReasoningGate first (worker/reasoning_gate.py): the grammar applies
+after the reasoning ends, and a thinking budget forces the end.
 
 Only rank 0 (the one with the Sampler) holds grammar state. The tokenizer is loaded, and xgrammar
 imported, when the first constrained sequence arrives: an unconstrained workload pays nothing.
@@ -26,6 +28,7 @@ import torch
 from common.plan_state import HeldSequence
 from common.protocol import StructuredOutput
 from common.structured_output import InvalidStructuredOutput, compile_structured_output
+from worker.reasoning_gate import ReasoningGate, gated
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +51,16 @@ class _Failed:
 
 @dataclass(slots=True)
 class _Matched:
-    matcher: Any  # xgr.GrammarMatcher, or None when the grammar failed to compile or a token broke it
+    matcher: Any  # xgr.GrammarMatcher; None without a grammar, or when it failed to compile or a token broke it
     num_tokens: int  # tokens of the sequence consumed: prompt tokens count as consumed
     # while its grammar compiles: the compile, and the sequence whose tokens are replayed once it is done
     compiling: Future | None = None
     held: HeldSequence | None = None
+    gate: ReasoningGate | None = None  # the reasoning the grammar waits for
+    grammar: bool = True  # False: only the gate masks its draws (a thinking budget without a grammar)
+
+
+_STOP = object()  # a draw masked to the stop tokens: the grammar ended, or could not be had
 
 
 @dataclass(slots=True)
@@ -179,12 +187,15 @@ class GrammarState:
             if future.done():
                 self._result(future, key)
         for seq_id, held in seqs:
-            spec = held.sampling_params.structured_output
-            if spec is None:
+            params = held.sampling_params
+            if not gated(params):
                 continue
             matched = self.matchers.get(seq_id)
             if matched is None:
-                matched = self.matchers[seq_id] = _Matched(None, held.num_prompt_tokens, self.start_compile(spec))
+                spec = params.structured_output
+                matched = self.matchers[seq_id] = _Matched(
+                    None, held.num_prompt_tokens, None if spec is None else self.start_compile(spec),
+                    gate=ReasoningGate.of(params), grammar=spec is not None)
             if matched.compiling is not None:
                 matched.held = held  # its tokens are replayed once the grammar is there
                 continue
@@ -202,12 +213,20 @@ class GrammarState:
         spec = held.sampling_params.structured_output
         compiled = self._result(matched.compiling, (spec.kind, spec.spec))
         matched.compiling = matched.held = None
-        if isinstance(compiled, _Failed):
-            return  # matcher None: it may only end
-        matched.matcher = self._xgr.GrammarMatcher(compiled)
+        if not isinstance(compiled, _Failed):  # else matcher None: it may only end, once it has reasoned
+            matched.matcher = self._xgr.GrammarMatcher(compiled)
         self._catch_up(seq_id, matched, held)
 
     def _consume(self, seq_id: int, matched: _Matched, token_ids: list[int]) -> None:
+        """The reasoning's tokens to the gate, the rest to the grammar's matcher."""
+        gate = matched.gate
+        for i, token in enumerate(token_ids):
+            if gate is None or not gate.open:
+                self._accept(seq_id, matched, token_ids[i:])
+                return
+            gate.consume(token)
+
+    def _accept(self, seq_id: int, matched: _Matched, token_ids: list[int]) -> None:
         matcher = matched.matcher
         if matcher is None:
             return
@@ -230,7 +249,7 @@ class GrammarState:
         if not rows:
             return None
         bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        live, live_at, ended_at = [], [], []
+        live, live_at = [], []
         drafted_at: dict[int, list[int]] = {}
         for i, (_, seq_id) in enumerate(rows):
             if drafted and seq_id in drafted:
@@ -239,45 +258,68 @@ class GrammarState:
             matched = self.matchers[seq_id]
             if matched.compiling is not None:
                 self._finish_compile(seq_id, matched)
-            matcher = matched.matcher
-            if matcher is None or matcher.is_terminated():
-                ended_at.append(i)
-            else:
-                live.append(matcher)
+            mask = self._next_mask(matched, matched.gate)
+            if mask is not None and not self._write_mask(mask, bitmask, i):
+                live.append(mask)
                 live_at.append(i)
         if live:
             self._batch.batch_fill_next_token_bitmask(live, bitmask, live_at)
-        for i in ended_at:
-            bitmask[i] = _only(self.stop_token_ids, bitmask.shape[1])
         for seq_id, at in drafted_at.items():
             self._fill_drafted(seq_id, drafted[seq_id], bitmask, at)
         return TokenMask([row for row, _ in rows], bitmask)
 
+    @staticmethod
+    def _next_mask(matched: _Matched, gate: ReasoningGate | None):
+        """What masks the sequence's next draw: None (a free draw), a forced token id, _STOP, or
+        its matcher."""
+        if gate is not None and gate.open:
+            return gate.forced()
+        if not matched.grammar:
+            return None
+        matcher = matched.matcher
+        return _STOP if matcher is None or matcher.is_terminated() else matcher
+
+    def _write_mask(self, mask, bitmask: torch.Tensor, i: int) -> bool:
+        """Row i for a forced token or the stop tokens; False for a matcher (the caller fills it)."""
+        if mask is _STOP:
+            bitmask[i] = _only(self.stop_token_ids, bitmask.shape[1])
+        elif isinstance(mask, int):
+            bitmask[i] = _only([mask], bitmask.shape[1])
+        else:
+            return False
+        return True
+
     def _fill_drafted(self, seq_id: int, drafts: list[int], bitmask: torch.Tensor, at: list[int]) -> None:
-        """Position j's mask is the grammar's after d_1..d_j: the matcher accepts the drafts one by
-        one, then rolls them back (the verification decides what stays; the next plan's tokens
-        are consumed as any). After a draft the grammar refuses, the positions are unreachable (the
-        draw before it cannot equal it): they repeat the last mask."""
+        """Position j's mask is the one after d_1..d_j: a copy of the gate takes the reasoning
+        drafts, then the matcher accepts the rest one by one and rolls them back (the verification
+        decides what stays; the next plan's tokens are consumed as any). After a draft the mask
+        refuses, the positions are unreachable (the draw before it cannot equal it): they repeat
+        the last mask."""
         matched = self.matchers[seq_id]
         if matched.compiling is not None:
             self._finish_compile(seq_id, matched)
-        matcher = matched.matcher
-        stop_only = _only(self.stop_token_ids, bitmask.shape[1])
+        gate = matched.gate.copy() if matched.gate is not None and matched.gate.open else None
         accepted = 0
         for j, i in enumerate(at):
-            if matcher is None or matcher.is_terminated():
-                bitmask[i] = stop_only
-            else:
-                matcher.fill_next_token_bitmask(bitmask, i)
+            mask = self._next_mask(matched, gate)
+            if mask is not None and not self._write_mask(mask, bitmask, i):
+                mask.fill_next_token_bitmask(bitmask, i)
             if j == len(drafts):
                 break
-            if matcher is None or matcher.is_terminated() or not matcher.accept_token(drafts[j]):
+            token = drafts[j]
+            if gate is not None and gate.open:  # a reasoning draft: free, or the forced token
+                taken = mask is None or mask == token
+                if taken:
+                    gate.consume(token)
+            else:
+                taken = mask is None or (mask is not _STOP and mask.accept_token(token))
+                accepted += mask is not None and taken
+            if not taken:
                 for rest in at[j + 1:]:
                     bitmask[rest] = bitmask[i]
                 break
-            accepted += 1
         if accepted:
-            matcher.rollback(accepted)
+            matched.matcher.rollback(accepted)
 
 
 def _only(token_ids: list[int], num_words: int) -> torch.Tensor:
