@@ -239,6 +239,9 @@ class GatewayConfig:
                                          "cache-aware routing: the most requests a group with the prompt's prefix "
                                          "may have beyond the least loaded group's")
     request_timeout_s: float = option(600.0, "--request-timeout", "seconds a request may take (then 504)")
+    responses_ttl_s: int = option(3600, "--responses-ttl",
+                                  "seconds a stored Responses API response (store: true) stays in Redis for "
+                                  "previous_response_id and GET /v1/responses/{id}")
     gateway_id: str | None = no_flag(None, "names the reply stream; random per process, so a restarted gateway "
                                            "never reads its predecessor's stream")
     drain_timeout_s: float = option(30.0, "--drain-timeout", "after SIGTERM, seconds requests in flight may take to finish")
@@ -283,6 +286,7 @@ class GatewayConfig:
                "max_num_queued_tokens must be >= 1")
         _check(self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "ttft_slo_ms must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        _check(self.responses_ttl_s >= 1, "responses_ttl_s must be >= 1")
         _check(self.routing in ROUTINGS, f"routing must be one of {', '.join(ROUTINGS)}")
         _check(self.routing_balance_margin >= 0, "routing_balance_margin must be >= 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")

@@ -3,6 +3,8 @@
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
     GET  /v1/models/{model}     GET  /health                     GET /metrics
     GET  /openapi.json
+    POST /v1/responses          GET  /v1/responses/{id}          the Responses API (gateway/responses_api.py)
+    POST /v1/messages           POST /v1/messages/count_tokens   the Messages API (gateway/messages_api.py)
     GET  /dashboard/snapshot    GET  /dashboard/events (SSE)     the memory page's data (not in /openapi.json)
 
 Every answer carries X-Request-Id: the client's own, echoed, or else the request's id (the hex
@@ -20,10 +22,10 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import redis
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -37,7 +39,8 @@ from common.models import resolve_model
 from common.lora import LoRAAdapterError
 from common.protocol import GenerateRequest, LoRARequest, SchedulerStatus
 from common.tokenizer import load_tokenizer
-from gateway import dashboard_page
+from gateway import dashboard_page, messages_api, responses_api
+from gateway.agents import event_stream
 from gateway.dashboard_page import require_dashboard_key
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.lora import LoRARegistry
@@ -61,6 +64,9 @@ RETRY_AFTER_UNAVAILABLE_S = 5
 SHUTTING_DOWN = "the server is shutting down"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
           "/openapi.json")
+# The agents' APIs, translations to and from chat (docs/agents.md): OpenAI's and Anthropic's own
+# shapes, outside /openapi.json
+AGENT_ROUTES = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
 # The memory page and its data: outside the OpenAI API and /openapi.json (an endless event stream)
 DASHBOARD_ROUTES = ("/dashboard", "/dashboard/snapshot", "/dashboard/events")
 DASHBOARD_POLL_S = 0.25  # how often an event stream looks for new snapshots (the schedulers publish as often)
@@ -82,6 +88,10 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
         routes=[*lora_routes,
             Route("/v1/completions", gateway.completions, methods=["POST"]),
             Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+            Route("/v1/responses", gateway.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", gateway.response, methods=["GET"]),
+            Route("/v1/messages", gateway.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", gateway.count_tokens, methods=["POST"]),
             Route("/v1/models", gateway.models, methods=["GET"]),
             Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),  # an id may hold a '/'
             Route("/health", gateway.health, methods=["GET"]),
@@ -250,36 +260,64 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
+    # ------------------------------------------------------------------ the agents' APIs (translations to chat)
+    async def responses(self, request: Request) -> Response:
+        return await responses_api.create(self, request)
+
+    async def response(self, request: Request) -> Response:
+        self._authorize(request)
+        return await responses_api.retrieve(self, request)
+
+    async def messages(self, request: Request) -> Response:
+        return await messages_api.create(self, request)
+
+    async def count_tokens(self, request: Request) -> Response:
+        return await messages_api.count_tokens(self, request)
+
+    async def tokenize_chat(self, body: dict) -> list[int]:
+        """A chat body's prompt, as a generation would tokenize it (its model checked)."""
+        self._check_model(body.get("model"))
+        return (await asyncio.to_thread(self._parse, "chat", body)).prompts[0]
+
     async def _generate(self, request: Request, kind: str) -> Response:
-        arrival_time, arrival = time.time(), time.monotonic()
         try:
-            self._check_open()
-            self._authorize(request)
-            body = parse_json(await self._read_body(request))
-            lora = self._check_model(body.get("model"))
-            parsed = await asyncio.to_thread(self._parse, kind, body)  # a long prompt must not stall streams
-            statuses = await self._statuses()
-            self._check_admissible(parsed, self._ready(statuses))
-            self._admit(statuses, sum(len(p) for p in parsed.prompts))
-            model = self.served_model_name if lora is None else lora.lora_name
-            shape = ResponseShape.new(kind, model, parsed.logprobs, self.token_text,
-                                      request_id(request), parsed.prompt_logprobs)
-            echoes = await asyncio.to_thread(self._echoes, parsed) if parsed.echo else None
-            requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival, echoes, lora)
-            generation = await self._submit(requests)
+            run = await self.start(request, kind)
         except ClientDisconnect:  # left while sending the body: nothing was submitted
             return Response(status_code=499)
+        if run.parsed.stream:
+            return event_stream(self._stream(run), run.generation)
+        try:
+            body = await self.whole(request, run)
+        except EngineError as exc:
+            return engine_error_response(exc)
+        return Response(status_code=499) if body is None else JSONResponse(body)
+
+    async def read_json(self, request: Request) -> dict:
+        """The checks before a body is read (open, API key), then the body as a JSON object."""
+        self._check_open()
+        self._authorize(request)
+        return parse_json(await self._read_body(request))
+
+    async def start(self, request: Request, kind: str, body: dict | None = None) -> Run:
+        """Check, parse, admit and submit a generation: the request's own body, or `body` (a chat body
+        the Responses and Messages APIs translated theirs into, read with read_json)."""
+        arrival_time, arrival = time.time(), time.monotonic()
+        if body is None:
+            body = await self.read_json(request)
+        lora = self._check_model(body.get("model"))
+        parsed = await asyncio.to_thread(self._parse, kind, body)  # a long prompt must not stall streams
+        statuses = await self._statuses()
+        self._check_admissible(parsed, self._ready(statuses))
+        self._admit(statuses, sum(len(p) for p in parsed.prompts))
+        model = self.served_model_name if lora is None else lora.lora_name
+        shape = ResponseShape.new(kind, model, parsed.logprobs, self.token_text,
+                                  request_id(request), parsed.prompt_logprobs)
+        echoes = await asyncio.to_thread(self._echoes, parsed) if parsed.echo else None
+        requests, choices = self._sub_requests(shape.id, parsed, arrival_time, arrival, echoes, lora)
+        generation = await self._submit(requests)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in parsed.prompts))
         self.metrics.size_token_buckets(statuses)
-        deadline = arrival + self.config.request_timeout_s
-        if parsed.stream:
-            async def close() -> None:  # also when the client leaves before the stream's first step
-                generation.close()
-
-            stream = self._stream(shape, parsed, generation, choices, deadline)
-            return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(close),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, shape, parsed, generation, choices, deadline)
+        return Run(shape, parsed, generation, choices, arrival + self.config.request_timeout_s)
 
     def _echoes(self, parsed: ParsedRequest) -> list[Echo]:
         """Each prompt's echoed text (completions `echo`), decoded as the choices' text is."""
@@ -323,55 +361,55 @@ class Gateway:
                 ))
         return requests, choices
 
-    async def _complete(
-        self, request: Request, shape: ResponseShape, parsed: ParsedRequest, generation: Generation,
-        choices: list[ChoiceState], deadline: float,
-    ) -> Response:
-        """A whole body, unless the client leaves first (then the requests are aborted)."""
-        collect = asyncio.ensure_future(self._drain(generation, choices, deadline))
+    async def whole(self, request: Request, run: Run) -> dict | None:
+        """The whole body once every choice has finished, or None when the client left first (then
+        the requests are aborted); EngineError when the generation failed."""
+        collect = asyncio.ensure_future(self._drain(run.generation, run.choices, run.deadline))
         disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
-                return Response(status_code=499)  # nobody reads it
+                return None  # nobody reads it
             collect.result()
-        except EngineError as exc:
-            retry = {"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)} if exc.status == 503 else None  # as every 503
-            return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
         finally:
             for task in (collect, disconnect):
                 task.cancel()
-            generation.close()
-        return JSONResponse(shape.body(choices, usage(parsed.prompts, choices)))
+            run.generation.close()
+        return run.shape.body(run.choices, usage(run.parsed.prompts, run.choices))
 
     async def _drain(self, generation: Generation, choices: list[ChoiceState], deadline: float) -> None:
         async for _ in self._events(generation, choices, deadline):
             pass
 
-    async def _stream(
-        self, shape: ResponseShape, parsed: ParsedRequest, generation: Generation, choices: list[ChoiceState],
-        deadline: float,
-    ):
-        include_usage = parsed.include_usage
+    async def _stream(self, run: Run):
+        try:
+            async with contextlib.aclosing(self.chunks(run)) as chunks:
+                async for chunk in chunks:
+                    yield sse(chunk)
+        except EngineError as exc:
+            yield sse(exc.body())
+        yield SSE_DONE
+
+    async def chunks(self, run: Run):
+        """The stream's chunks as dicts (the usage chunk last, when asked); EngineError when the
+        generation fails. The generation is closed however the stream ends."""
+        shape, include_usage = run.shape, run.parsed.include_usage
         try:
             if shape.kind == "chat":
-                for c in choices:
-                    yield shape.chunk(shape.choice_delta(c.index, "", [], None, role=True), include_usage)
-            async for choice in self._events(generation, choices, deadline):
+                for c in run.choices:
+                    yield shape.chunk_body(shape.choice_delta(c.index, "", [], None, role=True), include_usage)
+            async for choice in self._events(run.generation, run.choices, run.deadline):
                 for delta in shape.choice_deltas(choice, *choice.take_delta()):
                     # in the first chunk after they came (the request's first event brings them)
                     if shape.prompt_logprobs is not None and choice.prompt_logprobs is not None \
                             and not choice.prompt_logprobs_sent:
                         choice.prompt_logprobs_sent = True
                         delta["prompt_logprobs"] = shape.choice_prompt_logprobs(choice)
-                    yield shape.chunk(delta, include_usage)
+                    yield shape.chunk_body(delta, include_usage)
             if include_usage:
-                yield shape.chunk(None, True, usage(parsed.prompts, choices))
-        except EngineError as exc:
-            yield sse(exc.body())
-        finally:  # also on a disconnect, which cancels this generator at its await
-            generation.close()
-        yield SSE_DONE
+                yield shape.chunk_body(None, True, usage(run.parsed.prompts, run.choices))
+        finally:  # also on a disconnect, which cancels the stream at its await
+            run.generation.close()
 
     async def _events(self, generation: Generation, choices: list[ChoiceState], deadline: float):
         """Each choice as an event changes it, until every choice has finished. An event goes to the
@@ -442,14 +480,17 @@ class Gateway:
             raise unavailable(SHUTTING_DOWN)
 
     def _authorize(self, request: Request) -> None:
+        """The API key as 'Authorization: Bearer KEY', or as Anthropic's 'x-api-key: KEY'."""
         key = self.config.api_key
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-        _check_key(token.strip(), key)
+        if scheme.lower() == "bearer" and token.strip():
+            return _check_key(token.strip(), key)
+        if "x-api-key" in request.headers:
+            return _check_key(request.headers["x-api-key"], key)
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                       code="invalid_api_key")
 
     def authorize_dashboard(self, request: Request) -> None:
         """The API key, if the gateway has one, in the header or else as `?api_key=` (a browser's
@@ -567,6 +608,22 @@ class Gateway:
             raise unavailable(f"could not queue the request in Redis ({exc})") from exc
 
 
+@dataclass(slots=True)
+class Run:
+    """One admitted generation: what its bodies share, the parsed request, its choices, its deadline."""
+
+    shape: ResponseShape
+    parsed: ParsedRequest
+    generation: Generation
+    choices: list[ChoiceState]
+    deadline: float  # time.monotonic()
+
+
+def engine_error_response(exc: EngineError) -> JSONResponse:
+    retry = {"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)} if exc.status == 503 else None  # as every 503
+    return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
+
+
 def _read_template(path: str | None) -> str | None:
     if path is None:
         return None
@@ -662,8 +719,10 @@ class CountResponses:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if path in ROUTES or path in DASHBOARD_ROUTES:
+        if path in ROUTES or path in DASHBOARD_ROUTES or path in AGENT_ROUTES:
             route = path
+        elif path.startswith("/v1/responses/"):
+            route = "/v1/responses/{response_id}"
         elif path.startswith("/v1/models/"):
             route = "/v1/models/{model}"
         else:

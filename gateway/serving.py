@@ -82,6 +82,7 @@ class ChoiceState:
     finish_reason: str | None = None
     error: str | None = None
     stopped_by_string: bool = False
+    stop_string: str | None = None  # the stop string that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0
     num_prompt_tokens: int = 0
@@ -138,9 +139,10 @@ class ChoiceState:
             return
         start = max(0, len(self.text) - max(map(len, self.stop), default=0) + 1)
         self.text += piece
-        hits = [pos for pos in (self.text.find(s, start) for s in self.stop) if pos >= 0]
+        hits = [(pos, s) for pos, s in ((self.text.find(s, start), s) for s in self.stop) if pos >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            pos, self.stop_string = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[:pos]
             self.finish_reason, self.stopped_by_string = "stop", True
 
     def take_delta(self) -> tuple[str, list[TokenLogprob]]:
@@ -242,13 +244,13 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": out,
                 "usage": usage}
 
-    def chunk(self, choice: dict | None, include_usage: bool, usage: dict | None = None) -> str:
+    def chunk_body(self, choice: dict | None, include_usage: bool, usage: dict | None = None) -> dict:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice] if choice is not None else []}
         if include_usage:
             body["usage"] = usage
-        return sse(body)
+        return body
 
     def choice_delta(self, index: int, text: str, entries: list[TokenLogprob], finish_reason: str | None,
                      role: bool = False) -> dict:

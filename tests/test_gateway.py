@@ -754,6 +754,16 @@ def test_a_missing_or_wrong_api_key_is_401(base_url, headers):
         assert c.get("/health").status_code == 200  # probes need no key
 
 
+@pytest.mark.parametrize("headers", [{}, {"x-api-key": "wrong"}])
+def test_the_key_as_x_api_key_is_accepted_and_the_messages_api_answers_401_in_anthropics_shape(base_url, headers):
+    with httpx.Client(base_url=base_url, headers={"x-api-key": API_KEY}) as c:
+        assert c.get("/v1/models").status_code == 200
+    with httpx.Client(base_url=base_url, headers=headers) as c:
+        r = c.post("/v1/messages", json={"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        error(c.post("/v1/responses", json={"input": "x"}), 401, code="invalid_api_key")
+
+
 def test_an_unknown_model_or_route_is_404(client):
     e = error(client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, param="model",
               code="model_not_found")
