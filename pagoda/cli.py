@@ -328,6 +328,10 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     o = benches.add_parser("overhead", help="time to first token through the stack minus the offline engine's (CPU)")
     o.add_argument("--requests", type=int, default=30, help="requests timed each way (after 2 warm-up ones)")
     o.add_argument("--output", help="write the result JSON here")
+    o.add_argument("--parsers", action="store_true",
+                   help="instead: streamed chat TTFT and inter-token time with --reasoning-parser and "
+                        "--tool-call-parser on against off, on one engine")
+    o.add_argument("--model", default="default", help="the model --parsers serves")
     o.set_defaults(handler=_bench_overhead)
     t = benches.add_parser("cpu-tier", help="time to first token of an evicted prefix found in the prefix cache's CPU "
                                              "tier against recomputed (--cpu-prefix-cache)")

@@ -3,13 +3,21 @@
 and the size of a decode step's plan per running sequence at short and long contexts. CPU.
 
     pagoda bench overhead --requests 30 --output out.json
+    pagoda bench overhead --parsers --requests 30   # what reasoning and tool parsing add to a chat stream
+
+`--parsers` times streamed chat completions on one engine through two gateways, one with
+`--reasoning-parser deepseek_r1 --tool-call-parser hermes` (the requests given tools) and one
+without, the requests alternating between them. A chat template that never renders tools keeps
+the prompts equal, so the engine's work is the same and the difference is the gateway's parsing.
 """
 from __future__ import annotations
 
 import json
 import logging
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from common.protocol import SamplingParams, encode
 from pagoda.bench.common import command_words, header, write_result
@@ -62,9 +70,65 @@ def plan_bytes_per_seq(llm: LLM, context: int, num_seqs: int = 8) -> float:
     return statistics.mean(sizes)
 
 
+# ChatML that leaves the tools out: a request with tools has the same prompt as one without
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+PARSER_FLAGS = ("--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes")
+
+
+def chat_stream_times(client, url: str, body: dict) -> list[float]:
+    """Seconds from the request to each chunk that carries text (content or reasoning)."""
+    start, times = time.perf_counter(), []
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            delta = (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {})
+            if delta.get("content") or delta.get("reasoning_content"):
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def _summary(runs: list[list[float]]) -> dict:
+    ttft = [times[0] for times in runs]
+    gaps = [(times[-1] - times[0]) / (len(times) - 1) for times in runs if len(times) > 1]
+    return {"ttft_ms": statistics.median(ttft) * 1e3, "inter_token_ms": statistics.median(gaps) * 1e3 if gaps else None,
+            "chunks": statistics.median(len(times) for times in runs)}
+
+
+def parser_overhead(model: str, n: int, max_tokens: int = 32) -> dict:
+    """Median TTFT and inter-token time of streamed chats with the parsers on and off, and their ratios."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "Name the planets of the solar system."}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    with tempfile.TemporaryDirectory() as tmp:
+        template = Path(tmp) / "chatml.jinja"
+        template.write_text(CHAT_TEMPLATE)
+        common = ("--model", model, "--chat-template", str(template))
+        with Stack("--device", "cpu", *common) as stack, \
+                Stack("--redis-url", stack.redis_url, *common, *PARSER_FLAGS, command="gateway") as parsing, \
+                httpx.Client(timeout=120) as client:
+            runs: dict[str, list] = {"plain": [], "parsers": []}
+            for i in range(n + 2):  # alternating, so drift in the machine's speed falls on both alike
+                runs["plain"].append(chat_stream_times(client, stack.url, body))
+                runs["parsers"].append(chat_stream_times(client, parsing.url, {**body, "tools": TOOLS}))
+    plain, parsers = (_summary(r[2:]) for r in (runs["plain"], runs["parsers"]))  # 2 warm-up rounds
+    ratio = {key: parsers[key] / plain[key] for key in ("ttft_ms", "inter_token_ms") if plain[key]}
+    return {"plain": plain, "parsers": parsers, "ratio": ratio, "parser_flags": " ".join(PARSER_FLAGS)}
+
+
 def run(args) -> int:
     """The `pagoda bench overhead` command."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    if args.parsers:
+        result = {**header("overhead", command_words("overhead", args)),
+                  "parsers": parser_overhead(args.model, args.requests)}
+        write_result(result, args.output)
+        print(json.dumps(result, indent=2))
+        return 0
     llm = LLM("default", device="cpu")
     offline = offline_ttft(llm, args.requests)
     plan_sizes = {str(c): plan_bytes_per_seq(llm, c) for c in (64, 1024)}
