@@ -651,48 +651,62 @@ class Scheduler(DraftSteps):
                     continue
             try:
                 seqs = group.seqs_with(SequenceStatus.WAITING)
-                if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
-                    return
-                # a group still scoring its prompt computes every position: no prefix-cache lookup
-                tokens = [None if group.needs_prompt_logprobs else TokenView(seq) for seq in seqs]
-                final_tokens = self._final_tokens(group)
-                salt = group.prefix_salt
-                if len(seqs) == 1:
-                    hits = [0 if tokens[0] is None else bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens, salt)]
-                    fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], final_tokens, salt)
-                else:  # a preempted group recomputing: hits are a bonus, not counted on
-                    hits = [0] * len(seqs)
-                    needed = sum(bm.blocks_for(seq.num_tokens) for seq in seqs)
-                    fits = needed <= bm.num_free_blocks - bm.watermark_blocks
-                num_new = self._chunk_sizes(seqs, budget, hits)
-                if num_new is None or not self.config.enable_chunked_prefill and any(
-                    n + hit < s.num_tokens for s, n, hit in zip(seqs, num_new, hits)
-                ):
-                    return
-                if not fits:
+                if not self._can_start(group, seqs, budget):
                     return
                 self._pin_lora(group, plan)  # available: checked above
                 self.waiting.pop(i)
-                for seq, view in zip(seqs, tokens):
-                    seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens, salt)
-                    seq.status = SequenceStatus.RUNNING
-                    if bm.enable_prefix_caching and view is not None:
-                        self.prefix_cache_queries += seq.num_tokens
-                        self.prefix_cache_hits += seq.num_computed_tokens
-                        if seq.num_computed_tokens:
-                            hit_blocks = bm.block_table(seq.seq_id)[:seq.num_computed_tokens // bm.block_size]
-                            self._record("prefix_hit", group, seq.seq_id, hit_blocks)
-                if group.first_scheduled_time is None:
-                    group.first_scheduled_time = time.time()
-                    group.num_cached_tokens = seqs[0].num_computed_tokens  # hits only: nothing ran yet
-                if self.sliding_window is not None:  # prefix-cache hits the window already skips
-                    self._remove_skipped_blocks([group])
-                self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
-                self._insert_running(group)
+                self._start(group, seqs, plan, budget)
                 if computing is not None and len(seqs) == 1 and seqs[0].num_computed_tokens < seqs[0].num_tokens:
                     computing.update(self._prompt_keys(group))
             except Exception as exc:
                 self._fail(group, exc, plan)
+
+    def _prompt_views(self, group: SequenceGroup, seqs: list[Sequence]) -> list[TokenView | None]:
+        """What the prefix cache is looked up by; a group still scoring its prompt computes every
+        position: no lookup."""
+        return [None if group.needs_prompt_logprobs else TokenView(seq) for seq in seqs]
+
+    def _can_start(self, group: SequenceGroup, seqs: list[Sequence], budget: _Budget) -> bool:
+        """Whether the waiting group fits this step: sequence slots, its first chunk in the token
+        budget (its whole prompt without chunked prefill), its blocks in the pool."""
+        bm = self.block_manager
+        if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
+            return False
+        tokens = self._prompt_views(group, seqs)
+        salt = group.prefix_salt
+        if len(seqs) == 1:
+            hits = [0 if tokens[0] is None else bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens, salt)]
+            fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], self._final_tokens(group), salt)
+        else:  # a preempted group recomputing: hits are a bonus, not counted on
+            hits = [0] * len(seqs)
+            fits = sum(bm.blocks_for(seq.num_tokens) for seq in seqs) <= bm.num_free_blocks - bm.watermark_blocks
+        num_new = self._chunk_sizes(seqs, budget, hits)
+        if num_new is None or not self.config.enable_chunked_prefill and any(
+            n + hit < s.num_tokens for s, n, hit in zip(seqs, num_new, hits)
+        ):
+            return False
+        return fits
+
+    def _start(self, group: SequenceGroup, seqs: list[Sequence], plan: StepPlan, budget: _Budget) -> None:
+        """Allocate the group's blocks (prefix-cache hits computed already) and plan its first chunk."""
+        bm = self.block_manager
+        final_tokens, salt = self._final_tokens(group), group.prefix_salt
+        for seq, view in zip(seqs, self._prompt_views(group, seqs)):
+            seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens, salt)
+            seq.status = SequenceStatus.RUNNING
+            if bm.enable_prefix_caching and view is not None:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed_tokens
+                if seq.num_computed_tokens:
+                    hit_blocks = bm.block_table(seq.seq_id)[:seq.num_computed_tokens // bm.block_size]
+                    self._record("prefix_hit", group, seq.seq_id, hit_blocks)
+        if group.first_scheduled_time is None:
+            group.first_scheduled_time = time.time()
+            group.num_cached_tokens = seqs[0].num_computed_tokens  # hits only: nothing ran yet
+        if self.sliding_window is not None:  # prefix-cache hits the window already skips
+            self._remove_skipped_blocks([group])
+        self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
+        self._insert_running(group)
 
     # SGLang's in-batch prefix caching: a prompt whose first blocks another prompt is computing right
     # now waits for them to be cached instead of computing them again beside it (a burst of requests
@@ -899,14 +913,7 @@ class Scheduler(DraftSteps):
         them after the plans in flight (plans run in order), so none reads or writes a block that
         plan still writes. Its KV is registered for prefix caching only once confirmed here, so the
         vain token (never in a full block whose tokens were known) is never a cache entry."""
-        if not self._in_flight:
-            raise ValueError(f"result for step {result.step}/{result.epoch}, but no plan awaits one")
-        expected = self._in_flight[0].step
-        if result.step != expected or result.epoch != self.epoch:
-            raise ValueError(f"result for step {result.step}/{result.epoch}, expected {expected}/{self.epoch}")
-        if result.error:
-            raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
-        done = self._in_flight.popleft()
+        done = self._take_result(result)
         for slot, message in result.lora_errors:
             self._fail_lora_slot(slot, message)
         touched: dict[str, SequenceGroup] = {}
@@ -918,17 +925,39 @@ class Scheduler(DraftSteps):
         self._apply_computed(done.scheduled)
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result)
+        self._apply_samples(result, done, touched, new_counts)
+        return self._outputs(touched, new_counts)
+
+    def _take_result(self, result: StepResult) -> _InFlight:
+        """The plan `result` answers: the oldest in flight, of this epoch."""
+        if not self._in_flight:
+            raise ValueError(f"result for step {result.step}/{result.epoch}, but no plan awaits one")
+        expected = self._in_flight[0].step
+        if result.step != expected or result.epoch != self.epoch:
+            raise ValueError(f"result for step {result.step}/{result.epoch}, expected {expected}/{self.epoch}")
+        if result.error:
+            raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
+        return self._in_flight.popleft()
+
+    @staticmethod
+    def _samples_by_seq(drawn: list[SampledToken]) -> dict[int, SampledToken | list[SampledToken]]:
+        """seq_id -> its token; in lists when some sequence drew several (best_of, n)."""
+        samples: dict[int, SampledToken | list[SampledToken]] = {s.seq_id: s for s in drawn}
+        if len(samples) == len(drawn):
+            return samples
+        samples = {}
+        for sampled in drawn:
+            if (tokens := samples.get(sampled.seq_id)) is None:
+                samples[sampled.seq_id] = [sampled]
+            else:
+                tokens.append(sampled)
+        return samples
+
+    def _apply_samples(self, result: StepResult, done: _InFlight, touched: dict[str, SequenceGroup],
+                       new_counts: dict[int, int]) -> None:
         planned_samples = done.samples
-        samples: dict[int, SampledToken | list[SampledToken]] = {s.seq_id: s for s in result.sampled}
-        if len(samples) != len(result.sampled):  # some sequence drew several (best_of, n): in lists
-            samples = {}
-            for sampled in result.sampled:
-                if (drawn := samples.get(sampled.seq_id)) is None:
-                    samples[sampled.seq_id] = [sampled]
-                else:
-                    drawn.append(sampled)
         seqs, group_of_seq, running = self._seqs, self._group_of_seq, SequenceStatus.RUNNING
-        for seq_id, sampled in samples.items():
+        for seq_id, sampled in self._samples_by_seq(result.sampled).items():
             if seq_id in done.drafts:
                 continue  # _verify_drafts
             seq = seqs.get(seq_id)
@@ -943,43 +972,34 @@ class Scheduler(DraftSteps):
             try:
                 if one and group.simple:  # the common case
                     self._append(group, seq, sampled, new_counts)
-                    continue
-                if one:
-                    sampled = [sampled]
-                if group.sampling_params.max_tokens == 0:  # scoring only: the draw is discarded
-                    self._finish_scored(group)
-                    continue
-                if group.beam is not None:
-                    group.beam.pending[seq_id] = sampled[0]
-                    continue
-                if len(sampled) > 1:
-                    for index, extra in enumerate(sampled[1:], start=1):
-                        self._append(group, self._fork(group, seq, index), extra, new_counts)
-                self._append(group, seq, sampled[0], new_counts)
+                else:
+                    self._apply_drawn(group, seq, [sampled] if one else sampled, new_counts)
             except Exception as exc:
                 del touched[group.request_id]
                 self._fail(group, exc)
+
+    def _apply_drawn(self, group: SequenceGroup, seq: Sequence, sampled: list[SampledToken],
+                     new_counts: dict[int, int]) -> None:
+        """A sequence's draw in a group that is not one plain stream: scoring only (the draw is
+        discarded), a beam's candidates (beam_step takes them), or its first samples (the extra
+        ones fork)."""
+        if group.sampling_params.max_tokens == 0:
+            self._finish_scored(group)
+            return
+        if group.beam is not None:
+            group.beam.pending[seq.seq_id] = sampled[0]
+            return
+        for index, extra in enumerate(sampled[1:], start=1):
+            self._append(group, self._fork(group, seq, index), extra, new_counts)
+        self._append(group, seq, sampled[0], new_counts)
+
+    def _outputs(self, touched: dict[str, SequenceGroup], new_counts: dict[int, int]) -> list[RequestOutput]:
+        """What each touched request gained; the finished ones retire."""
         outputs, ended = [], []
         for group in touched.values():
             try:
-                if group.simple:  # `_output` of one sequence that streams
-                    seq = group.seqs[0]
-                    status = seq.status
-                    outputs.append(RequestOutput(
-                        group.request_id, seq.prompt_token_ids, [SequenceOutput(
-                            seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
-                            seq.output_logprobs if group.sampling_params.logprobs is not None else None,
-                            status.finish_reason,
-                        )], status.finished, group.first_scheduled_time,
-                        group.prompt_logprobs if group.num_prompt_logprobs_missing == 0 else None,
-                        group.num_cached_tokens,
-                    ))
-                    if status.finished:
-                        ended.append(group)
-                    continue
-                if group.beam is not None and len(group.beam.pending) == len(group.seqs):
-                    beam_step(group, self.eos_token_ids, self.num_eos_token_ids, self._beam_ops)
-                if (out := self._output(group, new_counts)) is not None:
+                out = self._stream_output(group, new_counts) if group.simple else self._group_output(group, new_counts)
+                if out is not None:
                     outputs.append(out)
                     if out.finished:  # group.is_finished
                         ended.append(group)
@@ -988,6 +1008,24 @@ class Scheduler(DraftSteps):
         for group in ended:
             self._retire(group)
         return outputs
+
+    @staticmethod
+    def _stream_output(group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput:
+        """`_output` of a group of one sequence that streams, without its branches."""
+        seq = group.seqs[0]
+        status = seq.status
+        return RequestOutput(
+            group.request_id, seq.prompt_token_ids, [SequenceOutput(
+                seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
+                seq.output_logprobs if group.sampling_params.logprobs is not None else None, status.finish_reason,
+            )], status.finished, group.first_scheduled_time,
+            group.prompt_logprobs if group.num_prompt_logprobs_missing == 0 else None, group.num_cached_tokens,
+        )
+
+    def _group_output(self, group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput | None:
+        if group.beam is not None and len(group.beam.pending) == len(group.seqs):
+            beam_step(group, self.eos_token_ids, self.num_eos_token_ids, self._beam_ops)
+        return self._output(group, new_counts)
 
     def _collect_prompt_logprobs(self, result: StepResult) -> None:
         """Each scored position once: a recompute after preemption scores held positions again."""
