@@ -10,7 +10,9 @@ and from the chat path (gateway/agents.py).
     tools [{name, description, input_schema}]       function tools
     tool_choice auto | any | tool | none            "auto" | "required" | that function | "none"
     max_tokens (required), stop_sequences           max_completion_tokens, stop
-    thinking {"type": "enabled" | "disabled"}       chat_template_kwargs {"enable_thinking"}
+    thinking {"type": "enabled" | "adaptive"}       chat_template_kwargs {"enable_thinking": true}
+    thinking.budget_tokens (type "enabled")         thinking_token_budget (under --reasoning-parser)
+    thinking {"type": "disabled"}                   chat_template_kwargs {"enable_thinking": false}
 
 The answer's content blocks: `thinking` (the chat message's reasoning_content; signature ""),
 `text`, a `tool_use` per tool call. Errors are Anthropic's {"type": "error", "error": {"type",
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 SAMPLING = ("model", "temperature", "top_p", "top_k")
 CHAT_PARAMS = {"messages": "messages", "max_completion_tokens": "max_tokens", "stop": "stop_sequences",
-               "stream_options": "stream"}
+               "stream_options": "stream", "thinking_token_budget": "thinking.budget_tokens"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                504: "timeout_error"}
@@ -47,7 +49,7 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 
 async def create(gateway: Gateway, request: Request) -> Response:
-    return await serve(gateway, request, Messages())
+    return await serve(gateway, request, Messages(gateway.encoder.reasoning_parser is not None))
 
 
 async def count_tokens(gateway: Gateway, request: Request) -> Response:
@@ -62,10 +64,14 @@ async def count_tokens(gateway: Gateway, request: Request) -> Response:
 
 
 class Messages:
-    """One POST /v1/messages (a Translation)."""
+    """One POST /v1/messages (a Translation). `reasoning`: the server parses the thinking
+    (--reasoning-parser), so a thinking budget can be enforced."""
+
+    def __init__(self, reasoning: bool = False) -> None:
+        self.reasoning = reasoning
 
     async def chat_body(self, body: dict) -> dict:
-        return chat_request(body)
+        return chat_request(body, reasoning=self.reasoning)
 
     async def answer(self, turn: Turn, run: Run) -> dict:
         return message_object(message_id(run), run.shape.model, turn)
@@ -105,8 +111,8 @@ def message_id(run: Run) -> str:
 
 # ----------------------------------------------------------------------------- request to chat
 
-def chat_request(body: dict, need_max_tokens: bool = True) -> dict:
-    """The chat-completions body for a Messages request."""
+def chat_request(body: dict, need_max_tokens: bool = True, reasoning: bool = False) -> dict:
+    """The chat-completions body for a Messages request (`reasoning`: as Messages')."""
     max_tokens = body.get("max_tokens")
     need(max_tokens is not None or not need_max_tokens, "max_tokens: Field required", "max_tokens")
     messages = body.get("messages")
@@ -126,10 +132,26 @@ def chat_request(body: dict, need_max_tokens: bool = True) -> dict:
         if body["stream"] is True:
             chat["stream_options"] = {"include_usage": True}
     chat.update(_chat_tools(body.get("tools"), body.get("tool_choice")))
-    thinking = body.get("thinking")
+    chat.update(_chat_thinking(body.get("thinking"), reasoning))
+    return chat
+
+
+def _chat_thinking(thinking, reasoning: bool) -> dict:
+    """`thinking` as chat fields: "enabled" or "adaptive" turns the template's thinking on (Qwen3's
+    enable_thinking), "disabled" off; "enabled"'s budget_tokens is the chat's thinking_token_budget
+    when the server parses the thinking (`reasoning`), and is ignored otherwise, as nothing could
+    tell the thinking's tokens apart. Other types are left to the template's default."""
     need(thinking is None or isinstance(thinking, dict), "thinking must be an object", "thinking")
-    if thinking and thinking.get("type") in ("enabled", "disabled"):
-        chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+    kind = (thinking or {}).get("type")
+    if kind not in ("enabled", "adaptive", "disabled"):
+        return {}
+    chat = {"chat_template_kwargs": {"enable_thinking": kind != "disabled"}}
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and budget is not None:
+        need(type(budget) is int and budget >= 0, f"thinking.budget_tokens must be an integer >= 0, got {budget!r}",
+             "thinking.budget_tokens")
+        if reasoning:
+            chat["thinking_token_budget"] = budget
     return chat
 
 

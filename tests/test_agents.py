@@ -2,7 +2,9 @@
 anthropic, openai-agents), on one scripted model (tests/scripted.py) whose greedy output the last
 word of the conversation picks: "weather" a Hermes call of get_weather, "sunny" (a tool's result)
 the answer, "plain" a plain answer. A second gateway on the same Redis continues a conversation
-the first one stored."""
+the first one stored. The thinking scripts ("ponder", "forecast") are served by a third gateway,
+in process, that parses the thinking (--reasoning-parser deepseek_r1): under it, a script without
+`</think>` would be all thinking, so the other tests keep the stack's gateway."""
 from __future__ import annotations
 
 import asyncio
@@ -15,13 +17,22 @@ import pytest
 from transformers import AutoTokenizer
 
 import scripted
-from tests.stack import Gateway, Stack
+from common.config import GatewayConfig
+from common.redis_server import free_port
+from gateway.app import create_app
+from tests.stack import Gateway, Stack, serve_app
 
 pytestmark = pytest.mark.slow
+CALL = ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>"]
 SCRIPTS = {
-    "weather": ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>"],
+    "weather": CALL,
     "sunny": ["It is", " sunny in Paris."],
     "plain": ["Plain", " answer."],
+    # thinking, then the answer; the template's empty think block (thinking off) ends in this
+    # "</think>" too, so it is answered "\n\nDone pondering."
+    "ponder": ["<think>", "Let me", " think.", "</think>", "\n\nDone", " pondering."],
+    # thinking opened by the template (DeepSeek R1's way), then the call (the chains merge)
+    "forecast": ["Checking", " the forecast.", "</think>\n", *CALL],
 }
 SPECIAL = ("<tool_call>", "</tool_call>")
 FLAGS = ("--tool-call-parser", "hermes")
@@ -52,6 +63,16 @@ def second(stack, model_dir):
 
 
 @pytest.fixture(scope="module")
+def thinking_url(stack, model_dir):
+    """A gateway on the stack's Redis, in process, with --reasoning-parser deepseek_r1."""
+    port = free_port()
+    config = GatewayConfig(redis_url=stack.redis_url, model=str(model_dir), port=port, tool_call_parser="hermes",
+                           reasoning_parser="deepseek_r1")
+    with serve_app(create_app(config), port):
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
 def model(stack) -> str:
     return httpx.get(stack.url + "/v1/models").json()["data"][0]["id"]
 
@@ -64,6 +85,16 @@ def oai(stack):
 @pytest.fixture(scope="module")
 def claude(stack):
     return anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def thinking_oai(thinking_url):
+    return openai.OpenAI(base_url=thinking_url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def thinking_claude(thinking_url):
+    return anthropic.Anthropic(base_url=thinking_url, api_key="none", max_retries=0)
 
 
 def prompt_tokens(model_dir, messages: list[dict]) -> int:
@@ -212,6 +243,99 @@ def test_count_tokens_is_the_prompt_as_the_message_uses_it(claude, model, model_
                                               {"role": "user", "content": "Say plain"}])
     usage = claude.messages.create(max_tokens=8, **body).usage
     assert usage.input_tokens + usage.cache_read_input_tokens == count and usage.output_tokens == 3
+
+
+# ----------------------------------------------------------------------------- thinking (deepseek_r1)
+
+PONDER = ("Let me think.", "\n\nDone pondering.")  # the "ponder" script's thinking and answer
+FORECAST = "Checking the forecast."
+
+
+def response_without_ids(response) -> dict:
+    body = response.model_dump()
+    assert body.pop("id").startswith("resp_")
+    body.pop("created_at")
+    for item in body["output"]:
+        item.pop("id")
+    return body
+
+
+def test_responses_reasoning_item_comes_before_the_message_with_exact_usage(thinking_oai, model):
+    response = thinking_oai.responses.create(model=model, input="Now ponder")
+    reasoning, message = response.output
+    assert (reasoning.type, [part.text for part in reasoning.content], reasoning.summary) == (
+        "reasoning", [PONDER[0]], [])
+    assert (message.type, response.output_text) == ("message", PONDER[1])
+    usage = response.usage  # "<think>", "Let me", " think.", "</think>" think; "\n\nDone", " pondering.", </s>
+    assert (usage.output_tokens, usage.output_tokens_details.reasoning_tokens) == (7, 4)
+
+
+def test_responses_stream_sends_the_reasoning_then_the_message(thinking_oai, model):
+    whole = thinking_oai.responses.create(model=model, input="Now ponder")
+    events = list(thinking_oai.responses.create(model=model, input="Now ponder", stream=True))
+    added = ["response.output_item.added", "response.content_part.added"]
+    done = ["response.content_part.done", "response.output_item.done"]
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", *added, *["response.reasoning_text.delta"] * 2,
+        "response.reasoning_text.done", *done, *added, *["response.output_text.delta"] * 2,
+        "response.output_text.done", *done, "response.completed"]
+    assert [e.delta for e in events if e.type.endswith("text.delta")] == ["Let me", " think.", "\n\nDone",
+                                                                           " pondering."]
+    assert [e.output_index for e in events[2:-1]] == [0] * 7 + [1] * 7
+    assert response_without_ids(events[-1].response) == response_without_ids(whole)
+
+
+def test_responses_thinking_then_a_function_call(thinking_oai, model):
+    response = thinking_oai.responses.create(model=model, input="What is the forecast", tools=[RESPONSES_TOOL])
+    reasoning, call = response.output
+    assert (reasoning.type, [part.text for part in reasoning.content]) == ("reasoning", [FORECAST])
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", PARIS)
+    assert response.usage.output_tokens_details.reasoning_tokens == 3  # "Checking", " the forecast.", "</think>\n"
+
+
+def block_summary(block) -> tuple:
+    """A content block's type and what it holds."""
+    if block.type == "thinking":
+        return "thinking", block.thinking, block.signature
+    if block.type == "text":
+        return "text", block.text
+    return block.type, block.name, block.input
+
+
+@pytest.mark.parametrize("cue, tools, expected, deltas, stop_reason", [
+    ("Now ponder", [], [("thinking", PONDER[0], ""), ("text", PONDER[1])], ["Let me", " think."], "end_turn"),
+    ("What is the forecast", [ANTHROPIC_TOOL], [("thinking", FORECAST, ""), ("tool_use", "get_weather", PARIS)],
+     ["Checking", " the forecast."], "tool_use"),
+], ids=["text", "tool_use"])
+def test_messages_thinking_block_comes_first_whole_and_streamed(thinking_claude, model, cue, tools, expected,
+                                                                deltas, stop_reason):
+    body = dict(model=model, max_tokens=64, messages=[{"role": "user", "content": cue}], tools=tools)
+    whole = thinking_claude.messages.create(**body)
+    assert ([block_summary(b) for b in whole.content], whole.stop_reason) == (expected, stop_reason)
+    with thinking_claude.messages.stream(**body) as stream:
+        got = [e.delta.thinking for e in stream if e.type == "content_block_delta" and e.delta.type == "thinking_delta"]
+        streamed = stream.get_final_message()
+    assert got == deltas and without_id(streamed) == without_id(whole)
+
+
+@pytest.mark.parametrize("thinking, expected, output_tokens", [
+    # "<think>" and "Let me", then the forced "</think>" goes on as the script's does
+    ({"type": "enabled", "budget_tokens": 2}, [("thinking", "Let me", ""), ("text", PONDER[1])], 6),
+    ({"type": "enabled", "budget_tokens": 64}, [("thinking", PONDER[0], ""), ("text", PONDER[1])], 7),
+    ({"type": "disabled"}, [("text", PONDER[1])], 3),  # the template's empty think block: no thinking
+], ids=["cut", "within", "disabled"])
+def test_messages_thinking_budget_and_switch(thinking_claude, model, thinking, expected, output_tokens):
+    body = dict(model=model, max_tokens=64, messages=[{"role": "user", "content": "Now ponder"}], thinking=thinking)
+    message = thinking_claude.messages.create(**body)
+    assert ([block_summary(b) for b in message.content], message.usage.output_tokens) == (expected, output_tokens)
+    with thinking_claude.messages.stream(**body) as stream:
+        assert without_id(stream.get_final_message()) == without_id(message)
+
+
+def test_without_a_reasoning_parser_the_thinking_budget_is_ignored(claude, model):
+    message = claude.messages.create(model=model, max_tokens=64, thinking={"type": "enabled", "budget_tokens": 1},
+                                     messages=[{"role": "user", "content": "Say plain"}])
+    assert [block_summary(b) for b in message.content] == [("text", "Plain answer.")]
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -200,6 +200,25 @@ def test_a_messages_body_translates_to_chat():
             {"role": "user", "content": "Thanks."}]}
 
 
+@pytest.mark.parametrize("thinking, reasoning, expected", [
+    ({"type": "enabled", "budget_tokens": 2}, True,
+     {"chat_template_kwargs": {"enable_thinking": True}, "thinking_token_budget": 2}),
+    # without a reasoning parser nothing tells the thinking's tokens apart: the budget is ignored
+    ({"type": "enabled", "budget_tokens": 2}, False, {"chat_template_kwargs": {"enable_thinking": True}}),
+    ({"type": "enabled"}, True, {"chat_template_kwargs": {"enable_thinking": True}}),
+    ({"type": "adaptive"}, True, {"chat_template_kwargs": {"enable_thinking": True}}),
+    ({"type": "disabled"}, True, {"chat_template_kwargs": {"enable_thinking": False}}),
+    ({"type": "between_tools"}, True, {}),
+    (None, True, {}),
+], ids=["budget", "budget-no-parser", "enabled", "adaptive", "disabled", "other", "absent"])
+def test_thinking_maps_to_the_template_switch_and_the_thinking_budget(thinking, reasoning, expected):
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    if thinking is not None:
+        body["thinking"] = thinking
+    chat = messages_api.chat_request(body, reasoning=reasoning)
+    assert {key: chat[key] for key in ("chat_template_kwargs", "thinking_token_budget") if key in chat} == expected
+
+
 def test_a_named_tool_choice_is_that_function():
     chat = messages_api.chat_request({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
                                       "tools": [{"name": "f", "input_schema": {"type": "object"}}],
@@ -219,6 +238,11 @@ def test_a_named_tool_choice_is_that_function():
      "tool_choice", "tool_choice must be"),
     ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "bash_20250124"}]},
      "tools", "tools[0] must be a client tool"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "thinking": "on"}, "thinking",
+     "thinking must be an object"),
+    ({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+      "thinking": {"type": "enabled", "budget_tokens": -1}}, "thinking.budget_tokens",
+     "thinking.budget_tokens must be an integer >= 0"),
 ])
 def test_a_malformed_messages_body_is_a_400_naming_its_field(body, param, text):
     with pytest.raises(APIError) as caught:
