@@ -146,7 +146,6 @@ class Scheduler(DraftSteps):
         self._to_drop: list[int] = []  # finished or aborted since the last plan
         self._planning = _InFlight(0)  # the plan being built
         self._in_flight: deque[_InFlight] = deque()  # plans sent, oldest first
-        self._ahead: dict[int, int] = {}  # while planning: seq_id -> tokens it computes in the plan in flight
         self.step = 0
         self.epoch = 0
         self.num_preemptions = 0
@@ -366,14 +365,12 @@ class Scheduler(DraftSteps):
         self._planning = _InFlight(self.step, planned_at=time.monotonic() if self.speculator is not None else 0.0)
         self._copies = []
         self._left_window = []
-        self._ahead = self._ahead_of(self._in_flight[-1]) if self._in_flight else {}  # read only
         if self.sliding_window is not None:
             self._remove_skipped_blocks(self.running)
-        if self._ahead and self.speculator is not None and self._waits_for_drafts():
+        if self._in_flight and self.speculator is not None and self._waits_for_drafts():
             # most of the batch drafts next, from tokens not drawn yet: planning ahead
             # would run the rest alone, and the two halves would take turns, a step each
             self._in_flight.append(self._planning)
-            self._ahead = {}
             self._count_step(plan)
             return plan
         budget = _Budget(self.config.max_num_batched_tokens)
@@ -392,18 +389,8 @@ class Scheduler(DraftSteps):
             if back:
                 self.memory_events.record(self.step, "tier_load", "", -1, [block for _, block in back])
         self._in_flight.append(self._planning)
-        self._ahead = {}
         self._count_step(plan)
         return plan
-
-    @staticmethod
-    def _ahead_of(in_flight: _InFlight) -> dict[int, int]:
-        """The tokens a plan in flight surely computes per sequence: of one verifying drafts only
-        its last token (how many drafts it keeps is not known yet), so it counts as drawing its
-        next token there: it waits for that result and is no preemption victim meanwhile."""
-        if not in_flight.drafts:
-            return in_flight.scheduled
-        return in_flight.scheduled | dict.fromkeys(in_flight.drafts, 1)
 
     def _count_step(self, plan: StepPlan) -> None:
         if self._copies:
@@ -446,44 +433,26 @@ class Scheduler(DraftSteps):
     # frees or swaps its blocks runs (plans run in order).
     def _awaits_result(self, group: SequenceGroup, running: list[Sequence]) -> bool:
         """`running`: the group's running sequences."""
-        ahead = self._ahead
-        if not ahead:
+        if not self._in_flight:
             return False
         beam = group.beam is not None
-        for seq in running:
-            in_flight = ahead.get(seq.seq_id, 0)
-            if in_flight and seq.num_computed_tokens + in_flight == seq.num_tokens and (
-                beam or not self._can_run_ahead(seq, in_flight)
-            ):
-                return True
-        return False
+        return any(seq.draws_in_flight and (beam or not self._can_run_ahead(seq)) for seq in running)
 
-    def _can_run_ahead(self, seq: Sequence, in_flight: int) -> bool:
-        """`in_flight`: the sequence's tokens in the plan in flight (not 0)."""
-        num_output = len(seq.output_token_ids)
-        num_tokens = len(seq.prompt_token_ids) + num_output
-        computed = seq.num_computed_tokens + in_flight
-        if computed < num_tokens:  # a prompt chunk that is not the last: it draws nothing
-            return True
-        if self._in_flight[-1].samples.get(seq.seq_id) != 1 or self._wants_drafts(seq):
+    def _can_run_ahead(self, seq: Sequence) -> bool:
+        """Whether a sequence the plan in flight draws one token for can be planned past it: that
+        token is not one of several (best_of, drafts), may not end it by length, and drafts wait."""
+        if seq.ahead_draws != 1 or self._wants_drafts(seq):
             return False
+        num_output = len(seq.output_token_ids)
         max_tokens = seq.sampling_params.max_tokens
         # with the token in flight
-        return (max_tokens is None or num_output + 1 < max_tokens) and num_tokens + 1 < self.max_model_len
+        return ((max_tokens is None or num_output + 1 < max_tokens)
+                and len(seq.prompt_token_ids) + num_output + 1 < self.max_model_len)
 
-    def _draws_in_flight(self, group: SequenceGroup) -> bool:
+    @staticmethod
+    def _draws_in_flight(group: SequenceGroup) -> bool:
         """Whether the plan in flight draws a token for one of the group's running sequences."""
-        ahead = self._ahead
-        for seq in group.seqs_with(SequenceStatus.RUNNING):
-            in_flight = ahead.get(seq.seq_id, 0)
-            if in_flight and seq.num_computed_tokens + in_flight == seq.num_tokens:
-                return True
-        return False
-
-    def _pending(self, seq: Sequence) -> int:
-        """1 when the plan in flight draws the sequence's next token (computed as PENDING_TOKEN), else 0."""
-        in_flight = self._ahead.get(seq.seq_id, 0)
-        return int(in_flight != 0 and seq.num_computed_tokens + in_flight == seq.num_tokens)
+        return any(seq.draws_in_flight for seq in group.seqs_with(SequenceStatus.RUNNING))
 
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> bool:
         queue = deque(self.running)
@@ -542,10 +511,10 @@ class Scheduler(DraftSteps):
         output = seq.output_token_ids
         num_output = len(output)
         num_tokens = len(seq.prompt_token_ids) + num_output
-        in_flight = self._ahead.get(seq_id, 0)
+        in_flight = seq.ahead
         computed = seq.num_computed_tokens + in_flight  # as in _chunk_sizes and _extra_slots
         if in_flight and computed == num_tokens:  # the plan in flight draws its next token: PENDING_TOKEN
-            if self._in_flight[-1].samples.get(seq_id) != 1 or (  # `_can_run_ahead`, inlined
+            if seq.ahead_draws != 1 or (  # `_can_run_ahead`, inlined
                     self.speculator is not None and self._wants_drafts(seq)):
                 return False
             max_tokens = seq.sampling_params.max_tokens
@@ -590,7 +559,8 @@ class Scheduler(DraftSteps):
             plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
         seq.num_sent_blocks = len(table)
         planning.scheduled[seq_id] = n
-        planning.samples[seq_id] = n if drafts else num_samples
+        planning.samples[seq_id] = num_draws = n if drafts else num_samples
+        seq.plan_ahead(planning.step, 1 if drafts else n, num_draws)
         budget.tokens -= n
         return True
 
@@ -760,9 +730,9 @@ class Scheduler(DraftSteps):
         A sequence may get 0: out of budget (it goes on next step; the samples of a group are
         independent) or a beam that already sampled, waiting for the others to catch up.
         """
-        num_new, tokens_left, ahead = [], budget.tokens, self._ahead
+        num_new, tokens_left = [], budget.tokens
         for i, seq in enumerate(seqs):
-            in_flight = ahead.get(seq.seq_id, 0)  # never 0 for a sequence in the plan in flight
+            in_flight = seq.ahead  # never 0 for a sequence in the plan in flight
             num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
             computed = seq.num_computed_tokens + in_flight  # KV in the cache once the plan in flight ran
             if in_flight and computed == num_tokens:  # with the token it draws there (PENDING_TOKEN)
@@ -775,9 +745,8 @@ class Scheduler(DraftSteps):
 
     def _extra_slots(self, seqs: list[Sequence], num_new: list[int]) -> list[int]:
         """Slots each sequence's table must grow by for its `num_new` tokens (0 or less: none)."""
-        num_slots, ahead = self.block_manager.num_slots, self._ahead
-        return [seq.num_computed_tokens + ahead.get(seq.seq_id, 0) + n - num_slots[seq.seq_id]
-                for seq, n in zip(seqs, num_new)]
+        num_slots = self.block_manager.num_slots
+        return [seq.num_computed_tokens + seq.ahead + n - num_slots[seq.seq_id] for seq, n in zip(seqs, num_new)]
 
     def _remove_skipped_blocks(self, groups: list[SequenceGroup]) -> None:
         """Give back the blocks wholly outside the sliding window of each running sequence's first
@@ -787,11 +756,11 @@ class Scheduler(DraftSteps):
         are not told: they never read those entries, and a table sent whole carries the null block.
         Done for every running group before any table grows, so a victim is never swapped or
         preempted for blocks the window frees; a swapped group comes back as it left."""
-        bm, ahead, running = self.block_manager, self._ahead, SequenceStatus.RUNNING
+        bm, running = self.block_manager, SequenceStatus.RUNNING
         for group in groups:
             for seq in group.seqs:
                 if seq.status is running:
-                    released = bm.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens + ahead.get(seq.seq_id, 0))
+                    released = bm.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens + seq.ahead)
                     if released:
                         self._left_window += released
 
@@ -866,7 +835,7 @@ class Scheduler(DraftSteps):
         if not seqs:
             return
         block_table, held = self.block_manager.block_table, self._held_by_workers
-        scheduled, samples = self._planning.scheduled, self._planning.samples
+        scheduled, samples, step = self._planning.scheduled, self._planning.samples, self._planning.step
         # A request's first token is drawn best_of times, and the samples forked from it
         # (`update`); every other token, and every beam's, once.
         group = self._group_of_seq[seqs[0].seq_id]
@@ -877,9 +846,10 @@ class Scheduler(DraftSteps):
             seq_id = seq.seq_id
             table = block_table(seq_id)
             num_samples = 1 if seq.output_token_ids else best_of
+            draft = None
             if seq_id in held:
                 first_new = seq.num_sent_blocks
-                last_token_id = PENDING_TOKEN if self._pending(seq) else seq.last_token_id
+                last_token_id = PENDING_TOKEN if seq.draws_in_flight else seq.last_token_id
                 draft = drafts.get(seq_id) if drafts else None
                 plan.cached_seqs.append(CachedSequence(
                     seq_id, table[first_new:], first_new, n, last_token_id, num_samples, draft or [],
@@ -902,6 +872,7 @@ class Scheduler(DraftSteps):
             seq.num_sent_blocks = len(table)
             scheduled[seq_id] = n
             samples[seq_id] = num_samples
+            seq.plan_ahead(step, 1 if draft else n, num_samples)
             budget.tokens -= n
 
     # ------------------------------------------------------------------ update
@@ -922,7 +893,7 @@ class Scheduler(DraftSteps):
             self._observe_cost(done, result)
         if done.drafts:
             self._verify_drafts(done, result, touched, new_counts)
-        self._apply_computed(done.scheduled)
+        self._apply_computed(done)
         if result.prompt_logprobs:
             self._collect_prompt_logprobs(result)
         self._apply_samples(result, done, touched, new_counts)
@@ -1050,27 +1021,25 @@ class Scheduler(DraftSteps):
             group.beam.pending.clear()
             group.beam.done = True
 
-    def _apply_computed(self, scheduled: dict[int, int]) -> None:
+    def _apply_computed(self, done: _InFlight) -> None:
         """The KV a step wrote is now in the cache; full blocks join the prefix cache. A sequence
         swapped out by a later plan (a prompt chunk in flight, which draws nothing) took that KV
-        to the swap pool: it counts too, its blocks registered once it runs again."""
-        bm, seqs, running = self.block_manager, self._seqs, SequenceStatus.RUNNING
-        if not bm.enable_prefix_caching:
-            for seq_id, n in scheduled.items():
-                seq = seqs.get(seq_id)
-                if seq is not None and (seq.status is running or seq.status is SequenceStatus.SWAPPED):
-                    seq.num_computed_tokens += n
-            return
-        block_size = bm.block_size
-        for seq_id, n in scheduled.items():
+        to the swap pool: it counts too, its blocks registered once it runs again. The step is no
+        longer in flight for its sequences (unless a later plan is)."""
+        bm, seqs, step = self.block_manager, self._seqs, done.step
+        running, swapped = SequenceStatus.RUNNING, SequenceStatus.SWAPPED
+        caching, block_size = bm.enable_prefix_caching, bm.block_size
+        for seq_id, n in done.scheduled.items():
             seq = seqs.get(seq_id)
             if seq is None:
                 continue
+            if seq.ahead_step == step:
+                seq.ahead = seq.ahead_draws = 0
             if seq.status is running:
                 seq.num_computed_tokens += n
-                if seq.num_computed_tokens // block_size > (seq.num_computed_tokens - n) // block_size:  # filled a block
-                    bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)
-            elif seq.status is SequenceStatus.SWAPPED:
+                if caching and seq.num_computed_tokens // block_size > (seq.num_computed_tokens - n) // block_size:
+                    bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)  # it filled a block
+            elif seq.status is swapped:
                 seq.num_computed_tokens += n
 
     def _check_due(self, step: int, seq: Sequence, num_sampled: int, num_planned: int) -> None:

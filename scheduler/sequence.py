@@ -43,6 +43,13 @@ class Sequence:
     num_sent_blocks: int = 0  # block ids the workers already hold (plan diffs)
     # drafts its last verification accepted, not yet sent to the workers (their KV is)
     accepted_unsent: list[int] = field(default_factory=list)
+    # The plan in flight (async scheduling: the one sent whose result has not come) and this
+    # sequence: the tokens it surely computes there (of one verifying drafts, only its last), the
+    # tokens it draws there, and that plan's step (its result clears them, unless a later plan
+    # has set them since).
+    ahead: int = 0
+    ahead_draws: int = 0
+    ahead_step: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -51,6 +58,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def draws_in_flight(self) -> bool:
+        """The plan in flight computes the sequence's last token: it draws the next one there."""
+        ahead = self.ahead
+        return ahead != 0 and self.num_computed_tokens + ahead == len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def plan_ahead(self, step: int, num_tokens: int, num_draws: int) -> None:
+        """Planned in step `step` (being made): what that plan computes and draws for it."""
+        self.ahead, self.ahead_draws, self.ahead_step = num_tokens, num_draws, step
 
     @property
     def last_token_id(self) -> int:

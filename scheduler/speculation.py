@@ -211,9 +211,9 @@ class DraftSteps:
         """Whether at least half the sequences drawing in the plan in flight want
         drafts next (so they cannot be planned before its result)."""
         drawing = wanting = 0
-        for seq_id, in_flight in self._ahead.items():
+        for seq_id in self._in_flight[-1].scheduled:
             seq = self._seqs.get(seq_id)
-            if seq is not None and seq.num_computed_tokens + in_flight == seq.num_tokens:
+            if seq is not None and seq.draws_in_flight:
                 drawing += 1
                 wanting += self._wants_drafts(seq)
         return 2 * wanting >= drawing > 0
@@ -256,7 +256,7 @@ class DraftSteps:
             return None
         drafts, tokens_left = {}, budget.tokens - sum(num_new)
         for i, seq in enumerate(seqs):
-            if (num_new[i] != 1 or not seq.output_token_ids or self._ahead.get(seq.seq_id)
+            if (num_new[i] != 1 or not seq.output_token_ids or seq.ahead
                     or seq.num_computed_tokens + 1 != seq.num_tokens or seq.seq_id not in self._held_by_workers):
                 continue
             draft = self._drafts(group, seq, tokens_left + 1)
