@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP API: validate, tokenize, admit, submit to Redis, answer (whole or SSE).
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
-    GET  /v1/models/{model}     GET  /health                     GET /metrics
-    GET  /openapi.json
+    GET  /v1/models/{model}     GET  /openapi.json
     POST /v1/responses          GET  /v1/responses/{id}          the Responses API (gateway/responses_api.py)
     POST /v1/messages           POST /v1/messages/count_tokens   the Messages API (gateway/messages_api.py)
-    GET  /dashboard/snapshot    GET  /dashboard/events (SSE)     the memory page's data (not in /openapi.json)
+    GET  /health                GET  /metrics                    the operator's routes, runtime LoRA (gateway/admin.py)
+    GET  /dashboard             GET  /dashboard/events (SSE)     the memory page and its data (gateway/dashboard.py)
 
 Every answer carries X-Request-Id: the client's own, echoed, or else the request's id (the hex
 part of a generation's `cmpl-`/`chatcmpl-` id).
@@ -18,39 +18,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 
-import redis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.admission import AdmissionLimits, check_admissible
 from common.config import ConfigError, GatewayConfig
 from common.generation_config import default_sampling_params, read_generation_config, token_ids
 from common.models import resolve_model
-from common.lora import LoRAAdapterError
 from common.protocol import GenerateRequest, LoRARequest, SchedulerStatus
 from common.tokenizer import load_tokenizer
-from gateway import dashboard_page, messages_api, responses_api
+from gateway import admin, dashboard, messages_api, responses_api
 from gateway.agents import event_stream
-from gateway.dashboard_page import require_dashboard_key
+from gateway.dashboard import DASHBOARD_ROUTES
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.lora import LoRARegistry
-from gateway.engine_client import REDIS_RESTARTED, EngineClient, EngineMemory, Generation
-from gateway.metrics import CONTENT_TYPE, FinishedOutput, GatewayMetrics, scheduled_monotonic
+from gateway.engine_client import REDIS_RESTARTED, EngineClient, Generation
+from gateway.metrics import FinishedOutput, GatewayMetrics, scheduled_monotonic
 from gateway.models import InvalidField
 from gateway.openapi import openapi_endpoint
 from gateway.reasoning import ReasoningStream
 from gateway.openai_api import (
-    APIError, ParsedRequest, bad_request, error_response, parse_chat, parse_completion, parse_json,
+    RETRY_AFTER_UNAVAILABLE_S, APIError, ParsedRequest, bad_request, error_response, parse_chat, parse_completion,
+    parse_json, unavailable,
 )
 from gateway.serving import SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, sse, usage
 from gateway.structured import StructuredOutputChecker
@@ -60,17 +58,12 @@ from gateway.tools import AUTO_TOOL_CHOICE_NEEDS_A_FORMAT, ToolCallStream
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_QUEUE_FULL_S = 1
-RETRY_AFTER_UNAVAILABLE_S = 5
 SHUTTING_DOWN = "the server is shutting down"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
           "/openapi.json")
 # The agents' APIs, translations to and from chat (docs/agents.md): OpenAI's and Anthropic's own
 # shapes, outside /openapi.json
 AGENT_ROUTES = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
-# The memory page and its data: outside the OpenAI API and /openapi.json (an endless event stream)
-DASHBOARD_ROUTES = ("/dashboard", "/dashboard/snapshot", "/dashboard/events")
-DASHBOARD_POLL_S = 0.25  # how often an event stream looks for new snapshots (the schedulers publish as often)
-DASHBOARD_KEEPALIVE_S = 15.0
 REQUEST_ID = "X-Request-Id"
 
 
@@ -80,34 +73,29 @@ def create_app(config: GatewayConfig, tokenizer=None) -> Starlette:
     `tokenizer` overrides loading the model's (tests share one).
     """
     gateway = Gateway(config, tokenizer)
-    lora_routes = [
-        Route("/v1/load_lora_adapter", gateway.load_lora_adapter, methods=["POST"]),
-        Route("/v1/unload_lora_adapter", gateway.unload_lora_adapter, methods=["POST"]),
-    ] if config.allow_runtime_lora_updating else []
     app = Starlette(
-        routes=[*lora_routes,
-            Route("/v1/completions", gateway.completions, methods=["POST"]),
-            Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
-            Route("/v1/responses", gateway.responses, methods=["POST"]),
-            Route("/v1/responses/{response_id}", gateway.response, methods=["GET"]),
-            Route("/v1/messages", gateway.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", gateway.count_tokens, methods=["POST"]),
-            Route("/v1/models", gateway.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),  # an id may hold a '/'
-            Route("/health", gateway.health, methods=["GET"]),
-            Route("/dashboard", dashboard_page.page, methods=["GET"]),  # the memory page (gateway/dashboard_page.py)
-            Route("/dashboard/static/{name}", dashboard_page.static_file, methods=["GET"]),
-            Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
-            Route("/openapi.json", openapi_endpoint, methods=["GET"]),
-            Route("/dashboard/snapshot", gateway.dashboard_snapshot, methods=["GET"]),
-            Route("/dashboard/events", gateway.dashboard_events, methods=["GET"]),
-        ],
+        routes=[*api_routes(gateway), *admin.routes(gateway), *dashboard.routes(gateway)],
         middleware=[Middleware(CountResponses, metrics=gateway.metrics), Middleware(RequestIds)],
         exception_handlers={APIError: _api_error, HTTPException: _http_exception, Exception: _unexpected},
         lifespan=gateway.lifespan,
     )
     app.state.gateway = gateway
     return app
+
+
+def api_routes(gateway: Gateway) -> list[Route]:
+    """The OpenAI API, /openapi.json, and the agents' APIs."""
+    return [
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        Route("/v1/responses", gateway.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", gateway.response, methods=["GET"]),
+        Route("/v1/messages", gateway.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", gateway.count_tokens, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),  # an id may hold a '/'
+        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+    ]
 
 
 class Gateway:
@@ -168,7 +156,7 @@ class Gateway:
         if self.engine is not None:
             self.engine.fail_all(SHUTTING_DOWN)
 
-    # ------------------------------------------------------------------ simple routes
+    # ------------------------------------------------------------------ the models served
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         loras = self.loras.cards(self.created) if self.loras is not None else []
@@ -179,79 +167,8 @@ class Gateway:
         lora = self._check_model(request.path_params["model"])
         return JSONResponse(self._card() if lora is None else self.loras.card(lora.lora_name, self.created))
 
-    async def load_lora_adapter(self, request: Request) -> Response:
-        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"} (--allow-runtime-lora-updating)."""
-        self._authorize(request)
-        name, path = _lora_fields(parse_json(await self._read_body(request)), ("lora_name", "lora_path"))
-        try:
-            await asyncio.to_thread(self.loras.add, name, path)  # reads the adapter's files
-        except LoRAAdapterError as exc:
-            raise bad_request(str(exc), "lora_path") from None
-        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
-
-    async def unload_lora_adapter(self, request: Request) -> Response:
-        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: requests already queued keep it."""
-        self._authorize(request)
-        (name,) = _lora_fields(parse_json(await self._read_body(request)), ("lora_name",))
-        try:
-            self.loras.remove(name)
-        except KeyError:
-            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
-                           code="model_not_found") from None
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
-
     def _card(self) -> dict:
         return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}
-
-    async def health(self, request: Request) -> Response:
-        self._check_open()
-        self._ready(await self._statuses(fresh=True))
-        return JSONResponse({"status": "ok"})
-
-    async def metrics_endpoint(self, request: Request) -> Response:
-        try:
-            statuses = await self.engine.statuses(fresh=True)
-        except Exception:  # Redis down: this gateway's own metrics still help
-            statuses = []
-        return Response(self.metrics.render(statuses), media_type=CONTENT_TYPE)
-
-    # ------------------------------------------------------------------ the memory page's data
-    async def dashboard_snapshot(self, request: Request) -> Response:
-        """{"engines": [each scheduler's snapshot JSON (common/memory_snapshot.py)]}."""
-        if (denied := require_dashboard_key(request)) is not None:
-            return denied
-        try:
-            engines = await self.engine.first_memory_snapshots()
-        except (redis.RedisError, OSError) as exc:  # anything else is a bug: a 500 (_unexpected)
-            return error_response(unavailable(f"Redis is unreachable ({exc}); no memory snapshot to show"))
-        body = '{"engines":[' + ",".join(memory.json for memory in engines) + "]}"
-        return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
-
-    async def dashboard_events(self, request: Request) -> Response:
-        """Server-Sent Events: each engine's snapshot at once, then again whenever its version
-        changes, and `event: gone` ({"engine", "scheduler_id"}) once its snapshot is no longer
-        there (the scheduler stopped, or lost its workers); a comment every DASHBOARD_KEEPALIVE_S.
-        Ends when the gateway drains."""
-        if (denied := require_dashboard_key(request)) is not None:
-            return denied
-        return StreamingResponse(self._dashboard_events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _dashboard_events(self):
-        sent: dict[tuple[str, str], int] = {}  # (engine, scheduler id) -> the version sent last
-        quiet_since = time.monotonic()
-        while not self.draining:
-            try:
-                events = _dashboard_changes(sent, await self.engine.memory_snapshots())
-            except (redis.RedisError, OSError):  # Redis down: the stream stays open, the page keeps what it has
-                events = []
-            for event in events:
-                quiet_since = time.monotonic()
-                yield event
-            if time.monotonic() - quiet_since >= DASHBOARD_KEEPALIVE_S:
-                quiet_since = time.monotonic()
-                yield ": keepalive\n\n"
-            await asyncio.sleep(DASHBOARD_POLL_S)
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -636,27 +553,6 @@ def _check_key(given: str, key: str) -> None:
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 
-def _dashboard_changes(sent: dict[tuple[str, str], int], engines: list[EngineMemory]) -> list[str]:
-    """The SSE events that bring a page that saw `sent` ((engine, scheduler id) -> version) up to
-    `engines` (EngineClient.memory_snapshots); `sent` is updated."""
-    events = []
-    for memory in engines:
-        if sent.get((memory.engine, memory.scheduler_id)) != memory.version:
-            sent[memory.engine, memory.scheduler_id] = memory.version
-            events.append(f"event: snapshot\ndata: {memory.json}\n\n")
-    for engine, scheduler_id in sorted(sent.keys() - {(memory.engine, memory.scheduler_id) for memory in engines}):
-        del sent[engine, scheduler_id]
-        gone = json.dumps({"engine": engine, "scheduler_id": scheduler_id}, separators=(",", ":"))
-        events.append(f"event: gone\ndata: {gone}\n\n")
-    return events
-
-
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, "server_error", code="service_unavailable",
-                    headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
-
-
-
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -734,16 +630,3 @@ class CountResponses:
             await send(message)
 
         await self.app(scope, receive, counting_send)
-
-
-def _lora_fields(body: object, names: tuple[str, ...]) -> list[str]:
-    """The runtime LoRA endpoints' string fields, each required (a 400 naming the one missing)."""
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object")
-    values = []
-    for name in names:
-        value = body.get(name)
-        if not isinstance(value, str) or not value:
-            raise bad_request(f"{name} must be a non-empty string", name)
-        values.append(value)
-    return values

@@ -19,6 +19,8 @@ from gateway.reasoning import ReasoningParser
 from gateway.structured import requested_structured_output
 from gateway.tools import ToolCalling, ToolParser, chat_messages, renders_tool_calls, tool_calling
 
+RETRY_AFTER_UNAVAILABLE_S = 5
+
 
 class APIError(Exception):
     def __init__(
@@ -43,6 +45,11 @@ def error_response(exc: APIError) -> JSONResponse:
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "server_error", code="service_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
 
 
 @dataclass(slots=True)

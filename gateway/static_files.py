@@ -1,4 +1,4 @@
-"""The memory page's files (gateway/static/): served by gateway/dashboard_page.py, inlined into one
+"""The memory page's files (gateway/static/): served by gateway/dashboard.py, inlined into one
 standalone page by `pagoda bench memory --replay` (pagoda/bench/replay.py, which runs without
 starlette: this module imports nothing but the standard library)."""
 from __future__ import annotations

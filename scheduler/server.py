@@ -7,7 +7,7 @@ With async scheduling (the default) plan N+1 is sent before N's result is gather
 workers go from one plan to the next without waiting on this process (scheduler/scheduler.py).
 
 This module owns the worker group's life and the step; scheduler/request_stream.py owns the Redis
-side (reads, claims, takeover, the outbox of events).
+side: the inbox (reads, claims, takeover), the outbox of events and the status.
 
 A step whose result misses its deadline, or a worker rank whose connection closes (killed, or
 hung: the ZeroMQ heartbeat), fails every request the group holds that has streamed; those that
@@ -39,7 +39,9 @@ from common.kv_events import AllBlocksCleared, KVEventBatch, encode_batch
 from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, StepPlan, WorkerHello, encode
 from common.transport import WorkerLink
 from scheduler.memory_view import MemoryEventLog, PackedTables, build_snapshot, memory_version, status_counters
-from scheduler.request_stream import IDLE_BLOCK_MS, Arrival, PublishKVEvents, RequestStream
+from scheduler.inbox import IDLE_BLOCK_MS, Arrival
+from scheduler.outbox import PublishKVEvents
+from scheduler.request_stream import RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
 from scheduler.speculation import spec_counters
 
@@ -205,7 +207,7 @@ class SchedulerServer:
     def _admit_arrivals(self, block: bool) -> None:
         """A dead scheduler's requests come first: nothing new is read while any waits for room.
         At most max_num_seqs wait here: the rest wait in Redis, where an engine group with room
-        steals them from a busy group's stream (scheduler/request_stream.py)."""
+        steals them from a busy group's stream (scheduler/inbox.py)."""
         room = self.engine_config.max_num_seqs - len(self.scheduler.waiting)
         if room <= 0:
             return
@@ -314,7 +316,7 @@ class SchedulerServer:
         if events:
             engine = self.serving.engine_id  # vLLM's data_parallel_rank is an int: a numeric engine id is sent as one
             batch = encode_batch(KVEventBatch(time.time(), events, int(engine) if engine.isdigit() else engine))
-            self.stream.outbox.append(PublishKVEvents(streams.kv_events_stream(self.serving.engine_id), batch))
+            self.stream.outbox.entries.append(PublishKVEvents(streams.kv_events_stream(self.serving.engine_id), batch))
 
     def _publish_status(self) -> None:
         now = time.time()

@@ -28,9 +28,9 @@ from common.protocol import SamplingParams, WorkerHello, decode, encode
 from common.redis_server import free_port
 from common.tokenizer import load_tokenizer
 from common.transport import WorkerLink
-from gateway import app as gateway_app
+from gateway import dashboard as gateway_dashboard
 from gateway.app import create_app
-from gateway.dashboard_page import require_dashboard_key
+from gateway.dashboard import require_dashboard_key
 from pagoda.bench.publish import EOS_TOKEN_IDS, VOCAB, ModelFreeExecutor
 from pagoda.bench.stack import parse_samples
 from scheduler.memory_view import build_snapshot
@@ -282,7 +282,7 @@ def sse_snapshots(lines, count: int) -> tuple[list[dict], list[str]]:
 
 
 def test_the_event_stream_sends_each_engine_then_each_change_and_keeps_alive(client, r, monkeypatch):
-    monkeypatch.setattr(gateway_app, "DASHBOARD_KEEPALIVE_S", 0.5)
+    monkeypatch.setattr(gateway_dashboard, "DASHBOARD_KEEPALIVE_S", 0.5)
     a, executor = running_scheduler(n=2)
     b, _ = running_scheduler(n=1)
     publish(r, a, "0", "sched-a")

@@ -419,11 +419,11 @@ def test_the_live_page_keys_panels_by_scheduler_and_drops_those_that_leave(gatew
 
 
 def test_the_page_and_replay_share_one_reader_of_the_static_files_and_replay_needs_no_starlette():
-    from gateway import dashboard_page
+    from gateway import dashboard
     from gateway.static_files import read_static
     from tests.test_layering import NETWORKING, imported_after
 
-    assert dashboard_page.read_static is read_static and replay_page.__globals__["read_static"] is read_static
+    assert dashboard.read_static is read_static and replay_page.__globals__["read_static"] is read_static
     with pytest.raises(FileNotFoundError, match="not one of the memory page's files"):
         read_static("../app.py")
     assert imported_after("import pagoda.bench.replay, pagoda.bench.synthetic_trace", NETWORKING | {"torch"}) == []

@@ -12,7 +12,9 @@ from common.config import EngineConfig, ServingConfig
 from common.protocol import ITERATION_TOKENS_BUCKETS, GenerateRequest, SamplingParams, SchedulerStatus
 from gateway.metrics import FinishedOutput, GatewayMetrics, build_1_2_5_buckets, scheduled_monotonic
 from scheduler.engine import LLMEngine
-from scheduler.request_stream import Arrival, RequestStream, SendEvent
+from scheduler.inbox import Arrival
+from scheduler.outbox import SendEvent
+from scheduler.request_stream import RequestStream
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import RequestOutput, SequenceOutput
 from tests.fakes import FakeExecutor
@@ -289,6 +291,6 @@ def test_only_the_first_token_bearing_event_carries_scheduled_at():
 
     for out in (output([0, 0]), output([1, 1]), output([1, 1], "length")):
         stream.emit([out])
-    events = [entry.event for entry in stream.outbox if isinstance(entry, SendEvent)]
+    events = [entry.event for entry in stream.outbox.entries if isinstance(entry, SendEvent)]
     assert [(e.index, e.seq, e.scheduled_at) for e in events] == [
         (0, 1, 123.5), (1, 2, 0.0), (0, 3, 0.0), (1, 4, 0.0)]

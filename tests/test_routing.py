@@ -18,7 +18,7 @@ from common.config import ServingConfig
 from common.kv_events import AllBlocksCleared, BlockRemoved, KVEventBatch, encode_batch
 from common.protocol import GenerateRequest, LoRARequest, SamplingParams, SchedulerStatus, encode
 from gateway.router import PrefixRouter
-from scheduler import request_stream
+from scheduler import inbox, request_stream
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import RequestOutput
 
@@ -160,7 +160,7 @@ def scheduler_stream(redis_url: str, engine: str, consumer: str, **serving) -> r
     return s
 
 
-def finish(s: request_stream.RequestStream, arrival: request_stream.Arrival) -> None:
+def finish(s: request_stream.RequestStream, arrival: inbox.Arrival) -> None:
     s.track(arrival)
     s.emit([RequestOutput(arrival.request.request_id, [], [], True)])
 
@@ -183,14 +183,14 @@ def test_an_idle_group_steals_what_a_busy_group_left_unread_and_acks_it_there(re
     busy = scheduler_stream(redis_url, "1", "sched-1")
     r.set(streams.status_key("sched-1"), encode(status("1", running=8, waiting=8)))  # alive, no room
     idle = scheduler_stream(redis_url, "0", "sched-0", steal_after_ms=300)
-    assert idle.others == ["pagoda:requests:1"]
+    assert idle.inbox.others == ["pagoda:requests:1"]
     submit(r, "pagoda:requests:1", "waited")
     assert idle.read(4, block=True) == []  # fresh: its group may still read it
     time.sleep(0.35)
     submit(r, "pagoda:requests:1", "fresh")
-    idle._last_steal = 0.0
+    idle.inbox._last_steal = 0.0
     assert idle.read(4, block=False) == []  # busy itself: it steals nothing from a live group
-    idle._last_steal = 0.0
+    idle.inbox._last_steal = 0.0
     stolen = idle.read(4, block=True)
     assert [(a.request.request_id, a.stream) for a in stolen] == [
         ("waited", "pagoda:requests:1"), ("fresh", "pagoda:requests:1")]  # the oldest waited: the rest come along
@@ -232,7 +232,7 @@ def test_a_stream_whose_group_redis_lost_is_still_stolen_from(redis_url, r):
     1's scheduler (gone for good) made the consumer group: another group makes it, and steals."""
     idle = scheduler_stream(redis_url, "0", "sched-0", steal_after_ms=0)
     submit(r, "pagoda:requests:1", "orphaned")
-    idle._find_others()
+    idle.inbox._find_others()
     assert [a.request.request_id for a in idle.read(4, block=True)] == ["orphaned"]
     assert idle.num_stolen == 1
     idle.redis.close()
@@ -244,10 +244,10 @@ def test_what_a_group_with_room_left_unread_is_not_stolen(redis_url, r):
     idle = scheduler_stream(redis_url, "0", "sched-0", steal_after_ms=0)
     submit(r, "pagoda:requests:1", "queued")
     r.set(streams.status_key("sched-1"), encode(status("1", running=8, waiting=7)))  # max_num_seqs 8
-    idle._find_others()
+    idle.inbox._find_others()
     assert idle.read(4, block=True) == []
     r.set(streams.status_key("sched-1"), encode(status("1", running=8, waiting=8)))
-    idle._last_steal = 0.0
+    idle.inbox._last_steal = 0.0
     assert [a.request.request_id for a in idle.read(4, block=True)] == ["queued"]
     idle.redis.close()
 
@@ -258,10 +258,10 @@ def test_a_busy_scheduler_steals_only_from_a_group_with_no_live_scheduler(redis_
     busy = scheduler_stream(redis_url, "0", "sched-0", steal_after_ms=0)
     submit(r, "pagoda:requests:1", "stranded")
     r.set(streams.status_key("sched-1"), encode(status("1", running=8, waiting=8)))  # alive, no room
-    busy._find_others()
+    busy.inbox._find_others()
     assert busy.read(4, block=False) == []
     r.delete(streams.status_key("sched-1"))  # its status expired: dead
-    busy._last_steal = 0.0
+    busy.inbox._last_steal = 0.0
     assert [a.request.request_id for a in busy.read(4, block=False)] == ["stranded"]
     busy.redis.close()
 

@@ -14,6 +14,7 @@ import time
 import pytest
 import redis
 
+import scheduler.inbox as inbox
 import scheduler.request_stream as request_stream
 from common import streams
 from common.config import EngineConfig, ServingConfig
@@ -453,7 +454,7 @@ def test_an_early_abort_outlives_the_gateways_wait_for_its_request():
     from common.config import GatewayConfig
 
     # else a request queued in Redis longer than the abort is kept would run for nobody
-    assert request_stream.EARLY_ABORT_TTL_S > GatewayConfig().request_timeout_s
+    assert inbox.EARLY_ABORT_TTL_S > GatewayConfig().request_timeout_s
 
 
 def test_an_abort_for_an_unknown_or_finished_request_changes_nothing(harness):
@@ -896,13 +897,13 @@ def test_a_request_whose_schedulers_keep_dying_is_not_tried_again(redis_url, r):
         h.submit("poison", prompt(10), max_tokens=4)
         h.submit("fine", prompt(12), max_tokens=4)
         entry_ids = read_as_dead_scheduler(r, 2)
-        for n in range(request_stream.MAX_DELIVERIES):  # taken over, and dying, again and again
+        for n in range(inbox.MAX_DELIVERIES):  # taken over, and dying, again and again
             r.xclaim(streams.REQUESTS, streams.SCHEDULER_GROUP, f"dead-{n}", 0, entry_ids[:1])
         h.worker()
         done = h.wait_finished("poison", "fine", timeout=5.0)
         assert [(e.token_ids, e.finish_reason) for e in done["poison"]] == [([], "error")]
         assert done["poison"][0].error == (
-            f"the request was taken by {request_stream.MAX_DELIVERIES} schedulers that each stopped; "
+            f"the request was taken by {inbox.MAX_DELIVERIES} schedulers that each stopped; "
             "it is not tried again")
         assert tokens(done["fine"]) == expected_output(0, 12, 4)
         h.assert_nothing_held()
@@ -1069,7 +1070,9 @@ def test_after_a_redis_restart_the_scheduler_says_which_requests_it_holds_and_fi
 def test_after_a_redis_restart_a_scheduler_says_it_holds_the_requests_whose_last_events_wait_in_its_outbox():
     """A request that ended while Redis was down has its last events in the outbox, not yet sent:
     the gateways must not fail it as lost (they would queue an error ahead of its real end)."""
-    from scheduler.request_stream import Arrival, RequestStream, SendEvent
+    from scheduler.inbox import Arrival
+    from scheduler.outbox import SendEvent
+    from scheduler.request_stream import RequestStream
 
     server = RedisServer().start()
     try:
@@ -1077,7 +1080,7 @@ def test_after_a_redis_restart_a_scheduler_says_it_holds_the_requests_whose_last
         rs.track(Arrival(b"1-0", GenerateRequest("running-0", [1], SamplingParams(), "pagoda:replies:g", 0.0)))
         rs.publish_status(b"status")
         server.stop()
-        rs.outbox.append(SendEvent("pagoda:replies:g", RequestEvent("ended-0", [5], None, "length")))
+        rs.outbox.entries.append(SendEvent("pagoda:replies:g", RequestEvent("ended-0", [5], None, "length")))
         server.start()  # empty, a new run_id
         rs.publish_status(b"status")
         client = redis.Redis.from_url(server.url)
@@ -1091,7 +1094,9 @@ def test_after_a_redis_restart_a_scheduler_says_it_holds_the_requests_whose_last
 def test_prompt_logprobs_ride_on_the_requests_first_event_whichever_output_it_is(redis_url):
     """Output 1 has a token in the step that completes the prompt logprobs, output 0 none: output 1's
     event carries them, and no later event does (the gateway gives them to every choice)."""
-    from scheduler.request_stream import Arrival, RequestStream, SendEvent
+    from scheduler.inbox import Arrival
+    from scheduler.outbox import SendEvent
+    from scheduler.request_stream import RequestStream
     from scheduler.sequence import RequestOutput, SequenceOutput
 
     rs = RequestStream(ServingConfig(redis_url=redis_url), "scheduler-1")
@@ -1103,7 +1108,7 @@ def test_prompt_logprobs_ride_on_the_requests_first_event_whichever_output_it_is
     def step(tokens: dict[int, list[int]]) -> list:
         outputs = [SequenceOutput(i, t, len(t), 0.0, None, None) for i, t in tokens.items()]
         rs.emit([RequestOutput("r-0", [1, 2], outputs, False, 0.0, scored)])
-        sent, rs.outbox[:] = [e.event for e in rs.outbox if isinstance(e, SendEvent)], []
+        sent, rs.outbox.entries[:] = [e.event for e in rs.outbox.entries if isinstance(e, SendEvent)], []
         return [(e.index, e.token_ids, e.prompt_logprobs) for e in sent]
 
     assert step({0: [], 1: [7]}) == [(1, [7], scored)]
@@ -1188,7 +1193,8 @@ def test_a_step_of_256_outputs_writes_one_entry_per_reply_stream(redis_url, r):
     stream, each entry holding that gateway's events in order; the step that starts the requests
     adds one HSET of their started marks, the step that ends them one XACK and one XDEL of their
     entries and one HDEL of the marks. Nothing else is written."""
-    from scheduler.request_stream import Arrival, RequestStream
+    from scheduler.inbox import Arrival
+    from scheduler.request_stream import RequestStream
     from scheduler.sequence import RequestOutput, SequenceOutput
 
     rs = RequestStream(ServingConfig(redis_url=redis_url), "scheduler-1")

@@ -147,9 +147,9 @@ class Loop:
         outputs = s.update(decode(self.results.pop(0)))
         times["update"] = time.perf_counter() - start
         if self.stream is not None:
-            from scheduler.request_stream import SendEvent  # (redis: not for the model-free executor's users)
+            from scheduler.outbox import SendEvent  # (redis: not for the model-free executor's users)
 
-            self.stream.outbox += [
+            self.stream.outbox.entries += [
                 SendEvent(REPLIES, RequestEvent(out.request_id, seq.new_token_ids, None, seq.finish_reason, None,
                                                 seq.index))
                 for out in outputs for seq in out.outputs if seq.num_new_tokens]
@@ -174,11 +174,11 @@ def publish_once(scheduler: Scheduler, stream, tables: PackedTables) -> tuple[di
 
 
 def snapshot_write_cost(stream) -> float:
-    """What writing the waiting snapshot adds to the flush it rides in (RequestStream.flush sends it
+    """What writing the waiting snapshot adds to the flush it rides in (Outbox.flush sends it
     with the step's events, in their one round trip): a SET of it less a SET of a few bytes, back to
     back. The snapshot is written."""
     key, ttl_ms = streams.memory_key(stream.consumer), int(streams.STATUS_TTL_S * 1000)
-    data, stream.memory = stream.memory, None
+    data, stream.outbox.memory = stream.outbox.memory, None
     start = time.perf_counter()
     stream.redis.set(key, data, px=ttl_ms)
     middle = time.perf_counter()
