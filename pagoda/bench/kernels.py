@@ -39,6 +39,7 @@ against direct (`run_swap`), for 128 and 512 scattered blocks unless `--batch-si
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -220,6 +221,29 @@ def goal_check(rows: list[dict]) -> dict | None:
     fraction, ratio = row["pagoda"]["fraction_of_copy_bandwidth"], row["time_ratio_vs_sdpa"]
     return {**GOAL, "fraction_of_copy": fraction, "time_vs_sdpa": ratio,
             "met": fraction >= GOAL["min_fraction_of_copy"] and ratio <= GOAL["max_time_vs_sdpa"]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench kernels`'s flags."""
+    parser.add_argument("--models", help="attention shapes, comma-separated (default llama-3.1-8b,smollm2-135m); with "
+                                         "--moe, MoE shapes (default mixtral-8x7b,qwen3-30b-a3b; tiny without CUDA)")
+    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    parser.add_argument("--context-lens", default="512,2048,8192")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--output", help="write the result JSON here")
+    parser.add_argument("--tune", action="store_true",
+                        help="time every attention tile config instead, and write the best per phase to the tuned table")
+    parser.add_argument("--tune-output", help="the tuned table to merge into (default: kernels/tuned/attention.json)")
+    parser.add_argument("--moe", action="store_true",
+                        help="time the fused MoE kernel against a loop over experts instead (without CUDA: "
+                             "the loop alone, on a tiny shape)")
+    parser.add_argument("--int4", action="store_true",
+                        help="time the Triton int4 weight-only GEMM beside the bf16 GEMM on Llama-3.1-8B's linear "
+                             "shapes instead (batch 1, 16, 256 unless --batch-sizes says; CUDA only)")
+    parser.add_argument("--swap", action="store_true",
+                        help="time the KV swap between the device pool and pinned host memory instead, staged against "
+                             "direct, at Llama-3.1-8B's pool shape (128 and 512 blocks unless --batch-sizes says; CUDA only)")
 
 
 def run(args) -> int:

@@ -22,12 +22,14 @@ reaches the host a step later than in the serial loop.
 """
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
+from common.config import DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 from common.protocol import SamplingParams
 from pagoda.bench.common import command_words, header, write_result
 
@@ -175,6 +177,32 @@ def table(rows: list[dict]) -> str:
             f"{ms(tpot, 'p50') + '/' + ms(tpot, 'p90') + '/' + ms(tpot, 'p99'):>20}  "
             f"{ms(e2e, 'p50') + '/' + ms(e2e, 'p99'):>16}  {r['output_tokens_per_s']:>9.1f}")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench latency`'s flags."""
+    parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
+                        help=QUANTIZATION_HELP)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as for generate: auto, fp8 or fp8_e4m3")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request (random ids)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens of every request (EOS ignored)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--batch-size", type=int, default=None, help="requests submitted at once (default 8)")
+    sizes.add_argument("--batch-sizes", help="several batch sizes, comma-separated (one row each), e.g. 1,64")
+    parser.add_argument("--num-iters", type=int, default=5, help="measured iterations per batch size")
+    parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations first, per batch size")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks (ranks 1..N-1 as processes)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="the serial loop: each step's tokens read back before the next step is planned")
+    parser.add_argument("--seed", type=int, default=0, help="the random prompts (and dummy weights)")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

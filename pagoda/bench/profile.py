@@ -38,6 +38,7 @@ says so, and holds the host parts, the step wall times and the trace (CPU ops).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -49,6 +50,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from common.config import DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 from pagoda.bench.common import command_words, header, write_result
 from pagoda.bench.step import (
     Measurement, PartClock, RowSpec, TimedProxy, is_steady_decode, sampling_params, step_parts,
@@ -419,6 +421,28 @@ def host_section(clock: PartClock, llm, plans) -> dict:
     ms = lambda values: round(statistics.median(values) * 1e3, 4)  # noqa: E731
     return {"host_ms": ms([sum(v for k, v in parts.items() if k != "forward") for parts in per_step]),
             "breakdown_ms": {name: ms([parts[name] for parts in per_step]) for name in IN_PROCESS_PARTS}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench profile`'s flags."""
+    parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the device timeline needs CUDA)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
+                        help=QUANTIZATION_HELP)
+    parser.add_argument("--batch-size", type=int, default=256, help="sequences decoding together")
+    parser.add_argument("--context-len", type=int, default=1024, help="prompt tokens of each sequence")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps profiled")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="decode steps run first, unprofiled")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: --batch-size")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill chunk (prefill is unprofiled)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="the KV pool, in blocks (default: what fits)")
+    parser.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
+    parser.add_argument("--gap-threshold-us", type=float, default=20.0,
+                        help="an idle stretch of the device timeline longer than this counts as a gap")
+    parser.add_argument("--output", help="write the result JSON here")
+    parser.add_argument("--trace", help="write the Chrome trace here (default: beside --output, .trace.json; "
+                                        "else pagoda-profile.trace.json)")
 
 
 def run(args) -> int:

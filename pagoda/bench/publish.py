@@ -33,6 +33,7 @@ GPU also runs the model), so both shares are upper bounds. The load average befo
 """
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import statistics
@@ -269,6 +270,20 @@ def bench_publish(num_blocks: int, num_requests: int, publishes: int, share: flo
         "share_every_step": round(publish_ms / step_ms, 4),
         "snapshot_bytes": int(statistics.median(sizes)),
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench publish`'s flags."""
+    parser.add_argument("--num-blocks", type=int, default=30_000, help="the KV pool, in blocks")
+    parser.add_argument("--num-requests", type=int, default=300, help="requests of the mixed workload")
+    parser.add_argument("--fill", type=float, default=0.9, help="share of the pool held before measuring")
+    parser.add_argument("--publishes", type=int, default=30, help="publishes measured")
+    parser.add_argument("--interval-s", type=float, default=0.25, help="the server's publishing interval")
+    parser.add_argument("--publish-every", type=int, default=0,
+                        help="steps between two publishes (0: those that take --interval-s at the measured step time)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--redis-url", help="publish to this Redis (default: a private redis-server)")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

@@ -15,6 +15,7 @@ groups are ready, and the result adds each size's request throughput over the fi
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -242,6 +243,39 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench serve`'s flags."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running gateway (without --launch)")
+    parser.add_argument("--label", default="pagoda", help="the name of that gateway's run in the result")
+    parser.add_argument("--launch", action="store_true", help="start `pagoda up` once per --allocators entry")
+    parser.add_argument("--allocators", default="paged,orca-oracle", help="with --launch")
+    parser.add_argument("--data-parallel-sizes", default=None,
+                        help="with --launch: compare these `pagoda up --data-parallel-size` values instead of allocators "
+                             "(paged), e.g. 1,2; the result adds each one's request throughput over the first's")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="with --launch: worker ranks per engine group")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="with --launch: each scheduler's batch limit")
+    parser.add_argument("--port", type=int, default=8100, help="with --launch: the port to serve on")
+    parser.add_argument("--model", default="default", help="with --launch: the model to serve")
+    parser.add_argument("--served-model", default=None, help="the model name to send (default: none, the served one)")
+    parser.add_argument("--device", default="auto", help="with --launch")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="with --launch: the KV pool, in blocks")
+    parser.add_argument("--num-prompts", type=int, default=50, help="ShareGPT requests per rate")
+    parser.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
+    parser.add_argument("--sharegpt-output-len", type=int, default=None,
+                        help="every request's output length instead of its recorded one (EOS ignored, as always)")
+    parser.add_argument("--request-rate", default="1,2,4", help="requests/s, comma-separated; inf sends all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
+    parser.add_argument("--goodput", default=None, help="SLOs in ms, e.g. ttft:2000,tpot:500,e2e:30000")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
+    parser.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                        help="with --launch: serve N random LoRA adapters and compare the requests spread over them with "
+                             "the same requests on the base model")
+    parser.add_argument("--lora-rank", type=int, default=16, help="with --lora-adapters: their rank")
+    parser.add_argument("--max-loras", type=int, default=None, help="with --lora-adapters: the slots (default N)")
+    parser.add_argument("--output", help="write the result JSON here (and with --launch a PNG plot beside it)")
 
 
 def run(args) -> int:
