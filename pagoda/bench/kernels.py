@@ -702,27 +702,10 @@ def run_swap(args) -> int:
     rows = []
     for n in [int(b) for b in (args.batch_sizes if args.batch_sizes != "1,16,64,256" else "128,512").split(",")]:
         nbytes = n * block_bytes
-        pinned, on_device = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), torch.empty(
-            nbytes, dtype=torch.uint8, device=device)
-        ceiling = {"h2d_GBps": nbytes / statistics.median(
-                       _timed(lambda: on_device.copy_(pinned, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9,
-                   "d2h_GBps": nbytes / statistics.median(
-                       _timed(lambda: pinned.copy_(on_device, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9}
+        ceiling = _contiguous_pinned_copy(nbytes, device)
         row = {"blocks": n, "bytes": nbytes, "contiguous_pinned_copy": ceiling}
         for mode in ("staged", "direct"):
-            swapper = BlockSwapper(device_pools, host_pools, mode=mode)
-            outs, ins = [], []
-            for _ in range(SWAP_REPEATS + 1):
-                dev_ids = rng.sample(range(1, SWAP_POOL_BLOCKS), n)
-                host_ids = rng.sample(range(SWAP_POOL_BLOCKS), n)
-                before = device_pools[-1][dev_ids].clone()
-                outs.append(_timed(lambda: (swapper.swap_out(list(zip(dev_ids, host_ids))), swapper.synchronize())))
-                device_pools[-1][dev_ids] = 0
-                ins.append(_timed(lambda: swapper.swap_in(list(zip(host_ids, dev_ids)))))
-                assert torch.equal(device_pools[-1][dev_ids], before), f"{mode}: the round trip changed the blocks"
-            out_s, in_s = statistics.median(outs[1:]), statistics.median(ins[1:])
-            row[mode] = {"swap_out_ms": out_s * 1e3, "swap_in_ms": in_s * 1e3,
-                         "swap_out_GBps": nbytes / out_s / 1e9, "swap_in_GBps": nbytes / in_s / 1e9}
+            row[mode] = _time_swap(BlockSwapper(device_pools, host_pools, mode=mode), device_pools, n, nbytes, rng)
         row["direct_over_staged_time"] = {
             "swap_out": row["direct"]["swap_out_ms"] / row["staged"]["swap_out_ms"],
             "swap_in": row["direct"]["swap_in_ms"] / row["staged"]["swap_in_ms"]}
@@ -741,3 +724,30 @@ def run_swap(args) -> int:
     write_result(result, args.output)
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _contiguous_pinned_copy(nbytes: int, device: torch.device) -> dict:
+    """The bus's ceiling: GB/s of one contiguous copy of `nbytes` each way, pinned host <-> device."""
+    pinned, on_device = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), torch.empty(
+        nbytes, dtype=torch.uint8, device=device)
+    return {"h2d_GBps": nbytes / statistics.median(
+                _timed(lambda: on_device.copy_(pinned, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9,
+            "d2h_GBps": nbytes / statistics.median(
+                _timed(lambda: pinned.copy_(on_device, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9}
+
+
+def _time_swap(swapper, device_pools: list[torch.Tensor], n: int, nbytes: int, rng) -> dict:
+    """Median swap-out and swap-in of `n` scattered blocks through `swapper` (a warm-up round first),
+    each round trip checked to give the blocks back unchanged."""
+    outs, ins = [], []
+    for _ in range(SWAP_REPEATS + 1):
+        dev_ids = rng.sample(range(1, SWAP_POOL_BLOCKS), n)
+        host_ids = rng.sample(range(SWAP_POOL_BLOCKS), n)
+        before = device_pools[-1][dev_ids].clone()
+        outs.append(_timed(lambda: (swapper.swap_out(list(zip(dev_ids, host_ids))), swapper.synchronize())))
+        device_pools[-1][dev_ids] = 0
+        ins.append(_timed(lambda: swapper.swap_in(list(zip(host_ids, dev_ids)))))
+        assert torch.equal(device_pools[-1][dev_ids], before), f"{swapper.mode}: the round trip changed the blocks"
+    out_s, in_s = statistics.median(outs[1:]), statistics.median(ins[1:])
+    return {"swap_out_ms": out_s * 1e3, "swap_in_ms": in_s * 1e3,
+            "swap_out_GBps": nbytes / out_s / 1e9, "swap_in_GBps": nbytes / in_s / 1e9}

@@ -477,44 +477,53 @@ def run(args) -> int:
             f"on {runner.device} ({runner.num_gpu_blocks} KV blocks)")
         profiled = profile_steps(llm, recorder, spec, trace)
         timeline = read_timeline(json.loads(trace.read_text()))
-        wall = [t - s for s, t in timeline.steps]
-        step_ms = round(statistics.median(wall) / 1e3, 4)
-        result = {
-            **header("profile", command_words("profile", args), str(runner.device)),
-            "model": runner.source.name, "dtype": str(runner.dtype).removeprefix("torch."),
-            "quantization": runner.scheme.describe() if runner.scheme else "none", "torch": torch.__version__,
-            "batch": args.batch_size, "context": args.context_len, "steps": len(profiled.plans),
-            "warmup_steps": args.warmup_steps, "decode_tokens": sum(p.num_scheduled_tokens for p in profiled.plans),
-            "engine": {"max_num_seqs": llm.config.max_num_seqs,
-                       "max_num_batched_tokens": llm.config.max_num_batched_tokens,
-                       "num_gpu_blocks": runner.num_gpu_blocks, "async_scheduling": llm.config.async_scheduling,
-                       "cuda_graphs": runner.device.type == "cuda" and runner.decode_runner is not None},
-            "trace": str(trace),
-            "step_ms": step_ms,
-            "step_ms_each": [round(w / 1e3, 4) for w in wall],
-            "host": {"note": "host time by part of the profiled steps (pagoda bench step's parts, in process: no "
-                             "wire; forward is the model's real call, on CUDA mostly its launch)",
-                     **host_section(clock, llm, profiled.plans)},
-            "gpu": analyze(timeline, args.gap_threshold_us) if device.type == "cuda" else None,
-            "roofline": roofline(weight_bytes(runner.model),
-                                 kv_bytes_per_step(runner.model, args.batch_size, profiled.tokens_per_seq),
-                                 profiled.tokens_per_seq, copy and round(copy["bandwidth_GBps"], 1), step_ms),
-        }
-        if result["gpu"] is not None:
-            result["goals"] = {
-                f"busy_fraction >= {BUSY_GOAL}": result["gpu"]["busy_fraction"] >= BUSY_GOAL,
-                f"step_over_roofline <= {ROOFLINE_GOAL}": result["roofline"]["step_over_roofline"] <= ROOFLINE_GOAL,
-            }
-        else:
-            result["note"] = ("no CUDA device: no device timeline, busy fraction or roofline; this run reports the "
-                              "host time by part (as pagoda bench step does) and the step wall times, and the trace "
-                              "holds the CPU ops")
+        result = profile_result(args, llm, device, copy, clock, profiled, timeline, trace)
     finally:
         llm.close()
     write_result(result, args.output)
     print(json.dumps(result, indent=2))
     print_summary(result, log)
     return 0
+
+
+def profile_result(args, llm, device, copy: dict | None, clock: PartClock, profiled: Profiled, timeline: Timeline,
+                   trace: Path) -> dict:
+    """The result JSON: the run, step times, host time by part, the device timeline's analysis and the
+    roofline (CUDA), and the goals met; without CUDA, a note on what is missing."""
+    runner = llm.executor.runner
+    wall = [t - s for s, t in timeline.steps]
+    step_ms = round(statistics.median(wall) / 1e3, 4)
+    result = {
+        **header("profile", command_words("profile", args), str(runner.device)),
+        "model": runner.source.name, "dtype": str(runner.dtype).removeprefix("torch."),
+        "quantization": runner.scheme.describe() if runner.scheme else "none", "torch": torch.__version__,
+        "batch": args.batch_size, "context": args.context_len, "steps": len(profiled.plans),
+        "warmup_steps": args.warmup_steps, "decode_tokens": sum(p.num_scheduled_tokens for p in profiled.plans),
+        "engine": {"max_num_seqs": llm.config.max_num_seqs,
+                   "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+                   "num_gpu_blocks": runner.num_gpu_blocks, "async_scheduling": llm.config.async_scheduling,
+                   "cuda_graphs": runner.device.type == "cuda" and runner.decode_runner is not None},
+        "trace": str(trace),
+        "step_ms": step_ms,
+        "step_ms_each": [round(w / 1e3, 4) for w in wall],
+        "host": {"note": "host time by part of the profiled steps (pagoda bench step's parts, in process: no "
+                         "wire; forward is the model's real call, on CUDA mostly its launch)",
+                 **host_section(clock, llm, profiled.plans)},
+        "gpu": analyze(timeline, args.gap_threshold_us) if device.type == "cuda" else None,
+        "roofline": roofline(weight_bytes(runner.model),
+                             kv_bytes_per_step(runner.model, args.batch_size, profiled.tokens_per_seq),
+                             profiled.tokens_per_seq, copy and round(copy["bandwidth_GBps"], 1), step_ms),
+    }
+    if result["gpu"] is not None:
+        result["goals"] = {
+            f"busy_fraction >= {BUSY_GOAL}": result["gpu"]["busy_fraction"] >= BUSY_GOAL,
+            f"step_over_roofline <= {ROOFLINE_GOAL}": result["roofline"]["step_over_roofline"] <= ROOFLINE_GOAL,
+        }
+    else:
+        result["note"] = ("no CUDA device: no device timeline, busy fraction or roofline; this run reports the "
+                          "host time by part (as pagoda bench step does) and the step wall times, and the trace "
+                          "holds the CPU ops")
+    return result
 
 
 def print_summary(result: dict, log) -> None:

@@ -347,7 +347,7 @@ def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], sl
     against the fewest the request order allows (pagoda/bench/lora.py)."""
     import tempfile
 
-    from pagoda.bench.lora import min_loads, random_adapters
+    from pagoda.bench.lora import random_adapters
 
     if not args.launch:
         raise ValueError("--lora-adapters needs --launch (it makes the adapters and serves them)")
@@ -355,37 +355,11 @@ def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], sl
     max_loras = args.max_loras or args.lora_adapters
     with tempfile.TemporaryDirectory(prefix="pagoda-lora-") as tmp:
         adapters = random_adapters(args.model, args.lora_adapters, args.lora_rank, Path(tmp), args.seed)
-        flags = ["--model", args.model, "--device", args.device, "--no-prefix-caching", "--enable-lora",
-                 "--max-loras", str(max_loras), "--max-lora-rank", str(max(args.lora_rank, 16)),
-                 "--lora-modules", *(f"{name}={path}" for name, path in adapters)]
-        if args.num_gpu_blocks:
-            flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
-        if args.max_num_seqs:
-            flags += ["--max-num-seqs", str(args.max_num_seqs)]
         log(f"starting pagoda up with {len(adapters)} rank-{args.lora_rank} adapters, --max-loras {max_loras}")
-        stack = Stack(*flags, port=args.port).wait_ready()
+        stack = Stack(*lora_stack_flags(args, adapters, max_loras), port=args.port).wait_ready()
         order = [adapters[i % len(adapters)][0] for i in range(len(requests))]
-        runs: dict[str, list[dict]] = {"base": [], "lora": []}
         try:
-            asyncio.run(run_rate(stack.url, args.served_model, requests[:2], float("inf")))  # warm up
-            for rate in rates:
-                for name, models in (("base", args.served_model), ("lora", order)):
-                    loads_before = parse_metrics_value(stack, "pagoda:lora_loads_total")
-                    results, duration = asyncio.run(run_rate(stack.url, models, requests, rate, args.burstiness,
-                                                             args.seed))
-                    metrics = {"request_rate": rate if rate != float("inf") else "inf",
-                               **summarize(results, duration, slos), "load_average_1m": round(os.getloadavg()[0], 2)}
-                    errors = sorted({r.error for r in results if r.error})
-                    if errors:
-                        metrics["errors"] = errors[:5]
-                    if name == "lora":
-                        loads = parse_metrics_value(stack, "pagoda:lora_loads_total") - loads_before
-                        fewest = min_loads(order, max_loras)
-                        metrics["lora_loads"] = {"loads": loads, "fewest_for_the_order": fewest,
-                                                 "ratio": round(loads / fewest, 3)}
-                    runs[name].append(metrics)
-                    log(f"{name} at {rate} req/s: {metrics['completed']} done, "
-                        f"{metrics['output_token_throughput']:.1f} tok/s")
+            runs = lora_runs(stack, args, requests, rates, slos, order, max_loras, log)
         finally:
             stack.stop()
     ratios = [{"request_rate": b["request_rate"],
@@ -401,6 +375,46 @@ def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], sl
     write_result(result, args.output)
     print(json.dumps({"lora": result["lora"], "runs": runs}, indent=2))
     return 0
+
+
+def lora_stack_flags(args, adapters: list[tuple[str, Path]], max_loras: int) -> list[str]:
+    """`pagoda up`'s flags serving `adapters`, prefix caching off."""
+    flags = ["--model", args.model, "--device", args.device, "--no-prefix-caching", "--enable-lora",
+             "--max-loras", str(max_loras), "--max-lora-rank", str(max(args.lora_rank, 16)),
+             "--lora-modules", *(f"{name}={path}" for name, path in adapters)]
+    if args.num_gpu_blocks:
+        flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+    if args.max_num_seqs:
+        flags += ["--max-num-seqs", str(args.max_num_seqs)]
+    return flags
+
+
+def lora_runs(stack: Stack, args, requests: list[tuple[list[int], int]], rates: list[float], slos: dict[str, float],
+              order: list[str], max_loras: int, log) -> dict[str, list[dict]]:
+    """Per rate, the requests on the base model, then on the adapters in `order`: {"base": [metrics per
+    rate], "lora": [the same, with the adapter loads against the fewest `order` allows]}."""
+    from pagoda.bench.lora import min_loads
+
+    runs: dict[str, list[dict]] = {"base": [], "lora": []}
+    asyncio.run(run_rate(stack.url, args.served_model, requests[:2], float("inf")))  # warm up
+    for rate in rates:
+        for name, models in (("base", args.served_model), ("lora", order)):
+            loads_before = parse_metrics_value(stack, "pagoda:lora_loads_total")
+            results, duration = asyncio.run(run_rate(stack.url, models, requests, rate, args.burstiness, args.seed))
+            metrics = {"request_rate": rate if rate != float("inf") else "inf",
+                       **summarize(results, duration, slos), "load_average_1m": round(os.getloadavg()[0], 2)}
+            errors = sorted({r.error for r in results if r.error})
+            if errors:
+                metrics["errors"] = errors[:5]
+            if name == "lora":
+                loads = parse_metrics_value(stack, "pagoda:lora_loads_total") - loads_before
+                fewest = min_loads(order, max_loras)
+                metrics["lora_loads"] = {"loads": loads, "fewest_for_the_order": fewest,
+                                         "ratio": round(loads / fewest, 3)}
+            runs[name].append(metrics)
+            log(f"{name} at {rate} req/s: {metrics['completed']} done, "
+                f"{metrics['output_token_throughput']:.1f} tok/s")
+    return runs
 
 
 def parse_metrics_value(stack: Stack, name: str) -> float:
