@@ -29,9 +29,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from common.config import DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 from common.protocol import SamplingParams
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, header, write_result
 
 # the issue's goal for scripts/gpu-check.sh: an 8B model (dummy Llama 3.1 8B, bfloat16) on one H100
 GOAL_MIN_TOKENS_PER_S_BATCH_1 = 160.0
@@ -181,12 +180,7 @@ def table(rows: list[dict]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`pagoda bench latency`'s flags."""
-    parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
-    parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
-                        help=QUANTIZATION_HELP)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="as for generate: auto, fp8 or fp8_e4m3")
+    add_engine_arguments(parser, kv_cache_dtype=True)
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request (random ids)")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens of every request (EOS ignored)")
     sizes = parser.add_mutually_exclusive_group()

@@ -14,9 +14,9 @@ import json
 import sys
 import time
 
-from common.config import ALLOCATORS, DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
+from common.config import ALLOCATORS
 from common.protocol import SamplingParams
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, header, write_result
 
 
 def load_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -84,12 +84,7 @@ def run_transformers(model, requests: list[tuple[list[int], int]], batch_size: i
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`pagoda bench throughput`'s flags."""
-    parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
-    parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
-                        help=QUANTIZATION_HELP)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="as for generate: auto, fp8 or fp8_e4m3")
+    add_engine_arguments(parser, kv_cache_dtype=True)
     parser.add_argument("--num-prompts", type=int, default=64, help="ShareGPT requests")
     parser.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
     parser.add_argument("--ignore-eos", action="store_true", help="every request produces exactly its (capped) length")

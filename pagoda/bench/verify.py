@@ -23,8 +23,7 @@ import statistics
 import sys
 import time
 
-from common.config import DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, header, write_result
 
 GOAL_MAX_RATIO = 1.3  # verify (k = 4) over decode, batch 1
 GOAL_FOR = "an 8B model (dummy:worker/configs/llama-3.1-8b.json, bfloat16) on one H100/H200"
@@ -133,10 +132,7 @@ def table(rows: list[dict]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`pagoda bench verify`'s flags."""
-    parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
-    parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    add_engine_arguments(parser)
     parser.add_argument("--batch-sizes", default="1,16", help="sequences per step, comma-separated (one row each)")
     parser.add_argument("--num-speculative-tokens", default="1,2,4", help="drafts per sequence (k), comma-separated")
     parser.add_argument("--context-len", type=int, default=1024, help="tokens each sequence holds before the step")
