@@ -210,50 +210,17 @@ def _common(
     """The rules between fields, and the sampling params the scheduler gets: a field the request
     leaves unset is the model's default (`defaults`), else the API's; beam search is deterministic
     and takes none of the model's."""
-    n, best_of = _default(request.n, 1), request.best_of
-    if best_of is not None and best_of < n:
-        raise bad_request(f"best_of must be >= n, got best_of={best_of}, n={n}", "best_of")
+    n = _default(request.n, 1)
+    width, width_param = _width(request, n, len(prompts))
     beam_search = bool(request.use_beam_search)
-    width = best_of or n  # samples per prompt, or beams (vLLM's rule: best_of, else n)
-    width_param = "n" if best_of is None else "best_of"
-    if len(prompts) * width > MAX_SAMPLES:
-        raise bad_request(
-            f"{width_param} times the number of prompts must be <= {MAX_SAMPLES}, got {len(prompts) * width}",
-            width_param)
     length_penalty = _default(request.length_penalty, 1.0)
     early_stopping = _default(request.early_stopping, False)
-    if beam_search:
-        if width > MAX_BEAM_WIDTH:
-            raise bad_request(f"beam search runs at most {MAX_BEAM_WIDTH} beams: the beam width ({width_param}) must "
-                              f"be <= {MAX_BEAM_WIDTH}, got {width}", width_param)
-    else:
-        if length_penalty != 1.0:
-            raise bad_request("length_penalty applies only to beam search (use_beam_search: true)", "length_penalty")
-        if early_stopping is not False:
-            raise bad_request("early_stopping applies only to beam search (use_beam_search: true)", "early_stopping")
+    _check_beam_fields(beam_search, width, width_param, length_penalty, early_stopping)
     chosen_at_end = beam_search or width > n
-    try:
-        structured = requested_structured_output(request)
-    except InvalidField as exc:
-        raise bad_request(str(exc), exc.param) from None
-    if structured is not None and beam_search:
-        raise bad_request(f"{structured[0]} is not supported with use_beam_search (beam search ranks beams by the "
-                          "model's own logprobs)", structured[0])
+    structured = _structured_output(request, beam_search)
     stream = bool(request.stream)
-    if request.stream_options is not None and not stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if stream and chosen_at_end:
-        what = "use_beam_search" if beam_search else "best_of > n"
-        raise bad_request(f"stream is not supported with {what}: the outputs are chosen only when the request ends",
-                          "stream")
-    if max_tokens == 0 and (kind == "chat" or not (request.echo or request.prompt_logprobs is not None)):
-        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        raise bad_request(f"{param} must be >= 1; 0 (score the prompt, generate nothing) is allowed only on "
-                          "completions, with echo or prompt_logprobs", param)
-    min_tokens = _default(request.min_tokens, 0)
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise bad_request(f"min_tokens must be <= max_tokens, got min_tokens={min_tokens}, max_tokens={max_tokens}",
-                          "min_tokens")
+    _check_stream(request, stream, beam_search, chosen_at_end)
+    min_tokens = _min_tokens(request, kind, max_tokens)
     model = defaults if defaults and not beam_search else {}
     params = SamplingParams(
         n=n,
@@ -288,6 +255,69 @@ def _common(
         prompt_logprobs=request.prompt_logprobs,
         structured_param=None if structured is None else structured[0],
     )
+
+
+def _width(request: SamplingRequest, n: int, num_prompts: int) -> tuple[int, str]:
+    """(samples per prompt, or beams, and the field that sets it): vLLM's rule, best_of, else n."""
+    best_of = request.best_of
+    if best_of is not None and best_of < n:
+        raise bad_request(f"best_of must be >= n, got best_of={best_of}, n={n}", "best_of")
+    width = best_of or n
+    width_param = "n" if best_of is None else "best_of"
+    if num_prompts * width > MAX_SAMPLES:
+        raise bad_request(
+            f"{width_param} times the number of prompts must be <= {MAX_SAMPLES}, got {num_prompts * width}",
+            width_param)
+    return width, width_param
+
+
+def _check_beam_fields(beam_search: bool, width: int, width_param: str, length_penalty: float,
+                       early_stopping: bool | str) -> None:
+    """Beam search's width within its limit; its own fields only with it."""
+    if beam_search:
+        if width > MAX_BEAM_WIDTH:
+            raise bad_request(f"beam search runs at most {MAX_BEAM_WIDTH} beams: the beam width ({width_param}) must "
+                              f"be <= {MAX_BEAM_WIDTH}, got {width}", width_param)
+    else:
+        if length_penalty != 1.0:
+            raise bad_request("length_penalty applies only to beam search (use_beam_search: true)", "length_penalty")
+        if early_stopping is not False:
+            raise bad_request("early_stopping applies only to beam search (use_beam_search: true)", "early_stopping")
+
+
+def _structured_output(request: SamplingRequest, beam_search: bool):
+    """The request's (field, structured output), or None; a 400 if it is malformed or asked with beam search."""
+    try:
+        structured = requested_structured_output(request)
+    except InvalidField as exc:
+        raise bad_request(str(exc), exc.param) from None
+    if structured is not None and beam_search:
+        raise bad_request(f"{structured[0]} is not supported with use_beam_search (beam search ranks beams by the "
+                          "model's own logprobs)", structured[0])
+    return structured
+
+
+def _check_stream(request: SamplingRequest, stream: bool, beam_search: bool, chosen_at_end: bool) -> None:
+    """stream_options only with stream; no stream when the outputs are chosen only at the end."""
+    if request.stream_options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if stream and chosen_at_end:
+        what = "use_beam_search" if beam_search else "best_of > n"
+        raise bad_request(f"stream is not supported with {what}: the outputs are chosen only when the request ends",
+                          "stream")
+
+
+def _min_tokens(request: SamplingRequest, kind: str, max_tokens: int | None) -> int:
+    """min_tokens (default 0), checked with max_tokens: 0 tokens only to score a completion's prompt."""
+    if max_tokens == 0 and (kind == "chat" or not (request.echo or request.prompt_logprobs is not None)):
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        raise bad_request(f"{param} must be >= 1; 0 (score the prompt, generate nothing) is allowed only on "
+                          "completions, with echo or prompt_logprobs", param)
+    min_tokens = _default(request.min_tokens, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"min_tokens must be <= max_tokens, got min_tokens={min_tokens}, max_tokens={max_tokens}",
+                          "min_tokens")
+    return min_tokens
 
 
 def _check_beam_search(params: SamplingParams) -> None:

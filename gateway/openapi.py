@@ -282,6 +282,7 @@ def _served(node, served_model_name: str, vocab_size: int):
 
 
 def _document(request_schemas: dict, max_body_bytes: int) -> dict:
+    """The OpenAPI 3.1 document: the info, every path, the components (`request_schemas` among them)."""
     return {
         "openapi": "3.1.0",
         "info": {
@@ -299,76 +300,95 @@ def _document(request_schemas: dict, max_body_bytes: int) -> dict:
             "/v1/chat/completions": _generation(
                 "Answer a conversation", "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk",
                 max_body_bytes),
-            "/v1/models": {"get": {
-                "summary": "The served model",
-                "security": [{}, {"bearerAuth": []}],
-                "responses": {
-                    "200": {"description": "One model.",
-                            "content": {"application/json": {"schema": _ref("ModelList")}}},
-                    "401": UNAUTHORIZED,
-                },
-            }},
-            "/v1/models/{model}": {"get": {
-                "summary": "The served model, by its id (the openai SDK's models.retrieve)",
-                "security": [{}, {"bearerAuth": []}],
-                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "responses": {
-                    "200": {"description": "The model.", "content": {"application/json": {"schema": _ref("Model")}}},
-                    "401": UNAUTHORIZED,
-                    "404": _error("Another model's id (code model_not_found)."),
-                },
-            }},
-            "/health": {"get": {
-                "summary": "Whether a scheduler with ready workers is alive",
-                "security": [],
-                "responses": {
-                    "200": {"description": "Ready.", "content": {"application/json": {"schema": {
-                        "type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}}}},
-                    "503": _error("Not ready (code service_unavailable).", RETRY_AFTER),
-                },
-            }},
-            "/metrics": {"get": {
-                "summary": "Prometheus metrics (pagoda:...)",
-                "security": [],
-                "responses": {"200": {"description": "The Prometheus text format.",
-                                      "content": {"text/plain": {"schema": {"type": "string"}}}}},
-            }},
-            "/openapi.json": {"get": {
-                "summary": "This document",
-                "security": [],
-                "responses": {"200": {"description": "OpenAPI 3.1.",
-                                      "content": {"application/json": {"schema": {"type": "object"}}}}},
-            }},
+            **_model_paths(),
+            **_service_paths(),
         },
         "components": {
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer",
                                                "description": "Only when the server was started with an API key."}},
-            "schemas": {
-                **request_schemas,
-                "CompletionResponse": COMPLETION_RESPONSE,
-                "ChatCompletionResponse": CHAT_RESPONSE,
-                "CompletionChunk": COMPLETION_CHUNK,
-                "ChatCompletionChunk": CHAT_CHUNK,
-                "CompletionLogprobs": COMPLETION_LOGPROBS,
-                "ChatLogprobs": CHAT_LOGPROBS,
-                "Usage": USAGE,
-                "ModelList": {
-                    "type": "object",
-                    "required": ["object", "data"],
-                    "properties": {
-                        "object": {"const": "list"},
-                        "data": {"type": "array", "items": _ref("Model")},
-                    },
-                },
-                "Model": {
-                    "type": "object",
-                    "required": ["id", "object", "created", "owned_by"],
-                    "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                                   "created": {"type": "integer"}, "owned_by": {"type": "string"}},
-                },
-                "Error": ERROR,
+            "schemas": _schemas(request_schemas),
+        },
+    }
+
+
+def _model_paths() -> dict:
+    """/v1/models and /v1/models/{model}: the served model."""
+    return {
+        "/v1/models": {"get": {
+            "summary": "The served model",
+            "security": [{}, {"bearerAuth": []}],
+            "responses": {
+                "200": {"description": "One model.",
+                        "content": {"application/json": {"schema": _ref("ModelList")}}},
+                "401": UNAUTHORIZED,
+            },
+        }},
+        "/v1/models/{model}": {"get": {
+            "summary": "The served model, by its id (the openai SDK's models.retrieve)",
+            "security": [{}, {"bearerAuth": []}],
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": "The model.", "content": {"application/json": {"schema": _ref("Model")}}},
+                "401": UNAUTHORIZED,
+                "404": _error("Another model's id (code model_not_found)."),
+            },
+        }},
+    }
+
+
+def _service_paths() -> dict:
+    """/health, /metrics and /openapi.json."""
+    return {
+        "/health": {"get": {
+            "summary": "Whether a scheduler with ready workers is alive",
+            "security": [],
+            "responses": {
+                "200": {"description": "Ready.", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}}}},
+                "503": _error("Not ready (code service_unavailable).", RETRY_AFTER),
+            },
+        }},
+        "/metrics": {"get": {
+            "summary": "Prometheus metrics (pagoda:...)",
+            "security": [],
+            "responses": {"200": {"description": "The Prometheus text format.",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        }},
+        "/openapi.json": {"get": {
+            "summary": "This document",
+            "security": [],
+            "responses": {"200": {"description": "OpenAPI 3.1.",
+                                  "content": {"application/json": {"schema": {"type": "object"}}}}},
+        }},
+    }
+
+
+def _schemas(request_schemas: dict) -> dict:
+    """The components' schemas: the requests', then the responses' and the errors'."""
+    return {
+        **request_schemas,
+        "CompletionResponse": COMPLETION_RESPONSE,
+        "ChatCompletionResponse": CHAT_RESPONSE,
+        "CompletionChunk": COMPLETION_CHUNK,
+        "ChatCompletionChunk": CHAT_CHUNK,
+        "CompletionLogprobs": COMPLETION_LOGPROBS,
+        "ChatLogprobs": CHAT_LOGPROBS,
+        "Usage": USAGE,
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {
+                "object": {"const": "list"},
+                "data": {"type": "array", "items": _ref("Model")},
             },
         },
+        "Model": {
+            "type": "object",
+            "required": ["id", "object", "created", "owned_by"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                           "created": {"type": "integer"}, "owned_by": {"type": "string"}},
+        },
+        "Error": ERROR,
     }
 
 

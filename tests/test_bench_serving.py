@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from pagoda.bench.serve import (
-    RequestResult, Target, arrival_times, data_parallel_summary, parse_rates, parse_sizes, parse_slos, plot, summarize,
-    targets,
+    RequestResult, Target, add_arguments, arrival_times, data_parallel_summary, parse_rates, parse_sizes, parse_slos,
+    plot, summarize, targets,
 )
 from pagoda.bench.workloads import shared_prefix_requests
-from pagoda.cli import _add_bench_serve, main
+from pagoda.cli import main
 
 TINY = Path(__file__).parent / "data" / "tiny-llama.json"
 
@@ -55,7 +55,7 @@ def test_rates_and_slos_parse_and_bad_slos_are_errors():
 
 def serve_args(*flags: str):
     parser = argparse.ArgumentParser()
-    _add_bench_serve(parser)
+    add_arguments(parser)
     return parser.parse_args(list(flags))
 
 

@@ -157,7 +157,7 @@ def test_the_command_is_registered_and_repeatable():
     parser = argparse.ArgumentParser()
     cli._add_bench(parser)
     args = parser.parse_args(["speculative", "--num-prompts", "3", "--quantization", "none"])
-    assert args.handler.__name__ == "_bench_speculative"
+    assert args.handler is speculative.run
     assert (args.workload, args.num_prompts, args.max_tokens, args.concurrency) == ("edit", 3, 128, 1)
     assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 4}
     assert speculative.stack_flags(args, speculative=False) == ["--model", "default", "--device", "auto",

@@ -26,6 +26,7 @@ acceptance, never the output, can tell.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -157,6 +158,19 @@ def load_head_weights(head: nn.Module, weights) -> None:
         raise ValueError(f"weights missing from the EAGLE checkpoint: {missing[:5]}")
 
 
+@dataclass(slots=True)
+class CatchUp:
+    """The catch-up forward's batch: per sequence, the kept positions whose next token is known."""
+    ids: list[int]  # the next token of each position
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    cu: list[int]  # cu_seqlens_q
+    hiddens: list[torch.Tensor]  # the target's kept hidden states, one tensor per sequence
+    table_rows: list[int]  # the scheduled index of each sequence
+    last: dict[int, int]  # scheduled index -> the catch-up row of its position L - 1
+
+
 class EagleDrafter:
     """The head, its KV pool's one layer, and the target hidden states each sequence's next
     catch-up needs (seq_id -> (first position, [n, hidden]))."""
@@ -226,6 +240,22 @@ class EagleDrafter:
         scheduled sequence with kept hidden states (see the module docstring)."""
         device = step.input_ids.device
         drafts = torch.zeros((len(rows), max(ks, default=0)), dtype=torch.int64, device=device)
+        batch = self._catch_up_batch(scheduled)
+        with_first = [j for j, r in enumerate(rows) if r in batch.last]
+        if not batch.ids:
+            return _flat(drafts, ks)
+        out, g = self._catch_up(step, batch)
+        if not with_first:
+            return _flat(drafts, ks)
+        index = torch.tensor([batch.last[rows[j]] for j in with_first], device=device)
+        token, g = self._greedy(out[index]), g[index]
+        drafts[with_first, 0] = token
+        self._draft_rest(step, drafts, rows, starts, ks, with_first, token, g)
+        return _flat(drafts, ks)
+
+    def _catch_up_batch(self, scheduled: list[ScheduledSequence]) -> CatchUp:
+        """Each scheduled sequence's kept positions whose next token the host holds, taken from
+        `pending` (the rest stay there for the next step)."""
         ids, positions, slots, seq_lens, cu, hiddens, table_rows = [], [], [], [], [0], [], []
         last: dict[int, int] = {}  # scheduled index -> the catch-up row of its position L - 1
         for r, s in enumerate(scheduled):
@@ -251,25 +281,28 @@ class EagleDrafter:
             cu.append(cu[-1] + n)
             if start + n == s.num_computed_tokens:
                 last[r] = cu[-1] - 1
-        with_first = [j for j, r in enumerate(rows) if r in last]
-        if not ids:
-            return _flat(drafts, ks)
+        return CatchUp(ids, positions, slots, seq_lens, cu, hiddens, table_rows, last)
+
+    def _catch_up(self, step: StepTensors, batch: CatchUp) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over the catch-up batch, writing its KV: (output, hidden state) per catch-up row."""
+        device = step.input_ids.device
         context = AttentionContext(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=step.context.block_tables.index_select(0, torch.tensor(table_rows, device=device)),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(batch.slots, dtype=torch.int64, device=device),
+            block_tables=step.context.block_tables.index_select(0, torch.tensor(batch.table_rows, device=device)),
+            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.tensor(batch.cu, dtype=torch.int32, device=device),
         )
-        hidden = torch.cat(hiddens).to(self.dtype)
+        hidden = torch.cat(batch.hiddens).to(self.dtype)
         if self.eagle3:  # the three layers' states, fused
             hidden = self.head.fc(hidden)
-        out, g = self._run(torch.tensor(ids, device=device), hidden, torch.tensor(positions, device=device), context)
-        if not with_first:
-            return _flat(drafts, ks)
-        index = torch.tensor([last[rows[j]] for j in with_first], device=device)
-        token, g = self._greedy(out[index]), g[index]
-        live = with_first
-        drafts[live, 0] = token
+        return self._run(torch.tensor(batch.ids, device=device), hidden,
+                         torch.tensor(batch.positions, device=device), context)
+
+    def _draft_rest(self, step: StepTensors, drafts: torch.Tensor, rows: list[int], starts: list[int], ks: list[int],
+                    live: list[int], token: torch.Tensor, g: torch.Tensor) -> None:
+        """Drafts 1.. of the `live` rows (draft 0 is `token`, from hidden states `g`) into `drafts`,
+        one token per row per forward, each row up to its k."""
+        device = step.input_ids.device
         flat = torch.tensor(starts, dtype=torch.int64, device=device)
         scheduled_rows = torch.tensor(rows, dtype=torch.int64, device=device)
         for i in range(1, max(ks)):  # d_i (0-based column i) from d_(i-1) at position L + i - 1
@@ -281,7 +314,6 @@ class EagleDrafter:
             out, g = self._run(token, g, pos, context)
             token = self._greedy(out)
             drafts[live, i] = token
-        return _flat(drafts, ks)
 
     def keep(self, scheduled: list[ScheduledSequence], hidden: torch.Tensor) -> None:
         """The target's hidden states of the step, per sequence, for its next catch-up."""

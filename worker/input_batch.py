@@ -74,6 +74,15 @@ class _Staging:
         return out
 
 
+def _logits_indices(scheduled: Sequence[ScheduledSequence], cu_seqlens_q: list[int], decode_only: bool) -> list[int]:
+    """The flat index of each token whose logits are sampled: a sampling row's last, and with drafts
+    each of its 1 + k last (a row with drafts is scored at each of its 1 + k positions)."""
+    if decode_only or not any(s.draft_token_ids for s in scheduled):
+        return [end - 1 for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples]
+    return [i for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples
+            for i in (range(end - 1 - len(s.draft_token_ids), end) if s.draft_token_ids else (end - 1,))]
+
+
 class InputBatch:
     """Rows of held sequences; `apply` takes each plan's diffs, `prepare` builds a step's tensors."""
 
@@ -152,34 +161,13 @@ class InputBatch:
         (a placeholder on the host, common/plan_state.py): its input id is taken from
         `feed_tokens` (the step before's draws) on the device, in stream order after that step."""
         table_rows = [self.rows[s.seq_id] for s in scheduled]
-        positions = [s.num_computed_tokens for s in scheduled]  # decode: each row's one position
+        starts = [s.num_computed_tokens for s in scheduled]
         counts = [s.num_scheduled_tokens for s in scheduled]
-        seq_lens = [start + n for start, n in zip(positions, counts)]
+        seq_lens = [start + n for start, n in zip(starts, counts)]
         cu_seqlens_q = list(accumulate(counts, initial=0))
-        logits_indices = [end - 1 for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples]
-        if cu_seqlens_q[-1] != len(scheduled) and any(s.draft_token_ids for s in scheduled):
-            # a row with drafts is scored at each of its 1 + k positions
-            logits_indices = [i for s, end in zip(scheduled, cu_seqlens_q[1:]) if s.num_samples
-                              for i in (range(end - 1 - len(s.draft_token_ids), end) if s.draft_token_ids
-                                        else (end - 1,))]
-        lora = []
-        if cu_seqlens_q[-1] == len(scheduled):  # decode only: one token per row
-            ids = [s.held.token_ids[start] for s, start in zip(scheduled, positions)]
-            token_rows = table_rows
-            if self.enable_lora:
-                lora = [s.held.lora_slot for s in scheduled]
-        else:
-            ids, token_rows, starts, positions = [], [], positions, []
-            for s, row, start, n in zip(scheduled, table_rows, starts, counts):
-                ids += s.held.token_ids[start:start + n]
-                if s.draft_token_ids:
-                    ids += s.draft_token_ids
-                positions += range(start, start + n)
-                token_rows += [row] * n
-                if self.enable_lora:
-                    lora += [s.held.lora_slot] * n
-        if lora and max(lora) < 0:  # no row has an adapter: the hooks skip
-            lora = []
+        decode_only = cu_seqlens_q[-1] == len(scheduled)  # one token per row
+        logits_indices = _logits_indices(scheduled, cu_seqlens_q, decode_only)
+        ids, positions, token_rows, lora = self._flatten(scheduled, table_rows, starts, counts, decode_only)
         max_blocks = max(map(self.num_blocks.__getitem__, table_rows))
         num_tokens, num_seqs, num_dirty = len(ids), len(seq_lens), len(self._dirty)
         fed_at = [cu_seqlens_q[i] for i, _ in feed]  # a fed row computes its one new token only
@@ -208,3 +196,27 @@ class InputBatch:
         )
         short = num_tokens != num_seqs and max(counts) <= MAX_EXPANDED_QUERY
         return StepTensors(input_ids, positions_t, context, logits_t, table_rows_t, token_rows_t if short else None)
+
+    def _flatten(self, scheduled: Sequence[ScheduledSequence], table_rows: list[int], starts: list[int],
+                 counts: list[int], decode_only: bool) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Each scheduled token's input id, position, table row and LoRA slot (no slots when no row
+        has an adapter)."""
+        lora = []
+        if decode_only:
+            ids = [s.held.token_ids[start] for s, start in zip(scheduled, starts)]
+            positions, token_rows = starts, table_rows
+            if self.enable_lora:
+                lora = [s.held.lora_slot for s in scheduled]
+        else:
+            ids, token_rows, positions = [], [], []
+            for s, row, start, n in zip(scheduled, table_rows, starts, counts):
+                ids += s.held.token_ids[start:start + n]
+                if s.draft_token_ids:
+                    ids += s.draft_token_ids
+                positions += range(start, start + n)
+                token_rows += [row] * n
+                if self.enable_lora:
+                    lora += [s.held.lora_slot] * n
+        if lora and max(lora) < 0:  # no row has an adapter: the hooks skip
+            lora = []
+        return ids, positions, token_rows, lora

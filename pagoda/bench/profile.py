@@ -38,6 +38,7 @@ says so, and holds the host parts, the step wall times and the trace (CPU ops).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -49,6 +50,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from common.config import DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 from pagoda.bench.common import command_words, header, write_result
 from pagoda.bench.step import (
     Measurement, PartClock, RowSpec, TimedProxy, is_steady_decode, sampling_params, step_parts,
@@ -421,6 +423,28 @@ def host_section(clock: PartClock, llm, plans) -> dict:
             "breakdown_ms": {name: ms([parts[name] for parts in per_step]) for name in IN_PROCESS_PARTS}}
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench profile`'s flags."""
+    parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the device timeline needs CUDA)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
+                        help=QUANTIZATION_HELP)
+    parser.add_argument("--batch-size", type=int, default=256, help="sequences decoding together")
+    parser.add_argument("--context-len", type=int, default=1024, help="prompt tokens of each sequence")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps profiled")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="decode steps run first, unprofiled")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: --batch-size")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill chunk (prefill is unprofiled)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="the KV pool, in blocks (default: what fits)")
+    parser.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
+    parser.add_argument("--gap-threshold-us", type=float, default=20.0,
+                        help="an idle stretch of the device timeline longer than this counts as a gap")
+    parser.add_argument("--output", help="write the result JSON here")
+    parser.add_argument("--trace", help="write the Chrome trace here (default: beside --output, .trace.json; "
+                                        "else pagoda-profile.trace.json)")
+
+
 def run(args) -> int:
     """The `pagoda bench profile` command."""
     from pagoda.offline import LLM
@@ -453,44 +477,53 @@ def run(args) -> int:
             f"on {runner.device} ({runner.num_gpu_blocks} KV blocks)")
         profiled = profile_steps(llm, recorder, spec, trace)
         timeline = read_timeline(json.loads(trace.read_text()))
-        wall = [t - s for s, t in timeline.steps]
-        step_ms = round(statistics.median(wall) / 1e3, 4)
-        result = {
-            **header("profile", command_words("profile", args), str(runner.device)),
-            "model": runner.source.name, "dtype": str(runner.dtype).removeprefix("torch."),
-            "quantization": runner.scheme.describe() if runner.scheme else "none", "torch": torch.__version__,
-            "batch": args.batch_size, "context": args.context_len, "steps": len(profiled.plans),
-            "warmup_steps": args.warmup_steps, "decode_tokens": sum(p.num_scheduled_tokens for p in profiled.plans),
-            "engine": {"max_num_seqs": llm.config.max_num_seqs,
-                       "max_num_batched_tokens": llm.config.max_num_batched_tokens,
-                       "num_gpu_blocks": runner.num_gpu_blocks, "async_scheduling": llm.config.async_scheduling,
-                       "cuda_graphs": runner.device.type == "cuda" and runner.decode_runner is not None},
-            "trace": str(trace),
-            "step_ms": step_ms,
-            "step_ms_each": [round(w / 1e3, 4) for w in wall],
-            "host": {"note": "host time by part of the profiled steps (pagoda bench step's parts, in process: no "
-                             "wire; forward is the model's real call, on CUDA mostly its launch)",
-                     **host_section(clock, llm, profiled.plans)},
-            "gpu": analyze(timeline, args.gap_threshold_us) if device.type == "cuda" else None,
-            "roofline": roofline(weight_bytes(runner.model),
-                                 kv_bytes_per_step(runner.model, args.batch_size, profiled.tokens_per_seq),
-                                 profiled.tokens_per_seq, copy and round(copy["bandwidth_GBps"], 1), step_ms),
-        }
-        if result["gpu"] is not None:
-            result["goals"] = {
-                f"busy_fraction >= {BUSY_GOAL}": result["gpu"]["busy_fraction"] >= BUSY_GOAL,
-                f"step_over_roofline <= {ROOFLINE_GOAL}": result["roofline"]["step_over_roofline"] <= ROOFLINE_GOAL,
-            }
-        else:
-            result["note"] = ("no CUDA device: no device timeline, busy fraction or roofline; this run reports the "
-                              "host time by part (as pagoda bench step does) and the step wall times, and the trace "
-                              "holds the CPU ops")
+        result = profile_result(args, llm, device, copy, clock, profiled, timeline, trace)
     finally:
         llm.close()
     write_result(result, args.output)
     print(json.dumps(result, indent=2))
     print_summary(result, log)
     return 0
+
+
+def profile_result(args, llm, device, copy: dict | None, clock: PartClock, profiled: Profiled, timeline: Timeline,
+                   trace: Path) -> dict:
+    """The result JSON: the run, step times, host time by part, the device timeline's analysis and the
+    roofline (CUDA), and the goals met; without CUDA, a note on what is missing."""
+    runner = llm.executor.runner
+    wall = [t - s for s, t in timeline.steps]
+    step_ms = round(statistics.median(wall) / 1e3, 4)
+    result = {
+        **header("profile", command_words("profile", args), str(runner.device)),
+        "model": runner.source.name, "dtype": str(runner.dtype).removeprefix("torch."),
+        "quantization": runner.scheme.describe() if runner.scheme else "none", "torch": torch.__version__,
+        "batch": args.batch_size, "context": args.context_len, "steps": len(profiled.plans),
+        "warmup_steps": args.warmup_steps, "decode_tokens": sum(p.num_scheduled_tokens for p in profiled.plans),
+        "engine": {"max_num_seqs": llm.config.max_num_seqs,
+                   "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+                   "num_gpu_blocks": runner.num_gpu_blocks, "async_scheduling": llm.config.async_scheduling,
+                   "cuda_graphs": runner.device.type == "cuda" and runner.decode_runner is not None},
+        "trace": str(trace),
+        "step_ms": step_ms,
+        "step_ms_each": [round(w / 1e3, 4) for w in wall],
+        "host": {"note": "host time by part of the profiled steps (pagoda bench step's parts, in process: no "
+                         "wire; forward is the model's real call, on CUDA mostly its launch)",
+                 **host_section(clock, llm, profiled.plans)},
+        "gpu": analyze(timeline, args.gap_threshold_us) if device.type == "cuda" else None,
+        "roofline": roofline(weight_bytes(runner.model),
+                             kv_bytes_per_step(runner.model, args.batch_size, profiled.tokens_per_seq),
+                             profiled.tokens_per_seq, copy and round(copy["bandwidth_GBps"], 1), step_ms),
+    }
+    if result["gpu"] is not None:
+        result["goals"] = {
+            f"busy_fraction >= {BUSY_GOAL}": result["gpu"]["busy_fraction"] >= BUSY_GOAL,
+            f"step_over_roofline <= {ROOFLINE_GOAL}": result["roofline"]["step_over_roofline"] <= ROOFLINE_GOAL,
+        }
+    else:
+        result["note"] = ("no CUDA device: no device timeline, busy fraction or roofline; this run reports the "
+                          "host time by part (as pagoda bench step does) and the step wall times, and the trace "
+                          "holds the CPU ops")
+    return result
 
 
 def print_summary(result: dict, log) -> None:

@@ -33,6 +33,7 @@ GPU also runs the model), so both shares are upper bounds. The load average befo
 """
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import statistics
@@ -201,14 +202,20 @@ def _ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1000, 4)
 
 
+@dataclass
+class Publishes:
+    """What the publishes and the steps between them cost, in seconds, part by part."""
+    cold: dict[str, float]  # the first publish, which packs every table
+    step_parts: list[dict[str, float]] = field(default_factory=list)
+    publish_parts: list[dict[str, float]] = field(default_factory=list)  # build, encode, redis
+    sizes: list[int] = field(default_factory=list)  # the snapshots' bytes
+    flushes: list[float] = field(default_factory=list)
+
+
 def bench_publish(num_blocks: int, num_requests: int, publishes: int, share: float = 0.9, interval_s: float = 0.25,
                   publish_every: int = 0, seed: int = 0, redis_url: str | None = None, log=None) -> dict:
     """Fill a pool, then measure `publishes` publishes, each after `publish_every` steps (0: as many
     as take `interval_s` at the measured step time, as the server publishes), and every step."""
-    from common.config import ServingConfig
-    from common.redis_server import RedisServer
-    from scheduler.request_stream import RequestStream
-
     config = engine_config(num_blocks)
     scheduler = Scheduler(config, num_blocks, config.max_model_len, EOS_TOKEN_IDS, num_blocks // 8)
     add_mixed_requests(scheduler, num_requests, random.Random(seed), max_tokens=4000, prompt_lens=(200, 3000))
@@ -220,26 +227,46 @@ def bench_publish(num_blocks: int, num_requests: int, publishes: int, share: flo
     if log:
         log(f"filled {share:.0%} of {num_blocks} blocks in {fill_steps} steps ({time.perf_counter() - start:.1f} s); "
             f"a step takes {warm_ms:.2f} ms: a publish every {publish_every} steps")
+    measured = measure_publishes(loop, scheduler, publishes, publish_every, redis_url)
+    return publish_result(scheduler, fill_steps, measured, publishes, publish_every, interval_s)
+
+
+def measure_publishes(loop: Loop, scheduler: Scheduler, publishes: int, publish_every: int,
+                      redis_url: str | None) -> Publishes:
+    """One cold publish, then `publishes` publishes `publish_every` steps apart, to `redis_url` (else
+    a private Redis)."""
+    from common.config import ServingConfig
+    from common.redis_server import RedisServer
+    from scheduler.request_stream import RequestStream
+
     server = None if redis_url else RedisServer().start()
     try:
         loop.stream = stream = RequestStream(ServingConfig(redis_url=redis_url or server.url), "bench-publish")
         tables = PackedTables()
         cold, _ = publish_once(scheduler, stream, tables)  # the first packs every table
         loop.flush()
-        step_parts, publish_parts, sizes, flushes = [], [], [], []
+        measured = Publishes(cold)
         for _ in range(publishes):
             for _ in range(publish_every):
-                step_parts.append(loop.step())
-                flushes.append(loop.flush())
+                measured.step_parts.append(loop.step())
+                measured.flushes.append(loop.flush())
             parts, data = publish_once(scheduler, stream, tables)
             parts["redis"] = snapshot_write_cost(stream)
-            publish_parts.append(parts)
-            sizes.append(len(data))
+            measured.publish_parts.append(parts)
+            measured.sizes.append(len(data))
         key = streams.memory_key(stream.consumer)
         stream.redis.delete(REPLIES, key, key + ":probe")
     finally:
         if server is not None:
             server.stop()
+    return measured
+
+
+def publish_result(scheduler: Scheduler, fill_steps: int, measured: Publishes, publishes: int, publish_every: int,
+                   interval_s: float) -> dict:
+    """The pool's state, the publishes' and the steps' times in ms, and the share of the scheduler's
+    time publishing takes."""
+    step_parts, publish_parts = measured.step_parts, measured.publish_parts
     snapshot = build_snapshot(scheduler)
     step_ms = _ms([sum(p.values()) for p in step_parts])
     publish_ms = _ms([p["build"] + p["encode"] + p["redis"] for p in publish_parts])
@@ -260,15 +287,29 @@ def bench_publish(num_blocks: int, num_requests: int, publishes: int, share: flo
         "publish_p90_ms": round(sorted(p["build"] + p["encode"] + p["redis"] for p in publish_parts)[
             int(0.9 * publishes)] * 1000, 4),
         "publish_parts_ms": {k: _ms([p[k] for p in publish_parts]) for k in ("build", "encode", "redis")},
-        "flush_ms": _ms(flushes),
-        "publish_cold_ms": round(sum(cold.values()) * 1000, 4),
+        "flush_ms": _ms(measured.flushes),
+        "publish_cold_ms": round(sum(measured.cold.values()) * 1000, 4),
         "scheduler_step_ms": step_ms,
         "scheduler_step_parts_ms": {k: _ms([p[k] for p in step_parts]) for k in ("schedule", "update")},
         "interval_s": interval_s,
         "share_at_interval": round(publish_ms / max(interval_s * 1000, step_ms), 5),
         "share_every_step": round(publish_ms / step_ms, 4),
-        "snapshot_bytes": int(statistics.median(sizes)),
+        "snapshot_bytes": int(statistics.median(measured.sizes)),
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench publish`'s flags."""
+    parser.add_argument("--num-blocks", type=int, default=30_000, help="the KV pool, in blocks")
+    parser.add_argument("--num-requests", type=int, default=300, help="requests of the mixed workload")
+    parser.add_argument("--fill", type=float, default=0.9, help="share of the pool held before measuring")
+    parser.add_argument("--publishes", type=int, default=30, help="publishes measured")
+    parser.add_argument("--interval-s", type=float, default=0.25, help="the server's publishing interval")
+    parser.add_argument("--publish-every", type=int, default=0,
+                        help="steps between two publishes (0: those that take --interval-s at the measured step time)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--redis-url", help="publish to this Redis (default: a private redis-server)")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

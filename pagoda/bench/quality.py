@@ -35,6 +35,7 @@ prompt_tokens_per_s, generate_s, output_tokens_per_s.
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import hashlib
 import math
@@ -43,6 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.config import DTYPES
 from common.protocol import SamplingParams
 from pagoda.bench.common import ROOT, command_words, device_description, header, write_result
 
@@ -207,6 +209,27 @@ def table(rows: list[dict], num_prompts: int) -> str:
                      f"{goal} | {identical} | {f(r['agreement'], '.3f')} | {r['prompt_tokens_per_s']:.0f} | "
                      f"{r['output_tokens_per_s']:.1f} |")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench quality`'s flags."""
+    parser.add_argument("--model", default="default", help="as for generate (a model with a tokenizer)")
+    parser.add_argument("--schemes", default="none,int4,int8,fp8",
+                        help="--quantization schemes, comma-separated, one row each (none's greedy outputs are the reference)")
+    parser.add_argument("--text", help="the text scored, lines beginning with '#' skipped (default: "
+                                       "benchmarks/data/alice-in-wonderland-ch1-3.txt, public domain)")
+    parser.add_argument("--window", type=int, default=512, help="tokens of each scored window")
+    parser.add_argument("--stride", type=int, default=None, help="tokens between windows' starts (default: the window)")
+    parser.add_argument("--num-windows", type=int, default=8, help="windows scored, from the text's start (0: all that fit)")
+    parser.add_argument("--num-prompts", type=int, default=16, help="greedy prompts, evenly spaced over the scored text")
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens of each greedy prompt")
+    parser.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt (EOS ignored)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="activations (auto: each scheme's own)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="every scheme's KV cache: auto or fp8 (compare two runs)")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

@@ -21,6 +21,7 @@ cache_aware's hit rate and request throughput over pull's.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -162,6 +163,30 @@ def comparison(runs: dict[str, dict]) -> dict:
 def brief(metrics: dict) -> dict:
     return {key: metrics.get(key) for key in ("completed", "failed", "request_throughput", "prefix_cache_hit_rate",
                                               "ttft_median_s", "routing_decisions", "requests_stolen")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench routing`'s flags."""
+    parser.add_argument("--routings", default="cache_aware,pull", help="`pagoda up --routing` values, one run each")
+    parser.add_argument("--model", default="default", help="the model to serve")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-gpu-blocks", type=int, default=300,
+                        help="each engine group's KV pool, in blocks (the default holds about 4 of the 8 prefixes)")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="each scheduler's batch limit")
+    parser.add_argument("--num-prefixes", type=int, default=8, help="system prompts")
+    parser.add_argument("--prefix-len", type=int, default=1000, help="tokens of each system prompt")
+    parser.add_argument("--conversations", type=int, default=16, help="conversations sharing each system prompt")
+    parser.add_argument("--question-len", type=int, default=32, help="tokens of each conversation's own question")
+    parser.add_argument("--output-len", type=int, default=16, help="tokens generated per request (EOS ignored)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf sends all "
+                                                                                   "at once")
+    parser.add_argument("--steal-after-ms", type=int, default=None,
+                        help="`pagoda up --steal-after-ms` (default: its own)")
+    parser.add_argument("--routing-balance-margin", type=int, default=None,
+                        help="`pagoda up --routing-balance-margin` (default: its own)")
+    parser.add_argument("--seed", type=int, default=0, help="of the workload and the arrivals")
+    parser.add_argument("--port", type=int, default=8100, help="the port to serve on")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

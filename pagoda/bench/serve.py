@@ -15,6 +15,7 @@ groups are ready, and the result adds each size's request throughput over the fi
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -244,6 +245,39 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench serve`'s flags."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running gateway (without --launch)")
+    parser.add_argument("--label", default="pagoda", help="the name of that gateway's run in the result")
+    parser.add_argument("--launch", action="store_true", help="start `pagoda up` once per --allocators entry")
+    parser.add_argument("--allocators", default="paged,orca-oracle", help="with --launch")
+    parser.add_argument("--data-parallel-sizes", default=None,
+                        help="with --launch: compare these `pagoda up --data-parallel-size` values instead of allocators "
+                             "(paged), e.g. 1,2; the result adds each one's request throughput over the first's")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="with --launch: worker ranks per engine group")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="with --launch: each scheduler's batch limit")
+    parser.add_argument("--port", type=int, default=8100, help="with --launch: the port to serve on")
+    parser.add_argument("--model", default="default", help="with --launch: the model to serve")
+    parser.add_argument("--served-model", default=None, help="the model name to send (default: none, the served one)")
+    parser.add_argument("--device", default="auto", help="with --launch")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="with --launch: the KV pool, in blocks")
+    parser.add_argument("--num-prompts", type=int, default=50, help="ShareGPT requests per rate")
+    parser.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
+    parser.add_argument("--sharegpt-output-len", type=int, default=None,
+                        help="every request's output length instead of its recorded one (EOS ignored, as always)")
+    parser.add_argument("--request-rate", default="1,2,4", help="requests/s, comma-separated; inf sends all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
+    parser.add_argument("--goodput", default=None, help="SLOs in ms, e.g. ttft:2000,tpot:500,e2e:30000")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
+    parser.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                        help="with --launch: serve N random LoRA adapters and compare the requests spread over them with "
+                             "the same requests on the base model")
+    parser.add_argument("--lora-rank", type=int, default=16, help="with --lora-adapters: their rank")
+    parser.add_argument("--max-loras", type=int, default=None, help="with --lora-adapters: the slots (default N)")
+    parser.add_argument("--output", help="write the result JSON here (and with --launch a PNG plot beside it)")
+
+
 def run(args) -> int:
     """The `pagoda bench serve` command."""
     from pagoda.bench.throughput import load_requests
@@ -313,7 +347,7 @@ def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], sl
     against the fewest the request order allows (pagoda/bench/lora.py)."""
     import tempfile
 
-    from pagoda.bench.lora import min_loads, random_adapters
+    from pagoda.bench.lora import random_adapters
 
     if not args.launch:
         raise ValueError("--lora-adapters needs --launch (it makes the adapters and serves them)")
@@ -321,37 +355,11 @@ def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], sl
     max_loras = args.max_loras or args.lora_adapters
     with tempfile.TemporaryDirectory(prefix="pagoda-lora-") as tmp:
         adapters = random_adapters(args.model, args.lora_adapters, args.lora_rank, Path(tmp), args.seed)
-        flags = ["--model", args.model, "--device", args.device, "--no-prefix-caching", "--enable-lora",
-                 "--max-loras", str(max_loras), "--max-lora-rank", str(max(args.lora_rank, 16)),
-                 "--lora-modules", *(f"{name}={path}" for name, path in adapters)]
-        if args.num_gpu_blocks:
-            flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
-        if args.max_num_seqs:
-            flags += ["--max-num-seqs", str(args.max_num_seqs)]
         log(f"starting pagoda up with {len(adapters)} rank-{args.lora_rank} adapters, --max-loras {max_loras}")
-        stack = Stack(*flags, port=args.port).wait_ready()
+        stack = Stack(*lora_stack_flags(args, adapters, max_loras), port=args.port).wait_ready()
         order = [adapters[i % len(adapters)][0] for i in range(len(requests))]
-        runs: dict[str, list[dict]] = {"base": [], "lora": []}
         try:
-            asyncio.run(run_rate(stack.url, args.served_model, requests[:2], float("inf")))  # warm up
-            for rate in rates:
-                for name, models in (("base", args.served_model), ("lora", order)):
-                    loads_before = parse_metrics_value(stack, "pagoda:lora_loads_total")
-                    results, duration = asyncio.run(run_rate(stack.url, models, requests, rate, args.burstiness,
-                                                             args.seed))
-                    metrics = {"request_rate": rate if rate != float("inf") else "inf",
-                               **summarize(results, duration, slos), "load_average_1m": round(os.getloadavg()[0], 2)}
-                    errors = sorted({r.error for r in results if r.error})
-                    if errors:
-                        metrics["errors"] = errors[:5]
-                    if name == "lora":
-                        loads = parse_metrics_value(stack, "pagoda:lora_loads_total") - loads_before
-                        fewest = min_loads(order, max_loras)
-                        metrics["lora_loads"] = {"loads": loads, "fewest_for_the_order": fewest,
-                                                 "ratio": round(loads / fewest, 3)}
-                    runs[name].append(metrics)
-                    log(f"{name} at {rate} req/s: {metrics['completed']} done, "
-                        f"{metrics['output_token_throughput']:.1f} tok/s")
+            runs = lora_runs(stack, args, requests, rates, slos, order, max_loras, log)
         finally:
             stack.stop()
     ratios = [{"request_rate": b["request_rate"],
@@ -367,6 +375,46 @@ def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], sl
     write_result(result, args.output)
     print(json.dumps({"lora": result["lora"], "runs": runs}, indent=2))
     return 0
+
+
+def lora_stack_flags(args, adapters: list[tuple[str, Path]], max_loras: int) -> list[str]:
+    """`pagoda up`'s flags serving `adapters`, prefix caching off."""
+    flags = ["--model", args.model, "--device", args.device, "--no-prefix-caching", "--enable-lora",
+             "--max-loras", str(max_loras), "--max-lora-rank", str(max(args.lora_rank, 16)),
+             "--lora-modules", *(f"{name}={path}" for name, path in adapters)]
+    if args.num_gpu_blocks:
+        flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+    if args.max_num_seqs:
+        flags += ["--max-num-seqs", str(args.max_num_seqs)]
+    return flags
+
+
+def lora_runs(stack: Stack, args, requests: list[tuple[list[int], int]], rates: list[float], slos: dict[str, float],
+              order: list[str], max_loras: int, log) -> dict[str, list[dict]]:
+    """Per rate, the requests on the base model, then on the adapters in `order`: {"base": [metrics per
+    rate], "lora": [the same, with the adapter loads against the fewest `order` allows]}."""
+    from pagoda.bench.lora import min_loads
+
+    runs: dict[str, list[dict]] = {"base": [], "lora": []}
+    asyncio.run(run_rate(stack.url, args.served_model, requests[:2], float("inf")))  # warm up
+    for rate in rates:
+        for name, models in (("base", args.served_model), ("lora", order)):
+            loads_before = parse_metrics_value(stack, "pagoda:lora_loads_total")
+            results, duration = asyncio.run(run_rate(stack.url, models, requests, rate, args.burstiness, args.seed))
+            metrics = {"request_rate": rate if rate != float("inf") else "inf",
+                       **summarize(results, duration, slos), "load_average_1m": round(os.getloadavg()[0], 2)}
+            errors = sorted({r.error for r in results if r.error})
+            if errors:
+                metrics["errors"] = errors[:5]
+            if name == "lora":
+                loads = parse_metrics_value(stack, "pagoda:lora_loads_total") - loads_before
+                fewest = min_loads(order, max_loras)
+                metrics["lora_loads"] = {"loads": loads, "fewest_for_the_order": fewest,
+                                         "ratio": round(loads / fewest, 3)}
+            runs[name].append(metrics)
+            log(f"{name} at {rate} req/s: {metrics['completed']} done, "
+                f"{metrics['output_token_throughput']:.1f} tok/s")
+    return runs
 
 
 def parse_metrics_value(stack: Stack, name: str) -> float:

@@ -12,6 +12,7 @@ the prompts equal, so the engine's work is the same and the difference is the ga
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import statistics
@@ -118,6 +119,16 @@ def parser_overhead(model: str, n: int, max_tokens: int = 32) -> dict:
     plain, parsers = (_summary(r[2:]) for r in (runs["plain"], runs["parsers"]))  # 2 warm-up rounds
     ratio = {key: parsers[key] / plain[key] for key in ("ttft_ms", "inter_token_ms") if plain[key]}
     return {"plain": plain, "parsers": parsers, "ratio": ratio, "parser_flags": " ".join(PARSER_FLAGS)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench overhead`'s flags."""
+    parser.add_argument("--requests", type=int, default=30, help="requests timed each way (after 2 warm-up ones)")
+    parser.add_argument("--output", help="write the result JSON here")
+    parser.add_argument("--parsers", action="store_true",
+                        help="instead: streamed chat TTFT and inter-token time with --reasoning-parser and "
+                             "--tool-call-parser on against off, on one engine")
+    parser.add_argument("--model", default="default", help="the model --parsers serves")
 
 
 def run(args) -> int:

@@ -98,6 +98,11 @@ def body_for(kind: str, prompt: str, max_tokens: int, **extra) -> dict:
     return body
 
 
+def prompt_of(api: str, i: int) -> tuple[str, int]:
+    """Prompt `i` of `api`'s set, and its max_tokens."""
+    return (CHAT_PROMPTS if api == "chat" else COMPLETION_PROMPTS)[i]
+
+
 def path_for(kind: str) -> str:
     return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
@@ -347,88 +352,109 @@ class Load:
 
     async def _send(self, client, kind: str, rng: random.Random) -> str | ServerError | None:
         """None/"answered" when the answer was right, "cancelled:<stage>", a ServerError, or what was wrong."""
-        url = self.base_url
         if kind in ("completion", "chat", "completion_stream", "chat_stream"):
             api = kind.removesuffix("_stream")
         else:
             api = rng.choice(["completion", "chat"])
-        prompts = CHAT_PROMPTS if api == "chat" else COMPLETION_PROMPTS
-        i = rng.randrange(len(prompts))
-        prompt, max_tokens = prompts[i]
-        if kind in ("completion", "chat"):
-            r = await client.post(url + path_for(api), json=body_for(api, prompt, max_tokens))
-            self.tally.by_status[r.status_code] += 1
-            if r.status_code != 200:
-                return server_error(r.status_code, r.content, "whole")
-            choice = r.json()["choices"][0]
-            got = (choice_text(choice), choice["finish_reason"])
-            return None if got == self.references[(api, i)] else f"{got!r} != {self.references[(api, i)]!r}"
-        if kind in ("completion_stream", "chat_stream"):
-            state = StreamState()
-            body = body_for(api, prompt, max_tokens, stream=True, stream_options={"include_usage": True})
-            await read_stream(client, url + path_for(api), body, state)
-            self.tally.by_status[state.status] += 1
-            return self._check_stream(state, [self.references[(api, i)]], max_tokens)
-        if kind == "sampled_n2":
-            body = body_for(api, prompt, max_tokens, n=2, temperature=0.8, seed=rng.randrange(1 << 30))
-            r = await client.post(url + path_for(api), json=body)
-            self.tally.by_status[r.status_code] += 1
-            if r.status_code != 200:
-                return server_error(r.status_code, r.content, "whole")
-            data = r.json()
-            if [c["index"] for c in data["choices"]] != [0, 1]:
-                return f"choices {data['choices']!r}"
-            if any(c["finish_reason"] not in ("stop", "length") for c in data["choices"]):
-                return f"finish reasons {[c['finish_reason'] for c in data['choices']]}"
-            if not 2 <= data["usage"]["completion_tokens"] <= 2 * max_tokens:
-                return f"usage {data['usage']!r}"
-            return None
-        if kind == "stream_cancel":  # close the stream after 0..6 events
-            state = StreamState()
-            n = rng.choice([1, 1, 2])
-            body = body_for(api, prompt, LONG, stream=True, n=n, ignore_eos=True)
-            stop_after = rng.randint(0, 6)
-            await read_stream(client, url + path_for(api), body, state, stop_after=stop_after)
-            self.tally.by_status[state.status] += 1
-            expected = self.references[(api, i)][0]  # greedy: each of the n texts starts so (EOS ignored)
-            wrong = [c for c, text in state.texts.items() if not prefix_consistent(text, expected)]
-            if wrong:
-                return f"stream {dict(state.texts)!r} does not continue {expected!r} (choices {wrong})"
-            if state.status != 200 or state.error is not None:
-                return self._stream_error(state)
-            if state.done:
-                return f"HTTP {state.status}, error {state.error!r}, [DONE] {state.done}: {state.body[:200]!r}"
-            return f"cancelled:after {state.events} events"
-        if kind == "whole_cancel":  # a whole (non-stream) request abandoned mid-generation
-            body = body_for(api, prompt, LONG, ignore_eos=True)
-            task = asyncio.ensure_future(client.post(url + path_for(api), json=body))
-            done, _ = await asyncio.wait({task}, timeout=rng.uniform(0.05, 0.5))
-            if not done:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return "cancelled:whole request mid-generation"
-            r = task.result()
-            self.tally.by_status[r.status_code] += 1
-            if r.status_code >= 500:
-                return server_error(r.status_code, r.content, "whole")
-            return f"answered before it was abandoned: HTTP {r.status_code}: {r.text[:200]}"
-        if kind == "early_cancel":  # a stream abandoned within 10 ms: often before its headers
-            state = StreamState()
-            body = body_for(api, prompt, LONG, stream=True, ignore_eos=True)
-            task = asyncio.ensure_future(read_stream(client, url + path_for(api), body, state))
-            await asyncio.wait({task}, timeout=rng.uniform(0.0, 0.01))
-            if task.done():
-                task.result()
-                self.tally.by_status[state.status] += 1
-                if state.status != 200 or state.error is not None:
-                    return self._stream_error(state)
-                return f"answered before it was abandoned: HTTP {state.status}"
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return "cancelled:" + (f"after {state.events} events" if state.headers else "before headers")
+        i = rng.randrange(len(CHAT_PROMPTS if api == "chat" else COMPLETION_PROMPTS))
         if kind == "malformed":
             return await self._malformed(client, rng.choice(sorted(MALFORMED)))
-        raise AssertionError(kind)
+        send = {"completion": self._send_whole, "chat": self._send_whole, "completion_stream": self._send_stream,
+                "chat_stream": self._send_stream, "sampled_n2": self._send_sampled_n2,
+                "stream_cancel": self._send_stream_cancel, "whole_cancel": self._send_whole_cancel,
+                "early_cancel": self._send_early_cancel}.get(kind)
+        if send is None:
+            raise AssertionError(kind)
+        return await send(client, api, i, rng)
+
+    async def _send_whole(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
+        """A greedy whole request: its answer must be the reference's."""
+        prompt, max_tokens = prompt_of(api, i)
+        r = await client.post(self.base_url + path_for(api), json=body_for(api, prompt, max_tokens))
+        self.tally.by_status[r.status_code] += 1
+        if r.status_code != 200:
+            return server_error(r.status_code, r.content, "whole")
+        choice = r.json()["choices"][0]
+        got = (choice_text(choice), choice["finish_reason"])
+        return None if got == self.references[(api, i)] else f"{got!r} != {self.references[(api, i)]!r}"
+
+    async def _send_stream(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
+        """A greedy stream: its text must be the reference's."""
+        prompt, max_tokens = prompt_of(api, i)
+        state = StreamState()
+        body = body_for(api, prompt, max_tokens, stream=True, stream_options={"include_usage": True})
+        await read_stream(client, self.base_url + path_for(api), body, state)
+        self.tally.by_status[state.status] += 1
+        return self._check_stream(state, [self.references[(api, i)]], max_tokens)
+
+    async def _send_sampled_n2(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
+        """Two seeded samples: two choices, each finished, within the token budget."""
+        prompt, max_tokens = prompt_of(api, i)
+        body = body_for(api, prompt, max_tokens, n=2, temperature=0.8, seed=rng.randrange(1 << 30))
+        r = await client.post(self.base_url + path_for(api), json=body)
+        self.tally.by_status[r.status_code] += 1
+        if r.status_code != 200:
+            return server_error(r.status_code, r.content, "whole")
+        data = r.json()
+        if [c["index"] for c in data["choices"]] != [0, 1]:
+            return f"choices {data['choices']!r}"
+        if any(c["finish_reason"] not in ("stop", "length") for c in data["choices"]):
+            return f"finish reasons {[c['finish_reason'] for c in data['choices']]}"
+        if not 2 <= data["usage"]["completion_tokens"] <= 2 * max_tokens:
+            return f"usage {data['usage']!r}"
+        return None
+
+    async def _send_stream_cancel(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
+        """A stream closed after 0..6 events: what it read must continue the reference."""
+        prompt, _ = prompt_of(api, i)
+        state = StreamState()
+        n = rng.choice([1, 1, 2])
+        body = body_for(api, prompt, LONG, stream=True, n=n, ignore_eos=True)
+        stop_after = rng.randint(0, 6)
+        await read_stream(client, self.base_url + path_for(api), body, state, stop_after=stop_after)
+        self.tally.by_status[state.status] += 1
+        expected = self.references[(api, i)][0]  # greedy: each of the n texts starts so (EOS ignored)
+        wrong = [c for c, text in state.texts.items() if not prefix_consistent(text, expected)]
+        if wrong:
+            return f"stream {dict(state.texts)!r} does not continue {expected!r} (choices {wrong})"
+        if state.status != 200 or state.error is not None:
+            return self._stream_error(state)
+        if state.done:
+            return f"HTTP {state.status}, error {state.error!r}, [DONE] {state.done}: {state.body[:200]!r}"
+        return f"cancelled:after {state.events} events"
+
+    async def _send_whole_cancel(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
+        """A whole (non-stream) request abandoned mid-generation."""
+        prompt, _ = prompt_of(api, i)
+        body = body_for(api, prompt, LONG, ignore_eos=True)
+        task = asyncio.ensure_future(client.post(self.base_url + path_for(api), json=body))
+        done, _ = await asyncio.wait({task}, timeout=rng.uniform(0.05, 0.5))
+        if not done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return "cancelled:whole request mid-generation"
+        r = task.result()
+        self.tally.by_status[r.status_code] += 1
+        if r.status_code >= 500:
+            return server_error(r.status_code, r.content, "whole")
+        return f"answered before it was abandoned: HTTP {r.status_code}: {r.text[:200]}"
+
+    async def _send_early_cancel(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
+        """A stream abandoned within 10 ms: often before its headers."""
+        prompt, _ = prompt_of(api, i)
+        state = StreamState()
+        body = body_for(api, prompt, LONG, stream=True, ignore_eos=True)
+        task = asyncio.ensure_future(read_stream(client, self.base_url + path_for(api), body, state))
+        await asyncio.wait({task}, timeout=rng.uniform(0.0, 0.01))
+        if task.done():
+            task.result()
+            self.tally.by_status[state.status] += 1
+            if state.status != 200 or state.error is not None:
+                return self._stream_error(state)
+            return f"answered before it was abandoned: HTTP {state.status}"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return "cancelled:" + (f"after {state.events} events" if state.headers else "before headers")
 
     @staticmethod
     def _stream_error(state: StreamState) -> ServerError | str:
@@ -773,7 +799,29 @@ def memory_report(pids: dict[str, int], samples: list[Sample], warm: Sample, end
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class SoakRun:
+    """What one soak of the stack measured, before the verdict."""
+    pids: dict[str, int]  # the processes sampled: "up" and its children (under chaos, by label)
+    chaos: Chaos | None
+    load: Load
+    samples: list[Sample]
+    warm: Sample
+    end: Sample
+    after: Sample  # once drained (and, under chaos, whole again)
+    startup_s: float
+    elapsed: float
+    settled: bool
+    settle_s: float
+    drained: bool
+    final_state: dict
+    drain_s: float
+    children_at_end: dict[str, int]  # under chaos: {label: pid}
+    exit_code: int | None = None  # `pagoda up`'s, once stopped
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The soak's flags; the others go to `pagoda up`."""
     parser = argparse.ArgumentParser(
         prog="python -m pagoda.bench.soak", description="Soak the real stack: mixed load, RSS of every process, leaks.",
         epilog="Other flags go to `pagoda up` (e.g. --device cpu --max-num-seqs 32 --data-parallel-size 2).")
@@ -805,18 +853,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None, help="the gateway's port (default: a free one)")
     parser.add_argument("--output", help="write the result JSON here")
     parser.add_argument("--log", help="`pagoda up`'s output (default: a temporary file)")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """(args with their defaults resolved, the flags for `pagoda up`, the chaos victims' kinds)."""
+    parser = build_parser()
     args, up_flags = parser.parse_known_args(argv)
     up_flags = [f for f in up_flags if f != "--"]
     if args.warmup is None:
         args.warmup = min(60.0, max(5.0, 0.2 * args.duration))
-    chaotic = args.chaos_interval > 0
     if args.drain_timeout is None:
-        args.drain_timeout = 120.0 if chaotic else 15.0
+        args.drain_timeout = 120.0 if args.chaos_interval > 0 else 15.0
     victims = [v for v in args.chaos_victims.split(",") if v]
     if not set(victims) <= set(CHAOS_KINDS):
         parser.error(f"--chaos-victims: each of {', '.join(CHAOS_KINDS)}")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return args, up_flags, victims
 
+
+def main(argv: list[str] | None = None) -> int:
+    args, up_flags, victims = parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    run = soak(args, up_flags, victims)
+    chaos = run.chaos
+    memory = memory_report(run.pids, run.samples + [run.after], run.warm, run.end, args,
+                           chaos.killed_pids if chaos else None,
+                           {label for kind, label in chaos.expected if kind in CHAOS_KINDS} if chaos else set())
+    for name in memory:
+        if run.after.rss_mib.get(name) is not None:
+            memory[name]["idle_after_mib"] = round(run.after.rss_mib[name], 1)
+    reasons = verdict_reasons(run, memory, args)
+    command = shlex.join(["python", "-m", "pagoda.bench.soak", *(argv if argv is not None else sys.argv[1:])])
+    result = soak_result(command, up_flags, args, run, memory, reasons)
+    write_result(result, args.output)
+    print(summary(result))
+    return 0 if not reasons else 1
+
+
+def soak(args, up_flags: list[str], victims: list[str]) -> SoakRun:
+    """Start `pagoda up`, load it (killing children under chaos), let it drain, stop it."""
     log_path = Path(args.log) if args.log else Path(tempfile.mkstemp(prefix="pagoda-soak-", suffix=".log")[1])
     started = time.monotonic()
     stack = Stack(*up_flags, *(["--redis-url", args.redis_url] if args.redis_url else []), port=args.port, log=log_path)
@@ -824,41 +899,50 @@ def main(argv: list[str] | None = None) -> int:
         stack.wait_ready(args.start_timeout)
     except (RuntimeError, TimeoutError) as exc:
         raise SystemExit(f"soak: {exc}") from None
-    chaos = None
     try:
-        if chaotic:  # /health answers once one group is ready: wait for all of them before the load
-            chaos = Chaos(stack, args.chaos_interval, args.seed if args.chaos_seed is None else args.chaos_seed,
-                          victims, args.chaos_kills)
-            if chaos.wait_whole(args.start_timeout) is None:
-                raise SystemExit(f"soak: the stack was not whole within {args.start_timeout:g} s: see {log_path}")
-        startup_s = time.monotonic() - started
-        pids = {"up": stack.process.pid, **stack.children()}
-        if chaos is not None:  # by label: "engine 1 worker rank 0"
-            pids = {"up": stack.process.pid, **{m.label: m.pid for m in members(stack.process.pid)}}
-        print(f"soak: stack up in {startup_s:.1f} s at {stack.url} (Redis {stack.redis_url}); processes "
-              + ", ".join(f"{n} {p}" for n, p in pids.items()), file=sys.stderr, flush=True)
-        load, samples, warm, end, elapsed = asyncio.run(drive(stack.url, pids, args, chaos))
-        settled, settle_s = True, 0.0
-        if chaos is not None:  # every child back and ready before the leak check
-            settle_start = time.monotonic()
-            since = chaos.wait_whole(args.settle_timeout)
-            settled, settle_s = since is not None, time.monotonic() - settle_start
-            chaos.record_whole(since)
-        if stack.process.poll() is None:
-            drained, final_state, drain_s = wait_drained(stack.url, stack.redis_url, args.drain_timeout,
-                                                         started=chaos is not None)
-        else:  # it gave up (a crash loop): its exit code is the verdict's reason
-            drained, final_state, drain_s = False, {}, 0.0
-        after = Sample(round(elapsed + settle_s + drain_s, 2), {name: rss_mib(pid) for name, pid in pids.items()})
-        now = {m.label: m.pid for m in members(stack.process.pid)} if chaos is not None else {}
+        run = load_stack(stack, args, victims, started, log_path)
     finally:
         exit_code = stack.stop()
-    memory = memory_report(pids, samples + [after], warm, end, args, chaos.killed_pids if chaos else None,
-                           {label for kind, label in chaos.expected if kind in CHAOS_KINDS} if chaos else set())
-    for name in memory:
-        if after.rss_mib.get(name) is not None:
-            memory[name]["idle_after_mib"] = round(after.rss_mib[name], 1)
-    t = load.tally
+    run.exit_code = exit_code
+    return run
+
+
+def load_stack(stack: Stack, args, victims: list[str], started: float, log_path: Path) -> SoakRun:
+    """The load on a ready stack, then (under chaos) the wait for it to be whole again and the drain."""
+    chaos = None
+    if args.chaos_interval > 0:  # /health answers once one group is ready: wait for all of them before the load
+        chaos = Chaos(stack, args.chaos_interval, args.seed if args.chaos_seed is None else args.chaos_seed,
+                      victims, args.chaos_kills)
+        if chaos.wait_whole(args.start_timeout) is None:
+            raise SystemExit(f"soak: the stack was not whole within {args.start_timeout:g} s: see {log_path}")
+    startup_s = time.monotonic() - started
+    pids = {"up": stack.process.pid, **stack.children()}
+    if chaos is not None:  # by label: "engine 1 worker rank 0"
+        pids = {"up": stack.process.pid, **{m.label: m.pid for m in members(stack.process.pid)}}
+    print(f"soak: stack up in {startup_s:.1f} s at {stack.url} (Redis {stack.redis_url}); processes "
+          + ", ".join(f"{n} {p}" for n, p in pids.items()), file=sys.stderr, flush=True)
+    load, samples, warm, end, elapsed = asyncio.run(drive(stack.url, pids, args, chaos))
+    settled, settle_s = True, 0.0
+    if chaos is not None:  # every child back and ready before the leak check
+        settle_start = time.monotonic()
+        since = chaos.wait_whole(args.settle_timeout)
+        settled, settle_s = since is not None, time.monotonic() - settle_start
+        chaos.record_whole(since)
+    if stack.process.poll() is None:
+        drained, final_state, drain_s = wait_drained(stack.url, stack.redis_url, args.drain_timeout,
+                                                     started=chaos is not None)
+    else:  # it gave up (a crash loop): its exit code is the verdict's reason
+        drained, final_state, drain_s = False, {}, 0.0
+    after = Sample(round(elapsed + settle_s + drain_s, 2), {name: rss_mib(pid) for name, pid in pids.items()})
+    now = {m.label: m.pid for m in members(stack.process.pid)} if chaos is not None else {}
+    return SoakRun(pids, chaos, load, samples, warm, end, after, startup_s, elapsed, settled, settle_s, drained,
+                   final_state, drain_s, now)
+
+
+def verdict_reasons(run: SoakRun, memory: dict, args) -> list[str]:
+    """Why the soak failed: failed or lost requests, server errors, RSS growth, chaos that did nothing
+    or a stack not whole again, no drain, a nonzero exit code (none: it passed)."""
+    t, chaos = run.load.tally, run.chaos
     reasons = []
     if t.failed:
         reasons.append(f"{t.failed} request(s) failed")
@@ -872,16 +956,21 @@ def main(argv: list[str] | None = None) -> int:
     if chaos is not None:
         if not chaos.kills:
             reasons.append("chaos killed nothing: lower --chaos-interval or raise --duration")
-        if not settled:
+        if not run.settled:
             reasons.append(f"the stack was not whole {args.settle_timeout:g} s after the load")
-    if not drained and final_state:
-        reasons.append(f"not drained after {args.drain_timeout:g} s: {final_state}")
-    if exit_code != 0:
-        reasons.append(f"pagoda up exited with {exit_code}")
-    command = shlex.join(["python", "-m", "pagoda.bench.soak", *(argv if argv is not None else sys.argv[1:])])
+    if not run.drained and run.final_state:
+        reasons.append(f"not drained after {args.drain_timeout:g} s: {run.final_state}")
+    if run.exit_code != 0:
+        reasons.append(f"pagoda up exited with {run.exit_code}")
+    return reasons
+
+
+def soak_result(command: str, up_flags: list[str], args, run: SoakRun, memory: dict, reasons: list[str]) -> dict:
+    """The result JSON: the run, its requests by outcome, RSS per process, the verdict (and the chaos)."""
+    t, chaos, elapsed = run.load.tally, run.chaos, run.elapsed
     result = {
         **header("soak", command),
-        "up_flags": up_flags, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "startup_s": round(startup_s, 1), "load_s": round(elapsed, 1),
+        "up_flags": up_flags, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "startup_s": round(run.startup_s, 1), "load_s": round(elapsed, 1),
         "warmup_s": args.warmup, "concurrency": args.concurrency, "seed": args.seed,
         "requests": {"sent": t.sent, "answered": t.answered, "cancelled": t.cancelled, "failed": t.failed,
                      "per_s": round(t.sent / elapsed, 2),
@@ -891,11 +980,11 @@ def main(argv: list[str] | None = None) -> int:
         "failures": t.failures,
         "rss": memory,
         "rss_thresholds": {"mib": args.rss_threshold_mib, "pct": args.rss_threshold_pct},
-        "final_state": {**final_state, "drained": drained, "drain_s": round(drain_s, 2)},
-        "stack_exit_code": exit_code,
+        "final_state": {**run.final_state, "drained": run.drained, "drain_s": round(run.drain_s, 2)},
+        "stack_exit_code": run.exit_code,
         "verdict": "pass" if not reasons else "fail", "reasons": reasons,
         "samples": [{"t": s.t, "rss_mib": {k: round(v, 1) for k, v in s.rss_mib.items() if v is not None}}
-                    for s in samples],
+                    for s in run.samples],
     }
     if chaos is not None:
         result["requests"]["errored"] = t.errored
@@ -904,12 +993,10 @@ def main(argv: list[str] | None = None) -> int:
             "interval_s": args.chaos_interval, "seed": chaos.rng_seed, "victims": chaos.kinds,
             "kills": [dataclasses.asdict(k) for k in chaos.kills],
             "kills_by_victim": dict(collections.Counter(k.victim for k in chaos.kills)),
-            "settled": settled, "settle_s": round(settle_s, 2),
-            "children_at_start": [label for _, label in chaos.expected], "children_at_end": now,
+            "settled": run.settled, "settle_s": round(run.settle_s, 2),
+            "children_at_start": [label for _, label in chaos.expected], "children_at_end": run.children_at_end,
         }
-    write_result(result, args.output)
-    print(summary(result))
-    return 0 if not reasons else 1
+    return result
 
 
 def summary(result: dict) -> str:

@@ -26,6 +26,7 @@ no text: reported, not enforced). Exits 1 when a request of either run failed, e
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -38,6 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.config import QUANTIZATIONS
 from pagoda.bench.common import ROOT, command_words, header, write_result
 from pagoda.bench.serve import RequestResult
 from pagoda.bench.stack import Stack, parse_samples
@@ -373,6 +375,36 @@ def merged(rounds: list[tuple[dict, list[Stream], dict, dict]]) -> dict:
     metrics = run_metrics(streams, sum(m["wall_s"] for m, _, _, _ in rounds))
     return {**metrics, "spec_decode": spec_metrics(rounds[0][2], rounds[-1][3]),
             "load_average_1m": rounds[-1][0]["load_average_1m"], "log": rounds[0][0]["log"]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench speculative`'s flags."""
+    parser.add_argument("--workload", default="edit", choices=["edit", "sharegpt"],
+                        help="edit: chats asking to copy a code file or passage with a light edit "
+                             "(benchmarks/data/edit-prompts.jsonl, /v1/chat/completions); sharegpt: ShareGPT prompts as "
+                             "token ids (/v1/completions)")
+    parser.add_argument("--num-prompts", type=int, default=20, help="requests of each run (edit: past the 20 of the set, the set again in order)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="cap on each request's output tokens (greedy)")
+    parser.add_argument("--ignore-eos", action="store_true", help="every request generates exactly --max-tokens")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at most (1: one stream at a time)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the workload this many times through each stack, the two in turn (both stay up); the "
+                             "speedup is then the median of the rounds' ratios")
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
+                        help="the speculative run's `pagoda up --speculative-config` (vLLM's JSON keys)")
+    parser.add_argument("--model", default="default", help="the model to serve")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="`pagoda up --quantization` (default: not passed, its own default)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="each scheduler's batch limit (default: its own)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="the KV pool, in blocks (default: what fits)")
+    parser.add_argument("--prompts", default=None, help="edit: another prompts file, one {\"messages\": [...]} per line")
+    parser.add_argument("--seed", type=int, default=0, help="sharegpt: the sample's seed")
+    parser.add_argument("--source", default="auto", choices=["auto", "package", "trace"], help="sharegpt: where from")
+    parser.add_argument("--port", type=int, default=None, help="the baseline's port, the speculative stack's the next one (default: free ones)")
+    parser.add_argument("--log-dir", default=None, help="the stacks' logs, baseline.log and speculative.log "
+                                                       "(default: a new folder under the temp dir)")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

@@ -41,6 +41,7 @@ the run) are prefilled untimed; from the first step in which every sequence deco
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import cProfile
 import dataclasses
@@ -638,6 +639,24 @@ def print_row(row: dict) -> None:
     print(f"batch {row['batch']:4d} context {row['context']:5d} {row['sampling']:6s} "
           f"forward {row['simulated_forward_ms']:g} ms: step {row['step_ms']:.3f} ms, host {row['host_ms']:.3f} ms "
           f"({parts})", file=sys.stderr, flush=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench step`'s flags."""
+    parser.add_argument("--batch-sizes", default="64,256", help="running sequences, comma-separated")
+    parser.add_argument("--context-lens", default="1024,4096", help="prompt tokens of each sequence, comma-separated")
+    parser.add_argument("--sampling", default="greedy,random",
+                        help="greedy, random (temperature 0.8, top-p 0.95, top-k 50, penalties 0.5, seeded), comma-separated")
+    parser.add_argument("--simulated-forward-ms", default="0,5", help="the model forward's stand-in sleeps this long")
+    parser.add_argument("--steps", type=int, default=30, help="decode steps measured per row")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="decode steps run first, untimed")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="serial steps, even where the scheduler can plan one step ahead")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill chunk (prefill is untimed)")
+    parser.add_argument("--device", default="cpu", help="where the worker's tensors live (cpu, cuda, cuda:N)")
+    parser.add_argument("--profile-dir", help="cProfile the measured steps: one .pstats per row and process (slows them)")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

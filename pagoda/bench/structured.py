@@ -13,6 +13,7 @@ prompts and batch shape, and the ratio is the grammar's cost.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -316,6 +317,26 @@ def throughput(llm, schemas: list[dict], batch_size: int, max_tokens: int, tempe
 
 
 # ----------------------------------------------------------------------------- the command
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench structured`'s flags."""
+    parser.add_argument("--compare", action="store_true", help="xgrammar vs llguidance: compile and mask-fill times")
+    parser.add_argument("--validate", action="store_true", help="seeded constrained generations checked with jsonschema")
+    parser.add_argument("--throughput", action="store_true", help="output tokens/s constrained vs unconstrained")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--schemas", default=None, help="a JSON list of {name, schema, example} (default: the 20 in "
+                                                       "benchmarks/data/structured-schemas.json)")
+    parser.add_argument("--num-schemas", type=int, default=None, help="only the first N schemas")
+    parser.add_argument("--batch-size", type=int, default=64, help="sequences per step (--compare, --throughput)")
+    parser.add_argument("--steps", type=int, default=50, help="--compare: mask-fill steps measured")
+    parser.add_argument("--repeats", type=int, default=3, help="compilations per schema; throughput runs of each kind")
+    parser.add_argument("--threads", type=int, default=1, help="--compare: the libraries' threads")
+    parser.add_argument("--seeds", type=int, default=10, help="--validate: seeded generations per schema")
+    parser.add_argument("--max-tokens", type=int, default=256, help="--validate, --throughput: each request's cap")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--output", help="write the result JSON here")
+
 
 def run(args) -> int:
     """The `pagoda bench structured` command."""

@@ -9,12 +9,14 @@ length; throughput counts the requested output tokens (vLLM's benchmark_throughp
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 
+from common.config import ALLOCATORS
 from common.protocol import SamplingParams
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, header, write_result
 
 
 def load_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -78,6 +80,29 @@ def run_transformers(model, requests: list[tuple[list[int], int]], batch_size: i
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
             "requests_per_s": len(requests) / elapsed, "batch_size": batch_size}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench throughput`'s flags."""
+    add_engine_arguments(parser, kv_cache_dtype=True)
+    parser.add_argument("--num-prompts", type=int, default=64, help="ShareGPT requests")
+    parser.add_argument("--max-output-len", type=int, default=128, help="cap on each request's recorded output length")
+    parser.add_argument("--ignore-eos", action="store_true", help="every request produces exactly its (capped) length")
+    parser.add_argument("--hf-batch-size", type=int, default=8, help="transformers' static batch size")
+    parser.add_argument("--allocator", default="paged", choices=ALLOCATORS)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="Pagoda's worker ranks (ranks 1..N-1 as processes); the baseline runs on one device")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--source", default="auto", choices=["auto", "package", "trace"])
+    parser.add_argument("--skip-baseline", action="store_true", help="Pagoda only")
+    parser.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                        help="then the same requests on an engine serving N random adapters, round-robin (docs/lora.md)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="the random adapters' rank")
+    parser.add_argument("--max-loras", type=int, default=None, help="that engine's adapter slots (default N)")
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:

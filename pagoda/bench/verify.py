@@ -17,12 +17,13 @@ H100 or H200 with an 8B model: the verify step for k = 4 at batch 1 at most 1.3x
 """
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import sys
 import time
 
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, header, write_result
 
 GOAL_MAX_RATIO = 1.3  # verify (k = 4) over decode, batch 1
 GOAL_FOR = "an 8B model (dummy:worker/configs/llama-3.1-8b.json, bfloat16) on one H100/H200"
@@ -127,6 +128,20 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['batch_size']:>5} {e['k']:>3} {r['decode_ms']:>10.2f} {e['verify_ms']:>10.2f} "
                          f"{e['ratio']:>6.2f} {'yes' if e['in_graphs'] else 'no':>6} {eager:>14}")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagoda bench verify`'s flags."""
+    add_engine_arguments(parser)
+    parser.add_argument("--batch-sizes", default="1,16", help="sequences per step, comma-separated (one row each)")
+    parser.add_argument("--num-speculative-tokens", default="1,2,4", help="drafts per sequence (k), comma-separated")
+    parser.add_argument("--context-len", type=int, default=1024, help="tokens each sequence holds before the step")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="the largest CUDA graph bucket (rows)")
+    parser.add_argument("--iters", type=int, default=30, help="timed runs of each step (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs first")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="write the result JSON here")
 
 
 def run(args) -> int:
