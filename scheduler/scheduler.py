@@ -528,25 +528,12 @@ class Scheduler(DraftSteps):
         num_samples = 1 if num_output else group.best_of  # as in _add_to_plan
         drafts = (self._drafts(group, seq, budget.tokens) if self.speculator is not None and num_samples == 1
                   and last_token_id != PENDING_TOKEN else None)
-        bm = self.block_manager
-        while True:
-            n = 1 + len(drafts) if drafts else 1
-            extra = computed + n - bm.num_slots[seq_id]
-            if extra <= 0 or bm.grow_in_place(seq_id, extra):
-                break
-            try:  # alone in its group, it can grow exactly when it can append
-                appended = bm.append_slot(seq_id, extra)
-            except NoFreeBlocksError:
-                if drafts:  # no room for the drafts: no preemption for them, one token instead
-                    drafts = None
-                    continue
-                return False
-            if appended.copy_on_write is not None:
-                self._copied_on_write(group, seq_id, appended.copy_on_write, plan)
-            if appended.first_changed_block < seq.num_sent_blocks:
-                seq.num_sent_blocks = appended.first_changed_block
-            break
-        table = bm.block_table(seq_id)
+        if not self._grow_alone(group, seq, computed + 1 + len(drafts or ()), plan):
+            if not drafts or not self._grow_alone(group, seq, computed + 1, plan):
+                return False  # no room for the drafts: no preemption for them, one token instead
+            drafts = None
+        n = 1 + len(drafts) if drafts else 1
+        table = self.block_manager.block_table(seq_id)
         first_new = seq.num_sent_blocks
         planning = self._planning
         if drafts or seq.accepted_unsent:
@@ -562,6 +549,23 @@ class Scheduler(DraftSteps):
         planning.samples[seq_id] = num_draws = n if drafts else num_samples
         seq.plan_ahead(planning.step, 1 if drafts else n, num_draws)
         budget.tokens -= n
+        return True
+
+    def _grow_alone(self, group: SequenceGroup, seq: Sequence, num_slots: int, plan: StepPlan) -> bool:
+        """Grow a lone sequence's table to `num_slots` slots (alone in its group, it can grow
+        exactly when it can append); False, having changed nothing, when the blocks are not there."""
+        bm, seq_id = self.block_manager, seq.seq_id
+        extra = num_slots - bm.num_slots[seq_id]
+        if extra <= 0 or bm.grow_in_place(seq_id, extra):
+            return True
+        try:
+            appended = bm.append_slot(seq_id, extra)
+        except NoFreeBlocksError:
+            return False
+        if appended.copy_on_write is not None:
+            self._copied_on_write(group, seq_id, appended.copy_on_write, plan)
+        if appended.first_changed_block < seq.num_sent_blocks:
+            seq.num_sent_blocks = appended.first_changed_block
         return True
 
     def _preempt_or_fail(self, victim: SequenceGroup, plan: StepPlan) -> None:
