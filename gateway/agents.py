@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
@@ -199,10 +200,14 @@ def new_id(prefix: str) -> str:
 def renamed(exc: APIError, names: dict[str, str]) -> APIError:
     """A chat path's error about a chat field, naming the API's field instead (`names`: chat field
     to the API's; every messages[...] param becomes names["messages"])."""
-    param = exc.param
+    param, message = exc.param, exc.message
     if param is not None:
-        param = names["messages"] if param.startswith("messages") else names.get(param, param)
-    return APIError(exc.status, exc.message, exc.type, param, exc.code, exc.headers)
+        ours = names["messages"] if param.startswith("messages") else names.get(param, param)
+        chat_name = "messages" if param.startswith("messages") else param
+        if ours != chat_name and re.match(re.escape(chat_name) + r"\b", message):  # "stop must be..."
+            message = ours + message[len(chat_name):]
+        param = ours
+    return APIError(exc.status, message, exc.type, param, exc.code, exc.headers)
 
 
 def need(condition: bool, message: str, param: str) -> None:

@@ -58,6 +58,8 @@ async def count_tokens(gateway: Gateway, request: Request) -> Response:
         chat = chat_request(await gateway.read_json(request), need_max_tokens=False)
         chat.pop("stream", None)
         chat.pop("stream_options", None)
+        if chat.get("tools") and chat.get("tool_choice", "auto") == "auto" and gateway.encoder.tool_call_format is None:
+            chat["tool_choice"] = "required"  # the same prompt as "auto", which needs a format to parse calls
         return JSONResponse({"input_tokens": len(await gateway.tokenize_chat(chat))})
     except APIError as exc:
         return Messages().error(exc)
@@ -97,7 +99,8 @@ class Messages:
 
     def error(self, exc: APIError) -> Response:
         exc = renamed(exc, CHAT_PARAMS)
-        message = f"{exc.param}: {exc.message}" if exc.param and exc.status == 400 else exc.message
+        named = exc.param and exc.status == 400 and not exc.message.startswith(exc.param)
+        message = f"{exc.param}: {exc.message}" if named else exc.message
         return JSONResponse(error_body(exc.status, message), status_code=exc.status, headers=exc.headers)
 
 

@@ -208,6 +208,8 @@ def chat_request(body: dict, items: list[dict]) -> dict:
 
 def _chat_tools(tools, tool_choice) -> dict:
     """Function tools in chat's nested shape; tool_choice "auto" or "none" without tools is left out."""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
     if tools is None or tools == []:
         return {} if tool_choice in (None, "auto", "none") else {"tool_choice": tool_choice}
     need(isinstance(tools, list), "tools must be a list", "tools")
@@ -218,8 +220,6 @@ def _chat_tools(tools, tool_choice) -> dict:
              "tool types are not supported", "tools")
         chat_tools.append({"type": "function", "function": {
             key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}})
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
     return {"tools": chat_tools} | ({} if tool_choice is None else {"tool_choice": tool_choice})
 
 

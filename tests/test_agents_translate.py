@@ -250,8 +250,31 @@ def test_a_malformed_messages_body_is_a_400_naming_its_field(body, param, text):
     assert (caught.value.status, caught.value.param) == (400, param) and caught.value.message.startswith(text)
     response = messages_api.Messages().error(caught.value)
     assert response.status_code == 400
+    # each message names its field first, once
     assert json.loads(response.body) == {"type": "error", "error": {"type": "invalid_request_error",
-                                                                    "message": f"{param}: {caught.value.message}"}}
+                                                                    "message": caught.value.message}}
+
+
+@pytest.mark.parametrize("param, message, api, expected", [
+    ("max_completion_tokens", "max_completion_tokens must be an integer", "messages", "max_tokens must be an integer"),
+    ("stop", "stop must be a string or a list", "messages", "stop_sequences must be a string or a list"),
+    ("max_completion_tokens", "max_completion_tokens must be an integer", "responses",
+     "max_output_tokens must be an integer"),
+    ("temperature", "temperature must be >= 0", "messages", "temperature must be >= 0"),
+    ("stop", "stopping early is not allowed", "messages", "stop_sequences: stopping early is not allowed"),
+])
+def test_a_chat_error_names_the_apis_field_in_its_message_too(param, message, api, expected):
+    error = APIError(400, message, "invalid_request_error", param)
+    if api == "messages":
+        body = json.loads(messages_api.Messages().error(error).body)["error"]
+    else:
+        body = json.loads(responses_api.Responses(None).error(error).body)["error"]
+    assert body["message"] == expected
+
+
+def test_a_named_tool_choice_without_tools_is_chats_error_about_tools():
+    chat = responses_api.chat_request({"input": "x", "tool_choice": {"type": "function", "name": "f"}}, [])
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}} and "tools" not in chat
 
 
 @pytest.mark.parametrize("status, kind", [(401, "authentication_error"), (404, "not_found_error"),
@@ -309,3 +332,25 @@ def test_the_stream_accumulates_in_the_sdk_to_the_whole_message():
     for data in [start, *(data for _, data in pairs), end, {"type": "message_stop"}]:
         snapshot = accumulate_event(event=adapter.validate_python(data), current_snapshot=snapshot, json_bufs=json_bufs)
     assert snapshot.model_dump(exclude_none=True) == Message.model_validate(whole).model_dump(exclude_none=True)
+
+
+def test_count_tokens_counts_tools_on_a_model_without_a_tool_call_format():
+    """Claude Code counts a prompt with its tools and no tool_choice: the count needs no format to
+    parse calls with (the default model's template has none), only the template's rendering."""
+    from starlette.testclient import TestClient
+
+    from common.config import GatewayConfig
+    from common.tokenizer import load_tokenizer
+    from gateway.app import create_app
+
+    tokenizer = load_tokenizer("default")
+    client = TestClient(create_app(GatewayConfig(), tokenizer=tokenizer))  # no lifespan: Redis is not needed
+    tool = {"name": "get_weather", "description": "The weather", "input_schema": WEATHER}
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]}
+    response = client.post("/v1/messages/count_tokens", json=body)
+    chat_tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                                    "parameters": WEATHER}}]
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], tools=chat_tools,
+                                             add_generation_prompt=True, tokenize=True)
+    expected = expected if isinstance(expected, list) else expected["input_ids"]
+    assert response.status_code == 200 and response.json() == {"input_tokens": len(expected)}
