@@ -86,6 +86,19 @@ def device(request) -> str:
     return name
 
 
+@pytest.fixture(scope="session")
+def default_llm():
+    """The offline engine of the default model on CPU in float32, loaded once for the session (a load
+    costs 15-20 s of CPU: weights, the prefill probe, the swap bandwidth probe). Each module takes
+    it through `llm.reset(...)`: a fresh scheduler over the loaded worker, no request or cached
+    prefix left from another module. Held to the session's end (an idle object: no CPU)."""
+    from pagoda.offline import LLM
+
+    llm = LLM("default", device="cpu", dtype="float32")
+    yield llm
+    llm.close()
+
+
 # The modules that share one `pagoda up` of the default model (the `default_stack` fixture), in the
 # order they run, one after the other from where the first of them would run.
 DEFAULT_STACK_FLAGS = ("--num-gpu-blocks", "2048", "--num-cpu-blocks", "256")

@@ -31,11 +31,11 @@ def client(stack):
 
 
 @pytest.fixture(scope="module")
-def offline():
-    """The offline engine in this process (one load for the module), as `pagoda generate` runs it."""
-    from pagoda.offline import LLM
-
-    return LLM("default", device="cpu")
+def offline(default_llm):
+    """The offline engine in this process, as `pagoda generate` runs it: tests/conftest.py's session
+    engine (the default model on CPU; float32, what dtype auto is on CPU unquantized), reset."""
+    default_llm.reset()
+    return default_llm
 
 
 def offline_outputs(llm, prompts: list[dict], max_tokens: int, **given) -> list[dict]:
