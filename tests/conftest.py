@@ -86,7 +86,76 @@ def device(request) -> str:
     return name
 
 
+@pytest.fixture(scope="session")
+def default_llm():
+    """The offline engine of the default model on CPU in float32, loaded once for the session (a load
+    costs 15-20 s of CPU: weights, the prefill probe, the swap bandwidth probe). Each module takes
+    it through `llm.reset(...)`: a fresh scheduler over the loaded worker, no request or cached
+    prefix left from another module. Held to the session's end (an idle object: no CPU)."""
+    from pagoda.offline import LLM
+
+    llm = LLM("default", device="cpu", dtype="float32")
+    yield llm
+    llm.close()
+
+
+# The modules that share one `pagoda up` of the default model (the `default_stack` fixture), in the
+# order they run, one after the other from where the first of them would run.
+DEFAULT_STACK_FLAGS = ("--num-gpu-blocks", "2048", "--num-cpu-blocks", "256")
+DEFAULT_STACK_MODULES = ("test_dashboard.py", "test_e2e.py", "test_openai_api.py")
+
+
+class _SharedStack:
+    """The shared stack, started on first use and stopped (exit code 0 asserted) after the last item
+    of DEFAULT_STACK_MODULES, not at the session's end: no idle stack beside the other modules."""
+
+    stack = None
+
+    def get(self):
+        if self.stack is None:
+            from tests.stack import Stack
+
+            self.stack = Stack(*DEFAULT_STACK_FLAGS).wait_ready()
+        return self.stack
+
+    def stop(self) -> None:
+        stack, self.stack = self.stack, None
+        if stack is not None:
+            assert stack.stop() == 0
+
+
+_shared_stack = _SharedStack()
+
+
+@pytest.fixture(scope="session")
+def default_stack():
+    """One `pagoda up` of the default model on CPU (DEFAULT_STACK_FLAGS) for every module of
+    DEFAULT_STACK_MODULES: a stack start (a model load, its warmup) once instead of once a module.
+    Each test that uses it leaves no request running and the stack serving."""
+    yield _shared_stack.get()
+    _shared_stack.stop()  # a session that ended within those modules (-x, a selection)
+
+
+@pytest.hookimpl(trylast=True)  # after the module's own fixtures were torn down
+def pytest_runtest_teardown(item, nextitem):
+    if item.path.name in DEFAULT_STACK_MODULES and (nextitem is None or nextitem.path.name not in DEFAULT_STACK_MODULES):
+        _shared_stack.stop()
+
+
+def _keep_default_stack_users_together(items) -> None:
+    """The items of DEFAULT_STACK_MODULES moved, in that order, to where the first of them was."""
+    rank = {name: i for i, name in enumerate(DEFAULT_STACK_MODULES)}
+    users = [item for item in items if item.path.name in rank]
+    if not users:
+        return
+    first = next(i for i, item in enumerate(items) if item.path.name in rank)
+    others = [item for item in items if item.path.name not in rank]
+    users.sort(key=lambda item: rank[item.path.name])  # stable: each module's own order kept
+    items[:] = others[:first] + users + others[first:]
+
+
 def pytest_collection_modifyitems(config, items):
+    _keep_default_stack_users_together(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or _has_cuda():  # import torch only when a GPU test was collected
         return

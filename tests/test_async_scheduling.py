@@ -612,15 +612,15 @@ def test_a_ranks_result_for_the_next_plan_is_kept_for_the_next_gather():
 
 
 @pytest.mark.slow
-def test_default_model_greedy_is_the_serial_loops_with_and_without_preemption():
+def test_default_model_greedy_is_the_serial_loops_with_and_without_preemption(default_llm):
     """SmolLM2 (tests/test_parity.py holds the default, overlapped loop to transformers): the serial
     loop gives the same tokens, with a pool that fits and with one that preempts; logprobs equal to
     float32 noise, since a wasted token after an EOS or a wait puts a step's rows in another decode
     bucket than the serial loop's, and a CPU matmul's rounding depends on the batch."""
-    from pagoda.offline import LLM
     from tests.prompts import PARITY_PROMPTS
 
-    llm = LLM("default", device="cpu", dtype="float32")
+    llm = default_llm  # tests/conftest.py's session engine: the default model, CPU, float32
+    llm.reset()
     prompts = [llm.encode(p) for p in PARITY_PROMPTS]
     assert_same_as_serial(llm, prompts, SamplingParams(temperature=0, max_tokens=8, logprobs=1), logprob_tol=1e-4)
     # 12 tokens: the running prompts grow past the 28 blocks

@@ -19,10 +19,10 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def stack():
-    stack = Stack().wait_ready()
-    yield stack
-    assert stack.stop() == (-signal.SIGKILL if stack.process.returncode == -signal.SIGKILL else 0)
+def stack(default_stack):
+    """The `pagoda up` of the default model (--num-gpu-blocks 2048 --num-cpu-blocks 256) that
+    tests/test_dashboard.py, tests/test_openai_api.py and tests/test_e2e.py share (tests/conftest.py)."""
+    return default_stack
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +31,11 @@ def client(stack):
 
 
 @pytest.fixture(scope="module")
-def offline():
-    """The offline engine in this process (one load for the module), as `pagoda generate` runs it."""
-    from pagoda.offline import LLM
-
-    return LLM("default", device="cpu")
+def offline(default_llm):
+    """The offline engine in this process, as `pagoda generate` runs it: tests/conftest.py's session
+    engine (the default model on CPU; float32, what dtype auto is on CPU unquantized), reset."""
+    default_llm.reset()
+    return default_llm
 
 
 def offline_outputs(llm, prompts: list[dict], max_tokens: int, **given) -> list[dict]:
@@ -262,22 +262,27 @@ def test_the_drained_metrics_count_each_prompt_answered_before_them_once(client,
         assert stack.wait_drained(30)[queries] == before + 20
 
 
-def test_kill_9_of_pagoda_up_takes_every_child_down_and_a_new_stack_starts_on_its_port(stack):
-    """Last in this module: it ends the stack. Each child lives in a session of its own, so only the
-    parent-death signal can take it down with a supervisor that had no chance to stop it."""
-    children = stack.children()
-    assert {"redis-server", "gateway", "scheduler", "worker"} <= {name.rstrip("'") for name in children}
-    os.kill(stack.process.pid, signal.SIGKILL)
-    assert stack.process.wait(10) == -signal.SIGKILL
-    assert wait_for(lambda: not [pid for pid in children.values() if _alive(pid)], 5), "a child outlived pagoda up"
-    assert stack.health() == 0
-    again = Stack(port=stack.port).wait_ready()
+def test_kill_9_of_pagoda_up_takes_every_child_down_and_a_new_stack_starts_on_its_port():
+    """On a stack of its own (the module's is shared, tests/conftest.py). Each child lives in a session
+    of its own, so only the parent-death signal can take it down with a supervisor that had no chance
+    to stop it."""
+    stack = Stack().wait_ready()
     try:
-        with httpx.Client(timeout=60) as http:
-            body = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 3, "temperature": 0}
-            assert http.post(again.url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
+        children = stack.children()
+        assert {"redis-server", "gateway", "scheduler", "worker"} <= {name.rstrip("'") for name in children}
+        os.kill(stack.process.pid, signal.SIGKILL)
+        assert stack.process.wait(10) == -signal.SIGKILL
+        assert wait_for(lambda: not [pid for pid in children.values() if _alive(pid)], 5), "a child outlived pagoda up"
+        assert stack.health() == 0
+        again = Stack(port=stack.port).wait_ready()
+        try:
+            with httpx.Client(timeout=60) as http:
+                body = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 3, "temperature": 0}
+                assert http.post(again.url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
+        finally:
+            assert again.stop() == 0
     finally:
-        assert again.stop() == 0
+        assert stack.stop() == (-signal.SIGKILL if stack.process.returncode == -signal.SIGKILL else 0)
 
 
 def _alive(pid: int) -> bool:

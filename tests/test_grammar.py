@@ -257,10 +257,10 @@ def chat(text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from pagoda.offline import LLM
-
-    return LLM("default", device="cpu", dtype="float32")
+def llm(default_llm):
+    """tests/conftest.py's session engine (the default model, CPU, float32), reset for this module."""
+    default_llm.reset()
+    return default_llm
 
 
 def params(spec: StructuredOutput, max_tokens: int = 24, **kwargs):

@@ -9,16 +9,14 @@ import re
 import httpx
 import pytest
 
-from tests.stack import Stack
-
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack():
-    stack = Stack("--num-gpu-blocks", "2048", "--num-cpu-blocks", "256").wait_ready()
-    yield stack
-    assert stack.stop() == 0
+def stack(default_stack):
+    """The `pagoda up` of the default model (--num-gpu-blocks 2048 --num-cpu-blocks 256) that
+    tests/test_dashboard.py, tests/test_openai_api.py and tests/test_e2e.py share (tests/conftest.py)."""
+    return default_stack
 
 
 # ----------------------------------------------------------------------------- scoring: echo, prompt_logprobs, max_tokens 0

@@ -19,10 +19,15 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def llm(device):
+def llm(device, request):
+    """On CPU tests/conftest.py's session engine (the default model, float32), reset; else one on `device`."""
     from pagoda.offline import LLM
 
-    return LLM("default", device=device, dtype="float32")
+    if device != "cpu":
+        return LLM("default", device=device, dtype="float32")
+    llm = request.getfixturevalue("default_llm")
+    llm.reset()
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +100,16 @@ def test_cli_tensor_parallel_greedy_matches_transformers(tmp_path, hf_outputs, d
     # on CUDA); and chunked prefill as well, every step eager (--enforce-eager)
     [(56, 2048, False), (56, 48, True)],
 )
-def test_greedy_matches_transformers_under_preemption(hf_outputs, prompt_ids, num_gpu_blocks, max_num_batched_tokens,
-                                                      enforce_eager, device):
+def test_greedy_matches_transformers_under_preemption(llm, hf_outputs, prompt_ids, num_gpu_blocks,
+                                                      max_num_batched_tokens, enforce_eager, device):
     from common.protocol import SamplingParams
     from pagoda.offline import LLM
 
-    llm = LLM("default", device=device, dtype="float32", num_gpu_blocks=num_gpu_blocks,
-              max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager)
+    if enforce_eager:  # a worker of its own: --enforce-eager is the worker's
+        llm = LLM("default", device=device, dtype="float32", num_gpu_blocks=num_gpu_blocks,
+                  max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager)
+    else:  # the module's worker (a bigger pool) under a scheduler of num_gpu_blocks
+        llm.reset(num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=max_num_batched_tokens)
     assert (llm.executor.runner.decode_runner is None) == enforce_eager
     outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     print("preemptions:", llm.scheduler.num_preemptions, "steps:", llm.engine.num_steps)
@@ -116,7 +124,7 @@ SPEC_MAX_TOKENS = 16  # four more engines, three with a second model to run: few
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
-def test_greedy_with_each_speculative_method_matches_transformers(method, hf_outputs, prompt_ids, device, tmp_path):
+def test_greedy_with_each_speculative_method_matches_transformers(method, llm, hf_outputs, prompt_ids, device, tmp_path):
     """[speculative] The parity prompts with drafts: transformers' greedy tokens whatever the drafts
     (n-gram lookups; the default model as its own draft model; random EAGLE-1 and EAGLE-3 heads of
     its shape, as no trained one can be fetched here)."""
@@ -133,7 +141,10 @@ def test_greedy_with_each_speculative_method_matches_transformers(method, hf_out
     elif method.startswith("eagle"):
         config = AutoConfig.from_pretrained(str(ROOT / "worker" / "configs" / "smollm2-135m.json"))
         spec["model"] = _write_eagle_head(tmp_path, config, method == "eagle3", 7)
-    llm = LLM("default", device=device, dtype="float32", speculative_config=spec)
+    if method == "ngram":  # drafts from the scheduler: the module's worker, under a scheduler that drafts
+        llm.reset(speculative_config=spec)
+    else:  # a worker loaded with its draft model or head
+        llm = LLM("default", device=device, dtype="float32", speculative_config=spec)
     outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=SPEC_MAX_TOKENS), use_tqdm=False)
     assert [o.token_ids for o in outputs] == [expected[:SPEC_MAX_TOKENS] for expected in hf_outputs]
     assert llm.scheduler.speculator.num_draft_tokens > 0

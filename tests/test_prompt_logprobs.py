@@ -15,10 +15,18 @@ K = 3
 
 
 @pytest.fixture(scope="module")
-def llm(one_torch_thread):
+def llm(one_torch_thread, request):
+    """The default model in float32 with prefix caching (its default): on CPU tests/conftest.py's
+    session engine, reset; on a CUDA host one of its own there (device auto)."""
+    import torch
+
     from pagoda.offline import LLM
 
-    return LLM("default", dtype="float32", enable_prefix_caching=True)
+    if torch.cuda.is_available():
+        return LLM("default", dtype="float32", enable_prefix_caching=True)
+    llm = request.getfixturevalue("default_llm")
+    llm.reset()
+    return llm
 
 
 @pytest.fixture(scope="module")
