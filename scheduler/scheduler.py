@@ -53,10 +53,9 @@ from scheduler.beam import SequenceOps, beam_step
 from scheduler.block_manager import BlockManager
 from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
+from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
 from scheduler.speculation import DraftSteps, Speculator
-from scheduler.sequence import (
-    BeamState, RequestOutput, Sequence, SequenceGroup, SequenceOutput, SequenceStatus, TokenView,
-)
+from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 
 log = logging.getLogger(__name__)
 
@@ -899,7 +898,7 @@ class Scheduler(DraftSteps):
             self._verify_drafts(done, result, touched, new_counts)
         self._apply_computed(done)
         if result.prompt_logprobs:
-            self._collect_prompt_logprobs(result)
+            collect_prompt_logprobs(result.prompt_logprobs, self._group_of_seq)
         self._apply_samples(result, done, touched, new_counts)
         return self._outputs(touched, new_counts)
 
@@ -914,25 +913,11 @@ class Scheduler(DraftSteps):
             raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
         return self._in_flight.popleft()
 
-    @staticmethod
-    def _samples_by_seq(drawn: list[SampledToken]) -> dict[int, SampledToken | list[SampledToken]]:
-        """seq_id -> its token; in lists when some sequence drew several (best_of, n)."""
-        samples: dict[int, SampledToken | list[SampledToken]] = {s.seq_id: s for s in drawn}
-        if len(samples) == len(drawn):
-            return samples
-        samples = {}
-        for sampled in drawn:
-            if (tokens := samples.get(sampled.seq_id)) is None:
-                samples[sampled.seq_id] = [sampled]
-            else:
-                tokens.append(sampled)
-        return samples
-
     def _apply_samples(self, result: StepResult, done: _InFlight, touched: dict[str, SequenceGroup],
                        new_counts: dict[int, int]) -> None:
         planned_samples = done.samples
         seqs, group_of_seq, running = self._seqs, self._group_of_seq, SequenceStatus.RUNNING
-        for seq_id, sampled in self._samples_by_seq(result.sampled).items():
+        for seq_id, sampled in samples_by_seq(result.sampled).items():
             if seq_id in done.drafts:
                 continue  # _verify_drafts
             seq = seqs.get(seq_id)
@@ -973,7 +958,7 @@ class Scheduler(DraftSteps):
         outputs, ended = [], []
         for group in touched.values():
             try:
-                out = self._stream_output(group, new_counts) if group.simple else self._group_output(group, new_counts)
+                out = stream_output(group, new_counts) if group.simple else self._group_output(group, new_counts)
                 if out is not None:
                     outputs.append(out)
                     if out.finished:  # group.is_finished
@@ -984,37 +969,10 @@ class Scheduler(DraftSteps):
             self._retire(group)
         return outputs
 
-    @staticmethod
-    def _stream_output(group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput:
-        """`_output` of a group of one sequence that streams, without its branches."""
-        seq = group.seqs[0]
-        status = seq.status
-        return RequestOutput(
-            group.request_id, seq.prompt_token_ids, [SequenceOutput(
-                seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
-                seq.output_logprobs if group.sampling_params.logprobs is not None else None, status.finish_reason,
-            )], status.finished, group.first_scheduled_time,
-            group.prompt_logprobs if group.num_prompt_logprobs_missing == 0 else None, group.num_cached_tokens,
-        )
-
     def _group_output(self, group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput | None:
         if group.beam is not None and len(group.beam.pending) == len(group.seqs):
             beam_step(group, self.eos_token_ids, self.num_eos_token_ids, self._beam_ops)
-        return self._output(group, new_counts)
-
-    def _collect_prompt_logprobs(self, result: StepResult) -> None:
-        """Each scored position once: a recompute after preemption scores held positions again."""
-        for scored in result.prompt_logprobs:
-            group = self._group_of_seq.get(scored.seq_id)
-            if group is None or not group.needs_prompt_logprobs:
-                continue
-            held = group.prompt_logprobs
-            for position, logprob, rank, top in zip(
-                range(scored.start, scored.start + len(scored.logprobs)), scored.logprobs, scored.ranks, scored.top,
-            ):
-                if 0 < position < len(held) and held[position] is None:
-                    held[position] = [logprob, rank, top]
-                    group.num_prompt_logprobs_missing -= 1
+        return request_output(group, new_counts)
 
     def _finish_scored(self, group: SequenceGroup) -> None:
         """max_tokens 0: the prompt was computed (and scored); every output ends with no token."""
@@ -1116,36 +1074,3 @@ class Scheduler(DraftSteps):
         for queue in (self.running, self.waiting, self.swapped):
             if group in queue:
                 queue.remove(group)
-
-    # ------------------------------------------------------------------ outputs
-    def _output(self, group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput | None:
-        prompt_logprobs = group.complete_prompt_logprobs
-        if group.sampling_params.max_tokens == 0:  # every choice empty
-            logprobs = [] if group.sampling_params.logprobs is not None else None
-            outputs = [SequenceOutput(i, [], 0, 0.0, logprobs, "length") for i in range(group.sampling_params.n)]
-            return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True, group.first_scheduled_time,
-                                 prompt_logprobs, group.num_cached_tokens)
-        if not group.selects_at_end:
-            logprobs = group.sampling_params.logprobs is not None
-            outputs = []
-            for seq in group.seqs:  # a loop, not a comprehension: most groups have one sequence
-                outputs.append(SequenceOutput(  # views of the sequence's lists, not copies: this runs every step
-                    seq.index, seq.output_token_ids, new_counts.get(seq.seq_id, 0), seq.cumulative_logprob,
-                    seq.output_logprobs if logprobs else None, seq.status.finish_reason,
-                ))
-            return RequestOutput(group.request_id, group.prompt_token_ids, outputs, group.is_finished,
-                                 group.first_scheduled_time, prompt_logprobs, group.num_cached_tokens)
-        if not group.is_finished:
-            return None
-        n = group.sampling_params.n
-        if group.beam is not None:
-            best = [(h.token_ids, h.cumulative_logprob, None, h.finish_reason) for h in group.beam.finished[:n]]
-        else:
-            seqs = sorted(group.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
-            logprobs = group.sampling_params.logprobs is not None
-            best = [(s.output_token_ids, s.cumulative_logprob, s.output_logprobs if logprobs else None, s.finish_reason)
-                    for s in seqs]
-        outputs = [SequenceOutput(i, tokens, len(tokens), cum, lps, reason)
-                   for i, (tokens, cum, lps, reason) in enumerate(best)]
-        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, True, group.first_scheduled_time,
-                             prompt_logprobs, group.num_cached_tokens)
