@@ -42,7 +42,6 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from common.admission import AdmissionLimits, check_admissible, final_len
-from common.block_hash import prompt_block_hashes
 from common.config import EngineConfig
 from common.protocol import (
     ITERATION_TOKENS_BUCKETS, NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, NewSequence, SampledToken,
@@ -54,6 +53,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
+from scheduler.prefix_wait import ComputingPrefixes
 from scheduler.speculation import DraftSteps, Speculator
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 
@@ -603,12 +603,11 @@ class Scheduler(DraftSteps):
                 self._fail(group, exc, plan)
 
     def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
-        bm = self.block_manager
         # waiting[:i]: groups whose adapter waits for a slot, passed over (they keep their place). Once
         # one waits, later groups of any adapter wait too (those of the base model go on): the
         # adapters running drain, so a slot frees for it and no adapter starves.
         i, adapter_waits = 0, False
-        computing: set[bytes] | None = None  # keys of prompt blocks being computed (_shares_a_computing_prefix)
+        computing = ComputingPrefixes(self.block_manager)
         while i < len(self.waiting):
             group = self.waiting[i]
             if group.lora is not None and group.lora_slot < 0 and (
@@ -616,12 +615,9 @@ class Scheduler(DraftSteps):
                 adapter_waits = True
                 i += 1
                 continue
-            if bm.enable_prefix_caching and len(group.seqs) == 1 and not group.needs_prompt_logprobs:
-                if computing is None:
-                    computing = self._computing_prompt_keys()
-                if self._shares_a_computing_prefix(group, computing):
-                    i += 1  # it keeps its place, and finds those blocks cached once they are
-                    continue
+            if computing.should_wait(group, self.running):  # it keeps its place
+                i += 1
+                continue
             try:
                 seqs = group.seqs_with(SequenceStatus.WAITING)
                 if not self._can_start(group, seqs, budget):
@@ -629,8 +625,7 @@ class Scheduler(DraftSteps):
                 self._pin_lora(group, plan)  # available: checked above
                 self.waiting.pop(i)
                 self._start(group, seqs, plan, budget)
-                if computing is not None and len(seqs) == 1 and seqs[0].num_computed_tokens < seqs[0].num_tokens:
-                    computing.update(self._prompt_keys(group))
+                computing.started(group, seqs)
             except Exception as exc:
                 self._fail(group, exc, plan)
 
@@ -680,44 +675,6 @@ class Scheduler(DraftSteps):
             self._remove_skipped_blocks([group])
         self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
         self._insert_running(group)
-
-    # SGLang's in-batch prefix caching: a prompt whose first blocks another prompt is computing right
-    # now waits for them to be cached instead of computing them again beside it (a burst of requests
-    # sharing a new system prompt computes it once). Only for a shared prefix of this many blocks.
-    MIN_SHARED_PREFIX_BLOCKS = 2
-
-    def _prompt_keys(self, group: SequenceGroup) -> list[bytes]:
-        if group.prompt_block_keys is None:
-            group.prompt_block_keys = prompt_block_hashes(group.prompt_token_ids, self.block_manager.block_size,
-                                                          group.prefix_salt)
-        return group.prompt_block_keys
-
-    def _computing_prompt_keys(self) -> set[bytes]:
-        """The prompt block keys of the running sequences whose prompt is not computed yet: their
-        blocks are cached once a result says so (the plan in flight's included)."""
-        keys: set[bytes] = set()
-        for group in self.running:
-            if len(group.seqs) == 1 and not group.needs_prompt_logprobs:
-                if group.seqs[0].num_computed_tokens < len(group.prompt_token_ids):
-                    keys.update(self._prompt_keys(group))
-        return keys
-
-    def _shares_a_computing_prefix(self, group: SequenceGroup, computing: set[bytes]) -> bool:
-        """Whether the group's prompt begins with MIN_SHARED_PREFIX_BLOCKS or more blocks that a
-        running prompt is computing and the cache does not hold yet."""
-        if not computing:
-            return False
-        keys = self._prompt_keys(group)
-        shared = 0
-        while shared < len(keys) and keys[shared] in computing:
-            shared += 1
-        # a hit never covers the block of the last token (it must be computed): beyond it, nothing to wait for
-        shared = min(shared, (group.seqs[0].num_tokens - 1) // self.block_manager.block_size)
-        if shared < self.MIN_SHARED_PREFIX_BLOCKS:
-            return False
-        cached = self.block_manager.cached_prefix_tokens(TokenView(group.seqs[0]), group.seqs[0].num_tokens,
-                                                         group.prefix_salt) // self.block_manager.block_size
-        return cached < shared
 
     def _final_tokens(self, group: SequenceGroup) -> int:
         return final_len(len(group.prompt_token_ids), group.sampling_params, self.max_model_len)
