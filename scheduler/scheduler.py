@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -53,11 +51,10 @@ from scheduler.block_manager import BlockManager
 from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
+from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode
 from scheduler.prefix_wait import ComputingPrefixes
 from scheduler.speculation import DraftSteps, Speculator
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
-
-log = logging.getLogger(__name__)
 
 
 def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int,
@@ -98,22 +95,6 @@ class _InFlight:
     samples: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it draws, if it computes its last
     drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts it verifies
     planned_at: float = 0.0  # time.monotonic() when the plan was made (StepCost)
-
-
-@dataclass(frozen=True, slots=True)
-class PreemptionCosts:
-    """The worker's measured rates, which price the two ways to preempt a group."""
-
-    kv_bytes_per_block: int = 0
-    host_bandwidth: float = 0.0  # bytes/s between the device pool and the swap pool
-    prefill_tokens_per_s: float = 0.0
-
-    def swap_seconds(self, num_blocks: int) -> float:
-        """Out and back in."""
-        return 2 * num_blocks * self.kv_bytes_per_block / self.host_bandwidth if self.host_bandwidth > 0 else math.inf
-
-    def recompute_seconds(self, num_tokens: int) -> float:
-        return num_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s > 0 else math.inf
 
 
 class Scheduler(DraftSteps):
@@ -167,29 +148,13 @@ class Scheduler(DraftSteps):
         self._failed: list[FailedRequest] = []
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         if config.cpu_prefix_cache:
-            self._enable_cpu_tier()
+            enable_cpu_tier(self.block_manager, costs)
         self.speculator = Speculator(config.speculative) if config.speculative else None
         self._last_result_at = 0.0  # time.monotonic() of the last result
         if self.speculator is not None and config.allocator != "paged":
             raise ValueError(f"speculative decoding needs the paged allocator, not {config.allocator!r}")
         self._batch = 0  # running groups when the plan being made began (the drafts' length scales by it)
         self._reserve = 0  # while planning running groups: those still to plan (drafts never take their blocks)
-
-    def _enable_cpu_tier(self) -> None:
-        """--cpu-prefix-cache: on when there is a swap pool and the cost model says that copying a
-        block back beats recomputing its tokens."""
-        bm = self.block_manager
-        if not bm.enable_prefix_caching or not bm.num_cpu_blocks:
-            log.warning("--cpu-prefix-cache: off (it needs prefix caching and a swap pool)")
-            return
-        copy_s, recompute_s = self.costs.swap_seconds(1) / 2, self.costs.recompute_seconds(bm.block_size)
-        if not copy_s < recompute_s:
-            log.warning("--cpu-prefix-cache: off, copying a block back (%.3g s) would not beat recomputing it (%.3g s)",
-                        copy_s, recompute_s)
-            return
-        bm.enable_cpu_tier = True
-        log.info("prefix cache: a CPU tier of up to %d blocks (a copy back %.3g s, a recompute %.3g s per block)",
-                 bm.num_cpu_blocks, copy_s, recompute_s)
 
     @classmethod
     def from_hello(cls, config: EngineConfig, hello: WorkerHello,
@@ -753,7 +718,7 @@ class Scheduler(DraftSteps):
             seq.num_sent_blocks = 0
         if group.lora_slot >= 0:
             self.lora_slots.unpin(group)
-        if self._preemption_mode(seqs) == "swap":
+        if preemption_mode(self.config.preemption_mode, self.block_manager, self.costs, seqs) == "swap":
             copies = self.block_manager.swap_out([seq.seq_id for seq in seqs])
             plan.blocks_to_swap_out.extend(copies)
             self.num_swapped_out_blocks += len(copies)
@@ -776,17 +741,6 @@ class Scheduler(DraftSteps):
             self.waiting.insert(0, group)
             self.num_recompute_preemptions += 1
         self.num_preemptions += 1
-
-    def _preemption_mode(self, seqs: list[Sequence]) -> str:
-        mode = self.config.preemption_mode
-        seq_ids = [seq.seq_id for seq in seqs]
-        if mode == "recompute" or not self.block_manager.can_swap_out(seq_ids):
-            return "recompute"
-        if mode == "swap":
-            return "swap"
-        num_blocks = self.block_manager.num_distinct_blocks(seq_ids)
-        num_tokens = sum(seq.num_computed_tokens for seq in seqs)
-        return "swap" if self.costs.swap_seconds(num_blocks) < self.costs.recompute_seconds(num_tokens) else "recompute"
 
     # ------------------------------------------------------------------ plan
     def _add_to_plan(self, seqs: list[Sequence], num_new: list[int], plan: StepPlan, budget: _Budget,

@@ -22,7 +22,8 @@ from common.protocol import NULL_BLOCK, SamplingParams, StepPlan, decode, encode
 from pagoda.bench.publish import EOS_TOKEN_IDS, ModelFreeExecutor
 from scheduler import memory_view
 from scheduler.memory_view import PackedTables, build_snapshot, memory_version, status_counters
-from scheduler.scheduler import PreemptionCosts, RequestRejected, Scheduler
+from scheduler.preemption import PreemptionCosts
+from scheduler.scheduler import RequestRejected, Scheduler
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 128

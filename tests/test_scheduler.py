@@ -11,7 +11,8 @@ import pytest
 from common.config import EngineConfig
 from common.protocol import NULL_BLOCK, SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
 from scheduler.engine import LLMEngine
-from scheduler.scheduler import FailedRequest, PreemptionCosts, RequestRejected, Scheduler
+from scheduler.preemption import PreemptionCosts
+from scheduler.scheduler import FailedRequest, RequestRejected, Scheduler
 from tests.fakes import FakeExecutor, KVCheckingExecutor, expected_output, token_for
 
 EOS = 2

@@ -21,7 +21,8 @@ import pytest
 from common.config import EngineConfig
 from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult
 from scheduler.engine import LLMEngine
-from scheduler.scheduler import PreemptionCosts, RequestRejected, Scheduler
+from scheduler.preemption import PreemptionCosts
+from scheduler.scheduler import RequestRejected, Scheduler
 from scheduler.speculation import StepCost
 from tests.fakes import FakeExecutor
 
@@ -100,8 +101,6 @@ def make_engine(spec: bool, async_scheduling=True, num_gpu_blocks=64, num_cpu_bl
                           if spec else None, **config})
     scheduler = Scheduler(cfg, num_gpu_blocks, max_model_len, [EOS], num_cpu_blocks, costs=costs,
                           sliding_window=sliding_window)
-    if cfg.cpu_prefix_cache:
-        scheduler._enable_cpu_tier()
     return LLMEngine(scheduler, SpecKVExecutor(BS, token_fn, sliding_window=sliding_window), wire=True)
 
 

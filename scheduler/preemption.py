@@ -1,0 +1,61 @@
+"""What a preemption costs, by the worker's measured rates (`PreemptionCosts`, from its hello):
+how each victim is preempted (`preemption_mode`: swapped to the CPU pool, or freed to be
+recomputed, whichever is cheaper unless `--preemption-mode` forces one), and whether the prefix
+cache keeps a CPU tier in the swap pool (`enable_cpu_tier`: a block copied back must beat
+recomputing its tokens)."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from scheduler.allocator import Allocator
+from scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionCosts:
+    """The worker's measured rates, which price the two ways to preempt a group."""
+
+    kv_bytes_per_block: int = 0
+    host_bandwidth: float = 0.0  # bytes/s between the device pool and the swap pool
+    prefill_tokens_per_s: float = 0.0
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        """Out and back in."""
+        return 2 * num_blocks * self.kv_bytes_per_block / self.host_bandwidth if self.host_bandwidth > 0 else math.inf
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s > 0 else math.inf
+
+
+def preemption_mode(mode: str, block_manager: Allocator, costs: PreemptionCosts, seqs: list[Sequence]) -> str:
+    """"swap" or "recompute" for a victim whose running sequences are `seqs`; `mode`: the
+    configured one ("auto": the cheaper). Recompute when the swap pool cannot take them."""
+    seq_ids = [seq.seq_id for seq in seqs]
+    if mode == "recompute" or not block_manager.can_swap_out(seq_ids):
+        return "recompute"
+    if mode == "swap":
+        return "swap"
+    num_blocks = block_manager.num_distinct_blocks(seq_ids)
+    num_tokens = sum(seq.num_computed_tokens for seq in seqs)
+    return "swap" if costs.swap_seconds(num_blocks) < costs.recompute_seconds(num_tokens) else "recompute"
+
+
+def enable_cpu_tier(block_manager: Allocator, costs: PreemptionCosts) -> None:
+    """--cpu-prefix-cache: on when there is a swap pool and the cost model says that copying a
+    block back beats recomputing its tokens."""
+    bm = block_manager
+    if not bm.enable_prefix_caching or not bm.num_cpu_blocks:
+        log.warning("--cpu-prefix-cache: off (it needs prefix caching and a swap pool)")
+        return
+    copy_s, recompute_s = costs.swap_seconds(1) / 2, costs.recompute_seconds(bm.block_size)
+    if not copy_s < recompute_s:
+        log.warning("--cpu-prefix-cache: off, copying a block back (%.3g s) would not beat recomputing it (%.3g s)",
+                    copy_s, recompute_s)
+        return
+    bm.enable_cpu_tier = True
+    log.info("prefix cache: a CPU tier of up to %d blocks (a copy back %.3g s, a recompute %.3g s per block)",
+             bm.num_cpu_blocks, copy_s, recompute_s)
