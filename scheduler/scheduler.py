@@ -33,7 +33,6 @@ admission and gives them back as its chunks go on.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import time
 from collections import deque
@@ -42,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
 from common.protocol import (
-    ITERATION_TOKENS_BUCKETS, NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, NewSequence, SampledToken,
-    SamplingParams, StepPlan, StepResult, WorkerHello, sample_seed,
+    NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, NewSequence, SampledToken, SamplingParams, StepPlan,
+    StepResult, WorkerHello, sample_seed,
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError
 from scheduler.beam import SequenceOps, beam_step
@@ -54,6 +53,7 @@ from scheduler.outputs import collect_prompt_logprobs, request_output, samples_b
 from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode
 from scheduler.prefix_wait import ComputingPrefixes
 from scheduler.speculation import DraftSteps, Speculator
+from scheduler.step_counters import StepCounters
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 
 
@@ -97,7 +97,7 @@ class _InFlight:
     planned_at: float = 0.0  # time.monotonic() when the plan was made (StepCost)
 
 
-class Scheduler(DraftSteps):
+class Scheduler(DraftSteps, StepCounters):
     def __init__(
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
@@ -128,20 +128,7 @@ class Scheduler(DraftSteps):
         self._in_flight: deque[_InFlight] = deque()  # plans sent, oldest first
         self.step = 0
         self.epoch = 0
-        self.num_preemptions = 0
-        self.num_swap_preemptions = 0
-        self.num_recompute_preemptions = 0
-        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_cache_hits = 0  # of them, tokens whose KV was there
-        # memory counters and events (scheduler/memory_view.py; the dashboard and /metrics)
-        self.memory_events = MemoryEventLog() if memory_events is None else memory_events
-        self.num_cow_copies = 0
-        self._copies: list[tuple[SequenceGroup, int, list[int]]] = []  # of the plan being built: (group, seq_id, copy)
-        self._left_window: list[int] = []  # of the plan being built: blocks released outside a sliding window
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
-        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, the last +Inf
-        self.iteration_tokens_sum = 0
+        self._init_counters(memory_events)
         # True (the scheduler process): an exception raised for one request ends that request
         # alone, reported by take_failed(); False: it propagates.
         self.isolate_failures = False
@@ -327,8 +314,7 @@ class Scheduler(DraftSteps):
         plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop)
         self._to_drop = []
         self._planning = _InFlight(self.step, planned_at=time.monotonic() if self.speculator is not None else 0.0)
-        self._copies = []
-        self._left_window = []
+        self._start_plan_events()
         if self.sliding_window is not None:
             self._remove_skipped_blocks(self.running)
         if self._in_flight and self.speculator is not None and self._waits_for_drafts():
@@ -344,48 +330,11 @@ class Scheduler(DraftSteps):
             self._schedule_swapped(plan, budget)
             if not self.swapped:
                 self._schedule_waiting(plan, budget)
-        if self.block_manager.enable_cpu_tier:  # swap-outs run first, then swap-ins
-            out, back = self.block_manager.take_tier_copies()
-            plan.blocks_to_swap_out.extend(out)
-            plan.blocks_to_swap_in.extend(back)
-            if out:
-                self.memory_events.record(self.step, "tier_store", "", -1, [block for block, _ in out])
-            if back:
-                self.memory_events.record(self.step, "tier_load", "", -1, [block for _, block in back])
+        if self.block_manager.enable_cpu_tier:
+            self._add_tier_copies(plan)
         self._in_flight.append(self._planning)
         self._count_step(plan)
         return plan
-
-    def _count_step(self, plan: StepPlan) -> None:
-        if self._copies:
-            self._count_copies(plan)
-        num_tokens = sum(self._planning.scheduled.values())  # plan.num_scheduled_tokens, without its loop
-        if num_tokens:
-            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
-            self.iteration_tokens_sum += num_tokens
-        evicted = getattr(self.block_manager, "evicted", None)
-        if evicted:
-            self.memory_events.record(self.step, "prefix_evict", "", -1, evicted)
-            evicted.clear()
-        if self._left_window:
-            self.memory_events.record(self.step, "window", "", -1, list(dict.fromkeys(self._left_window)))
-            self._left_window = []
-
-    def _record(self, kind: str, group: SequenceGroup, seq_id: int, blocks: list[int]) -> None:
-        self.memory_events.record(self.step, kind, group.request_id, seq_id, blocks)
-
-    def _copied_on_write(self, group: SequenceGroup, seq_id: int, copy: list[int], plan: StepPlan) -> None:
-        plan.blocks_to_copy.append(copy)
-        self._copies.append((group, seq_id, copy))
-
-    def _count_copies(self, plan: StepPlan) -> None:
-        """Count and log the copies the final plan makes: those of a group that failed while the
-        plan was made are out of it (`_fail`)."""
-        planned = {id(copy) for copy in plan.blocks_to_copy}
-        for group, seq_id, copy in self._copies:
-            if id(copy) in planned:
-                self.num_cow_copies += 1
-                self._record("cow", group, seq_id, copy)
 
     # A sequence with tokens in the plan in flight is scheduled ahead when that plan draws nothing
     # for it (a prompt chunk that is not the last: the next chunk depends on no result), or draws
@@ -555,8 +504,7 @@ class Scheduler(DraftSteps):
                 self.swapped.pop(0)
                 copies = self.block_manager.swap_in(seq_ids)
                 plan.blocks_to_swap_in.extend(copies)
-                self.num_swapped_in_blocks += len(copies)
-                self._record("swap_in", group, -1, [block for _, block in copies])
+                self._count_swap_in(group, copies)
                 for seq in seqs:
                     seq.status = SequenceStatus.RUNNING
                 self._insert_running(group)
@@ -628,11 +576,7 @@ class Scheduler(DraftSteps):
             seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens, salt)
             seq.status = SequenceStatus.RUNNING
             if bm.enable_prefix_caching and view is not None:
-                self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += seq.num_computed_tokens
-                if seq.num_computed_tokens:
-                    hit_blocks = bm.block_table(seq.seq_id)[:seq.num_computed_tokens // bm.block_size]
-                    self._record("prefix_hit", group, seq.seq_id, hit_blocks)
+                self._count_prefix_lookup(group, seq)
         if group.first_scheduled_time is None:
             group.first_scheduled_time = time.time()
             group.num_cached_tokens = seqs[0].num_computed_tokens  # hits only: nothing ran yet
@@ -721,8 +665,7 @@ class Scheduler(DraftSteps):
         if preemption_mode(self.config.preemption_mode, self.block_manager, self.costs, seqs) == "swap":
             copies = self.block_manager.swap_out([seq.seq_id for seq in seqs])
             plan.blocks_to_swap_out.extend(copies)
-            self.num_swapped_out_blocks += len(copies)
-            self._record("swap_out", group, -1, [block for block, _ in copies])
+            self._count_swap_out(group, copies)
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
