@@ -47,6 +47,7 @@ from common.protocol import (
 from scheduler.allocator import Allocator, NoFreeBlocksError
 from scheduler.beam import SequenceOps, beam_step
 from scheduler.block_manager import BlockManager
+from scheduler.failures import FailedRequest, device_blocks, withdraw
 from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
@@ -71,14 +72,6 @@ def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: in
 
 class RequestRejected(ValueError):
     """A request that can never be served (too long for the context or for the whole pool)."""
-
-
-@dataclass(slots=True)
-class FailedRequest:
-    """A request ended by an exception raised while scheduling or updating it (isolate_failures)."""
-
-    request_id: str
-    error: str
 
 
 @dataclass(slots=True)
@@ -255,14 +248,7 @@ class Scheduler(DraftSteps, StepCounters):
             raise exc
         seq_ids = {seq.seq_id for seq in group.seqs}
         if plan is not None:
-            self._held_by_workers -= {s.seq_id for s in plan.new_seqs if s.seq_id in seq_ids}
-            plan.new_seqs = [s for s in plan.new_seqs if s.seq_id not in seq_ids]
-            plan.cached_seqs = [s for s in plan.cached_seqs if s.seq_id not in seq_ids]
-            # a swap-in or copy-on-write into the group's blocks would write into blocks freed below
-            # (fresh ones, never shared with another group), which this very plan may hand out again
-            owned = self._device_blocks(group)
-            plan.blocks_to_swap_in = [op for op in plan.blocks_to_swap_in if op[1] not in owned]
-            plan.blocks_to_copy = [op for op in plan.blocks_to_copy if op[1] not in owned]
+            self._held_by_workers -= withdraw(plan, seq_ids, device_blocks(self.block_manager, group))
         for seq_id in seq_ids:
             self._planning.scheduled.pop(seq_id, None)
             self._planning.samples.pop(seq_id, None)
@@ -271,16 +257,6 @@ class Scheduler(DraftSteps, StepCounters):
             plan.finished_seq_ids += [seq_id for seq_id in self._to_drop if seq_id in seq_ids]
             self._to_drop = [seq_id for seq_id in self._to_drop if seq_id not in seq_ids]
         self._failed.append(FailedRequest(group.request_id, f"{type(exc).__name__}: {exc}"))
-
-    def _device_blocks(self, group: SequenceGroup) -> set[int]:
-        """The device blocks the group's sequences hold (none for one failed half-way into a table)."""
-        blocks = set()
-        for seq in group.seqs:
-            try:
-                blocks.update(self.block_manager.block_table(seq.seq_id))
-            except KeyError:
-                pass
-        return blocks
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

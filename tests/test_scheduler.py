@@ -11,8 +11,9 @@ import pytest
 from common.config import EngineConfig
 from common.protocol import NULL_BLOCK, SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
 from scheduler.engine import LLMEngine
+from scheduler.failures import FailedRequest
 from scheduler.preemption import PreemptionCosts
-from scheduler.scheduler import FailedRequest, RequestRejected, Scheduler
+from scheduler.scheduler import RequestRejected, Scheduler
 from tests.fakes import FakeExecutor, KVCheckingExecutor, expected_output, token_for
 
 EOS = 2
