@@ -15,14 +15,8 @@ sequence after its first token (sharing every prompt block copy-on-write; each s
 finishes on its own, and `abort_sequence` ends one alone), or the beams of a beam search,
 forked and freed each step as transformers' `generate(num_beams=...)` does.
 
-With `async_scheduling`, `schedule()` may run while the previous plan's result is outstanding
-(the driver sends plan N+1 before it gathers N's result; results come back in plan order). A
-running sequence that draws one token in step N is then assumed to hold it: step N+1 computes it,
-as `PENDING_TOKEN` (the worker appends the token it drew itself), in a slot allocated now. A prompt
-chunk that does not complete its prompt draws nothing, so the next chunk goes into step N+1 too:
-a long prompt's chunks run in consecutive steps. A group whose next step depends on the result
-waits for it instead (see `_awaits_result`), so the tokens are those of the serial loop; a
-sequence that ends in step N had one token computed in vain.
+With `async_scheduling` the next plan is made while the last one's result is outstanding: the
+plans in flight, and which sequences run ahead of them, in scheduler/in_flight.py.
 
 With a `sliding_window` W (a model whose every layer attends only to its last W keys), each
 plan starts by giving back, for every running sequence whose next position to compute is c, the
@@ -36,7 +30,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
@@ -47,6 +41,7 @@ from common.protocol import (
 from scheduler.allocator import Allocator, NoFreeBlocksError, make_allocator
 from scheduler.beam import SequenceOps, beam_step
 from scheduler.failures import FailedRequest, device_blocks, withdraw
+from scheduler.in_flight import PlannedStep, awaits_result, draws_in_flight, take_result
 from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
@@ -64,17 +59,6 @@ class RequestRejected(ValueError):
 @dataclass(slots=True)
 class _Budget:
     tokens: int
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A plan sent whose result has not been applied."""
-
-    step: int
-    scheduled: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it computes
-    samples: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens it draws, if it computes its last
-    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> the drafts it verifies
-    planned_at: float = 0.0  # time.monotonic() when the plan was made (StepCost)
 
 
 class Scheduler(DraftSteps, StepCounters):
@@ -104,8 +88,8 @@ class Scheduler(DraftSteps, StepCounters):
         self._seq_ids = itertools.count()
         self._held_by_workers: set[int] = set()
         self._to_drop: list[int] = []  # finished or aborted since the last plan
-        self._planning = _InFlight(0)  # the plan being built
-        self._in_flight: deque[_InFlight] = deque()  # plans sent, oldest first
+        self._planning = PlannedStep(0)  # the plan being built
+        self._in_flight: deque[PlannedStep] = deque()  # plans sent, oldest first
         self.step = 0
         self.epoch = 0
         self._init_counters(memory_events)
@@ -276,7 +260,7 @@ class Scheduler(DraftSteps, StepCounters):
         self.step += 1
         plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop)
         self._to_drop = []
-        self._planning = _InFlight(self.step, planned_at=time.monotonic() if self.speculator is not None else 0.0)
+        self._planning = PlannedStep(self.step, planned_at=time.monotonic() if self.speculator is not None else 0.0)
         self._start_plan_events()
         if self.sliding_window is not None:
             self._remove_skipped_blocks(self.running)
@@ -299,37 +283,6 @@ class Scheduler(DraftSteps, StepCounters):
         self._count_step(plan)
         return plan
 
-    # A sequence with tokens in the plan in flight is scheduled ahead when that plan draws nothing
-    # for it (a prompt chunk that is not the last: the next chunk depends on no result), or draws
-    # exactly one token that cannot end it by length (then computed as PENDING_TOKEN); the rest of
-    # its group goes on as usual. Any other group with tokens in flight (beams that draw, a first
-    # token that forks, a sequence at its max_tokens) waits for the result, and is never a
-    # preemption victim meanwhile: preempting it would drop the token it is drawing. A group whose
-    # plan in flight draws nothing may be one: its chunk's KV is written before the plan that
-    # frees or swaps its blocks runs (plans run in order).
-    def _awaits_result(self, group: SequenceGroup, running: list[Sequence]) -> bool:
-        """`running`: the group's running sequences."""
-        if not self._in_flight:
-            return False
-        beam = group.beam is not None
-        return any(seq.draws_in_flight and (beam or not self._can_run_ahead(seq)) for seq in running)
-
-    def _can_run_ahead(self, seq: Sequence) -> bool:
-        """Whether a sequence the plan in flight draws one token for can be planned past it: that
-        token is not one of several (best_of, drafts), may not end it by length, and drafts wait."""
-        if seq.ahead_draws != 1 or self._wants_drafts(seq):
-            return False
-        num_output = len(seq.output_token_ids)
-        max_tokens = seq.sampling_params.max_tokens
-        # with the token in flight
-        return ((max_tokens is None or num_output + 1 < max_tokens)
-                and len(seq.prompt_token_ids) + num_output + 1 < self.max_model_len)
-
-    @staticmethod
-    def _draws_in_flight(group: SequenceGroup) -> bool:
-        """Whether the plan in flight draws a token for one of the group's running sequences."""
-        return any(seq.draws_in_flight for seq in group.seqs_with(SequenceStatus.RUNNING))
-
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> bool:
         queue = deque(self.running)
         self.running = []
@@ -342,7 +295,8 @@ class Scheduler(DraftSteps, StepCounters):
                     self.running.append(group)
                     continue
                 seqs = group.seqs_with(SequenceStatus.RUNNING)
-                num_new = None if self._awaits_result(group, seqs) else self._chunk_sizes(seqs, budget)
+                waits = bool(self._in_flight) and awaits_result(group, seqs, self.max_model_len, self._wants_drafts)
+                num_new = None if waits else self._chunk_sizes(seqs, budget)
                 if num_new is None:  # out of budget this step, or waiting for a result; stays running
                     self.running.append(group)
                     continue
@@ -354,7 +308,7 @@ class Scheduler(DraftSteps, StepCounters):
                     extra = self._extra_slots(seqs, num_new)
                 while not self._can_grow(seqs, extra):
                     victim = queue[-1] if queue else group
-                    if self._draws_in_flight(victim):
+                    if draws_in_flight(victim):
                         # preempting it now would drop the token it draws: this group and every
                         # later one (the victims to come) sit this plan out, so the next one, made
                         # once their results are in, preempts as the serial loop does
@@ -390,7 +344,7 @@ class Scheduler(DraftSteps, StepCounters):
         in_flight = seq.ahead
         computed = seq.num_computed_tokens + in_flight  # as in _chunk_sizes and _extra_slots
         if in_flight and computed == num_tokens:  # the plan in flight draws its next token: PENDING_TOKEN
-            if seq.ahead_draws != 1 or (  # `_can_run_ahead`, inlined
+            if seq.ahead_draws != 1 or (  # `can_run_ahead`, inlined
                     self.speculator is not None and self._wants_drafts(seq)):
                 return False
             max_tokens = seq.sampling_params.max_tokens
@@ -704,7 +658,7 @@ class Scheduler(DraftSteps, StepCounters):
         them after the plans in flight (plans run in order), so none reads or writes a block that
         plan still writes. Its KV is registered for prefix caching only once confirmed here, so the
         vain token (never in a full block whose tokens were known) is never a cache entry."""
-        done = self._take_result(result)
+        done = take_result(self._in_flight, result, self.epoch)
         for slot, message in result.lora_errors:
             self._fail_lora_slot(slot, message)
         touched: dict[str, SequenceGroup] = {}
@@ -719,18 +673,7 @@ class Scheduler(DraftSteps, StepCounters):
         self._apply_samples(result, done, touched, new_counts)
         return self._outputs(touched, new_counts)
 
-    def _take_result(self, result: StepResult) -> _InFlight:
-        """The plan `result` answers: the oldest in flight, of this epoch."""
-        if not self._in_flight:
-            raise ValueError(f"result for step {result.step}/{result.epoch}, but no plan awaits one")
-        expected = self._in_flight[0].step
-        if result.step != expected or result.epoch != self.epoch:
-            raise ValueError(f"result for step {result.step}/{result.epoch}, expected {expected}/{self.epoch}")
-        if result.error:
-            raise RuntimeError(f"the worker failed step {result.step}: {result.error}")
-        return self._in_flight.popleft()
-
-    def _apply_samples(self, result: StepResult, done: _InFlight, touched: dict[str, SequenceGroup],
+    def _apply_samples(self, result: StepResult, done: PlannedStep, touched: dict[str, SequenceGroup],
                        new_counts: dict[int, int]) -> None:
         planned_samples = done.samples
         seqs, group_of_seq, running = self._seqs, self._group_of_seq, SequenceStatus.RUNNING
@@ -800,7 +743,7 @@ class Scheduler(DraftSteps, StepCounters):
             group.beam.pending.clear()
             group.beam.done = True
 
-    def _apply_computed(self, done: _InFlight) -> None:
+    def _apply_computed(self, done: PlannedStep) -> None:
         """The KV a step wrote is now in the cache; full blocks join the prefix cache. A sequence
         swapped out by a later plan (a prompt chunk in flight, which draws nothing) took that KV
         to the swap pool: it counts too, its blocks registered once it runs again. The step is no

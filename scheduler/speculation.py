@@ -39,7 +39,8 @@ from scheduler.ngram import propose
 from scheduler.sequence import Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
-    from scheduler.scheduler import _Budget, _InFlight
+    from scheduler.in_flight import PlannedStep
+    from scheduler.scheduler import _Budget
 
 FREE_BATCH = 8  # running sequences up to which a step's extra draft tokens cost little
 MAX_BACKOFF_STEPS = 64  # after drafts rejected
@@ -266,7 +267,7 @@ class DraftSteps:
                 tokens_left -= len(draft)
         return drafts
 
-    def _observe_cost(self, done: _InFlight, result: StepResult) -> None:
+    def _observe_cost(self, done: PlannedStep, result: StepResult) -> None:
         """The step's seconds for the draft price, if it verified drafts and computed
         nothing else than a token and its drafts a sequence (the price is that of one more draft in
         such a step: prompt tokens cost less, computing no logits, and a step without drafts runs
@@ -283,7 +284,7 @@ class DraftSteps:
                                          len(result.sampled))
         self._last_result_at = now
 
-    def _verify_drafts(self, done: _InFlight, result: StepResult, touched: dict[str, SequenceGroup],
+    def _verify_drafts(self, done: PlannedStep, result: StepResult, touched: dict[str, SequenceGroup],
                        new_counts: dict[int, int]) -> None:
         """The tokens of the sequences that verified drafts: the accepted drafts then
         one more (a + 1 of them). The slots of the rejected drafts are given back before the step's
