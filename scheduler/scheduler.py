@@ -38,8 +38,9 @@ from common.protocol import (
     NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, NewSequence, SampledToken, SamplingParams, StepPlan,
     StepResult, WorkerHello, sample_seed,
 )
-from scheduler.allocator import Allocator, NoFreeBlocksError, make_allocator
+from scheduler.allocator import Allocator, make_allocator
 from scheduler.beam import SequenceOps, beam_step
+from scheduler.decode_fast_path import DecodeFastPath
 from scheduler.failures import FailedRequest, device_blocks, withdraw
 from scheduler.in_flight import PlannedStep, awaits_result, draws_in_flight, take_result
 from scheduler.lora_slots import LoRASlots
@@ -61,7 +62,7 @@ class _Budget:
     tokens: int
 
 
-class Scheduler(DraftSteps, StepCounters):
+class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
     def __init__(
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
@@ -329,74 +330,6 @@ class Scheduler(DraftSteps, StepCounters):
             except Exception as exc:
                 self._fail(group, exc, plan)
         return preempted
-
-    def _decode_alone(self, group: SequenceGroup, plan: StepPlan, budget: _Budget) -> bool:
-        """The common case of `_schedule_running`, planned without its lists: the group's one
-        sequence, running and held by the workers, computes one token (its last) in room its table
-        has or gets without a preemption. Returns False, having changed nothing, in any other case."""
-        seq = group.seqs[0]
-        seq_id = seq.seq_id
-        if seq.status is not SequenceStatus.RUNNING or seq_id not in self._held_by_workers or budget.tokens < 1:
-            return False
-        output = seq.output_token_ids
-        num_output = len(output)
-        num_tokens = len(seq.prompt_token_ids) + num_output
-        in_flight = seq.ahead
-        computed = seq.num_computed_tokens + in_flight  # as in _chunk_sizes and _extra_slots
-        if in_flight and computed == num_tokens:  # the plan in flight draws its next token: PENDING_TOKEN
-            if seq.ahead_draws != 1 or (  # `can_run_ahead`, inlined
-                    self.speculator is not None and self._wants_drafts(seq)):
-                return False
-            max_tokens = seq.sampling_params.max_tokens
-            if (max_tokens is not None and num_output + 1 >= max_tokens) or num_tokens + 1 >= self.max_model_len:
-                return False  # it awaits the result
-            last_token_id = PENDING_TOKEN
-        elif num_tokens - computed != 1:
-            return False
-        else:
-            last_token_id = output[-1] if num_output else seq.prompt_token_ids[-1]
-        num_samples = 1 if num_output else group.best_of  # as in _add_to_plan
-        drafts = (self._drafts(group, seq, budget.tokens) if self.speculator is not None and num_samples == 1
-                  and last_token_id != PENDING_TOKEN else None)
-        if not self._grow_alone(group, seq, computed + 1 + len(drafts or ()), plan):
-            if not drafts or not self._grow_alone(group, seq, computed + 1, plan):
-                return False  # no room for the drafts: no preemption for them, one token instead
-            drafts = None
-        n = 1 + len(drafts) if drafts else 1
-        table = self.block_manager.block_table(seq_id)
-        first_new = seq.num_sent_blocks
-        planning = self._planning
-        if drafts or seq.accepted_unsent:
-            plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, n, last_token_id,
-                                                   num_samples, drafts or [], seq.accepted_unsent))
-            seq.accepted_unsent = []
-            if drafts:
-                planning.drafts[seq_id] = drafts
-        else:
-            plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
-        seq.num_sent_blocks = len(table)
-        planning.scheduled[seq_id] = n
-        planning.samples[seq_id] = num_draws = n if drafts else num_samples
-        seq.plan_ahead(planning.step, 1 if drafts else n, num_draws)
-        budget.tokens -= n
-        return True
-
-    def _grow_alone(self, group: SequenceGroup, seq: Sequence, num_slots: int, plan: StepPlan) -> bool:
-        """Grow a lone sequence's table to `num_slots` slots (alone in its group, it can grow
-        exactly when it can append); False, having changed nothing, when the blocks are not there."""
-        bm, seq_id = self.block_manager, seq.seq_id
-        extra = num_slots - bm.num_slots[seq_id]
-        if extra <= 0 or bm.grow_in_place(seq_id, extra):
-            return True
-        try:
-            appended = bm.append_slot(seq_id, extra)
-        except NoFreeBlocksError:
-            return False
-        if appended.copy_on_write is not None:
-            self._copied_on_write(group, seq_id, appended.copy_on_write, plan)
-        if appended.first_changed_block < seq.num_sent_blocks:
-            seq.num_sent_blocks = appended.first_changed_block
-        return True
 
     def _preempt_or_fail(self, victim: SequenceGroup, plan: StepPlan) -> None:
         """A victim whose preemption raises fails alone, not the group it was making room for."""
