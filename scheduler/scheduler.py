@@ -48,7 +48,7 @@ from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
 from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode
 from scheduler.prefix_wait import ComputingPrefixes
-from scheduler.speculation import DraftSteps, Speculator
+from scheduler.speculation import DraftSteps
 from scheduler.step_counters import StepCounters
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 
@@ -101,12 +101,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         if config.cpu_prefix_cache:
             enable_cpu_tier(self.block_manager, costs)
-        self.speculator = Speculator(config.speculative) if config.speculative else None
-        self._last_result_at = 0.0  # time.monotonic() of the last result
-        if self.speculator is not None and config.allocator != "paged":
-            raise ValueError(f"speculative decoding needs the paged allocator, not {config.allocator!r}")
-        self._batch = 0  # running groups when the plan being made began (the drafts' length scales by it)
-        self._reserve = 0  # while planning running groups: those still to plan (drafts never take their blocks)
+        self._init_drafts(config)
 
     @classmethod
     def from_hello(cls, config: EngineConfig, hello: WorkerHello,
@@ -307,29 +302,37 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                     for i, seq in enumerate(seqs):
                         num_new[i] -= len(drafts.pop(seq.seq_id, ()))
                     extra = self._extra_slots(seqs, num_new)
-                while not self._can_grow(seqs, extra):
-                    victim = queue[-1] if queue else group
-                    if draws_in_flight(victim):
-                        # preempting it now would drop the token it draws: this group and every
-                        # later one (the victims to come) sit this plan out, so the next one, made
-                        # once their results are in, preempts as the serial loop does
-                        self.running += [group, *queue]
-                        queue.clear()
-                        preempted = True  # nothing swapped or waiting takes the blocks it waits for
-                        break
-                    if queue:
-                        queue.pop()
-                    self._preempt_or_fail(victim, plan)
-                    preempted = True
-                    if victim is group:
-                        break
-                else:
-                    self._grow(seqs, extra, plan)
-                    self._add_to_plan(seqs, num_new, plan, budget, drafts)
-                    self.running.append(group)
+                if not self._can_grow(seqs, extra):
+                    preempted = True  # or held back: either way nothing swapped or waiting takes the blocks
+                    if not self._make_room(group, seqs, extra, queue, plan):
+                        continue
+                self._grow(seqs, extra, plan)
+                self._add_to_plan(seqs, num_new, plan, budget, drafts)
+                self.running.append(group)
             except Exception as exc:
                 self._fail(group, exc, plan)
         return preempted
+
+    def _make_room(self, group: SequenceGroup, seqs: list[Sequence], extra: list[int], queue: deque[SequenceGroup],
+                   plan: StepPlan) -> bool:
+        """Preempt the latest-arrived running groups (`queue`: those still to plan), the group
+        itself last, until its tables can grow by `extra`. False when they cannot: it was
+        preempted, or it and the rest of `queue` sit this plan out."""
+        while not self._can_grow(seqs, extra):
+            victim = queue[-1] if queue else group
+            if draws_in_flight(victim):
+                # preempting it now would drop the token it draws: this group and every later one
+                # (the victims to come) sit this plan out, so the next one, made once their
+                # results are in, preempts as the serial loop does
+                self.running += [group, *queue]
+                queue.clear()
+                return False
+            if queue:
+                queue.pop()
+            self._preempt_or_fail(victim, plan)
+            if victim is group:
+                return False
+        return True
 
     def _preempt_or_fail(self, victim: SequenceGroup, plan: StepPlan) -> None:
         """A victim whose preemption raises fails alone, not the group it was making room for."""
@@ -567,20 +570,25 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                     self._planning.drafts[seq_id] = draft
                     num_samples = n
             else:
-                params = seq.sampling_params
-                if params.prompt_logprobs is not None and not group.needs_prompt_logprobs:  # a recompute: scored
-                    params = replace(params, prompt_logprobs=None)
-                plan.new_seqs.append(NewSequence(
-                    seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
-                    seq.num_computed_tokens, n, params, num_samples, group.lora_slot,
-                ))
-                held.add(seq_id)
-                seq.accepted_unsent = []  # in its output
+                self._send_new(group, seq, n, table, num_samples, plan)
             seq.num_sent_blocks = len(table)
             scheduled[seq_id] = n
             samples[seq_id] = num_samples
             seq.plan_ahead(step, 1 if draft else n, num_samples)
             budget.tokens -= n
+
+    def _send_new(self, group: SequenceGroup, seq: Sequence, n: int, table: list[int], num_samples: int,
+                  plan: StepPlan) -> None:
+        """A sequence the workers do not hold (new, or preempted): sent whole, its tokens and table."""
+        params = seq.sampling_params
+        if params.prompt_logprobs is not None and not group.needs_prompt_logprobs:  # a recompute: scored
+            params = replace(params, prompt_logprobs=None)
+        plan.new_seqs.append(NewSequence(
+            seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
+            seq.num_computed_tokens, n, params, num_samples, group.lora_slot,
+        ))
+        self._held_by_workers.add(seq.seq_id)
+        seq.accepted_unsent = []  # in its output
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestOutput]:

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.config import EngineConfig
 from common.protocol import PENDING_TOKEN, SampledToken, StepResult
 from common.speculative import SpeculativeConfig
 from scheduler.ngram import propose
@@ -207,6 +208,14 @@ class DraftSteps:
     """The Scheduler's speculative steps, a base of Scheduler over its state (`speculator`,
     `block_manager`, `step`, the sequences, the plan being made and the one in flight): which
     sequences draft in the plan being made, and what a verification's result means for each."""
+
+    def _init_drafts(self, config: EngineConfig) -> None:
+        self.speculator = Speculator(config.speculative) if config.speculative else None
+        self._last_result_at = 0.0  # time.monotonic() of the last result
+        if self.speculator is not None and config.allocator != "paged":
+            raise ValueError(f"speculative decoding needs the paged allocator, not {config.allocator!r}")
+        self._batch = 0  # running groups when the plan being made began (the drafts' length scales by it)
+        self._reserve = 0  # while planning running groups: those still to plan (drafts never take their blocks)
 
     def _waits_for_drafts(self) -> bool:
         """Whether at least half the sequences drawing in the plan in flight want
