@@ -4,7 +4,7 @@ Every step, under `max_num_seqs` and `max_num_batched_tokens`:
   1. running groups, oldest first: one token per decoding sequence, the next chunk of a prompt
      still being prefilled; when a block cannot be found the latest-arrived running group is
      preempted as one unit, swapped to the CPU pool or freed for recomputation (the cheaper of
-     the two by the worker's measured rates, or as `preemption_mode` forces);
+     the two by the worker's measured rates, or as `preemption_mode` forces: preemption.py);
   2. if nothing was preempted, swapped groups back in, oldest first, all-or-nothing;
   3. if none is left swapped, waiting groups in arrival order, admitted only when their whole
      prompt fits (counting prefix-cache hits), their first chunk cut to the token budget.
@@ -12,11 +12,11 @@ The plan sent to the workers is a diff against what they already hold (common/pr
 
 A request's sequences form one group: its `n` (or `best_of`) samples forked from the prompt's
 sequence after its first token (sharing every prompt block copy-on-write; each streams and
-finishes on its own, and `abort_sequence` ends one alone), or the beams of a beam search,
-forked and freed each step as transformers' `generate(num_beams=...)` does.
+finishes on its own, and `abort_sequence` ends one alone), or the beams of a beam search
+(beam.py), forked and freed each step as transformers' `generate(num_beams=...)` does.
 
-With `async_scheduling` the next plan is made while the last one's result is outstanding: the
-plans in flight, and which sequences run ahead of them, in scheduler/in_flight.py.
+With `async_scheduling` the next plan is made while the last one's result is outstanding
+(in_flight.py: the plans in flight, and which sequences run ahead of them).
 
 With a `sliding_window` W (a model whose every layer attends only to its last W keys), each
 plan starts by giving back, for every running sequence whose next position to compute is c, the
@@ -24,6 +24,11 @@ blocks wholly before c - W + 1 (`_remove_skipped_blocks`; a prefix-cache hit pas
 at admission); then tables grow for the step: decoding, a sequence holds at most
 W / block_size + 1 blocks. A prompt, or a recompute, still takes blocks for all its tokens at
 admission and gives them back as its chunks go on.
+
+Beside the loop, in this package: the request outputs (outputs.py), in-batch prefix caching
+(prefix_wait.py), failure isolation (failures.py); and, bases of Scheduler over its state, the
+decode fast path (decode_fast_path.py), the speculative steps (speculation.py) and the counters
+and memory events (step_counters.py).
 """
 from __future__ import annotations
 
@@ -48,9 +53,9 @@ from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
 from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode
 from scheduler.prefix_wait import ComputingPrefixes
+from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 from scheduler.speculation import DraftSteps
 from scheduler.step_counters import StepCounters
-from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 
 
 class RequestRejected(ValueError):
