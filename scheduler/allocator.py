@@ -1,9 +1,9 @@
 """What the Scheduler asks of a KV block allocator, and what every allocator shares.
 
 Two allocators implement `Allocator`: the paged BlockManager (scheduler/block_manager.py) and
-the Orca-style ContiguousAllocator baseline (scheduler/contiguous.py); `make_allocator` builds
-the one `--allocator` names. The Scheduler uses nothing else of them. Both keep, per sequence,
-a block table of device block ids and the number of token slots it covers:
+the Orca-style ContiguousAllocator baseline (scheduler/contiguous.py). The Scheduler uses
+nothing else of them. Both keep, per sequence, a block table of device block ids and the
+number of token slots it covers:
 
     [0, num_slots)                        slots in the table, KV written or scheduled
     [num_slots, len(table) * block_size)  spare room in the last block
@@ -17,15 +17,11 @@ nothing, when it does not fit.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from common.protocol import NULL_BLOCK
 
-if TYPE_CHECKING:
-    from common.config import EngineConfig
-
-__all__ = ["NULL_BLOCK", "Allocator", "AllocatorBase", "AppendedSlots", "NoFreeBlocksError", "make_allocator",
-           "num_null_entries"]
+__all__ = ["NULL_BLOCK", "Allocator", "AllocatorBase", "AppendedSlots", "NoFreeBlocksError", "num_null_entries"]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -124,21 +120,6 @@ class Allocator(Protocol):
     def truncate(self, seq_id: int, num_slots: int) -> list[int]: ...  # blocks released
 
     def check_integrity(self) -> None: ...
-
-
-def make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int,
-                   sliding_window: int | None) -> Allocator:
-    """`config.allocator`: the paged BlockManager, or an Orca-style contiguous baseline, which
-    holds a sequence's blocks whole whatever its sliding window. (Imported here: both modules
-    import this one.)"""
-    if config.allocator == "paged":
-        from scheduler.block_manager import BlockManager
-
-        return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
-                            enable_prefix_caching=config.enable_prefix_caching, sliding_window=sliding_window)
-    from scheduler.contiguous import ContiguousAllocator
-
-    return ContiguousAllocator(num_gpu_blocks, config.block_size, config.allocator.removeprefix("orca-"), max_model_len)
 
 
 class AllocatorBase:

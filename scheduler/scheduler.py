@@ -43,8 +43,9 @@ from common.protocol import (
     NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, NewSequence, SampledToken, SamplingParams, StepPlan,
     StepResult, WorkerHello, sample_seed,
 )
-from scheduler.allocator import Allocator, make_allocator
+from scheduler.allocator import Allocator
 from scheduler.beam import SequenceOps, beam_step
+from scheduler.block_manager import BlockManager
 from scheduler.decode_fast_path import DecodeFastPath
 from scheduler.failures import FailedRequest, device_blocks, withdraw
 from scheduler.in_flight import PlannedStep, awaits_result, draws_in_flight, take_result
@@ -56,6 +57,18 @@ from scheduler.prefix_wait import ComputingPrefixes
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 from scheduler.speculation import DraftSteps
 from scheduler.step_counters import StepCounters
+
+
+def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int,
+                    sliding_window: int | None) -> Allocator:
+    """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py),
+    which holds a sequence's blocks whole whatever its sliding window."""
+    if config.allocator == "paged":
+        return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
+                            enable_prefix_caching=config.enable_prefix_caching, sliding_window=sliding_window)
+    from scheduler.contiguous import ContiguousAllocator
+
+    return ContiguousAllocator(num_gpu_blocks, config.block_size, config.allocator.removeprefix("orca-"), max_model_len)
 
 
 class RequestRejected(ValueError):
@@ -83,8 +96,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self._beam_ops = SequenceOps(self._fork, self._finish, self._forget)
         self.costs = costs
         self.sliding_window = sliding_window
-        self.block_manager: Allocator = make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
-                                                       sliding_window)
+        self.block_manager: Allocator = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
+                                                        sliding_window)
         self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
         self.running: list[SequenceGroup] = []  # arrival order
         self.swapped: list[SequenceGroup] = []  # arrival order
