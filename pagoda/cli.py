@@ -14,6 +14,7 @@ from pathlib import Path
 from common.cli_args import add_config_args, config_from_args
 from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
 from common.protocol import InvalidParamError
+from pagoda.bench import BENCHES
 from pagoda.commands import EXIT_CONFIG_ERROR, SCHEDULER_EXCLUDES, UP_EXCLUDES, WORKER_EXCLUDES
 
 
@@ -279,38 +280,6 @@ def _up(args) -> int:
 
 # ----------------------------------------------------------------------------- bench
 
-# `pagoda bench NAME`: (NAME, its module in pagoda/bench/, its help). Each module declares its flags,
-# `add_arguments(parser)`, beside the `run(args)` that runs it.
-BENCHES = [
-    ("kernels", "kernels", "Triton paged decode attention vs copy bandwidth and SDPA (CUDA only); "
-                           "--moe: the fused MoE kernel vs a loop over experts; "
-                           "--int4: the int4 GEMM vs bf16; --swap: the KV swap paths"),
-    ("ops", "ops", "ops (CPU, dispatch counter) or CUDA kernels (profiler) of one decode forward"),
-    ("memory", "memory", "KV memory use: paged vs Orca-style contiguous (CPU, no model)"),
-    ("throughput", "throughput", "offline engine vs transformers generate on ShareGPT, in one run"),
-    ("latency", "latency", "fixed input and output lengths through the offline engine: TTFT, TPOT, e2e per batch size"),
-    ("serve", "serve", "online latency and throughput against the gateway"),
-    ("overload", "overload", "`pagoda up` with queue bounds at its sustainable rate, then at 4x it: answers by kind "
-                             "(completion or 429 with Retry-After), p99 TTFT of accepted requests, the stack's RSS"),
-    ("overhead", "serving_overhead", "time to first token through the stack minus the offline engine's (CPU)"),
-    ("cpu-tier", "cpu_tier", "time to first token of an evicted prefix found in the prefix cache's CPU "
-                             "tier against recomputed (--cpu-prefix-cache)"),
-    ("routing", "routing", "`pagoda up --data-parallel-size 2`: cache-aware routing against pull on conversations "
-                           "sharing system prompts: prefix-cache hit rate and request throughput, in one run"),
-    ("step", "step", "host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"),
-    ("structured", "structured", "JSON-schema constrained decoding: xgrammar vs llguidance, validity, throughput cost"),
-    ("profile", "profile", "torch.profiler over steady decode steps of the offline engine: GPU busy fraction, time "
-                           "by kernel kind, idle gaps, roofline (CUDA); host time by part (CPU)"),
-    ("publish", "publish", "cost of publishing the memory page's snapshot against the scheduler's step (CPU, no model)"),
-    ("quality", "quality", "accuracy of each --quantization scheme: perplexity on a fixed text through prompt logprobs, "
-                           "greedy agreement with full precision"),
-    ("verify", "verify", "a speculative verify step (a token and k drafts per sequence) against a decode step, in the "
-                         "model runner: CUDA graphs on CUDA (docs/speculative.md)"),
-    ("speculative", "speculative", "output tokens/s through the served API with --speculative-config against without, "
-                                   "in one run: acceptance rate, speedup, identical outputs (docs/speculative.md)"),
-]
-
-
 class _BenchParser(argparse.ArgumentParser):
     """One bench's parser. Its module adds the flags, and becomes the handler, only once the bench is
     chosen: the benches import torch, pyzmq and more, which `pagoda` itself must not."""
@@ -343,7 +312,7 @@ class _BenchParser(argparse.ArgumentParser):
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
     benches = p.add_subparsers(dest="bench", required=True, parser_class=_BenchParser)
-    for name, module, help in BENCHES:
+    for name, (module, help) in BENCHES.items():
         benches.add_parser(name, help=help, bench_module=module)
 
 

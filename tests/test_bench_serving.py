@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from pagoda.bench.client import Stream
 from pagoda.bench.serve import (
-    RequestResult, Target, add_arguments, arrival_times, data_parallel_summary, parse_rates, parse_sizes, parse_slos,
-    plot, summarize, targets,
+    Target, add_arguments, arrival_times, data_parallel_summary, parse_rates, parse_sizes, parse_slos, plot, summarize,
+    targets,
 )
 from pagoda.bench.workloads import shared_prefix_requests
 from pagoda.cli import main
@@ -31,16 +32,17 @@ def test_poisson_arrivals_have_the_asked_rate_and_inf_sends_all_at_once():
 
 def test_summarize_computes_each_metric_as_vllm_defines_it():
     results = [
-        RequestResult(10, output_len=5, ttft=0.5, e2e=2.5, itl=[0.5, 0.5, 0.5, 0.5]),  # tpot 0.5
-        RequestResult(20, output_len=3, ttft=1.0, e2e=2.0, itl=[0.5, 0.5]),  # tpot 0.5
-        RequestResult(30, error="HTTP 500"),
+        Stream(status=200, usage={"prompt_tokens": 10, "completion_tokens": 5}, times=[0.5, 1.0, 1.5, 2.0, 2.5],
+               e2e=2.5),  # tpot 0.5
+        Stream(status=200, usage={"prompt_tokens": 20, "completion_tokens": 3}, times=[1.0, 1.5, 2.0], e2e=2.0),
+        Stream(status=500, body=b'{"error": {}}'),
     ]
     m = summarize(results, duration=4.0, slos={"ttft": 0.6})
     assert (m["completed"], m["failed"]) == (2, 1)
     assert m["request_throughput"] == 0.5 and m["output_token_throughput"] == 2.0
     assert m["total_token_throughput"] == (8 + 30) / 4.0
     assert m["goodput"] == 0.25  # only the first meets the TTFT SLO
-    assert m["ttft_s"] == {"mean": 0.75, "median": 0.75, "p99": 1.0}
+    assert m["ttft_s"] == {"mean": 0.75, "median": 0.75, "p99": pytest.approx(0.995)}  # interpolated linearly
     assert m["tpot_s"]["mean"] == 0.5 and m["itl_s"]["median"] == 0.5
     assert m["e2e_s"]["mean"] == 2.25
     assert m["normalized_latency_s_per_token"] == pytest.approx((2.5 / 5 + 2.0 / 3) / 2)

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from pagoda.bench import speculative
-from pagoda.bench.speculative import Request, Stream
+from pagoda.bench.client import Stream
+from pagoda.bench.speculative import Request
 
 
 def test_the_edit_set_is_twenty_chats_each_with_text_to_copy():
@@ -106,21 +107,23 @@ def test_chunks_of_both_endpoints_are_read():
                    {"choices": [{"index": 0, "delta": {"content": "x):"}, "finish_reason": "length"}], "usage": None},
                    {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}}]
     for t, chunk in enumerate(chat_chunks):
-        speculative.read_chunk(chat, chunk, 0.1 * t)
+        chat.read(chunk, 0.1 * t)
     assert chat.text == "def f(x):" and chat.output_len == 4 and chat.finish_reason == "length"
     assert chat.ttft == pytest.approx(0.1)  # the role chunk carries no text
     for t, chunk in enumerate([{"choices": [{"index": 0, "text": "Hello", "finish_reason": None}]},
                                {"choices": [{"index": 0, "text": " there", "finish_reason": "stop"}]},
                                {"choices": [], "usage": {"completion_tokens": 2}}]):
-        speculative.read_chunk(completion, chunk, 0.5 + t)
+        completion.read(chunk, 0.5 + t)
     assert completion.text == "Hello there" and completion.output_len == 2 and completion.ttft == 0.5
     failed = Stream()
-    speculative.read_chunk(failed, {"error": {"message": "boom"}}, 0.0)
-    assert "boom" in failed.error
+    failed.status = 200
+    failed.read({"error": {"message": "boom"}}, 0.0)
+    assert "boom" in failed.failure
 
 
 def stream(text: str, tokens: int, ttft: float, e2e: float, error: str | None = None) -> Stream:
-    return Stream(text=text, output_len=tokens, ttft=ttft, e2e=e2e, finish_reason="length", error=error)
+    return Stream(status=200, texts={0: text}, usage={"completion_tokens": tokens}, times=[ttft] if ttft else [],
+                  e2e=e2e, finish={0: "length"}, exception=error)
 
 
 def test_run_metrics_speedup_and_output_comparison():

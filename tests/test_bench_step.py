@@ -16,7 +16,6 @@ from common.protocol import CachedSequence, StepPlan, StepResult
 import pagoda.bench.step as step_module
 from pagoda.bench.step import (
     END, PartClock, RowServer, RowSpec, SchedulerLoop, WorkerProcess, WorkerSocket, dummy_model_config, measure,
-    scheduler_supports_async,
 )
 from pagoda.cli import main
 
@@ -117,7 +116,6 @@ def _logits_of_the_last_token() -> None:
     step_module.SimulatedForward = _LogitsOfTheLastToken
 
 
-@pytest.mark.skipif(not scheduler_supports_async(), reason="EngineConfig has no async_scheduling yet (overlap work)")
 def test_one_step_ahead_gives_the_serial_tokens(model_path):
     with WorkerProcess(setup=_logits_of_the_last_token) as worker:
         _, serial_row, serial = run_row(model_path, worker, async_scheduling=False)

@@ -224,7 +224,7 @@ def test_bench_serve_measures_the_real_stack(stack):
 
     requests = [([504, 1218, 281, 253, 1345], 6), ([1780, 3346, 314], 4), ([2078] * 20, 5)]
     results, duration = asyncio.run(run_rate(stack.url, None, requests, rate=10.0, seed=1))
-    assert [r.error for r in results] == [None, None, None]
+    assert [r.failure for r in results] == [None, None, None]
     assert [r.output_len for r in results] == [6, 4, 5]  # ignore_eos: exactly max_tokens each
     for r in results:
         assert 0 < r.ttft <= r.e2e and 0 < len(r.itl) <= r.output_len - 1

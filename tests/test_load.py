@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from common.redis_server import RedisServer
-from pagoda.bench.soak import (WHOLE_FOR_S, Load, StreamState, body_for, choice_text, path_for, read_stream,
-                               wait_drained)
+from pagoda.bench.client import Stream, choice_text, read_stream
+from pagoda.bench.soak import WHOLE_FOR_S, Load, body_for, path_for, wait_drained
 from tests.stack import ROOT, Gateway, Stack
 
 pytestmark = pytest.mark.slow
@@ -63,7 +63,7 @@ async def references(base_url: str) -> dict[tuple[str, int], Answer]:
         return dict(await asyncio.gather(*[one(api, i) for api in PROMPTS for i in range(len(PROMPTS[api]))]))
 
 
-def check_whole_stream(state: StreamState, expected: Answer, n: int) -> str | None:
+def check_whole_stream(state: Stream, expected: Answer, n: int) -> str | None:
     """What is wrong with a stream read to its end, or None."""
     if state.status != 200 or state.error is not None or not state.done:
         return f"status {state.status}, error {state.error}, [DONE] {state.done}, body {state.body[:200]!r}"
@@ -139,7 +139,7 @@ async def cancel_storm(base_url: str, refs: dict, num: int, concurrency: int, se
             body["stream_options"] = {"include_usage": True}
         storm.planned[plan[0]] += 1
         storm.by_api[f"{api} n={n}"] += 1
-        state = StreamState()
+        state = Stream()
         async with semaphore:
             stop_after = plan[1] if plan[0] == "events" else None
             task = asyncio.ensure_future(read_stream(client, base_url + path_for(api), body, state, stop_after))
@@ -233,14 +233,14 @@ def small_stack():
 
 
 async def send_all(base_url: str, requests: list[tuple[str, int, bool]]) -> list[tuple[int, dict, object]]:
-    """All at once: (status, headers, answer) each; an answer is a StreamState (a 200 stream) or a JSON body."""
+    """All at once: (status, headers, answer) each; an answer is a Stream (a 200 stream) or a JSON body."""
     limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
         async def one(api: str, i: int, stream: bool):
             prompt, max_tokens = PROMPTS[api][i]
             body = body_for(api, prompt, max_tokens, stream=stream)
             if stream:
-                state = StreamState()
+                state = Stream()
                 await read_stream(client, base_url + path_for(api), body, state)
                 return state.status, state.response_headers, state if state.status == 200 else json.loads(state.body)
             r = await client.post(base_url + path_for(api), json=body)
@@ -334,7 +334,7 @@ def test_the_schedulers_waiting_prompt_tokens_bound_what_the_gateway_admits(smal
 
     async def scenario() -> tuple[tuple, httpx.Response, list[dict]]:
         long = {"prompt": "Count to a thousand:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        states = [StreamState(), StreamState()]
+        states = [Stream(), Stream()]
         # the streams' own client: closing it closes their connections, which aborts them
         async with httpx.AsyncClient(timeout=120) as client, httpx.AsyncClient(timeout=120) as streaming:
             running = [asyncio.create_task(read_stream(streaming, stack.url + "/v1/completions", long, s))

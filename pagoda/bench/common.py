@@ -40,21 +40,51 @@ def git_commit() -> str:
     return proc.stdout.strip() or "unknown"
 
 
+def flags(args, names) -> list[str]:
+    """`--name value` for each of `names` that `args` sets (a true switch alone; None and false left out)."""
+    words = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value is not False:
+            words += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+    return words
+
+
 def command_words(bench: str, args) -> str:
     """`pagoda bench BENCH` with every option of `args` spelled out: the command that repeats this run."""
-    words = ["pagoda", "bench", bench]
-    for name, value in vars(args).items():
-        if name in ("command", "bench", "handler") or value is None or value is False:
-            continue
-        flag = "--" + name.replace("_", "-")
-        words += [flag] if value is True else [flag, str(value)]
-    return shlex.join(words)
+    names = [name for name in vars(args) if name not in ("command", "bench", "handler")]
+    return shlex.join(["pagoda", "bench", bench, *flags(args, names)])
+
+
+def names(text: str) -> list[str]:
+    """A comma-separated flag's names, blanks left out."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def numbers(text: str, flag: str, kind: type = int) -> list:
+    """A comma-separated flag's numbers (`kind`: int, or float); a ValueError naming the flag otherwise."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        what = "whole numbers" if kind is int else "numbers"
+        raise ValueError(f"{flag} takes {what}, comma-separated (got {text!r})") from None
+
+
+def log(line: str) -> None:
+    """A progress line, on stderr."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def header(benchmark: str, command: str, device: str = "cpu") -> dict:
     """The first keys of every result: benchmark, command, commit, date, device."""
     return {"benchmark": benchmark, "command": command, "commit": git_commit(),
             "date": datetime.date.today().isoformat(), "device": device_description(device)}
+
+
+def model_keys(runner) -> dict:
+    """A model runner's model, dtype and quantization scheme, as results name them."""
+    return {"model": runner.source.name, "dtype": str(runner.dtype).removeprefix("torch."),
+            "quantization": runner.scheme.describe() if runner.scheme else "none"}
 
 
 def write_result(result: dict, output: str | Path | None) -> None:
@@ -65,11 +95,29 @@ def write_result(result: dict, output: str | Path | None) -> None:
         print(f"wrote {output}", file=sys.stderr, flush=True)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, kv_cache_dtype: bool = False) -> None:
+def emit(result: dict, output: str | Path | None) -> int:
+    """The result written at `output` (write_result) and printed, indented: a bench's last step (exit code 0)."""
+    write_result(result, output)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def pyplot():
+    """matplotlib.pyplot, drawing to files (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, kv_cache_dtype: bool = False,
+                         device_help: str | None = None) -> None:
     """The offline engine's --model, --device, --dtype, --quantization (and --kv-cache-dtype), as
     the benches that run it take them."""
     parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help=device_help)
     parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
                         help=QUANTIZATION_HELP)

@@ -16,12 +16,11 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 
 from common.config import DTYPES
 from common.protocol import SamplingParams
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import command_words, header, log, write_result
 
 QUESTION_LEN = 16
 
@@ -42,7 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from pagoda.offline import LLM
 
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     rng = random.Random(args.seed)
     prompt_len = args.prefix_len + QUESTION_LEN
     # one prompt's blocks, the null block and the 1% watermark's: the filler evicts nearly all the prefix

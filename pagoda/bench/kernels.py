@@ -52,11 +52,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import command_words, emit, header, names, numbers
 
 # (num_heads, num_kv_heads, head_dim), as in worker/configs/*.json
 ATTENTION_SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 ATTENTION_MODELS = "llama-3.1-8b,smollm2-135m"  # --models' default
+BATCH_SIZES = "1,16,64,256"  # --batch-sizes' default
 GOAL = {"model": "llama-3.1-8b", "batch": 64, "context": 2048, "min_fraction_of_copy": 0.80, "max_time_vs_sdpa": 1.05}
 MAX_INPUT_COPIES = 512
 CALLS_PER_GRAPH = 10
@@ -71,6 +72,14 @@ class DecodeInputs:
     seq_lens: torch.Tensor  # [batch] int32, all `context`
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32
     out: torch.Tensor
+
+    def paged(self, context: int):
+        """Triton paged attention over these inputs, as a call."""
+        import kernels
+
+        return lambda: kernels.paged_attention(self.query, self.kv_cache, self.block_tables, self.seq_lens,
+                                               self.cu_seqlens_q, self.query.shape[-1] ** -0.5, out=self.out,
+                                               impl="triton", max_seqlen_k=context)
 
     def contiguous(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """SDPA's layout of the same values: q [batch, heads, 1, hd], k and v [batch, kv_heads, context, hd]."""
@@ -114,15 +123,60 @@ def time_per_call(calls: list) -> float:
         for i in range(per_graph):
             calls[i % len(calls)]()
     graph.replay()
+    return event_timed(graph.replay, per_graph)
+
+
+def event_timed(run, calls: int) -> float:
+    """Seconds per call of `run`, which makes `calls` calls, between two CUDA events: the median of REPLAYS."""
     times = []
     for _ in range(REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / per_graph)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
+
+
+def input_set(batch: int, context: int, shape: tuple[int, int, int], block_size: int, dtype: torch.dtype,
+              device: torch.device, nbytes: int) -> list[DecodeInputs]:
+    """Copies of a decode step's inputs (seeded by the case) that, cycled, overflow L2 (4x its size):
+    every call reads HBM."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    gen = torch.Generator().manual_seed(batch * 100_003 + context)
+    return [decode_inputs(batch, context, shape, block_size, dtype, device, gen)
+            for _ in range(min(max(math.ceil(4 * l2 / nbytes), 1), MAX_INPUT_COPIES))]
+
+
+def require_gpu(no_cuda: str) -> None:
+    """A ValueError saying `no_cuda` without a CUDA GPU, or that the kernels would run in Triton's interpreter."""
+    if not torch.cuda.is_available():
+        raise ValueError(no_cuda)
+    from kernels.triton_common import interpreting
+
+    if interpreting():
+        raise ValueError("TRITON_INTERPRET=1 is set: the kernels would run in Triton's interpreter; unset it")
+
+
+def versions() -> dict:
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__}
+
+
+def chosen_models(args, shapes: dict, default: str, what: str = "model") -> list[str]:
+    """--models (else `default`), each one of `shapes`."""
+    models = names(args.models or default)
+    for model in models:
+        if model not in shapes:
+            raise ValueError(f"unknown {what} {model!r}: choose from {', '.join(shapes)}")
+    return models
+
+
+def batch_sizes(args, default: str) -> list[int]:
+    """--batch-sizes, or `default` where the flag keeps the attention rows' default."""
+    return numbers(args.batch_sizes if args.batch_sizes != BATCH_SIZES else default, "--batch-sizes")
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> dict:
@@ -150,26 +204,16 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 
 def bench_shape(model: str, batch: int, context: int, block_size: int, dtype: torch.dtype, device: torch.device,
                 copy_GBps: float) -> dict:
-    import kernels
     from kernels.triton_attention import launch_plan
 
     shape = ATTENTION_SHAPES[model]
     num_heads, num_kv_heads, head_dim = shape
-    scale = head_dim**-0.5
     nbytes = decode_bytes(batch, context, shape, dtype)
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    copies = min(max(math.ceil(4 * l2 / nbytes), 1), MAX_INPUT_COPIES)
-    gen = torch.Generator().manual_seed(batch * 100_003 + context)
-    inputs = [decode_inputs(batch, context, shape, block_size, dtype, device, gen) for _ in range(copies)]
-
-    def paged(x: DecodeInputs):
-        return lambda: kernels.paged_attention(x.query, x.kv_cache, x.block_tables, x.seq_lens, x.cu_seqlens_q,
-                                               scale, out=x.out, impl="triton", max_seqlen_k=context)
-
-    sdpa = [sdpa_call(*x.contiguous(), scale) for x in inputs]
-    paged_s = time_per_call([paged(x) for x in inputs])
+    inputs = input_set(batch, context, shape, block_size, dtype, device, nbytes)
+    sdpa = [sdpa_call(*x.contiguous(), head_dim**-0.5) for x in inputs]
+    paged_s = time_per_call([x.paged(context) for x in inputs])
     sdpa_s = time_per_call([call for call, _ in sdpa])
-    diff = (paged(inputs[0])().float() - sdpa[0][0]()[:, :, 0].float()).abs().max().item()
+    diff = (inputs[0].paged(context)().float() - sdpa[0][0]()[:, :, 0].float()).abs().max().item()
     config, kv_splits = launch_plan(batch, batch, num_kv_heads, num_heads // num_kv_heads, head_dim, context, device,
                                     dtype=dtype, block_size=block_size)
     return {
@@ -181,7 +225,7 @@ def bench_shape(model: str, batch: int, context: int, block_size: int, dtype: to
                    "fraction_of_copy_bandwidth": nbytes / paged_s / 1e9 / copy_GBps},
         "baseline": {"name": "torch SDPA over a contiguous KV cache", "backend": sdpa[0][1], "time_us": sdpa_s * 1e6,
                      "bandwidth_GBps": nbytes / sdpa_s / 1e9},
-        "time_ratio_vs_sdpa": paged_s / sdpa_s, "max_abs_diff_vs_sdpa": diff, "input_copies": copies,
+        "time_ratio_vs_sdpa": paged_s / sdpa_s, "max_abs_diff_vs_sdpa": diff, "input_copies": len(inputs),
     }
 
 
@@ -189,24 +233,14 @@ def bench_fp8_kv(row: dict, block_size: int, dtype: torch.dtype, device: torch.d
     """The goal shape's decode over an fp8 KV cache (`--kv-cache-dtype fp8`, scales 1.0): the same
     kernel's KV_FP8 variant, its bandwidth counted on its own bytes (1-byte K and V), beside the
     full-precision row's time."""
-    import kernels
-
     model, batch, context = row["model"], row["batch"], row["context"]
     shape = ATTENTION_SHAPES[model]
     num_heads, num_kv_heads, head_dim = shape
     size = torch.finfo(dtype).bits // 8
     nbytes = batch * head_dim * (2 * context * num_kv_heads + 2 * num_heads * size)  # K, V at 1 byte; Q, O
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    copies = min(max(math.ceil(4 * l2 / nbytes), 1), MAX_INPUT_COPIES)
-    gen = torch.Generator().manual_seed(batch * 100_003 + context)
-    inputs = []
-    for _ in range(copies):
-        x = decode_inputs(batch, context, shape, block_size, dtype, device, gen)
-        inputs.append(replace(x, kv_cache=x.kv_cache.to(torch.float8_e4m3fn)))
-    calls = [lambda x=x: kernels.paged_attention(x.query, x.kv_cache, x.block_tables, x.seq_lens, x.cu_seqlens_q,
-                                                  head_dim**-0.5, out=x.out, impl="triton", max_seqlen_k=context)
-             for x in inputs]
-    seconds = time_per_call(calls)
+    inputs = [replace(x, kv_cache=x.kv_cache.to(torch.float8_e4m3fn))
+              for x in input_set(batch, context, shape, block_size, dtype, device, nbytes)]
+    seconds = time_per_call([x.paged(context) for x in inputs])
     return {"model": model, "batch": batch, "context": context, "kv_cache_dtype": "float8_e4m3fn", "bytes": nbytes,
             "time_us": seconds * 1e6, "bandwidth_GBps": nbytes / seconds / 1e9,
             "fraction_of_copy_bandwidth": nbytes / seconds / 1e9 / copy_GBps,
@@ -227,7 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`pagoda bench kernels`'s flags."""
     parser.add_argument("--models", help="attention shapes, comma-separated (default llama-3.1-8b,smollm2-135m); with "
                                          "--moe, MoE shapes (default mixtral-8x7b,qwen3-30b-a3b; tiny without CUDA)")
-    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    parser.add_argument("--batch-sizes", default=BATCH_SIZES)
     parser.add_argument("--context-lens", default="512,2048,8192")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -250,30 +284,21 @@ def run(args) -> int:
     """The `pagoda bench kernels` handler: the JSON result on stdout (and in --output), a table on stderr."""
     if args.moe:
         return run_moe(args)
-    if getattr(args, "int4", False):
+    if args.int4:
         return run_int4(args)
-    if getattr(args, "swap", False):
+    if args.swap:
         return run_swap(args)
-    if not torch.cuda.is_available():
-        raise ValueError("bench kernels times the Triton kernels on a CUDA GPU, and torch sees none here; "
-                         "run it on a GPU host (the kernels' CPU tests are `make test`)")
-    from kernels.triton_common import interpreting
-
-    if interpreting():
-        raise ValueError("TRITON_INTERPRET=1 is set: the kernels would run in Triton's interpreter; unset it")
-    import triton
-
+    require_gpu("bench kernels times the Triton kernels on a CUDA GPU, and torch sees none here; "
+                "run it on a GPU host (the kernels' CPU tests are `make test`)")
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     if args.tune:
         return tune(args, device, dtype)
     copy = copy_bandwidth(device)
     rows = []
-    for model in (args.models or ATTENTION_MODELS).split(","):
-        if model not in ATTENTION_SHAPES:
-            raise ValueError(f"unknown model {model!r}: choose from {', '.join(ATTENTION_SHAPES)}")
-        for batch in map(int, args.batch_sizes.split(",")):
-            for context in map(int, args.context_lens.split(",")):
+    for model in chosen_models(args, ATTENTION_SHAPES, ATTENTION_MODELS):
+        for batch in numbers(args.batch_sizes, "--batch-sizes"):
+            for context in numbers(args.context_lens, "--context-lens"):
                 rows.append(bench_shape(model, batch, context, args.block_size, dtype, device, copy["bandwidth_GBps"]))
                 _print_row(rows[-1])
                 torch.cuda.empty_cache()
@@ -286,13 +311,11 @@ def run(args) -> int:
               f"{r['time_ratio_vs_full_precision']:.2f}x the {args.dtype} cache's time", file=sys.stderr, flush=True)
     result = {
         **header("kernels: paged decode attention", command_words("kernels", args), str(device)),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
+        **versions(), "dtype": args.dtype,
         "timer": "CUDA graph of repeated calls over inputs cycled past L2; median of replays, per call",
         "copy": copy, "results": rows, "goal": goal_check(rows), "fp8_kv": fp8_rows,
     }
-    write_result(result, args.output)
-    print(json.dumps(result, indent=2))
-    return 0
+    return emit(result, args.output)
 
 
 def _print_row(row: dict) -> None:
@@ -341,11 +364,11 @@ def tune_phase(model: str, phase: str, args, device: torch.device, dtype: torch.
 
     num_heads, num_kv_heads, head_dim = shape = ATTENTION_SHAPES[model]
     group = num_heads // num_kv_heads
-    contexts = [int(c) for c in args.context_lens.split(",")]
+    contexts = numbers(args.context_lens, "--context-lens")
     gen = torch.Generator().manual_seed(0)
     if phase == "decode":
         cases = [(b, c, decode_inputs(b, c, shape, args.block_size, dtype, device, gen))
-                 for b in map(int, args.batch_sizes.split(",")) for c in contexts]
+                 for b in numbers(args.batch_sizes, "--batch-sizes") for c in contexts]
     else:
         cases = [(n, c, prefill_inputs(n, c, shape, args.block_size, dtype, device, gen)) for n in (1, 4) for c in contexts]
     default = tuning.default_config(group, head_dim, phase)
@@ -374,31 +397,24 @@ def tune_phase(model: str, phase: str, args, device: torch.device, dtype: torch.
 
 def tune(args, device: torch.device, dtype: torch.dtype) -> int:
     """`pagoda bench kernels --tune`: the tuned table entries of this GPU, merged into --tune-output."""
-    import triton
-
     from kernels import tuning
     from kernels.triton_common import device_name
 
     name = device_name(device)
     entries = {}
-    for model in (args.models or ATTENTION_MODELS).split(","):
-        if model not in ATTENTION_SHAPES:
-            raise ValueError(f"unknown model {model!r}: choose from {', '.join(ATTENTION_SHAPES)}")
+    for model in chosen_models(args, ATTENTION_SHAPES, ATTENTION_MODELS):
         num_heads, num_kv_heads, head_dim = ATTENTION_SHAPES[model]
         for phase in tuning.PHASES:
             key = tuning.table_key(name, head_dim, num_heads // num_kv_heads, phase)
             entries[key] = {**tune_phase(model, phase, args, device, dtype), "dtype": args.dtype,
-                            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__}
+                            "date": datetime.date.today().isoformat(), **versions()}
     path = Path(args.tune_output) if args.tune_output else tuning.TUNED_TABLE
     old = json.loads(path.read_text()) if path.exists() else None
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(tuning.merge_table(old, entries), indent=2) + "\n")
     print(f"wrote {len(entries)} entries for {name} to {path}", file=sys.stderr, flush=True)
-    result = {**header("kernels: attention tile tuning", command_words("kernels", args), str(device)),
-              "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype, "entries": entries}
-    write_result(result, args.output)
-    print(json.dumps(result, indent=2))
-    return 0
+    return emit({**header("kernels: attention tile tuning", command_words("kernels", args), str(device)),
+                 **versions(), "dtype": args.dtype, "entries": entries}, args.output)
 
 
 # ----------------------------------------------------------------------------- --moe
@@ -454,16 +470,7 @@ def time_eager(calls: list) -> float:
     for call in calls:
         call()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(CALLS_PER_GRAPH):
-            calls[i % len(calls)]()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / CALLS_PER_GRAPH)
-    return statistics.median(times)
+    return event_timed(lambda: [calls[i % len(calls)]() for i in range(CALLS_PER_GRAPH)], CALLS_PER_GRAPH)
 
 
 def bench_moe_row(model: str, batch: int, weights: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
@@ -530,12 +537,9 @@ def run_moe(args) -> int:
     """`pagoda bench kernels --moe`: the fused MoE kernel against the loop over experts (CUDA); on
     a machine without CUDA, the loop alone on the tiny shape."""
     cuda = torch.cuda.is_available()
-    models = (args.models or (MOE_GPU_MODELS if cuda else "tiny")).split(",")
-    for model in models:
-        if model not in MOE_SHAPES:
-            raise ValueError(f"unknown MoE model {model!r}: choose from {', '.join(MOE_SHAPES)}")
+    models = chosen_models(args, MOE_SHAPES, MOE_GPU_MODELS if cuda else "tiny", "MoE model")
     dtype = getattr(torch, args.dtype)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = numbers(args.batch_sizes, "--batch-sizes")
     benchmark, command = "kernels: fused MoE vs a loop over experts", command_words("kernels", args)
     if not cuda:
         if models != ["tiny"]:
@@ -550,15 +554,8 @@ def run_moe(args) -> int:
                   "timer": f"time.perf_counter around one call; median of {MOE_CPU_REPEATS} after a warm-up",
                   "note": "no CUDA GPU: the reference alone, on the tiny shape; the fused kernel's figures "
                           "need a GPU host", "results": rows}
-        write_result(result, args.output)
-        print(json.dumps(result, indent=2))
-        return 0
-    from kernels.triton_common import interpreting
-
-    if interpreting():
-        raise ValueError("TRITON_INTERPRET=1 is set: the kernels would run in Triton's interpreter; unset it")
-    import triton
-
+        return emit(result, args.output)
+    require_gpu("bench kernels --moe: the fused MoE kernel needs a CUDA GPU")
     device = torch.device("cuda")
     copy = copy_bandwidth(device)
     rows = []
@@ -571,15 +568,12 @@ def run_moe(args) -> int:
         del weights
         torch.cuda.empty_cache()
     result = {
-        **header(benchmark, command, str(device)), "torch": torch.__version__, "triton": triton.__version__,
-        "dtype": args.dtype,
+        **header(benchmark, command, str(device)), **versions(), "dtype": args.dtype,
         "timer": f"eager: {CALLS_PER_GRAPH} calls cycling {MOE_ROUTINGS} routings between CUDA events, median of "
                  f"{REPLAYS}; graph (fused only: the loop syncs the host): the same calls in a CUDA graph",
         "copy": copy, "results": rows,
     }
-    write_result(result, args.output)
-    print(json.dumps(result, indent=2))
-    return 0
+    return emit(result, args.output)
 
 
 def _print_moe_row(row: dict) -> None:
@@ -621,18 +615,12 @@ def int4_weights(n: int, k: int, copies: int, device: torch.device, gen: torch.G
 
 
 def run_int4(args) -> int:
-    if not torch.cuda.is_available():
-        raise ValueError("bench kernels --int4 times the Triton int4 GEMM on a CUDA GPU, and torch sees none here "
-                         "(its CPU test is tests/test_quant_formats.py, in Triton's interpreter)")
-    from kernels.triton_common import interpreting
+    require_gpu("bench kernels --int4 times the Triton int4 GEMM on a CUDA GPU, and torch sees none here "
+                "(its CPU test is tests/test_quant_formats.py, in Triton's interpreter)")
     from kernels.triton_int4 import int4_matmul
 
-    if interpreting():
-        raise ValueError("TRITON_INTERPRET=1 is set: the kernels would run in Triton's interpreter; unset it")
-    import triton
-
     device, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
-    batches = [int(b) for b in (args.batch_sizes if args.batch_sizes != "1,16,64,256" else INT4_BATCHES).split(",")]
+    batches = batch_sizes(args, INT4_BATCHES)
     rows = []
     for name, (n, k) in INT4_SHAPES.items():
         copies = max(2, math.ceil(L2_OVERFLOW_BYTES / (n * k * 2)))
@@ -654,13 +642,11 @@ def run_int4(args) -> int:
         torch.cuda.empty_cache()
     result = {
         **header("kernels: int4 weight-only GEMM", command_words("kernels", args), str(device)),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": "bfloat16", "group_size": INT4_GROUP,
+        **versions(), "dtype": "bfloat16", "group_size": INT4_GROUP,
         "timer": "CUDA graph of repeated calls over weights cycled past L2; median of replays, per call",
         "results": rows,
     }
-    write_result(result, args.output)
-    print(json.dumps(result, indent=2))
-    return 0
+    return emit(result, args.output)
 
 
 # ----------------------------------------------------------------------------- --swap
@@ -686,21 +672,17 @@ def run_swap(args) -> int:
     (the bus's ceiling), at Llama-3.1-8B's pool shape, scattered block ids."""
     import random
 
-    if not torch.cuda.is_available():
-        raise ValueError("bench kernels --swap times swaps between a CUDA device and pinned host memory, and torch "
-                         "sees none here (the swap paths' CPU tests are tests/test_kernels_swap.py)")
+    require_gpu("bench kernels --swap times swaps between a CUDA device and pinned host memory, and torch "
+                "sees none here (the swap paths' CPU tests are tests/test_kernels_swap.py)")
     from kernels.swap import BlockSwapper
-    from kernels.triton_common import interpreting
 
-    if interpreting():
-        raise ValueError("TRITON_INTERPRET=1 is set: the kernels would run in Triton's interpreter; unset it")
     device, dtype, rng = torch.device("cuda"), torch.bfloat16, random.Random(0)
     device_pools = [torch.randn(SWAP_POOL_BLOCKS, *SWAP_BLOCK, device=device, dtype=dtype) for _ in range(SWAP_LAYERS)]
     host_pools = [torch.empty(SWAP_POOL_BLOCKS, *SWAP_BLOCK, dtype=dtype, pin_memory=True)
                   for _ in range(SWAP_LAYERS)]
     block_bytes = SWAP_LAYERS * math.prod(SWAP_BLOCK) * dtype.itemsize
     rows = []
-    for n in [int(b) for b in (args.batch_sizes if args.batch_sizes != "1,16,64,256" else "128,512").split(",")]:
+    for n in batch_sizes(args, "128,512"):
         nbytes = n * block_bytes
         ceiling = _contiguous_pinned_copy(nbytes, device)
         row = {"blocks": n, "bytes": nbytes, "contiguous_pinned_copy": ceiling}
@@ -721,9 +703,7 @@ def run_swap(args) -> int:
         "timer": "host clock around each swap and a device sync (swap-out: until the host pool holds it); median",
         "results": rows,
     }
-    write_result(result, args.output)
-    print(json.dumps(result, indent=2))
-    return 0
+    return emit(result, args.output)
 
 
 def _contiguous_pinned_copy(nbytes: int, device: torch.device) -> dict:

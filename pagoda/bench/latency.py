@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 from common.protocol import SamplingParams
-from pagoda.bench.common import add_engine_arguments, command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, header, log, model_keys, numbers, write_result
+from pagoda.bench.timing import stats
 
 # the issue's goal for scripts/gpu-check.sh: an 8B model (dummy Llama 3.1 8B, bfloat16) on one H100
 GOAL_MIN_TOKENS_PER_S_BATCH_1 = 160.0
@@ -50,10 +49,7 @@ class Iteration:
 
 def batch_sizes(args) -> list[int]:
     if args.batch_sizes is not None:
-        try:
-            return [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--batch-sizes takes whole numbers, comma-separated (got {args.batch_sizes!r})") from None
+        return numbers(args.batch_sizes, "--batch-sizes")
     return [8 if args.batch_size is None else args.batch_size]
 
 
@@ -73,13 +69,8 @@ def check_args(args) -> list[int]:
 
 
 def distribution(values: list[float]) -> dict[str, float] | None:
-    """mean, median and the 50th, 90th and 99th percentiles (numpy's linear interpolation)."""
-    if not values:
-        return None
-    import numpy as np
-
-    p50, p90, p99 = (float(p) for p in np.percentile(values, [50, 90, 99]))
-    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p50": p50, "p90": p90, "p99": p99}
+    """mean, median and the 50th, 90th and 99th percentiles (timing.percentile); None without values."""
+    return stats(values, ("mean", "median", "p50", "p90", "p99")) if values else None
 
 
 def run_iteration(llm, prompts: list[list[int]], output_len: int, tag: str) -> Iteration:
@@ -120,7 +111,6 @@ def random_prompts(rng: random.Random, batch_size: int, input_len: int, vocab_si
 
 def measure(llm, batch_size: int, args, rng: random.Random, vocab_size: int) -> dict:
     """One row: warm-up iterations, then `args.num_iters` measured ones of this batch size."""
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     for k in range(args.num_iters_warmup):
         warm = run_iteration(llm, random_prompts(rng, batch_size, args.input_len, vocab_size), args.output_len,
                              f"b{batch_size}-warmup{k}")
@@ -217,9 +207,7 @@ def run(args) -> int:
         vocab_size = int(runner.hf_config.vocab_size)
         result = {
             **header("latency", command_words("latency", args), str(runner.device)),
-            "model": runner.source.name,
-            "dtype": str(runner.dtype).removeprefix("torch."),
-            "quantization": runner.scheme.describe() if runner.scheme else "none",
+            **model_keys(runner),
             "kv_cache_dtype": args.kv_cache_dtype,
             "tensor_parallel_size": args.tensor_parallel_size,
             "async_scheduling": not args.no_async_scheduling,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 from common.config import ALLOCATORS, EngineConfig
 from common.plan_state import HeldSequence, PlanState
 from common.protocol import SampledToken, SamplingParams, StepPlan, StepResult
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import command_words, header, log, names, pyplot, write_result
 from scheduler.engine import LLMEngine
 from scheduler.scheduler import Scheduler
 
@@ -112,15 +111,11 @@ def synthetic_prompt(index: int, length: int) -> list[int]:
     return [3 + index % 40_000] + [TOKEN_ID] * (length - 1)
 
 
-def run_allocator(
-    allocator: str, requests: list[Request], num_blocks: int, block_size: int = 16, max_model_len: int = 2048,
-    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, check_every: int = 0,
-) -> dict:
-    """Replay `requests` on one allocator; returns its metrics. `check_every` > 0 checks the
-    allocator's integrity every that many steps (and always at the end). Raises RuntimeError
-    unless every request ends with exactly its recorded output length and every block is free."""
-    metrics, scheduler, output_lens = replay(allocator, requests, num_blocks, block_size, max_model_len,
-                                             max_num_seqs, max_num_batched_tokens, check_every)
+def run_allocator(allocator: str, requests: list[Request], num_blocks: int, **options) -> dict:
+    """Replay `requests` on one allocator (`options`: replay's); returns its metrics, the allocator's
+    integrity checked at the end. Raises RuntimeError unless every request ends with exactly its
+    recorded output length and every block is free."""
+    metrics, scheduler, output_lens = replay(allocator, requests, num_blocks, **options)
     bm = scheduler.block_manager
     bm.check_integrity()
     wrong = [rid for i, r in enumerate(requests) if output_lens.get(rid := f"r{i}") != r.output_len]
@@ -135,7 +130,8 @@ def replay(
     allocator: str, requests: list[Request], num_blocks: int, block_size: int = 16, max_model_len: int = 2048,
     max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, check_every: int = 0,
 ) -> tuple[dict, Scheduler, dict[str, int]]:
-    """The run itself: (metrics, the scheduler at the end, request id -> output length)."""
+    """The run itself: (metrics, the scheduler at the end, request id -> output length); with
+    `check_every` > 0 the allocator's integrity checked every that many steps."""
     config = EngineConfig(
         block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, allocator=allocator,
@@ -247,16 +243,13 @@ def measure_sharing(llm, pairs, max_tokens: int, cases: tuple[str, ...] = SHARIN
 # ----------------------------------------------------------------------------- the benchmark
 
 
-def bench_memory(
-    requests: list[Request], num_blocks: int, block_size: int = 16, max_model_len: int = 2048,
-    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, allocators: tuple[str, ...] = ALLOCATORS,
-    check_every: int = 0, log=None,
-) -> dict:
-    """Every allocator on the same requests and pool: {"allocators": {name: metrics}, "ratios": ...}."""
+def bench_memory(requests: list[Request], num_blocks: int, allocators: tuple[str, ...] = ALLOCATORS, log=None,
+                 **options) -> dict:
+    """Every allocator on the same requests and pool (`options`: replay's): {"allocators": {name:
+    metrics}, "ratios": ...}."""
     results = {}
     for allocator in allocators:
-        results[allocator] = run_allocator(allocator, requests, num_blocks, block_size, max_model_len,
-                                           max_num_seqs, max_num_batched_tokens, check_every)
+        results[allocator] = run_allocator(allocator, requests, num_blocks, **options)
         if log:
             r = results[allocator]
             log(f"{allocator}: kv_utilization {r['kv_utilization']:.3f}, mean batch {r['mean_batch']:.1f}, "
@@ -297,15 +290,6 @@ ALLOCATOR_LABELS = {"orca-max": "Orca (Max)", "orca-pow2": "Orca (Pow2)", "orca-
                     "paged": "Pagoda"}
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _subtitle(result: dict) -> str:
     device = result.get("device", "").split(" (")[0]
     return f"{result['workload']['name']}, {device}, {result.get('date', '')}"
@@ -314,7 +298,7 @@ def _subtitle(result: dict) -> str:
 def plot_breakdown(result: dict, path: Path) -> None:
     """The paper's figure 2 from a result: the pool split four ways per allocator while requests
     wait (the steady state), the paper's token-states share marked beside each bar."""
-    plt = _pyplot()
+    plt = pyplot()
     names = [name for name in ALLOCATOR_LABELS if name in result["allocators"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
     for x, name in enumerate(names):
@@ -344,7 +328,7 @@ def plot_breakdown(result: dict, path: Path) -> None:
 
 def plot_sharing(result: dict, path: Path) -> None:
     """The share of KV blocks sharing saves per case, beside the paper's ranges (section 6.3)."""
-    plt = _pyplot()
+    plt = pyplot()
     cases = [case for case in SHARING_CASES if case in result["sharing"]]
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
     for kind, colour in (("parallel", "#4c72b0"), ("beam", "#55a868"), ("prefix", "#8172b2")):
@@ -427,8 +411,7 @@ def run(args) -> int:
 
     source = args.source if args.source != "auto" else ("package" if sharegpt_installed() else "trace")
     pairs = sample_sharegpt(args.num_prompts, args.seed, source)
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    result = memory_result(args, source, pairs, measure(args, pairs, log))
+    result = memory_result(args, source, pairs, measure(args, pairs))
     write_result(result, args.output)  # before printing: a closed stdout must not lose the result
     print(table(result))
     if args.plot:
@@ -437,18 +420,17 @@ def run(args) -> int:
     return 0
 
 
-def measure(args, pairs: list, log) -> dict:
+def measure(args, pairs: list) -> dict:
     """Each allocator over the ShareGPT requests; then, with --sharing-prompts, the sharing savings
     on the real model."""
     requests = [Request(p.prompt_len, p.output_len) for p in pairs]
-    allocators = tuple(a.strip() for a in args.allocators.split(",") if a.strip())
+    allocators = tuple(names(args.allocators))
     for a in allocators:
         if a not in ALLOCATORS:
             raise ValueError(f"unknown allocator {a!r}: expected some of {', '.join(ALLOCATORS)}")
-    measured = bench_memory(
-        requests, args.num_blocks, args.block_size, args.max_model_len, args.max_num_seqs,
-        args.max_num_batched_tokens, allocators, log=log,
-    )
+    measured = bench_memory(requests, args.num_blocks, allocators, log, block_size=args.block_size,
+                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
     if args.sharing_prompts:
         from pagoda.offline import LLM
 

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import command_words, emit, header
+from pagoda.bench.timing import time_in_turn
 
 
 class OpCounter(TorchDispatchMode):
@@ -144,38 +142,14 @@ def cuda_counts(model, batch: int, context_len: int) -> dict:
             "per_layer_kernels": two.total() - one.total(), "per_layer_by_kernel": dict(sorted((two - one).items()))}
 
 
+def synchronizer(device: torch.device):
+    return torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+
 def forward_ms(model, batch: int, context_len: int, repeats: int = 20) -> float:
     forward = decode_forward(model, batch, context_len)
-    forward()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        forward()
-        if model.cos_cache.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def time_us(calls: dict[str, Callable[[], object]], device: torch.device, repeats: int = 100,
-            rounds: int = 7) -> dict[str, float]:
-    """Per call in microseconds: for each of `calls`, the median over `rounds` of the mean of
-    `repeats` back-to-back calls; the rounds interleave the calls, so load on the host hits each alike."""
-    for fn in calls.values():
-        for _ in range(3):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - start) / repeats)
-    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    sync = synchronizer(model.cos_cache.device)
+    return time_in_turn({"forward": forward}, repeats, warmup=1, sync=sync)["forward"] * 1e3
 
 
 def time_fused_ops(model, num_tokens: int) -> list[dict]:
@@ -210,11 +184,12 @@ def time_fused_ops(model, num_tokens: int) -> list[dict]:
     with torch.inference_mode():
         for name, (unfused, inputs, op) in cases.items():
             compiled = torch.compile(unfused, dynamic=False)
-            rows.append({"op": name, "num_tokens": num_tokens, **time_us({
+            times = time_in_turn({
                 "unfused_eager_us": lambda: unfused(*inputs),  # noqa: B023
                 "unfused_torch_compile_us": lambda: compiled(*inputs),  # noqa: B023
                 "custom_op_us": op,
-            }, device)})
+            }, rounds=7, warmup=3, repeats=100, sync=synchronizer(device))
+            rows.append({"op": name, "num_tokens": num_tokens, **{k: t * 1e6 for k, t in times.items()}})
     return rows
 
 
@@ -261,8 +236,7 @@ def run(args) -> int:
         result["op_times"] = [row for n in (args.batch_size, 512) for row in time_fused_ops(model, n)]
         result["op_timer"] = ("mean of 100 back-to-back calls (synchronized after on CUDA), median of 7 rounds "
                               "that interleave the three")
-    write_result(result, args.output)
-    print(json.dumps(result, indent=2))
+    emit(result, args.output)
     print(f"{result.get('total_ops', result.get('total_kernels'))} in all, "
           f"{result.get('per_layer_ops', result.get('per_layer_kernels'))} per layer, "
           f"forward {result['forward_ms']:.1f} ms", file=sys.stderr)

@@ -37,18 +37,12 @@ import argparse
 import asyncio
 import collections
 import json
-import logging
 import math
-import sys
-import threading
-import time
-from dataclasses import dataclass
-from types import SimpleNamespace
 
-from pagoda.bench.common import command_words, header, write_result
-from pagoda.bench.serve import RequestResult, arrival_times, summarize
-from pagoda.bench.soak import rss_mib
-from pagoda.bench.stack import Stack
+from pagoda.bench.client import Stream
+from pagoda.bench.common import command_words, header, log, write_result
+from pagoda.bench.serve import arrival_times, completions, summarize
+from pagoda.bench.stack import RssSampler, Sample, Stack
 
 SUSTAINABLE_FRACTION = 0.8  # of the measured capacity
 GOAL_P99_TTFT_RATIO = 3.0
@@ -61,147 +55,47 @@ REQUEST_TIMEOUT_S = 600.0
 # ----------------------------------------------------------------------------- one request
 
 
-@dataclass(slots=True)
-class Answer:
-    """What one request got: its status and Retry-After, or its stream's tokens and timings."""
-
-    prompt_len: int
-    max_tokens: int
-    status: int | None = None
-    retry_after: str | None = None
-    error_code: str | None = None  # a non-200's OpenAI error code (queue_full for the bounds)
-    output_len: int = 0  # completion tokens, from the usage chunk
-    done: bool = False  # [DONE] arrived
-    ttft: float | None = None
-    e2e: float | None = None
-    error: str | None = None  # a stream's error event, or the transport's exception
-
-    @property
-    def kind(self) -> str:
-        if self.status is None:
-            return "transport_error"
-        if self.status == 429:
-            return "rejected_with_retry_after" if self.retry_after else "rejected_without_retry_after"
-        if self.status != 200:
-            return "other_status"
-        if self.error is not None:
-            return "stream_error"
-        return "completed" if self.done and self.output_len == self.max_tokens else "incomplete"
-
-    def as_result(self) -> RequestResult:
-        return RequestResult(self.prompt_len, self.output_len, self.ttft, self.e2e)
+def answer_kind(answer: Stream, max_tokens: int) -> str:
+    """What one request of exactly `max_tokens` tokens got: one of KINDS."""
+    if answer.exception is not None:
+        return "transport_error"
+    if answer.status == 429:
+        return "rejected_with_retry_after" if retry_after(answer) else "rejected_without_retry_after"
+    if answer.status != 200:
+        return "other_status"
+    if answer.error is not None:
+        return "stream_error"
+    return "completed" if answer.done and answer.output_len == max_tokens else "incomplete"
 
 
-async def send(client, url: str, prompt: list[int], max_tokens: int) -> Answer:
-    """One streamed completion of exactly `max_tokens` tokens (EOS ignored)."""
-    answer = Answer(len(prompt), max_tokens)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
+def send_at(url: str, requests: list[tuple[list[int], int]], times: list[float]) -> tuple[list[Stream], float]:
+    """requests[i] at times[i] seconds from now (serve.completions); the answers and the seconds until the last one."""
+    return asyncio.run(completions(url, requests, times, timeout=REQUEST_TIMEOUT_S))
+
+
+def retry_after(answer: Stream) -> str | None:
+    return answer.response_headers.get("retry-after")
+
+
+def error_code(answer: Stream) -> str | None:
+    """A non-200's OpenAI error code (queue_full for the bounds)."""
     try:
-        async with client.stream("POST", url, json=body) as response:
-            status = response.status_code
-            answer.retry_after = response.headers.get("retry-after")
-            if status != 200:
-                answer.error_code = error_code(await response.aread())
-                answer.status = status
-                return answer
-            async for line in response.aiter_lines():
-                if line == "data: [DONE]":
-                    answer.done = True
-                elif line.startswith("data: "):
-                    read_chunk(answer, json.loads(line[6:]), time.perf_counter() - start)
-            answer.status = status  # after the whole stream: a transport error midway leaves it None
-    except Exception as exc:  # a benchmark counts failures, it does not stop on them
-        answer.error = f"{type(exc).__name__}: {exc}"
-    answer.e2e = time.perf_counter() - start
-    if answer.ttft is None and answer.done:  # no text before the end (serve.py's rule too)
-        answer.ttft = answer.e2e
-    return answer
-
-
-def read_chunk(answer: Answer, chunk: dict, elapsed: float) -> None:
-    if "error" in chunk:
-        answer.error = str(chunk["error"])
-    if chunk.get("usage"):
-        answer.output_len = chunk["usage"]["completion_tokens"]
-    if answer.ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
-        answer.ttft = elapsed
-
-
-def error_code(body: bytes) -> str | None:
-    try:
-        return json.loads(body)["error"].get("code")
+        return json.loads(answer.body)["error"].get("code")
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-
-
-async def send_at(url: str, requests: list[tuple[list[int], int]], times: list[float]) -> tuple[list[Answer], float]:
-    """requests[i] at times[i] seconds from now; the answers and the seconds until the last one."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
-        start = time.perf_counter()
-
-        async def later(at: float, prompt: list[int], max_tokens: int) -> Answer:
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            return await send(client, url, prompt, max_tokens)
-
-        answers = await asyncio.gather(*(later(t, p, n) for t, (p, n) in zip(times, requests)))
-        return list(answers), time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- memory
 
 
-class RssSampler:
-    """A thread reading the VmRSS of every process under `pagoda up` each `interval` seconds:
-    `samples` is [(seconds since start, {process: MiB})]; `mark()` is the index the next sample will have."""
-
-    def __init__(self, stack: Stack, interval: float) -> None:
-        self.stack, self.interval = stack, interval
-        self.samples: list[tuple[float, dict[str, float]]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._start = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-
-    def process_mib(self) -> dict[str, float]:
-        return {name: round(mib, 1) for name, pid in sorted(self.stack.children().items())
-                if (mib := rss_mib(pid)) is not None}
-
-    def sample(self) -> int:
-        mib = self.process_mib()
-        with self._lock:
-            self.samples.append((round(time.monotonic() - self._start, 2), mib))
-            return len(self.samples) - 1
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def mark(self) -> int:
-        """Take a sample now (a phase's first or last) and return its index."""
-        return self.sample()
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def memory_summary(samples: list[tuple[float, dict[str, float]]]) -> dict:
+def memory_summary(samples: list[Sample]) -> dict:
     """A stretch's RSS, summed over the processes and per process (those it began and ended with):
     first, last and largest, and the growth (last minus first). `growth_fraction` is the largest
     process's: each must stay flat, not only their sum."""
-    processes = {name: _rss_series([mib[name] for _, mib in samples if name in mib])
-                 for name in samples[0][1] if name in samples[-1][1]}
+    processes = {name: _rss_series([s.rss_mib[name] for s in samples if name in s.rss_mib])
+                 for name in samples[0].rss_mib if name in samples[-1].rss_mib}
     growths = [p["growth_fraction"] for p in processes.values() if p["growth_fraction"] is not None]
-    return {**_rss_series([round(sum(mib.values()), 1) for _, mib in samples]),
+    return {**_rss_series([round(sum(s.rss_mib.values()), 1) for s in samples]),
             "growth_fraction": max(growths) if growths else None, "num_samples": len(samples), "processes": processes}
 
 
@@ -224,21 +118,21 @@ def poisson_times(rate: float, duration: float, seed: int) -> list[float]:
     return [t for t in times if t < duration]
 
 
-def phase_metrics(answers: list[Answer], wall: float) -> dict:
+def phase_metrics(answers: list[Stream], wall: float, max_tokens: int) -> dict:
     """A phase's answers by kind and status, and the completed ones' throughput and latencies."""
-    kinds = collections.Counter(a.kind for a in answers)
-    completed = [a for a in answers if a.kind == "completed"]
-    summary = summarize([a.as_result() for a in completed], wall, {})
+    kinds = [answer_kind(a, max_tokens) for a in answers]
+    completed = [a for a, k in zip(answers, kinds) if k == "completed"]
+    summary = summarize(completed, wall, {})
     rejected = [a for a in answers if a.status == 429]
-    errors = sorted({a.error for a in answers if a.error} | {f"HTTP {a.status} {a.error_code}" for a in answers
-                                                            if a.kind == "other_status"})
+    errors = sorted({a.exception or str(a.error) for a in answers if a.exception or a.error is not None}
+                    | {f"HTTP {a.status} {error_code(a)}" for a, k in zip(answers, kinds) if k == "other_status"})
     metrics = {
         "arrivals": len(answers), "wall_s": round(wall, 3),
-        "answers": {kind: kinds.get(kind, 0) for kind in KINDS},
+        "answers": {k: kinds.count(k) for k in KINDS},
         "status_counts": {str(s): n for s, n in sorted(collections.Counter(a.status for a in answers
                                                                             if a.status is not None).items())},
-        "retry_after_values": dict(collections.Counter(a.retry_after for a in rejected if a.retry_after)),
-        "rejection_codes": dict(collections.Counter(str(a.error_code) for a in rejected)),
+        "retry_after_values": dict(collections.Counter(retry_after(a) for a in rejected if retry_after(a))),
+        "rejection_codes": dict(collections.Counter(str(error_code(a)) for a in rejected)),
         "accepted_fraction": round(len(completed) / len(answers), 4) if answers else None,
         "output_tokens": sum(a.output_len for a in completed),
         **{key: summary[key] for key in ("request_throughput", "output_token_throughput", "ttft_s", "e2e_s")},
@@ -253,16 +147,16 @@ def run_phase(url: str, pool: list[tuple[list[int], int]], rate: float, duration
     """Poisson arrivals at `rate` for `duration` s: their answers' metrics and the memory meanwhile."""
     times = poisson_times(rate, duration, seed)
     first = sampler.mark()
-    answers, wall = asyncio.run(send_at(url, cycle(pool, len(times)), times))
+    answers, wall = send_at(url, cycle(pool, len(times)), times)
     last = sampler.mark()
-    return {"request_rate": rate, "duration_s": duration, "seed": seed, **phase_metrics(answers, wall),
+    return {"request_rate": rate, "duration_s": duration, "seed": seed, **phase_metrics(answers, wall, pool[0][1]),
             "memory": memory_summary(sampler.samples[first:last + 1])}
 
 
 def calibrate(url: str, pool: list[tuple[list[int], int]], count: int) -> dict:
     """`count` requests at once: capacity = completed / seconds until the last answer."""
-    answers, wall = asyncio.run(send_at(url, cycle(pool, count), [0.0] * count))
-    metrics = phase_metrics(answers, wall)
+    answers, wall = send_at(url, cycle(pool, count), [0.0] * count)
+    metrics = phase_metrics(answers, wall, pool[0][1])
     capacity = metrics["answers"]["completed"] / wall
     if not capacity:
         raise RuntimeError(f"calibration: none of {count} requests completed ({metrics['answers']})")
@@ -295,22 +189,6 @@ def goal(a: dict, b: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- the command
-
-
-def launch(args) -> Stack:
-    flags = ["--model", args.model, "--device", args.device, "--no-prefix-caching",
-             "--max-num-seqs", str(args.max_num_seqs), "--max-num-queued-requests", str(args.max_num_queued_requests)]
-    if args.max_num_queued_tokens is not None:
-        flags += ["--max-num-queued-tokens", str(args.max_num_queued_tokens)]
-    return Stack(*flags, port=args.port).wait_ready()
-
-
-def load_pool(args) -> list[tuple[list[int], int]]:
-    from pagoda.bench.throughput import load_requests
-
-    source = SimpleNamespace(source=args.source, num_prompts=args.num_prompts, seed=args.seed,
-                             max_output_len=args.output_len)
-    return [(prompt, args.output_len) for prompt, _ in load_requests(source, vocab_size=1 << 31)]
 
 
 def brief(name: str, phase: dict) -> str:
@@ -350,22 +228,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """The `pagoda bench overload` command."""
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    pool = load_pool(args)
+    from pagoda.bench.workloads import sharegpt_requests
+
+    pool = [(prompt, args.output_len) for prompt, _ in sharegpt_requests(args.num_prompts, args.seed, args.source)]
     log(f"starting pagoda up --max-num-seqs {args.max_num_seqs} --max-num-queued-requests "
         f"{args.max_num_queued_requests} --max-num-queued-tokens {args.max_num_queued_tokens}")
-    stack = launch(args)
-    url = stack.url + "/v1/completions"
+    stack = Stack.of(args, ("model", "device", "max_num_seqs", "max_num_queued_requests", "max_num_queued_tokens"),
+                     "--no-prefix-caching")
+    url = stack.url
     calibration = None
     try:
-        asyncio.run(send_at(url, pool[:2], [0.0, 0.0]))  # warm up
+        send_at(url, pool[:2], [0.0, 0.0])  # warm up
         rate = args.sustainable_rate
         if rate is None:
             calibration = calibrate(url, pool, args.calibration_prompts)
             rate = calibration["sustainable_rate"]
             log(f"capacity {calibration['capacity_requests_per_s']} req/s: sustainable rate {rate} req/s")
-        with RssSampler(stack, args.sample_interval) as sampler:
+        with RssSampler(stack.children, args.sample_interval) as sampler:
             idle = sampler.mark()
             sustainable = run_phase(url, pool, rate, args.duration, args.seed, sampler)
             log(brief("A (sustainable)", sustainable))
@@ -383,7 +262,8 @@ def run(args) -> int:
         "calibration": calibration, "sustainable_rate": rate, "overload_factor": args.overload_factor,
         "phases": {"sustainable": sustainable, "overload": overload},
         "goal": goal(sustainable, overload),
-        "memory": {**memory_summary(samples), "sample_interval_s": args.sample_interval, "samples": samples},
+        "memory": {**memory_summary(samples), "sample_interval_s": args.sample_interval,
+                   "samples": [(s.t, s.rss_mib) for s in samples]},
         "stack_exit_code": exit_code,
     }
     write_result(result, args.output)

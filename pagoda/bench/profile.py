@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -50,10 +49,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from common.config import DEFAULT_QUANTIZATION, DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, emit, header, log, model_keys
+from pagoda.bench.timing import median_ms
 from pagoda.bench.step import (
-    Measurement, PartClock, RowSpec, TimedProxy, is_steady_decode, sampling_params, step_parts,
+    Measurement, PartClock, RowSpec, TimedProxy, distinct_prompt, is_steady_decode, sampling_params, step_parts,
 )
 
 KINDS = ("gemm", "attention", "norm_rope_activation", "sampler", "copy", "collective", "other")
@@ -329,8 +328,8 @@ def add_requests(llm, spec: RowSpec) -> None:
     pagoda bench step's rows, past the last profiled step."""
     vocab_size = int(llm.executor.runner.hf_config.vocab_size)
     for i in range(spec.batch):
-        prompt = [(i * 7919 + j * 104729) % (vocab_size - 3) + 3 for j in range(spec.context)]
-        llm.engine.add_request(f"profile-{i}", prompt, sampling_params(spec.sampling, i, spec.max_tokens))
+        llm.engine.add_request(f"profile-{i}", distinct_prompt(i, spec.context, vocab_size),
+                               sampling_params(spec.sampling, i, spec.max_tokens))
 
 
 def synchronize(device) -> None:
@@ -418,18 +417,13 @@ def host_section(clock: PartClock, llm, plans) -> dict:
     steps = [p.step for p in plans]
     run = Measurement(llm.engine.scheduler, steps, clock.times, clock.times)
     per_step = [{**step_parts(run, s), "forward": clock.times[s].get("forward", 0.0)} for s in steps]
-    ms = lambda values: round(statistics.median(values) * 1e3, 4)  # noqa: E731
-    return {"host_ms": ms([sum(v for k, v in parts.items() if k != "forward") for parts in per_step]),
-            "breakdown_ms": {name: ms([parts[name] for parts in per_step]) for name in IN_PROCESS_PARTS}}
+    return {"host_ms": median_ms([sum(v for k, v in parts.items() if k != "forward") for parts in per_step]),
+            "breakdown_ms": {name: median_ms([parts[name] for parts in per_step]) for name in IN_PROCESS_PARTS}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`pagoda bench profile`'s flags."""
-    parser.add_argument("--model", default="default", help="as for generate; dummy:CONFIG.json for random weights")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (the device timeline needs CUDA)")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
-    parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
-                        help=QUANTIZATION_HELP)
+    add_engine_arguments(parser, device_help="auto, cpu, cuda or cuda:N (the device timeline needs CUDA)")
     parser.add_argument("--batch-size", type=int, default=256, help="sequences decoding together")
     parser.add_argument("--context-len", type=int, default=1024, help="prompt tokens of each sequence")
     parser.add_argument("--steps", type=int, default=20, help="decode steps profiled")
@@ -463,7 +457,6 @@ def run(args) -> int:
         torch.cuda.empty_cache()
     spec = RowSpec(args.batch_size, args.context_len, "greedy", 0.0, args.steps, args.warmup_steps,
                    max_num_batched_tokens=args.max_num_batched_tokens, device=str(device))
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, quantization=args.quantization,
               max_num_seqs=args.max_num_seqs or args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, enforce_eager=args.enforce_eager)
@@ -480,9 +473,8 @@ def run(args) -> int:
         result = profile_result(args, llm, device, copy, clock, profiled, timeline, trace)
     finally:
         llm.close()
-    write_result(result, args.output)
-    print(json.dumps(result, indent=2))
-    print_summary(result, log)
+    emit(result, args.output)
+    print_summary(result)
     return 0
 
 
@@ -495,8 +487,7 @@ def profile_result(args, llm, device, copy: dict | None, clock: PartClock, profi
     step_ms = round(statistics.median(wall) / 1e3, 4)
     result = {
         **header("profile", command_words("profile", args), str(runner.device)),
-        "model": runner.source.name, "dtype": str(runner.dtype).removeprefix("torch."),
-        "quantization": runner.scheme.describe() if runner.scheme else "none", "torch": torch.__version__,
+        **model_keys(runner), "torch": torch.__version__,
         "batch": args.batch_size, "context": args.context_len, "steps": len(profiled.plans),
         "warmup_steps": args.warmup_steps, "decode_tokens": sum(p.num_scheduled_tokens for p in profiled.plans),
         "engine": {"max_num_seqs": llm.config.max_num_seqs,
@@ -526,7 +517,7 @@ def profile_result(args, llm, device, copy: dict | None, clock: PartClock, profi
     return result
 
 
-def print_summary(result: dict, log) -> None:
+def print_summary(result: dict) -> None:
     host = " ".join(f"{k}={v:.3f}" for k, v in result["host"]["breakdown_ms"].items())
     log(f"step {result['step_ms']:.3f} ms (median of {result['steps']}); host {result['host']['host_ms']:.3f} ms "
         f"({host}); trace {result['trace']}")

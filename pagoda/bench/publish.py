@@ -37,7 +37,6 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -45,7 +44,8 @@ from common import streams
 from common.config import EngineConfig
 from common.plan_state import HeldSequence, PlanState
 from common.protocol import RequestEvent, SampledToken, SamplingParams, StepPlan, StepResult, decode, encode
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import command_words, header, log, write_result
+from pagoda.bench.timing import median_ms, percentile
 from scheduler.memory_view import PackedTables, build_snapshot
 from scheduler.scheduler import Scheduler
 
@@ -198,10 +198,6 @@ def fill(loop: Loop, share: float, max_steps: int = 20_000) -> int:
     raise RuntimeError(f"the pool was not {share:.0%} full after {max_steps} steps")
 
 
-def _ms(values: list[float]) -> float:
-    return round(statistics.median(values) * 1000, 4)
-
-
 @dataclass
 class Publishes:
     """What the publishes and the steps between them cost, in seconds, part by part."""
@@ -222,7 +218,7 @@ def bench_publish(num_blocks: int, num_requests: int, publishes: int, share: flo
     loop = Loop(scheduler, ModelFreeExecutor(config.block_size, seed))
     start = time.perf_counter()
     fill_steps = fill(loop, share)
-    warm_ms = _ms([sum(loop.step().values()) for _ in range(20)])
+    warm_ms = median_ms([sum(loop.step().values()) for _ in range(20)])
     publish_every = publish_every or max(1, round(interval_s * 1000 / warm_ms))
     if log:
         log(f"filled {share:.0%} of {num_blocks} blocks in {fill_steps} steps ({time.perf_counter() - start:.1f} s); "
@@ -268,8 +264,8 @@ def publish_result(scheduler: Scheduler, fill_steps: int, measured: Publishes, p
     time publishing takes."""
     step_parts, publish_parts = measured.step_parts, measured.publish_parts
     snapshot = build_snapshot(scheduler)
-    step_ms = _ms([sum(p.values()) for p in step_parts])
-    publish_ms = _ms([p["build"] + p["encode"] + p["redis"] for p in publish_parts])
+    step_ms = median_ms([sum(p.values()) for p in step_parts])
+    publish_ms = median_ms([sum(p.values()) for p in publish_parts])
     return {
         "fill_steps": fill_steps,
         "state": {
@@ -284,13 +280,12 @@ def publish_result(scheduler: Scheduler, fill_steps: int, measured: Publishes, p
         "publish_every_steps": publish_every,
         "steps": len(step_parts),
         "publish_ms": publish_ms,
-        "publish_p90_ms": round(sorted(p["build"] + p["encode"] + p["redis"] for p in publish_parts)[
-            int(0.9 * publishes)] * 1000, 4),
-        "publish_parts_ms": {k: _ms([p[k] for p in publish_parts]) for k in ("build", "encode", "redis")},
-        "flush_ms": _ms(measured.flushes),
+        "publish_p90_ms": round(percentile([sum(p.values()) for p in publish_parts], 90) * 1e3, 4),
+        "publish_parts_ms": {k: median_ms([p[k] for p in publish_parts]) for k in ("build", "encode", "redis")},
+        "flush_ms": median_ms(measured.flushes),
         "publish_cold_ms": round(sum(measured.cold.values()) * 1000, 4),
         "scheduler_step_ms": step_ms,
-        "scheduler_step_parts_ms": {k: _ms([p[k] for p in step_parts]) for k in ("schedule", "update")},
+        "scheduler_step_parts_ms": {k: median_ms([p[k] for p in step_parts]) for k in ("schedule", "update")},
         "interval_s": interval_s,
         "share_at_interval": round(publish_ms / max(interval_s * 1000, step_ms), 5),
         "share_every_step": round(publish_ms / step_ms, 4),
@@ -314,7 +309,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """The `pagoda bench publish` command."""
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     load_1m = os.getloadavg()[0]  # a shared machine's load, before the run
     measured = bench_publish(args.num_blocks, args.num_requests, args.publishes, args.fill, args.interval_s,
                              args.publish_every, args.seed, args.redis_url, log)

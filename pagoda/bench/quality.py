@@ -39,14 +39,13 @@ import argparse
 import gc
 import hashlib
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import DTYPES
 from common.protocol import SamplingParams
-from pagoda.bench.common import ROOT, command_words, device_description, header, write_result
+from pagoda.bench.common import ROOT, command_words, device_description, header, log, names, write_result
 
 DEFAULT_TEXT = ROOT / "benchmarks" / "data" / "alice-in-wonderland-ch1-3.txt"
 DEFAULT_SCHEMES = "none,int4,int8,fp8"
@@ -148,7 +147,6 @@ def load(args, scheme: str):
 def measure(args, scheme: str, wins: list[Window], prompts: list[list[int]],
             reference: list[list[int]] | None) -> tuple[dict, list[list[int]], str]:
     """One scheme's row (without the ratio to none's), its greedy outputs and the engine's device."""
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     llm = load(args, scheme)
     try:
@@ -238,7 +236,7 @@ def run(args) -> int:
     from common.models import resolve_model
     from common.tokenizer import load_tokenizer
 
-    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    schemes = names(args.schemes)
     unknown = [s for s in schemes if s not in QUANTIZATIONS]
     if not schemes or unknown or len(set(schemes)) != len(schemes):
         raise ValueError(f"--schemes takes distinct schemes of {', '.join(QUANTIZATIONS)} (got {args.schemes!r})")

@@ -24,14 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
-import sys
-import urllib.request
 from collections import defaultdict
 
-from pagoda.bench.common import command_words, header, write_result
-from pagoda.bench.serve import run_rate, summarize
+from pagoda.bench.common import command_words, header, log, names, write_result
+from pagoda.bench.serve import failures, run_rate, summarize
 from pagoda.bench.stack import Stack, parse_samples
 from pagoda.bench.workloads import shared_prefix_requests
 
@@ -39,23 +36,6 @@ DATA_PARALLEL_SIZE = 2
 GOAL_HIT_RATE_RATIO = 1.8
 GOAL_THROUGHPUT_RATIO = 1.3
 DRAIN_TIMEOUT_S = 120.0
-
-
-def launch(args, routing: str) -> Stack:
-    """`pagoda up` with two engine groups routed by `routing`, prefix caching on, both groups ready."""
-    flags = ["--model", args.model, "--device", args.device, "--data-parallel-size", str(DATA_PARALLEL_SIZE),
-             "--routing", routing, "--num-gpu-blocks", str(args.num_gpu_blocks),
-             "--max-num-seqs", str(args.max_num_seqs)]
-    if args.steal_after_ms is not None:
-        flags += ["--steal-after-ms", str(args.steal_after_ms)]
-    if args.routing_balance_margin is not None:
-        flags += ["--routing-balance-margin", str(args.routing_balance_margin)]
-    return Stack(*flags, port=args.port).wait_ready().wait_engines(DATA_PARALLEL_SIZE)
-
-
-def read_samples(stack: Stack) -> list[tuple[str, dict[str, str], float]]:
-    with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as response:
-        return parse_samples(response.read().decode())
 
 
 def per_engine(samples, name: str) -> dict[str, float]:
@@ -75,7 +55,9 @@ def delta(after: dict, before: dict) -> dict:
     return {key: value for key, value in gained.items() if value}
 
 
-def counters(samples) -> dict[str, dict]:
+def counters(stack: Stack) -> dict[str, dict]:
+    """The counters routing_metrics reads, from the stack's /metrics."""
+    samples = parse_samples(stack.metrics_text())
     return {"hits": per_engine(samples, "pagoda:prefix_cache_hits_total"),
             "queries": per_engine(samples, "pagoda:prefix_cache_queries_total"),
             "routed": per_engine(samples, "pagoda:requests_routed_total"),
@@ -114,25 +96,23 @@ def routing_metrics(before: dict[str, dict], after: dict[str, dict]) -> dict:
 
 def measure(args, routing: str, requests: list[tuple[list[int], int]], warm_up: list[tuple[list[int], int]]) -> dict:
     """One routing: start the stack, warm it up, send the requests, read what its counters gained."""
-    stack = launch(args, routing)
+    stack = Stack.of(args, ("model", "device", "num_gpu_blocks", "max_num_seqs", "steal_after_ms",
+                            "routing_balance_margin"), "--data-parallel-size", str(DATA_PARALLEL_SIZE),
+                     "--routing", routing, engines=DATA_PARALLEL_SIZE)
     try:
         asyncio.run(run_rate(stack.url, None, warm_up, float("inf")))
         stack.wait_drained(DRAIN_TIMEOUT_S)
-        before = counters(read_samples(stack))
+        before = counters(stack)
         results, duration = asyncio.run(run_rate(stack.url, None, requests, args.request_rate, seed=args.seed))
         stack.wait_drained(DRAIN_TIMEOUT_S)  # the schedulers' counters arrive with their status
-        after = counters(read_samples(stack))
+        after = counters(stack)
     finally:
         stack.stop()
     summary = summarize(results, duration, {})
     metrics = {key: summary[key] for key in ("completed", "failed", "duration_s", "request_throughput",
                                              "output_token_throughput")}
     metrics["ttft_median_s"] = summary["ttft_s"]["median"]
-    metrics.update(routing_metrics(before, after))
-    errors = sorted({r.error for r in results if r.error})
-    if errors:
-        metrics["errors"] = errors[:5]
-    return metrics
+    return {**metrics, **routing_metrics(before, after), **failures(results)}
 
 
 def threads_per_group() -> str | None:
@@ -191,9 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """The `pagoda bench routing` command: 0 when every run completed every request."""
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    routings = [r.strip() for r in args.routings.split(",") if r.strip()]
+    routings = names(args.routings)
     requests = shared_prefix_requests(args.num_prefixes, args.prefix_len, args.conversations, args.question_len,
                                       args.output_len, args.seed)
     # a prompt per group and one more, sharing no block with the workload nor each other

@@ -18,34 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import random
 import statistics
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.client import REQUEST_TIMEOUT_S, STREAMED, Stream, stream_all
+from pagoda.bench.common import command_words, header, log, names, numbers, pyplot, write_result
 from pagoda.bench.stack import Stack
-
-
-@dataclass(slots=True)
-class RequestResult:
-    prompt_len: int
-    output_len: int = 0  # completion tokens, from the usage chunk
-    ttft: float | None = None
-    e2e: float | None = None
-    itl: list[float] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def tpot(self) -> float | None:
-        if self.e2e is None or self.ttft is None or self.output_len < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_len - 1)
-
+from pagoda.bench.timing import stats
 
 # ----------------------------------------------------------------------------- arrivals and metrics
 
@@ -62,20 +45,12 @@ def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0)
     return times
 
 
-def _stats(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "median": None, "p99": None}
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, max(0, int(round(0.99 * len(ordered) + 0.5)) - 1))]
-    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p99": p99}
-
-
-def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:
+def summarize(results: list[Stream], duration: float, slos: dict[str, float]) -> dict:
     """The metrics of one run (times in seconds; SLOs in seconds, keys ttft, tpot, e2e)."""
-    done = [r for r in results if r.error is None]
+    done = [r for r in results if r.failure is None]
     output_tokens = sum(r.output_len for r in done)
 
-    def good(r: RequestResult) -> bool:
+    def good(r: Stream) -> bool:
         values = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2e": r.e2e}
         return all(values[k] <= limit for k, limit in slos.items())
 
@@ -84,70 +59,45 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "request_throughput": len(done) / duration, "output_token_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + sum(r.prompt_len for r in done)) / duration,
         "goodput": sum(good(r) for r in done) / duration if slos else None,
-        "ttft_s": _stats([r.ttft for r in done]),
-        "tpot_s": _stats([r.tpot for r in done if r.tpot is not None]),
-        "itl_s": _stats([gap for r in done for gap in r.itl]),
-        "e2e_s": _stats([r.e2e for r in done]),
+        "ttft_s": stats([r.ttft for r in done]),
+        "tpot_s": stats([r.tpot for r in done if r.tpot is not None]),
+        "itl_s": stats([gap for r in done for gap in r.itl]),
+        "e2e_s": stats([r.e2e for r in done]),
         "normalized_latency_s_per_token": statistics.fmean(r.e2e / r.output_len for r in done if r.output_len)
         if done else None,
     }
 
 
+def failures(results: list[Stream]) -> dict:
+    """{"errors": the first five distinct failures}, or nothing when none failed."""
+    errors = sorted({r.failure for r in results if r.failure})
+    return {"errors": errors[:5]} if errors else {}
+
+
+def rate_metrics(rate: float, results: list[Stream], duration: float, slos: dict[str, float]) -> dict:
+    """One rate's row: the rate, its metrics and the host's load average (others sharing the cores)."""
+    return {"request_rate": rate if rate != float("inf") else "inf", **summarize(results, duration, slos),
+            "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
 # ----------------------------------------------------------------------------- the client
 
 
-async def send(client, url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
-    result = RequestResult(len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = str(chunk["error"])
-                    return result
-                if chunk.get("usage"):
-                    result.output_len = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if result.ttft is None:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-        result.e2e = time.perf_counter() - start
-        if result.ttft is None:
-            result.ttft = result.e2e
-    except Exception as exc:  # a benchmark reports failures, it does not stop on them
-        result.error = f"{type(exc).__name__}: {exc}"
-    return result
+async def completions(base_url: str, requests: list[tuple[list[int], int]], times: list[float],
+                      model: str | list[str] | None = None, timeout: float = REQUEST_TIMEOUT_S,
+                      ) -> tuple[list[Stream], float]:
+    """Each (prompt token ids, max_tokens) request streamed from `/v1/completions` at its time,
+    greedy, EOS ignored; `model`: one for every request, or each request's (LoRA adapters)."""
+    models = model if isinstance(model, list) else [model] * len(requests)
+    bodies = [{"model": m, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+               **STREAMED} for (prompt, max_tokens), m in zip(requests, models)]
+    return await stream_all(base_url.rstrip("/") + "/v1/completions", bodies, times, timeout=timeout)
 
 
-async def run_rate(base_url: str, model: str | list[str], requests: list[tuple[list[int], int]], rate: float,
-                   burstiness: float = 1.0, seed: int = 0) -> tuple[list[RequestResult], float]:
-    """`model`: one for every request, or each request's (LoRA adapters)."""
-    import httpx
-
-    url = base_url.rstrip("/") + "/v1/completions"
-    limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
-        start = time.perf_counter()
-
-        async def later(at: float, prompt: list[int], max_tokens: int, model: str) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            return await send(client, url, model, prompt, max_tokens)
-
-        times = arrival_times(len(requests), rate, burstiness, seed)
-        models = model if isinstance(model, list) else [model] * len(requests)
-        results = await asyncio.gather(*(later(t, p, n, m) for t, (p, n), m in zip(times, requests, models)))
-        return list(results), time.perf_counter() - start
+async def run_rate(base_url: str, model: str | list[str] | None, requests: list[tuple[list[int], int]], rate: float,
+                   burstiness: float = 1.0, seed: int = 0) -> tuple[list[Stream], float]:
+    """The requests arriving at `rate` (`arrival_times`)."""
+    return await completions(base_url, requests, arrival_times(len(requests), rate, burstiness, seed), model)
 
 
 # ----------------------------------------------------------------------------- launching stacks
@@ -155,13 +105,9 @@ async def run_rate(base_url: str, model: str | list[str], requests: list[tuple[l
 
 def launch(args, allocator: str, data_parallel_size: int = 1) -> Stack:
     """`pagoda up` with `allocator` and `data_parallel_size` engine groups on --port, every group ready."""
-    flags = ["--model", args.model, "--device", args.device, "--allocator", allocator, "--no-prefix-caching",
-             "--tensor-parallel-size", str(args.tensor_parallel_size), "--data-parallel-size", str(data_parallel_size)]
-    if args.num_gpu_blocks:
-        flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
-    if args.max_num_seqs:
-        flags += ["--max-num-seqs", str(args.max_num_seqs)]
-    return Stack(*flags, port=args.port).wait_ready().wait_engines(data_parallel_size)
+    return Stack.of(args, ("model", "device", "tensor_parallel_size", "num_gpu_blocks", "max_num_seqs"),
+                    "--allocator", allocator, "--no-prefix-caching", "--data-parallel-size", str(data_parallel_size),
+                    engines=data_parallel_size)
 
 
 @dataclass(slots=True)
@@ -179,11 +125,11 @@ def targets(args) -> list[Target]:
         return [Target(args.label, args.base_url)]
     if args.data_parallel_sizes:
         return [Target(f"data-parallel-{size}", data_parallel_size=size) for size in parse_sizes(args.data_parallel_sizes)]
-    return [Target(a.strip(), allocator=a.strip()) for a in args.allocators.split(",")]
+    return [Target(a, allocator=a) for a in names(args.allocators)]
 
 
 def parse_sizes(text: str) -> list[int]:
-    sizes = [int(size) for size in text.split(",") if size.strip()]
+    sizes = numbers(text, "--data-parallel-sizes")
     if not sizes or min(sizes) < 1:
         raise ValueError(f"--data-parallel-sizes must be sizes >= 1, comma-separated, not {text!r}")
     return sizes
@@ -210,7 +156,7 @@ def data_parallel_summary(runs: dict[str, list[dict]], targets: list[Target]) ->
 
 
 def parse_rates(text: str) -> list[float]:
-    return [float("inf") if r.strip() == "inf" else float(r) for r in text.split(",") if r.strip()]
+    return numbers(text, "--request-rate", float)  # inf: all at once
 
 
 def parse_slos(text: str | None) -> dict[str, float]:
@@ -226,11 +172,7 @@ def parse_slos(text: str | None) -> dict[str, float]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=120)
     for name, runs in result["runs"].items():
         rates = [r["request_rate"] for r in runs]
@@ -280,11 +222,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """The `pagoda bench serve` command."""
-    from pagoda.bench.throughput import load_requests
+    from pagoda.bench.workloads import sharegpt_requests
 
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    requests = load_requests(args, vocab_size=1 << 31)
+    requests = sharegpt_requests(args.num_prompts, args.seed, args.source, args.max_output_len)
     if args.sharegpt_output_len:
         requests = [(prompt, args.sharegpt_output_len) for prompt, _ in requests]
     rates, slos = parse_rates(args.request_rate), parse_slos(args.goodput)
@@ -304,16 +244,11 @@ def run(args) -> int:
                 cpu_before = stack.cpu_seconds() if stack else {}
                 results, duration = asyncio.run(run_rate(base_url, args.served_model, requests, rate,
                                                          args.burstiness, args.seed))
-                metrics = {"request_rate": rate if rate != float("inf") else "inf",
-                           **summarize(results, duration, slos),
-                           "load_average_1m": round(os.getloadavg()[0], 2)}  # others sharing the cores
+                metrics = rate_metrics(rate, results, duration, slos)
                 if stack:  # the cores each role of the stack had, on average over the run
                     metrics["cpu_cores"] = {role: round((used - cpu_before.get(role, 0.0)) / duration, 3)
                                             for role, used in sorted(stack.cpu_seconds().items())}
-                errors = sorted({r.error for r in results if r.error})
-                if errors:
-                    metrics["errors"] = errors[:5]
-                runs.setdefault(name, []).append(metrics)
+                runs.setdefault(name, []).append({**metrics, **failures(results)})
                 log(f"{name} at {rate} req/s: {metrics['completed']} done, "
                     f"{metrics['output_token_throughput']:.1f} tok/s, TTFT median {metrics['ttft_s']['median']}, "
                     f"normalized latency {metrics['normalized_latency_s_per_token']}")
@@ -322,9 +257,7 @@ def run(args) -> int:
                 stack.stop()
     result = {
         **header("serve", command_words("serve", args)), "model": args.model,
-        "workload": {"name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed,
-                     "max_output_len": args.max_output_len, "sharegpt_output_len": args.sharegpt_output_len,
-                     "burstiness": args.burstiness,
+        "workload": {**workload(args, requests), "burstiness": args.burstiness,
                      "mean_prompt_tokens": sum(len(p) for p, _ in requests) / len(requests),
                      "mean_output_tokens": sum(n for _, n in requests) / len(requests)},
         "slos_s": slos, "num_gpu_blocks": args.num_gpu_blocks, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -340,6 +273,11 @@ def run(args) -> int:
     return 0
 
 
+def workload(args, requests: list[tuple[list[int], int]]) -> dict:
+    return {"name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed, "max_output_len": args.max_output_len,
+            "sharegpt_output_len": args.sharegpt_output_len}
+
+
 def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], slos: dict[str, float]) -> int:
     """`--lora-adapters N --launch`: one stack with N random adapters (--max-loras, default N); per
     rate the requests on the base model, then the same requests spread round-robin over the
@@ -351,24 +289,23 @@ def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], sl
 
     if not args.launch:
         raise ValueError("--lora-adapters needs --launch (it makes the adapters and serves them)")
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     max_loras = args.max_loras or args.lora_adapters
     with tempfile.TemporaryDirectory(prefix="pagoda-lora-") as tmp:
         adapters = random_adapters(args.model, args.lora_adapters, args.lora_rank, Path(tmp), args.seed)
         log(f"starting pagoda up with {len(adapters)} rank-{args.lora_rank} adapters, --max-loras {max_loras}")
-        stack = Stack(*lora_stack_flags(args, adapters, max_loras), port=args.port).wait_ready()
+        stack = Stack.of(args, ("model", "device", "num_gpu_blocks", "max_num_seqs"), "--no-prefix-caching",
+                         "--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(max(args.lora_rank, 16)),
+                         "--lora-modules", *(f"{name}={path}" for name, path in adapters))
         order = [adapters[i % len(adapters)][0] for i in range(len(requests))]
         try:
-            runs = lora_runs(stack, args, requests, rates, slos, order, max_loras, log)
+            runs = lora_runs(stack, args, requests, rates, slos, order, max_loras)
         finally:
             stack.stop()
     ratios = [{"request_rate": b["request_rate"],
                "lora_over_base_output_tokens_per_s": round(lo["output_token_throughput"] / b["output_token_throughput"], 3)}
               for b, lo in zip(runs["base"], runs["lora"])]
     result = {
-        **header("serve", command_words("serve", args)), "model": args.model,
-        "workload": {"name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed,
-                     "max_output_len": args.max_output_len, "sharegpt_output_len": args.sharegpt_output_len},
+        **header("serve", command_words("serve", args)), "model": args.model, "workload": workload(args, requests),
         "lora": {"adapters": len(adapters), "rank": args.lora_rank, "max_loras": max_loras, "per_rate": ratios},
         "slos_s": slos, "runs": runs,
     }
@@ -377,20 +314,8 @@ def run_lora(args, requests: list[tuple[list[int], int]], rates: list[float], sl
     return 0
 
 
-def lora_stack_flags(args, adapters: list[tuple[str, Path]], max_loras: int) -> list[str]:
-    """`pagoda up`'s flags serving `adapters`, prefix caching off."""
-    flags = ["--model", args.model, "--device", args.device, "--no-prefix-caching", "--enable-lora",
-             "--max-loras", str(max_loras), "--max-lora-rank", str(max(args.lora_rank, 16)),
-             "--lora-modules", *(f"{name}={path}" for name, path in adapters)]
-    if args.num_gpu_blocks:
-        flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
-    if args.max_num_seqs:
-        flags += ["--max-num-seqs", str(args.max_num_seqs)]
-    return flags
-
-
 def lora_runs(stack: Stack, args, requests: list[tuple[list[int], int]], rates: list[float], slos: dict[str, float],
-              order: list[str], max_loras: int, log) -> dict[str, list[dict]]:
+              order: list[str], max_loras: int) -> dict[str, list[dict]]:
     """Per rate, the requests on the base model, then on the adapters in `order`: {"base": [metrics per
     rate], "lora": [the same, with the adapter loads against the fewest `order` allows]}."""
     from pagoda.bench.lora import min_loads
@@ -401,11 +326,7 @@ def lora_runs(stack: Stack, args, requests: list[tuple[list[int], int]], rates: 
         for name, models in (("base", args.served_model), ("lora", order)):
             loads_before = parse_metrics_value(stack, "pagoda:lora_loads_total")
             results, duration = asyncio.run(run_rate(stack.url, models, requests, rate, args.burstiness, args.seed))
-            metrics = {"request_rate": rate if rate != float("inf") else "inf",
-                       **summarize(results, duration, slos), "load_average_1m": round(os.getloadavg()[0], 2)}
-            errors = sorted({r.error for r in results if r.error})
-            if errors:
-                metrics["errors"] = errors[:5]
+            metrics = {**rate_metrics(rate, results, duration, slos), **failures(results)}
             if name == "lora":
                 loads = parse_metrics_value(stack, "pagoda:lora_loads_total") - loads_before
                 fewest = min_loads(order, max_loras)

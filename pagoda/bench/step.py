@@ -48,7 +48,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -64,7 +63,8 @@ import zmq
 from common.config import EngineConfig
 from common.models import resolve_model
 from common.protocol import SamplingParams, StepPlan, decode, encode
-from pagoda.bench.common import command_words, header, write_result
+from pagoda.bench.common import command_words, header, names, numbers, write_result
+from pagoda.bench.timing import median_ms
 from scheduler.scheduler import Scheduler
 
 SAMPLINGS = ("greedy", "random")
@@ -72,8 +72,6 @@ SCHEDULER_PARTS = ("schedule", "encode_plan", "decode_result", "update")
 WORKER_PARTS = ("decode_plan", "apply", "prepare", "sampler", "execute_other", "encode_result")
 HOST_PARTS = ("schedule", "encode_plan", "decode_plan", "apply", "prepare", "sampler", "execute_other",
               "encode_result", "decode_result", "update")
-ROW_KEYS = ("batch", "context", "sampling", "simulated_forward_ms", "async_scheduling", "steps", "decode_tokens",
-            "step_ms", "host_ms", "forward_ms", "breakdown_ms", "load_1m")
 RESULT_TIMEOUT_S = 120.0
 
 
@@ -87,6 +85,11 @@ def sampling_params(sampling: str, index: int, max_tokens: int) -> SamplingParam
     raise ValueError(f"unknown sampling {sampling!r}: expected one of {', '.join(SAMPLINGS)}")
 
 
+def distinct_prompt(i: int, length: int, vocab_size: int) -> list[int]:
+    """Request i's prompt of `length` token ids (no special ones): no two requests share a prefix."""
+    return [(i * 7919 + j * 104729) % (vocab_size - 3) + 3 for j in range(length)]
+
+
 @dataclass(frozen=True, slots=True)
 class RowSpec:
     batch: int
@@ -95,7 +98,7 @@ class RowSpec:
     simulated_forward_ms: float
     steps: int = 30
     warmup_steps: int = 3
-    async_scheduling: bool = True  # when the scheduler supports it
+    async_scheduling: bool = True
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     device: str = "cpu"
@@ -106,11 +109,6 @@ class RowSpec:
         last ones prefill, for at most the steps the whole batch's prompts take."""
         prefill_steps = -(-self.batch * self.context // (self.max_num_batched_tokens - self.batch))
         return prefill_steps + self.warmup_steps + self.steps + 16
-
-
-def scheduler_supports_async() -> bool:
-    """Whether EngineConfig has the async_scheduling field (contract 1 of the overlap work)."""
-    return "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def dummy_model_config(directory: Path, max_positions: int) -> Path:
@@ -128,12 +126,10 @@ def engine_config(spec: RowSpec, model_path: Path) -> EngineConfig:
     max_model_len = spec.context + spec.max_tokens
     blocks_per_seq = -(-max_model_len // spec.block_size)
     num_gpu_blocks = spec.batch * blocks_per_seq * 102 // 100 + 2  # the null block and the 1% watermark
-    fields = dict(model=f"dummy:{model_path}", device=spec.device, dtype="float32", block_size=spec.block_size,
-                  num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=0, max_num_seqs=spec.batch,
-                  max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=max_model_len)
-    if scheduler_supports_async():
-        fields["async_scheduling"] = spec.async_scheduling
-    return EngineConfig(**fields)
+    return EngineConfig(model=f"dummy:{model_path}", device=spec.device, dtype="float32", block_size=spec.block_size,
+                        num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=0, max_num_seqs=spec.batch,
+                        max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=max_model_len,
+                        async_scheduling=spec.async_scheduling)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -559,9 +555,9 @@ def measure(spec: RowSpec, model_path: Path, profile_prefix: Path | None = None,
     hello = worker.start_row(spec, model_path, profile_path)
     scheduler = Scheduler(config, hello["num_gpu_blocks"], hello["max_model_len"], hello["eos_token_ids"])
     vocab_size = hello["vocab_size"]
-    for i in range(spec.batch):  # distinct prompts: no prefix is shared
-        prompt = [(i * 7919 + j * 104729) % (vocab_size - 3) + 3 for j in range(spec.context)]
-        scheduler.add_request(f"bench-{i}", prompt, sampling_params(spec.sampling, i, spec.max_tokens))
+    for i in range(spec.batch):
+        scheduler.add_request(f"bench-{i}", distinct_prompt(i, spec.context, vocab_size),
+                              sampling_params(spec.sampling, i, spec.max_tokens))
     depth = 2 if getattr(config, "async_scheduling", False) else 1
     load = os.getloadavg()[0]
     loop = SchedulerLoop(scheduler, worker.socket, spec, depth, profile_prefix is not None)
@@ -591,46 +587,37 @@ def step_parts(run: Measurement, step: int) -> dict[str, float]:
 
 
 def summarize(spec: RowSpec, run: Measurement, async_scheduling: bool, load: float) -> dict:
-    ms = lambda values: round(statistics.median(values) * 1e3, 4)  # noqa: E731
     per_step = [step_parts(run, step) for step in run.steps]
     row = {
         "batch": spec.batch, "context": spec.context, "sampling": spec.sampling,
         "simulated_forward_ms": spec.simulated_forward_ms, "async_scheduling": async_scheduling,
         "steps": len(run.steps), "decode_tokens": sum(run.decode_tokens[step] for step in run.steps),
         "step_ms": round((run.arrivals[run.steps[-1]] - run.arrivals[run.steps[0] - 1]) / len(run.steps) * 1e3, 4),
-        "host_ms": ms([sum(parts.values()) for parts in per_step]),
-        "forward_ms": ms([run.worker_times[step].get("device", 0.0) for step in run.steps]),
-        "breakdown_ms": {name: ms([parts[name] for parts in per_step]) for name in HOST_PARTS},
+        "host_ms": median_ms([sum(parts.values()) for parts in per_step]),
+        "forward_ms": median_ms([run.worker_times[step].get("device", 0.0) for step in run.steps]),
+        "breakdown_ms": {name: median_ms([parts[name] for parts in per_step]) for name in HOST_PARTS},
         "load_1m": round(load, 2),
     }
-    assert tuple(row) == ROW_KEYS
     return row
 
 
 # ----------------------------------------------------------------------------- the command
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
 def row_specs(args) -> list[RowSpec]:
-    samplings = [s.strip() for s in args.sampling.split(",") if s.strip()]
+    samplings = names(args.sampling)
     for s in samplings:
         sampling_params(s, 0, 1)  # an unknown one is a ValueError now, not after the first rows
     if args.steps < 1 or args.warmup_steps < 1:
         raise ValueError("--steps and --warmup-steps must be >= 1 (a step's period needs the result before it)")
-    if max(_ints(args.batch_sizes)) >= args.max_num_batched_tokens:
+    batches, contexts = numbers(args.batch_sizes, "--batch-sizes"), numbers(args.context_lens, "--context-lens")
+    if max(batches) >= args.max_num_batched_tokens:
         raise ValueError("--max-num-batched-tokens must be larger than every batch size (one decode token each)")
     return [
         RowSpec(batch, context, sampling, sim, args.steps, args.warmup_steps, not args.no_async_scheduling,
                 args.block_size, args.max_num_batched_tokens, args.device)
-        for batch in _ints(args.batch_sizes) for context in _ints(args.context_lens)
-        for sampling in samplings for sim in _floats(args.simulated_forward_ms)
+        for batch in batches for context in contexts
+        for sampling in samplings for sim in numbers(args.simulated_forward_ms, "--simulated-forward-ms", float)
     ]
 
 
@@ -682,7 +669,7 @@ def run(args) -> int:
         **header("step", command_words("step", args), args.device),
         "model": "one-layer dummy Llama (hidden 8) with the default model's vocabulary; forward simulated",
         "vocab_size": int(json.loads(resolve_model("dummy:smollm2-135m.json").path.read_text())["vocab_size"]),
-        "async_scheduling_supported": scheduler_supports_async(),
+        "async_scheduling_supported": True,  # every scheduler can now; the key stays for the results' readers
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch_num_threads": torch.get_num_threads(),
         "load_average": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
         "profiled": bool(args.profile_dir),

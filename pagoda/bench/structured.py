@@ -16,18 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
-import sys
 import time
 from pathlib import Path
 
-from pagoda.bench.common import ROOT, command_words, header, write_result
+from pagoda.bench.common import ROOT, command_words, header, log, write_result
+from pagoda.bench.timing import stats
 
 SCHEMAS = ROOT / "benchmarks" / "data" / "structured-schemas.json"
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def load_schemas(path: Path = SCHEMAS, limit: int | None = None) -> list[dict]:
@@ -50,9 +45,7 @@ def example_text(example) -> str:
 
 
 def quantiles(values: list[float]) -> dict:
-    ordered = sorted(values)
-    p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
-    return {"median": statistics.median(ordered), "p90": p90, "max": ordered[-1], "n": len(ordered)}
+    return {**stats(values, ("median", "p90", "max")), "n": len(values)}
 
 
 # ----------------------------------------------------------------------------- the two libraries

