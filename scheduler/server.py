@@ -38,12 +38,11 @@ from common.config import EngineConfig, ServingConfig
 from common.kv_events import AllBlocksCleared, KVEventBatch, encode_batch
 from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, StepPlan, WorkerHello, encode
 from common.transport import WorkerLink
-from scheduler.memory_view import MemoryEventLog, PackedTables, build_snapshot, memory_version, status_counters
+from scheduler.memory_view import MemoryEventLog, PackedTables, build_snapshot, memory_version
 from scheduler.inbox import IDLE_BLOCK_MS, Arrival
 from scheduler.outbox import PublishKVEvents
 from scheduler.request_stream import RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
-from scheduler.speculation import spec_counters
 
 log = logging.getLogger(__name__)
 
@@ -324,25 +323,14 @@ class SchedulerServer:
             return
         self._last_status = now
         s, hello, config = self.scheduler, self.hello, self.engine_config
-        # the limits the gateway admits by are the scheduler's own (common/admission.py)
-        limits = s.admission_limits if s else AdmissionLimits(
-            0, config.block_size, 0, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        stats = s.make_stats() if s else _stats_before_hello(config)
         status = SchedulerStatus(
             scheduler_id=self.id, model=hello.model if hello else "", num_gpu_blocks=hello.num_gpu_blocks if hello else 0,
-            workers_ready=s is not None and self.link.ready,
-            num_running=s.num_running_seqs if s else 0, num_waiting=len(s.waiting) if s else 0,
-            num_swapped=s.num_swapped_seqs if s else 0,
-            kv_cache_usage=s.block_manager.usage if s else 0.0, num_preemptions_total=s.num_preemptions if s else 0,
-            prefix_cache_queries_total=s.prefix_cache_queries if s else 0,
-            prefix_cache_hits_total=s.prefix_cache_hits if s else 0, updated_at=now, **dataclasses.asdict(limits),
-            engine=self.serving.engine_id, **(status_counters(s) if s else {}),
-            kv_cache_dtype=hello.kv_cache_dtype if hello else "",
-            kv_bytes_per_block=hello.kv_bytes_per_block if hello else 0,
-            num_waiting_tokens=s.num_waiting_tokens if s else 0, **(s.lora_status() if s else {}),
+            workers_ready=s is not None and self.link.ready, updated_at=now, engine=self.serving.engine_id,
+            kv_cache_dtype=hello.kv_cache_dtype if hello else "", kv_bytes_per_block=hello.kv_bytes_per_block if hello else 0,
             prefill_tokens_per_s=hello.prefill_tokens_per_s if hello else 0.0,
             num_routed_total=self.stream.num_routed, num_shared_total=self.stream.num_shared,
-            num_stolen_total=self.stream.num_stolen, **(spec_counters(s.speculator) if s else {}),
-            draining=self.drain_deadline is not None,
+            num_stolen_total=self.stream.num_stolen, draining=self.drain_deadline is not None, **stats,
         )
         try:
             if not self.stream.publish_status(encode(status), has_memory=s is not None):
@@ -367,6 +355,15 @@ class SchedulerServer:
         self._num_snapshots += 1
         snapshot = build_snapshot(s, self.serving.engine_id, self.id, self._memory_tables, self._num_snapshots)
         self.stream.publish_memory(encode(snapshot))  # written with the step's events, in their round trip
+
+
+def _stats_before_hello(config: EngineConfig) -> dict:
+    """`Scheduler.make_stats()`'s fields while no worker group is ready: nothing held, and the
+    configured limits (the gateway admits by the scheduler's own, common/admission.py)."""
+    limits = AdmissionLimits(0, config.block_size, 0, config.max_num_seqs, config.max_num_batched_tokens,
+                             config.enable_chunked_prefill)
+    return {"num_running": 0, "num_waiting": 0, "num_swapped": 0, "kv_cache_usage": 0.0, "num_preemptions_total": 0,
+            "prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0, **dataclasses.asdict(limits)}
 
 
 def _lost(rank: int) -> str:

@@ -3,10 +3,12 @@ memory events it records for the dashboard (scheduler/memory_view.py)."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 from common.protocol import ITERATION_TOKENS_BUCKETS, StepPlan
-from scheduler.memory_view import MemoryEventLog
+from scheduler.memory_view import MemoryEventLog, status_counters
 from scheduler.sequence import Sequence, SequenceGroup
+from scheduler.speculation import spec_counters
 
 
 class StepCounters:
@@ -28,6 +30,17 @@ class StepCounters:
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, the last +Inf
         self.iteration_tokens_sum = 0
         self._start_plan_events()
+
+    def make_stats(self) -> dict:
+        """Every SchedulerStatus field the scheduler owns (common/protocol.py; /metrics): its queues,
+        the pool's use, its counters, its admission limits, its LoRA slots and its drafts'."""
+        return {
+            "num_running": self.num_running_seqs, "num_waiting": len(self.waiting), "num_swapped": self.num_swapped_seqs,
+            "num_waiting_tokens": self.num_waiting_tokens, "kv_cache_usage": self.block_manager.usage,
+            "num_preemptions_total": self.num_preemptions, "prefix_cache_queries_total": self.prefix_cache_queries,
+            "prefix_cache_hits_total": self.prefix_cache_hits, **dataclasses.asdict(self.admission_limits),
+            **status_counters(self), **self.lora_status(), **spec_counters(self.speculator),
+        }
 
     def _start_plan_events(self) -> None:
         self._copies: list[tuple[SequenceGroup, int, list[int]]] = []  # of the plan being built: (group, seq_id, copy)

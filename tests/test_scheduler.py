@@ -743,3 +743,25 @@ def test_a_prompt_whose_prefix_another_is_computing_waits_for_it_to_be_cached():
     assert engine.scheduler.prefix_cache_queries == sum(len(ids) for ids in requests.values())
     for request_id, ids in requests.items():
         assert done[request_id][0] == expected_output(seq_id_of_done[request_id], len(ids), 2), request_id
+
+
+def test_make_stats_gives_the_status_fields_the_scheduler_owns():
+    """Two 20-token prompts, one sequence at a time: one runs (2 of the 7 blocks that 8 leave beside
+    the null block), one waits with its 20 tokens; the status the scheduler process publishes takes
+    them as they are, beside its own fields."""
+    from common.protocol import SchedulerStatus
+
+    engine = make_engine(num_gpu_blocks=8, max_num_seqs=1)
+    engine.add_request("a", prompt(20), params(max_tokens=4))
+    engine.add_request("b", prompt(20, start=300), params(max_tokens=4))
+    step(engine, {})
+    stats = engine.scheduler.make_stats()
+    assert {k: stats[k] for k in ("num_running", "num_waiting", "num_swapped", "num_waiting_tokens",
+                                  "kv_cache_usage", "num_preemptions_total", "max_num_seqs", "max_model_len",
+                                  "max_request_tokens", "num_cow_copies_total", "iteration_tokens_sum")} == {
+        "num_running": 1, "num_waiting": 1, "num_swapped": 0, "num_waiting_tokens": 20, "kv_cache_usage": 2 / 7,
+        "num_preemptions_total": 0, "max_num_seqs": 1, "max_model_len": 1024,
+        "max_request_tokens": engine.scheduler.max_request_tokens, "num_cow_copies_total": 0,
+        "iteration_tokens_sum": 20}
+    status = SchedulerStatus(scheduler_id="s", model="m", num_gpu_blocks=8, workers_ready=True, updated_at=0.0, **stats)
+    assert status.num_waiting_tokens == 20 and status.max_loras == 0
