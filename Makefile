@@ -33,12 +33,16 @@ $(STAMP): pyproject.toml $(LOCK) scripts/constraints.sh Makefile
 run: setup
 	$(VENV)/bin/pagoda up
 
-# TRITON_INTERPRET=1: the Triton kernels' tests run on CPU in Triton's interpreter.
+# TRITON_INTERPRET=1: the Triton kernels' tests run on CPU in Triton's interpreter. TEST_WORKERS
+# processes take whole modules each (tests/conftest.py); TEST_WORKERS=0 runs them in this one.
+TEST_WORKERS ?= 2
+PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS))
+
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	$(PYTEST)
 
 test-fast: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # On a CUDA host: the gpu tests (Triton kernels compiled, CUDA graphs, pinned swap) and greedy
 # parity on CUDA. Without a GPU each of them is reported as skipped.

@@ -7,6 +7,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch on one intra-op thread in this process and in every process it starts: the suite runs a test
+# process, stacks and their references side by side on 2 cores, where two threads a process wait on
+# each other (a default-model worker's load: 35 CPU-s with two threads under load, 9 with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # --quantization's default for every config the tests build (in process and in the processes they
 # start): full precision, the transformers parity guard. Quantized runs say so explicitly.
 os.environ["PAGODA_QUANTIZATION"] = "none"
@@ -152,6 +156,23 @@ def _keep_default_stack_users_together(items) -> None:
     others = [item for item in items if item.path.name not in rank]
     users.sort(key=lambda item: rank[item.path.name])  # stable: each module's own order kept
     items[:] = others[:first] + users + others[first:]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs the modules on TEST_WORKERS processes (pytest-xdist), each module whole on one
+    of them (its module-scoped stack starts once) and DEFAULT_STACK_MODULES together (one shared
+    stack), in collection order. (`--dist loadgroup` with xdist_group marks did not group them here,
+    with pytest 9.2 and pytest-xdist 3.8.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "default stack" if Path(module).name in DEFAULT_STACK_MODULES else module
+
+    config.option.loadscopereorder = False  # collection order, not the most tests first
+    return ByModule(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
