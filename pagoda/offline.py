@@ -37,7 +37,7 @@ from scheduler.memory_trace import INTERVAL_S as MEMORY_TRACE_INTERVAL_S
 from scheduler.memory_trace import MemoryTrace
 from scheduler.memory_view import MemoryEventLog
 from worker.executor import Executor
-from worker.parallel import TensorParallelGroup
+from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 from worker.tp_rank import OFFLINE_TIMEOUT_S, RESET, STOP, serve_rank
 
 log = logging.getLogger(__name__)
@@ -431,6 +431,8 @@ def _stop(procs: list[tuple[multiprocessing.Process, Connection]], group: Tensor
             proc.join()
         ready.close()
     group.destroy()
+    if get_tp_group() is group:  # this process's layers reduce over no group now: a later model is one rank's
+        set_tp_group(TensorParallelGroup())
 
 
 def _free_port() -> int:

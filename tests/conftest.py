@@ -38,6 +38,16 @@ def one_torch_thread():
 TINY_LLAMA = ROOT / "tests" / "data" / "tiny-llama.json"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_rank_group_after_the_module():
+    """The next module starts on this process's tensor-parallel group of one, whatever group an
+    in-process rank 0 of this one's (an LLM with tensor_parallel_size 2) left set."""
+    yield
+    parallel = sys.modules.get("worker.parallel")
+    if parallel is not None:
+        parallel.set_tp_group(parallel.TensorParallelGroup())
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """(directory, transformers model) of a tiny random Llama (seed 0) saved by transformers."""
