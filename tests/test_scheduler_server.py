@@ -421,7 +421,9 @@ def test_an_abort_while_running_ends_the_request_and_frees_its_blocks(harness):
     assert got == expected_output(0, 30, len(got))
     harness.assert_nothing_held()
     bm = harness.server.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks == NUM_BLOCKS - 1
+    # the abort's event is written as the abort is read, and the blocks freed just after, in the server's thread
+    harness.wait_until(lambda: bm.num_free_blocks == bm.num_total_blocks, 5.0, "a's blocks freed")
+    assert bm.num_total_blocks == NUM_BLOCKS - 1
     assert not harness.server.scheduler.has_unfinished_requests()
 
     # the next plan tells the worker to drop the aborted sequence (its blocks are reused)
