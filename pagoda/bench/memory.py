@@ -126,6 +126,22 @@ def run_allocator(allocator: str, requests: list[Request], num_blocks: int, **op
     return metrics
 
 
+def _sample_slots(bm, shares: dict, queued: bool, contiguous: bool, block_size: int, usable_slots: int) -> float:
+    """One step's slot shares added to `shares`; the step's KV utilization (0 when nothing is allocated)."""
+    allocated = bm.num_allocated_slots
+    if not allocated:
+        return 0.0
+    used = sum(bm.num_slots[s] for s in bm.block_tables)  # on the device
+    if contiguous:
+        reserved = sum(min(bm.final_tokens[s], length * block_size) for s, (_, length) in bm.regions.items())
+    else:
+        reserved = used
+    shares["all"].add(used, reserved, allocated, usable_slots)
+    if queued:
+        shares["queued"].add(used, reserved, allocated, usable_slots)
+    return used / allocated
+
+
 def replay(
     allocator: str, requests: list[Request], num_blocks: int, block_size: int = 16, max_model_len: int = 2048,
     max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, check_every: int = 0,
@@ -160,17 +176,7 @@ def replay(
         batch_sum += batch
         max_batch = max(max_batch, batch)
         max_resident = max(max_resident, len(bm.block_tables))
-        allocated = bm.num_allocated_slots
-        if allocated:
-            used = sum(bm.num_slots[s] for s in bm.block_tables)  # on the device
-            utilization_sum += used / allocated
-            if contiguous:
-                reserved = sum(min(bm.final_tokens[s], length * block_size) for s, (_, length) in bm.regions.items())
-            else:
-                reserved = used
-            shares["all"].add(used, reserved, allocated, usable_slots)
-            if scheduler.waiting:
-                shares["queued"].add(used, reserved, allocated, usable_slots)
+        utilization_sum += _sample_slots(bm, shares, bool(scheduler.waiting), contiguous, block_size, usable_slots)
         if check_every and engine.num_steps % check_every == 0:
             bm.check_integrity()
     seconds = time.perf_counter() - start
