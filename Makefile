@@ -10,7 +10,7 @@ LOCK   := requirements.lock
 # .venv before `make setup`. Another TORCH conflicts with the lock: `make lock TORCH=...` moves both.
 TORCH  ?= $(shell grep -m1 '^torch==' $(LOCK))
 CONSTRAINTS := $(VENV)/constraints.txt
-UV_PIP := $(VENV)/bin/uv pip install -q --python $(PY)
+UV_PIP := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 
 .PHONY: setup run test test-fast test-gpu lock clean
 
@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml $(LOCK) scripts/constraints.sh Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade -c $(LOCK) pip uv
 	@# pip for torch: it takes the CPU build from this disk (uv does not look there); uv for the rest
-	@# (the same versions: the lock; 10 s where pip took 90 on 2 cores)
+	@# (the same versions: the lock; 10 s where pip took 90 on 2 cores). --compile-bytecode: with
+	@# PYTHONDONTWRITEBYTECODE set, every process would compile transformers' sources again
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q -c $(LOCK) "$(TORCH)"
 	scripts/constraints.sh $(PY) >$(CONSTRAINTS)
 	$(UV_PIP) -c $(CONSTRAINTS) -e ".[test]"
