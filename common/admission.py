@@ -18,7 +18,7 @@ class AdmissionLimits:
 
     max_model_len: int
     block_size: int
-    max_request_tokens: int  # the KV pool less the watermark `can_allocate` keeps, in tokens
+    max_request_tokens: int  # the KV pool less the watermark the scheduler's `allocate` keeps, in tokens
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool

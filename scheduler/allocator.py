@@ -11,21 +11,38 @@ number of token slots it covers:
 With a sliding window the paged BlockManager gives back the blocks no query can read any more
 (`remove_skipped_blocks`): their entries become NULL_BLOCK and the table keeps its length.
 
-`can_*` queries change nothing; the action they guard raises NoFreeBlocksError, and changes
-nothing, when it does not fit.
+`allocate` returns None, and changes nothing, when a new sequence does not fit; the `can_*` queries
+change nothing, and the action they guard raises NoFreeBlocksError, and changes nothing, when it
+does not fit.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from common.protocol import NULL_BLOCK
 
-__all__ = ["NULL_BLOCK", "Allocator", "AllocatorBase", "AppendedSlots", "NoFreeBlocksError", "num_null_entries"]
+__all__ = ["NULL_BLOCK", "Allocator", "AllocatorBase", "AppendedSlots", "NoFreeBlocksError", "PrefixMatch",
+           "num_null_entries"]
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """Where a new sequence's leading full blocks are cached: `hits` in the device pool, then
+    `tier_hits` in the CPU tier (never the block of its last token: its logits are needed). Looked
+    up once per admission attempt and handed to `allocate`."""
+
+    hits: list[int] = field(default_factory=list)
+    tier_hits: list[int] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hits) + len(self.tier_hits)
 
 
 def num_null_entries(table: list[int]) -> int:
@@ -45,7 +62,7 @@ class AppendedSlots(NamedTuple):
 @runtime_checkable
 class Allocator(Protocol):
     block_size: int
-    watermark_blocks: int  # kept free by can_allocate and can_swap_in, for the running sequences to grow
+    watermark_blocks: int  # kept free by allocate(watermark=True) and can_swap_in, for the running sequences to grow
     enable_prefix_caching: bool
     enable_cpu_tier: bool  # the prefix cache's CPU tier (--cpu-prefix-cache): off unless the scheduler sets it
     num_cpu_blocks: int  # the swap pool
@@ -66,18 +83,19 @@ class Allocator(Protocol):
 
     def num_distinct_blocks(self, seq_ids: Sequence[int]) -> int: ...
 
-    # `salt`: keys a sequence's prefix-cache blocks apart (a LoRA adapter's); None: the base model's
+    # `salt`: keys a sequence's prefix-cache blocks apart (a LoRA adapter's); None: the base model's.
+    # `keys`: the leading full blocks' keys where the caller has them (SequenceGroup.prompt_block_keys)
+    def match_prefix(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None = None,
+                     keys: Sequence[bytes] = ()) -> PrefixMatch: ...
+
     def cached_prefix_tokens(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None = None) -> int: ...
 
-    def can_allocate(
-        self, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
-        salt: bytes | None = None,
-    ) -> bool: ...
-
+    # the leading tokens found in the prefix cache (`match`, else looked up from `token_ids`); None,
+    # having changed nothing, when the blocks are not there (`watermark`: with the watermark kept free)
     def allocate(
         self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
-        salt: bytes | None = None,
-    ) -> int: ...  # the leading tokens found in the prefix cache
+        salt: bytes | None = None, *, match: PrefixMatch | None = None, watermark: bool = False,
+    ) -> int | None: ...
 
     def blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int: ...
 
@@ -89,7 +107,8 @@ class Allocator(Protocol):
     # the table as it is, and no block is copied; False, having changed nothing, otherwise
     def grow_in_place(self, seq_id: int, num_new_tokens: int) -> bool: ...
 
-    def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
+    def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
+                          known_keys: Sequence[bytes] = ()) -> None: ...
 
     def record_kv_events(self) -> None: ...  # keep common/kv_events.py's events from now on
 

@@ -45,10 +45,13 @@ from collections.abc import Sequence
 
 from common.block_hash import block_key, lora_salt
 from common.block_hash import salt_lora_id as _salt_lora_id
+from common.config import EngineConfig
 from common.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, num_null_entries
+from scheduler.allocator import (
+    NULL_BLOCK, Allocator, AllocatorBase, AppendedSlots, NoFreeBlocksError, PrefixMatch, num_null_entries,
+)
 
-__all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key", "lora_salt"]
+__all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key", "lora_salt", "make_allocator"]
 
 
 def _parents_first(entries: list[tuple]) -> list[tuple]:
@@ -157,32 +160,23 @@ class BlockManager(AllocatorBase):
         return len(self.cpu_free_queue) + len(self.cpu_evictable)
 
     # ---------------------------------------------------------------- allocate
-    def can_allocate(
-        self, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
-        salt: bytes | None = None,
-    ) -> bool:
-        """Whether a new sequence of `num_tokens` fits, keeping the watermark free for decodes.
-
-        `token_ids` lets prefix-cache hits count; `final_tokens` is for reserving allocators.
-        """
-        hits = self._lookup(token_ids, num_tokens, salt) if token_ids is not None else []
-        num_evictable_hits = sum(1 for block in hits if self.ref_counts[block] == 0)
-        needed = self.blocks_for(num_tokens) - len(hits)
-        return needed <= self.num_free_blocks - num_evictable_hits - self.watermark_blocks
-
     def allocate(
         self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None, final_tokens: int | None = None,
-        salt: bytes | None = None,
-    ) -> int:
+        salt: bytes | None = None, *, match: PrefixMatch | None = None, watermark: bool = False,
+    ) -> int | None:
         """Give `seq_id` a table of `num_tokens` slots; returns how many leading tokens were
-        prefix-cache hits (their KV is already there)."""
+        prefix-cache hits (their KV is already there): `match`'s blocks, else those `token_ids`
+        leads with. None, having changed nothing, when the blocks are not there; with `watermark`,
+        when they would eat into the watermark kept free for the running sequences to grow.
+        `final_tokens` is for reserving allocators."""
         assert seq_id not in self.block_tables, f"sequence {seq_id} already has a block table"
-        hits = self._lookup(token_ids, num_tokens, salt) if token_ids is not None else []
-        tier_hits = self._lookup_cpu_tier(token_ids, num_tokens, salt, hits) if token_ids is not None else []
+        if match is None:
+            match = self.match_prefix(token_ids, num_tokens, salt) if token_ids is not None else PrefixMatch()
+        hits, tier_hits = match.hits, match.tier_hits
         num_evictable_hits = sum(1 for block in hits if self.ref_counts[block] == 0)
         needed = self.blocks_for(num_tokens) - len(hits)
-        if needed > self.num_free_blocks - num_evictable_hits:
-            raise NoFreeBlocksError(f"{needed} blocks needed, {self.num_free_blocks - num_evictable_hits} free")
+        if needed > self.num_free_blocks - num_evictable_hits - (self.watermark_blocks if watermark else 0):
+            return None
         for block in hits:
             self._hold(block)
         for cpu in tier_hits:  # out of the tier's LRU: the takes below may evict from it
@@ -198,7 +192,7 @@ class BlockManager(AllocatorBase):
             self.seq_keys[seq_id] = keys
             if salt is not None:
                 self.seq_salt[seq_id] = salt
-        return (len(hits) + len(tier_hits)) * self.block_size
+        return match.num_blocks * self.block_size
 
     # ---------------------------------------------------------------- append
     def append_slot(self, seq_id: int, num_new_tokens: int = 1) -> AppendedSlots:
@@ -364,47 +358,40 @@ class BlockManager(AllocatorBase):
         self.ref_counts[block] += 1
 
     # ---------------------------------------------------------------- prefix cache
-    def _lookup(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None = None) -> list[int]:
-        """The cached blocks holding the leading full blocks of `token_ids`, never the block of
-        the last token (its logits are needed)."""
+    def match_prefix(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None = None,
+                     keys: Sequence[bytes] = ()) -> PrefixMatch:
+        """The cached blocks holding the leading full blocks of `token_ids` (never the block of the
+        last token: its logits are needed): device blocks, then, where those run out, the CPU
+        tier's. `keys`: the leading blocks' keys, known already (the rest are computed here)."""
+        match = PrefixMatch()
         if not self.enable_prefix_caching:
-            return []
-        hits, key, bs = [], salt, self.block_size
+            return match
+        hits, tier_hits, bs = match.hits, match.tier_hits, self.block_size
+        tier = self.cpu_cached if self.enable_cpu_tier else {}
+        key = salt
         for i in range((min(num_tokens, len(token_ids)) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            key = block_key(key, tokens)
-            block = self.cached_blocks.get(key)
-            if block is None or self.block_tokens[block] != tokens:
-                break
-            hits.append(block)
-        return hits
-
-    def _lookup_cpu_tier(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None,
-                         hits: list[int]) -> list[int]:
-        """The tier blocks holding the full blocks right after the device `hits` (the same rule:
-        never the block of the last token)."""
-        if not self.enable_cpu_tier or not self.cpu_cached:
-            return []
-        bs = self.block_size
-        key = self.block_key[hits[-1]] if hits else salt
-        found = []
-        for i in range(len(hits), (min(num_tokens, len(token_ids)) - 1) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            key = block_key(key, tokens)
-            cpu = self.cpu_cached.get(key)
+            key = keys[i] if i < len(keys) else block_key(key, tokens)
+            if not tier_hits:
+                block = self.cached_blocks.get(key)
+                if block is not None and self.block_tokens[block] == tokens:
+                    hits.append(block)
+                    continue
+            cpu = tier.get(key)
             if cpu is None or self.cpu_block_meta[cpu][0] != tokens:
                 break
-            found.append(cpu)
-        return found
+            tier_hits.append(cpu)
+        return match
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None = None) -> int:
         """How many leading tokens `allocate` would find cached (in either tier)."""
-        hits = self._lookup(token_ids, num_tokens, salt)
-        return (len(hits) + len(self._lookup_cpu_tier(token_ids, num_tokens, salt, hits))) * self.block_size
+        return self.match_prefix(token_ids, num_tokens, salt).num_blocks * self.block_size
 
-    def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
+                          known_keys: Sequence[bytes] = ()) -> None:
         """Key the sequence's full blocks whose KV the worker has confirmed; a key seen for the
-        first time makes its block a cache entry."""
+        first time makes its block a cache entry. `known_keys`: the leading blocks' keys, hashed
+        already (its prompt's)."""
         keys = self.seq_keys.get(seq_id)
         if keys is None:
             return
@@ -414,7 +401,7 @@ class BlockManager(AllocatorBase):
         for i in range(len(keys), num_computed_tokens // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             parent = keys[-1] if keys else None
-            key = block_key(parent or salt, tokens)
+            key = known_keys[i] if i < len(known_keys) else block_key(parent or salt, tokens)
             keys.append(key)
             block = table[i]
             if block != NULL_BLOCK and key not in self.cached_blocks and self.block_key[block] is None:
@@ -643,3 +630,15 @@ class BlockManager(AllocatorBase):
         num_null = table.count(null)
         assert not num_null or self.sliding_window is not None, f"seq {seq_id}: a null entry without a sliding window"
         assert table[:num_null] == [null] * num_null, f"seq {seq_id}: a null entry after a held block"
+
+
+def make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int,
+                   sliding_window: int | None) -> Allocator:
+    """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py),
+    which holds a sequence's blocks whole whatever its sliding window."""
+    if config.allocator == "paged":
+        return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
+                            enable_prefix_caching=config.enable_prefix_caching, sliding_window=sliding_window)
+    from scheduler.contiguous import ContiguousAllocator
+
+    return ContiguousAllocator(num_gpu_blocks, config.block_size, config.allocator.removeprefix("orca-"), max_model_len)

@@ -9,7 +9,7 @@ the most tokens it may ever hold, chosen by `policy`:
     oracle  exactly the request's final length (Orca (Oracle): output lengths known in advance)
 
 The request's final length (`final_tokens`: prompt + max_tokens, capped at max_model_len) is
-given by the Scheduler to `can_allocate` / `allocate`. Regions are placed first-fit over the
+given by the Scheduler to `allocate`. Regions are placed first-fit over the
 block ids 1..num_blocks-1 (block 0 is the null block, as in BlockManager), so a freed region
 leaves a hole that a later, larger request cannot use: external fragmentation.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 
-from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError
+from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, PrefixMatch
 
 POLICIES = ("max", "pow2", "oracle")
 
@@ -84,22 +84,18 @@ class ContiguousAllocator(AllocatorBase):
         return None
 
     # ---------------------------------------------------------------- allocate
-    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None, final_tokens: int | None = None,
-                     salt: bytes | None = None) -> bool:
-        """Whether a region for a new sequence fits in one hole, keeping the watermark free."""
-        needed = self.region_blocks(num_tokens, final_tokens)
-        return needed <= self._num_free - self.watermark_blocks and self._first_fit(needed) is not None
-
     def allocate(
         self, seq_id: int, num_tokens: int, token_ids: list[int] | None = None, final_tokens: int | None = None,
-        salt: bytes | None = None,
-    ) -> int:
-        """Reserve the sequence's region; returns the number of prefix-cached tokens (always 0)."""
+        salt: bytes | None = None, *, match: PrefixMatch | None = None, watermark: bool = False,
+    ) -> int | None:
+        """Reserve the sequence's region in the first hole it fits; returns the number of
+        prefix-cached tokens (always 0). None, having changed nothing, when no hole fits it (with
+        `watermark`: or when it would eat into the watermark)."""
         assert seq_id not in self.block_tables, f"sequence {seq_id} already has a block table"
         needed = self.region_blocks(num_tokens, final_tokens)
         i = self._first_fit(needed)
-        if i is None:
-            raise NoFreeBlocksError(f"no hole of {needed} contiguous blocks ({self._num_free} free in all)")
+        if i is None or watermark and needed > self._num_free - self.watermark_blocks:
+            return None
         start = self._free_starts[i]
         if self._free_lengths[i] == needed:
             del self._free_starts[i], self._free_lengths[i]
@@ -153,10 +149,13 @@ class ContiguousAllocator(AllocatorBase):
     num_cpu_blocks = 0
     num_free_cpu_blocks = 0
 
+    def match_prefix(self, token_ids, num_tokens: int, salt: bytes | None = None, keys=()) -> PrefixMatch:
+        return PrefixMatch()
+
     def cached_prefix_tokens(self, token_ids, num_tokens: int, salt: bytes | None = None) -> int:
         return 0
 
-    def register_computed(self, seq_id: int, token_ids, num_computed_tokens: int) -> None:
+    def register_computed(self, seq_id: int, token_ids, num_computed_tokens: int, known_keys=()) -> None:
         pass  # no prefix cache
 
     def record_kv_events(self) -> None:

@@ -5,7 +5,7 @@ those blocks cached once a result says they are computed."""
 from __future__ import annotations
 
 from common.block_hash import prompt_block_hashes
-from scheduler.allocator import Allocator
+from scheduler.allocator import Allocator, PrefixMatch
 from scheduler.sequence import Sequence, SequenceGroup, TokenView
 
 MIN_SHARED_PREFIX_BLOCKS = 2  # only a shared prefix of this many blocks makes a prompt wait
@@ -18,6 +18,16 @@ def prompt_keys(group: SequenceGroup, block_size: int) -> list[bytes]:
     return group.prompt_block_keys
 
 
+def lone_prompt_match(bm: Allocator, group: SequenceGroup, seqs: list[Sequence]) -> PrefixMatch | None:
+    """The cached blocks of a lone prompt, looked up once per attempt to start it (by the group's
+    prompt block keys, hashed once); None without a prefix cache, for a group scoring its prompt
+    (it computes every position) and for a preempted group of several sequences."""
+    if not bm.enable_prefix_caching or len(seqs) != 1 or group.needs_prompt_logprobs:
+        return None
+    seq = seqs[0]
+    return bm.match_prefix(TokenView(seq), seq.num_tokens, group.prefix_salt, prompt_keys(group, bm.block_size))
+
+
 class ComputingPrefixes:
     """The keys of the prompt blocks being computed, for one pass over the waiting queue: those of
     the running prompts (gathered at the first waiting prompt that asks) and of the prompts the
@@ -27,15 +37,14 @@ class ComputingPrefixes:
         self._bm = block_manager
         self._keys: set[bytes] | None = None
 
-    def should_wait(self, group: SequenceGroup, running: list[SequenceGroup]) -> bool:
+    def should_wait(self, group: SequenceGroup, running: list[SequenceGroup], match: PrefixMatch | None) -> bool:
         """Whether the waiting group's prompt begins with MIN_SHARED_PREFIX_BLOCKS or more blocks
-        that a prompt is computing and the cache does not hold yet."""
-        bm = self._bm
-        if not bm.enable_prefix_caching or len(group.seqs) != 1 or group.needs_prompt_logprobs:
+        that a prompt is computing and the cache does not hold yet (`match`: what it holds)."""
+        if match is None or len(group.seqs) != 1:
             return False
         if self._keys is None:
             self._keys = self._running_prompt_keys(running)
-        return self._shares_a_computing_prefix(group)
+        return self._shares_a_computing_prefix(group, match)
 
     def started(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
         """The group's prompt was admitted: its blocks are being computed too, unless cached already."""
@@ -52,7 +61,7 @@ class ComputingPrefixes:
                     keys.update(prompt_keys(group, self._bm.block_size))
         return keys
 
-    def _shares_a_computing_prefix(self, group: SequenceGroup) -> bool:
+    def _shares_a_computing_prefix(self, group: SequenceGroup, match: PrefixMatch) -> bool:
         computing, bm = self._keys, self._bm
         if not computing:
             return False
@@ -64,6 +73,4 @@ class ComputingPrefixes:
         shared = min(shared, (group.seqs[0].num_tokens - 1) // bm.block_size)
         if shared < MIN_SHARED_PREFIX_BLOCKS:
             return False
-        cached = bm.cached_prefix_tokens(TokenView(group.seqs[0]), group.seqs[0].num_tokens,
-                                         group.prefix_salt) // bm.block_size
-        return cached < shared
+        return match.num_blocks < shared

@@ -43,9 +43,9 @@ from common.protocol import (
     NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, NewSequence, SampledToken, SamplingParams, StepPlan,
     StepResult, WorkerHello, sample_seed,
 )
-from scheduler.allocator import Allocator
+from scheduler.allocator import Allocator, NoFreeBlocksError, PrefixMatch
 from scheduler.beam import SequenceOps, beam_step
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import make_allocator
 from scheduler.decode_fast_path import DecodeFastPath
 from scheduler.failures import FailedRequest, device_blocks, withdraw
 from scheduler.in_flight import PlannedStep, awaits_result, draws_in_flight, take_result
@@ -53,22 +53,10 @@ from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
 from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode
-from scheduler.prefix_wait import ComputingPrefixes
+from scheduler.prefix_wait import ComputingPrefixes, lone_prompt_match
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 from scheduler.speculation import DraftSteps
 from scheduler.step_counters import StepCounters
-
-
-def _make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int,
-                    sliding_window: int | None) -> Allocator:
-    """The paged BlockManager, or an Orca-style contiguous baseline (scheduler/contiguous.py),
-    which holds a sequence's blocks whole whatever its sliding window."""
-    if config.allocator == "paged":
-        return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
-                            enable_prefix_caching=config.enable_prefix_caching, sliding_window=sliding_window)
-    from scheduler.contiguous import ContiguousAllocator
-
-    return ContiguousAllocator(num_gpu_blocks, config.block_size, config.allocator.removeprefix("orca-"), max_model_len)
 
 
 class RequestRejected(ValueError):
@@ -96,7 +84,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self._beam_ops = SequenceOps(self._fork, self._finish, self._forget)
         self.costs = costs
         self.sliding_window = sliding_window
-        self.block_manager: Allocator = _make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
+        self.block_manager: Allocator = make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
                                                         sliding_window)
         self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
         self.running: list[SequenceGroup] = []  # arrival order
@@ -174,7 +162,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
 
     @property
     def max_request_tokens(self) -> int:
-        """The most tokens one request may hold: the pool less the watermark `can_allocate` keeps."""
+        """The most tokens one request may hold: the pool less the watermark `allocate` keeps."""
         bm = self.block_manager
         return (bm.num_total_blocks - bm.watermark_blocks) * bm.block_size
 
@@ -399,12 +387,13 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                 adapter_waits = True
                 i += 1
                 continue
-            if computing.should_wait(group, self.running):  # it keeps its place
-                i += 1
-                continue
             try:
                 seqs = group.seqs_with(SequenceStatus.WAITING)
-                if not self._can_start(group, seqs, budget):
+                match = lone_prompt_match(self.block_manager, group, seqs)
+                if computing.should_wait(group, self.running, match):  # it keeps its place
+                    i += 1
+                    continue
+                if not self._can_start(group, seqs, budget, match) or not self._allocate(group, seqs, match):
                     return
                 self._pin_lora(group, plan)  # available: checked above
                 self.waiting.pop(i)
@@ -418,36 +407,44 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         position: no lookup."""
         return [None if group.needs_prompt_logprobs else TokenView(seq) for seq in seqs]
 
-    def _can_start(self, group: SequenceGroup, seqs: list[Sequence], budget: _Budget) -> bool:
+    def _can_start(self, group: SequenceGroup, seqs: list[Sequence], budget: _Budget, match: PrefixMatch | None
+                   ) -> bool:
         """Whether the waiting group fits this step: sequence slots, its first chunk in the token
-        budget (its whole prompt without chunked prefill), its blocks in the pool."""
+        budget (its whole prompt without chunked prefill), a recomputing group's blocks in the pool
+        (a lone sequence's are `_allocate`'s)."""
         bm = self.block_manager
         if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
             return False
-        tokens = self._prompt_views(group, seqs)
-        salt = group.prefix_salt
         if len(seqs) == 1:
-            hits = [0 if tokens[0] is None else bm.cached_prefix_tokens(tokens[0], seqs[0].num_tokens, salt)]
-            fits = bm.can_allocate(seqs[0].num_tokens, tokens[0], self._final_tokens(group), salt)
+            hits = [match.num_blocks * bm.block_size if match is not None else 0]
         else:  # a preempted group recomputing: hits are a bonus, not counted on
             hits = [0] * len(seqs)
-            fits = sum(bm.blocks_for(seq.num_tokens) for seq in seqs) <= bm.num_free_blocks - bm.watermark_blocks
+            if sum(bm.blocks_for(seq.num_tokens) for seq in seqs) > bm.num_free_blocks - bm.watermark_blocks:
+                return False
         num_new = self._chunk_sizes(seqs, budget, hits)
-        if num_new is None or not self.config.enable_chunked_prefill and any(
-            n + hit < s.num_tokens for s, n, hit in zip(seqs, num_new, hits)
-        ):
-            return False
-        return fits
+        return num_new is not None and (self.config.enable_chunked_prefill or all(
+            n + hit >= s.num_tokens for s, n, hit in zip(seqs, num_new, hits)))
 
-    def _start(self, group: SequenceGroup, seqs: list[Sequence], plan: StepPlan, budget: _Budget) -> None:
-        """Allocate the group's blocks (prefix-cache hits computed already) and plan its first chunk."""
+    def _allocate(self, group: SequenceGroup, seqs: list[Sequence], match: PrefixMatch | None) -> bool:
+        """The group's blocks, its prefix-cache hits taken (a lone prompt's are `match`); False,
+        having changed nothing, when a lone sequence's blocks would eat into the watermark."""
         bm = self.block_manager
         final_tokens, salt = self._final_tokens(group), group.prefix_salt
         for seq, view in zip(seqs, self._prompt_views(group, seqs)):
-            seq.num_computed_tokens = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens, salt)
+            computed = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens, salt, match=match,
+                                   watermark=len(seqs) == 1)
+            if computed is None:
+                if len(seqs) == 1:
+                    return False
+                raise NoFreeBlocksError(f"sequence {seq.seq_id} of a recomputing group found no blocks")
+            seq.num_computed_tokens = computed
             seq.status = SequenceStatus.RUNNING
             if bm.enable_prefix_caching and view is not None:
                 self._count_prefix_lookup(group, seq)
+        return True
+
+    def _start(self, group: SequenceGroup, seqs: list[Sequence], plan: StepPlan, budget: _Budget) -> None:
+        """Plan the allocated group's first chunk (prefix-cache hits computed already)."""
         if group.first_scheduled_time is None:
             group.first_scheduled_time = time.time()
             group.num_cached_tokens = seqs[0].num_computed_tokens  # hits only: nothing ran yet
@@ -719,7 +716,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             if seq.status is running:
                 seq.num_computed_tokens += n
                 if caching and seq.num_computed_tokens // block_size > (seq.num_computed_tokens - n) // block_size:
-                    bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens)  # it filled a block
+                    bm.register_computed(seq_id, TokenView(seq), seq.num_computed_tokens,  # it filled a block
+                                         self._group_of_seq[seq_id].prompt_block_keys or ())
             elif seq.status is swapped:
                 seq.num_computed_tokens += n
 

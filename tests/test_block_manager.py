@@ -43,12 +43,11 @@ def test_allocate_zero_tokens_gives_an_empty_table():
     bm.check_integrity()
 
 
-def test_allocate_without_enough_blocks_raises_and_changes_nothing():
+def test_allocate_without_enough_blocks_returns_none_and_changes_nothing():
     bm = BlockManager(5, 4)
     bm.allocate(0, 9)  # 3 blocks
     before = snapshot(bm)
-    with pytest.raises(NoFreeBlocksError):
-        bm.allocate(1, 5)  # 2 blocks, 1 free
+    assert bm.allocate(1, 5) is None  # 2 blocks, 1 free
     assert snapshot(bm) == before
     bm.check_integrity()
 
@@ -92,14 +91,16 @@ def test_freed_blocks_queue_behind_never_used_ones():
 # ----------------------------------------------------------------------------- watermark
 
 
-def test_can_allocate_keeps_the_watermark_free():
+def test_allocate_keeps_the_watermark_free():
     bm = BlockManager(101, 4, watermark=0.05)
     assert bm.watermark_blocks == 5
-    assert bm.can_allocate(95 * 4)
-    assert not bm.can_allocate(95 * 4 + 1)
-    bm.allocate(0, 90 * 4)
-    assert bm.can_allocate(5 * 4)
-    assert not bm.can_allocate(5 * 4 + 1)
+    before = snapshot(bm)
+    assert bm.allocate(0, 95 * 4 + 1, watermark=True) is None
+    assert snapshot(bm) == before
+    assert bm.allocate(0, 90 * 4, watermark=True) == 0
+    assert bm.allocate(1, 5 * 4 + 1, watermark=True) is None
+    assert bm.allocate(1, 5 * 4, watermark=True) == 0
+    bm.free(1)
     # the watermark only gates new sequences: appends may use it
     assert bm.can_append(0, 10 * 4)
     bm.append_slot(0, 10 * 4)
@@ -110,7 +111,7 @@ def test_can_allocate_keeps_the_watermark_free():
 def test_default_watermark_is_one_percent_rounded_down():
     assert BlockManager(101, 16).watermark_blocks == 1
     assert BlockManager(100, 16).watermark_blocks == 0  # 99 blocks: 0.99 -> 0
-    assert BlockManager(100, 16).can_allocate(99 * 16)
+    assert BlockManager(100, 16).allocate(0, 99 * 16, watermark=True) == 0
 
 
 # ----------------------------------------------------------------------------- append
@@ -366,8 +367,7 @@ def test_random_operations_keep_the_invariants(ops, num_blocks, block_size, wind
                 next_id += 1
             else:
                 before = snapshot(bm)
-                with pytest.raises(NoFreeBlocksError):
-                    bm.allocate(next_id, n)
+                assert bm.allocate(next_id, n) is None
                 assert snapshot(bm) == before
         else:
             seq = live[pick % len(live)]
@@ -668,14 +668,18 @@ def test_a_swap_pool_block_read_by_a_swap_in_is_not_reused_in_the_same_plan():
     bm.check_integrity()
 
 
-def test_can_allocate_counts_hits_on_blocks_in_use_as_free_of_charge():
+def test_allocate_counts_hits_on_blocks_in_use_as_free_of_charge():
     bm = BlockManager(4, 4, enable_prefix_caching=True)  # 3 blocks
     bm.allocate(0, 11, PROMPT)
     computed(bm, 0, PROMPT)
-    assert not bm.can_allocate(11)  # no room for three more
-    assert bm.can_allocate(11, PROMPT) is False  # two shared, one new: none free
+    before = snapshot(bm)
+    assert bm.allocate(1, 11, watermark=True) is None  # no room for three more
+    assert bm.allocate(1, 11, PROMPT, watermark=True) is None  # two shared, one new: none free
+    assert snapshot(bm) == before
     bm.free(0)
-    assert bm.can_allocate(11, PROMPT)
+    match = bm.match_prefix(PROMPT, 11)
+    assert match.hits == before[0][0][:2] and match.tier_hits == []
+    assert bm.allocate(1, 11, PROMPT, match=match, watermark=True) == 8
 
 
 def test_blocks_are_registered_only_up_to_the_confirmed_tokens():
@@ -829,9 +833,9 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
         running, swapped = sorted(bm.block_tables), sorted(bm.cpu_tables)
         if op == "allocate" or not model.tokens:
             tokens = SHARED_PREFIXES[pick % 3][: pick % 13] + new_tokens
-            fits = bm.can_allocate(len(tokens), tokens)
-            if fits:
-                hit = bm.allocate(next_id, len(tokens), tokens)
+            before = snapshot(bm)
+            hit = bm.allocate(next_id, len(tokens), tokens, watermark=True)
+            if hit is not None:
                 run_plan()
                 assert hit % block_size == 0 and hit <= max(len(tokens) - 1, 0)
                 assert prefix_caching or hit == 0
@@ -844,9 +848,6 @@ def test_random_operations_keep_every_sequences_kv_intact(ops, num_blocks, num_c
                 model.write(next_id, hit)
                 next_id += 1
             else:
-                before = snapshot(bm)
-                with pytest.raises(NoFreeBlocksError):
-                    bm.allocate(next_id, len(tokens), tokens)
                 assert snapshot(bm) == before
         elif op == "append" and running:
             seq = running[pick % len(running)]
@@ -945,8 +946,8 @@ def test_prompts_sharing_prefixes_through_a_small_pool_hit_the_cpu_tier_with_the
     model, router, live = KVModel(bm), KVEventsModel(block_size), []
     for seq_id, (prefix, suffix, finish) in enumerate(ops):
         tokens = LONG_PREFIXES[prefix] + suffix
-        if bm.can_allocate(len(tokens), tokens):
-            hit = bm.allocate(seq_id, len(tokens), tokens)
+        hit = bm.allocate(seq_id, len(tokens), tokens, watermark=True)
+        if hit is not None:
             model.run_plan()
             table = bm.block_table(seq_id)
             assert [model.kv[table[p // block_size]][p % block_size] for p in range(hit)] == [

@@ -87,7 +87,9 @@ def test_max_policy_reserves_the_whole_context_per_sequence():
     a.allocate(0, 2, final_tokens=3)
     a.allocate(1, 2, final_tokens=3)
     assert a.regions == {0: (1, 8), 1: (9, 8)}
-    assert not a.can_allocate(1, final_tokens=2)
+    before = snapshot(a)
+    assert a.allocate(2, 1, final_tokens=2, watermark=True) is None
+    assert snapshot(a) == before
     a.check_integrity()
 
 
@@ -120,13 +122,10 @@ def test_external_fragmentation_a_freed_hole_too_small_for_the_next_request():
     a.free(2)
     assert a.free_extents == [(1, 2), (6, 2), (9, 2)]
     assert a.num_free_blocks == 6
-    assert not a.can_allocate(4, final_tokens=12)  # 3 blocks: 6 free, but no hole of 3
     before = snapshot(a)
-    with pytest.raises(NoFreeBlocksError):
-        a.allocate(4, 4, final_tokens=12)
+    assert a.allocate(4, 4, final_tokens=12) is None  # 3 blocks: 6 free, but no hole of 3
     assert snapshot(a) == before
-    assert a.can_allocate(4, final_tokens=8)
-    a.allocate(4, 4, final_tokens=8)
+    assert a.allocate(4, 4, final_tokens=8, watermark=True) == 0
     assert a.regions[4] == (1, 2)  # first fit: the lowest hole
     a.check_integrity()
 
@@ -155,8 +154,10 @@ def test_free_coalesces_neighbours_and_the_pool_is_whole_again():
 def test_watermark_is_kept_free_on_admission():
     a = ContiguousAllocator(101, 4, "oracle", 64, watermark=0.05)  # watermark 5 blocks
     assert a.watermark_blocks == 5
-    assert a.can_allocate(1, final_tokens=95 * 4)
-    assert not a.can_allocate(1, final_tokens=96 * 4)
+    assert a.allocate(0, 1, final_tokens=96 * 4, watermark=True) is None
+    assert a.allocate(0, 1, final_tokens=96 * 4) == 0  # without the watermark it fits
+    a.free(0)
+    assert a.allocate(0, 1, final_tokens=95 * 4, watermark=True) == 0
 
 
 def test_no_sharing_and_no_swapping():
@@ -201,15 +202,15 @@ def test_random_allocate_append_free_keeps_integrity(policy, ops):
         live = sorted(a.regions)
         if op == "allocate":
             num_tokens, final = min(x, y), max(x, y)
-            if a.can_allocate(num_tokens, final_tokens=final):
-                free_before = a.num_free_blocks
-                assert a.allocate(next_id, num_tokens, final_tokens=final) == 0
+            before, free_before = snapshot(a), a.num_free_blocks
+            hit = a.allocate(next_id, num_tokens, final_tokens=final, watermark=True)
+            if hit is not None:
+                assert hit == 0
                 start, length = a.regions[next_id]
                 assert length == a.region_blocks(num_tokens, final)
                 assert a.num_free_blocks == free_before - length
                 assert len(a.block_table(next_id)) == -(-num_tokens // block_size)
             else:
-                before = snapshot(a)
                 needed = a.region_blocks(num_tokens, final)
                 assert needed > a.num_free_blocks - a.watermark_blocks or all(
                     length < needed for _, length in a.free_extents)
@@ -304,6 +305,5 @@ def test_max_policy_admits_only_what_fits_and_never_preempts():
 
 def test_paged_block_manager_takes_and_ignores_the_final_length():
     bm = BlockManager(9, 4)
-    assert bm.can_allocate(5, final_tokens=1000)
-    assert bm.allocate(0, 5, final_tokens=1000) == 0 and bm.block_table(0) == [1, 2]
+    assert bm.allocate(0, 5, final_tokens=1000, watermark=True) == 0 and bm.block_table(0) == [1, 2]
     assert bm.num_allocated_slots == 8

@@ -110,8 +110,8 @@ def test_prefix_cache_is_not_used_for_prompt_logprobs(llm, prompt_ids):
     tables = []
     original = scheduler.block_manager.allocate
 
-    def allocate(seq_id, num_tokens, token_ids=None, final_tokens=None, salt=None):
-        computed = original(seq_id, num_tokens, token_ids, final_tokens, salt)
+    def allocate(seq_id, num_tokens, token_ids=None, final_tokens=None, salt=None, **kwargs):
+        computed = original(seq_id, num_tokens, token_ids, final_tokens, salt, **kwargs)
         tables.append((computed, list(scheduler.block_manager.block_table(seq_id))))
         return computed
 

@@ -14,6 +14,7 @@ from scheduler.engine import LLMEngine
 from scheduler.failures import FailedRequest
 from scheduler.preemption import PreemptionCosts
 from scheduler.scheduler import RequestRejected, Scheduler
+from scheduler.sequence import SequenceStatus
 from tests.fakes import FakeExecutor, KVCheckingExecutor, expected_output, token_for
 
 EOS = 2
@@ -713,6 +714,34 @@ def test_each_output_carries_the_prompt_tokens_its_request_found_cached_when_fir
     run_recording("c", prompt(40) + prompt(30, start=900))  # the first 2 blocks only
     run_recording("d", prompt(70, start=500))
     assert cached == {"a": {0}, "b": {64}, "c": {32}, "d": {0}}
+
+
+def test_a_prompt_is_hashed_once_however_often_its_admission_is_tried(monkeypatch):
+    """A request's prompt block keys are computed once and carried (SequenceGroup.prompt_block_keys):
+    the in-batch prefix wait, the fit and the allocation share one lookup a try, and a request
+    tried again on later steps (no room while "a" holds the pool) hashes nothing more. Only the
+    registration of computed blocks hashes after that, once a block."""
+    import common.block_hash
+    import scheduler.block_manager
+
+    hashed: list[tuple[int, ...]] = []
+
+    def counting(parent, tokens, _key=common.block_hash.block_key):
+        hashed.append(tuple(tokens))
+        return _key(parent, tokens)
+
+    monkeypatch.setattr(common.block_hash, "block_key", counting)
+    monkeypatch.setattr(scheduler.block_manager, "block_key", counting)
+    engine = make_engine(num_gpu_blocks=9, enable_prefix_caching=True)  # 8 blocks: "a" takes 6
+    engine.add_request("a", prompt(90), params(max_tokens=3, ignore_eos=True))
+    engine.step()  # "a"'s 5 full prompt blocks keyed once: its lookup, allocation and registration used them
+    assert hashed == [tuple(prompt(90)[i * 16:(i + 1) * 16]) for i in range(5)]
+    hashed.clear()
+    engine.add_request("b", prompt(70, start=500), params(max_tokens=1, ignore_eos=True))
+    for _ in range(2):  # "a" decodes (no block fills); "b" finds no room twice
+        engine.step()
+        assert engine.scheduler.groups["b"].seqs[0].status is SequenceStatus.WAITING
+    assert hashed == [tuple(prompt(70, start=500)[i * 16:(i + 1) * 16]) for i in range(4)]
 
 
 def test_a_prompt_whose_prefix_another_is_computing_waits_for_it_to_be_cached():
