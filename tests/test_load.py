@@ -343,10 +343,13 @@ def test_the_schedulers_waiting_prompt_tokens_bound_what_the_gateway_admits(smal
                 await asyncio.sleep(0.05)
             queued = [asyncio.create_task(client.post(stack.url + "/v1/completions", json={
                 "prompt": [19556 + i] * 450, "max_tokens": 1})) for i in range(2)]
-            deadline = time.monotonic() + 30
+            # on 2 busy cores the scheduler may take a while to read them and publish its queue: the
+            # gateway must see both before the 101-token request, or it admits that one behind the streams
+            deadline = time.monotonic() + 120
             while waiting()[0] < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             seen = waiting()
+            assert seen[0] == 2, f"the scheduler published {seen} (waiting, their prompt tokens) within 120 s"
             refused = await client.post(gateway.url + "/v1/completions", json={"prompt": [19556] * 101, "max_tokens": 1})
             shed = await client.post(shedding.url + "/v1/completions", json={"prompt": [19556] * 5, "max_tokens": 1})
             still = waiting()  # what the gateway saw: the running streams (4,000 tokens each) have not ended
