@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from common.cli_args import add_config_args, config_from_args
 from common.config import ConfigError, EngineConfig, GatewayConfig, ServingConfig
@@ -240,7 +241,17 @@ def _worker(args) -> int:
     from worker.server import serve  # torch: seconds to import
 
     serve(config_from_args(EngineConfig, args), serving, rank=args.rank, heartbeat=heartbeat)
-    return 0
+    exit_now(0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit a server process whose shutdown is done (connections closed, drained, sockets closed)
+    without the interpreter's teardown: with torch and transformers loaded it took 0.7-1.4 s, which
+    every stop of `pagoda up` waited for."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _add_gateway(p: argparse.ArgumentParser) -> None:
@@ -252,7 +263,7 @@ def _gateway(args) -> int:
     from gateway.server import run
 
     run(config_from_args(GatewayConfig, args))
-    return 0
+    exit_now(0)
 
 
 def _add_up(p: argparse.ArgumentParser) -> None:

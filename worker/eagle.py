@@ -40,10 +40,10 @@ from worker.input_batch import StepTensors
 from worker.loader import hf_directory
 from worker.models.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, default_weight_loader
 from worker.models.llama import LlamaAttention, LlamaMLP, head_dim_of
+from worker.models.rope import TransformersRope
 from worker.models.weights import iter_safetensors
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 from transformers import AutoConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class EagleDrafter:
         finally:
             set_tp_group(group)
         load_head_weights(head, iter_safetensors(hf_directory(source)))
-        head.rotary.init_cache(LlamaRotaryEmbedding, hf_config, max_model_len)
+        head.rotary.init_cache(TransformersRope, hf_config, max_model_len)
         self.head = head.to(device=device, dtype=dtype).eval()
         self.target = target
         # EAGLE-3 reads the residual stream entering three of the target's layers (vLLM's choice)

@@ -11,14 +11,15 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
-from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
 from worker.models.layers import GemmaRMSNorm, RotaryEmbedding
 from worker.models.llama import DecoderModel, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from worker.models.qwen3 import QKNormAttention
+from worker.models.rope import TransformersRope
 
 
 class GemmaAttention(LlamaAttention):
@@ -61,7 +62,7 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    rotary_class = Gemma2RotaryEmbedding
+    rotary_class = TransformersRope
     attention_class = GemmaAttention
 
     def build_model(self, config) -> DecoderModel:
@@ -78,11 +79,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    rotary_class = Gemma3RotaryEmbedding
+    rotary_class = functools.partial(TransformersRope, per_layer_type=True)
     attention_class = Gemma3Attention
 
     def rope_key(self, config, layer_idx: int) -> str:
-        return config.layer_types[layer_idx]  # "sliding_attention" or "full_attention": Gemma3RotaryEmbedding's
+        return config.layer_types[layer_idx]  # "sliding_attention" or "full_attention": its rotary frequencies'
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

@@ -374,8 +374,8 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of every position up to the context length, from the family's own transformers
-    rotary module (`rotary_class`), so every RoPE variant it knows (default, linear, dynamic,
+    """cos and sin of every position up to the context length, from the family's transformers rotary
+    module (`rotary_class`, worker/models/rope.py), so every RoPE variant it knows (default, linear, dynamic,
     llama3, yarn, longrope; partial rotary) is the reference's. Built by `init_cache`, in float32,
     for a sequence of the whole context: the frequencies transformers would use for it (the long
     factors of LongRoPE, the scaled base of dynamic NTK, when the context passes the original)."""

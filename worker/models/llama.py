@@ -19,14 +19,13 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from worker.models.layers import (
     Attention, LogitsHead, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
     RowParallelLinear, VocabParallelEmbedding, act_and_mul, compute_logits, default_weight_loader,
 )
 from worker.quantization import current_config as current_quantization
+from worker.models.rope import TransformersRope
 from worker.models.weights import CheckpointTensor
 from worker.parallel import get_tp_group
 
@@ -149,10 +148,10 @@ class CausalLM(nn.Module):
     """A decoder-only model as the runner uses it: `forward(input_ids, positions)` -> hidden
     states, `compute_logits`, `attention_layers()`, `init_rope_cache`, `load_weights`.
 
-    Subclasses set `rotary_class` (the family's transformers rotary module) and build
+    Subclasses set `rotary_class` (the family's transformers rotary module: worker/models/rope.py) and build
     `self.model` in `build_model`."""
 
-    rotary_class = LlamaRotaryEmbedding
+    rotary_class = TransformersRope
     # (fused parameter part, checkpoint part, shard id): checkpoint tensors that fill a part of one
     # of our fused parameters
     STACKED_PARAMS = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
@@ -318,4 +317,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """Llama with its checkpoint's projections already fused (qkv_proj, gate_up_proj: the loaders
     split them by rank), LongRoPE and partial rotary through Phi-3's own rotary module."""
 
-    rotary_class = Phi3RotaryEmbedding
+    rotary_class = functools.partial(TransformersRope, partial_default=True)

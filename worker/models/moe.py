@@ -19,12 +19,12 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
 
 import kernels
 from worker.models.layers import ReplicatedLinear, activation, all_reduce, copy_checked
 from worker.models.llama import LlamaForCausalLM, LlamaMLP
 from worker.models.qwen3 import QKNormAttention
+from worker.models.rope import TransformersRope
 from worker.models.weights import CheckpointTensor
 from worker.parallel import divide, get_tp_group
 
@@ -152,7 +152,7 @@ class MoeCausalLM(LlamaForCausalLM):
 
 
 class MixtralForCausalLM(MoeCausalLM):
-    rotary_class = MixtralRotaryEmbedding
+    rotary_class = TransformersRope
     EXPERT_PARTS = {"w1": "w1", "w2": "w2", "w3": "w3"}
     RENAMES = ((".block_sparse_moe.", ".mlp."),)
 
