@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common.plan_state import HeldSequence
 from common.protocol import SamplingParams, num_beam_candidates, sample_seed
 from tests.conftest import TINY_LLAMA
-from worker.sampler import Sampler, SamplingRow, argmax, noise_key, seeded_gumbel
+from worker.sampler import Sampler, SamplingRow, argmax
+from worker.seeded_noise import noise_key, seeded_gumbel
 
 EOS = 9
 VOCAB = 12

@@ -30,7 +30,8 @@ from worker.input_batch import StepTensors
 from worker.model_runner import ModelRunner
 from worker.parallel import TensorParallelGroup, set_tp_group
 from worker.prompt_logprobs import prompt_logprobs, scored_indices, scored_spans
-from worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow, uses_penalties
+from worker.penalties import uses_penalties
+from worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
 
 
 class Executor:
@@ -396,12 +397,12 @@ def _measure_host_bandwidth(runner: ModelRunner) -> float:
     saved = [cache.index_select(0, index) for cache in swap_caches]
     seconds = []
     for _ in range(SWAP_PROBE_ROUNDS + 1):
-        runner._sync()
+        runner.synchronize()
         start = time.perf_counter()
         runner.swap_out(out)
         runner.synchronize_swaps()  # waits for the copy and runs the host-side scatter
         runner.swap_in(back)
-        runner._sync()
+        runner.synchronize()
         seconds.append(time.perf_counter() - start)
     for cache, blocks in zip(swap_caches, saved):
         cache.index_copy_(0, index, blocks)

@@ -25,21 +25,16 @@ device until the one copy of the packed results (SampledBatch.to_host).
 """
 from __future__ import annotations
 
-import functools
 import math
-from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from common.plan_state import HeldSequence
-from common.protocol import PENDING_TOKEN, SamplingParams, num_beam_candidates, sample_seed
+from common.protocol import SamplingParams, num_beam_candidates, sample_seed
 from worker.grammar import TokenMask
-
-_M32 = 0xFFFFFFFF
-_M64 = (1 << 64) - 1
-
+from worker.host_to_device import column, select_rows, to_device
+from worker.penalties import TokenCounts
+from worker.seeded_noise import noise_key, premix, premixed_gumbel
 
 @dataclass(slots=True)
 class SamplingRow:
@@ -59,155 +54,6 @@ class SamplerOutput:
     top_logprobs: list[list[list]]  # per sample: [[token_id, logprob], ...] best first
 
 
-def uses_penalties(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
-
-
-# ----------------------------------------------------------------------------- penalty state
-
-
-@dataclass(slots=True)
-class _Counted:
-    row: int
-    num_tokens: int  # tokens of the sequence counted so far
-    base: int  # row * vocab_size: where the row starts in the flattened tables
-    frequency_penalty: float
-    presence_penalty: float
-
-
-class TokenCounts:
-    """What the penalties read, one row per held sequence whose params use them:
-
-        output_counts[row, t]   how often token t is in the sequence's output
-        penalty[row, t]         frequency * count + presence * (count > 0): what t's logit loses
-        seen[row, t]            t is in the prompt or the output (the repetition penalty's set)
-
-    Kept in step with the worker's PlanState by the Executor: `free` the sequences a plan drops,
-    `sync` the ones it schedules (a new sequence is counted from its tokens, a held one from the
-    tokens appended since). A sync scatters the step's new tokens into the rows in one go and
-    recomputes `penalty` at those entries only, so a step reads it as it is. The entries are
-    flat indices built on the host: a decode step costs a handful of tensor ops for the whole
-    batch (each op can hand the GIL to the scheduler thread)."""
-
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size = vocab_size
-        self.device = device
-        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
-        self.penalty = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
-        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        self.seqs: dict[int, _Counted] = {}
-        self.free_rows: list[int] = []
-
-    def row(self, seq_id: int) -> int:
-        return self.seqs[seq_id].row
-
-    def reset(self) -> None:
-        self.seqs.clear()
-        self.free_rows = list(range(self.output_counts.shape[0] - 1, -1, -1))
-
-    def free(self, seq_ids: Iterable[int]) -> None:
-        for seq_id in seq_ids:
-            counted = self.seqs.pop(seq_id, None)
-            if counted is not None:
-                self.free_rows.append(counted.row)
-
-    def sync(self, seqs: Iterable[tuple[int, HeldSequence]], fed: dict[int, int] | None = None,
-             fed_tokens: torch.Tensor | None = None) -> None:
-        """Count the tokens of these sequences not counted yet (all of a sequence seen first).
-        `fed`: seq_id -> draw index in `fed_tokens` (the step before's draws, on the device) of a
-        sequence whose newest token is still a placeholder on the host: it is counted there."""
-        new_rows: list[int] = []
-        fed_bases: list[int] = []  # the rows' flat bases of fed tokens, and their draw indices
-        fed_draws: list[int] = []
-        fed_frequency: list[float] = []
-        fed_presence: list[float] = []
-        prompt_flat: list[int] = []  # flat entries of prompt tokens: only `seen`
-        out_flat: list[int] = []  # flat entries of output tokens, with their row's penalties
-        frequency: list[float] = []
-        presence: list[float] = []
-        for seq_id, held in seqs:
-            counted = self.seqs.get(seq_id)
-            if counted is None:
-                params = held.sampling_params
-                if not uses_penalties(params):
-                    continue
-                row = self._allocate_row()
-                counted = self.seqs[seq_id] = _Counted(row, 0, row * self.vocab_size, params.frequency_penalty,
-                                                       params.presence_penalty)
-                new_rows.append(row)
-            start, end, token_ids = counted.num_tokens, len(held.token_ids), held.token_ids
-            if start == end:
-                continue
-            base = counted.base
-            if end - start == 1 and start >= held.num_prompt_tokens and token_ids[start] == PENDING_TOKEN:
-                fed_bases.append(base)
-                fed_draws.append(fed[seq_id])
-                fed_frequency.append(counted.frequency_penalty)
-                fed_presence.append(counted.presence_penalty)
-            elif end - start == 1 and start >= held.num_prompt_tokens:  # a decode step
-                out_flat.append(base + token_ids[start])
-                frequency.append(counted.frequency_penalty)
-                presence.append(counted.presence_penalty)
-            else:
-                num_prompt = held.num_prompt_tokens
-                if start < num_prompt:
-                    prompt_flat += [base + t for t in token_ids[start:num_prompt]]
-                    start = num_prompt
-                if start < end:
-                    out_flat += [base + t for t in token_ids[start:end]]
-                    frequency += [counted.frequency_penalty] * (end - start)
-                    presence += [counted.presence_penalty] * (end - start)
-            counted.num_tokens = end
-        if new_rows:
-            self._clear(new_rows)
-        fed_flat = None
-        if fed_bases:
-            fed_flat = (_to_device(fed_bases, torch.int64, self.device)
-                        + fed_tokens.index_select(0, _to_device(fed_draws, torch.int64, self.device)))
-            frequency += fed_frequency
-            presence += fed_presence
-        if prompt_flat or out_flat or fed_bases:
-            self._count(prompt_flat, out_flat, frequency, presence, fed_flat)
-
-    def _clear(self, rows: list[int]) -> None:
-        index = _to_device(rows, torch.int64, self.device)
-        for t in (self.output_counts, self.penalty, self.seen):
-            t.index_fill_(0, index, 0)
-
-    def _count(self, prompt_flat: list[int], out_flat: list[int], frequency: list[float],
-               presence: list[float], fed_flat: torch.Tensor | None = None) -> None:
-        """`fed_flat`: flat entries of output tokens known on the device only, after out_flat's."""
-        flat = _to_device(prompt_flat + out_flat, torch.int64, self.device)
-        if fed_flat is not None:
-            flat = torch.cat([flat, fed_flat])
-        self.seen.view(-1).index_fill_(0, flat, True)
-        if not out_flat and fed_flat is None:
-            return
-        if prompt_flat:
-            flat = flat[len(prompt_flat):]
-        counts = self.output_counts.view(-1)
-        counts.index_add_(0, flat, torch.ones(flat.shape[0], device=self.device))
-        # The new counts (a token twice gets its total twice). Each is at least 1, so the penalty
-        # frequency * count + presence * (count > 0) is frequency * count + presence.
-        penalty = counts.index_select(0, flat)
-        row_penalties = _to_device([frequency, presence], torch.float32, self.device)
-        penalty.mul_(row_penalties[0]).add_(row_penalties[1])
-        self.penalty.view(-1).index_copy_(0, flat, penalty)
-
-    def _allocate_row(self) -> int:
-        if not self.free_rows:
-            old = self.output_counts.shape[0]
-            new = max(8, 2 * old)
-            for name in ("output_counts", "penalty", "seen"):
-                setattr(self, name, _grown(getattr(self, name), new))
-            self.free_rows = list(range(new - 1, old - 1, -1))
-        return self.free_rows.pop()
-
-
-def _grown(t: torch.Tensor, num_rows: int) -> torch.Tensor:
-    out = t.new_zeros(num_rows, *t.shape[1:])
-    out[: t.shape[0]] = t
-    return out
 
 
 # ----------------------------------------------------------------------------- results
@@ -252,7 +98,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.token_counts = TokenCounts(vocab_size, self.device)
-        self._token_hash = _premix(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
+        self._token_hash = premix(torch.arange(vocab_size, dtype=torch.int64, device=self.device))
         self._scratch_rows = torch.empty(0, vocab_size, dtype=torch.float32, device=self.device)
         self._bit_table: torch.Tensor | None = None  # [256, 8]: a mask byte's 8 tokens, 0.0 or -inf
 
@@ -276,7 +122,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMask | None = None) -> SampledBatch:
         """The same as __call__, leaving the results on the device (no host sync)."""
         raw = logits.float()
-        logits, owned = self._apply_logit_bias(*self._apply_penalties(raw, rows), rows)
+        logits, owned = self._apply_logit_bias(*self.token_counts.apply(raw, rows, self._scratch), rows)
         logits, owned = self._mask_stops_before_min_tokens(logits, owned, rows, mask)
         if mask is not None:
             logits = self._apply_token_mask(logits, owned, mask)
@@ -288,65 +134,6 @@ class Sampler:
         return SampledBatch(token_ids, packed, top_rows, num_top, top.shape[1] // 2)
 
     # ------------------------------------------------------------------------- penalties and min_tokens
-
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, bool]:
-        """(the penalized logits, whether they are a new tensor)."""
-        penalized = [i for i, r in enumerate(rows) if uses_penalties(r.params)]
-        if not penalized:
-            return logits, False
-        params = [rows[i].params for i in penalized]
-        device = logits.device
-        counts = self.token_counts
-        state_row_ids = [counts.seqs[rows[i].seq_id].row for i in penalized]
-        state_rows = _to_device(state_row_ids, torch.int64, device)
-        x = _select_rows(logits, penalized)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            penalty = _column([p.repetition_penalty for p in params], device)
-            x = torch.where(counts.seen.index_select(0, state_rows), torch.where(x > 0, x / penalty, x * penalty), x)
-        if any(p.presence_penalty or p.frequency_penalty for p in params):
-            out = self._scratch(len(penalized))
-            first = state_row_ids[0]
-            if state_row_ids == list(range(first, first + len(state_row_ids))):  # the rows in order: no gather
-                x = torch.sub(x, counts.penalty[first:first + len(state_row_ids)], out=out)
-            else:
-                penalty = torch.index_select(counts.penalty, 0, state_rows, out=out)
-                x = torch.sub(x, penalty, out=penalty)  # into the gathered rows: one [rows, vocab] buffer, not two
-        if any(rows[i].drafted for i in penalized):
-            self._penalize_drafted(logits, x, rows, penalized, state_row_ids)
-        if len(penalized) == len(rows):
-            return x, True
-        return logits.index_copy(0, _to_device(penalized, torch.int64, device), x), True
-
-    def _penalize_drafted(self, logits: torch.Tensor, x: torch.Tensor, rows: list[SamplingRow], penalized: list[int],
-                          state_row_ids: list[int]) -> None:
-        """In x (the penalized rows, a tensor of its own), the entries of the tokens
-        drafted before each row's position recomputed from the raw logits as if those drafts were
-        output: repetition (they are seen), then presence and frequency over the count plus the
-        drafts'. The other entries are right as they are."""
-        at, tokens, index, state, extra, rep, freq, pres = [], [], [], [], [], [], [], []
-        for k, (i, state_row) in enumerate(zip(penalized, state_row_ids)):
-            drafted = rows[i].drafted
-            if not drafted:
-                continue
-            p = rows[i].params
-            for token, n in Counter(drafted).items():
-                tokens.append(token)
-                at.append(k)
-                index.append(i)
-                state.append(state_row)
-                extra.append(n)
-                rep.append(p.repetition_penalty)
-                freq.append(p.frequency_penalty)
-                pres.append(p.presence_penalty)
-        device = logits.device
-        tokens = _to_device(tokens, torch.int64, device)
-        raw = logits[_to_device(index, torch.int64, device), tokens]
-        count = self.token_counts.output_counts[_to_device(state, torch.int64, device), tokens]
-        rep_t = _to_device(rep, torch.float32, device)
-        value = torch.where(raw > 0, raw / rep_t, raw * rep_t)
-        value = value - _to_device(freq, torch.float32, device) * (count + _to_device(extra, torch.float32, device)) \
-            - _to_device(pres, torch.float32, device)
-        x.index_put_((_to_device(at, torch.int64, device), tokens), value)
 
     def _apply_logit_bias(self, logits: torch.Tensor, owned: bool,
                           rows: list[SamplingRow]) -> tuple[torch.Tensor, bool]:
@@ -361,9 +148,9 @@ class Sampler:
                     biases.append(bias)
         if not row_ids:
             return logits, owned
-        index = _to_device([row_ids, token_ids], torch.int64, logits.device)
+        index = to_device([row_ids, token_ids], torch.int64, logits.device)
         biased = logits if owned else logits.clone()
-        return biased.index_put_((index[0], index[1]), _to_device(biases, torch.float32, logits.device),
+        return biased.index_put_((index[0], index[1]), to_device(biases, torch.float32, logits.device),
                                  accumulate=True), True
 
     def _apply_token_mask(self, logits: torch.Tensor, owned: bool, mask: TokenMask) -> torch.Tensor:
@@ -384,7 +171,7 @@ class Sampler:
         masked = logits if owned else logits.clone()
         if mask.rows == list(range(logits.shape[0])):
             return masked.add_(add)
-        return masked.index_add_(0, _to_device(mask.rows, torch.int64, logits.device), add)
+        return masked.index_add_(0, to_device(mask.rows, torch.int64, logits.device), add)
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, owned: bool, rows: list[SamplingRow],
                                       mask: TokenMask | None = None) -> tuple[torch.Tensor, bool]:
@@ -402,7 +189,7 @@ class Sampler:
                 token_ids += stops
         if not row_ids:
             return logits, owned
-        index = _to_device([row_ids, token_ids], torch.int64, logits.device)
+        index = to_device([row_ids, token_ids], torch.int64, logits.device)
         masked = logits if owned else logits.clone()
         return masked.index_put_((index[0], index[1]), logits.new_full((), float("-inf"))), True
 
@@ -435,17 +222,17 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, paths: dict[str, _Samples], num_samples: int) -> torch.Tensor:
         drawn = []
         if paths["greedy"].rows:
-            drawn.append((paths["greedy"], argmax(_select_rows(logits, paths["greedy"].rows))))
+            drawn.append((paths["greedy"], argmax(select_rows(logits, paths["greedy"].rows))))
         for name, draw in (("top_k", self._draw_top_k), ("top_p", self._draw_top_p), ("full", self._draw_full)):
             samples = paths[name]
             if samples.rows:
-                temperature = _column([p.temperature for p in samples.params], logits.device)
-                drawn.append((samples, draw(_select_rows(logits, samples.rows), temperature, samples)))
+                temperature = column([p.temperature for p in samples.params], logits.device)
+                drawn.append((samples, draw(select_rows(logits, samples.rows), temperature, samples)))
         if len(drawn) == 1:
             return drawn[0][1]
         token_ids = torch.empty(num_samples, dtype=torch.int64, device=logits.device)
         for samples, ids in drawn:
-            token_ids.index_copy_(0, _to_device(samples.index, torch.int64, logits.device), ids)
+            token_ids.index_copy_(0, to_device(samples.index, torch.int64, logits.device), ids)
         return token_ids
 
     # A temperature keeps the order of the logits: the draws divide only the values they keep.
@@ -455,7 +242,7 @@ class Sampler:
         values, ids = x.topk(max(top_k), dim=-1)  # [n, max_k], best first
         values = values / temperature
         if min(top_k) < values.shape[1]:
-            beyond = torch.arange(values.shape[1], device=x.device) >= _column(top_k, x.device, torch.int64)
+            beyond = torch.arange(values.shape[1], device=x.device) >= column(top_k, x.device, torch.int64)
             values = values.masked_fill(beyond, float("-inf"))
         return self._draw_sorted(values, ids, samples)
 
@@ -467,7 +254,7 @@ class Sampler:
         """values: [n, width] best first, -inf where filtered; ids: their token ids."""
         if any(p.top_p < 1.0 for p in samples.params):
             probs = values.softmax(dim=-1)
-            top_p = _column([p.top_p if p.top_p < 1.0 else math.inf for p in samples.params], values.device)
+            top_p = column([p.top_p if p.top_p < 1.0 else math.inf for p in samples.params], values.device)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             values = values.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
         values = self._apply_min_p(values, values[:, :1], samples)
@@ -484,7 +271,7 @@ class Sampler:
         """Drop the tokens less likely than min_p times the best one: logit < best + log(min_p)."""
         if not any(p.min_p > 0 for p in samples.params):
             return values
-        log_min_p = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in samples.params], values.device)
+        log_min_p = column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in samples.params], values.device)
         return values.masked_fill(values < best + log_min_p, float("-inf"))
 
     def _gumbel(self, ids: torch.Tensor | None, keys: list[int | None]) -> torch.Tensor:
@@ -494,13 +281,13 @@ class Sampler:
         width = self.vocab_size if ids is None else ids.shape[1]
         seeded = [j for j, key in enumerate(keys) if key is not None]
         if len(seeded) == len(keys):
-            return _seeded_gumbel(self._token_hash if ids is None else self._token_hash[ids],
-                                  _column(keys, device, torch.int64))
+            return premixed_gumbel(self._token_hash if ids is None else self._token_hash[ids],
+                                  column(keys, device, torch.int64))
         noise = torch.empty(len(keys), width, device=device).exponential_().log_().neg_()
         if seeded:
-            at = _to_device(seeded, torch.int64, device)
+            at = to_device(seeded, torch.int64, device)
             hashes = self._token_hash if ids is None else self._token_hash[ids.index_select(0, at)]
-            noise.index_copy_(0, at, _seeded_gumbel(hashes, _column([keys[j] for j in seeded], device, torch.int64)))
+            noise.index_copy_(0, at, premixed_gumbel(hashes, column([keys[j] for j in seeded], device, torch.int64)))
         return noise
 
     # ------------------------------------------------------------------------- logprobs
@@ -513,7 +300,7 @@ class Sampler:
         best, log_sum = _log_normalizer(raw)
         if sample_rows == list(range(raw.shape[0])):
             return raw.gather(1, token_ids[:, None])[:, 0].sub_(best).sub_(log_sum)
-        at = _to_device(sample_rows, torch.int64, raw.device)
+        at = to_device(sample_rows, torch.int64, raw.device)
         return raw[at, token_ids].sub_(best.index_select(0, at)).sub_(log_sum.index_select(0, at))
 
 
@@ -532,24 +319,15 @@ class Sampler:
         asking = [i for i, w in enumerate(wanted) if w]
         if not asking:
             return raw.new_empty(0, 0, dtype=torch.float64), [-1] * len(sample_rows), [0] * len(sample_rows)
-        raw_logprobs = torch.log_softmax(_select_rows(raw, asking), dim=-1)
+        raw_logprobs = torch.log_softmax(select_rows(raw, asking), dim=-1)
         values, ids = raw_logprobs.topk(max(wanted), dim=-1)
         pairs = torch.stack([ids.double(), values.double()], dim=-1).flatten(1)
         block_row = {row: j for j, row in enumerate(asking)}
         top_rows = [block_row.get(i, -1) for i in sample_rows]
         at = [j for j, row in enumerate(top_rows) if row >= 0]
-        index = _to_device([at, [top_rows[j] for j in at]], torch.int64, raw.device)
+        index = to_device([at, [top_rows[j] for j in at]], torch.int64, raw.device)
         chosen.index_copy_(0, index[0], raw_logprobs[index[1], token_ids.index_select(0, index[0])])
         return pairs, top_rows, [wanted[i] for i in sample_rows]
-
-
-# ----------------------------------------------------------------------------- seeded noise
-#
-# Counter-based: the noise of (key, token) is a 32-bit hash, so a seeded draw needs no generator
-# state. Every intermediate stays in [0, 2**32) inside int64 lanes and every multiplier is below
-# 2**31, so no product overflows and no right shift sees a negative number.
-
-_MIX = (0x7FEB352D, 0x2C1B3C6D)
 
 
 def _allows_more_than(bitmask_row: torch.Tensor, token_ids: list[int], vocab_size: int) -> bool:
@@ -559,62 +337,7 @@ def _allows_more_than(bitmask_row: torch.Tensor, token_ids: list[int], vocab_siz
     return bool(allowed.any())
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def noise_key(seed: int, position: int) -> int:
-    """The 32-bit noise key of a seeded draw at output position `position` (host side, per row)."""
-    return _splitmix64(_seed_hash(seed) ^ position) & _M32
-
-
-@functools.lru_cache(maxsize=4096)
-def _seed_hash(seed: int) -> int:  # a sequence keeps its seed from step to step
-    return _splitmix64(seed & _M64)
-
-
-def _mix32_(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash, in place."""
-    h.bitwise_xor_(h >> 16)
-    h.mul_(_MIX[0]).bitwise_and_(_M32)
-    h.bitwise_xor_(h >> 15)
-    h.mul_(_MIX[1]).bitwise_and_(_M32)
-    return h.bitwise_xor_(h >> 16)
-
-
-def _premix(token_ids: torch.Tensor) -> torch.Tensor:
-    """The per-token half of the hash, computed once per vocabulary."""
-    return _mix32_(_mix32_(token_ids & _M32).bitwise_xor_(0x5BD1E995))
-
-
-def seeded_gumbel(token_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The Gumbel noise of seeded draws at these token ids: [n or 1, width] ids, [n, 1] keys."""
-    return _seeded_gumbel(_premix(token_ids), keys)
-
-
-def _seeded_gumbel(token_hash: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """token_hash: [n or 1, width] premixed tokens; keys: [n, 1] -> Gumbel noise [n, width]."""
-    h = _mix32_(token_hash ^ keys)
-    uniform = (h >> 9).float().mul_(2.0).add_(1.0).mul_(2.0**-24)  # in (0, 1), exactly representable
-    return uniform.log_().neg_().log_().neg_()
-
-
 # ----------------------------------------------------------------------------- helpers
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without a host sync (pinned, non-blocking on CUDA)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _column(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return _to_device(values, dtype, device)[:, None]
 
 
 _CHUNK_ELEMENTS = 1 << 20  # 4 MiB of float32: a chunk's temporary stays in the cache
@@ -656,9 +379,3 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     first = block_best.argmax(dim=-1, keepdim=True) * _ARGMAX_BLOCK
     index = (first + torch.arange(_ARGMAX_BLOCK, device=x.device)).clamp_(max=vocab - 1)
     return index.gather(1, x.gather(1, index).argmax(dim=-1, keepdim=True))[:, 0]
-
-
-def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    if rows == list(range(x.shape[0])):
-        return x
-    return x.index_select(0, _to_device(rows, torch.int64, x.device))
