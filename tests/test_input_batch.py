@@ -200,7 +200,7 @@ def _steps(maker: PlanMaker, state: PlanState, num_steps: int):
 
 
 def _rows(scheduled):
-    from worker.model_runner import ScheduledRow
+    from worker.input_batch import ScheduledRow
 
     return [ScheduledRow(s.held.token_ids, s.num_computed_tokens, s.num_scheduled_tokens, s.held.block_table)
             for s in scheduled]
@@ -218,7 +218,7 @@ def _assert_same_step(got, want) -> None:
 @pytest.mark.parametrize("mirror", [False, True], ids=["cpu-table", "device-mirror"])
 def test_prepare_builds_the_list_path_tensors_on_random_plans(mirror):
     from worker.input_batch import InputBatch
-    from worker.model_runner import flatten_rows
+    from worker.input_batch import flatten_rows
 
     bs = 4
     maker = PlanMaker(seed=1, block_size=bs, num_blocks=600, num_cpu_blocks=200, max_seqs=10)
@@ -418,7 +418,7 @@ def test_enforce_eager_reaches_the_worker_through_pagoda_up(tmp_path):
 
 
 def test_kv_cache_budget_counts_memory_outside_torch_and_what_comes_after_the_peak():
-    from worker.model_runner import GRAPH_OVERHEAD_BYTES, SAMPLER_PEAK_FACTOR, TOKEN_COUNTS_BYTES, cuda_graph_bytes, \
+    from worker.memory_sizing import GRAPH_OVERHEAD_BYTES, SAMPLER_PEAK_FACTOR, TOKEN_COUNTS_BYTES, cuda_graph_bytes, \
         kv_cache_budget, sampler_peak_bytes
 
     gib = 1 << 30
@@ -459,7 +459,8 @@ def test_cuda_graphs_are_captured_per_bucket_and_replay_the_eager_logits(tiny):
 
 @pytest.mark.gpu
 def test_the_graphs_fit_in_what_the_pool_sizing_left_for_them(tiny):
-    from worker.model_runner import ModelRunner, cuda_graph_bytes
+    from worker.memory_sizing import cuda_graph_bytes
+    from worker.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model=str(tiny[0]), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=64))
     decode = runner.decode_runner

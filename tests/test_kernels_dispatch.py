@@ -69,13 +69,15 @@ def test_swap_blocks_moves_blocks_between_pools_for_one_layer_or_many(impl):
 
 
 def test_model_runner_copy_blocks_goes_through_kernels(monkeypatch):
+    from worker.kv_pool import KVPool
     from worker.model_runner import ModelRunner
 
     calls = []
     monkeypatch.setattr(kernels, "copy_blocks", lambda caches, pairs: calls.append((caches, pairs)))
-    runner = SimpleNamespace(kv_caches=[torch.zeros(1)], draft_kv_caches=[])
+    target, draft = [torch.zeros(1)], [torch.zeros(2)]
+    runner = SimpleNamespace(pools=[KVPool(target, [], None), KVPool(draft, [], None)])
     ModelRunner.copy_blocks(runner, [[1, 2]])
-    assert calls == [(runner.kv_caches, [[1, 2]])]
+    assert calls == [(target, [[1, 2]]), (draft, [[1, 2]])]
 
 
 # ----------------------------------------------------------------------------- pagoda bench kernels

@@ -112,11 +112,12 @@ def test_swaps_go_in_staging_chunks_when_a_layer_exceeds_the_staging_size(monkey
 
 
 def test_model_runner_swaps_go_through_its_swapper():
+    from worker.kv_pool import KVPool
     from worker.model_runner import ModelRunner
 
     device, host = _pools(3)
     original = [t.clone() for t in device]
-    runner = SimpleNamespace(swapper=BlockSwapper(device, host), draft_swapper=None)
+    runner = SimpleNamespace(pools=[KVPool(device, host, BlockSwapper(device, host))])
     ModelRunner.swap_out(runner, [[2, 5], [3, 6]])
     ModelRunner.swap_out(runner, [])
     ModelRunner.swap_in(runner, [[5, 10], [6, 11]])
@@ -126,6 +127,7 @@ def test_model_runner_swaps_go_through_its_swapper():
 
 def test_swap_bandwidth_is_measured_through_the_swap_path_and_leaves_both_pools_as_they_were(monkeypatch):
     from worker.executor import SWAP_PROBE_ROUNDS, _measure_host_bandwidth
+    from worker.kv_pool import KVPool
     from worker.model_runner import ModelRunner
 
     device, host = _pools(4)
@@ -134,7 +136,7 @@ def test_swap_bandwidth_is_measured_through_the_swap_path_and_leaves_both_pools_
     calls = []
     runner = SimpleNamespace(
         device=torch.device("cpu"), num_gpu_blocks=DEVICE_BLOCKS, num_cpu_blocks=HOST_BLOCKS, kv_bytes_per_block=12345,
-        swap_caches=host, swapper=swapper, draft_swapper=None, _sync=lambda: None,
+        swap_caches=host, pools=[KVPool(device, host, swapper)], synchronize=lambda: None,
         synchronize_swaps=lambda: ModelRunner.synchronize_swaps(runner),
         swap_out=lambda pairs: calls.append(("out", pairs)) or ModelRunner.swap_out(runner, pairs),
         swap_in=lambda pairs: calls.append(("in", pairs)) or ModelRunner.swap_in(runner, pairs),

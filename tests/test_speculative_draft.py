@@ -113,7 +113,7 @@ def _check_draft_kv_mirrors_target(llm) -> int:
         table = bm.block_table(seq.seq_id)
         positions = torch.arange(seq.num_computed_tokens)
         blocks = torch.tensor(table)[positions // bs]
-        for target, draft in zip(runner.kv_caches, runner.draft_kv_caches):
+        for target, draft in zip(runner.pools[0].caches, runner.pools[1].caches):
             torch.testing.assert_close(draft[blocks, :, positions % bs], target[blocks, :, positions % bs],
                                        atol=1e-4, rtol=1e-4)
         checked += len(positions)

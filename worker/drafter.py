@@ -65,14 +65,6 @@ class DraftModel:
         bits = torch.finfo(self.kv_cache_dtype).bits
         return sum(2 * block_size * a.num_kv_heads * a.head_dim * bits // 8 for a in self.layers)
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> list[torch.Tensor]:
-        caches = []
-        for attn in self.layers:
-            attn.kv_cache = torch.zeros((num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim),
-                                        dtype=self.kv_cache_dtype, device=device)
-            caches.append(attn.kv_cache)
-        return caches
-
     def forget(self, seq_ids) -> None:
         """Nothing is kept per sequence (EagleDrafter keeps hidden states)."""
 

@@ -210,12 +210,6 @@ class EagleDrafter:
         a = self.layers[0]
         return 2 * block_size * a.num_kv_heads * a.head_dim * torch.finfo(self.kv_cache_dtype).bits // 8
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> list[torch.Tensor]:
-        a = self.layers[0]
-        a.kv_cache = torch.zeros((num_blocks, 2, block_size, a.num_kv_heads, a.head_dim),
-                                 dtype=self.kv_cache_dtype, device=device)
-        return [a.kv_cache]
-
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
             self.pending.pop(seq_id, None)

@@ -220,3 +220,43 @@ class InputBatch:
         if lora and max(lora) < 0:  # no row has an adapter: the hooks skip
             lora = []
         return ids, positions, token_rows, lora
+
+
+@dataclass(slots=True)
+class ScheduledRow:
+    """One sequence's share of a step, as the executor hands it to the runner."""
+
+    token_ids: list[int]  # the sequence's tokens so far
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_table: list[int]
+
+
+def flatten_rows(rows: list[ScheduledRow], samples: list[bool], block_size: int, device: torch.device) -> StepTensors:
+    """Flatten the rows into one varlen batch from lists: the profile run's input and the tests'
+    reference for InputBatch.prepare. Host work grows with batch x context: not for serving."""
+    input_ids, positions, slots, seq_lens, cu_seqlens_q, logits_indices = [], [], [], [], [0], []
+    for row, sample in zip(rows, samples):
+        start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
+        input_ids += row.token_ids[start:end]
+        positions += range(start, end)
+        table = row.block_table
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        seq_lens.append(end)
+        cu_seqlens_q.append(cu_seqlens_q[-1] + row.num_scheduled_tokens)
+        if sample:
+            logits_indices.append(cu_seqlens_q[-1] - 1)
+    max_blocks = max(len(row.block_table) for row in rows)
+    tables = [row.block_table + [0] * (max_blocks - len(row.block_table)) for row in rows]
+    context = AttentionContext(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
+    )
+    return StepTensors(
+        torch.tensor(input_ids, dtype=torch.int64, device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+        context,
+        torch.tensor(logits_indices, dtype=torch.int64, device=device),
+    )

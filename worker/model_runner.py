@@ -7,8 +7,6 @@ CUDA) unless `enforce_eager`; other steps run the model eagerly on the step's ow
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 
 import torch
 
@@ -18,14 +16,15 @@ from common.models import resolve_model
 from common.plan_state import ScheduledSequence
 from common.protocol import StepPlan
 from kernels.kv_quant import kv_cache_dtype
-from worker.context import AttentionContext, attention_context
-from worker.cuda_graph import DecodeRunner, batch_size_buckets
+from worker.context import attention_context
+from worker.cuda_graph import DecodeRunner
 from worker.drafter import DraftModel
 from worker.eagle import EagleDrafter
 from worker.input_batch import InputBatch, StepTensors
+from worker.kv_pool import KVPool, allocate_kv_caches
 from worker.loader import load_model, resolve_dtype, resolve_scheme
 from worker.lora import LoRAManager
-from worker.models.layers import local_only
+from worker.memory_sizing import cuda_graph_bytes, kv_bytes_per_block, num_blocks_that_fit, profile_prefill
 from worker.parallel import get_tp_group
 
 log = logging.getLogger(__name__)
@@ -42,55 +41,6 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", (torch.cuda.current_device() + rank) % torch.cuda.device_count())
     return device
-
-
-@dataclass(slots=True)
-class ScheduledRow:
-    """One sequence's share of a step, as the executor hands it to the runner."""
-
-    token_ids: list[int]  # the sequence's tokens so far
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    block_table: list[int]
-
-
-SAMPLER_PEAK_FACTOR = 6  # fp32 [rows, vocab] arrays a sampling step holds at once, at most: probabilities,
-#                         a sort's values and int64 indices (3), a cumulative sum and a mask (~1)
-# The sampler's penalty counts (worker/sampler.py TokenCounts): fp32 counts, fp32 penalty and a bool
-# mask per (row, token), the rows doubling as penalized sequences arrive: up to 2 rows per sequence.
-TOKEN_COUNTS_BYTES = 2 * (4 + 4 + 1)
-GRAPH_OVERHEAD_BYTES = 16 << 20  # per captured graph, outside torch's allocator (its instantiated nodes): a bound
-
-
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-    """One block's K and V over every layer, in the cache's dtype (an fp8 cache: 1 byte an element)."""
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def kv_cache_budget(total: int, free: int, reserved: int, peak: int, utilization: float, extra: int = 0) -> int:
-    """Bytes left for the KV pool on a device, from the memory seen after the profile run.
-
-    total, free: torch.cuda.mem_get_info(); reserved: torch.cuda.memory_reserved(); peak:
-    torch.cuda.max_memory_allocated() (weights plus the profile's activations). (total - free) -
-    reserved is what the device holds outside torch's allocator (the CUDA context, cuBLAS
-    workspaces, NCCL buffers); `extra` is what comes later on top of the peak (the sampler, the
-    CUDA graphs).
-    """
-    non_torch = max((total - free) - reserved, 0)
-    return int(total * utilization) - peak - non_torch - extra
-
-
-def sampler_peak_bytes(max_num_seqs: int, vocab_size: int) -> int:
-    """A bound on the sampler's memory over max_num_seqs rows: a step's float32 temporaries and
-    the persistent penalty counts."""
-    return max_num_seqs * vocab_size * (4 * SAMPLER_PEAK_FACTOR + TOKEN_COUNTS_BYTES)
-
-
-def cuda_graph_bytes(max_batch: int, activation_bytes_per_token: float, num_graphs: int) -> int:
-    """A bound on the decode graphs' memory: their shared pool holds the largest bucket's
-    activations (at the profile run's bytes per token) plus each graph's own nodes."""
-    return int(max_batch * activation_bytes_per_token) + num_graphs * GRAPH_OVERHEAD_BYTES
 
 
 class ModelRunner:
@@ -120,7 +70,6 @@ class ModelRunner:
         self.sliding_window = self.model.sliding_window()  # every layer's, or None
         self.block_size = config.block_size
         attn = self.model.attention_layers()[0]
-        self.kv_shape = (2, self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_bytes_per_block = kv_bytes_per_block(len(self.model.attention_layers()), self.block_size,
                                                      attn.num_kv_heads, attn.head_dim, self.kv_cache_dtype)
         self.kv_bytes_per_block += self.draft_kv_bytes_per_block
@@ -130,17 +79,21 @@ class ModelRunner:
                        attention_variants={(a.sliding_window, a.logit_softcap) for a in self.model.attention_layers()},
                        kv_cache_dtype=self.kv_cache_dtype)
         self.model.warmup_kernels()  # a family's own (the fused MoE's tiles)
-        self.activation_bytes_per_token = 0.0  # measured by the profile run on CUDA
-        self.prefill_tokens_per_s = self._profile_prefill()
-        self.num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_that_fit()
-        self.kv_caches = self._allocate_kv_cache(self.num_gpu_blocks)
-        self.draft_kv_caches = ([] if self.drafter is None else
-                                self.drafter.allocate(self.num_gpu_blocks, self.block_size, self.device))
+        # (the activations' bytes per token at the peak: measured on CUDA only)
+        self.prefill_tokens_per_s, self.activation_bytes_per_token = profile_prefill(self)
+        self.num_gpu_blocks = config.num_gpu_blocks or num_blocks_that_fit(
+            config, self.device, self.kv_bytes_per_block, int(self.hf_config.vocab_size), self.world_size,
+            self.activation_bytes_per_token)
         self.num_cpu_blocks = (
             config.num_cpu_blocks if config.num_cpu_blocks is not None
             else int(config.swap_space_gb * (1 << 30) // self.kv_bytes_per_block)
         )
-        self.swap_caches = self._allocate_swap_pool(self.num_cpu_blocks)
+        # one pool per model, the target's first: the draft's layers share its block ids and swap with them
+        layers = [(self.model.attention_layers(), self.kv_cache_dtype)]
+        if self.drafter is not None:
+            layers.append((self.drafter.layers, self.drafter.kv_cache_dtype))
+        self.pools = [KVPool.on(allocate_kv_caches(attns, self.num_gpu_blocks, self.block_size, dtype, self.device),
+                                self.num_cpu_blocks) for attns, dtype in layers]
         self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                       self.block_size, self.device, enable_lora=config.enable_lora)
         self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
@@ -208,74 +161,7 @@ class ModelRunner:
                             runner.captured_bytes / (1 << 20), bound / (1 << 20))
         return runner
 
-    # ------------------------------------------------------------------ memory
-    def _num_blocks_that_fit(self) -> int:
-        if self.device.type == "cuda":
-            config = self.config
-            free, total = torch.cuda.mem_get_info(self.device)
-            extra = sampler_peak_bytes(config.max_num_seqs, int(self.hf_config.vocab_size))
-            if not config.enforce_eager and self.world_size == 1:
-                extra += cuda_graph_bytes(config.max_num_seqs, self.activation_bytes_per_token,
-                                          len(batch_size_buckets(config.max_num_seqs)))
-            budget = kv_cache_budget(total, free, torch.cuda.memory_reserved(self.device),
-                                     torch.cuda.max_memory_allocated(self.device), config.gpu_memory_utilization, extra)
-        else:
-            budget = self.config.cpu_kv_cache_gb * (1 << 30)
-        return max(int(budget // self.kv_bytes_per_block), 2)
-
-    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        caches = []
-        for attn in self.model.attention_layers():
-            # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-            attn.kv_cache = torch.zeros((num_blocks, *self.kv_shape), dtype=self.kv_cache_dtype, device=self.device)
-            caches.append(attn.kv_cache)
-        return caches
-
-    def _allocate_swap_pool(self, num_blocks: int) -> list[torch.Tensor]:
-        """The CPU swap pool, same layout as the device pool; pinned on CUDA so swaps are DMA (and
-        then locked up front; on CPU untouched pages cost nothing until a swap writes them). Swaps
-        go through `self.swapper`, batched per layer (kernels/swap.py)."""
-        pin = self.device.type == "cuda"
-        pools = self.kv_caches + self.draft_kv_caches  # a draft's layers swap with the target's
-        caches = [
-            torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, device="cpu", pin_memory=pin)
-            for pool in pools
-        ] if num_blocks else []
-        n = len(self.kv_caches) if caches else 0
-        self.swapper = kernels.BlockSwapper(pools[:n], caches[:n])
-        # a swapper moves layers of one shape: the draft's have their own
-        self.draft_swapper = kernels.BlockSwapper(pools[n:], caches[n:]) if caches and self.draft_kv_caches else None
-        return caches
-
-    @torch.inference_mode()
-    def _profile_prefill(self) -> float:
-        """Prefill through a scratch cache: on CUDA at the full token budget with logits for
-        max_num_seqs rows (the peak the KV pool is sized against); returns the prefill rate."""
-        budget = min(self.config.max_num_batched_tokens, self.max_model_len)
-        num_tokens = budget if self.device.type == "cuda" else min(budget, 256)  # CPU: just the rate
-        blocks = -(-num_tokens // self.block_size) + 1
-        for attn in self.model.attention_layers():
-            attn.kv_cache = torch.zeros((blocks, *self.kv_shape), dtype=self.kv_cache_dtype, device=self.device)
-        row = ScheduledRow([0] * num_tokens, 0, num_tokens, list(range(1, blocks)))
-        step = self.prepare_rows([row], [True])
-        if self.device.type == "cuda":
-            step.logits_indices = torch.full((self.config.max_num_seqs,), num_tokens - 1, device=self.device)
-            weights = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        with local_only():  # each rank alone: its group forms only after every rank has loaded
-            self.forward_eager(step)  # warm up, and the memory peak
-            self._sync()
-            if self.device.type == "cuda":
-                self.activation_bytes_per_token = (torch.cuda.max_memory_allocated(self.device) - weights) / num_tokens
-            start = time.perf_counter()
-            self.forward_eager(step)
-            self._sync()
-        elapsed = time.perf_counter() - start
-        for attn in self.model.attention_layers():
-            attn.kv_cache = None
-        return num_tokens / max(elapsed, 1e-9)
-
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -292,10 +178,6 @@ class ModelRunner:
         """The step's tensors from the persistent input rows (worker/input_batch.py); `feed`: rows
         whose input id is the step before's draw, still on the device."""
         return self.input_batch.prepare(scheduled, feed, feed_tokens)
-
-    def prepare_rows(self, rows: list[ScheduledRow], samples: list[bool]) -> StepTensors:
-        """A step's tensors from lists (the profile run): see `flatten_rows`."""
-        return flatten_rows(rows, samples, self.block_size, self.device)
 
     @torch.inference_mode()
     def forward(self, step: StepTensors, scored_indices: list[int] | None = None) -> torch.Tensor | None:
@@ -342,60 +224,35 @@ class ModelRunner:
                 errors.append([slot, f"LoRA adapter {lora.lora_name!r} could not be loaded: {exc}"])
         return errors
 
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.pools[0].caches
+
+    @property
+    def swap_caches(self) -> list[torch.Tensor]:
+        """Every pool's host layers, the target's first."""
+        return [cache for pool in self.pools for cache in pool.swap_caches]
+
     @torch.inference_mode()
     def copy_blocks(self, src_to_dst: list[list[int]]) -> None:
-        kernels.copy_blocks(self.kv_caches, src_to_dst)
-        if self.draft_kv_caches:  # (one shape per call)
-            kernels.copy_blocks(self.draft_kv_caches, src_to_dst)
+        for pool in self.pools:
+            pool.copy_blocks(src_to_dst)
 
     @torch.inference_mode()
     def swap_out(self, device_to_cpu: list[list[int]]) -> None:
         # the gather is queued on the stream before the forward that reuses these blocks; the
         # copy to the host is asynchronous on CUDA (its host-side scatter runs later, in order)
         if device_to_cpu:
-            self.swapper.swap_out(device_to_cpu)
-            if self.draft_swapper is not None:
-                self.draft_swapper.swap_out(device_to_cpu)
+            for pool in self.pools:
+                pool.swap_out(device_to_cpu)
 
     @torch.inference_mode()
     def swap_in(self, cpu_to_device: list[list[int]]) -> None:
         if cpu_to_device:
-            self.swapper.swap_in(cpu_to_device)
-            if self.draft_swapper is not None:
-                self.draft_swapper.swap_in(cpu_to_device)
+            for pool in self.pools:
+                pool.swap_in(cpu_to_device)
 
     def synchronize_swaps(self) -> None:
         """Wait for the swaps queued so far (their host-side scatters included)."""
-        self.swapper.synchronize()
-        if self.draft_swapper is not None:
-            self.draft_swapper.synchronize()
-
-
-def flatten_rows(rows: list[ScheduledRow], samples: list[bool], block_size: int, device: torch.device) -> StepTensors:
-    """Flatten the rows into one varlen batch from lists: the profile run's input and the tests'
-    reference for InputBatch.prepare. Host work grows with batch x context: not for serving."""
-    input_ids, positions, slots, seq_lens, cu_seqlens_q, logits_indices = [], [], [], [], [0], []
-    for row, sample in zip(rows, samples):
-        start, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
-        input_ids += row.token_ids[start:end]
-        positions += range(start, end)
-        table = row.block_table
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        seq_lens.append(end)
-        cu_seqlens_q.append(cu_seqlens_q[-1] + row.num_scheduled_tokens)
-        if sample:
-            logits_indices.append(cu_seqlens_q[-1] - 1)
-    max_blocks = max(len(row.block_table) for row in rows)
-    tables = [row.block_table + [0] * (max_blocks - len(row.block_table)) for row in rows]
-    context = AttentionContext(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
-    )
-    return StepTensors(
-        torch.tensor(input_ids, dtype=torch.int64, device=device),
-        torch.tensor(positions, dtype=torch.int64, device=device),
-        context,
-        torch.tensor(logits_indices, dtype=torch.int64, device=device),
-    )
+        for pool in self.pools:
+            pool.synchronize()
