@@ -1,6 +1,7 @@
 """The offline, in-process engine: the Scheduler driving an executor by direct calls.
 
-`schedule -> execute -> update` is the whole step. The executor is anything with
+`schedule -> execute -> update` is the whole step (scheduler/step_pipeline.py, as in the scheduler
+process). The executor is anything with
 `execute(StepPlan) -> StepResult`: the worker's Executor in process (plans and results handed
 over as objects), or a transport to worker processes. With `wire=True` every plan and result
 goes through the msgpack codec, exactly as it would cross ZeroMQ.
@@ -21,15 +22,17 @@ from scheduler.memory_trace import MemoryTrace
 from scheduler.memory_view import MemoryEventLog
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import RequestOutput
+from scheduler.step_pipeline import StepPipeline
 
 
 class StepExecutor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
-class LLMEngine:
+class LLMEngine(StepPipeline):
     def __init__(self, scheduler: Scheduler, executor: StepExecutor, wire: bool = False,
                  memory_trace: MemoryTrace | None = None) -> None:
+        super().__init__()
         self.scheduler = scheduler
         self.executor = executor
         self.wire = wire
@@ -37,6 +40,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         self._results: deque[StepResult | None] = deque()  # of the plans in flight, oldest first (None: launched)
+        self._outputs: list[RequestOutput] = []  # of the results taken this step
 
     @classmethod
     def from_hello(cls, config, hello: WorkerHello, executor: StepExecutor, wire: bool = False,
@@ -50,7 +54,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id)
-        self._settle()
+        self.settle()
+        self._outputs.clear()
         self._trace()
         return aborted
 
@@ -61,11 +66,8 @@ class LLMEngine:
         """One step's outputs. With async scheduling the next plan is made (and, in process, run)
         before this step's result is applied; once no request is left, the plan still in flight
         is applied too, so the engine ends idle."""
-        if not self._results:
-            self._run(self.scheduler.schedule())
-        if self.scheduler.config.async_scheduling:
-            self._run(self.scheduler.schedule())
-        outputs = self.scheduler.update(self._finish()) + self._settle()
+        self.run_step()
+        outputs, self._outputs = self._outputs, []
         self._trace()
         return outputs
 
@@ -73,22 +75,7 @@ class LLMEngine:
         if self.memory_trace is not None:
             self.memory_trace.record(self.scheduler, idle=not self.has_unfinished_requests())
 
-    def _settle(self) -> list[RequestOutput]:
-        """Once no request is left, apply the results still in flight (they end nothing new)."""
-        outputs = []
-        while self._results and not self.scheduler.has_unfinished_requests():
-            outputs += self.scheduler.update(self._finish())
-        return outputs
-
-    def _finish(self) -> StepResult:
-        result = self._results.popleft()
-        if result is None:
-            result = self.executor.finish()
-            if self.wire:
-                result = decode(encode(result))
-        return result
-
-    def _run(self, plan: StepPlan) -> None:
+    def _launch(self, plan: StepPlan) -> None:
         if self.wire:
             plan = decode(encode(plan))
         if hasattr(self.executor, "launch"):
@@ -101,3 +88,12 @@ class LLMEngine:
         self.num_steps += 1
         self.num_scheduled_tokens += plan.num_scheduled_tokens
         self._results.append(result)
+
+    def _take_result(self, plan: StepPlan) -> bool:
+        result = self._results.popleft()
+        if result is None:
+            result = self.executor.finish()
+            if self.wire:
+                result = decode(encode(result))
+        self._outputs += self.scheduler.update(result)
+        return True

@@ -28,7 +28,6 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
 
 import redis
 
@@ -43,6 +42,7 @@ from scheduler.inbox import IDLE_BLOCK_MS, Arrival
 from scheduler.outbox import PublishKVEvents
 from scheduler.request_stream import RequestStream
 from scheduler.scheduler import RequestRejected, Scheduler
+from scheduler.step_pipeline import StepPipeline
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,9 @@ STATUS_INTERVAL_S = 0.5
 MEMORY_INTERVAL_S = 0.25  # the dashboard's snapshot, at most this often, only when it changed and is watched
 
 
-class SchedulerServer:
+class SchedulerServer(StepPipeline):
     def __init__(self, engine_config: EngineConfig, serving: ServingConfig) -> None:
+        super().__init__()
         self.engine_config = engine_config
         self.serving = serving
         self.id = serving.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -71,7 +72,6 @@ class SchedulerServer:
         self._memory_tables = PackedTables()  # its block tables, packed: the next publish packs what changed
         self._num_snapshots = 0  # published: each snapshot's `version`
         self.memory_events = MemoryEventLog()  # every worker group's: event ids never restart
-        self._in_flight: deque[StepPlan] = deque()  # plans sent, oldest first
 
     # ------------------------------------------------------------------ lifecycle
     def serve_forever(self) -> None:
@@ -115,8 +115,8 @@ class SchedulerServer:
         if self.stream.maintain_due():
             for request_id in self.stream.maintain(draining=self.drain_deadline is not None):
                 self.scheduler.abort_request(request_id)
-        if self._in_flight and not self.scheduler.has_unfinished_requests():  # every request aborted
-            self._settle()
+        if self.in_flight and not self.scheduler.has_unfinished_requests():  # every request aborted
+            self.settle()
             if self.scheduler is None:
                 return
         busy = self.scheduler.has_unfinished_requests()
@@ -196,7 +196,7 @@ class SchedulerServer:
         if self.scheduler is not None and self.serving.kv_events:
             self._queue_kv_events([AllBlocksCleared()])  # the group's KV is gone with its ranks
         self.scheduler = None
-        self._in_flight.clear()  # their results, if any come, are of the old epoch: dropped
+        self.in_flight.clear()  # their results, if any come, are of the old epoch: dropped
         if self.link.generation == self.group_generation:  # else the link already took on new ranks
             self.link.forget_workers()
         self.epoch = (self.epoch + 1) % (1 << 31)
@@ -230,32 +230,18 @@ class SchedulerServer:
 
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
-        """Send the next plan, then take the oldest result. Once no request is left, the plan
-        still in flight is gathered too (an idle link drops stale frames)."""
-        s = self.scheduler
-        if not self._in_flight:
-            self._send(s.schedule())
-        if s.config.async_scheduling:
-            self._send(s.schedule())  # planned while the workers run the plan before it
-        oldest = self._in_flight[0]
-        if self._collect() and not s.has_unfinished_requests():
-            self._settle()
-        if not any(p.new_seqs or p.cached_seqs for p in (oldest, *self._in_flight)):
+        """Send the next plan, then take the oldest result (scheduler/step_pipeline.py). Once no
+        request is left, the plan still in flight is gathered too (an idle link drops stale frames)."""
+        oldest = self.run_step()
+        if not any(p.new_seqs or p.cached_seqs for p in (oldest, *self.in_flight)):
             time.sleep(0.001)  # nothing fits yet
 
-    def _settle(self) -> None:
-        """Apply the results of every plan in flight (before an idle link drops them as stale)."""
-        while self._in_flight and self._collect():
-            pass
-
-    def _send(self, plan: StepPlan) -> None:
+    def _launch(self, plan: StepPlan) -> None:
         self._fail_isolated()
-        self.link.send_plan(plan)  # even an empty plan: it carries the ids workers must drop
-        self._in_flight.append(plan)
+        self.link.send_plan(plan)
 
-    def _collect(self) -> bool:
-        """Gather and apply the oldest plan's result; False when that failed the group."""
-        plan = self._in_flight.popleft()
+    def _take_result(self, plan: StepPlan) -> bool:
+        """Gather and apply the plan's result; False when that failed the group."""
         result = self.link.gather(plan, self.serving.step_timeout_s, on_wait=self._heartbeats)
         if result is None or result.error:
             # a rank that died is the cause its peers' failed collectives report: name it first
