@@ -130,7 +130,7 @@ class Executor:
             self.runner.drafter.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
         if self.sampler is not None:
             self._count_tokens(plan, scheduled, feed, feed_tokens)
-            self._sync_grammars(scheduled)
+            self._sync_grammars(plan, scheduled)
         lora_errors = self.runner.load_loras(plan.lora_loads) if plan.lora_loads else []
         # swap-out first: a block leaving for the swap pool may be reused by this very step
         self.runner.swap_out(plan.blocks_to_swap_out)
@@ -257,9 +257,13 @@ class Executor:
         if self.grammar.matchers:
             self.grammar.free(dropped)
 
-    def _sync_grammars(self, scheduled: list[ScheduledSequence]) -> None:
+    def _sync_grammars(self, plan: StepPlan, scheduled: list[ScheduledSequence]) -> None:
         """Before the forward: the matchers of the step's constrained sequences brought up to their
-        tokens, and the grammar of one met first set compiling (it overlaps the forward)."""
+        tokens, and the grammar of one met first set compiling (it overlaps the forward). A
+        constrained sequence comes in a plan's new ones and has a matcher from then on: with none
+        of either, no row is constrained."""
+        if not self.grammar.matchers and not any(gated(new.sampling_params) for new in plan.new_seqs):
+            return
         constrained = [(s.seq_id, s.held) for s in scheduled if gated(s.held.sampling_params)]
         if constrained:
             self.grammar.sync(constrained)
@@ -267,6 +271,8 @@ class Executor:
     def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
         """The grammar masks of the step's constrained rows (waiting for a grammar still
         compiling): None when no row is constrained."""
+        if not self.grammar.matchers:
+            return None
         constrained, drafted, row = [], {}, 0
         for s in sampling:  # a row with drafts has 1 + k logits rows, masked in turn
             n = len(s.draft_token_ids) + 1 if s.draft_token_ids else 1

@@ -153,6 +153,8 @@ class TokenCounts:
               scratch: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """The rows' penalties applied to their logits: (the penalized logits, whether they are a new
         tensor). `scratch(n)`: an [n, vocab] float32 buffer the result may be written to."""
+        if not self.seqs:  # a row whose params use penalties is counted (`sync`)
+            return logits, False
         penalized = [i for i, r in enumerate(rows) if uses_penalties(r.params)]
         if not penalized:
             return logits, False
