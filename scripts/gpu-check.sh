@@ -67,7 +67,7 @@ TESTS=${GPU_CHECK_TESTS:-tests/test_kernels_triton.py tests/test_kernels_fused.p
 step tests 180 $PY -m pytest -q -n 8 -m gpu -p no:cacheprovider $TESTS
 step kernels 45 $PY -m pagoda.cli bench kernels --output "$prefix-kernels.json"
 step kernels-moe 60 $PY -m pagoda.cli bench kernels --moe --output "$prefix-kernels-moe.json"
-# [speculative]: a verify step (k drafts per sequence, in the decode graphs by batch expansion) against a decode step
+# Speculative decoding: a verify step (k drafts per sequence, in the decode graphs by batch expansion) against a decode step
 if has_bench verify; then
   step verify 90 $PY -m pagoda.cli bench verify --model $MODEL --device cuda --dtype bfloat16 --batch-sizes 1,16,64 \
     --num-speculative-tokens 1,2,4,8 --context-len 1024 --output "$prefix-verify.json"
@@ -75,7 +75,7 @@ fi
 step throughput-96 150 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \
   --max-output-len 128 --ignore-eos --hf-batch-size 16 --seed 0 $([ "${HF_BASELINE:-1}" = 0 ] && echo --skip-baseline) \
   --output "$prefix-throughput-96.json"
-# [lora]: the same 96 requests on an engine serving 8 random rank-16 adapters, round-robin, over the base engine's
+# LoRA: the same 96 requests on an engine serving 8 random rank-16 adapters, round-robin, over the base engine's
 step throughput-96-lora8 120 $PY -m pagoda.cli bench throughput --model $MODEL "${ENGINE[@]}" --num-prompts 96 \
   --max-output-len 128 --ignore-eos --seed 0 --skip-baseline --lora-adapters 8 --lora-rank 16 \
   --output "$prefix-throughput-96-lora8.json"
@@ -88,7 +88,7 @@ if has_bench profile; then
     --context-len 1024 --output "$prefix-profile.json"
 fi
 step step 60 $PY -m pagoda.cli bench step --device cuda --batch-sizes 64,256 --output "$prefix-step.json"
-# [quantization]: the int4 GEMM, the FP8 decode step against bf16's at batch 1, an fp8 KV cache's capacity
+# Quantization: the int4 GEMM, the FP8 decode step against bf16's at batch 1, an fp8 KV cache's capacity
 step kernels-int4 45 $PY -m pagoda.cli bench kernels --int4 --output "$prefix-kernels-int4.json"
 step latency-fp8 90 $PY -m pagoda.cli bench latency --model $MODEL --device cuda --dtype bfloat16 --quantization fp8 \
   --batch-sizes 1,64 --input-len 1024 --output-len 128 --output "$prefix-latency-fp8.json"
@@ -97,7 +97,7 @@ step latency-fp8-kv 90 $PY -m pagoda.cli bench latency --model $MODEL --device c
 
 # the KV swap between the device pool and pinned host memory: staged against direct
 step kernels-swap 60 $PY -m pagoda.cli bench kernels --swap --output "$prefix-kernels-swap.json"
-# [cache-at-scale]: an evicted 8k-token prefix found in the CPU tier and copied back, against recomputing it
+# The CPU prefix-cache tier: an evicted 8k-token prefix found in the CPU tier and copied back, against recomputing it
 step cpu-tier 120 $PY -m pagoda.cli bench cpu-tier --model $MODEL --device cuda --dtype bfloat16 --prefix-len 8192 \
   --rounds 3 --output "$prefix-cpu-tier.json"
 

@@ -1,7 +1,7 @@
 """One stream through the served API, as a user's client sees it: for each --quantization given,
 start `pagoda up` with it, send --requests chat completions one after another with the openai
 client (streaming, --max-tokens tokens each, EOS ignored) and report output tokens/s (from the
-first token to the last) and time to first token. The [quantization] issue's CPU goal.
+first token to the last) and time to first token. The CPU quantization goal's measure.
 
     .venv/bin/python scripts/single-stream.py none auto --output benchmarks/results/....json
 """

@@ -1,4 +1,4 @@
-"""[lora]'s test adapters: random PEFT adapters (made by peft) of the tiny Qwen3, and the
+"""The LoRA tests' adapters: random PEFT adapters (made by peft) of the tiny Qwen3, and the
 references transformers+PEFT give for them. Shared by tests/test_lora.py and the GPU module
 tests/test_lora_gpu.py, so it imports no test-only package but peft."""
 from __future__ import annotations

@@ -440,7 +440,7 @@ def test_random_operations_keep_the_invariants(ops, num_blocks, block_size, wind
 
 
 def test_truncate_gives_back_the_blocks_past_the_slots_kept_and_refuses_confirmed_ones():
-    """[speculative]'s rejected draft slots: blocks wholly past the slots kept are released tail
+    """Speculative decoding's rejected draft slots: blocks wholly past the slots kept are released tail
     first (a shared one only loses this table's count); slots of blocks the prefix registry keyed,
     or short of a sliding window's null entries, cannot go."""
     bm = BlockManager(9, 4, enable_prefix_caching=True)

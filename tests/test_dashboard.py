@@ -1,4 +1,4 @@
-"""[observability] through the real stack: one `pagoda up` (the default model on CPU) for the memory
+"""The memory dashboard through the real stack: one `pagoda up` (the default model on CPU) for the memory
 page's data, the page in headless Chromium, and the vLLM-compatible metrics."""
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ class SimSeq:
     table: list[int] = field(default_factory=list)
     held: bool = False  # the worker holds it (sent in full once)
     cpu_blocks: list[int] = field(default_factory=list)  # while swapped out
-    drafts: list[int] = field(default_factory=list)  # [speculative] verified by the step in flight
+    drafts: list[int] = field(default_factory=list)  # verified by the step in flight
     accepted: list[int] = field(default_factory=list)  # accepted drafts the next plan carries
 
 
@@ -41,7 +41,7 @@ class PlanMaker:
     def __init__(self, seed: int, block_size: int, num_blocks: int, num_cpu_blocks: int, max_seqs: int,
                  max_len: int = 60, vocab: int = 500, draft_rate: float = 0.0) -> None:
         self.rng = random.Random(seed)
-        self.draft_rate = draft_rate  # [speculative] how often a decoding sequence verifies 1-4 drafts
+        self.draft_rate = draft_rate  # how often a decoding sequence verifies 1-4 drafts
         self.bs, self.max_seqs, self.max_len, self.vocab = block_size, max_seqs, max_len, vocab
         self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
         self.ref = [0] * num_blocks
@@ -182,7 +182,7 @@ class PlanMaker:
         next(s for s in self.running if s.seq_id == seq_id).tokens.append(token)
 
     def verified(self, seq_id: int, draws: list[int]) -> None:
-        """[speculative] The step drew a token after each of the sequence's 1 + k positions: a random
+        """The step drew a token after each of the sequence's 1 + k positions: a random
         number of drafts passes (the worker does not judge), then the draw after the last of them."""
         seq = next(s for s in self.running if s.seq_id == seq_id)
         accepted = seq.drafts[:self.rng.randint(0, len(seq.drafts))]
@@ -358,7 +358,7 @@ def test_static_decode_path_matches_eager_token_for_token(tiny, one_torch_thread
 
 
 def _drive(maker: PlanMaker, state: PlanState, runners: list, num_steps: int, tol: float) -> None:
-    """[speculative] Each random plan through every runner (swaps and copies first), each step's
+    """Each random plan through every runner (swaps and copies first), each step's
     logits the first runner's; its greedy draws go back to the maker (1 + k for a verification)."""
     for plan, scheduled in _steps(maker, state, num_steps):
         logits = []
@@ -384,7 +384,7 @@ def _drive(maker: PlanMaker, state: PlanState, runners: list, num_steps: int, to
 
 
 def test_verify_steps_run_as_one_decode_row_per_token_and_match_the_chunk_path(tiny, one_torch_thread):
-    """[speculative] Batch expansion: steps whose sequences verify drafts (or compute at most
+    """Batch expansion: steps whose sequences verify drafts (or compute at most
     MAX_EXPANDED_QUERY tokens) run through the static decode buffers, a row per token, and give the
     chunk path's logits, draws and KV pool, through copy-on-write, swaps, recomputes and random
     accept/reject patterns."""
@@ -470,7 +470,7 @@ def test_the_graphs_fit_in_what_the_pool_sizing_left_for_them(tiny):
 
 @pytest.mark.gpu
 def test_verify_steps_replay_the_decode_graphs_and_give_the_chunk_paths_logits(tiny):
-    """[speculative] On CUDA, steps that verify drafts run in the decode graphs (batch expansion:
+    """On CUDA, steps that verify drafts run in the decode graphs (batch expansion:
     CUDA graphs for the verify step, bucketed by the rows it expands to)."""
     from worker.model_runner import ModelRunner
 

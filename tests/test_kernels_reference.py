@@ -428,7 +428,7 @@ def test_no_window_and_no_softcap_is_the_plain_path():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_short_chunks_after_a_context_are_batched_by_length_and_match_dense_attention(dtype):
-    """[speculative] A last token and its drafts per sequence: the chunks of one query length
+    """A last token and its drafts per sequence: the chunks of one query length
     attend in one batched call per context group (NaN-poisoned padding zeroed), as dense attention."""
     from kernels.reference import plan_attention
 

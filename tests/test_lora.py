@@ -1,4 +1,4 @@
-"""[lora]: batched multi-LoRA serving. Random PEFT adapters (made by peft) of a tiny Qwen3 and of the
+"""Batched multi-LoRA serving. Random PEFT adapters (made by peft) of a tiny Qwen3 and of the
 default model: each adapter's greedy tokens are transformers+PEFT's and its logprobs agree within
 1e-4 in float32, offline in a mixed batch (8 adapters and the base, 3 slots), under swap
 preemption, over a tensor-parallel group of 2, through `pagoda generate --lora` and through the

@@ -1,4 +1,4 @@
-"""[lora] on a CUDA device: the SGMV kernels against the per-op reference at decode and prefill sizes, and a mixed batch of 8
+"""LoRA on a CUDA device: the SGMV kernels against the per-op reference at decode and prefill sizes, and a mixed batch of 8
 adapters and the base model (3 slots) through the Triton kernels and the decode CUDA graphs, equal
 to transformers+PEFT in float32: greedy tokens exactly, logprobs within 1e-4. Imports no test-only
 package but peft, so a GPU host runs it from a source tree."""

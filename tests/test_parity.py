@@ -125,7 +125,7 @@ SPEC_MAX_TOKENS = 16  # four more engines, three with a second model to run: few
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
 def test_greedy_with_each_speculative_method_matches_transformers(method, llm, hf_outputs, prompt_ids, device, tmp_path):
-    """[speculative] The parity prompts with drafts: transformers' greedy tokens whatever the drafts
+    """The parity prompts with drafts: transformers' greedy tokens whatever the drafts
     (n-gram lookups; the default model as its own draft model; random EAGLE-1 and EAGLE-3 heads of
     its shape, as no trained one can be fetched here)."""
     from transformers import AutoConfig

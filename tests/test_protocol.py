@@ -64,7 +64,7 @@ MESSAGES = [
     MEMORY_EVENT, SNAPSHOT, StructuredOutput("json_object"), PromptLogprobs(2, 3, [-1.5], [4], [[]]),
     StepResult(4, 0, [SAMPLED], None, [PromptLogprobs(4, 1, [-0.5, -2.0], [1, 7], [[[9, -0.25]], [[3, -1.0]]])]),
     RequestEvent("cmpl-3", [], None, "length", prompt_logprobs=[None, [-0.5, 1, [[9, -0.25]]]]),
-    # [lora]: a request naming an adapter, a plan loading it into slot 1 for a new sequence
+    # LoRA: a request naming an adapter, a plan loading it into slot 1 for a new sequence
     LoRARequest("sql", 7, "/adapters/sql"),
     GenerateRequest("cmpl-4", [1, 2], SamplingParams(), "pagoda:replies:gw1", 1.7e9, LoRARequest("sql", 7, "/a")),
     StepPlan(18, 2, [dataclasses.replace(NEW_SEQ, lora_slot=1)], lora_loads=[[1, LoRARequest("sql", 7, "/a")]]),
@@ -165,10 +165,9 @@ def test_a_wrong_field_count_is_a_protocol_error(values):
 
 
 def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defaults():
-    """A scheduler older than [scale-out] (no `engine`), than [observability] (no memory counters) or
-    than [quantization] (no KV cache dtype and block bytes), than [cache-at-scale] (no waiting tokens) or
-    than [lora] (no adapters), or than the prefill rate (--ttft-slo-ms), the CPU tier's counters and
-    the routing counters, than [speculative] (no spec_decode counters), or than `draining`."""
+    """A scheduler from before data parallelism (no `engine`), the memory counters, the KV cache dtype
+    and block bytes, the waiting tokens, LoRA adapters, the prefill rate (--ttft-slo-ms), the CPU
+    tier's counters and the routing counters, speculative decoding's counters, or `draining`."""
     new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-31:]
     old = _body(encode(STATUS))[1:-31]  # every field but the 31 appended
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old)], use_bin_type=True)

@@ -1,4 +1,4 @@
-"""[cache-at-scale] cache-aware routing: the gateway's router (gateway/router.py) over KV events in a
+"""Cache-aware routing: the gateway's router (gateway/router.py) over KV events in a
 real redis-server, and a scheduler's side of the per-group streams (scheduler/request_stream.py):
 its own stream first, then the shared one, stealing what a busy group left unread, taking over a
 dead scheduler's requests from any stream. The real stack's tests are in tests/test_data_parallel.py."""

@@ -1,4 +1,4 @@
-"""[speculative] n-gram speculative decoding: drafts verified in one forward, lossless.
+"""N-gram speculative decoding: drafts verified in one forward, lossless.
 
 The real path: the default model in full precision, speculation on and off over one loaded worker
 (`LLM.reset`), so every comparison is between the same weights and kernels. Greedy and seeded

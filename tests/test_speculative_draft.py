@@ -1,4 +1,4 @@
-"""[speculative] method draft_model: a smaller model proposes the drafts on the worker, over its own
+"""Speculative method draft_model: a smaller model proposes the drafts on the worker, over its own
 paged KV pool with the target's block ids (worker/drafter.py); the target verifies them.
 
 Tiny random Llamas as target and drafts (a close draft: the target's weights perturbed, which

@@ -1,4 +1,4 @@
-"""[speculative] The scheduler's drafts over random workloads, against a fake worker that checks
+"""The scheduler's drafts over random workloads, against a fake worker that checks
 every key each query reads.
 
 SpecKVExecutor holds, per KV slot, the token prefix whose key it stores; a sequence's drafts are
