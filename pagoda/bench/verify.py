@@ -77,7 +77,7 @@ def measure(runner, batch_size: int, ks: list[int], args, rng: random.Random) ->
         runs[f"verify {k}"] = lambda verify=verify: runner.forward(verify)
         if expands:  # the same step through the chunk path
             runs[f"chunks {k}"] = lambda verify=verify: _through_chunks(runner, verify)
-    times = time_in_turn(runs, args.iters, args.warmup, sync=runner._sync)
+    times = time_in_turn(runs, args.iters, args.warmup, sync=runner.synchronize)
     row = {"batch_size": batch_size, "context_len": length, "decode_ms": 1e3 * times["decode"], "verify": entries}
     log(f"batch {batch_size}: decode {row['decode_ms']:.2f} ms")
     for entry in entries:
