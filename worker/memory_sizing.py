@@ -15,7 +15,7 @@ from worker.models.layers import local_only
 
 SAMPLER_PEAK_FACTOR = 6  # fp32 [rows, vocab] arrays a sampling step holds at once, at most: probabilities,
 #                         a sort's values and int64 indices (3), a cumulative sum and a mask (~1)
-# The sampler's penalty counts (worker/sampler.py TokenCounts): fp32 counts, fp32 penalty and a bool
+# The sampler's penalty counts (worker/penalties.py TokenCounts): fp32 counts, fp32 penalty and a bool
 # mask per (row, token), the rows doubling as penalized sequences arrive: up to 2 rows per sequence.
 TOKEN_COUNTS_BYTES = 2 * (4 + 4 + 1)
 GRAPH_OVERHEAD_BYTES = 16 << 20  # per captured graph, outside torch's allocator (its instantiated nodes): a bound
@@ -68,7 +68,9 @@ def num_blocks_that_fit(config: EngineConfig, device: torch.device, kv_bytes: in
     return max(int(budget // kv_bytes), 2)
 
 
-CPU_WARMUP_TOKENS = 16  # the CPU's warm-up prefill: its kernels' first-call set-up, not its size (no peak to measure)
+# the CPU's warm-up prefill: the first-call set-up of the GEMM the timed prefill takes (past the
+# packed int4/int8 kernels' 16 rows), not its size (no peak to measure)
+CPU_WARMUP_TOKENS = 32
 
 
 @torch.inference_mode()
