@@ -310,6 +310,7 @@ class EngineClient:
         return await asyncio.shield(self._status_read)
 
     async def _read_statuses(self) -> list[SchedulerStatus]:
+        started = time.monotonic()  # the cache's age counts from the read's start: what it saw is that old
         keys = [key async for key in self.redis.scan_iter(match=streams.STATUS_PREFIX + "*", count=1000)]
         result = []
         for raw in await self.redis.mget(keys) if keys else []:
@@ -322,7 +323,7 @@ class EngineClient:
                 continue
             if isinstance(status, SchedulerStatus):
                 result.append(status)
-        self._status_cache = (time.monotonic(), result)
+        self._status_cache = (started, result)
         return result
 
     async def memory_snapshots(self) -> list[EngineMemory]:

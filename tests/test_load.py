@@ -350,6 +350,9 @@ def test_the_schedulers_waiting_prompt_tokens_bound_what_the_gateway_admits(smal
                 await asyncio.sleep(0.1)
             seen = waiting()
             assert seen[0] == 2, f"the scheduler published {seen} (waiting, their prompt tokens) within 120 s"
+            # each gateway's reply reader also reads the statuses (every second): one it read just before
+            # the scheduler published them is its admission's for status_ttl_s (0.1 s) from that read
+            await asyncio.sleep(0.5)
             refused = await client.post(gateway.url + "/v1/completions", json={"prompt": [19556] * 101, "max_tokens": 1})
             shed = await client.post(shedding.url + "/v1/completions", json={"prompt": [19556] * 5, "max_tokens": 1})
             still = waiting()  # what the gateway saw: the running streams (4,000 tokens each) have not ended
