@@ -12,10 +12,12 @@ import openai
 import pytest
 
 from common.protocol import SamplingParams
+from tests import scripted
 from tests.stack import Stack
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
+COUNTING = {"One": [" two,", " three,", " four."]}
 
 
 @pytest.fixture(scope="module")
@@ -262,11 +264,12 @@ def test_the_drained_metrics_count_each_prompt_answered_before_them_once(client,
         assert stack.wait_drained(30)[queries] == before + 20
 
 
-def test_kill_9_of_pagoda_up_takes_every_child_down_and_a_new_stack_starts_on_its_port():
-    """On a stack of its own (the module's is shared, tests/conftest.py). Each child lives in a session
-    of its own, so only the parent-death signal can take it down with a supervisor that had no chance
-    to stop it."""
-    stack = Stack().wait_ready()
+def test_kill_9_of_pagoda_up_takes_every_child_down_and_a_new_stack_starts_on_its_port(tmp_path):
+    """On a stack of its own (the module's is shared, tests/conftest.py), of a scripted model (what
+    is tested is the processes, and it starts in seconds). Each child lives in a session of its own,
+    so only the parent-death signal can take it down with a supervisor that had no chance to stop it."""
+    flags = ("--model", str(scripted.build(tmp_path, COUNTING)), "--max-model-len", "64", "--num-gpu-blocks", "16")
+    stack = Stack(*flags).wait_ready()
     try:
         children = stack.children()
         assert {"redis-server", "gateway", "scheduler", "worker"} <= {name.rstrip("'") for name in children}
@@ -274,11 +277,12 @@ def test_kill_9_of_pagoda_up_takes_every_child_down_and_a_new_stack_starts_on_it
         assert stack.process.wait(10) == -signal.SIGKILL
         assert wait_for(lambda: not [pid for pid in children.values() if _alive(pid)], 5), "a child outlived pagoda up"
         assert stack.health() == 0
-        again = Stack(port=stack.port).wait_ready()
+        again = Stack(*flags, port=stack.port).wait_ready()
         try:
             with httpx.Client(timeout=60) as http:
-                body = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 3, "temperature": 0}
-                assert http.post(again.url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
+                body = {"model": tmp_path.name, "prompt": "One", "max_tokens": 3, "temperature": 0}
+                answer = http.post(again.url + "/v1/completions", json=body).json()
+                assert (answer["choices"][0]["text"], answer["usage"]["completion_tokens"]) == (" two, three, four.", 3)
         finally:
             assert again.stop() == 0
     finally:
