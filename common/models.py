@@ -52,6 +52,11 @@ class ModelSource:
         key = hashlib.sha256(f"{self.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
         return cache_root() / "converted" / f"{self.path.stem}-{key}"
 
+    @property
+    def converted_tokenizer_dir(self) -> Path:
+        """Where a GGUF file's tokenizer is saved once converted (common/tokenizer.py)."""
+        return self.converted_dir / "tokenizer"
+
 
 def cache_root() -> Path:
     root = os.environ.get("PAGODA_CACHE") or os.path.join(

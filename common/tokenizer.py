@@ -19,7 +19,7 @@ def load_tokenizer(model: str | ModelSource) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(source.path)
     if source.kind == "dummy":
         raise ValueError("a dummy model has no tokenizer: pass token ids")
-    cached = source.converted_dir / "tokenizer"
+    cached = source.converted_tokenizer_dir
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
     tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)

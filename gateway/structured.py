@@ -28,6 +28,7 @@ from typing import Any
 from common.protocol import StructuredOutput
 from common.structured_output import InvalidStructuredOutput, choice_spec, compile_structured_output, json_schema_spec
 from gateway.models import MAX_GRAMMAR_CHARS, InvalidField, SamplingRequest
+from gateway.without_torch import let_torch_in
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class _Compile:
 
 def _grammar_compiler(tokenizer: Any, vocab_size: int | None) -> Any:
     """The worker's kind of GrammarCompiler for `tokenizer`, or False when xgrammar cannot read it."""
+    let_torch_in()
     import xgrammar as xgr
 
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -230,6 +232,7 @@ class GrammarParser:
     tokenizer-dependent compile that follows it."""
 
     def __init__(self) -> None:
+        let_torch_in()
         import xgrammar as xgr  # imports torch: only a gateway that serves a constrained request pays for it
 
         self._grammar = xgr.Grammar

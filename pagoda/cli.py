@@ -260,9 +260,13 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
 
 
 def _gateway(args) -> int:
+    from gateway.without_torch import keep_torch_out
+
+    config = config_from_args(GatewayConfig, args)
+    keep_torch_out(config.model)
     from gateway.server import run
 
-    run(config_from_args(GatewayConfig, args))
+    run(config)
     exit_now(0)
 
 

@@ -79,6 +79,34 @@ def test_the_tokenizer_loader_lives_in_common_and_the_worker_imports_nothing_of_
     assert named_imports(sorted((ROOT / "worker").rglob("*.py")), {"gateway"}) == []
 
 
+def test_a_gateway_process_tokenizes_without_torch_until_a_grammar_needs_it(tmp_path):
+    """What `pagoda gateway` does first (gateway/without_torch.py), then the gateway's own start and
+    a chat prompt's tokens; then xgrammar (which imports torch) once the block is lifted."""
+    from tests import scripted
+
+    model = scripted.build(tmp_path, {"hello": [" world"]})
+    statement = (f"from gateway.without_torch import keep_torch_out, let_torch_in; keep_torch_out({str(model)!r}); "
+                 "from common.tokenizer import load_tokenizer; import gateway.app; "
+                 "t = load_tokenizer(" + repr(str(model)) + "); "
+                 "assert t.apply_chat_template([{'role': 'user', 'content': 'hello'}], tokenize=False) == 'user hello\\n'; "
+                 "assert sys.modules['torch'] is None; let_torch_in(); import xgrammar")
+    code = f"import sys; {statement}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:1])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["['torch']"]
+    assert "PyTorch was not found" not in proc.stderr
+
+
+def test_a_gguf_tokenizer_not_converted_yet_keeps_torch_in(tmp_path, monkeypatch):
+    """transformers reads a GGUF file with torch: no block for the default model before its
+    tokenizer is converted (a fresh cache), nor for a model that cannot be resolved."""
+    from gateway.without_torch import _converts_a_gguf_tokenizer
+
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
+    assert _converts_a_gguf_tokenizer("default") and _converts_a_gguf_tokenizer(str(tmp_path / "missing.gguf"))
+    assert not _converts_a_gguf_tokenizer(str(tmp_path)) and not _converts_a_gguf_tokenizer("org/name")
+
+
 PACKAGES = ("common", "gateway", "scheduler", "worker", "kernels", "pagoda", "tests")
 
 
