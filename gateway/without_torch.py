@@ -1,7 +1,7 @@
 """A gateway process runs without torch until a grammar needs it.
 
 transformers' tokenizers do not use torch, but `import transformers` imports it whenever it is
-installed: half a gateway's start (2.9 s of 5.7 on 2 busy cores) and two thirds of its memory (89
+installed: half a gateway's start (2.9 s of 5.7 on this 2-core machine) and two thirds of its memory (89
 MiB instead of 277). `keep_torch_out`, called first thing in a gateway's own process, makes torch
 look absent, so transformers runs as it does where torch is not installed (it asks once and keeps
 the answer). Two things do need torch: converting a GGUF file's tokenizer (then the block is not
