@@ -73,6 +73,8 @@ def _base_shapes(source: ModelSource) -> dict | None:
             config = AutoConfig.for_model(data.pop("model_type", "llama"), **data)
         elif source.kind == "hf":
             config = AutoConfig.from_pretrained(source.path)
+        elif (source.converted_dir / "config.json").is_file():  # a GGUF file the worker has converted
+            config = AutoConfig.from_pretrained(source.converted_dir)
         else:
             config = AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
         return target_shapes(getattr(config, "text_config", None) or config)

@@ -263,7 +263,7 @@ def _gateway(args) -> int:
     from gateway.without_torch import keep_torch_out
 
     config = config_from_args(GatewayConfig, args)
-    keep_torch_out(config.model)
+    keep_torch_out(config.model, config.enable_lora)
     from gateway.server import run
 
     run(config)

@@ -97,14 +97,25 @@ def test_a_gateway_process_tokenizes_without_torch_until_a_grammar_needs_it(tmp_
     assert "PyTorch was not found" not in proc.stderr
 
 
-def test_a_gguf_tokenizer_not_converted_yet_keeps_torch_in(tmp_path, monkeypatch):
-    """transformers reads a GGUF file with torch: no block for the default model before its
-    tokenizer is converted (a fresh cache), nor for a model that cannot be resolved."""
-    from gateway.without_torch import _converts_a_gguf_tokenizer
+def test_the_gateway_keeps_torch_in_while_it_would_read_a_gguf_file(tmp_path, monkeypatch):
+    """transformers reads a GGUF file with torch: no block before the file's tokenizer is converted
+    (and, with --enable-lora, its config: LoRA's shape check reads it), none for a model that cannot
+    be resolved; `pagoda.cli`, which sets the block, imports neither torch nor transformers first."""
+    from common.models import resolve_model
+    from gateway.without_torch import reads_a_gguf_file
 
-    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
-    assert _converts_a_gguf_tokenizer("default") and _converts_a_gguf_tokenizer(str(tmp_path / "missing.gguf"))
-    assert not _converts_a_gguf_tokenizer(str(tmp_path)) and not _converts_a_gguf_tokenizer("org/name")
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert reads_a_gguf_file(str(gguf)) and reads_a_gguf_file("default")
+    converted = resolve_model(str(gguf))
+    converted.converted_tokenizer_dir.mkdir(parents=True)
+    (converted.converted_tokenizer_dir / "tokenizer_config.json").write_text("{}")
+    assert not reads_a_gguf_file(str(gguf)) and reads_a_gguf_file(str(gguf), enable_lora=True)
+    (converted.converted_dir / "config.json").write_text("{}")
+    assert not reads_a_gguf_file(str(gguf), enable_lora=True)
+    assert not reads_a_gguf_file(str(tmp_path)) and not reads_a_gguf_file("org/name")
+    assert imported_after("import pagoda.cli", {"torch", "transformers"}) == []
 
 
 PACKAGES = ("common", "gateway", "scheduler", "worker", "kernels", "pagoda", "tests")
