@@ -34,6 +34,7 @@ import redis
 from common import streams
 from common.admission import AdmissionLimits
 from common.config import EngineConfig, ServingConfig
+from common.gc_heap import freeze_startup_heap
 from common.kv_events import AllBlocksCleared, KVEventBatch, encode_batch
 from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, StepPlan, WorkerHello, encode
 from common.transport import WorkerLink
@@ -77,6 +78,7 @@ class SchedulerServer(StepPipeline):
     def serve_forever(self) -> None:
         if threading.current_thread() is threading.main_thread():  # signal.signal works only there
             signal.signal(signal.SIGTERM, lambda *_: self.drain())
+            freeze_startup_heap(f"scheduler {self.id}")  # a process of its own (tests run it in a thread)
         self.stream.ensure_group()
         log.info("scheduler %s waiting for %d worker(s) on %s", self.id, self.engine_config.tensor_parallel_size,
                  self.serving.zmq_address)

@@ -2,6 +2,7 @@
 
 The worker runs in a process of its own: a test changes a part of it with a `setup` function that
 the spawned process runs first (a monkeypatch of this process would not reach it)."""
+import gc
 import json
 import time
 import os
@@ -20,7 +21,7 @@ from pagoda.bench.step import (
 from pagoda.cli import main
 
 ROW_KEYS = ["batch", "context", "sampling", "simulated_forward_ms", "async_scheduling", "steps", "decode_tokens",
-            "step_ms", "host_ms", "forward_ms", "breakdown_ms", "load_1m"]
+            "step_ms", "host_ms", "host_max_ms", "gc_freeze", "forward_ms", "breakdown_ms", "load_1m"]
 PARTS = ["schedule", "encode_plan", "decode_plan", "apply", "prepare", "sampler", "execute_other", "encode_result",
          "decode_result", "update"]
 
@@ -45,6 +46,7 @@ def test_cli_writes_one_row_per_workload_with_the_documented_keys(tmp_path):
         assert row["async_scheduling"] is False
         assert row["steps"] == 3 and row["decode_tokens"] == 3 * row["batch"]
         assert all(v >= 0 for v in row["breakdown_ms"].values()) and row["host_ms"] > 0
+        assert row["host_max_ms"] >= row["host_ms"] and row["gc_freeze"] is True
         assert row["forward_ms"] >= row["simulated_forward_ms"]
         # serial: a step takes at least its simulated forward, and the host work around it
         assert row["step_ms"] >= row["simulated_forward_ms"]
@@ -53,6 +55,17 @@ def test_cli_writes_one_row_per_workload_with_the_documented_keys(tmp_path):
 def test_bad_sampling_is_a_usage_error(capsys):
     assert main(["bench", "step", "--sampling", "beam"]) == 2
     assert "unknown sampling 'beam'" in capsys.readouterr().err
+
+
+def test_gc_freeze_off_runs_unfrozen_rows_and_a_bad_value_is_a_usage_error(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--batch-sizes", "2", "--context-lens", "20", "--sampling", "greedy",
+                 "--simulated-forward-ms", "0", "--steps", "2", "--warmup-steps", "1", "--gc-freeze", "off",
+                 "--output", str(out)]) == 0
+    assert [row["gc_freeze"] for row in json.loads(out.read_text())["rows"]] == [False]
+    assert gc.get_freeze_count() == 0  # each row unfreezes what it froze
+    assert main(["bench", "step", "--gc-freeze", "maybe"]) == 2
+    assert "--gc-freeze takes on, off or both" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from collections import deque
 
 from common.config import EngineConfig, ServingConfig
 from common.protocol import StepPlan, StepResult
+from common.gc_heap import freeze_startup_heap
 from common.transport import SchedulerLink
 from worker.executor import Executor
 from worker.heartbeat import Heartbeat
@@ -41,6 +42,7 @@ def serve(engine_config: EngineConfig, serving: ServingConfig, rank: int = 0, he
                                 resolve_device(engine_config.device, rank), serving.step_timeout_s)
     executor = Executor(engine_config, group=group)  # loads the model: the heartbeat runs meanwhile
     hello = executor.hello()
+    freeze_startup_heap(f"worker {rank}")
     link = SchedulerLink(serving.zmq_address)
     stopping = False
 

@@ -29,6 +29,8 @@ the run) are prefilled untimed; from the first step in which every sequence deco
                       span over their count: with steps overlapped, results may come in pairs,
                       which a median of the periods would hide)
     host_ms           median over steps of the host work of a step: the sum of the parts below
+    host_max_ms       the worst step's host work (a collection of the oldest generation lands in one)
+    gc_freeze         whether each process froze its startup heap (common/gc_heap.py), as the servers do
     forward_ms        median of the simulated forward (device time; not host work)
     breakdown_ms      median of each part: schedule, encode_plan (scheduler process); decode_plan,
                       apply (PlanState), prepare, sampler, execute_other (the rest of
@@ -45,6 +47,7 @@ import argparse
 import contextlib
 import cProfile
 import dataclasses
+import gc
 import json
 import multiprocessing
 import os
@@ -61,6 +64,7 @@ import msgpack
 import zmq
 
 from common.config import EngineConfig
+from common.gc_heap import freeze_startup_heap
 from common.models import resolve_model
 from common.protocol import SamplingParams, StepPlan, decode, encode
 from pagoda.bench.common import command_words, header, names, numbers, write_result
@@ -102,6 +106,7 @@ class RowSpec:
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     device: str = "cpu"
+    gc_freeze: bool = True  # each process freezes its startup heap, as the servers do
 
     @property
     def max_tokens(self) -> int:
@@ -380,6 +385,8 @@ def serve_row(socket: zmq.Socket, row: dict) -> None:
     executor = Executor(engine_config(spec, Path(row["model_path"])))
     clock = PartClock()
     instrument(executor, clock, spec.batch, spec.simulated_forward_ms)
+    if spec.gc_freeze:
+        freeze_startup_heap("bench worker")  # as worker/server.py does once its Executor is built
     runner = executor.runner
     socket.send_multipart([READY, pack({
         "num_gpu_blocks": runner.num_gpu_blocks, "max_model_len": runner.max_model_len,
@@ -389,6 +396,7 @@ def serve_row(socket: zmq.Socket, row: dict) -> None:
     runner.forward.check_untouched()
     if server.profiler is not None:
         server.profiler.dump_stats(row["profile_path"])
+    gc.unfreeze()  # the next row builds its own Executor: this one may go
     socket.send_multipart([TIMES, pack({step: dict(parts) for step, parts in clock.times.items()})])
 
 
@@ -551,6 +559,8 @@ def measure(spec: RowSpec, model_path: Path, profile_prefix: Path | None = None,
         with WorkerProcess() as own:
             return measure(spec, model_path, profile_prefix, own)
     config = engine_config(spec, model_path)
+    if spec.gc_freeze:
+        freeze_startup_heap("bench scheduler")  # as scheduler/server.py does before it serves
     profile_path = f"{profile_prefix}-worker.pstats" if profile_prefix is not None else None
     hello = worker.start_row(spec, model_path, profile_path)
     scheduler = Scheduler(config, hello["num_gpu_blocks"], hello["max_model_len"], hello["eos_token_ids"])
@@ -569,6 +579,7 @@ def measure(spec: RowSpec, model_path: Path, profile_prefix: Path | None = None,
     finally:
         if loop.profiler is not None:
             loop.profiler.disable()
+        gc.unfreeze()
     worker_times = worker.end_row()  # the worker checked its logits were untouched, and wrote its profile
     if profile_prefix is not None:
         loop.profiler.dump_stats(f"{profile_prefix}-scheduler.pstats")
@@ -594,6 +605,8 @@ def summarize(spec: RowSpec, run: Measurement, async_scheduling: bool, load: flo
         "steps": len(run.steps), "decode_tokens": sum(run.decode_tokens[step] for step in run.steps),
         "step_ms": round((run.arrivals[run.steps[-1]] - run.arrivals[run.steps[0] - 1]) / len(run.steps) * 1e3, 4),
         "host_ms": median_ms([sum(parts.values()) for parts in per_step]),
+        "host_max_ms": round(max(sum(parts.values()) for parts in per_step) * 1e3, 4),
+        "gc_freeze": spec.gc_freeze,
         "forward_ms": median_ms([run.worker_times[step].get("device", 0.0) for step in run.steps]),
         "breakdown_ms": {name: median_ms([parts[name] for parts in per_step]) for name in HOST_PARTS},
         "load_1m": round(load, 2),
@@ -611,20 +624,25 @@ def row_specs(args) -> list[RowSpec]:
     if args.steps < 1 or args.warmup_steps < 1:
         raise ValueError("--steps and --warmup-steps must be >= 1 (a step's period needs the result before it)")
     batches, contexts = numbers(args.batch_sizes, "--batch-sizes"), numbers(args.context_lens, "--context-lens")
+    gc_freezes = [{"on": True, "off": False}[value] for value in names(args.gc_freeze) if value in ("on", "off")]
+    if len(gc_freezes) != len(names(args.gc_freeze)):
+        raise ValueError("--gc-freeze takes on, off or both (comma-separated)")
     if max(batches) >= args.max_num_batched_tokens:
         raise ValueError("--max-num-batched-tokens must be larger than every batch size (one decode token each)")
     return [
         RowSpec(batch, context, sampling, sim, args.steps, args.warmup_steps, not args.no_async_scheduling,
-                args.block_size, args.max_num_batched_tokens, args.device)
+                args.block_size, args.max_num_batched_tokens, args.device, freeze)
         for batch in batches for context in contexts
         for sampling in samplings for sim in numbers(args.simulated_forward_ms, "--simulated-forward-ms", float)
+        for freeze in gc_freezes
     ]
 
 
 def print_row(row: dict) -> None:
     parts = " ".join(f"{k}={v:.3f}" for k, v in row["breakdown_ms"].items())
     print(f"batch {row['batch']:4d} context {row['context']:5d} {row['sampling']:6s} "
-          f"forward {row['simulated_forward_ms']:g} ms: step {row['step_ms']:.3f} ms, host {row['host_ms']:.3f} ms "
+          f"forward {row['simulated_forward_ms']:g} ms{'' if row['gc_freeze'] else ' gc-unfrozen'}: "
+          f"step {row['step_ms']:.3f} ms, host {row['host_ms']:.3f} ms (worst {row['host_max_ms']:.3f}) "
           f"({parts})", file=sys.stderr, flush=True)
 
 
@@ -642,6 +660,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill chunk (prefill is untimed)")
     parser.add_argument("--device", default="cpu", help="where the worker's tensors live (cpu, cuda, cuda:N)")
+    parser.add_argument("--gc-freeze", default="on",
+                        help="on: each process freezes its startup heap out of the garbage collector, as the servers "
+                             "do; off: as before they did (on,off: both, for the worst step's figure)")
     parser.add_argument("--profile-dir", help="cProfile the measured steps: one .pstats per row and process (slows them)")
     parser.add_argument("--output", help="write the result JSON here")
 
@@ -653,8 +674,8 @@ def run(args) -> int:
     specs = row_specs(args)
     rows = []
     load_start = os.getloadavg()
-    with (tempfile.TemporaryDirectory(prefix="pagoda-bench-step-") as tmp,
-          WorkerProcess(torch.get_num_threads()) as worker):
+    with tempfile.TemporaryDirectory(prefix="pagoda-bench-step-") as tmp, contextlib.ExitStack() as workers:
+        worker = None  # the frozen rows' worker process, started for the first of them
         max_positions = max(spec.context + spec.max_tokens for spec in specs)
         model_path = dummy_model_config(Path(tmp), max_positions)
         if args.profile_dir:
@@ -662,7 +683,11 @@ def run(args) -> int:
         for spec in specs:
             name = f"b{spec.batch}-c{spec.context}-{spec.sampling}-f{spec.simulated_forward_ms:g}"
             prefix = Path(args.profile_dir) / name if args.profile_dir else None
-            row, _ = measure(spec, model_path, prefix, worker)
+            if spec.gc_freeze and worker is None:
+                worker = workers.enter_context(WorkerProcess(torch.get_num_threads()))
+            # an unfrozen row runs in a worker process of its own: one that froze and unfroze its heap
+            # counts its objects as a collector that never froze does not
+            row, _ = measure(spec, model_path, prefix, worker if spec.gc_freeze else None)
             print_row(row)
             rows.append(row)
     result = {
