@@ -66,6 +66,17 @@ class ScheduledSequence:
 
 
 @dataclass(slots=True)
+class TableChanges:
+    """What one plan changed in the held block tables, as `PlanState.apply` applied it: the worker's
+    persistent input rows (worker/input_batch.py) take these and never walk the plan again."""
+
+    dropped: list[int] = field(default_factory=list)  # finished and preempted sequences: no longer held
+    # (seq_id, offset, block ids): the sequence's table from `offset` on is now these ids (a new
+    # sequence's from 0; an empty list cuts it at `offset`), in the order the plan gave them
+    written: list[tuple[int, int, list[int]]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class PlanState:
     block_size: int
     seqs: dict[int, HeldSequence] = field(default_factory=dict)
@@ -76,6 +87,7 @@ class PlanState:
     feed: list[tuple[int, int]] = field(default_factory=list)  # of the last apply: (scheduled index, draw index)
     placeholders: list[tuple[HeldSequence, int, int]] = field(default_factory=list)  # (held, position, draw index)
     placeholder_step: int | None = None  # the step whose draws the placeholders wait for
+    changes: TableChanges = field(default_factory=TableChanges)  # of the last apply
 
     def reset(self) -> None:
         """Forget every sequence (a new epoch: the scheduler's state was lost)."""
@@ -84,6 +96,7 @@ class PlanState:
         self.drawn.clear()
         self.feed, self.placeholders = [], []
         self.drawn_step = self.placeholder_step = None
+        self.changes = TableChanges()
 
     def record_draws(self, step: int, seq_ids: list[int]) -> None:
         """The step just launched draws these (in draw order), its tokens still on the device: a
@@ -120,7 +133,10 @@ class PlanState:
             raise ProtocolError(f"plan step {plan.step} applied before step {self.placeholder_step}'s tokens were filled in")
         self.feed = feed = []
         placeholders = self.placeholders
-        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
+        dropped = plan.finished_seq_ids + plan.preempted_seq_ids
+        self.changes = TableChanges(dropped)
+        written = self.changes.written
+        for seq_id in dropped:
             self.seqs.pop(seq_id, None)
         steps = []
         for new in plan.new_seqs:
@@ -131,6 +147,7 @@ class PlanState:
             held = HeldSequence(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                                 new.num_computed_tokens, list(new.block_ids), new.sampling_params, new.lora_slot)
             self.seqs[new.seq_id] = held
+            written.append((new.seq_id, 0, held.block_table))
             steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples, None))
         seqs = self.seqs
         for cached in plan.cached_seqs:  # the hot loop of a decode step: kept free of calls
@@ -142,8 +159,10 @@ class PlanState:
             if new_block_ids or cached.block_table_offset < len(table):
                 self._check_blocks(plan.step, cached.seq_id, new_block_ids, cached.block_table_offset,
                                    held.num_computed_tokens)
-                del table[cached.block_table_offset:]
+                offset = min(cached.block_table_offset, len(table))
+                del table[offset:]
                 table += new_block_ids
+                written.append((cached.seq_id, offset, new_block_ids))
             token_ids = held.token_ids
             if cached.accepted_token_ids:  # drafts its last step verified: their KV is written
                 if held.num_computed_tokens != len(token_ids):

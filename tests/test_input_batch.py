@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common.config import EngineConfig
-from common.plan_state import PlanState
+from common.plan_state import PlanState, TableChanges
 from common.protocol import CachedSequence, NewSequence, SamplingParams, StepPlan
 
 GREEDY = SamplingParams(temperature=0)
@@ -227,7 +227,7 @@ def test_prepare_builds_the_list_path_tensors_on_random_plans(mirror):
     batch = InputBatch(3, 2, bs, torch.device("cpu"), mirror=mirror)
     steps = 0
     for plan, scheduled in _steps(maker, state, 300):
-        batch.apply(plan)
+        batch.apply(state.changes)
         if not scheduled:
             continue
         steps += 1
@@ -251,14 +251,17 @@ def test_prepare_builds_the_list_path_tensors_on_random_plans(mirror):
 def test_a_freed_row_is_reused_with_its_old_entries_zeroed():
     from worker.input_batch import InputBatch
 
-    batch = InputBatch(2, 4, 16, torch.device("cpu"), mirror=True)
-    batch.apply(StepPlan(0, 0, new_seqs=[NewSequence(7, [1] * 40, [], [5, 6, 9], 0, 40, GREEDY)]))
-    batch.apply(StepPlan(1, 0, finished_seq_ids=[7], new_seqs=[NewSequence(8, [1] * 3, [], [4], 0, 3, GREEDY)]))
+    batch, state = InputBatch(2, 4, 16, torch.device("cpu"), mirror=True), PlanState(16)
+    state.apply(StepPlan(0, 0, new_seqs=[NewSequence(7, [1] * 40, [], [5, 6, 9], 0, 40, GREEDY)]))
+    batch.apply(state.changes)
+    scheduled = state.apply(StepPlan(1, 0, finished_seq_ids=[7],
+                                     new_seqs=[NewSequence(8, [1] * 3, [], [4], 0, 3, GREEDY)]))
+    assert state.changes == TableChanges([7], [(8, 0, [4])])
+    batch.apply(state.changes)
     assert batch.rows == {8: 0}
     assert batch.block_table[0].tolist() == [4, 0, 0, 0]
     assert batch.block_table_device[0].tolist() == [0, 0, 0, 0]  # the mirror is patched by prepare's scatter
     assert batch._dirty == {0: 4, 1: 0, 2: 0}  # each entry once, its last write
-    scheduled = PlanState(16).apply(StepPlan(0, 0, new_seqs=[NewSequence(8, [1] * 3, [], [4], 0, 3, GREEDY)]))
     step = batch.prepare(scheduled)
     assert batch.block_table_device[0].tolist() == [4, 0, 0, 0] and batch._dirty == {}
     assert step.context.slot_mapping.tolist() == [64, 65, 66] and step.context.block_tables.tolist() == [[4]]
@@ -333,7 +336,7 @@ def test_static_decode_path_matches_eager_token_for_token(tiny, one_torch_thread
     for plan, scheduled in _steps(maker, state, 160):
         logits = []
         for runner in (eager, static):
-            runner.update_inputs(plan)
+            runner.update_inputs(state.changes)
             runner.swap_out(plan.blocks_to_swap_out)
             runner.swap_in(plan.blocks_to_swap_in)
             runner.copy_blocks(plan.blocks_to_copy)
@@ -363,7 +366,7 @@ def _drive(maker: PlanMaker, state: PlanState, runners: list, num_steps: int, to
     for plan, scheduled in _steps(maker, state, num_steps):
         logits = []
         for runner in runners:
-            runner.update_inputs(plan)
+            runner.update_inputs(state.changes)
             runner.swap_out(plan.blocks_to_swap_out)
             runner.swap_in(plan.blocks_to_swap_in)
             runner.copy_blocks(plan.blocks_to_copy)
@@ -447,7 +450,7 @@ def test_cuda_graphs_are_captured_per_bucket_and_replay_the_eager_logits(tiny):
     for plan, scheduled in _steps(maker, state, 80):
         logits = []
         for runner in (eager, graphed):
-            runner.update_inputs(plan)
+            runner.update_inputs(state.changes)
             runner.copy_blocks(plan.blocks_to_copy)
             if scheduled:
                 logits.append(runner.forward(runner.prepare(scheduled)))

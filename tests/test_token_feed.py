@@ -62,13 +62,14 @@ def test_the_input_ids_of_fed_rows_are_the_draws_on_the_device():
     batch = InputBatch(4, 4, 4, torch.device("cpu"))
     plan = StepPlan(1, 0, [NewSequence(0, [5, 6, 7], [], [1], 0, 3, _params()),
                            NewSequence(1, [8, 9], [], [2], 0, 2, _params())])
-    batch.apply(plan)
-    batch.prepare(state.apply(plan))
+    scheduled = state.apply(plan)
+    batch.apply(state.changes)
+    batch.prepare(scheduled)
     state.record_draws(1, [0, 1])
     plan = StepPlan(2, 0, [NewSequence(2, [10, 11], [], [3], 0, 2, _params())],
                     cached_seqs=[CachedSequence(1, [], 1, 1, PENDING_TOKEN), CachedSequence(0, [], 1, 1, PENDING_TOKEN)])
-    batch.apply(plan)
     scheduled = state.apply(plan)
+    batch.apply(state.changes)
     assert state.feed == [(1, 1), (2, 0)]  # the new sequence first, then 1 and 0
     step = batch.prepare(scheduled, state.feed, torch.tensor([100, 200]))
     assert step.input_ids.tolist() == [10, 11, 200, 100]

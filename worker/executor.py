@@ -125,7 +125,7 @@ class Executor:
         scheduled = self.state.apply(plan)
         feed = self.state.feed
         feed_tokens = self._drawn_tokens if feed else None
-        self.runner.update_inputs(plan)
+        self.runner.update_inputs(self.state.changes)
         if self.runner.drafter is not None and (plan.finished_seq_ids or plan.preempted_seq_ids):
             self.runner.drafter.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
         if self.sampler is not None:

@@ -3,8 +3,9 @@
     block_table[row, :num_blocks[row]]   the sequence's block table; past it, zeros (the null block)
 
 The table lives on the host (pinned on CUDA) and is mirrored on the device. A plan's diffs are
-writes to rows (`apply`): a new sequence writes its table, a continued one its new block ids from
-`block_table_offset` on, a finished or preempted one frees its row. On CUDA the written entries
+writes to rows (`apply`, from the table changes PlanState.apply made: the plan is walked once): a
+new sequence writes its table, a continued one its new block ids from `block_table_offset` on, a
+finished or preempted one frees its row. On CUDA the written entries
 reach the mirror as one scatter. Per step (`prepare`) the host lists only per-token ids and
 positions and per-sequence lengths, in one non-blocking copy; the step's block tables and slot
 mapping are gathered on the device from the mirror. Host work grows with what changed and with the
@@ -19,8 +20,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from common.plan_state import ScheduledSequence
-from common.protocol import StepPlan
+from common.plan_state import ScheduledSequence, TableChanges
 from worker.context import AttentionContext
 
 # the longest query a step may give each sequence and still run as decode rows, one
@@ -122,22 +122,21 @@ class InputBatch:
         self.rows.clear()
 
     # ------------------------------------------------------------------ diffs
-    def apply(self, plan: StepPlan) -> None:
-        """The plan's diffs, after PlanState.apply accepted them."""
-        for seq_id in plan.finished_seq_ids + plan.preempted_seq_ids:
-            row = self.rows.pop(seq_id, None)
+    def apply(self, changes: TableChanges) -> None:
+        """A plan's table changes, as PlanState.apply made them to the held tables."""
+        rows, free_rows = self.rows, self.free_rows
+        for seq_id in changes.dropped:
+            row = rows.pop(seq_id, None)
             if row is not None:
-                self.free_rows.append(row)
-        for new in plan.new_seqs:
-            if not self.free_rows:
-                self._allocate(2 * self.block_table.shape[0], self.width)
-            row = self.rows[new.seq_id] = self.free_rows.pop()
-            self._write(row, 0, new.block_ids)
-        for cached in plan.cached_seqs:
-            row = self.rows[cached.seq_id]
-            offset = min(cached.block_table_offset, self.num_blocks[row])  # as PlanState cuts the held table
-            if cached.new_block_ids or offset < self.num_blocks[row]:
-                self._write(row, offset, cached.new_block_ids)
+                free_rows.append(row)
+        for seq_id, offset, block_ids in changes.written:
+            row = rows.get(seq_id)
+            if row is None:  # a new sequence
+                if not free_rows:
+                    self._allocate(2 * self.block_table.shape[0], self.width)
+                    free_rows = self.free_rows
+                row = rows[seq_id] = free_rows.pop()
+            self._write(row, offset, block_ids)
 
     def _write(self, row: int, offset: int, block_ids: list[int]) -> None:
         """Row's table becomes its entries [0, offset) then block_ids; entries past it are zeroed."""

@@ -13,8 +13,7 @@ import torch
 import kernels
 from common.config import EngineConfig
 from common.models import resolve_model
-from common.plan_state import ScheduledSequence
-from common.protocol import StepPlan
+from common.plan_state import ScheduledSequence, TableChanges
 from kernels.kv_quant import kv_cache_dtype
 from worker.context import attention_context
 from worker.cuda_graph import DecodeRunner
@@ -166,9 +165,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ step
-    def update_inputs(self, plan: StepPlan) -> None:
-        """The persistent input rows take the plan's diffs (after PlanState.apply accepted them)."""
-        self.input_batch.apply(plan)
+    def update_inputs(self, changes: TableChanges) -> None:
+        """The persistent input rows take a plan's table changes (`PlanState.changes`, once it applied the plan)."""
+        self.input_batch.apply(changes)
 
     def reset(self) -> None:
         self.input_batch.reset()

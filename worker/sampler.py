@@ -74,6 +74,8 @@ class SampledBatch:
         values = self.packed.tolist() if values is None else values
         n = len(self.top_rows)
         base, width = 2 * n, 2 * self.top_width
+        if not width:  # no row asked for top logprobs
+            return SamplerOutput(list(map(int, values[:n])), values[n:base], [[] for _ in range(n)])
         top = [[[int(values[at]), values[at + 1]] for at in range(base + row * width, base + row * width + 2 * k, 2)]
                for row, k in zip(self.top_rows, self.num_top)]
         return SamplerOutput(list(map(int, values[:n])), values[n:base], top)

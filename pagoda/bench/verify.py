@@ -59,7 +59,7 @@ def measure(runner, batch_size: int, ks: list[int], args, rng: random.Random) ->
         table = list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
         plan.new_seqs.append(NewSequence(base + i, prompt, [], table, 0, length, SamplingParams(temperature=0)))
     scheduled = state.apply(plan)
-    runner.update_inputs(plan)
+    runner.update_inputs(state.changes)
     for s in scheduled:  # prefill, one sequence at a time
         runner.forward_eager(runner.prepare([s]))
     held = [s.held for s in scheduled]
@@ -88,7 +88,8 @@ def measure(runner, batch_size: int, ks: list[int], args, rng: random.Random) ->
         entry["ratio"] = entry["verify_ms"] / row["decode_ms"]
         log(f"batch {batch_size}, k {k}: verify {entry['verify_ms']:.2f} ms ({entry['ratio']:.2f}x decode)"
             + (f", through the chunk path {entry['verify_eager_ms']:.2f} ms" if "verify_eager_ms" in entry else ""))
-    runner.update_inputs(StepPlan(2, 0, finished_seq_ids=[base + i for i in range(batch_size)]))
+    state.apply(StepPlan(2, 0, finished_seq_ids=[base + i for i in range(batch_size)]))
+    runner.update_inputs(state.changes)
     return row
 
 
