@@ -71,8 +71,9 @@ class TableChanges:
     persistent input rows (worker/input_batch.py) take these and never walk the plan again."""
 
     dropped: list[int] = field(default_factory=list)  # finished and preempted sequences: no longer held
-    # (seq_id, offset, block ids): the sequence's table from `offset` on is now these ids (a new
-    # sequence's from 0; an empty list cuts it at `offset`), in the order the plan gave them
+    new: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, its whole table), in plan order
+    # (seq_id, offset, block ids) of held sequences: the table from `offset` on is now these ids
+    # (an empty list cuts it at `offset`), in plan order
     written: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
@@ -135,7 +136,7 @@ class PlanState:
         placeholders = self.placeholders
         dropped = plan.finished_seq_ids + plan.preempted_seq_ids
         self.changes = TableChanges(dropped)
-        written = self.changes.written
+        added, written = self.changes.new, self.changes.written
         for seq_id in dropped:
             self.seqs.pop(seq_id, None)
         steps = []
@@ -147,7 +148,7 @@ class PlanState:
             held = HeldSequence(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                                 new.num_computed_tokens, list(new.block_ids), new.sampling_params, new.lora_slot)
             self.seqs[new.seq_id] = held
-            written.append((new.seq_id, 0, held.block_table))
+            added.append((new.seq_id, held.block_table))
             steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples, None))
         seqs = self.seqs
         for cached in plan.cached_seqs:  # the hot loop of a decode step: kept free of calls

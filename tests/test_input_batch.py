@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common.config import EngineConfig
-from common.plan_state import PlanState, TableChanges
+from common.plan_state import PlanState, ScheduledSequence, TableChanges
 from common.protocol import CachedSequence, NewSequence, SamplingParams, StepPlan
 
 GREEDY = SamplingParams(temperature=0)
@@ -256,7 +256,7 @@ def test_a_freed_row_is_reused_with_its_old_entries_zeroed():
     batch.apply(state.changes)
     scheduled = state.apply(StepPlan(1, 0, finished_seq_ids=[7],
                                      new_seqs=[NewSequence(8, [1] * 3, [], [4], 0, 3, GREEDY)]))
-    assert state.changes == TableChanges([7], [(8, 0, [4])])
+    assert state.changes == TableChanges([7], [(8, [4])])
     batch.apply(state.changes)
     assert batch.rows == {8: 0}
     assert batch.block_table[0].tolist() == [4, 0, 0, 0]
@@ -265,6 +265,24 @@ def test_a_freed_row_is_reused_with_its_old_entries_zeroed():
     step = batch.prepare(scheduled)
     assert batch.block_table_device[0].tolist() == [4, 0, 0, 0] and batch._dirty == {}
     assert step.context.slot_mapping.tolist() == [64, 65, 66] and step.context.block_tables.tolist() == [[4]]
+
+
+def test_a_table_widened_by_one_new_sequence_leaves_the_next_ones_rows_of_their_own():
+    """Sequence 0's table is wider than the rows: writing it reallocates the table (and the list
+    of free rows); sequence 1, new in the same plan, and 2, new in the next, still get rows of
+    their own (a stale free list once gave 2 the row 1 held: 1 read 2's blocks)."""
+    from worker.input_batch import InputBatch
+
+    batch, state = InputBatch(4, 2, 4, torch.device("cpu")), PlanState(4)
+    state.apply(StepPlan(0, 0, new_seqs=[NewSequence(0, [1] * 12, [], [1, 2, 3], 0, 12, GREEDY),
+                                         NewSequence(1, [1] * 4, [], [4], 0, 4, GREEDY)]))
+    batch.apply(state.changes)
+    scheduled = state.apply(StepPlan(1, 0, new_seqs=[NewSequence(2, [1] * 4, [], [5], 0, 4, GREEDY)]))
+    batch.apply(state.changes)
+    assert batch.width >= 3 and sorted(batch.rows.values()) == [0, 1, 2] and batch.rows[2] not in batch.free_rows
+    held_1 = ScheduledSequence(1, state.seqs[1], 3, 1, 1)
+    assert batch.prepare([held_1]).context.block_tables.tolist() == [[4]]
+    assert batch.prepare(scheduled).context.block_tables.tolist() == [[5]]
 
 
 def test_batch_size_buckets():

@@ -46,7 +46,7 @@ def test_a_continued_sequence_gains_its_sampled_token_and_new_blocks_from_the_of
     assert state.changes == TableChanges()  # the table is unchanged: the input rows have nothing to write
     [s] = state.apply(plan(4, cached=[CachedSequence(0, [3], 2, 1, 79)]))  # slot 8: a third block
     assert state.seqs[0] == HeldSequence(PROMPT + [77, 78, 79], 6, 9, [1, 2, 3], PARAMS)
-    assert state.changes == TableChanges([], [(0, 2, [3])])
+    assert state.changes == TableChanges([], [], [(0, 2, [3])])
     assert s.num_computed_tokens == 8 and s.num_samples == 1
 
 
@@ -65,7 +65,7 @@ def test_a_copy_on_write_replaces_the_last_held_block_and_a_fork_comes_in_full()
         0: HeldSequence(PROMPT + [77], 6, 7, [1, 3], PARAMS),
         1: HeldSequence(PROMPT + [88], 6, 7, [1, 2], PARAMS),
     }
-    assert state.changes == TableChanges([], [(1, 0, [1, 2]), (0, 1, [3])])  # plan order; 0's from its copy
+    assert state.changes == TableChanges([], [(1, [1, 2])], [(0, 1, [3])])  # 0's from its copy
     with pytest.raises(ProtocolError, match="held by two sequences"):
         state.check_unshared()  # block 1 is shared: fine for a worker, not for a benchmark that never forks
 
@@ -76,7 +76,7 @@ def test_finished_and_preempted_sequences_are_dropped_before_new_ones_come():
                              NewSequence(1, PROMPT, [], [3, 4], 0, 6, PARAMS)]))
     [s] = state.apply(plan(2, new=[NewSequence(1, PROMPT, [7], [5, 6], 0, 7, PARAMS)], finished=[0], preempted=[1]))
     assert state.seqs == {1: HeldSequence(PROMPT + [7], 6, 7, [5, 6], PARAMS)}
-    assert state.changes == TableChanges([0, 1], [(1, 0, [5, 6])])  # dropped first: 1's row is freed, then taken
+    assert state.changes == TableChanges([0, 1], [(1, [5, 6])])  # dropped first: 1's row is freed, then taken
     assert (s.num_computed_tokens, s.num_scheduled_tokens, s.num_samples) == (0, 7, 1)
     state.reset()
     assert state.seqs == {}

@@ -124,19 +124,18 @@ class InputBatch:
     # ------------------------------------------------------------------ diffs
     def apply(self, changes: TableChanges) -> None:
         """A plan's table changes, as PlanState.apply made them to the held tables."""
-        rows, free_rows = self.rows, self.free_rows
+        rows = self.rows
         for seq_id in changes.dropped:
             row = rows.pop(seq_id, None)
             if row is not None:
-                free_rows.append(row)
+                self.free_rows.append(row)
+        for seq_id, block_ids in changes.new:
+            if not self.free_rows:
+                self._allocate(2 * self.block_table.shape[0], self.width)
+            row = rows[seq_id] = self.free_rows.pop()
+            self._write(row, 0, block_ids)  # may widen the table (a new free_rows list)
         for seq_id, offset, block_ids in changes.written:
-            row = rows.get(seq_id)
-            if row is None:  # a new sequence
-                if not free_rows:
-                    self._allocate(2 * self.block_table.shape[0], self.width)
-                    free_rows = self.free_rows
-                row = rows[seq_id] = free_rows.pop()
-            self._write(row, offset, block_ids)
+            self._write(rows[seq_id], offset, block_ids)
 
     def _write(self, row: int, offset: int, block_ids: list[int]) -> None:
         """Row's table becomes its entries [0, offset) then block_ids; entries past it are zeroed."""

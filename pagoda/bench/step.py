@@ -385,18 +385,20 @@ def serve_row(socket: zmq.Socket, row: dict) -> None:
     executor = Executor(engine_config(spec, Path(row["model_path"])))
     clock = PartClock()
     instrument(executor, clock, spec.batch, spec.simulated_forward_ms)
+    runner = executor.runner
     if spec.gc_freeze:
         freeze_startup_heap("bench worker")  # as worker/server.py does once its Executor is built
-    runner = executor.runner
-    socket.send_multipart([READY, pack({
-        "num_gpu_blocks": runner.num_gpu_blocks, "max_model_len": runner.max_model_len,
-        "eos_token_ids": executor.eos_token_ids, "vocab_size": int(runner.hf_config.vocab_size)})])
-    server = RowServer(socket, executor, clock, profile=row["profile_path"] is not None)
-    server.serve()
-    runner.forward.check_untouched()
-    if server.profiler is not None:
-        server.profiler.dump_stats(row["profile_path"])
-    gc.unfreeze()  # the next row builds its own Executor: this one may go
+    try:
+        socket.send_multipart([READY, pack({
+            "num_gpu_blocks": runner.num_gpu_blocks, "max_model_len": runner.max_model_len,
+            "eos_token_ids": executor.eos_token_ids, "vocab_size": int(runner.hf_config.vocab_size)})])
+        server = RowServer(socket, executor, clock, profile=row["profile_path"] is not None)
+        server.serve()
+        runner.forward.check_untouched()
+        if server.profiler is not None:
+            server.profiler.dump_stats(row["profile_path"])
+    finally:
+        gc.unfreeze()  # the next row builds its own Executor: this one may go
     socket.send_multipart([TIMES, pack({step: dict(parts) for step, parts in clock.times.items()})])
 
 
@@ -559,25 +561,26 @@ def measure(spec: RowSpec, model_path: Path, profile_prefix: Path | None = None,
         with WorkerProcess() as own:
             return measure(spec, model_path, profile_prefix, own)
     config = engine_config(spec, model_path)
-    if spec.gc_freeze:
-        freeze_startup_heap("bench scheduler")  # as scheduler/server.py does before it serves
     profile_path = f"{profile_prefix}-worker.pstats" if profile_prefix is not None else None
     hello = worker.start_row(spec, model_path, profile_path)
     scheduler = Scheduler(config, hello["num_gpu_blocks"], hello["max_model_len"], hello["eos_token_ids"])
-    vocab_size = hello["vocab_size"]
-    for i in range(spec.batch):
-        scheduler.add_request(f"bench-{i}", distinct_prompt(i, spec.context, vocab_size),
-                              sampling_params(spec.sampling, i, spec.max_tokens))
-    depth = 2 if getattr(config, "async_scheduling", False) else 1
-    load = os.getloadavg()[0]
-    loop = SchedulerLoop(scheduler, worker.socket, spec, depth, profile_prefix is not None)
+    if spec.gc_freeze:
+        freeze_startup_heap("bench scheduler")  # as scheduler/server.py does before it serves
+    loop = None
     try:
+        vocab_size = hello["vocab_size"]
+        for i in range(spec.batch):
+            scheduler.add_request(f"bench-{i}", distinct_prompt(i, spec.context, vocab_size),
+                                  sampling_params(spec.sampling, i, spec.max_tokens))
+        depth = 2 if getattr(config, "async_scheduling", False) else 1
+        load = os.getloadavg()[0]
+        loop = SchedulerLoop(scheduler, worker.socket, spec, depth, profile_prefix is not None)
         steps = loop.run()
     except BaseException:
         worker.close()  # it is mid-row, plans in flight: of no use to another row
         raise
     finally:
-        if loop.profiler is not None:
+        if loop is not None and loop.profiler is not None:
             loop.profiler.disable()
         gc.unfreeze()
     worker_times = worker.end_row()  # the worker checked its logits were untouched, and wrote its profile
