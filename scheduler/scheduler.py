@@ -746,8 +746,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         return child
 
     def _append(self, group: SequenceGroup, seq: Sequence, sampled: SampledToken, new_counts: dict[int, int]) -> None:
-        """Append a drawn token and end the sequence at a stop token or its length (`Sequence.append_token`
-        inlined: this runs for every sequence every step)."""
+        """Append a drawn token and end the sequence at a stop token or its length (this runs for every
+        sequence every step)."""
         params = group.sampling_params
         output, token = seq.output_token_ids, sampled.token_id
         output.append(token)

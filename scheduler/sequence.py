@@ -77,12 +77,6 @@ class Sequence:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
-    def append_token(self, token_id: int, logprob: float, top_logprobs: list[list] | None) -> None:
-        self.output_token_ids.append(token_id)
-        self.cumulative_logprob += logprob
-        if top_logprobs is not None:
-            self.output_logprobs.append((logprob, top_logprobs))
-
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
