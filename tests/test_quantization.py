@@ -185,15 +185,19 @@ def test_the_cpu_packed_kernels_agree_with_the_dequantized_weight_in_bfloat16(me
     few, many = torch.randn(3, 128, dtype=torch.bfloat16), torch.randn(17, 128, dtype=torch.bfloat16)
     dense = nn.functional.linear(few.float(), layer.weight.float())
     assert torch.allclose(method.apply(layer, few, None).float(), dense, rtol=2e-2, atol=2e-2)
-    # past packed_max_rows the dequantized weight itself
-    assert torch.equal(method.apply(layer, many, None), nn.functional.linear(many, layer.weight))
+    # the same kernel whatever the rows: a row's output does not depend on what shares its step
+    many[5:8] = few
+    assert torch.equal(method.apply(layer, many, None)[5:8], method.apply(layer, few, None))
     # no rows (the logits of a step where no sequence samples: a prompt chunk before its last)
     assert method.apply(layer, few[:0], None).shape == (0, 96)
 
 
 def test_a_prompt_in_chunks_under_int4_gives_the_tokens_of_one_chunk():
     """The default model as served on the CPU (int4): a prompt of 150 tokens in chunks of 64, the
-    first two sampling nothing, gives the tokens the whole prompt in one step gives."""
+    first two sampling nothing, gives the tokens the whole prompt in one step gives. The README's
+    question gets the same right answer computed and read from the prefix cache (its last token
+    then computed alone): with a bfloat16 cut-over to the dense weight past 16 rows, and bfloat16
+    logits, where "The" and "L" tied, the cached answer was "L'Étoile, la Marseillaise"."""
     from common.protocol import SamplingParams
     from pagoda.offline import LLM
 
@@ -203,6 +207,35 @@ def test_a_prompt_in_chunks_under_int4_gives_the_tokens_of_one_chunk():
     whole = llm.generate(prompt, greedy)[0].outputs[0].token_ids
     llm.reset(max_num_batched_tokens=64)
     assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == whole
+    question = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    answers = [llm.generate(question, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+               for _ in range(2)]
+    assert [a.outputs[0].text for a in answers] == ["The capital of France is Paris."] * 2
+    assert answers[0].num_cached_tokens == 0 and answers[1].num_cached_tokens > 0
+
+
+def test_the_int8_logits_head_recomputes_each_rows_best_logits_in_float32():
+    """The packed kernel's logits are bfloat16; the REFINED_LOGITS best of each row are the
+    float32 products of the same int8 weights and scales, so two tokens that tie in bfloat16 are
+    told apart (greedy took the lower id)."""
+    from worker.quantization.weight_only import REFINED_LOGITS, Int8LogitsMethod
+
+    torch.manual_seed(0)
+    method = Int8LogitsMethod()
+    layer = _Layer(torch.randn(512, 64, dtype=torch.bfloat16))
+    method.process_weights_after_loading(layer)
+    q, scales = layer.packed
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    logits = method.apply(layer, x, None)
+    exact = (x.float() @ q.float().t()) * scales.float()
+    rounded = torch._weight_int8pack_mm(x, q, scales).float()
+    assert logits.dtype == torch.float32
+    best = exact.topk(REFINED_LOGITS, dim=-1).indices
+    assert torch.allclose(logits.gather(1, best), exact.gather(1, best), rtol=1e-6, atol=1e-5)
+    assert not torch.equal(logits.gather(1, best), rounded.gather(1, best))  # bfloat16's rounding is gone
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    rest = torch.ones_like(logits, dtype=torch.bool).scatter_(1, logits.topk(REFINED_LOGITS, dim=-1).indices, False)
+    assert torch.equal(logits[rest], rounded[rest])  # the others as the kernel gave them
 
 
 def test_a_shape_the_cpu_int4_kernel_does_not_take_serves_the_dequantized_weight():

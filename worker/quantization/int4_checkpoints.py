@@ -30,11 +30,10 @@ words of one packed along K, K/g groups), except where every rank needs every gr
 [gate | up] fill their slices (`LinearBase.output_slices`); act-order needs one g_idx for the parts
 of a fused layer (GPTQ's is: they share the input, hence its Hessian and order).
 
-Serving (the same as `--quantization int4`, worker/quantization/weight_only.py): on the CPU the
-dequantized weight, and with bfloat16 activations torch's packed int4 kernels for steps of at most
-`PACKED_MAX_ROWS` rows (tinygemm's w = (q - 8) * scale + zero: scale = s, zero = (8 - z) * s; an
-act-order layer's inputs permuted once so its groups are contiguous, the activations gathered by
-the same permutation). On CUDA the Triton dequantize-GEMM of kernels/triton_int4.py over the packed
+Serving (the same as `--quantization int4`, worker/quantization/weight_only.py): on the CPU with
+bfloat16 activations torch's packed int4 kernels for every step (tinygemm's w = (q - 8) * scale +
+zero: scale = s, zero = (8 - z) * s; an act-order layer's inputs permuted once so its groups are
+contiguous, the activations gathered by the same permutation), else the dequantized weight. On CUDA the Triton dequantize-GEMM of kernels/triton_int4.py over the packed
 weight (no dense copy).
 """
 from __future__ import annotations
@@ -47,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.quantization.base import LinearMethod, QuantizationConfig, UnsupportedQuantization, frozen
-from worker.quantization.weight_only import PACKED_MAX_ROWS, int4_packable, int4_packed_mm, pack_int4_for_cpu
+from worker.quantization.weight_only import int4_packable, int4_packed_mm, pack_int4_for_cpu
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i holds column AWQ_ORDER[i]
 PACK = 8  # int4 values per int32
@@ -163,8 +162,6 @@ class Int4CheckpointMethod(LinearMethod):
     """An int4 checkpoint's linear layer: its tensors as parameters, the serving form after
     loading (module docstring)."""
 
-    packed_max_rows = PACKED_MAX_ROWS
-
     def __init__(self, fmt: Int4Format) -> None:
         self.fmt = fmt
 
@@ -215,7 +212,7 @@ class Int4CheckpointMethod(LinearMethod):
         prepare_int4(layer, weight, layer.model_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int4_apply(layer, x, bias, self.packed_max_rows)
+        return int4_apply(layer, x, bias)
 
 
 def prepare_int4(layer: nn.Module, weight: Int4Weight, dtype: torch.dtype) -> None:
@@ -244,13 +241,13 @@ def prepare_int4(layer: nn.Module, weight: Int4Weight, dtype: torch.dtype) -> No
     layer.perm, layer.group_size = perm, size
 
 
-def int4_apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, packed_max_rows: int) -> torch.Tensor:
+def int4_apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     if layer.triton is not None:
         from kernels import triton_int4
 
         y = triton_int4.int4_matmul(flat, layer.triton)
-    elif layer.packed is not None and flat.shape[0] <= packed_max_rows and x.dtype == torch.bfloat16:
+    elif layer.packed is not None and flat.shape[0] > 0 and x.dtype == torch.bfloat16:
         if layer.perm is not None:
             flat = flat.index_select(1, layer.perm)
         y = int4_packed_mm(flat.contiguous(), layer.packed, layer.group_size)

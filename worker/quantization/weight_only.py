@@ -12,11 +12,16 @@ The weights are rounded to the model's dtype first (scales and zeros too), and
 `dequantize_*` gives exactly the values the layer computes with: a model whose linear weights are
 replaced by them is this scheme's reference.
 
-On the CPU with bfloat16 activations a step of at most `packed_max_rows` rows runs torch's packed
-kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`: they read 1/4 and 1/2 of the bf16
-bytes, and decode is bound by bytes read); larger steps (prefill, big batches, where the
-kernels are compute-bound and slower than oneDNN's bf16 GEMM) and every other device or dtype
-multiply by the dequantized weight, kept beside the packed one.
+On the CPU with bfloat16 activations every step runs torch's packed kernels
+(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`: they read 1/4 and 1/2 of the bf16 bytes),
+whatever its number of rows: a row's output is then the same whatever else shares the step (a
+prompt whole or in chunks, alone or in a batch, read from the prefix cache or computed). Every
+other device or dtype, and a layer the kernels do not take, multiplies by the dequantized weight.
+
+The int8 logits head's kernel rounds each logit to bfloat16, a step of 0.125 at a logit of 20:
+the best tokens of a row often tie, and a tie goes to the lowest token id. `Int8LogitsMethod`
+computes the `REFINED_LOGITS` best of each row again in float32 from the same int8 weights and
+scales, so greedy decoding picks by float32 logits, as llama.cpp's do.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from torch import nn
 from worker.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 
 INT4_GROUP_SIZE = 32  # Q4_1's block
-PACKED_MAX_ROWS = 16  # measured on this project's CPU (docs/quantization.md): above it the bf16 GEMM wins
+REFINED_LOGITS = 16  # per row, the logits the int8 head computes again in float32
 
 
 def int4_group_size(input_size: int, group_size: int = INT4_GROUP_SIZE) -> int:
@@ -93,9 +98,7 @@ def _packed_kernels(weight: torch.Tensor) -> bool:
 
 class _WeightOnlyMethod(UnquantizedLinearMethod):
     """Loads the full-precision weight, then keeps its quantized form (and the dequantized weight
-    as `layer.weight`, what large steps multiply by)."""
-
-    packed_max_rows = PACKED_MAX_ROWS
+    as `layer.weight`, what a layer without packed kernels multiplies by)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data
@@ -107,7 +110,7 @@ class _WeightOnlyMethod(UnquantizedLinearMethod):
         raise NotImplementedError
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.packed is None or not 0 < x.shape[0] <= self.packed_max_rows:  # no rows: a step that samples none
+        if layer.packed is None or x.shape[0] == 0:  # no rows: a step that samples none
             return F.linear(x, layer.weight, bias)
         y = self.packed_mm(layer, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
@@ -138,6 +141,20 @@ class Int8LinearMethod(_WeightOnlyMethod):
         return torch._weight_int8pack_mm(x, q, scales)
 
 
+
+class Int8LogitsMethod(Int8LinearMethod):
+    """The int8 logits head: float32 logits, each row's `REFINED_LOGITS` best computed again in
+    float32 from the int8 weights and scales where the packed kernel rounded them to bfloat16."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        logits = super().apply(layer, x, bias).float()
+        if layer.packed is None or x.shape[0] == 0:
+            return logits
+        q, scales = layer.packed
+        best = logits.topk(min(REFINED_LOGITS, logits.shape[1]), dim=-1).indices  # [rows, REFINED_LOGITS]
+        exact = torch.einsum("rk,rjk->rj", x.float(), q[best].float()) * scales.float()[best]
+        return logits.scatter_(1, best, exact if bias is None else exact + bias.float()[best])
+
 class WeightOnlyConfig(QuantizationConfig):
     """`int4` / `int8`: every linear layer so quantized; the logits head int8 (llama.cpp's GGUFs
     keep the embedding at 8 bits: the default model's is Q8_0)."""
@@ -152,7 +169,7 @@ class WeightOnlyConfig(QuantizationConfig):
         return Int4LinearMethod() if self.name == "int4" else Int8LinearMethod()
 
     def logits_method(self) -> LinearMethod | None:
-        return Int8LinearMethod()
+        return Int8LogitsMethod()
 
     def describe(self) -> str:
         detail = f"group {INT4_GROUP_SIZE}, asymmetric" if self.name == "int4" else "per channel, symmetric"
