@@ -197,7 +197,8 @@ def test_a_prompt_in_chunks_under_int4_gives_the_tokens_of_one_chunk():
     first two sampling nothing, gives the tokens the whole prompt in one step gives. The README's
     question gets the same right answer computed and read from the prefix cache (its last token
     then computed alone): with a bfloat16 cut-over to the dense weight past 16 rows, and bfloat16
-    logits, where "The" and "L" tied, the cached answer was "L'Étoile, la Marseillaise"."""
+    logits, where "The" and "L" tied, the cached answer was "L'Étoile, la Marseillaise". Three
+    questions give the same tokens alone and in one batch."""
     from common.protocol import SamplingParams
     from pagoda.offline import LLM
 
@@ -207,11 +208,18 @@ def test_a_prompt_in_chunks_under_int4_gives_the_tokens_of_one_chunk():
     whole = llm.generate(prompt, greedy)[0].outputs[0].token_ids
     llm.reset(max_num_batched_tokens=64)
     assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == whole
+    llm.reset()
     question = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
     answers = [llm.generate(question, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
                for _ in range(2)]
     assert [a.outputs[0].text for a in answers] == ["The capital of France is Paris."] * 2
     assert answers[0].num_cached_tokens == 0 and answers[1].num_cached_tokens > 0
+    # the same tokens alone and in one batch (each row of the packed kernels is its own)
+    questions = [{"messages": [{"role": "user", "content": q}]} for q in
+                 ("Who wrote Hamlet?", "What is 7 times 8?", "How many legs does a spider have?")]
+    llm.reset(enable_prefix_caching=False)
+    alone = [llm.generate(q, greedy, use_tqdm=False)[0].outputs[0].token_ids for q in questions]
+    assert [o.outputs[0].token_ids for o in llm.generate(questions, greedy, use_tqdm=False)] == alone
 
 
 def test_the_int8_logits_head_recomputes_each_rows_best_logits_in_float32():
