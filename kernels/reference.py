@@ -1,4 +1,10 @@
-"""Pure-PyTorch references for the paged-attention kernels (the CPU path and the test oracle)."""
+"""Pure-PyTorch references for the paged-attention kernels (the CPU path and the test oracle).
+
+Every path computes in float32 whatever the query's and cache's dtype, and rounds its output
+once: a position's attention is then the same, to the output's precision, whether it is computed
+in a whole prompt, a chunk after a cached prefix or a decode step (with bfloat16 a whole prompt
+in bfloat16 and its cached continuation in float32 once gave the default model other tokens).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -284,9 +290,9 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out, scales=(1.0, 1.0)) -> None:
     block_size = kv_cache.shape[2]
     k, v = _gather(kv_cache, block_table, -(-seq_len // block_size), scales)
-    k, v = k[:seq_len].transpose(0, 1).to(query.dtype), v[:seq_len].transpose(0, 1).to(query.dtype)
+    k, v = k[:seq_len].transpose(0, 1).float(), v[:seq_len].transpose(0, 1).float()
     # 4-D [1, heads, len, hd]: PyTorch's fused CPU attention takes those; 3-D falls back to the math path
-    q = query[start:start + q_len].transpose(0, 1)[None]
+    q = query[start:start + q_len].transpose(0, 1)[None].float()
     k, v = k[None], v[None]
     if q_len == seq_len:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -294,7 +300,7 @@ def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out, sc
         rows = torch.arange(q_len, device=query.device)[:, None] + (seq_len - q_len)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out[start:start + q_len] = o[0].transpose(0, 1)
+    out[start:start + q_len] = o[0].transpose(0, 1).to(out.dtype)
 
 
 def paged_attention_masked(

@@ -198,7 +198,7 @@ def test_a_prompt_in_chunks_under_int4_gives_the_tokens_of_one_chunk():
     question gets the same right answer computed and read from the prefix cache (its last token
     then computed alone): with a bfloat16 cut-over to the dense weight past 16 rows, and bfloat16
     logits, where "The" and "L" tied, the cached answer was "L'Étoile, la Marseillaise". Three
-    questions give the same tokens alone and in one batch."""
+    questions give the same tokens alone, in one batch, and in chunks of 32 tokens."""
     from common.protocol import SamplingParams
     from pagoda.offline import LLM
 
@@ -214,11 +214,14 @@ def test_a_prompt_in_chunks_under_int4_gives_the_tokens_of_one_chunk():
                for _ in range(2)]
     assert [a.outputs[0].text for a in answers] == ["The capital of France is Paris."] * 2
     assert answers[0].num_cached_tokens == 0 and answers[1].num_cached_tokens > 0
-    # the same tokens alone and in one batch (each row of the packed kernels is its own)
-    questions = [{"messages": [{"role": "user", "content": q}]} for q in
-                 ("Who wrote Hamlet?", "What is 7 times 8?", "How many legs does a spider have?")]
+    # the same tokens alone, in one batch, and in chunks of 32 (France's then crosses a chunk: with
+    # its prompt's attention in bfloat16 and its chunk's in float32 it answered "L'Étoile")
+    questions = [question] + [{"messages": [{"role": "user", "content": q}]} for q in
+                              ("Who wrote Hamlet?", "How many legs does a spider have?")]
     llm.reset(enable_prefix_caching=False)
     alone = [llm.generate(q, greedy, use_tqdm=False)[0].outputs[0].token_ids for q in questions]
+    assert [o.outputs[0].token_ids for o in llm.generate(questions, greedy, use_tqdm=False)] == alone
+    llm.reset(enable_prefix_caching=False, max_num_batched_tokens=32)
     assert [o.outputs[0].token_ids for o in llm.generate(questions, greedy, use_tqdm=False)] == alone
 
 
