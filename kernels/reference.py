@@ -56,8 +56,8 @@ def paged_attention(
     `paged_attention_masked`'s loop, both in float32 in transformers' eager order.
 
     An fp8 cache is dequantized as it is gathered: K as `stored.float() * k_scale`, V with
-    `v_scale` (float32; a prefill then takes the query's dtype), so the result is attention over
-    the dequantized cache. Other caches ignore the scales.
+    `v_scale` (float32, as every path computes), so the result is attention over the dequantized
+    cache. Other caches ignore the scales.
     """
     scales = (k_scale, v_scale)
     sliding_window = sliding_window or None

@@ -226,9 +226,9 @@ def test_a_prompt_in_chunks_under_int4_gives_the_tokens_of_one_chunk():
 
 
 def test_the_int8_logits_head_recomputes_each_rows_best_logits_in_float32():
-    """The packed kernel's logits are bfloat16; the REFINED_LOGITS best of each row are the
-    float32 products of the same int8 weights and scales, so two tokens that tie in bfloat16 are
-    told apart (greedy took the lower id)."""
+    """The packed kernel's logits are bfloat16; the REFINED_LOGITS best of each row by them become
+    the float32 products of the same int8 weights and scales, so tokens that tie in bfloat16 are
+    told apart (greedy took the lower id); the others stay as the kernel gave them."""
     from worker.quantization.weight_only import REFINED_LOGITS, Int8LogitsMethod
 
     torch.manual_seed(0)
@@ -236,17 +236,20 @@ def test_the_int8_logits_head_recomputes_each_rows_best_logits_in_float32():
     layer = _Layer(torch.randn(512, 64, dtype=torch.bfloat16))
     method.process_weights_after_loading(layer)
     q, scales = layer.packed
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
-    logits = method.apply(layer, x, None)
-    exact = (x.float() @ q.float().t()) * scales.float()
-    rounded = torch._weight_int8pack_mm(x, q, scales).float()
-    assert logits.dtype == torch.float32
-    best = exact.topk(REFINED_LOGITS, dim=-1).indices
-    assert torch.allclose(logits.gather(1, best), exact.gather(1, best), rtol=1e-6, atol=1e-5)
-    assert not torch.equal(logits.gather(1, best), rounded.gather(1, best))  # bfloat16's rounding is gone
-    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
-    rest = torch.ones_like(logits, dtype=torch.bool).scatter_(1, logits.topk(REFINED_LOGITS, dim=-1).indices, False)
-    assert torch.equal(logits[rest], rounded[rest])  # the others as the kernel gave them
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    bias = torch.randn(512, dtype=torch.bfloat16)
+    for b in (None, bias):
+        logits = method.apply(layer, x, b)
+        exact = (x.float() @ q.float().t()) * scales.float() + (0 if b is None else b.float())
+        rounded = torch._weight_int8pack_mm(x, q, scales)
+        rounded = (rounded if b is None else rounded + b).float()
+        assert logits.dtype == torch.float32
+        refined = rounded.topk(REFINED_LOGITS, dim=-1).indices
+        assert torch.allclose(logits.gather(1, refined), exact.gather(1, refined), rtol=1e-6, atol=1e-5)
+        assert not torch.equal(logits.gather(1, refined), rounded.gather(1, refined))  # bfloat16's steps are gone
+        assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+        rest = torch.ones_like(logits, dtype=torch.bool).scatter_(1, refined, False)
+        assert torch.equal(logits[rest], rounded[rest])
 
 
 def test_a_shape_the_cpu_int4_kernel_does_not_take_serves_the_dequantized_weight():

@@ -143,8 +143,9 @@ class Int8LinearMethod(_WeightOnlyMethod):
 
 
 class Int8LogitsMethod(Int8LinearMethod):
-    """The int8 logits head: float32 logits, each row's `REFINED_LOGITS` best computed again in
-    float32 from the int8 weights and scales where the packed kernel rounded them to bfloat16."""
+    """The int8 logits head: float32 logits, each row's `REFINED_LOGITS` best (by the packed
+    kernel's bfloat16 logits) computed again in float32 from the int8 weights and scales; the
+    others as the kernel gave them."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         logits = super().apply(layer, x, bias).float()
