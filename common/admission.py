@@ -22,11 +22,12 @@ class AdmissionLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    pooling_task: str = ""  # a pooling model's task ("embed", "classify"; common/pooling.py), "" for generation
 
     @classmethod
     def of_status(cls, status: SchedulerStatus) -> AdmissionLimits:
         return cls(status.max_model_len, status.block_size, status.max_request_tokens, status.max_num_seqs,
-                   status.max_num_batched_tokens, status.enable_chunked_prefill)
+                   status.max_num_batched_tokens, status.enable_chunked_prefill, status.pooling_task)
 
     @classmethod
     def strictest(cls, statuses: list[SchedulerStatus]) -> AdmissionLimits:
@@ -38,6 +39,8 @@ class AdmissionLimits:
             max_num_seqs=min(x.max_num_seqs for x in limits),
             max_num_batched_tokens=min(x.max_num_batched_tokens for x in limits),
             enable_chunked_prefill=all(x.enable_chunked_prefill for x in limits),
+            # groups serving different kinds of model serve no request that any of them may read
+            pooling_task=limits[0].pooling_task if len({x.pooling_task for x in limits}) == 1 else "mixed",
         )
 
 
@@ -68,9 +71,20 @@ def check_admissible(
     the KV pool, the context length, the step's token budget (without chunked prefill), the step's sequences."""
     if num_prompt_tokens < 1:
         return Rejection(f"the {where} is empty", where)
-    return (_check_kv_pool(num_prompt_tokens, params, limits, where)
+    return (_check_runner(params, limits)
+            or _check_kv_pool(num_prompt_tokens, params, limits, where)
             or _check_context(num_prompt_tokens, params, limits, where)
             or _check_step(num_prompt_tokens, params, limits, where))
+
+
+def _check_runner(params: SamplingParams, limits: AdmissionLimits) -> Rejection | None:
+    """A pooling request to an engine of its task, a generation to a generative one."""
+    task = params.pooling.task if params.pooling is not None else ""
+    if task == limits.pooling_task:
+        return None
+    served = f"a pooling model ({limits.pooling_task})" if limits.pooling_task else "a generative model"
+    asked = f"pooling ({task})" if task else "generation"
+    return Rejection(f"the engine serves {served}, and this request asks for {asked}", "model", "wrong_model_kind")
 
 
 def final_len(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:

@@ -35,6 +35,13 @@ MODEL_HELP = ("'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face d
 REVISION_HELP = ("a Hub id's branch, tag or commit (default: main); `pagoda up` resolves it once and passes every "
                  "process it starts the commit")
 DOWNLOAD_DIR_HELP = "the Hugging Face cache a Hub id is read from and downloaded into (default: $HF_HUB_CACHE)"
+RUNNERS = ("auto", "generate", "pooling")  # --runner (common/pooling.py)
+CONVERSIONS = ("auto", "embed", "classify")  # --convert: a pooling model's task
+RUNNER_HELP = ("auto: a pooling model where the checkpoint says so (sentence-transformers' modules.json, a "
+               "*ForSequenceClassification head), else generation; pooling: serve the model for /v1/embeddings, "
+               "/v1/rerank and /score (docs/pooling.md); generate: generation only")
+CONVERT_HELP = ("a pooling model's task where the checkpoint does not say it: embed (a vector per input) or classify "
+                "(its classifier head's scores)")
 GENERATION_CONFIG_HELP = ("auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset "
                           "gets the model's generation_config.json value (vLLM's --generation-config auto); vllm: "
                           "ignore those (the file's EOS ids end a sequence either way)")
@@ -66,6 +73,8 @@ class EngineConfig:
     kv_cache_dtype: str = option("auto", "--kv-cache-dtype",
                                  "the KV cache's element type: auto (the model's dtype), fp8 or fp8_e4m3 (the same: "
                                  "float8 e4m3 with a per-layer scale, half the bytes of bfloat16; docs/quantization.md)")
+    runner: str = option("auto", "--runner", RUNNER_HELP, choices=RUNNERS)
+    convert: str = option("auto", "--convert", CONVERT_HELP, choices=CONVERSIONS)
     gpu_memory_utilization: float = option(0.9, "--gpu-memory-utilization",
                                            "share of GPU memory for weights, activations and the KV pool (CUDA)")
     cpu_kv_cache_gb: float = option(1.0, "--cpu-kv-cache-space", "GiB of memory for the KV pool when running on the CPU")
@@ -212,6 +221,8 @@ class GatewayConfig:
     revision: str | None = option(None, "--revision", REVISION_HELP)
     download_dir: str | None = option(None, "--download-dir", DOWNLOAD_DIR_HELP)
     generation_config: str = option("auto", "--generation-config", GENERATION_CONFIG_HELP, choices=GENERATION_CONFIGS)
+    runner: str = option("auto", "--runner", RUNNER_HELP, choices=RUNNERS)
+    convert: str = option("auto", "--convert", CONVERT_HELP, choices=CONVERSIONS)
     served_model_name: str | None = option(None, "--served-model-name",
                                            "the model id the API reports and accepts (default: the model's name)")
     host: str = option("127.0.0.1", "--host", "address to listen on (default 127.0.0.1)")

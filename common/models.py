@@ -30,6 +30,8 @@ SERVING_FILES = (
     "config.json", "generation_config.json", SAFETENSORS_INDEX, SAFETENSORS_FILE,
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
     "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+    # a sentence-transformers model's pooling (common/pooling.py)
+    "modules.json", "1_Pooling/config.json", "config_sentence_transformers.json",
 )
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # ORG/NAME
 

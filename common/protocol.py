@@ -63,6 +63,9 @@ class SamplingParams:
     # they are forced (worker/reasoning_gate.py); empty: the output is all answer
     reasoning_end_token_ids: list[int] = field(default_factory=list)
     thinking_token_budget: int | None = None
+    # a pooling request (embeddings, classification scores): its prompt's hidden states pooled
+    # into one vector (common/pooling.py); it computes its prompt and generates nothing
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,6 +127,12 @@ class SamplingParams:
             _require(bool(self.reasoning_end_token_ids), "thinking_token_budget",
                      "thinking_token_budget needs the tokens that end the thinking (a reasoning parser)")
             _require(not self.beam_width, "thinking_token_budget", "a thinking budget does not apply to beam search")
+        if self.pooling is not None:
+            _require(isinstance(self.pooling, PoolingParams), "pooling", "pooling must be PoolingParams")
+            self.pooling.validate()
+            _require(self.max_tokens == 0 and self.n == 1 and not self.beam_width and self.best_of is None
+                     and self.prompt_logprobs is None, "pooling",
+                     "a pooling request computes its prompt only: max_tokens 0, n 1, no beams or prompt logprobs")
 
 
 MAX_INT_PARAM = 1 << 24  # bounds every count a request names, so none overflows a tensor
@@ -142,6 +151,31 @@ MAX_LOGIT_BIAS_VALUE = 100.0
 # allowed; grammar: spec is an EBNF grammar (xgrammar's dialect, vLLM's guided_grammar). (kind, spec)
 # is the worker's grammar cache key.
 STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+POOLING_TYPES = ("last", "mean", "cls")  # the token whose hidden state is the vector, or the mean of all
+POOLING_TASKS = ("embed", "classify")
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """How a pooling request's prompt becomes its vector: the hidden states of its tokens pooled
+    (`pooling_type`), then for "classify" the model's classifier head and its activation (sigmoid
+    for one label, softmax for more), or for "embed" an L2 normalization when `normalize`."""
+
+    task: str = "embed"
+    pooling_type: str = "last"
+    normalize: bool = False
+
+    @property
+    def reads_every_token(self) -> bool:
+        """Whether every prompt position must be computed by this request's own steps (no prefix-cache hit)."""
+        return self.pooling_type != "last"
+
+    def validate(self) -> None:
+        _require(self.task in POOLING_TASKS, "pooling", f"pooling task must be one of {', '.join(POOLING_TASKS)}")
+        _require(self.pooling_type in POOLING_TYPES, "pooling",
+                 f"pooling_type must be one of {', '.join(POOLING_TYPES)}")
 
 
 @dataclass(slots=True)
@@ -264,6 +298,15 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class PooledOutput:
+    """A pooling request's vector, computed in the step that computed its last prompt token:
+    float32 values, little-endian (as OpenAI's base64 embeddings carry them)."""
+
+    seq_id: int
+    data: bytes
+
+
+@dataclass(slots=True)
 class StepResult:
     step: int
     epoch: int
@@ -273,6 +316,7 @@ class StepResult:
     # adapters the plan's lora_loads could not load: [[slot, what went wrong], ...] (the slot
     # is left empty; the scheduler fails the requests that use it, and only those)
     lora_errors: list[list] = field(default_factory=list)
+    pooled: list[PooledOutput] = field(default_factory=list)  # pooling requests whose prompt ended this step
 
 
 @dataclass(slots=True)
@@ -297,6 +341,7 @@ class WorkerHello:
     sliding_window: int | None = None
     quantization: str = "none"  # the linear layers' scheme, described (worker/quantization)
     kv_cache_dtype: str = ""  # the KV pools' element type ("bfloat16", "float8_e4m3fn"); kv_bytes_per_block counts it
+    pooling_task: str = ""  # a pooling model's task (common/pooling.py): "embed" or "classify"; "" for generation
 
 
 # ----------------------------------------------------------------------------- requests (Redis)
@@ -361,6 +406,8 @@ class RequestEvent:
     prompt_logprobs: list | None = None
     # prompt tokens found in the prefix cache, beside scheduled_at (usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int = 0
+    # a pooling request's vector (PooledOutput.data), on its one event
+    embedding: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -430,6 +477,7 @@ class SchedulerStatus:
     spec_num_accepted_tokens_total: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     draining: bool = False  # SIGTERM: finishing what it runs, taking nothing new (routers pass it over)
+    pooling_task: str = ""  # WorkerHello.pooling_task: what its engine serves (common/admission.py)
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -497,14 +545,14 @@ class MemorySnapshot:
 _MESSAGE_TYPES: list[type] = [  # append only: a message's tag is its index
     SamplingParams, NewSequence, CachedSequence, StepPlan, SampledToken, StepResult, WorkerHello,
     GenerateRequest, RequestEvent, SchedulerStatus, HeldRequests, MemoryEvent, MemorySnapshot,
-    StructuredOutput, PromptLogprobs, LoRARequest,
+    StructuredOutput, PromptLogprobs, LoRARequest, PoolingParams, PooledOutput,
 ]
 _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # how many, per message
-    SchedulerStatus: 31, RequestEvent: 3, SamplingParams: 5, StepResult: 2, WorkerHello: 3,
+    SchedulerStatus: 32, RequestEvent: 4, SamplingParams: 6, StepResult: 3, WorkerHello: 4,
     NewSequence: 1, StepPlan: 1, GenerateRequest: 1, MemorySnapshot: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

@@ -6,6 +6,7 @@
     POST /v1/messages           POST /v1/messages/count_tokens   the Messages API (gateway/messages_api.py)
     GET  /health                GET  /metrics                    the operator's routes, runtime LoRA (gateway/admin.py)
     GET  /dashboard             GET  /dashboard/events (SSE)     the memory page and its data (gateway/dashboard.py)
+    POST /v1/embeddings         POST /v1/rerank, /rerank, /score a pooling model's routes (gateway/pooling_api.py)
 
 Every answer carries X-Request-Id: the client's own, echoed, or else the request's id (the hex
 part of a generation's `cmpl-`/`chatcmpl-` id).
@@ -36,12 +37,13 @@ from common.generation_config import default_sampling_params, read_generation_co
 from common.models import resolve_model
 from common.protocol import GenerateRequest, LoRARequest, SchedulerStatus
 from common.tokenizer import load_tokenizer
-from gateway import admin, dashboard, messages_api, responses_api
+from common.pooling import pooler_config
+from gateway import admin, dashboard, messages_api, pooling_api, responses_api
 from gateway.agents import event_stream
 from gateway.dashboard import DASHBOARD_ROUTES
 from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.lora import LoRARegistry
-from gateway.engine_client import REDIS_RESTARTED, EngineClient, Generation
+from gateway.engine_client import EngineClient, Generation
 from gateway.metrics import FinishedOutput, GatewayMetrics, scheduled_monotonic
 from gateway.models import InvalidField
 from gateway.openapi import openapi_endpoint
@@ -50,7 +52,10 @@ from gateway.openai_api import (
     RETRY_AFTER_UNAVAILABLE_S, APIError, ParsedRequest, bad_request, error_response, parse_chat, parse_completion,
     parse_json, unavailable,
 )
-from gateway.serving import SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, sse, usage
+from gateway.serving import (
+    SHUTTING_DOWN, SSE_DONE, ChoiceState, Echo, EngineError, ResponseShape, engine_failure, sse, usage,
+    wait_for_disconnect,
+)
 from gateway.structured import StructuredOutputChecker
 from gateway.tokenizer import PromptEncoder
 from gateway.tools import AUTO_TOOL_CHOICE_NEEDS_A_FORMAT, ToolCallStream
@@ -58,12 +63,12 @@ from gateway.tools import AUTO_TOOL_CHOICE_NEEDS_A_FORMAT, ToolCallStream
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_QUEUE_FULL_S = 1
-SHUTTING_DOWN = "the server is shutting down"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics",
           "/openapi.json")
 # The agents' APIs, translations to and from chat (docs/agents.md): OpenAI's and Anthropic's own
 # shapes, outside /openapi.json
 AGENT_ROUTES = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
+POOLING_ROUTES = ("/v1/embeddings", "/v1/rerank", "/rerank", "/score")
 REQUEST_ID = "X-Request-Id"
 
 
@@ -92,6 +97,10 @@ def api_routes(gateway: Gateway) -> list[Route]:
         Route("/v1/responses/{response_id}", gateway.response, methods=["GET"]),
         Route("/v1/messages", gateway.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", gateway.count_tokens, methods=["POST"]),
+        Route("/v1/embeddings", gateway.pooling(pooling_api.embeddings), methods=["POST"]),
+        Route("/v1/rerank", gateway.pooling(pooling_api.rerank), methods=["POST"]),
+        Route("/rerank", gateway.pooling(pooling_api.rerank), methods=["POST"]),
+        Route("/score", gateway.pooling(pooling_api.score), methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),  # an id may hold a '/'
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
@@ -115,6 +124,8 @@ class Gateway:
         if config.enable_auto_tool_choice and self.encoder.tool_call_format is None:
             raise ConfigError(AUTO_TOOL_CHOICE_NEEDS_A_FORMAT)
         self.vocab_size = len(self.tokenizer)
+        # a pooling model's task (common/pooling.py): it serves the pooling routes, not generation
+        self.pooler = pooler_config(source, config.runner, config.convert)
         self.token_text = token_text_cache(self.tokenizer)
         self.structured = StructuredOutputChecker(self.tokenizer, self.vocab_size)
         eos = self.tokenizer.eos_token_id  # with generation_config.json's: the worker's EOS ids end a sequence
@@ -170,6 +181,19 @@ class Gateway:
     def _card(self) -> dict:
         return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}
 
+    # ------------------------------------------------------------------ pooling
+    def pooling(self, route):
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await route(self, request)
+            except ClientDisconnect:
+                return Response(status_code=499)
+            except pooling_api.ClientLeft:  # the sub-requests were aborted
+                return Response(status_code=499)
+            except EngineError as exc:
+                return engine_error_response(exc)
+        return endpoint
+
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
@@ -222,6 +246,9 @@ class Gateway:
         if body is None:
             body = await self.read_json(request)
         lora = self._check_model(body.get("model"))
+        if self.pooler is not None:
+            raise bad_request(f"the model {self.served_model_name!r} is a pooling model: it serves "
+                              f"{', '.join(POOLING_ROUTES)}, not generation", "model", "model_not_generative")
         parsed = await asyncio.to_thread(self._parse, kind, body)  # a long prompt must not stall streams
         statuses = await self._statuses()
         self._check_admissible(parsed, self._ready(statuses))
@@ -282,7 +309,7 @@ class Gateway:
         """The whole body once every choice has finished, or None when the client left first (then
         the requests are aborted); EngineError when the generation failed."""
         collect = asyncio.ensure_future(self._drain(run.generation, run.choices, run.deadline))
-        disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+        disconnect = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
@@ -367,12 +394,8 @@ class Gateway:
                 elif stopped_early:  # that sample alone: the request's others go on
                     generation.abort_output(choice.request_id, choice.output_index)
                 self._observe_finish(choice)
-                if choice.finish_reason == "error" and choice.error in (SHUTTING_DOWN, REDIS_RESTARTED):
-                    raise EngineError(f"{choice.error}; retry the request", 503, "service_unavailable")
-                if choice.finish_reason == "error":
-                    raise EngineError(f"generation failed: {choice.error or 'unknown error'}")
-                if choice.finish_reason == "abort":
-                    raise EngineError("the request was aborted by the scheduler", code="aborted")
+                if failed:
+                    raise engine_failure(choice.finish_reason, choice.error)
             yield choice
 
     def _observe_tokens(self, choice: ChoiceState, event) -> None:
@@ -551,11 +574,6 @@ def _read_template(path: str | None) -> str | None:
 def _check_key(given: str, key: str) -> None:
     if not hmac.compare_digest(given.encode(), key.encode()):
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:

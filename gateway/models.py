@@ -42,6 +42,9 @@ TOKEN_ID = "x-token-id"
 # What a field of several shapes may be, for the message when a value has none of them
 SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "input": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "text_1": "a string or a list of strings",
+    "text_2": "a string or a list of strings",
     "stop": "a string or a list of strings",
     "early_stopping": 'true, false or "never"',
     "content": 'a string or a list of {"type": "text", "text": ...} parts (other part types are not supported)',

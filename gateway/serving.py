@@ -7,9 +7,28 @@ import time
 from dataclasses import dataclass, field
 
 from common.protocol import RequestEvent
+from gateway.engine_client import REDIS_RESTARTED
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.reasoning import ReasoningStream, reasoning_tokens
 from gateway.tools import ToolCallStream
+
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
+async def wait_for_disconnect(request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def engine_failure(finish_reason: str | None, error: str | None, what: str = "generation") -> EngineError:
+    """The error a request's "error" or "abort" ending answers: 503 (retry) when the server drains
+    or Redis restarted, else 500."""
+    if finish_reason == "abort":
+        return EngineError("the request was aborted by the scheduler", code="aborted")
+    if error in (SHUTTING_DOWN, REDIS_RESTARTED):
+        return EngineError(f"{error}; retry the request", 503, "service_unavailable")
+    return EngineError(f"{what} failed: {error or 'unknown error'}")
 
 
 class EngineError(Exception):

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda", description="LLM serving on PagedAttention")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="generate offline, in one process"))
+    _add_embed(commands.add_parser("embed", help="embed texts (or score them against a query) offline with a "
+                                                 "pooling model"))
     _add_up(commands.add_parser("up", help="start the whole stack: Redis, scheduler, worker, gateway"))
     _add_gateway(commands.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway"))
     _add_scheduler(commands.add_parser("scheduler", help="run a scheduler process"))
@@ -77,6 +79,40 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="with --memory-trace: at most one snapshot this often (default 0.25, as the scheduler "
                         "publishes; 0: after every such step)")
     p.set_defaults(handler=_generate)
+
+
+def _add_embed(p: argparse.ArgumentParser) -> None:
+    add_config_args(p, EngineConfig)
+    p.add_argument("--input", action="append", default=[], help="a text (repeatable)")
+    p.add_argument("--input-file", help="texts, one per line")
+    p.add_argument("--query", help="score each text against this query (a cross-encoder's score, or an embedder's "
+                                   "cosine similarity) instead of printing its vector")
+    p.set_defaults(handler=_embed)
+
+
+def _embed(args) -> int:
+    """One JSON object per text, in input order: {"index", "embedding"} (or "score" with --query)."""
+    from common.models import pin_revision
+    from pagoda.offline import LLM
+
+    texts = list(args.input)
+    if args.input_file:
+        texts += [line.rstrip("\n") for line in Path(args.input_file).read_text(encoding="utf-8").splitlines()
+                  if line.strip()]
+    if not texts:
+        raise ValueError("give at least one --input or an --input-file")
+    engine = pin_revision(config_from_args(EngineConfig, args))
+    llm = LLM(**dataclasses.asdict(engine))
+    try:
+        if args.query is not None:
+            for i, score in enumerate(llm.score(args.query, texts, use_tqdm=False)):
+                print(json.dumps({"index": i, "score": score}))
+        else:
+            for out in llm.embed(texts, use_tqdm=False):
+                print(json.dumps({"index": out.index, "embedding": out.embedding}))
+    finally:
+        llm.close()
+    return 0
 
 
 def _read_prompts(args) -> list:

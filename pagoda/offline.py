@@ -30,6 +30,7 @@ from tqdm import tqdm
 from common.config import EngineConfig
 from common.generation_config import default_sampling_params
 from common.models import pin_revision
+from common.pooling import cosine, encode_pair, vector
 from common.lora import read_adapter, target_shapes
 from common.protocol import LoRARequest, SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
@@ -90,6 +91,7 @@ class CompletionOutput:
     # the prompt token's own entry, then the top k (vLLM's RequestOutput.prompt_logprobs)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's RequestOutput.num_cached_tokens)
+    pooled: bytes | None = None  # a pooling request's vector, float32 little-endian (common/pooling.py `vector`)
 
     def to_json(self) -> dict:
         out = {"index": self.index, "text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -97,6 +99,20 @@ class CompletionOutput:
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
         return out
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling model's vector for one input (vLLM's PoolingRequestOutput, flattened): an
+    embedding, or a classifier's scores (one per label)."""
+
+    index: int
+    prompt_token_ids: list[int]
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
 
 
 class LLM:
@@ -211,6 +227,9 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if self.executor.runner.pooler_config is not None and any(p.pooling is None for p in params):
+            raise ValueError("this is a pooling model (an embedder or a classifier): use LLM.embed or LLM.score, "
+                             "or load it with runner='generate'")
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
@@ -239,6 +258,35 @@ class LLM:
                         bar.update(1)
         return results
 
+    def embed(self, prompts: Prompt | list[Prompt], use_tqdm: bool = True) -> list[PoolingOutput]:
+        """Each prompt's vector from a pooling model (`runner="pooling"`, or one the checkpoint says
+        is): an embedder's embedding, a classifier's scores. Outputs come back in input order."""
+        pooler = self.executor.runner.pooler_config
+        if pooler is None:
+            raise ValueError("this model is served for generation: load a pooling model (an embedder or a "
+                             "classifier) or pass runner='pooling'")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = SamplingParams(temperature=0.0, max_tokens=0, pooling=pooler.params())
+        outputs = self.generate([self.encode(prompt) for prompt in prompts], params, use_tqdm=use_tqdm)
+        return [PoolingOutput(out.index, out.prompt_token_ids, vector(out.pooled)) for out in outputs]
+
+    classify = embed
+
+    def score(self, query: str, documents: list[str], use_tqdm: bool = True) -> list[float]:
+        """Each document's relevance to `query`: a cross-encoder's score of the pair (one label), or
+        an embedder's cosine similarity of the two embeddings (vLLM's LLM.score)."""
+        pooler = self.executor.runner.pooler_config
+        if pooler is None or self.encoder is None:
+            raise ValueError("scoring needs a pooling model with a tokenizer")
+        if pooler.task == "classify":
+            if pooler.num_labels != 1:
+                raise ValueError(f"this classifier has {pooler.num_labels} labels: scoring needs one")
+            pairs = [encode_pair(self.encoder.tokenizer, query, document) for document in documents]
+            return [out.data[0] for out in self.embed(pairs, use_tqdm)]
+        first, *rest = self.embed([query, *documents], use_tqdm)
+        return [cosine(first.data, out.data) for out in rest]
+
     def _check_loras(self, loras: list[LoRARequest | None]) -> None:
         """Every adapter named, checked before anything runs (a ValueError, as the API's 400)."""
         named = {lora.key: lora for lora in loras if lora is not None}
@@ -260,7 +308,7 @@ class LLM:
             prompt_logprobs = self._prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs)
         return CompletionOutput(
             index, list(out.prompt_token_ids), first.text, first.token_ids, first.finish_reason,
-            first.cumulative_logprob, first.logprobs, samples, prompt_logprobs, out.num_cached_tokens,
+            first.cumulative_logprob, first.logprobs, samples, prompt_logprobs, out.num_cached_tokens, out.pooled,
         )
 
     def _prompt_logprobs(self, prompt_token_ids: list[int], entries: list) -> list[dict[int, Logprob] | None]:

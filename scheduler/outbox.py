@@ -170,6 +170,8 @@ class Outbox:
                 if tracked.logprobs and seq.logprobs is not None and seq.num_new_tokens:
                     logprobs = [[lp, top] for lp, top in seq.logprobs[-seq.num_new_tokens:]]
                 event = RequestEvent(out.request_id, seq.new_token_ids, logprobs, seq.finish_reason, None, seq.index)
+                if out.pooled is not None and seq.finish_reason is not None:
+                    event.embedding = out.pooled
                 # the request's first event, whichever output's: the gateway gives them to every choice
                 if out.prompt_logprobs is not None and not tracked.prompt_logprobs_sent:
                     event.prompt_logprobs = out.prompt_logprobs

@@ -52,7 +52,7 @@ def request_output(group: SequenceGroup, new_counts: dict[int, int]) -> RequestO
 
 def _output(group: SequenceGroup, outputs: list[SequenceOutput], finished: bool) -> RequestOutput:
     return RequestOutput(group.request_id, group.prompt_token_ids, outputs, finished, group.first_scheduled_time,
-                         group.complete_prompt_logprobs, group.num_cached_tokens)
+                         group.complete_prompt_logprobs, group.num_cached_tokens, group.pooled)
 
 
 def _empty_outputs(group: SequenceGroup) -> list[SequenceOutput]:

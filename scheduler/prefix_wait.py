@@ -20,9 +20,9 @@ def prompt_keys(group: SequenceGroup, block_size: int) -> list[bytes]:
 
 def lone_prompt_match(bm: Allocator, group: SequenceGroup, seqs: list[Sequence]) -> PrefixMatch | None:
     """The cached blocks of a lone prompt, looked up once per attempt to start it (by the group's
-    prompt block keys, hashed once); None without a prefix cache, for a group scoring its prompt
-    (it computes every position) and for a preempted group of several sequences."""
-    if not bm.enable_prefix_caching or len(seqs) != 1 or group.needs_prompt_logprobs:
+    prompt block keys, hashed once); None without a prefix cache, for a group that computes every
+    prompt position itself (it scores or pools them) and for a preempted group of several sequences."""
+    if not bm.enable_prefix_caching or len(seqs) != 1 or group.computes_whole_prompt:
         return None
     seq = seqs[0]
     return bm.match_prefix(TokenView(seq), seq.num_tokens, group.prefix_salt, prompt_keys(group, bm.block_size))
@@ -56,7 +56,7 @@ class ComputingPrefixes:
         blocks are cached once a result says so (the plan in flight's included)."""
         keys: set[bytes] = set()
         for group in running:
-            if len(group.seqs) == 1 and not group.needs_prompt_logprobs:
+            if len(group.seqs) == 1 and not group.computes_whole_prompt:
                 if group.seqs[0].num_computed_tokens < len(group.prompt_token_ids):
                     keys.update(prompt_keys(group, self._bm.block_size))
         return keys

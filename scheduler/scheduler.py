@@ -72,7 +72,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
     def __init__(
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
-        memory_events: MemoryEventLog | None = None, sliding_window: int | None = None,
+        memory_events: MemoryEventLog | None = None, sliding_window: int | None = None, pooling_task: str = "",
     ) -> None:
         """`memory_events`: the log of a scheduler this one follows (a worker group restarted, the
         offline LLM reset), whose event ids it goes on from; else a new one. `sliding_window`: the
@@ -84,6 +84,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self._beam_ops = SequenceOps(self._fork, self._finish, self._forget)
         self.costs = costs
         self.sliding_window = sliding_window
+        self.pooling_task = pooling_task  # a pooling model's (WorkerHello): the requests it admits
         self.block_manager: Allocator = make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
                                                         sliding_window)
         self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
@@ -114,7 +115,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                    memory_events: MemoryEventLog | None = None) -> Scheduler:
         costs = PreemptionCosts(hello.kv_bytes_per_block, hello.host_bandwidth, hello.prefill_tokens_per_s)
         return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
-                   memory_events, hello.sliding_window)
+                   memory_events, hello.sliding_window, hello.pooling_task)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -158,7 +159,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
     def admission_limits(self) -> AdmissionLimits:
         config = self.config
         return AdmissionLimits(self.max_model_len, self.block_manager.block_size, self.max_request_tokens,
-                               config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+                               config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+                               self.pooling_task)
 
     @property
     def max_request_tokens(self) -> int:
@@ -403,9 +405,9 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                 self._fail(group, exc, plan)
 
     def _prompt_views(self, group: SequenceGroup, seqs: list[Sequence]) -> list[TokenView | None]:
-        """What the prefix cache is looked up by; a group still scoring its prompt computes every
-        position: no lookup."""
-        return [None if group.needs_prompt_logprobs else TokenView(seq) for seq in seqs]
+        """What the prefix cache is looked up by; a group still scoring its prompt (or pooling all of
+        it) computes every position: no lookup."""
+        return [None if group.computes_whole_prompt else TokenView(seq) for seq in seqs]
 
     def _can_start(self, group: SequenceGroup, seqs: list[Sequence], budget: _Budget, match: PrefixMatch | None
                    ) -> bool:
@@ -530,7 +532,9 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             seq.num_sent_blocks = 0
         if group.lora_slot >= 0:
             self.lora_slots.unpin(group)
-        if preemption_mode(self.config.preemption_mode, self.block_manager, self.costs, seqs) == "swap":
+        # a pooling request's partial pool lives in the worker's memory only: it starts again
+        if not group.sampling_params.pooling and preemption_mode(
+                self.config.preemption_mode, self.block_manager, self.costs, seqs) == "swap":
             copies = self.block_manager.swap_out([seq.seq_id for seq in seqs])
             plan.blocks_to_swap_out.extend(copies)
             self._count_swap_out(group, copies)
@@ -626,6 +630,9 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self._apply_computed(done)
         if result.prompt_logprobs:
             collect_prompt_logprobs(result.prompt_logprobs, self._group_of_seq)
+        for pooled in result.pooled:
+            if (group := self._group_of_seq.get(pooled.seq_id)) is not None:
+                group.pooled = pooled.data
         self._apply_samples(result, done, touched, new_counts)
         return self._outputs(touched, new_counts)
 

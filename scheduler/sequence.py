@@ -129,6 +129,7 @@ class SequenceGroup:
     lora: LoRARequest | None = None  # the adapter it runs with
     lora_slot: int = -1  # the workers' slot of that adapter while the group runs (pinned), else -1
     prompt_block_keys: list[bytes] | None = None  # its prompt's full blocks' prefix-cache keys, once asked
+    pooled: bytes | None = None  # a pooling request's vector (PooledOutput.data), once computed
 
     @property
     def prefix_salt(self) -> bytes | None:
@@ -139,6 +140,13 @@ class SequenceGroup:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt positions still to score: the prefill must compute every position (no prefix-cache hit)."""
         return self.num_prompt_logprobs_missing > 0
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether its own steps must compute every prompt position (no prefix-cache hit): it scores
+        them, or pools all of them (a pooling request's mean or CLS; common/pooling.py)."""
+        pooling = self.sampling_params.pooling
+        return self.needs_prompt_logprobs or (pooling is not None and pooling.reads_every_token)
 
     @property
     def complete_prompt_logprobs(self) -> list | None:
@@ -224,3 +232,4 @@ class RequestOutput:
     # prompt_logprobs once every prompt position has them (RequestEvent.prompt_logprobs's shape), else None
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0  # SequenceGroup.num_cached_tokens (vLLM's RequestOutput.num_cached_tokens)
+    pooled: bytes | None = None  # SequenceGroup.pooled, on a pooling request's one output

@@ -123,7 +123,7 @@ def test_config_to_argv_writes_every_value_and_a_switch_only_off_its_default():
     assert config_to_argv(EngineConfig(swap_space_gb=2.5, enable_prefix_caching=False, num_gpu_blocks=64)) == [
         "--model=default", "--generation-config=auto", "--block-size=16", "--num-gpu-blocks=64", "--max-num-seqs=128",
         "--max-num-batched-tokens=2048", "--device=auto", "--dtype=auto", "--quantization=none", "--kv-cache-dtype=auto",
-        "--gpu-memory-utilization=0.9",
+        "--runner=auto", "--convert=auto", "--gpu-memory-utilization=0.9",
         "--cpu-kv-cache-space=1.0", "--swap-space=2.5", "--no-prefix-caching", "--preemption-mode=auto",
         "--tensor-parallel-size=1",
         "--allocator=paged", "--max-loras=1", "--max-lora-rank=16"]

@@ -84,10 +84,10 @@ def test_the_readme_lists_the_registry():
 
 def test_an_unsupported_architecture_fails_with_the_list(tmp_path, capsys):
     config = json.loads((families.ROOT / "tests" / "data" / "tiny-llama.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForTokenClassification"]}))
     assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "w5", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "pagoda: error: LlamaForSequenceClassification is not supported. Pagoda runs: LlamaForCausalLM (llama);" in err
+    assert "pagoda: error: LlamaForTokenClassification is not supported. Pagoda runs: LlamaForCausalLM (llama);" in err
     assert "Qwen3MoeForCausalLM (qwen3_moe)" in err
 
 

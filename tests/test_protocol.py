@@ -9,7 +9,7 @@ from common import protocol
 from common.config import ConfigError, EngineConfig
 from common.protocol import (
     PROTOCOL_VERSION, CachedSequence, decode_events, GenerateRequest, HeldRequests, InvalidParamError, MemoryEvent, MemorySnapshot,
-    LoRARequest, NewSequence, PromptLogprobs, ProtocolError, StructuredOutput,
+    LoRARequest, NewSequence, PooledOutput, PoolingParams, PromptLogprobs, ProtocolError, StructuredOutput,
     RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult, WorkerHello, decode, encode,
 )
 
@@ -70,6 +70,10 @@ MESSAGES = [
     StepPlan(18, 2, [dataclasses.replace(NEW_SEQ, lora_slot=1)], lora_loads=[[1, LoRARequest("sql", 7, "/a")]]),
     dataclasses.replace(STATUS, running_lora_adapters=["sql"], waiting_lora_adapters=["chat", "sql"], max_loras=4,
                         num_lora_loads_total=3, num_lora_evictions_total=1),
+    # pooling: a request's params, a worker's vector, the event that carries it
+    PoolingParams("classify", "mean", True), SamplingParams(max_tokens=0, pooling=PoolingParams()),
+    PooledOutput(2, b""), StepResult(5, 0, pooled=[PooledOutput(3, b"\x00\x00\x80?" * 2)]),
+    RequestEvent("pool-1", [], None, "length", embedding=b"\x00\x00\x80?"),
 ]
 
 
@@ -167,34 +171,35 @@ def test_a_wrong_field_count_is_a_protocol_error(values):
 def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defaults():
     """A scheduler from before data parallelism (no `engine`), the memory counters, the KV cache dtype
     and block bytes, the waiting tokens, LoRA adapters, the prefill rate (--ttft-slo-ms), the CPU
-    tier's counters and the routing counters, speculative decoding's counters, or `draining`."""
-    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-31:]
-    old = _body(encode(STATUS))[1:-31]  # every field but the 31 appended
+    tier's counters and the routing counters, speculative decoding's counters, `draining`, or the
+    pooling task."""
+    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-32:]
+    old = _body(encode(STATUS))[1:-32]  # every field but the 32 appended
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old)], use_bin_type=True)
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in new_fields}
     assert decode(data) == dataclasses.replace(STATUS, **defaults)
     assert decode(data).engine == "0"
     short = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old[:-1])], use_bin_type=True)
-    with pytest.raises(ProtocolError, match="SchedulerStatus expects 49 fields, got 17"):
+    with pytest.raises(ProtocolError, match="SchedulerStatus expects 50 fields, got 17"):
         decode(short)
 
 
 def test_an_event_from_a_scheduler_before_scheduled_at_decodes_as_0():
-    old = _body(encode(dataclasses.replace(EVENT, scheduled_at=1.5, prompt_logprobs=[None], num_cached_tokens=3)))[1:-3]
+    old = _body(encode(dataclasses.replace(EVENT, scheduled_at=1.5, prompt_logprobs=[None], num_cached_tokens=3)))[1:-4]
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(RequestEvent), *old)], use_bin_type=True)
     assert decode(data) == EVENT and EVENT.scheduled_at == 0.0 and EVENT.prompt_logprobs is None
 
 
 def test_an_event_from_a_scheduler_before_cached_tokens_decodes_as_0():
-    old = _body(encode(dataclasses.replace(EVENT, num_cached_tokens=32)))[1:-1]
+    old = _body(encode(dataclasses.replace(EVENT, num_cached_tokens=32)))[1:-2]
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(RequestEvent), *old)], use_bin_type=True)
     assert decode(data) == EVENT and EVENT.num_cached_tokens == 0
     assert decode(encode(dataclasses.replace(EVENT, num_cached_tokens=32))).num_cached_tokens == 32
 
 
 def test_sampling_params_from_a_gateway_before_openai_api_decode_with_the_defaults():
-    """A gateway older than the OpenAI API's extra fields sends SamplingParams without its last 5."""
-    old = _body(encode(FULL_PARAMS))[1:-5]
+    """A gateway older than the OpenAI API's extra fields sends SamplingParams without its last 6."""
+    old = _body(encode(FULL_PARAMS))[1:-6]
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SamplingParams), *old)], use_bin_type=True)
     assert decode(data) == dataclasses.replace(FULL_PARAMS, logit_bias=[], prompt_logprobs=None,
                                                structured_output=None, reasoning_end_token_ids=[],
@@ -207,6 +212,9 @@ def test_sampling_params_from_a_gateway_before_openai_api_decode_with_the_defaul
     (dict(structured_output=StructuredOutput("yaml")), "structured_output"),
     (dict(structured_output=StructuredOutput("json_object"), beam_width=2), "structured_output"),
     (dict(max_tokens=-1), "max_tokens"),
+    (dict(pooling=PoolingParams()), "pooling"), (dict(max_tokens=0, n=2, pooling=PoolingParams()), "pooling"),
+    (dict(max_tokens=0, pooling=PoolingParams("rank")), "pooling"),
+    (dict(max_tokens=0, pooling=PoolingParams(pooling_type="max")), "pooling"),
     (dict(thinking_token_budget=4), "thinking_token_budget"),
     (dict(reasoning_end_token_ids=[1], thinking_token_budget=-1), "thinking_token_budget"),
     (dict(reasoning_end_token_ids=[-1]), "reasoning_end_token_ids"),

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from common.config import EngineConfig
-from common.protocol import NULL_BLOCK, SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
+from common.protocol import NULL_BLOCK, PoolingParams, SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
 from scheduler.engine import LLMEngine
 from scheduler.failures import FailedRequest
 from scheduler.preemption import PreemptionCosts
@@ -286,6 +286,23 @@ def test_a_prefilling_request_can_be_preempted_and_restarts_from_scratch():
         (1, 0, [], 8),
     ]
     assert engine.scheduler.block_manager.num_free_blocks == 3
+
+
+def test_a_pooling_prompt_whose_pool_is_on_the_worker_is_recomputed_never_swapped():
+    """Its partial mean lives in the worker's memory only (worker/pooler.py): preempted, it starts over."""
+    engine = make_engine(num_gpu_blocks=4, num_cpu_blocks=8, block_size=8, max_num_batched_tokens=8,
+                         preemption_mode="swap", wire=True)
+    engine.add_request("a", prompt(7), params(max_tokens=9))
+    engine.scheduler.pooling_task = "embed"  # (an engine serves one kind: this one takes "b" as a pooling model would)
+    engine.add_request("b", prompt(9), params(max_tokens=0, pooling=PoolingParams("embed", "mean")))
+    for _ in range(3):
+        engine.step()
+    plans = engine.executor.plans
+    assert plans[2].preempted_seq_ids == [1] and plans[2].blocks_to_swap_out == []
+    assert engine.scheduler.num_recompute_preemptions == 1
+    done = run(engine)
+    assert done["b"] == ([], "length")
+    assert [(s.seq_id, s.num_computed_tokens) for p in plans[3:] for s in p.new_seqs] == [(1, 0)]
 
 
 # ----------------------------------------------------------------------------- sliding window

@@ -29,6 +29,7 @@ from worker.reasoning_gate import gated
 from worker.input_batch import StepTensors
 from worker.model_runner import ModelRunner
 from worker.parallel import TensorParallelGroup, set_tp_group
+from worker.pooler import Pooler, pooled_indices, pooling_spans
 from worker.prompt_logprobs import prompt_logprobs, scored_indices, scored_spans
 from worker.penalties import uses_penalties
 from worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
@@ -65,6 +66,8 @@ class Executor:
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: the tokens' copies to the host
         spec = config.speculative
         self.drafts_on_worker = spec is not None and spec.drafts_on_worker  # a draft model
+        # a pooling model's vectors, made where the sampler is (rank 0)
+        self.pooler = Pooler(self.runner.model) if self.runner.pooler_config is not None and group.is_first else None
 
     def form_group(self, generation: int) -> None:
         """Join the group's incarnation `generation` (the worker: the plan's epoch), forgetting
@@ -84,6 +87,7 @@ class Executor:
             prefill_tokens_per_s=runner.prefill_tokens_per_s, sliding_window=runner.sliding_window,
             quantization=runner.scheme.describe() if runner.scheme is not None else "none",
             kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
+            pooling_task=runner.pooler_config.task if runner.pooler_config is not None else "",
         )
 
     def reset(self) -> None:
@@ -95,6 +99,8 @@ class Executor:
         self.runner.reset()
         if self.runner.drafter is not None:
             self.runner.drafter.reset()
+        if self.pooler is not None:
+            self.pooler.reset()
         if self.sampler is not None:
             self.sampler.token_counts.reset()
             self.grammar.reset()
@@ -128,6 +134,8 @@ class Executor:
         self.runner.update_inputs(self.state.changes)
         if self.runner.drafter is not None and (plan.finished_seq_ids or plan.preempted_seq_ids):
             self.runner.drafter.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
+        if self.pooler is not None:
+            self.pooler.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
         if self.sampler is not None:
             self._count_tokens(plan, scheduled, feed, feed_tokens)
             self._sync_grammars(plan, scheduled)
@@ -144,14 +152,20 @@ class Executor:
         if not scheduled:
             return
         tensors, spans = self.runner.prepare(scheduled, feed, feed_tokens), scored_spans(scheduled)
+        pooling = pooling_spans(scheduled) if self.runner.pooler_config is not None else []
         if self.drafts_on_worker:
             self._draft(scheduled, tensors)
-        logits = self.runner.forward(tensors, scored_indices(spans)) if spans else self.runner.forward(tensors)
+        scored = scored_indices(spans)
+        kept = scored + pooled_indices(pooling)
+        logits = self.runner.forward(tensors, kept) if kept else self.runner.forward(tensors)
         if self.runner.keeps_hidden:  # EAGLE's next catch-up
             self.runner.drafter.keep(scheduled, self.runner.last_hidden)
         if spans:  # every rank: the scored rows' logits are gathered to rank 0 chunk by chunk
-            step.result.prompt_logprobs = prompt_logprobs(self.runner.scored_logits, spans)
-            self.runner.scored_hidden = None
+            step.result.prompt_logprobs = prompt_logprobs(
+                lambda start, stop: self.runner.scored_logits(start, min(stop, len(scored))), spans)
+        if pooling and self.pooler is not None:
+            step.result.pooled = self.pooler.pool(self.runner.kept_hidden[len(scored):] if kept else None, pooling)
+        self.runner.kept_hidden = None
         if not sampling:
             return
         step.sampling = sampling

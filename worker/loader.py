@@ -23,7 +23,9 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PretrainedConfig
 
 from common.models import ModelSource
+from common.pooling import PoolerConfig
 from worker.models import model_class, text_only_config
+from worker.models.pooling import pooling_model
 from worker.models.weights import in_memory, iter_safetensors
 from worker.parallel import TensorParallelGroup, get_tp_group, set_tp_group
 from worker.quantization import (
@@ -119,13 +121,18 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
+def _model_class(config: PretrainedConfig, pooler: PoolerConfig | None) -> type:
+    cls = model_class(config)
+    return cls if pooler is None else pooling_model(cls, pooler)
+
+
 def _dummy_model(config: PretrainedConfig, seed: int, device: torch.device | str, dtype: torch.dtype,
-                 scheme: QuantizationConfig | None = None) -> torch.nn.Module:
+                 scheme: QuantizationConfig | None = None, pooler: PoolerConfig | None = None) -> torch.nn.Module:
     """Random weights made and drawn on `device` in `dtype` from `seed` (an 8B model in seconds on
     a GPU; drawing it in float32 on the host and moving it took minutes). Norms keep the value
     their constructor gives."""
     with torch.device(device), _default_dtype(dtype), building(scheme):
-        model = model_class(config)(config)
+        model = _model_class(config, pooler)(config)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if "norm" not in name:
@@ -133,27 +140,30 @@ def _dummy_model(config: PretrainedConfig, seed: int, device: torch.device | str
     return model
 
 
-def _build(config: PretrainedConfig, device: str, scheme: QuantizationConfig | None) -> torch.nn.Module:
+def _build(config: PretrainedConfig, device: str, scheme: QuantizationConfig | None,
+           pooler: PoolerConfig | None = None) -> torch.nn.Module:
     with torch.device(device), building(scheme):
-        return model_class(config)(config)
+        return _model_class(config, pooler)(config)
 
 
 def dummy_weights(
-    config: PretrainedConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    config: PretrainedConfig, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    pooler: PoolerConfig | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole dummy model a group of one draws from `seed` on `device`, under our parameter
     names (the fused ones whole: each rank's loaders take their slices)."""
     with _group_of_one():
-        model = _dummy_model(config, seed, device, dtype)
+        model = _dummy_model(config, seed, device, dtype, pooler=pooler)
     yield from ((name, param.data) for name, param in model.named_parameters())
 
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None, seed: int = 0,
-    scheme: QuantizationConfig | None = None,
+    scheme: QuantizationConfig | None = None, pooler: PoolerConfig | None = None,
 ):
     """Returns (model, hf_config): weights loaded, a rope cache of the context length, on `device` in `dtype`,
-    its linear layers under the quantization `scheme` (`resolve_scheme`; None: full precision).
+    its linear layers under the quantization `scheme` (`resolve_scheme`; None: full precision), with
+    the pooling head `pooler` names (worker/models/pooling.py; None: a generative model).
 
     A checkpoint's tensors are copied straight into parameters made on the device in `dtype`, so
     the host never holds more than the tensor being read. A quantized format's tensors keep
@@ -162,11 +172,11 @@ def load_model(
     check_supported(config)
     max_positions = context_length(config, max_model_len)
     if source.kind == "dummy" and get_tp_group().world_size == 1:
-        model = _dummy_model(config, seed, device, dtype, scheme)
+        model = _dummy_model(config, seed, device, dtype, scheme, pooler)
     else:  # every parameter comes from the checkpoint: no initialization to compute first
-        model = to_empty(cast_model(_build(config, "meta", scheme), dtype), device)
+        model = to_empty(cast_model(_build(config, "meta", scheme, pooler), dtype), device)
     if source.kind == "dummy" and model.tp.world_size > 1:
-        model.load_weights(in_memory(dummy_weights(config, seed, device, dtype)))
+        model.load_weights(in_memory(dummy_weights(config, seed, device, dtype, pooler)))
     elif source.kind != "dummy":
         model.load_weights(iter_safetensors(hf_directory(source)))
     model.init_rope_cache(max_positions)  # float32 on the host, then cast and moved with the rest

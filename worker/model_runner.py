@@ -13,6 +13,7 @@ import torch
 import kernels
 from common.config import EngineConfig
 from common.models import resolve_model
+from common.pooling import pooler_config
 from common.plan_state import ScheduledSequence, TableChanges
 from kernels.kv_quant import kv_cache_dtype
 from worker.context import attention_context
@@ -56,8 +57,10 @@ class ModelRunner:
         self.scheme = resolve_scheme(config.quantization, self.source, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.scheme)
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # the pools' (fp8, or the model's)
+        # a pooling model's task (embeddings, a classifier's scores), None for a generative one
+        self.pooler_config = pooler_config(self.source, config.runner, config.convert)
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed,
-                                                self.scheme)
+                                                self.scheme, self.pooler_config)
         self.max_model_len = self.model.max_positions
         # a draft model: loaded by every rank (its shapes size the pool alike), kept by rank 0
         self.drafter = self._load_drafter(config, rank)
@@ -96,7 +99,8 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                       self.block_size, self.device, enable_lora=config.enable_lora)
         self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
-        self.scored_hidden: torch.Tensor | None = None  # the last forward's rows prompt logprobs score
+        # the last forward's rows that prompt logprobs score, then those pooling requests pool
+        self.kept_hidden: torch.Tensor | None = None
 
     def _load_drafter(self, config: EngineConfig, rank: int) -> DraftModel | None:
         self.draft_kv_bytes_per_block = 0
@@ -179,33 +183,34 @@ class ModelRunner:
         return self.input_batch.prepare(scheduled, feed, feed_tokens)
 
     @torch.inference_mode()
-    def forward(self, step: StepTensors, scored_indices: list[int] | None = None) -> torch.Tensor | None:
+    def forward(self, step: StepTensors, kept_indices: list[int] | None = None) -> torch.Tensor | None:
         """Returns the logits of the sampling positions: [num_sampled, vocab_size] float32 (in a
-        tensor-parallel group on rank 0; None on the others). `scored_indices`: flat rows whose
-        logits prompt logprobs need; their hidden states are kept for `scored_logits`, and such a
-        step runs eagerly. Every rank of a group passes the same indices."""
-        if scored_indices:
-            return self.forward_eager(step, torch.tensor(scored_indices, dtype=torch.int64, device=self.device))
+        tensor-parallel group on rank 0; None on the others). `kept_indices`: flat rows whose
+        hidden states are kept (`kept_hidden`): those whose logits prompt logprobs need
+        (`scored_logits`), then those pooling requests pool; such a step runs eagerly. Every rank
+        of a group passes the same indices."""
+        if kept_indices:
+            return self.forward_eager(step, torch.tensor(kept_indices, dtype=torch.int64, device=self.device))
         if self.decode_runner is not None and self.decode_runner.can_run(step):
             return self.decode_runner.run(step)
         return self.forward_eager(step)
 
     @torch.inference_mode()
-    def forward_eager(self, step: StepTensors, scored_indices: torch.Tensor | None = None) -> torch.Tensor | None:
+    def forward_eager(self, step: StepTensors, kept_indices: torch.Tensor | None = None) -> torch.Tensor | None:
         """The model on the step's own shapes (prefill, mixed steps, and everything with enforce_eager)."""
         self._aux.clear()
         with attention_context(step.context):
             hidden = self.model(step.input_ids, step.positions)
         if self.keeps_hidden:
             self.last_hidden = torch.cat(self._aux, dim=-1) if self._aux else hidden
-        self.scored_hidden = None if scored_indices is None else hidden[scored_indices]
+        self.kept_hidden = None if kept_indices is None else hidden[kept_indices]
         return self.model.compute_logits(hidden[step.logits_indices])
 
     @torch.inference_mode()
     def scored_logits(self, start: int, stop: int) -> torch.Tensor | None:
         """The logits of the scored rows [start, stop) of the last forward: [rows, vocab_size]
         float32 on rank 0 (None on the others, which must call it alike: it gathers over the group)."""
-        return self.model.compute_logits(self.scored_hidden[start:stop])
+        return self.model.compute_logits(self.kept_hidden[start:stop])
 
     @torch.inference_mode()
     def load_loras(self, loads: list[list]) -> list[list]:

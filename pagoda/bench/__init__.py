@@ -30,6 +30,8 @@ BENCHES = {
                              "tier against recomputed (--cpu-prefix-cache)"),
     "routing": ("routing", "`pagoda up --data-parallel-size 2`: cache-aware routing against pull on conversations "
                            "sharing system prompts: prefix-cache hit rate and request throughput, in one run"),
+    "embed": ("embed", "embedding throughput of the offline engine against sentence-transformers' encode, same "
+                       "model, texts and threads, in one run (docs/pooling.md)"),
     "step": ("step", "host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"),
     "structured": ("structured", "JSON-schema constrained decoding: xgrammar vs llguidance, validity, throughput "
                                  "cost"),

@@ -55,6 +55,19 @@ MODELS: tuple[ModelInfo, ...] = (
 )
 _BY_ARCHITECTURE = {info.architecture: info for info in MODELS}
 _BY_MODEL_TYPE = {info.model_type: info for info in MODELS}
+# a family's pooling checkpoints: its base model (sentence-transformers saves one: no LM head, no
+# `model.` prefix) and its sequence classifier, built as the family's causal model with a pooling
+# head (worker/models/pooling.py)
+POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
+
+
+def _family_entry(architecture: str) -> ModelInfo | None:
+    if architecture in _BY_ARCHITECTURE:
+        return _BY_ARCHITECTURE[architecture]
+    for suffix in POOLING_SUFFIXES:
+        if architecture.endswith(suffix):
+            return _BY_ARCHITECTURE.get(architecture.removesuffix(suffix) + "ForCausalLM")
+    return None
 
 
 class UnsupportedModel(ValueError):
@@ -65,8 +78,8 @@ def model_info(config) -> ModelInfo:
     """The registry's entry for a transformers config: by its architecture, else its model_type."""
     architectures = getattr(config, "architectures", None) or []
     for architecture in architectures:
-        if architecture in _BY_ARCHITECTURE:
-            return _BY_ARCHITECTURE[architecture]
+        if (info := _family_entry(architecture)) is not None:
+            return info
     model_type = getattr(config, "model_type", None)
     if not architectures and model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]

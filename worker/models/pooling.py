@@ -1,0 +1,50 @@
+"""A family's causal model served for pooling (common/pooling.py): embeddings or a classifier's scores.
+
+The runner pools the final norm's hidden states (worker/pooler.py); this class adds what a pooling
+checkpoint holds beyond the decoder: a classifier head (`score`, transformers'
+`*ForSequenceClassification`), and the names of a base-model checkpoint (sentence-transformers
+saves `Qwen3Model`: no `model.` prefix, no LM head). No LM head is read: the one token a prompt's
+last step draws (and discards) comes from the tied embedding.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from common.pooling import PoolerConfig
+from common.protocol import PoolingParams
+
+_OWN_PREFIXES = ("model.", "lm_head.", "score.")
+
+
+@functools.cache
+def pooling_model(cls: type, pooler: PoolerConfig) -> type:
+    """`cls` (a causal family class) with the pooling head `pooler` asks for."""
+
+    class PoolingModel(cls):
+        def __init__(self, config) -> None:
+            config.tie_word_embeddings = True
+            super().__init__(config)
+            self.pooler_config = pooler
+            # replicated on every rank, outside the quantization scheme (a plain Linear)
+            self.score = nn.Linear(config.hidden_size, pooler.num_labels, bias=False) \
+                if pooler.task == "classify" else None
+
+        def rename(self, name: str) -> str:
+            name = super().rename(name)
+            return name if name.startswith(_OWN_PREFIXES) else "model." + name
+
+        def pool_head(self, pooled: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+            """[n, hidden] float32 pooled states -> the vectors the API returns (float32), as `params` asks."""
+            if params.task == "classify":
+                if self.score is None:
+                    raise ValueError("a classify request to a model without a classifier head")
+                logits = F.linear(pooled, self.score.weight.float())
+                return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
+            return F.normalize(pooled, p=2, dim=-1) if params.normalize else pooled
+
+    PoolingModel.__name__ = PoolingModel.__qualname__ = f"{cls.__name__}Pooling"
+    return PoolingModel
