@@ -40,6 +40,9 @@ CONVERSIONS = ("auto", "embed", "classify")  # --convert: a pooling model's task
 RUNNER_HELP = ("auto: a pooling model where the checkpoint says so (sentence-transformers' modules.json, a "
                "*ForSequenceClassification head), else generation; pooling: serve the model for /v1/embeddings, "
                "/v1/rerank and /score (docs/pooling.md); generate: generation only")
+HF_OVERRIDES_HELP = ("JSON merged over the checkpoint's config.json (vLLM's --hf-overrides), e.g. Qwen3-Reranker as "
+                     "published: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                     "\"classifier_from_token\": [\"no\", \"yes\"]}' (docs/pooling.md)")
 CONVERT_HELP = ("a pooling model's task where the checkpoint does not say it: embed (a vector per input) or classify "
                 "(its classifier head's scores)")
 GENERATION_CONFIG_HELP = ("auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset "
@@ -75,6 +78,8 @@ class EngineConfig:
                                  "float8 e4m3 with a per-layer scale, half the bytes of bfloat16; docs/quantization.md)")
     runner: str = option("auto", "--runner", RUNNER_HELP, choices=RUNNERS)
     convert: str = option("auto", "--convert", CONVERT_HELP, choices=CONVERSIONS)
+    # a dict from LLM(hf_overrides=...) becomes its JSON text
+    hf_overrides: str | None = option(None, "--hf-overrides", HF_OVERRIDES_HELP)
     gpu_memory_utilization: float = option(0.9, "--gpu-memory-utilization",
                                            "share of GPU memory for weights, activations and the KV pool (CUDA)")
     cpu_kv_cache_gb: float = option(1.0, "--cpu-kv-cache-space", "GiB of memory for the KV pool when running on the CPU")
@@ -138,6 +143,7 @@ class EngineConfig:
         _check(self.max_loras >= 1, "max_loras must be >= 1")
         _check(self.max_lora_rank in LORA_RANKS, f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}")
         _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras must be >= max_loras")
+        object.__setattr__(self, "hf_overrides", overrides_json(self.hf_overrides))
         try:
             object.__setattr__(self, "speculative_config", speculative.to_json(self.speculative_config))
         except speculative.SpeculativeConfigError as exc:
@@ -159,6 +165,22 @@ class EngineConfig:
 
 class ConfigError(ValueError):
     pass
+
+
+def overrides_json(value: str | dict | None) -> str | None:
+    """--hf-overrides as JSON text of an object (a dict given in Python becomes one)."""
+    if value is None or isinstance(value, dict):
+        return None if not value else json.dumps(value)
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(f"hf_overrides must be a JSON object: {exc}") from None
+    _check(isinstance(parsed, dict), "hf_overrides must be a JSON object")
+    return value
+
+
+def hf_overrides(value: str | None) -> dict:
+    return json.loads(value) if value else {}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -223,6 +245,7 @@ class GatewayConfig:
     generation_config: str = option("auto", "--generation-config", GENERATION_CONFIG_HELP, choices=GENERATION_CONFIGS)
     runner: str = option("auto", "--runner", RUNNER_HELP, choices=RUNNERS)
     convert: str = option("auto", "--convert", CONVERT_HELP, choices=CONVERSIONS)
+    hf_overrides: str | None = option(None, "--hf-overrides", HF_OVERRIDES_HELP)
     served_model_name: str | None = option(None, "--served-model-name",
                                            "the model id the API reports and accepts (default: the model's name)")
     host: str = option("127.0.0.1", "--host", "address to listen on (default 127.0.0.1)")
@@ -287,6 +310,7 @@ class GatewayConfig:
                                                "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "hf_overrides", overrides_json(self.hf_overrides))
         _check(self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                "redis_url must be redis://HOST:PORT/DB")
         _check(0 <= self.port <= 65535, "port must be in [0, 65535]")

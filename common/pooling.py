@@ -45,13 +45,14 @@ class PoolerConfig:
         return PoolingParams(self.task, self.pooling_type, self.normalize)
 
 
-def pooler_config(source: ModelSource, runner: str = "auto", convert: str = "auto") -> PoolerConfig | None:
+def pooler_config(source: ModelSource, runner: str = "auto", convert: str = "auto",
+                  overrides: dict | None = None) -> PoolerConfig | None:
     """The model's pooling task, or None for a generative model (`runner` "generate", or nothing in
-    the checkpoint says pooling and `runner` is "auto")."""
+    the checkpoint says pooling and `runner` is "auto"). `overrides`: --hf-overrides, over config.json."""
     if runner == "generate":
         return None
     path = source.path if source.kind == "hf" else None
-    config = _config_json(source)
+    config = _config_json(source) | (overrides or {})
     classifier = any(a.endswith(CLASSIFIER_SUFFIX) for a in config.get("architectures") or [])
     st = _sentence_transformers_pooling(path) if path is not None else None
     if convert == "auto" and not classifier and st is None and runner != "pooling":
@@ -59,6 +60,11 @@ def pooler_config(source: ModelSource, runner: str = "auto", convert: str = "aut
     if convert == "classify" or (convert == "auto" and classifier):
         id2label = config.get("id2label") or {}
         num_labels = len(id2label) or int(config.get("num_labels", 1))
+        if "classifier_from_token" in config:  # a causal LM scored by two tokens' logits (Qwen3-Reranker)
+            tokens = config["classifier_from_token"]
+            if not (isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)):
+                raise ValueError("classifier_from_token must name two tokens: [the negative's, the positive's]")
+            num_labels, id2label = 1, {}
         labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
         return PoolerConfig("classify", "last", dimensions=num_labels, num_labels=num_labels, labels=labels)
     pooling_type, normalize = st if st is not None else ("last", True)

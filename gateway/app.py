@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.admission import AdmissionLimits, check_admissible
-from common.config import ConfigError, GatewayConfig
+from common.config import ConfigError, GatewayConfig, hf_overrides
 from common.generation_config import default_sampling_params, read_generation_config, token_ids
 from common.models import resolve_model
 from common.protocol import GenerateRequest, LoRARequest, SchedulerStatus
@@ -125,7 +125,7 @@ class Gateway:
             raise ConfigError(AUTO_TOOL_CHOICE_NEEDS_A_FORMAT)
         self.vocab_size = len(self.tokenizer)
         # a pooling model's task (common/pooling.py): it serves the pooling routes, not generation
-        self.pooler = pooler_config(source, config.runner, config.convert)
+        self.pooler = pooler_config(source, config.runner, config.convert, hf_overrides(config.hf_overrides))
         self.token_text = token_text_cache(self.tokenizer)
         self.structured = StructuredOutputChecker(self.tokenizer, self.vocab_size)
         eos = self.tokenizer.eos_token_id  # with generation_config.json's: the worker's EOS ids end a sequence

@@ -116,6 +116,35 @@ def test_a_causal_checkpoint_served_with_runner_pooling_embeds_its_last_token(tm
         assert cosine(out.embedding, ref) >= MIN_COSINE
 
 
+# the two tokens sit in different vocabulary shards at tensor-parallel size 2
+QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["w10", "w300"]}
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_causal_lm_scored_by_two_tokens_logits_as_qwen3_reranker_is_published(tmp_path, size):
+    """--hf-overrides classifier_from_token: the score is the positive token's probability of the
+    two, from the LM head at the pair's last position (transformers is the reference)."""
+    import torch
+
+    from tests import families
+
+    model = families.build("qwen3", tmp_path)
+    llm = _llm(tmp_path, hf_overrides=QWEN3_RERANKER, tensor_parallel_size=size)
+    try:
+        assert llm.executor.runner.pooler_config.params() == PoolingParams("classify", "last", False)
+        query, documents = "w5 w6 w7", ["w8 w9", "w300 w301 w302", "w10"]
+        scores = llm.score(query, documents, use_tqdm=False)
+    finally:
+        llm.close()
+    with torch.inference_mode():
+        expected = []
+        for document in documents:
+            ids = [int(w[1:]) for w in f"{query} {document}".split()]
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            expected.append(torch.softmax(logits[[10, 300]], dim=-1)[1].item())
+    assert scores == pytest.approx(expected, abs=1e-5)
+
+
 def test_the_pooling_task_is_read_from_the_checkpoint(models, tmp_path):
     from common.models import resolve_model
 
@@ -126,6 +155,9 @@ def test_the_pooling_task_is_read_from_the_checkpoint(models, tmp_path):
         "classify", "last", False, 1, 1, ("LABEL_0",))
     assert pooler_config(resolve_model(str(models["reranker"][0])), runner="generate") is None
     assert pooler_config(resolve_model(str(models["mean"][0])), convert="classify").task == "classify"
+    assert pooler_config(resolve_model(str(models["reranker"][0])), overrides=QWEN3_RERANKER).num_labels == 1
+    with pytest.raises(ValueError, match="must name two tokens"):
+        pooler_config(resolve_model(str(models["reranker"][0])), overrides={"classifier_from_token": ["yes"]})
     legacy = tmp_path / "legacy"
     shutil.copytree(models["cls"][0], legacy)
     (legacy / "1_Pooling" / "config.json").write_text(json.dumps(

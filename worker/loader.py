@@ -36,15 +36,31 @@ from worker.quantization import (
 log = logging.getLogger(__name__)
 
 
-def load_config(source: ModelSource) -> PretrainedConfig:
+def load_config(source: ModelSource, overrides: dict | None = None) -> PretrainedConfig:
     """The config the model is built from (a multimodal checkpoint served for text: its text
-    model's, `worker.models.text_only_config`)."""
+    model's, `worker.models.text_only_config`), `overrides` (--hf-overrides) set over it."""
     if source.kind == "dummy":
         data = json.loads(source.path.read_text())
         config = AutoConfig.for_model(data.pop("model_type", "llama"), **data)
     else:
         config = AutoConfig.from_pretrained(hf_directory(source))
+    config.update(overrides or {})
     return text_only_config(config)
+
+
+def _classifier_token_ids(config: PretrainedConfig, source: ModelSource) -> None:
+    """A classifier from two tokens' logits (--hf-overrides classifier_from_token): their ids, by
+    the model's tokenizer (`classifier_from_token_ids`: [the negative's, the positive's])."""
+    tokens = getattr(config, "classifier_from_token", None)
+    if not tokens:
+        return
+    from common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    ids = tokenizer.convert_tokens_to_ids(list(tokens))
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise ValueError(f"classifier_from_token {tokens}: the tokenizer has no such token")
+    config.classifier_from_token_ids = ids
 
 
 def hf_directory(source: ModelSource) -> Path:
@@ -159,16 +175,19 @@ def dummy_weights(
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None, seed: int = 0,
-    scheme: QuantizationConfig | None = None, pooler: PoolerConfig | None = None,
+    scheme: QuantizationConfig | None = None, pooler: PoolerConfig | None = None, overrides: dict | None = None,
 ):
     """Returns (model, hf_config): weights loaded, a rope cache of the context length, on `device` in `dtype`,
     its linear layers under the quantization `scheme` (`resolve_scheme`; None: full precision), with
-    the pooling head `pooler` names (worker/models/pooling.py; None: a generative model).
+    the pooling head `pooler` names (worker/models/pooling.py; None: a generative model), built from
+    config.json with `overrides` (--hf-overrides) set over it.
 
     A checkpoint's tensors are copied straight into parameters made on the device in `dtype`, so
     the host never holds more than the tensor being read. A quantized format's tensors keep
     their dtype (fp8 weights, float32 scales, packed int32)."""
-    config = load_config(source)
+    config = load_config(source, overrides)
+    if pooler is not None:
+        _classifier_token_ids(config, source)
     check_supported(config)
     max_positions = context_length(config, max_model_len)
     if source.kind == "dummy" and get_tp_group().world_size == 1:

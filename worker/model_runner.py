@@ -11,7 +11,7 @@ import logging
 import torch
 
 import kernels
-from common.config import EngineConfig
+from common.config import EngineConfig, hf_overrides
 from common.models import resolve_model
 from common.pooling import pooler_config
 from common.plan_state import ScheduledSequence, TableChanges
@@ -58,9 +58,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, self.scheme)
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # the pools' (fp8, or the model's)
         # a pooling model's task (embeddings, a classifier's scores), None for a generative one
-        self.pooler_config = pooler_config(self.source, config.runner, config.convert)
+        overrides = hf_overrides(config.hf_overrides)
+        self.pooler_config = pooler_config(self.source, config.runner, config.convert, overrides)
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed,
-                                                self.scheme, self.pooler_config)
+                                                self.scheme, self.pooler_config, overrides)
         self.max_model_len = self.model.max_positions
         # a draft model: loaded by every rank (its shapes size the pool alike), kept by rank 0
         self.drafter = self._load_drafter(config, rank)

@@ -26,12 +26,46 @@ def pooling_model(cls: type, pooler: PoolerConfig) -> type:
 
     class PoolingModel(cls):
         def __init__(self, config) -> None:
-            config.tie_word_embeddings = True
+            # a classifier from two tokens' logits reads its LM head's rows (`load_weights`)
+            self.from_tokens = getattr(config, "classifier_from_token_ids", None)
+            if not self.from_tokens:
+                config.tie_word_embeddings = True
             super().__init__(config)
             self.pooler_config = pooler
             # replicated on every rank, outside the quantization scheme (a plain Linear)
             self.score = nn.Linear(config.hidden_size, pooler.num_labels, bias=False) \
-                if pooler.task == "classify" else None
+                if pooler.task == "classify" and not self.from_tokens else None
+
+        def load_weights(self, weights) -> None:
+            if not self.from_tokens:
+                return super().load_weights(weights)
+            # every rank reads the two rows whole from the checkpoint (its own shard of the head
+            # may hold neither), as the head's tensor goes by
+            head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+            rows = []
+
+            def watched(weights):
+                for name, tensor in weights:
+                    if self.rename(name) == head:
+                        rows.extend(tensor.narrow(0, token, 1)[0].float() for token in self.from_tokens)
+                    yield name, tensor
+
+            super().load_weights(watched(weights))
+            self.score = self._score_from_rows(*rows)
+
+        @torch.no_grad()
+        def _score_from_rows(self, negative: torch.Tensor, positive: torch.Tensor) -> nn.Linear:
+            """vLLM's two-way softmax conversion: sigmoid((w_pos - w_neg) . h) is the positive
+            token's probability of the two (a softmax over their logits)."""
+            device = self.model.norm.weight.device
+            score = nn.Linear(negative.shape[0], 1, bias=False, device=device)
+            score.weight.copy_((positive - negative).to(device)[None])
+            return score
+
+        def _dummy_score(self) -> nn.Linear:
+            """Random weights, one rank: the rows as drawn."""
+            head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+            return self._score_from_rows(*(head.weight[token].float() for token in self.from_tokens))
 
         def rename(self, name: str) -> str:
             name = super().rename(name)
@@ -40,6 +74,8 @@ def pooling_model(cls: type, pooler: PoolerConfig) -> type:
         def pool_head(self, pooled: torch.Tensor, params: PoolingParams) -> torch.Tensor:
             """[n, hidden] float32 pooled states -> the vectors the API returns (float32), as `params` asks."""
             if params.task == "classify":
+                if self.score is None and self.from_tokens and self.tp.world_size == 1:  # dummy weights: none loaded
+                    self.score = self._dummy_score()
                 if self.score is None:
                     raise ValueError("a classify request to a model without a classifier head")
                 logits = F.linear(pooled, self.score.weight.float())
