@@ -26,6 +26,7 @@ _POOLING_FLAGS = (("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", 
                   ("pooling_mode_mean_sqrt_len_tokens", "mean_sqrt_len"), ("pooling_mode_weightedmean_tokens",
                                                                           "weightedmean"))
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
+ENCODER_MODEL_TYPES = ("bert", "xlm-roberta")  # served only for pooling; they pool CLS unless told
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +55,9 @@ def pooler_config(source: ModelSource, runner: str = "auto", convert: str = "aut
     path = source.path if source.kind == "hf" else None
     config = _config_json(source) | (overrides or {})
     classifier = any(a.endswith(CLASSIFIER_SUFFIX) for a in config.get("architectures") or [])
+    encoder = config.get("model_type") in ENCODER_MODEL_TYPES
     st = _sentence_transformers_pooling(path) if path is not None else None
-    if convert == "auto" and not classifier and st is None and runner != "pooling":
+    if convert == "auto" and not classifier and st is None and runner != "pooling" and not encoder:
         return None
     if convert == "classify" or (convert == "auto" and classifier):
         id2label = config.get("id2label") or {}
@@ -66,8 +68,12 @@ def pooler_config(source: ModelSource, runner: str = "auto", convert: str = "aut
                 raise ValueError("classifier_from_token must name two tokens: [the negative's, the positive's]")
             num_labels, id2label = 1, {}
         labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
-        return PoolerConfig("classify", "last", dimensions=num_labels, num_labels=num_labels, labels=labels)
-    pooling_type, normalize = st if st is not None else ("last", True)
+        return PoolerConfig("classify", "cls" if encoder else "last", dimensions=num_labels, num_labels=num_labels,
+                            labels=labels)
+    pooling_type, normalize = st if st is not None else ("cls" if encoder else "last", True)
+    if encoder and pooling_type == "last":
+        raise ValueError("an encoder pools its inputs' mean or CLS token, not the last (its every position sees the "
+                         "whole input)")
     hidden = int(config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size") or 0)
     return PoolerConfig("embed", pooling_type, normalize, dimensions=hidden, prompts=_prompts(path))
 

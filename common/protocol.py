@@ -342,6 +342,7 @@ class WorkerHello:
     quantization: str = "none"  # the linear layers' scheme, described (worker/quantization)
     kv_cache_dtype: str = ""  # the KV pools' element type ("bfloat16", "float8_e4m3fn"); kv_bytes_per_block counts it
     pooling_task: str = ""  # a pooling model's task (common/pooling.py): "embed" or "classify"; "" for generation
+    encoder: bool = False  # its layers attend both ways: a prompt is computed whole in one step (no chunks)
 
 
 # ----------------------------------------------------------------------------- requests (Redis)
@@ -552,7 +553,7 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # how many, per message
-    SchedulerStatus: 32, RequestEvent: 4, SamplingParams: 6, StepResult: 3, WorkerHello: 4,
+    SchedulerStatus: 32, RequestEvent: 4, SamplingParams: 6, StepResult: 3, WorkerHello: 5,
     NewSequence: 1, StepPlan: 1, GenerateRequest: 1, MemorySnapshot: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

@@ -9,6 +9,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+from common.config import EngineConfig
 from scheduler.allocator import Allocator
 from scheduler.sequence import Sequence
 
@@ -31,11 +32,13 @@ class PreemptionCosts:
         return num_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s > 0 else math.inf
 
 
-def preemption_mode(mode: str, block_manager: Allocator, costs: PreemptionCosts, seqs: list[Sequence]) -> str:
+def preemption_mode(mode: str, block_manager: Allocator, costs: PreemptionCosts, seqs: list[Sequence],
+                    recompute_only: bool = False) -> str:
     """"swap" or "recompute" for a victim whose running sequences are `seqs`; `mode`: the
-    configured one ("auto": the cheaper). Recompute when the swap pool cannot take them."""
+    configured one ("auto": the cheaper). Recompute when the swap pool cannot take them, or for
+    `recompute_only` (a pooling request: its partial pool lives in the worker's memory only)."""
     seq_ids = [seq.seq_id for seq in seqs]
-    if mode == "recompute" or not block_manager.can_swap_out(seq_ids):
+    if mode == "recompute" or recompute_only or not block_manager.can_swap_out(seq_ids):
         return "recompute"
     if mode == "swap":
         return "swap"
@@ -59,3 +62,10 @@ def enable_cpu_tier(block_manager: Allocator, costs: PreemptionCosts) -> None:
     bm.enable_cpu_tier = True
     log.info("prefix cache: a CPU tier of up to %d blocks (a copy back %.3g s, a recompute %.3g s per block)",
              bm.num_cpu_blocks, copy_s, recompute_s)
+
+
+def whole_prompts(config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """An encoder's engine: every prompt computed whole in one step (its attention sees the whole
+    input), so no chunked prefill, and a step budget that holds the longest prompt."""
+    return config.replace(enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len))

@@ -52,7 +52,7 @@ from scheduler.in_flight import PlannedStep, awaits_result, draws_in_flight, tak
 from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
-from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode
+from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode, whole_prompts
 from scheduler.prefix_wait import ComputingPrefixes, lone_prompt_match
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 from scheduler.speculation import DraftSteps
@@ -114,7 +114,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
     def from_hello(cls, config: EngineConfig, hello: WorkerHello,
                    memory_events: MemoryEventLog | None = None) -> Scheduler:
         costs = PreemptionCosts(hello.kv_bytes_per_block, hello.host_bandwidth, hello.prefill_tokens_per_s)
-        return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
+        return cls(whole_prompts(config, hello.max_model_len) if hello.encoder else config,
+                   hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
                    memory_events, hello.sliding_window, hello.pooling_task)
 
     # ------------------------------------------------------------------ requests
@@ -532,9 +533,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             seq.num_sent_blocks = 0
         if group.lora_slot >= 0:
             self.lora_slots.unpin(group)
-        # a pooling request's partial pool lives in the worker's memory only: it starts again
-        if not group.sampling_params.pooling and preemption_mode(
-                self.config.preemption_mode, self.block_manager, self.costs, seqs) == "swap":
+        if preemption_mode(self.config.preemption_mode, self.block_manager, self.costs, seqs,
+                           recompute_only=group.sampling_params.pooling is not None) == "swap":
             copies = self.block_manager.swap_out([seq.seq_id for seq in seqs])
             plan.blocks_to_swap_out.extend(copies)
             self._count_swap_out(group, copies)

@@ -45,6 +45,66 @@ def embedder(directory: Path, pooling: str = "lasttoken", normalize: bool = True
     return model
 
 
+ENCODER = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+               max_position_embeddings=130, layer_norm_eps=1e-12, pad_token_id=3)
+
+
+def encoder_embedder(directory: Path, family: str = "bert", pooling: str = "mean", seed: int = 0):
+    """Save a tiny BERT (or XLM-RoBERTa) sentence-transformers embedder; returns its SentenceTransformer."""
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+
+    torch.manual_seed(seed)
+    config_class, model_class = (BertConfig, BertModel) if family == "bert" else (XLMRobertaConfig, XLMRobertaModel)
+    base = directory.parent / f"{directory.name}-base"
+    model_class(config_class(**ENCODER, type_vocab_size=2 if family == "bert" else 1), add_pooling_layer=False) \
+        .save_pretrained(base)
+    _copy_tokenizer(base)
+    modules = [models.Transformer(str(base)), models.Pooling(ENCODER["hidden_size"], pooling_mode=pooling),
+               models.Normalize()]
+    model = SentenceTransformer(modules=modules, device="cpu")
+    model.save(str(directory))
+    return model
+
+
+def _pair_tokenizer(directory: Path, family: str) -> None:
+    """The tiny tokenizer with BERT's or RoBERTa's templates ("[CLS] a [SEP] b [SEP]" with token types,
+    "<s> a </s></s> b </s>"), <s> and </s> standing for [CLS] and [SEP]."""
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    _copy_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    pair = "<s> $A </s> $B:1 </s>:1" if family == "bert" else "<s> $A </s> </s> $B </s>"
+    tokenizer.post_processor = TemplateProcessing(single="<s> $A </s>", pair=pair,
+                                                  special_tokens=[("<s>", 1), ("</s>", 2)])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.update(cls_token="<s>", sep_token="</s>")
+    if family == "bert":  # as BertTokenizerFast's: the model reads the pair's token types
+        config["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def encoder_cross_encoder(directory: Path, family: str = "bert", seed: int = 0):
+    """Save a tiny one-label BERT (or XLM-RoBERTa) ForSequenceClassification; returns its CrossEncoder."""
+    from sentence_transformers import CrossEncoder
+    from transformers import (
+        BertConfig, BertForSequenceClassification, XLMRobertaConfig, XLMRobertaForSequenceClassification,
+    )
+
+    torch.manual_seed(seed)
+    config_class, model_class = (BertConfig, BertForSequenceClassification) if family == "bert" else (
+        XLMRobertaConfig, XLMRobertaForSequenceClassification)
+    model_class(config_class(**ENCODER, type_vocab_size=2 if family == "bert" else 1, num_labels=1,
+                             initializer_range=0.2)) \
+        .save_pretrained(directory)
+    _pair_tokenizer(directory, family)
+    return CrossEncoder(str(directory), device="cpu")
+
+
 def cross_encoder(directory: Path, seed: int = 0):
     """Save a tiny one-label Qwen3ForSequenceClassification in `directory`; returns its CrossEncoder."""
     from sentence_transformers import CrossEncoder

@@ -14,11 +14,12 @@ import openai
 import pytest
 
 from common.config import GatewayConfig
+from common.models import resolve_model
 from common.pooling import PoolerConfig, cosine, pooler_config
 from common.protocol import PoolingParams
 from common.redis_server import free_port
 from tests.families import TOKENIZER
-from tests.pooling_models import TEXTS, cross_encoder, embedder
+from tests.pooling_models import TEXTS, cross_encoder, embedder, encoder_cross_encoder, encoder_embedder
 from tests.stack import Stack, serve_app, wait_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,6 +44,25 @@ def _llm(directory, **kwargs):
     from pagoda.offline import LLM
 
     return LLM(str(directory), device="cpu", dtype="float32", **kwargs)
+
+
+@pytest.mark.parametrize("family, pooling, size", [("bert", "mean", 1), ("xlm-roberta", "cls", 1), ("bert", "cls", 2)])
+def test_encoder_embeddings_equal_sentence_transformers_whole_in_one_step(tmp_path, family, pooling, size):
+    st = encoder_embedder(tmp_path / family, family, pooling)
+    reference = st.encode(TEXTS, convert_to_tensor=True).tolist()
+    # a budget of 16 would chunk TEXTS[1] and [3]: an encoder's engine raises it to the context
+    llm = _llm(tmp_path / family, max_num_batched_tokens=16, tensor_parallel_size=size)
+    try:
+        config = llm.scheduler.config
+        assert (config.enable_chunked_prefill, config.max_num_batched_tokens) == (False, llm.config.max_model_len)
+        for out, ref in zip(llm.embed(TEXTS, use_tqdm=False), reference):
+            assert cosine(out.embedding, ref) >= MIN_COSINE
+    finally:
+        llm.close()
+    if size == 1:
+        (tmp_path / family / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
+        with pytest.raises(ValueError, match="an encoder pools its inputs' mean or CLS"):
+            pooler_config(resolve_model(str(tmp_path / family)))
 
 
 @pytest.mark.parametrize("name", ["last", "mean", "cls"])
@@ -146,8 +166,6 @@ def test_a_causal_lm_scored_by_two_tokens_logits_as_qwen3_reranker_is_published(
 
 
 def test_the_pooling_task_is_read_from_the_checkpoint(models, tmp_path):
-    from common.models import resolve_model
-
     mean = pooler_config(resolve_model(str(models["mean"][0])))
     assert (mean.params(), mean.dimensions, mean.prompts) == (PoolingParams("embed", "mean", True), 64,
                                                              {"query": "", "document": ""})
@@ -185,6 +203,18 @@ def test_an_engine_admits_only_the_requests_of_its_kind():
         "the engine serves a pooling model (embed), and this request asks for generation"
     assert check_admissible(4, embed, limits("")).code == "wrong_model_kind"
     assert check_admissible(4, embed, limits("classify")) is not None
+
+
+@pytest.mark.parametrize("family, size", [("bert", 1), ("xlm-roberta", 1), ("bert", 2)])
+def test_encoder_cross_encoder_scores_equal_sentence_transformers(tmp_path, family, size):
+    """BERT's pair has token types (1 after the first [SEP]); both heads run on the CLS token."""
+    reference = encoder_cross_encoder(tmp_path, family).predict([(QUERY, t) for t in TEXTS]).tolist()
+    llm = _llm(tmp_path, tensor_parallel_size=size)
+    try:
+        assert llm.executor.runner.pooler_config.params() == PoolingParams("classify", "cls", False)
+        assert llm.score(QUERY, TEXTS, use_tqdm=False) == pytest.approx(reference, abs=1e-4)
+    finally:
+        llm.close()
 
 
 def test_cross_encoder_scores_equal_sentence_transformers_in_order(models):

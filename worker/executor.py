@@ -88,6 +88,7 @@ class Executor:
             quantization=runner.scheme.describe() if runner.scheme is not None else "none",
             kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
             pooling_task=runner.pooler_config.task if runner.pooler_config is not None else "",
+            encoder=getattr(runner.model, "bidirectional", False),
         )
 
     def reset(self) -> None:

@@ -201,6 +201,10 @@ def load_model(
     model.init_rope_cache(max_positions)  # float32 on the host, then cast and moved with the rest
     model = cast_model(model, dtype, device).eval()
     process_weights_after_loading(model, dtype)
+    if getattr(model, "bidirectional", False) and source.kind != "dummy":  # an encoder: a pair's token types
+        from common.tokenizer import load_tokenizer
+
+        model.model.embeddings.sep_token_id = load_tokenizer(source).sep_token_id
     return model, config
 
 

@@ -21,6 +21,7 @@ class ModelInfo:
     quantization: tuple[str, ...] = ("fp8", "int4", "int8", "awq", "gptq", "compressed-tensors")  # beyond none
     notes: str = ""
     text_only: bool = False  # a multimodal checkpoint served for text: the model is its text_config's
+    encoder: bool = False  # attends both ways: served only as a pooling model (docs/pooling.md)
 
     @property
     def class_name(self) -> str:
@@ -52,6 +53,10 @@ MODELS: tuple[ModelInfo, ...] = (
               quantization=MOE_QUANTIZATION, notes="with its shared expert"),
     ModelInfo("Qwen3MoeForCausalLM", "qwen3_moe", "moe", "Qwen/Qwen3-30B-A3B", sliding_window=True, moe=True,
               quantization=MOE_QUANTIZATION),
+    ModelInfo("BertModel", "bert", "bert", "BAAI/bge-small-en-v1.5", quantization=(), encoder=True,
+              notes="an encoder for pooling: embeddings, and its *ForSequenceClassification cross-encoders"),
+    ModelInfo("XLMRobertaModel", "xlm-roberta", "bert", "intfloat/multilingual-e5-small", quantization=(), encoder=True,
+              notes="an encoder for pooling: embeddings, and its *ForSequenceClassification cross-encoders"),
 )
 _BY_ARCHITECTURE = {info.architecture: info for info in MODELS}
 _BY_MODEL_TYPE = {info.model_type: info for info in MODELS}
@@ -66,7 +71,8 @@ def _family_entry(architecture: str) -> ModelInfo | None:
         return _BY_ARCHITECTURE[architecture]
     for suffix in POOLING_SUFFIXES:
         if architecture.endswith(suffix):
-            return _BY_ARCHITECTURE.get(architecture.removesuffix(suffix) + "ForCausalLM")
+            family = architecture.removesuffix(suffix)  # a decoder's causal class, or an encoder's base model
+            return _BY_ARCHITECTURE.get(family + "ForCausalLM") or _BY_ARCHITECTURE.get(family + "Model")
     return None
 
 
@@ -118,7 +124,8 @@ def check_shardable(config, world_size: int) -> None:
     from worker.models.layers import AttentionShard
     from worker.parallel import divide
 
-    AttentionShard.of(config.num_attention_heads, config.num_key_value_heads, 0, world_size)
+    AttentionShard.of(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+                      or config.num_attention_heads, 0, world_size)
     divide(config.intermediate_size, world_size, "the MLP's intermediate size")
     for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(config, name, None):

@@ -442,3 +442,11 @@ class Attention(nn.Module):
                                     sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
                                     k_scale=self.k_scale, v_scale=self.v_scale)
         return o.reshape(-1, self.num_heads * self.head_dim)
+
+
+class ScoreHead(nn.Linear):
+    """A pooling model's classifier layer (transformers' `score`), replicated, outside the
+    quantization scheme, computed in float32 whatever the model's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())

@@ -22,7 +22,7 @@ from torch import nn
 
 from worker.models.layers import (
     Attention, LogitsHead, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-    RowParallelLinear, VocabParallelEmbedding, act_and_mul, compute_logits, default_weight_loader,
+    RowParallelLinear, ScoreHead, VocabParallelEmbedding, act_and_mul, compute_logits, default_weight_loader,
 )
 from worker.quantization import current_config as current_quantization
 from worker.models.rope import TransformersRope
@@ -174,6 +174,11 @@ class CausalLM(nn.Module):
 
     def build_model(self, config) -> DecoderModel:
         raise NotImplementedError
+
+    def classifier_head(self, config, num_labels: int) -> nn.Module:
+        """A pooling model's classifier (worker/models/pooling.py): transformers' `score` of a
+        `*ForSequenceClassification` decoder, over the last token."""
+        return ScoreHead(config.hidden_size, num_labels, bias=False)
 
     @property
     def layers(self) -> nn.ModuleList:

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from common.pooling import PoolerConfig
 from common.protocol import PoolingParams
+from worker.models.layers import ScoreHead
 
 _OWN_PREFIXES = ("model.", "lm_head.", "score.")
 
@@ -32,8 +33,8 @@ def pooling_model(cls: type, pooler: PoolerConfig) -> type:
                 config.tie_word_embeddings = True
             super().__init__(config)
             self.pooler_config = pooler
-            # replicated on every rank, outside the quantization scheme (a plain Linear)
-            self.score = nn.Linear(config.hidden_size, pooler.num_labels, bias=False) \
+            # replicated on every rank, outside the quantization scheme (plain Linears)
+            self.score = self.classifier_head(config, pooler.num_labels) \
                 if pooler.task == "classify" and not self.from_tokens else None
 
         def load_weights(self, weights) -> None:
@@ -58,7 +59,7 @@ def pooling_model(cls: type, pooler: PoolerConfig) -> type:
             """vLLM's two-way softmax conversion: sigmoid((w_pos - w_neg) . h) is the positive
             token's probability of the two (a softmax over their logits)."""
             device = self.model.norm.weight.device
-            score = nn.Linear(negative.shape[0], 1, bias=False, device=device)
+            score = ScoreHead(negative.shape[0], 1, bias=False, device=device)
             score.weight.copy_((positive - negative).to(device)[None])
             return score
 
@@ -78,7 +79,7 @@ def pooling_model(cls: type, pooler: PoolerConfig) -> type:
                     self.score = self._dummy_score()
                 if self.score is None:
                     raise ValueError("a classify request to a model without a classifier head")
-                logits = F.linear(pooled, self.score.weight.float())
+                logits = self.score(pooled)
                 return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
             return F.normalize(pooled, p=2, dim=-1) if params.normalize else pooled
 
