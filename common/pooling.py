@@ -37,6 +37,7 @@ class PoolerConfig:
     pooling_type: str
     normalize: bool = False
     dimensions: int = 0  # the values of each vector: the hidden size (embed) or the labels (classify)
+    max_seq_length: int | None = None  # sentence_bert_config.json's: the context unless --max-model-len says
     num_labels: int = 0  # classify: the classifier head's outputs
     labels: tuple[str, ...] = field(default_factory=tuple)  # classify: id2label in id order
     # sentence-transformers' named prompts (config_sentence_transformers.json): "query" -> its prefix
@@ -50,12 +51,14 @@ def pooler_config(source: ModelSource, runner: str = "auto", convert: str = "aut
                   overrides: dict | None = None) -> PoolerConfig | None:
     """The model's pooling task, or None for a generative model (`runner` "generate", or nothing in
     the checkpoint says pooling and `runner` is "auto"). `overrides`: --hf-overrides, over config.json."""
-    if runner == "generate":
-        return None
     path = source.path if source.kind == "hf" else None
     config = _config_json(source) | (overrides or {})
     classifier = any(a.endswith(CLASSIFIER_SUFFIX) for a in config.get("architectures") or [])
     encoder = config.get("model_type") in ENCODER_MODEL_TYPES
+    if runner == "generate":
+        if encoder:
+            raise ValueError(f"a {config.get('model_type')} encoder serves pooling only (--runner auto or pooling)")
+        return None
     st = _sentence_transformers_pooling(path) if path is not None else None
     if convert == "auto" and not classifier and st is None and runner != "pooling" and not encoder:
         return None
@@ -71,11 +74,13 @@ def pooler_config(source: ModelSource, runner: str = "auto", convert: str = "aut
         return PoolerConfig("classify", "cls" if encoder else "last", dimensions=num_labels, num_labels=num_labels,
                             labels=labels)
     pooling_type, normalize = st if st is not None else ("cls" if encoder else "last", True)
+    max_seq_length = _max_seq_length(path)
     if encoder and pooling_type == "last":
         raise ValueError("an encoder pools its inputs' mean or CLS token, not the last (its every position sees the "
                          "whole input)")
     hidden = int(config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size") or 0)
-    return PoolerConfig("embed", pooling_type, normalize, dimensions=hidden, prompts=_prompts(path))
+    return PoolerConfig("embed", pooling_type, normalize, dimensions=hidden, max_seq_length=max_seq_length,
+                        prompts=_prompts(path))
 
 
 def _config_json(source: ModelSource) -> dict:
@@ -109,6 +114,14 @@ def _sentence_transformers_pooling(path: Path) -> tuple[str, bool] | None:
         raise ValueError(f"{config_file}: Pagoda pools with one of CLS, mean or last-token pooling; this model asks "
                          f"for {modes or 'none'}")
     return modes[0], normalize
+
+
+def _max_seq_length(path: Path | None) -> int | None:
+    file = None if path is None else path / "sentence_bert_config.json"
+    if file is None or not file.is_file():
+        return None
+    value = json.loads(file.read_text()).get("max_seq_length")
+    return int(value) if value else None
 
 
 def _prompts(path: Path | None) -> dict:

@@ -66,6 +66,7 @@ def enable_cpu_tier(block_manager: Allocator, costs: PreemptionCosts) -> None:
 
 def whole_prompts(config: EngineConfig, max_model_len: int) -> EngineConfig:
     """An encoder's engine: every prompt computed whole in one step (its attention sees the whole
-    input), so no chunked prefill, and a step budget that holds the longest prompt."""
-    return config.replace(enable_chunked_prefill=False,
+    input), so no chunked prefill, a step budget that holds the longest prompt, and no prefix
+    cache (its layers never write the KV blocks they hold)."""
+    return config.replace(enable_chunked_prefill=False, enable_prefix_caching=False, cpu_prefix_cache=False,
                           max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len))

@@ -170,7 +170,7 @@ def test_the_pooling_task_is_read_from_the_checkpoint(models, tmp_path):
     assert (mean.params(), mean.dimensions, mean.prompts) == (PoolingParams("embed", "mean", True), 64,
                                                              {"query": "", "document": ""})
     assert pooler_config(resolve_model(str(models["reranker"][0]))) == PoolerConfig(
-        "classify", "last", False, 1, 1, ("LABEL_0",))
+        "classify", "last", False, dimensions=1, num_labels=1, labels=("LABEL_0",))
     assert pooler_config(resolve_model(str(models["reranker"][0])), runner="generate") is None
     assert pooler_config(resolve_model(str(models["mean"][0])), convert="classify").task == "classify"
     assert pooler_config(resolve_model(str(models["reranker"][0])), overrides=QWEN3_RERANKER).num_labels == 1
@@ -318,22 +318,47 @@ def test_an_embedder_scores_and_reranks_by_cosine(stack, models):
     assert rerank["results"][0]["document"] == {"text": TEXTS[best[0]]}
 
 
-def test_a_served_cross_encoder_reranks_and_scores_as_sentence_transformers(models):
-    directory, reference = models["reranker"]
-    stack = Stack("--model", str(directory), "--num-gpu-blocks", "64", "--max-model-len", "64").wait_ready()
+@pytest.mark.parametrize("kind", ["bert-embedder", "bert-reranker", "qwen3-yes-no-reranker"])
+def test_each_kind_of_pooling_model_served_through_the_api(tmp_path, kind):
+    """An encoder embedder through the openai SDK (float and base64), an encoder cross-encoder and
+    Qwen3-Reranker as published (--hf-overrides) through /v1/rerank, each against its reference."""
+    import torch
+
+    from tests import families
+
+    flags = ["--num-gpu-blocks", "64", "--max-model-len", "64"]
+    if kind == "bert-embedder":
+        reference = encoder_embedder(tmp_path / "m", "bert", "mean").encode(TEXTS, convert_to_tensor=True).tolist()
+    elif kind == "bert-reranker":
+        reference = encoder_cross_encoder(tmp_path / "m").predict([(QUERY, t) for t in TEXTS]).tolist()
+    else:
+        model = families.build("qwen3", tmp_path / "m")
+        flags += ["--hf-overrides", json.dumps(QWEN3_RERANKER)]
+        with torch.inference_mode():
+            reference = [torch.softmax(model(torch.tensor([[int(w[1:]) for w in f"{QUERY} {t}".split()]])).logits[
+                0, -1, [10, 300]], dim=-1)[1].item() for t in TEXTS]
+    stack = Stack("--model", str(tmp_path / "m"), *flags).wait_ready()
     try:
-        order = sorted(range(len(TEXTS)), key=reference.__getitem__, reverse=True)
-        for route in ("/v1/rerank", "/rerank"):
-            answer = httpx.post(stack.url + route, json={"query": QUERY, "documents": TEXTS,
-                                                         "return_documents": False}).json()
-            assert [r["index"] for r in answer["results"]] == order
-            assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(
-                [reference[i] for i in order], abs=1e-4)
-            assert "document" not in answer["results"][0]
-        pairwise = httpx.post(stack.url + "/score", json={"text_1": [QUERY] * 2, "text_2": TEXTS[:2]}).json()
-        assert [d["score"] for d in pairwise["data"]] == pytest.approx(reference[:2], abs=1e-4)
-        refused = httpx.post(stack.url + "/v1/embeddings", json={"input": "w5"})
-        assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_embedding"
+        if kind == "bert-embedder":
+            client = openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+            for encoding_format in ("float", "base64"):
+                data = client.embeddings.create(model=_model(stack), input=TEXTS, encoding_format=encoding_format).data
+                assert all(cosine(d.embedding if encoding_format == "float" else
+                                  _floats(base64.b64decode(d.embedding)), ref) >= MIN_COSINE
+                           for d, ref in zip(data, reference))
+        else:
+            order = sorted(range(len(TEXTS)), key=reference.__getitem__, reverse=True)
+            for route in ("/v1/rerank", "/rerank"):
+                answer = httpx.post(stack.url + route, json={"query": QUERY, "documents": TEXTS,
+                                                             "return_documents": route == "/rerank"}).json()
+                assert [r["index"] for r in answer["results"]] == order
+                assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(
+                    [reference[i] for i in order], abs=1e-4)
+                assert ("document" in answer["results"][0]) == (route == "/rerank")
+            pairwise = httpx.post(stack.url + "/score", json={"text_1": [QUERY] * 2, "text_2": TEXTS[:2]}).json()
+            assert [d["score"] for d in pairwise["data"]] == pytest.approx(reference[:2], abs=1e-4)
+            refused = httpx.post(stack.url + "/v1/embeddings", json={"input": "w5"})
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_embedding"
     finally:
         assert stack.stop() == 0
 

@@ -82,6 +82,8 @@ def profile_prefill(runner) -> tuple[float, float]:
     0.0 off CUDA)."""
     config, device, block_size = runner.config, runner.device, runner.block_size
     budget = min(config.max_num_batched_tokens, runner.max_model_len)
+    if getattr(runner.model, "bidirectional", False):  # an encoder's step holds a whole input (scheduler/preemption.py)
+        budget = runner.max_model_len
     num_tokens = budget if device.type == "cuda" else min(budget, 256)
     blocks = -(-num_tokens // block_size) + 1
     layers = runner.model.attention_layers()

@@ -63,6 +63,9 @@ class ModelRunner:
         self.model, self.hf_config = load_model(self.source, self.dtype, self.device, config.max_model_len, config.seed,
                                                 self.scheme, self.pooler_config, overrides)
         self.max_model_len = self.model.max_positions
+        if config.max_model_len is None and self.pooler_config is not None and self.pooler_config.max_seq_length:
+            # a sentence-transformers model's max_seq_length bounds its inputs (vLLM caps the context by it)
+            self.max_model_len = min(self.max_model_len, self.pooler_config.max_seq_length)
         # a draft model: loaded by every rank (its shapes size the pool alike), kept by rank 0
         self.drafter = self._load_drafter(config, rank)
         # the adapter slots, allocated before the profile run so the KV pool's sizing counts them
@@ -142,7 +145,7 @@ class ModelRunner:
         self._aux.append(h if residual is None else h + residual)
 
     def _eager_decode(self) -> bool:
-        if self.config.enforce_eager or self.keeps_hidden:
+        if self.config.enforce_eager or self.keeps_hidden or self.pooler_config is not None:  # a pooler never decodes
             return True
         if self.device.type == "cuda" and self.world_size > 1:
             # capturing NCCL collectives in CUDA graphs needs more care than it is worth here

@@ -37,10 +37,10 @@ class EncoderAttention(Attention):
                 raise ValueError("an encoder computes each input whole in one step (no chunk, no cached prefix)")
             ctx.kernel_cache["encoder_spans"] = spans
         out = torch.empty_like(q)
-        for a, b in spans:
+        for a, b in spans:  # [1, heads, rows, head_dim]: the fused kernels take 4-D inputs
             out[a:b] = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=self.scale,
-                enable_gqa=True).transpose(0, 1)
+                q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
+                scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 
@@ -182,6 +182,8 @@ class BertModel(CausalLM):
 
     def __init__(self, config) -> None:
         nn.Module.__init__(self)
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {config.position_embedding_type!r} is not supported (absolute)")
         self.config = config
         self.tp = get_tp_group()
         self.model = BertEncoderModel(config, self.position_offset_of(config))
@@ -199,11 +201,13 @@ class BertModel(CausalLM):
         return self.model.encoder.layer
 
     def init_rope_cache(self, max_positions: int) -> None:
-        """Absolute positions: no rotary cache."""
+        """Absolute positions: no rotary cache; the context (--max-model-len), at most the position
+        table's (XLM-RoBERTa's less its offset: 512 of 514)."""
+        self.context = min(max_positions, self.config.max_position_embeddings - self.position_offset_of(self.config))
 
     @property
     def max_positions(self) -> int:
-        return self.config.max_position_embeddings - self.position_offset_of(self.config)
+        return getattr(self, "context", self.config.max_position_embeddings - self.position_offset_of(self.config))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return compute_logits(self.tp, hidden, self.model.embed_tokens.weight, self.config.vocab_size, None)
