@@ -318,16 +318,19 @@ def test_an_embedder_scores_and_reranks_by_cosine(stack, models):
     assert rerank["results"][0]["document"] == {"text": TEXTS[best[0]]}
 
 
-@pytest.mark.parametrize("kind", ["bert-embedder", "bert-reranker", "qwen3-yes-no-reranker"])
+@pytest.mark.parametrize("kind", ["bert-embedder", "bert-embedder-tp2", "bert-reranker", "qwen3-yes-no-reranker"])
 def test_each_kind_of_pooling_model_served_through_the_api(tmp_path, kind):
-    """An encoder embedder through the openai SDK (float and base64), an encoder cross-encoder and
-    Qwen3-Reranker as published (--hf-overrides) through /v1/rerank, each against its reference."""
+    """An encoder embedder through the openai SDK (float and base64; also at tensor-parallel size 2),
+    an encoder cross-encoder and Qwen3-Reranker as published (--hf-overrides) through /v1/rerank,
+    /rerank and /score, each against its reference."""
     import torch
 
     from tests import families
 
     flags = ["--num-gpu-blocks", "64", "--max-model-len", "64"]
-    if kind == "bert-embedder":
+    if kind == "bert-embedder-tp2":
+        flags += ["--tensor-parallel-size", "2"]
+    if kind.startswith("bert-embedder"):
         reference = encoder_embedder(tmp_path / "m", "bert", "mean").encode(TEXTS, convert_to_tensor=True).tolist()
     elif kind == "bert-reranker":
         reference = encoder_cross_encoder(tmp_path / "m").predict([(QUERY, t) for t in TEXTS]).tolist()
@@ -339,7 +342,7 @@ def test_each_kind_of_pooling_model_served_through_the_api(tmp_path, kind):
                 0, -1, [10, 300]], dim=-1)[1].item() for t in TEXTS]
     stack = Stack("--model", str(tmp_path / "m"), *flags).wait_ready()
     try:
-        if kind == "bert-embedder":
+        if kind.startswith("bert-embedder"):
             client = openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
             for encoding_format in ("float", "base64"):
                 data = client.embeddings.create(model=_model(stack), input=TEXTS, encoding_format=encoding_format).data

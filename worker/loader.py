@@ -151,7 +151,7 @@ def _dummy_model(config: PretrainedConfig, seed: int, device: torch.device | str
         model = _model_class(config, pooler)(config)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" not in name:
+        if "norm" not in name.lower():  # (BERT's LayerNorm too)
             param.data.normal_(std=0.02, generator=generator)
     return model
 
