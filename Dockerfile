@@ -5,6 +5,8 @@ FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGODA_CACHE=/cache
 WORKDIR /app
+# a C/C++ compiler: the CPU attention kernels build at first use, and Triton builds its launchers
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 COPY requirements.lock ./
 COPY scripts/constraints.sh ./scripts/
 RUN pip install "$(grep -m1 '^torch==' requirements.lock)" --index-url "${TORCH_INDEX}" \

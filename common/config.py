@@ -94,6 +94,9 @@ class EngineConfig:
                                   "(auto: the cheaper by measured rates)", choices=PREEMPTION_MODES)
     enforce_eager: bool = option(False, "--enforce-eager",
                                  "run decode steps eagerly: no CUDA graphs (on CPU: no padded static decode buffers)")
+    compile: bool = option(False, "--compile",
+                           "CPU: compile the decode step with torch.compile (Inductor's C++ backend) at start-up; "
+                           "its caches live under $PAGODA_CACHE/inductor")
     async_scheduling: bool = option(True, "--no-async-scheduling",
                                     "plan each step only after the previous one's result (by default the scheduler "
                                     "plans step N+1 while step N runs)")

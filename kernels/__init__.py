@@ -11,7 +11,12 @@ with it set, the default is the references on every device (the interpreter is f
 
 The fused elementwise ops of a layer (`fused.py`: rms_norm, fused_add_rms_norm, rotary_embedding,
 silu_and_mul) are torch custom ops (`torch.ops.pagoda.*`) that dispatch by device themselves;
-their wrappers here take the same `impl=` override.
+their wrappers here take the same `impl=` override. While torch.compile traces (the compiled CPU
+decode step) they are the plain torch expressions instead, which Inductor fuses.
+
+On CPU tensors `write_kv` and `paged_attention` run the C++ operators of `cpu_ops.py` where they
+are built (one call per layer instead of a dozen aten ops, each query row computed alone: the same
+output whatever the batch); elsewhere the references.
 
 `fused_moe` runs a MoE layer's routed experts: on CUDA the Triton kernel of `triton_moe.py` (tokens
 grouped by expert, one grouped-GEMM launch per projection, no host sync: CUDA-graph safe),
@@ -24,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from kernels import fused, lora, reference
+from kernels import cpu_ops, fused, lora, reference
 from kernels.swap import BlockSwapper
 from kernels.triton_common import freeze_workspace, interpreting  # no triton import
 from kernels.tuning import AttentionShape  # pure Python
@@ -52,6 +57,8 @@ def write_kv(
         from kernels import triton_cache
 
         return triton_cache.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    if impl is None and cpu_ops.takes(key, kv_cache) and value.dtype == key.dtype and value.stride(-1) == 1:
+        return cpu_ops.write_kv(key, value, kv_cache, slot_mapping)
     return reference.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -84,6 +91,11 @@ def paged_attention(
             max_seqlen_k=max_seqlen_k, kv_splits=kv_splits, sliding_window=sliding_window, logit_softcap=logit_softcap,
             k_scale=k_scale, v_scale=v_scale,
         )
+    if impl is None and cpu_ops.takes(query, kv_cache) and (out is None or out.is_contiguous() and out.dtype == query.dtype):
+        out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
+        cpu_ops.attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
+                          logit_softcap)
+        return out
     plan = None
     if step_cache is not None:
         key = "reference_plan" if sliding_window is None else ("reference_plan", sliding_window)
@@ -167,6 +179,8 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: Impl = None) -> torch.Tensor:
     """transformers' LlamaRMSNorm of x [..., hidden] (semantics: `fused.rms_norm_reference`)."""
+    if impl is None and torch.compiler.is_compiling():  # plain torch ops, for Inductor to fuse
+        return fused.rms_norm_reference(x, weight, eps)
     if impl is None:
         return fused.rms_norm(x, weight, eps)
     if _use_triton(x, impl):
@@ -180,6 +194,8 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: Impl = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): a layer's residual add and the next norm in one op."""
+    if impl is None and torch.compiler.is_compiling():  # plain torch ops, for Inductor to fuse
+        return fused.fused_add_rms_norm_reference(x, residual, weight, eps)
     if impl is None:
         return fused.fused_add_rms_norm(x, residual, weight, eps)
     if _use_triton(x, impl):
@@ -195,6 +211,8 @@ def rotary_embedding(
 ) -> None:
     """Rotate query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads, head_dim]
     in place by positions [num_tokens], from cos/sin caches [max_positions, head_dim] (neox layout)."""
+    if impl is None and torch.compiler.is_compiling():  # plain torch ops, for Inductor to fuse
+        return fused.rotary_embedding_reference(positions, query, key, cos_cache, sin_cache)
     if impl is None:
         return fused.rotary_embedding(positions, query, key, cos_cache, sin_cache)
     if _use_triton(query, impl):
@@ -206,6 +224,8 @@ def rotary_embedding(
 
 def silu_and_mul(x: torch.Tensor, *, impl: Impl = None) -> torch.Tensor:
     """x [..., 2 * d] = [gate | up] -> silu(gate) * up [..., d]."""
+    if impl is None and torch.compiler.is_compiling():  # plain torch ops, for Inductor to fuse
+        return fused.silu_and_mul_reference(x)
     if impl is None:
         return fused.silu_and_mul(x)
     if _use_triton(x, impl):

@@ -403,16 +403,27 @@ ATTENTION_OPS = {  # kernels.write_kv and kernels.paged_attention's torch refere
 }
 
 
-def test_a_decode_layer_dispatches_four_fused_ops_and_no_elementwise_aten_op(tiny_model):
-    """Batch 8 decode: 52 ops per layer (24 that are not views), of which the layer's own are the four
-    fused ops, the qkv split and the four projections; the rest is the attention references.
-    Unfused, the same layer dispatched 83 (46)."""
+CPU_ATTENTION_OPS = {  # the C++ kernels of kernels/cpu_ops.py: the KV write and the attention, one op each
+    "aten.empty.memory_format": 1, "aten.reshape.default": 1, "aten.view.default": 3,
+    "pagoda_cpu.attention.default": 1, "pagoda_cpu.write_kv.default": 1,
+}
+
+
+def test_a_decode_layer_dispatches_four_fused_ops_and_no_elementwise_aten_op(tiny_model, monkeypatch):
+    """Batch 8 decode: 16 ops per layer (11 that are not views), of which the layer's own are the four
+    fused ops, the qkv split and the four projections; the rest is the CPU attention kernels. With
+    the torch references for attention, 52 (24); unfused, the same layer dispatched 83 (46)."""
+    from kernels import cpu_ops
     from pagoda.bench.ops import cpu_counts
 
+    layer_ops = {**FUSED_OPS, "aten.linear.default": 4, "aten.split_with_sizes.default": 1}
+    if cpu_ops.available():
+        counts = cpu_counts(tiny_model, batch=8, context_len=128)
+        assert counts["per_layer_by_op"] == {**layer_ops, **CPU_ATTENTION_OPS}
+        assert (counts["per_layer_ops"], counts["per_layer_non_view_ops"], counts["total_ops"]) == (16, 11, 39)
+    monkeypatch.setattr(cpu_ops, "_available", False)
     counts = cpu_counts(tiny_model, batch=8, context_len=128)
-    assert counts["per_layer_by_op"] == {
-        **FUSED_OPS, **ATTENTION_OPS, "aten.linear.default": 4, "aten.split_with_sizes.default": 1,
-    }
+    assert counts["per_layer_by_op"] == {**layer_ops, **ATTENTION_OPS}
     assert (counts["per_layer_ops"], counts["per_layer_non_view_ops"]) == (52, 24)
     # the rest: the step's attention metadata, the embedding, the first layer (an rms_norm without a
     # residual), the final norm, the logits
@@ -420,9 +431,11 @@ def test_a_decode_layer_dispatches_four_fused_ops_and_no_elementwise_aten_op(tin
 
 
 def test_the_unfused_layer_dispatched_83_ops(tiny_model, monkeypatch):
-    """The before figure: the same count over the unfused forward."""
+    """The before figure: the same count over the unfused forward (and the attention references)."""
+    from kernels import cpu_ops
     from pagoda.bench.ops import cpu_counts
 
+    monkeypatch.setattr(cpu_ops, "_available", False)
     monkeypatch.setattr(type(tiny_model), "forward", unfused_forward)
     counts = cpu_counts(tiny_model, batch=8, context_len=128)
     assert (counts["per_layer_ops"], counts["per_layer_non_view_ops"]) == (83, 46)
@@ -438,7 +451,10 @@ def test_bench_ops_writes_the_counts_of_a_decode_forward(tmp_path, capsys):
     assert result["command"] == (f"pagoda bench ops --model dummy:{tiny_config} --device cpu --dtype auto "
                                  f"--batch-size 8 --context-len 128 --output {output}")
     assert (result["batch"], result["context"], result["dtype"], result["num_layers"]) == (8, 128, "float32", 2)
-    assert (result["total_ops"], result["per_layer_ops"], result["per_layer_non_view_ops"]) == (130, 52, 24)
+    from kernels import cpu_ops
+
+    expected = (39, 16, 11) if cpu_ops.available() else (130, 52, 24)
+    assert (result["total_ops"], result["per_layer_ops"], result["per_layer_non_view_ops"]) == expected
     assert result["forward_ms"] > 0 and "op_times" not in result
     assert json.loads(capsys.readouterr().out) == result
 

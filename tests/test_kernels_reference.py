@@ -1,8 +1,9 @@
-"""The pure-PyTorch paged-attention references against a naive dense oracle.
+"""The CPU paged-attention paths against a naive dense oracle: the C++ kernels (kernels/cpu_ops.py)
+and the pure-PyTorch references, each case through both.
 
-`kernels.write_kv` and `kernels.paged_attention` are the CPU path and the oracle for the Triton
-kernels, so they are checked here against the simplest thing that can be right: plain matmul +
-softmax in float64 over each sequence's full contiguous K/V, with a causal mask.
+`kernels.write_kv` and `kernels.paged_attention` are the CPU path, and the references the oracle
+for the Triton kernels, so they are checked here against the simplest thing that can be right:
+plain matmul + softmax in float64 over each sequence's full contiguous K/V, with a causal mask.
 
 Every case poisons the KV cache with NaN first. Slots that no sequence owns (the null block 0,
 spare blocks, the tail of a partial last block) stay NaN, so any write to the wrong place or any
@@ -26,6 +27,18 @@ PAD_VALUE = 7777.0  # what padding rows (slot -1) carry; must never reach the ca
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_torch_thread):
     """Tiny tensors: intra-op threads only add overhead."""
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernels", "torch"])
+def _implementation(request, monkeypatch):
+    """Every case twice: through the C++ CPU kernels (kernels/cpu_ops.py, where they build) and through
+    the torch references alone."""
+    from kernels import cpu_ops
+
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_ops, "_available", False)
+    elif not cpu_ops.available():
+        pytest.skip("the CPU kernels do not build here")
 
 
 @dataclass
@@ -410,9 +423,10 @@ def test_a_step_cache_keeps_one_plan_per_window():
     step_cache: dict = {}
     for window in (None, 16, None, 16, 23):
         args = (case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q, 0.125)
-        cached = kernels.paged_attention(*args, step_cache=step_cache, sliding_window=window, logit_softcap=50.0)
-        torch.testing.assert_close(cached, kernels.paged_attention(*args, sliding_window=window, logit_softcap=50.0),
-                                   atol=0, rtol=0)
+        cached = kernels.paged_attention(*args, step_cache=step_cache, sliding_window=window, logit_softcap=50.0,
+                                         impl="torch")
+        torch.testing.assert_close(
+            cached, kernels.paged_attention(*args, sliding_window=window, logit_softcap=50.0, impl="torch"), atol=0, rtol=0)
     assert sorted(map(str, step_cache)) == ["('reference_plan', 16)", "('reference_plan', 23)", "reference_plan"]
     with pytest.raises(AssertionError, match="one window"):
         reference.paged_attention(*args, plan=step_cache["reference_plan"], sliding_window=16)

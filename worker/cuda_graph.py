@@ -3,7 +3,7 @@
 A decode-only step (every sequence computes one token) is copied into buffers that never move,
 padded up to the next bucket, and run at the bucket's size: on CUDA by replaying the graph
 captured for that bucket at start-up, on CPU by running the model on the same buffers (so the
-CPU tests check this path). Every shape a kernel sees is fixed per bucket: B tokens, B sequences,
+CPU tests check this path), compiled by torch.compile with `--compile` (worker/compiled_step.py). Every shape a kernel sees is fixed per bucket: B tokens, B sequences,
 block tables [B, max_model_len / block_size], `max_seqlen_k` = that width in tokens, so the
 Triton launch (grid and split count) is the same at capture and at every replay.
 
@@ -29,6 +29,7 @@ import time
 import torch
 
 import kernels
+from worker.compiled_step import CompiledModel
 from worker.context import AttentionContext, attention_context
 from worker.input_batch import InputBatch, StepTensors
 
@@ -47,6 +48,7 @@ class DecodeRunner:
     def __init__(self, model, input_batch: InputBatch, max_num_seqs: int, device: torch.device,
                  expand_short: bool = False) -> None:
         self.model = model
+        self.compiled: CompiledModel | None = None  # the CPU's compiled step (`compile`)
         self.input_batch = input_batch
         self.expand_short = expand_short  # steps of short queries run as one decode row per token
         self.buckets = batch_size_buckets(max_num_seqs)
@@ -123,8 +125,21 @@ class DecodeRunner:
             max_seqlen_k=self.width * self.input_batch.block_size,
             lora_indices=None if self.lora_indices is None else self.lora_indices[:size],
         )
+        model = self.model if self.compiled is None else self.compiled
         with attention_context(context):
-            return self.model(self.input_ids[:size], self.positions[:size])
+            return model(self.input_ids[:size], self.positions[:size])
+
+    @torch.inference_mode()
+    def compile(self) -> None:
+        """CPU: run the model of every bucket through torch.compile (worker/compiled_step.py),
+        compiling now over every bucket."""
+        self.compiled = CompiledModel(self.model)
+        try:
+            self.compiled.warm_up(self._forward, self.buckets)
+        except Exception as exc:  # a model torch.compile cannot take whole (the CPU MoE's host sync)
+            self.compiled = None
+            log.warning("--compile: the decode step runs eagerly, this model did not compile: %s",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     @torch.inference_mode()
     def capture(self) -> None:

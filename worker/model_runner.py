@@ -103,6 +103,8 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                       self.block_size, self.device, enable_lora=config.enable_lora)
         self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
+        if config.compile and self.decode_runner is None:
+            log.warning("--compile: the decode step runs eagerly (--enforce-eager, a pooling model, or EAGLE)")
         # the last forward's rows that prompt logprobs score, then those pooling requests pool
         self.kept_hidden: torch.Tensor | None = None
 
@@ -159,6 +161,8 @@ class ModelRunner:
         # path's batched attention is the faster of the two
         runner = DecodeRunner(self.model, self.input_batch, self.config.max_num_seqs, self.device,
                               expand_short=self.device.type == "cuda")
+        if self.config.compile and self._compilable():
+            runner.compile()
         if self.device.type == "cuda":
             runner.capture()
             bound = cuda_graph_bytes(self.config.max_num_seqs, self.activation_bytes_per_token, len(runner.buckets))
@@ -167,6 +171,14 @@ class ModelRunner:
                             "left for them: lower --gpu-memory-utilization if memory runs out",
                             runner.captured_bytes / (1 << 20), bound / (1 << 20))
         return runner
+
+    def _compilable(self) -> bool:
+        why = ("on CUDA the decode step runs as CUDA graphs" if self.device.type == "cuda"
+               else "tensor parallelism" if self.world_size > 1
+               else "LoRA adapters" if self.lora is not None else None)
+        if why:
+            log.warning("--compile: the decode step runs eagerly (%s)", why)
+        return why is None
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

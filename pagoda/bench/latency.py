@@ -183,10 +183,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks (ranks 1..N-1 as processes)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--compile", action="store_true", help="CPU: the decode step compiled (torch.compile)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="the serial loop: each step's tokens read back before the next step is planned")
     parser.add_argument("--seed", type=int, default=0, help="the random prompts (and dummy weights)")
     parser.add_argument("--output", help="write the result JSON here")
+
+
+def cpu_attention_kernels(runner) -> bool | None:
+    """Whether a CPU runner's attention ran the C++ kernels (kernels/cpu_ops.py); None on CUDA."""
+    from kernels import cpu_ops
+
+    return cpu_ops.available() if runner.device.type == "cpu" else None
 
 
 def run(args) -> int:
@@ -198,7 +206,7 @@ def run(args) -> int:
               kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               num_gpu_blocks=args.num_gpu_blocks, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
-              enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
+              enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling, compile=args.compile)
     try:
         runner = llm.executor.runner
         if args.input_len + args.output_len > llm.config.max_model_len:
@@ -212,6 +220,8 @@ def run(args) -> int:
             "tensor_parallel_size": args.tensor_parallel_size,
             "async_scheduling": not args.no_async_scheduling,
             "enforce_eager": args.enforce_eager,
+            "compile": args.compile,
+            "cpu_attention_kernels": cpu_attention_kernels(runner),
             "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": args.seed,
             "goal": None,  # from the batch-1 row, once measured
             "rows": [],

@@ -30,6 +30,8 @@ checkpoint holds the fused tensor whole (Phi-3's qkv_proj and gate_up_proj, dumm
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -425,6 +427,8 @@ class Attention(nn.Module):
         self.logit_softcap = logit_softcap or None
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         self.k_scale, self.v_scale = 1.0, 1.0
+        self.layer_id = next(_layer_ids)  # names the layer to the compiled graphs' attention op
+        _attention_layers[self.layer_id] = self
 
     def load_kv_scale(self, which: str, tensor: torch.Tensor) -> None:
         """A checkpoint's k_scale or v_scale: one positive value (per tensor, as vLLM's fp8 checkpoints)."""
@@ -435,6 +439,11 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim];
         returns [num_tokens, num_heads * head_dim]."""
+        if torch.compiler.is_compiling():  # one opaque node (worker/compiled_step.py)
+            return torch.ops.pagoda.attention(q, k, v, self.layer_id)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         kernels.write_kv(k, v, self.kv_cache, ctx.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         o = kernels.paged_attention(q, self.kv_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale,
@@ -442,6 +451,19 @@ class Attention(nn.Module):
                                     sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
                                     k_scale=self.k_scale, v_scale=self.v_scale)
         return o.reshape(-1, self.num_heads * self.head_dim)
+
+
+# The attention op of compiled graphs, as vLLM's `unified_attention`: the graph holds the layer's
+# id, and the op finds the layer, its KV cache and the step's metadata (the attention context) when
+# it runs, so nothing of a step's batch is baked into the graph and the KV pool is never copied.
+_layer_ids = itertools.count()
+_attention_layers: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
+_ops = torch.library.Library("pagoda", "FRAGMENT")
+_ops.define("attention(Tensor q, Tensor k, Tensor v, int layer_id) -> Tensor")
+_ops.impl("attention", lambda q, k, v, layer_id: _attention_layers[layer_id].attend(q, k, v),
+          "CompositeExplicitAutograd")
+torch.library.register_fake("pagoda::attention", lambda q, k, v, layer_id: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]),
+                            lib=_ops)
 
 
 class ScoreHead(nn.Linear):

@@ -1,0 +1,141 @@
+"""The CPU attention kernels of `csrc/cpu_attention.cpp`, as torch operators (`torch.ops.pagoda_cpu.*`).
+
+On the CPU a decode's attention through the pure-PyTorch reference is a dozen small aten ops per
+layer (gather, mask, casts, SDPA, scatter), each 5-20 us on a small machine: more than the layer's
+matrix products at batch 1. The C++ operators do a layer's KV write and its attention in one call
+each, on torch's own thread pool (OpenMP, torch's libgomp). Every query row is computed alone by
+the same loop, so a position's attention is the same bit for bit whether it was a decode, a draft
+being verified, a chunk's or a whole prompt's, whatever shared its step: the CPU's greedy tokens do
+not depend on batching or chunking.
+
+They are built at first use with the system's C++ compiler against the installed torch's headers
+(about 7 s, once), and the library is kept under `$PAGODA_CACHE/cpu_kernels/`, named by a hash of
+the source, the compiler, the flags, torch's version and the CPU, so a restart only loads it.
+Where no compiler works, `available()` is False after one warning and the references run.
+`PAGODA_CPU_KERNELS=0` turns them off.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+# -fopenmp: at::parallel_for runs on torch's OpenMP pool only where _OPENMP is defined (the library
+# then needs libgomp.so.1, which the rpath finds beside libtorch: torch's own, not a second runtime)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w"]
+_available: bool | None = None
+_lock = threading.Lock()
+
+
+def available() -> bool:
+    """Whether the operators are loaded (building them on the first call)."""
+    global _available
+    if _available is None:
+        with _lock:
+            if _available is None:
+                _available = _load()
+    return _available
+
+
+def _load() -> bool:
+    if os.environ.get("PAGODA_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        library = _build()
+        try:
+            torch.ops.load_library(str(library))
+        except OSError:  # a damaged file in the cache: built again, once
+            library.unlink(missing_ok=True)
+            torch.ops.load_library(str(_build()))
+    except Exception as exc:  # no compiler, or one that cannot build against this torch
+        log.warning("the CPU attention kernels could not be built, so the torch reference runs instead "
+                    "(slower decode on the CPU): %s", exc)
+        return False
+    return True
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++ or g++, or $CXX) on PATH")
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+               *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE),
+               f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *command, _compiler_id(compiler), torch.__version__,
+                                    _cpu_id()]).encode())
+    root = _cache_root() / "cpu_kernels"
+    library = root / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:  # one build at a time (tensor-parallel ranks, test workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.exists():
+            log.info("building the CPU attention kernels (once for this torch and CPU)")
+            partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+            done = subprocess.run([*command, "-o", str(partial)], capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(partial, library)
+    return library
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("PAGODA_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda")
+    return Path(root)
+
+
+def _compiler_id(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return platform.machine() + "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        slot_mapping = slot_mapping.long().contiguous()
+    torch.ops.pagoda_cpu.write_kv(key, value, kv_cache, slot_mapping)
+
+
+def attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, out: torch.Tensor, scale: float, sliding_window: int | None,
+              logit_softcap: float | None) -> None:
+    """`kernels.paged_attention`'s semantics, into `out` (contiguous, the query's dtype)."""
+    block_tables, seq_lens, cu_seqlens_q = (t if t.dtype == torch.int32 and t.is_contiguous() else t.int().contiguous()
+                                            for t in (block_tables, seq_lens, cu_seqlens_q))
+    torch.ops.pagoda_cpu.attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                                   sliding_window or 0, logit_softcap or 0.0)
+
+
+def takes(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the operators take these tensors (CPU, one floating dtype, not an fp8 cache; rows of
+    contiguous head dims)."""
+    return (kv_cache.device.type == "cpu" and query.dtype == kv_cache.dtype and query.stride(-1) == 1
+            and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_cache.is_contiguous()
+            and available())
