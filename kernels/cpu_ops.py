@@ -9,7 +9,7 @@ being verified, a chunk's or a whole prompt's, whatever shared its step: the CPU
 not depend on batching or chunking.
 
 They are built at first use with the system's C++ compiler against the installed torch's headers
-(about 7 s, once), and the library is kept under `$PAGODA_CACHE/cpu_kernels/`, named by a hash of
+(about 10 s, once), and the library is kept under `$PAGODA_CACHE/cpu_kernels/`, named by a hash of
 the source, the compiler, the flags, torch's version and the CPU, so a restart only loads it.
 Where no compiler works, `available()` is False after one warning and the references run.
 `PAGODA_CPU_KERNELS=0` turns them off.
@@ -69,11 +69,12 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++ or g++, or $CXX) on PATH")
-    from torch.utils import cpp_extension
-
-    torch_lib = Path(torch.__file__).parent / "lib"
+    # torch.utils.cpp_extension.include_paths()'s two, not imported: it imports setuptools, which puts
+    # its vendored packages on sys.path
+    torch_dir = Path(torch.__file__).parent
+    torch_lib, include = torch_dir / "lib", torch_dir / "include"
     command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-               *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE),
+               f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", str(SOURCE),
                f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *command, _compiler_id(compiler), torch.__version__,
                                     _cpu_id()]).encode())

@@ -3,6 +3,7 @@ lock` refreshes them): the installed set is the locked one, so drift shows up he
 naming the packages instead of as a failing feature test; and the lock meets pyproject.toml's ranges."""
 from __future__ import annotations
 
+import sysconfig
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -44,7 +45,10 @@ def drift(pins: dict[str, str], installed: dict[str, str], exempt: set[str] = fr
 
 
 def installed_versions() -> dict[str, str]:
-    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    """The environment's packages: its site-packages only, not every folder on sys.path (once
+    setuptools is imported, by torch.compile for one, its vendored packages are there too)."""
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=paths)}
 
 
 def test_the_installed_packages_are_the_locked_versions():
