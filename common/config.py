@@ -116,6 +116,9 @@ class EngineConfig:
     speculative_config: str | None = option(None, "--speculative-config",
                                             "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                                             "\"num_speculative_tokens\": 4}' (methods: ngram, draft_model, eagle, eagle3; docs/speculative.md)")
+    mm_encoder_cache_bytes: int = option(256 << 20, "--mm-encoder-cache-bytes",
+                                         "bytes of image encoder outputs each worker keeps by image hash, least "
+                                         "recently used out first (docs/vision.md)")
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128")
@@ -189,6 +192,16 @@ def hf_overrides(value: str | None) -> dict:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _image_limit_ok(value: str | None) -> bool:
+    from common.multimodal import image_limit
+
+    try:
+        image_limit(value)
+    except ValueError:  # (json's errors too)
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +295,16 @@ class GatewayConfig:
     gateway_id: str | None = no_flag(None, "names the reply stream; random per process, so a restarted gateway "
                                            "never reads its predecessor's stream")
     drain_timeout_s: float = option(30.0, "--drain-timeout", "after SIGTERM, seconds requests in flight may take to finish")
+    # images (docs/vision.md), vLLM's flags
+    limit_mm_per_prompt: str | None = option(None, "--limit-mm-per-prompt",
+                                             'the images one prompt may hold, as JSON: \'{"image": 4}\' (default 16)')
+    allowed_local_media_path: str | None = option(None, "--allowed-local-media-path",
+                                                  "a folder whose files a request may name as file: image URLs "
+                                                  "(default: none)")
+    allow_private_media_urls: bool = option(False, "--allow-private-media-urls",
+                                            "fetch http(s) image URLs whose host is a private, loopback or "
+                                            "link-local address (refused by default)")
+    media_fetch_timeout_s: float = option(10.0, "--media-fetch-timeout", "seconds an http(s) image download may take")
     redis_restart_grace_s: float = option(3.0, "--redis-restart-grace",
                                           "after Redis restarts empty, seconds to wait for the schedulers to say which "
                                           "requests they hold; a request none holds and the new Redis lacks fails")
@@ -328,6 +351,8 @@ class GatewayConfig:
         _check(self.routing in ROUTINGS, f"routing must be one of {', '.join(ROUTINGS)}")
         _check(self.routing_balance_margin >= 0, "routing_balance_margin must be >= 0")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+        _check(_image_limit_ok(self.limit_mm_per_prompt), 'limit_mm_per_prompt must be JSON such as {"image": 4}')
+        _check(self.media_fetch_timeout_s > 0, "media_fetch_timeout_s must be > 0")
         _check(self.redis_restart_grace_s >= 0, "redis_restart_grace_s must be >= 0")
         _check(self.chat_template is None or os.path.isfile(self.chat_template),
                f"chat_template must be a file, got {self.chat_template!r}")

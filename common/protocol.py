@@ -221,6 +221,20 @@ PENDING_TOKEN = -1
 
 
 @dataclass(slots=True)
+class MultiModalItem:
+    """One image of a prompt: its placeholder tokens [offset, offset + length) of the prompt take
+    the rows of its encoder output (docs/vision.md). The gateway writes those positions' token ids
+    as `common.multimodal.placeholder_id(hash)`, never a vocabulary id, so the prefix cache's block
+    keys and the router's hashes tell two images apart with no rule of their own."""
+
+    hash: bytes  # SHA-256 of the processed pixels: the encoder cache's key
+    offset: int
+    length: int
+    data: bytes  # the processor's tensors (common.multimodal.pack_arrays)
+    bidirectional: bool = False  # its tokens attend to each other both ways (Gemma 3): a chunk never splits it
+
+
+@dataclass(slots=True)
 class NewSequence:
     """A sequence in full: first scheduled, or rescheduled after the worker dropped it."""
 
@@ -233,6 +247,7 @@ class NewSequence:
     sampling_params: SamplingParams
     num_samples: int = 1  # tokens drawn if this step computes its last token (best_of for a first token)
     lora_slot: int = -1  # the workers' adapter slot its tokens use (-1: the base model alone)
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # its prompt's images, in order
 
 
 @dataclass(slots=True)
@@ -317,6 +332,9 @@ class StepResult:
     # is left empty; the scheduler fails the requests that use it, and only those)
     lora_errors: list[list] = field(default_factory=list)
     pooled: list[PooledOutput] = field(default_factory=list)  # pooling requests whose prompt ended this step
+    # images the step needed, and of them those the encoder cache held (worker/multimodal.py)
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 @dataclass(slots=True)
@@ -343,6 +361,7 @@ class WorkerHello:
     kv_cache_dtype: str = ""  # the KV pools' element type ("bfloat16", "float8_e4m3fn"); kv_bytes_per_block counts it
     pooling_task: str = ""  # a pooling model's task (common/pooling.py): "embed" or "classify"; "" for generation
     encoder: bool = False  # its layers attend both ways: a prompt is computed whole in one step (no chunks)
+    takes_images: bool = False  # it has a vision encoder: requests may carry images (common/multimodal.py)
 
 
 # ----------------------------------------------------------------------------- requests (Redis)
@@ -378,6 +397,7 @@ class GenerateRequest:
     reply_stream: str  # the gateway process's reply stream
     arrival_time: float  # time.time() at the gateway
     lora_request: LoRARequest | None = None  # the adapter the request's `model` names
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # its prompt's images, in order
 
 
 @dataclass(slots=True)
@@ -479,6 +499,8 @@ class SchedulerStatus:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     draining: bool = False  # SIGTERM: finishing what it runs, taking nothing new (routers pass it over)
     pooling_task: str = ""  # WorkerHello.pooling_task: what its engine serves (common/admission.py)
+    mm_encoder_cache_queries_total: int = 0  # images a step needed encoded (StepResult.encoder_cache_queries)
+    mm_encoder_cache_hits_total: int = 0
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -546,15 +568,15 @@ class MemorySnapshot:
 _MESSAGE_TYPES: list[type] = [  # append only: a message's tag is its index
     SamplingParams, NewSequence, CachedSequence, StepPlan, SampledToken, StepResult, WorkerHello,
     GenerateRequest, RequestEvent, SchedulerStatus, HeldRequests, MemoryEvent, MemorySnapshot,
-    StructuredOutput, PromptLogprobs, LoRARequest, PoolingParams, PooledOutput,
+    StructuredOutput, PromptLogprobs, LoRARequest, PoolingParams, PooledOutput, MultiModalItem,
 ]
 _TAG_OF = {cls: tag for tag, cls in enumerate(_MESSAGE_TYPES)}
 _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _MESSAGE_TYPES}
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # how many, per message
-    SchedulerStatus: 32, RequestEvent: 4, SamplingParams: 6, StepResult: 3, WorkerHello: 5,
-    NewSequence: 1, StepPlan: 1, GenerateRequest: 1, MemorySnapshot: 1,
+    SchedulerStatus: 34, RequestEvent: 4, SamplingParams: 6, StepResult: 5, WorkerHello: 6,
+    NewSequence: 2, StepPlan: 1, GenerateRequest: 2, MemorySnapshot: 1, MultiModalItem: 1,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as

@@ -21,7 +21,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
@@ -228,6 +228,20 @@ def joined_text(content, where: str, types: tuple[str, ...], param: str) -> str:
              f"supported, got {_show(part)}", param)
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def chat_content(content, where: str, types: tuple[str, ...], param: str,
+                 image_url: Callable[[dict], str | None]) -> str | list[dict]:
+    """`joined_text`, except that a part `image_url` gives a URL for is an image: then the content
+    is the chat API's parts, in order (a text part each, an `image_url` part each)."""
+    if not (isinstance(content, list) and any(isinstance(p, dict) and image_url(p) is not None for p in content)):
+        return joined_text(content, where, types, param)
+    parts = []
+    for j, part in enumerate(content):
+        url = image_url(part) if isinstance(part, dict) else None
+        parts.append({"type": "image_url", "image_url": {"url": url}} if url is not None
+                     else {"type": "text", "text": joined_text([part], f"{where}[{j}]", types, param)})
+    return parts
 
 
 def _show(value) -> str:

@@ -45,7 +45,10 @@ from gateway.detokenizer import IncrementalDetokenizer, token_text_cache
 from gateway.lora import LoRARegistry
 from gateway.engine_client import EngineClient, Generation
 from gateway.metrics import FinishedOutput, GatewayMetrics, scheduled_monotonic
+from common.multimodal import image_limit
+from gateway.media import MediaPolicy
 from gateway.models import InvalidField
+from gateway.multimodal import ImagePrompts
 from gateway.openapi import openapi_endpoint
 from gateway.reasoning import ReasoningStream
 from gateway.openai_api import (
@@ -121,6 +124,9 @@ class Gateway:
                      "(--generation-config vllm ignores them)", self.default_sampling_params)
         self.encoder = PromptEncoder(self.tokenizer, _read_template(config.chat_template), config.tool_call_parser,
                                      config.chat_template_kwargs, config.reasoning_parser)
+        self.encoder.images = ImagePrompts.of(source, MediaPolicy(
+            config.allowed_local_media_path, config.allow_private_media_urls, fetch_timeout_s=config.media_fetch_timeout_s,
+        ), image_limit(config.limit_mm_per_prompt))
         if config.enable_auto_tool_choice and self.encoder.tool_call_format is None:
             raise ConfigError(AUTO_TOOL_CHOICE_NEEDS_A_FORMAT)
         self.vocab_size = len(self.tokenizer)
@@ -290,7 +296,7 @@ class Gateway:
         for p, prompt in enumerate(parsed.prompts):
             request_id = f"{response_id}-{p}"
             requests.append(GenerateRequest(request_id, prompt, parsed.params, self.engine.reply_stream, arrival_time,
-                                            lora))
+                                            lora, parsed.mm_items))
             for i in range(parsed.n):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, parsed.skip_special_tokens,
                                                      parsed.skipped_token_ids)

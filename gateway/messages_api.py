@@ -167,12 +167,15 @@ def chat_messages(message, where: str) -> list[dict]:
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     need(isinstance(content, list), f"{where}.content must be a string or a list of blocks", "messages")
-    texts, calls, results = [], [], []
+    texts, calls, results, parts = [], [], [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{j}]"
         if kind == "text":
             texts.append(joined_text([block], at, ("text",), "messages"))
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind == "image" and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, at))
         elif kind == "tool_result" and role == "user":
@@ -180,10 +183,24 @@ def chat_messages(message, where: str) -> list[dict]:
         else:
             need(kind in ("thinking", "redacted_thinking") and role == "assistant",
                  f"{at}.type {kind!r} is not supported in a {role} message: text, tool_use (assistant), "
-                 "tool_result (user) and thinking (assistant, left out) are", "messages")
+                 "tool_result (user), image (user) and thinking (assistant, left out) are", "messages")
     if role == "assistant":
         return [{"role": "assistant", "content": "\n".join(texts)} | ({"tool_calls": calls} if calls else {})]
+    if len(parts) > len(texts):  # images: the parts in order (docs/vision.md)
+        return [*results, {"role": "user", "content": parts}]
     return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
+
+
+def _image_url(source, at: str) -> str:
+    """An image block's source as a URL: base64 data as a data: URL, or its url."""
+    need(isinstance(source, dict), f"{at}.source must be an object", "messages")
+    if source.get("type") == "base64":
+        need(isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str),
+             f"{at}.source needs a media_type and data", "messages")
+        return f"data:{source['media_type']};base64,{source['data']}"
+    need(source.get("type") == "url" and isinstance(source.get("url"), str),
+         f"{at}.source.type must be 'base64' or 'url'", "messages")
+    return source["url"]
 
 
 def _tool_call(block: dict, at: str) -> dict:

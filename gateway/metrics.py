@@ -152,6 +152,10 @@ ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[list[SchedulerStatus]], flo
      _summed("spec_num_draft_tokens_total")),
     (CounterMetricFamily, "pagoda:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
      _summed("spec_num_accepted_tokens_total")),
+    (CounterMetricFamily, "pagoda:mm_encoder_cache_queries", "Images a step needed encoded (docs/vision.md).",
+     _summed("mm_encoder_cache_queries_total")),
+    (CounterMetricFamily, "pagoda:mm_encoder_cache_hits", "Of them, images the encoder cache held.",
+     _summed("mm_encoder_cache_hits_total")),
 )
 
 

@@ -132,6 +132,18 @@ class TextPart(Strict):
     text: str
 
 
+class ImageURL(Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+
+class ImagePart(Strict):
+    """An image (docs/vision.md): a data: URL, an http(s) URL, or a file: URL under --allowed-local-media-path."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(Strict):
     """A message needs a content, except that an assistant message may leave it out or null.
     developer is treated as system."""
@@ -142,14 +154,15 @@ class ChatMessage(Strict):
     ]})
 
     role: Literal[CHAT_ROLES]
-    content: str | list[TextPart] | None = Field(None, validate_default=True)
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = Field(
+        None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant message's calls (then content may be null)
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
-    def _content_present(cls, content: str | list[TextPart] | None, info: ValidationInfo):
+    def _content_present(cls, content: str | list[TextPart | ImagePart] | None, info: ValidationInfo):
         if content is None and info.data.get("role", "assistant") != "assistant":
             raise PydanticCustomError("missing", "is required")
         return content
@@ -296,7 +309,8 @@ class ChatCompletionRequest(SamplingRequest):
 ChatMessage.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 Request = TypeVar("Request", CompletionRequest, ChatCompletionRequest)
-_FIELD_NAMES = {name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
+_FIELD_NAMES = {name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, ImagePart, ImageURL,
+                                   StreamOptions,
                                    ResponseFormat, JSONSchemaFormat, Tool, FunctionDefinition, NamedToolChoice,
                                    ToolCall, FunctionCall) for name in model.model_fields} | {"schema"}
 

@@ -14,10 +14,11 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from common.protocol import MAX_BEAM_WIDTH, MAX_SAMPLES, SamplingParams
+from gateway.media import MediaError
 from gateway.models import ChatCompletionRequest, CompletionRequest, InvalidField, Request, SamplingRequest, validate
 from gateway.reasoning import ReasoningParser
 from gateway.structured import requested_structured_output
-from gateway.tools import ToolCalling, ToolParser, chat_messages, renders_tool_calls, tool_calling
+from gateway.tools import ToolCalling, ToolParser, chat_messages, has_images, renders_tool_calls, tool_calling
 
 RETRY_AFTER_UNAVAILABLE_S = 5
 
@@ -77,6 +78,7 @@ class ParsedRequest:
     thinking: bool = False  # the output starts in reasoning (the prompt did not turn thinking off)
     # skip_special_tokens, but a reasoning parser's special tags kept: the ids decoding leaves out
     skipped_token_ids: frozenset[int] | None = None
+    mm_items: list = field(default_factory=list)  # chat: its prompt's images (common/protocol.MultiModalItem)
 
     @property
     def chosen_at_end(self) -> bool:
@@ -130,8 +132,14 @@ def parse_chat(body: dict, encoder, vocab_size: int, defaults: Mapping[str, Any]
         messages = chat_messages(request.messages, renders_tool_calls(encoder.template_text))
     except InvalidField as exc:
         raise bad_request(str(exc), exc.param) from None
+    mm_items = []
     try:
-        prompt = encoder.encode_chat(messages, calling.tools, request.chat_template_kwargs)
+        if has_images(messages):
+            prompt, mm_items = _encode_chat_with_images(messages, calling.tools, request, encoder)
+        else:
+            prompt = encoder.encode_chat(messages, calling.tools, request.chat_template_kwargs)
+    except APIError:
+        raise
     except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
     if not prompt:
@@ -142,7 +150,25 @@ def parse_chat(body: dict, encoder, vocab_size: int, defaults: Mapping[str, Any]
     elif request.top_logprobs is not None:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     parsed = _common(request, "chat", [prompt], _max_tokens(request), logprobs, defaults)
+    parsed.mm_items = mm_items
+    if mm_items and parsed.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs cannot score a prompt with images", "prompt_logprobs")
     return _with_reasoning(_with_tool_calling(parsed, calling, encoder), request, encoder)
+
+
+def _encode_chat_with_images(messages: list[dict], tools: list[dict] | None, request: ChatCompletionRequest,
+                             encoder) -> tuple[list[int], list]:
+    """The prompt and its images (gateway/multimodal.py); a 400 for a model that takes none, an
+    image outside a user message, or one that cannot be used."""
+    if encoder.images is None:
+        raise bad_request("this model does not take images", "messages", "model_not_multimodal")
+    if any(isinstance(m["content"], list) and m["role"] != "user" for m in messages):
+        raise bad_request("only user messages may hold images", "messages")
+    try:
+        return encoder.images.encode_chat(messages, tools, encoder.chat_template,
+                                          encoder.template_variables(request.chat_template_kwargs))
+    except MediaError as exc:
+        raise bad_request(str(exc), "messages", "invalid_image") from None
 
 
 def _with_reasoning(parsed: ParsedRequest, request: ChatCompletionRequest, encoder) -> ParsedRequest:

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.agents import (
-    CALL, REASONING, TEXT, Block, BlockStream, Turn, cached_tokens, joined_text, need, new_id, reasoning_tokens,
+    CALL, REASONING, TEXT, Block, BlockStream, Turn, cached_tokens, chat_content, joined_text, need, new_id, reasoning_tokens,
     renamed, serve, sse_event, stream_blocks,
 )
 from gateway.openai_api import APIError, error_response
@@ -144,7 +144,7 @@ def input_items(value) -> list[dict]:
         if kind == "message":
             need(item.get("role") in ROLES, f"input[{i}].role must be one of {', '.join(ROLES)}, got "
                                             f"{item.get('role')!r}", "input")
-            joined_text(item.get("content"), f"input[{i}].content", TEXT_PARTS, "input")
+            chat_content(item.get("content"), f"input[{i}].content", TEXT_PARTS, "input", _input_image)
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 need(isinstance(item.get(key), str), f"input[{i}].{key} must be a string", "input")
@@ -159,14 +159,20 @@ def input_items(value) -> list[dict]:
     return items
 
 
+def _input_image(part: dict) -> str | None:
+    """An `input_image` part's URL (a data: or http(s) URL; docs/vision.md)."""
+    url = part.get("image_url")
+    return url if part.get("type") == "input_image" and isinstance(url, str) else None
+
+
 def chat_messages(items: list[dict]) -> list[dict]:
     """Items as chat messages: a function_call joins the assistant message before it (or starts
     one); reasoning items are left out."""
     messages, names = [], {}
     for item in items:
         if item["type"] == "message":
-            text = joined_text(item["content"], "input", TEXT_PARTS, "input")
-            messages.append({"role": item["role"], "content": text})
+            content = chat_content(item["content"], "input", TEXT_PARTS, "input", _input_image)
+            messages.append({"role": item["role"], "content": content})
         elif item["type"] == "function_call":
             names[item["call_id"]] = item["name"]
             call = {"id": item["call_id"], "type": "function",

@@ -9,6 +9,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from common.multimodal import PLACEHOLDER_BASE
+
 PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens a reasoning parser reads (a pre-filled `<think></think>`)
 
 
@@ -34,6 +36,7 @@ class PromptEncoder:
         self.tool_call_format = tool_call_format(tool_call_parser, self.template_text)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.reasoning_parser = find_reasoning_parser(reasoning_parser)
+        self.images = None  # a model that takes images: its gateway.multimodal.ImagePrompts
 
     @property
     def template_text(self) -> str:
@@ -50,13 +53,15 @@ class PromptEncoder:
                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """`template_kwargs`: the request's chat_template_kwargs, over the server's defaults; a key
         that names one of apply_chat_template's own parameters is left out."""
-        variables = {k: v for k, v in {**self.chat_template_kwargs, **(template_kwargs or {})}.items()
-                     if k not in _RESERVED}
+        variables = self.template_variables(template_kwargs)
         ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                  chat_template=self.chat_template, **variables)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+    def template_variables(self, template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return {k: v for k, v in {**self.chat_template_kwargs, **(template_kwargs or {})}.items() if k not in _RESERVED}
 
     def is_special_token(self, text: str) -> bool:
         """Whether `text` is one token that decoding with skip_special_tokens leaves out."""
@@ -72,7 +77,8 @@ class PromptEncoder:
 
     def prompt_tail(self, token_ids: list[int]) -> str:
         """The text of the prompt's last tokens, special ones included (what a reasoning parser reads)."""
-        return self.tokenizer.decode(token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        tail = [t for t in token_ids[-PROMPT_TAIL_TOKENS:] if t < PLACEHOLDER_BASE]  # not an image's
+        return self.tokenizer.decode(tail, skip_special_tokens=False)
 
     def skipped_ids_keeping(self, texts: tuple[str, ...]) -> frozenset[int] | None:
         """The ids that skip_special_tokens leaves out, but the tokens whose text is one of `texts`;

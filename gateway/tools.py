@@ -23,7 +23,7 @@ from typing import Any
 from common.config import TOOL_CALL_PARSERS
 from common.protocol import StructuredOutput
 from common.structured_output import json_schema_spec
-from gateway.models import ChatCompletionRequest, ChatMessage, InvalidField, TextPart, Tool
+from gateway.models import ChatCompletionRequest, ChatMessage, ImagePart, InvalidField, TextPart, Tool
 from gateway.structured import requested_structured_output
 from gateway.tool_parsers import (
     HERMES_END, HERMES_START, PARSERS, Call, NamedParser, RequiredParser, Scan, ToolParser, load_json,
@@ -194,7 +194,7 @@ def chat_messages(messages: list[ChatMessage], renders_tool_calls: bool) -> list
     in the assistant's content, so that a conversation with calls renders on any model."""
     out = []
     for i, m in enumerate(messages):
-        message = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+        message = {"role": "system" if m.role == "developer" else m.role, "content": _content(m.content)}
         if m.role == "tool":
             for key in ("tool_call_id", "name"):
                 if getattr(m, key) is not None:
@@ -226,6 +226,19 @@ def _text(content: str | list[TextPart] | None) -> str:
     if content is None:  # an assistant message without content
         return ""
     return content if isinstance(content, str) else "\n".join(part.text for part in content)
+
+
+def _content(content: str | list[TextPart | ImagePart] | None) -> str | list[dict]:
+    """Text parts joined; with images, the parts in order, as multimodal chat templates take them
+    (an image as `{"type": "image", "url": ...}`, loaded by gateway/multimodal.py)."""
+    if isinstance(content, list) and any(isinstance(part, ImagePart) for part in content):
+        return [{"type": "image", "url": part.image_url.url} if isinstance(part, ImagePart)
+                else {"type": "text", "text": part.text} for part in content]
+    return _text(content)
+
+
+def has_images(messages: list[dict]) -> bool:
+    return any(isinstance(m["content"], list) for m in messages)
 
 
 def _arguments(text: str) -> dict | str:

@@ -32,7 +32,8 @@ from common.generation_config import default_sampling_params
 from common.models import pin_revision
 from common.pooling import cosine, encode_pair, vector
 from common.lora import read_adapter, target_shapes
-from common.protocol import LoRARequest, SamplingParams, StepPlan, StepResult, encode
+from common.multimodal import DEFAULT_IMAGE_LIMIT
+from common.protocol import LoRARequest, MultiModalItem, SamplingParams, StepPlan, StepResult, encode
 from scheduler.engine import LLMEngine
 from scheduler.memory_trace import INTERVAL_S as MEMORY_TRACE_INTERVAL_S
 from scheduler.memory_trace import MemoryTrace
@@ -159,6 +160,11 @@ class LLM:
             from gateway.tokenizer import PromptEncoder
 
             self.encoder = PromptEncoder(load_tokenizer(self.executor.runner.source))
+            if self.executor.images is not None:  # chats with image_url parts (docs/vision.md)
+                from gateway.media import MediaPolicy
+                from gateway.multimodal import ImagePrompts
+
+                self.encoder.images = ImagePrompts.of(self.executor.runner.source, MediaPolicy(), DEFAULT_IMAGE_LIMIT)
         self._ids = itertools.count()
 
     def reset(self, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None, **config_changes) -> None:
@@ -202,6 +208,17 @@ class LLM:
         return SamplingParams(**self.default_sampling_params)
 
     def encode(self, prompt: Prompt) -> list[int]:
+        return self._encode(prompt)[0]
+
+    def _encode(self, prompt: Prompt) -> tuple[list[int], list[MultiModalItem]]:
+        """The prompt's ids, and its images: a chat's `image_url` parts, as the API takes them."""
+        if isinstance(prompt, dict) and "messages" in prompt and any(map(_has_image, prompt["messages"])):
+            if self.encoder is None or self.encoder.images is None:
+                raise ValueError("this model does not take images")
+            return self.encoder.images.encode_chat([_template_message(m) for m in prompt["messages"]], None, None, {})
+        return self._encode_text(prompt), []
+
+    def _encode_text(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, list):
             return list(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -234,15 +251,15 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         self._check_loras(loras)
-        encoded = [self.encode(prompt) for prompt in prompts]
+        encoded = [self._encode(prompt) for prompt in prompts]
         for p in params:  # a grammar xgrammar rejects is a ValueError before anything runs, as the API's 400
             if p.structured_output is not None:
                 self.executor.grammar.compile(p.structured_output)
         request_ids = {}
         try:
-            for index, (ids, p, lora) in enumerate(zip(encoded, params, loras)):
+            for index, ((ids, images), p, lora) in enumerate(zip(encoded, params, loras)):
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, ids, p, lora)
+                self.engine.add_request(request_id, ids, p, lora, images)
                 request_ids[request_id] = index
         except ValueError:  # a rejected prompt: none of this batch runs
             for request_id in request_ids:
@@ -326,6 +343,21 @@ class LLM:
                 one.setdefault(top_id, Logprob(top_logprob, i + 1, text(top_id)))
             shaped.append(one)
         return shaped
+
+
+def _has_image(message: dict) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(part.get("type") == "image_url" for part in content)
+
+
+def _template_message(message: dict) -> dict:
+    """A chat message as multimodal templates take it: with an `image_url` part, its parts in
+    order, an image as `{"type": "image", "url": ...}` (gateway/multimodal.py loads it)."""
+    if not _has_image(message):
+        return message
+    content = message["content"]
+    return {**message, "content": [{"type": "image", "url": part["image_url"]["url"]} if part["type"] == "image_url"
+                                   else part for part in content]}
 
 
 class GroupExecutor:

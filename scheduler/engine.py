@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from common.protocol import LoRARequest, SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
+from common.protocol import LoRARequest, MultiModalItem, SamplingParams, StepPlan, StepResult, WorkerHello, decode, encode
 from scheduler.memory_trace import MemoryTrace
 from scheduler.memory_view import MemoryEventLog
 from scheduler.scheduler import Scheduler
@@ -49,8 +49,8 @@ class LLMEngine(StepPipeline):
         return cls(Scheduler.from_hello(config, hello, memory_events), executor, wire, memory_trace)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    lora_request: LoRARequest | None = None) -> None:
-        self.scheduler.add_request(request_id, prompt_token_ids, params, lora_request=lora_request)
+                    lora_request: LoRARequest | None = None, mm_items: list[MultiModalItem] | None = None) -> None:
+        self.scheduler.add_request(request_id, prompt_token_ids, params, lora_request=lora_request, mm_items=mm_items)
 
     def abort_request(self, request_id: str) -> bool:
         aborted = self.scheduler.abort_request(request_id)

@@ -39,8 +39,9 @@ from dataclasses import dataclass, replace
 
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
+from common.multimodal import chunk_end
 from common.protocol import (
-    NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, NewSequence, SampledToken, SamplingParams, StepPlan,
+    NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, MultiModalItem, NewSequence, SampledToken, SamplingParams, StepPlan,
     StepResult, WorkerHello, sample_seed,
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError, PrefixMatch
@@ -122,13 +123,14 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
         arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+        mm_items: list[MultiModalItem] | None = None,
     ) -> SequenceGroup:
-        self._check_admissible(request_id, prompt_token_ids, sampling_params)
+        self._check_admissible(request_id, prompt_token_ids, sampling_params, mm_items)
         if lora_request is not None and self.lora_slots is None:
             raise RequestRejected(f"request {request_id!r} names LoRA adapter {lora_request.lora_name!r}, "
                                   "but this engine runs without --enable-lora")
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), sampling_params)
-        group = SequenceGroup(request_id, [seq], sampling_params, lora=lora_request)
+        group = SequenceGroup(request_id, [seq], sampling_params, lora=lora_request, mm_items=mm_items or [])
         if sampling_params.beam_width:
             group.beam = BeamState(
                 sampling_params.beam_width, sampling_params.length_penalty, sampling_params.early_stopping,
@@ -149,12 +151,17 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
     def _max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         return final_len(num_prompt_tokens, params, self.max_model_len) - num_prompt_tokens
 
-    def _check_admissible(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _check_admissible(self, request_id: str, prompt: list[int], params: SamplingParams,
+                          mm_items: list[MultiModalItem] | None = None) -> None:
         if request_id in self.groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         rejection = check_admissible(len(prompt), params, self.admission_limits)
         if rejection is not None:
             raise RequestRejected(rejection.message)
+        budget = self.config.max_num_batched_tokens
+        if any(item.bidirectional and item.length > budget for item in mm_items or ()):
+            raise RequestRejected(f"an image of this request takes more tokens than --max-num-batched-tokens "
+                                  f"({budget}), and its tokens must be computed in one step")
 
     @property
     def admission_limits(self) -> AdmissionLimits:
@@ -301,7 +308,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                     continue
                 seqs = group.seqs_with(SequenceStatus.RUNNING)
                 waits = bool(self._in_flight) and awaits_result(group, seqs, self.max_model_len, self._wants_drafts)
-                num_new = None if waits else self._chunk_sizes(seqs, budget)
+                num_new = None if waits else self._chunk_sizes(seqs, budget, mm_items=group.mm_items)
                 if num_new is None:  # out of budget this step, or waiting for a result; stays running
                     self.running.append(group)
                     continue
@@ -357,7 +364,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                 seqs = group.seqs_with(SequenceStatus.SWAPPED)
                 if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
                     return
-                num_new = self._chunk_sizes(seqs, budget)
+                num_new = self._chunk_sizes(seqs, budget, mm_items=group.mm_items)
                 seq_ids = [seq.seq_id for seq in seqs]
                 if num_new is None or not self.block_manager.can_swap_in(seq_ids):
                     return
@@ -424,7 +431,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             hits = [0] * len(seqs)
             if sum(bm.blocks_for(seq.num_tokens) for seq in seqs) > bm.num_free_blocks - bm.watermark_blocks:
                 return False
-        num_new = self._chunk_sizes(seqs, budget, hits)
+        num_new = self._chunk_sizes(seqs, budget, hits, group.mm_items)
         return num_new is not None and (self.config.enable_chunked_prefill or all(
             n + hit >= s.num_tokens for s, n, hit in zip(seqs, num_new, hits)))
 
@@ -453,7 +460,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             group.num_cached_tokens = seqs[0].num_computed_tokens  # hits only: nothing ran yet
         if self.sliding_window is not None:  # prefix-cache hits the window already skips
             self._remove_skipped_blocks([group])
-        self._add_to_plan(seqs, self._chunk_sizes(seqs, budget), plan, budget)
+        self._add_to_plan(seqs, self._chunk_sizes(seqs, budget, mm_items=group.mm_items), plan, budget)
         self._insert_running(group)
 
     def _final_tokens(self, group: SequenceGroup) -> int:
@@ -464,7 +471,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if len(self.running) > 1 and self.running[-2].arrival_time > group.arrival_time:
             self.running.sort(key=lambda g: g.arrival_time)
 
-    def _chunk_sizes(self, seqs: list[Sequence], budget: _Budget, hits: list[int] | None = None) -> list[int] | None:
+    def _chunk_sizes(self, seqs: list[Sequence], budget: _Budget, hits: list[int] | None = None,
+                     mm_items: list[MultiModalItem] = ()) -> list[int] | None:
         """Tokens to schedule per sequence, or None when none of the group fits this step.
 
         A sequence may get 0: out of budget (it goes on next step; the samples of a group are
@@ -477,8 +485,10 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             computed = seq.num_computed_tokens + in_flight  # KV in the cache once the plan in flight ran
             if in_flight and computed == num_tokens:  # with the token it draws there (PENDING_TOKEN)
                 num_tokens += 1
-            remaining = num_tokens - (max(computed, hits[i]) if hits else computed)
-            n = max(min(remaining, tokens_left), 0)
+            start = max(computed, hits[i]) if hits else computed
+            n = max(min(num_tokens - start, tokens_left), 0)
+            if mm_items:
+                n = chunk_end(start, n, mm_items)
             num_new.append(n)
             tokens_left -= n
         return num_new if any(num_new) else None
@@ -604,7 +614,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             params = replace(params, prompt_logprobs=None)
         plan.new_seqs.append(NewSequence(
             seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
-            seq.num_computed_tokens, n, params, num_samples, group.lora_slot,
+            seq.num_computed_tokens, n, params, num_samples, group.lora_slot, group.mm_items,
         ))
         self._held_by_workers.add(seq.seq_id)
         seq.accepted_unsent = []  # in its output
@@ -621,6 +631,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         done = take_result(self._in_flight, result, self.epoch)
         for slot, message in result.lora_errors:
             self._fail_lora_slot(slot, message)
+        if result.encoder_cache_queries:
+            self._count_encoder_cache(result)
         touched: dict[str, SequenceGroup] = {}
         new_counts: dict[int, int] = {}
         if self.speculator is not None:

@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from common.protocol import LoRARequest, SamplingParams
+from common.protocol import LoRARequest, MultiModalItem, SamplingParams
 from scheduler.block_manager import lora_salt
 
 
@@ -130,6 +130,7 @@ class SequenceGroup:
     lora_slot: int = -1  # the workers' slot of that adapter while the group runs (pinned), else -1
     prompt_block_keys: list[bytes] | None = None  # its prompt's full blocks' prefix-cache keys, once asked
     pooled: bytes | None = None  # a pooling request's vector (PooledOutput.data), once computed
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # its prompt's images (common/multimodal.py)
 
     @property
     def prefix_salt(self) -> bytes | None:

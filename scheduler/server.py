@@ -36,6 +36,7 @@ from common.admission import AdmissionLimits
 from common.config import EngineConfig, ServingConfig
 from common.gc_heap import freeze_startup_heap
 from common.kv_events import AllBlocksCleared, KVEventBatch, encode_batch
+from common.multimodal import invalid_items
 from common.protocol import GenerateRequest, SamplingParams, SchedulerStatus, StepPlan, WorkerHello, encode
 from common.transport import WorkerLink
 from scheduler.memory_view import MemoryEventLog, PackedTables, build_snapshot, memory_version
@@ -218,13 +219,13 @@ class SchedulerServer(StepPipeline):
 
     def _admit(self, arrival: Arrival) -> None:
         request = arrival.request
-        invalid = _invalid_request(request, self.hello.vocab_size)
+        invalid = _invalid_request(request, self.hello.vocab_size, self.hello.takes_images)
         if invalid is not None:  # the gateway validates; an entry from elsewhere must not reach a worker
             self.stream.finish(arrival, "error", invalid)
             return
         try:
             self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                       lora_request=request.lora_request)
+                                       lora_request=request.lora_request, mm_items=request.mm_items)
         except RequestRejected as exc:
             self.stream.finish(arrival, "error", str(exc))
             return
@@ -358,14 +359,16 @@ def _lost(rank: int) -> str:
     return f"worker rank {rank} disconnected (exited, was killed or stopped answering)"
 
 
-def _invalid_request(request: GenerateRequest, vocab_size: int) -> str | None:
+def _invalid_request(request: GenerateRequest, vocab_size: int, takes_images: bool) -> str | None:
     """Why a decoded request cannot be served, or None (a badly typed one would break the loop)."""
     if not isinstance(request.sampling_params, SamplingParams):
         return "invalid request: sampling_params is not a SamplingParams"
     ids = request.prompt_token_ids
-    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+    if not isinstance(ids, list):
         return f"invalid request: prompt_token_ids must be a list of token ids in [0, {vocab_size})"
-    return None
+    if request.mm_items and not takes_images:
+        return "invalid request: this model does not take images"
+    return invalid_items(ids, request.mm_items, vocab_size)
 
 
 def serve(engine_config: EngineConfig, serving: ServingConfig) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from common.protocol import ITERATION_TOKENS_BUCKETS, StepPlan
+from common.protocol import ITERATION_TOKENS_BUCKETS, StepPlan, StepResult
 from scheduler.memory_view import MemoryEventLog, status_counters
 from scheduler.sequence import Sequence, SequenceGroup
 from scheduler.speculation import spec_counters
@@ -29,6 +29,7 @@ class StepCounters:
         self.num_swapped_in_blocks = 0
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, the last +Inf
         self.iteration_tokens_sum = 0
+        self.mm_encoder_cache_queries = self.mm_encoder_cache_hits = 0
         self._start_plan_events()
 
     def make_stats(self) -> dict:
@@ -40,7 +41,13 @@ class StepCounters:
             "num_preemptions_total": self.num_preemptions, "prefix_cache_queries_total": self.prefix_cache_queries,
             "prefix_cache_hits_total": self.prefix_cache_hits, **dataclasses.asdict(self.admission_limits),
             **status_counters(self), **self.lora_status(), **spec_counters(self.speculator),
+            "mm_encoder_cache_queries_total": self.mm_encoder_cache_queries,
+            "mm_encoder_cache_hits_total": self.mm_encoder_cache_hits,
         }
+
+    def _count_encoder_cache(self, result: StepResult) -> None:
+        self.mm_encoder_cache_queries += result.encoder_cache_queries
+        self.mm_encoder_cache_hits += result.encoder_cache_hits
 
     def _start_plan_events(self) -> None:
         self._copies: list[tuple[SequenceGroup, int, list[int]]] = []  # of the plan being built: (group, seq_id, copy)

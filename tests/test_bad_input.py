@@ -185,7 +185,7 @@ CASES = [
         body=chat(messages=[{"role": ["user"], "content": "hi"}])),
     Bad("content-missing", CHAT, 400, "messages[0].content", body=chat(messages=[{"role": "user"}])),
     Bad("content-a-number", CHAT, 400, "messages[0].content", body=chat(messages=[{"role": "user", "content": 5}])),
-    Bad("content-an-image-part", CHAT, 400, "messages[0].content",
+    Bad("content-an-image-part-to-a-text-model", CHAT, 400, "messages", "model_not_multimodal",
         body=chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),
     Bad("second-message-content-an-object", CHAT, 400, "messages[1].content",
         body=chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": {}}])),

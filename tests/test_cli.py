@@ -126,7 +126,7 @@ def test_config_to_argv_writes_every_value_and_a_switch_only_off_its_default():
         "--runner=auto", "--convert=auto", "--gpu-memory-utilization=0.9",
         "--cpu-kv-cache-space=1.0", "--swap-space=2.5", "--no-prefix-caching", "--preemption-mode=auto",
         "--tensor-parallel-size=1",
-        "--allocator=paged", "--max-loras=1", "--max-lora-rank=16"]
+        "--allocator=paged", "--max-loras=1", "--max-lora-rank=16", "--mm-encoder-cache-bytes=268435456"]
     argv = config_to_argv(ServingConfig(heartbeat_file="/run/alive"), exclude={"redis_url", "zmq_address"})
     assert {"--engine-id=0", "--step-timeout=60.0", "--drain-timeout=30.0", "--heartbeat-file=/run/alive"} <= set(argv)
     assert not [arg for arg in argv if arg.startswith(("--redis-url", "--zmq-address"))]

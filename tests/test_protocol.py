@@ -9,7 +9,7 @@ from common import protocol
 from common.config import ConfigError, EngineConfig
 from common.protocol import (
     PROTOCOL_VERSION, CachedSequence, decode_events, GenerateRequest, HeldRequests, InvalidParamError, MemoryEvent, MemorySnapshot,
-    LoRARequest, NewSequence, PooledOutput, PoolingParams, PromptLogprobs, ProtocolError, StructuredOutput,
+    LoRARequest, MultiModalItem, NewSequence, PooledOutput, PoolingParams, PromptLogprobs, ProtocolError, StructuredOutput,
     RequestEvent, SampledToken, SamplingParams, SchedulerStatus, StepPlan, StepResult, WorkerHello, decode, encode,
 )
 
@@ -68,6 +68,11 @@ MESSAGES = [
     LoRARequest("sql", 7, "/adapters/sql"),
     GenerateRequest("cmpl-4", [1, 2], SamplingParams(), "pagoda:replies:gw1", 1.7e9, LoRARequest("sql", 7, "/a")),
     StepPlan(18, 2, [dataclasses.replace(NEW_SEQ, lora_slot=1)], lora_loads=[[1, LoRARequest("sql", 7, "/a")]]),
+    # images: a request's, and a new sequence's (common/multimodal.py)
+    MultiModalItem(b"h" * 32, 1, 2, b"\x81\xa1a\x90", True),
+    GenerateRequest("cmpl-5", [1, 2, 3], SamplingParams(), "r", 1.0, None, [MultiModalItem(b"i" * 32, 1, 2, b"")]),
+    StepPlan(19, 2, [dataclasses.replace(NEW_SEQ, mm_items=[MultiModalItem(b"i" * 32, 1, 2, b"px")])]),
+    StepResult(5, 0, encoder_cache_queries=2, encoder_cache_hits=1),
     dataclasses.replace(STATUS, running_lora_adapters=["sql"], waiting_lora_adapters=["chat", "sql"], max_loras=4,
                         num_lora_loads_total=3, num_lora_evictions_total=1),
     # pooling: a request's params, a worker's vector, the event that carries it
@@ -171,16 +176,16 @@ def test_a_wrong_field_count_is_a_protocol_error(values):
 def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defaults():
     """A scheduler from before data parallelism (no `engine`), the memory counters, the KV cache dtype
     and block bytes, the waiting tokens, LoRA adapters, the prefill rate (--ttft-slo-ms), the CPU
-    tier's counters and the routing counters, speculative decoding's counters, `draining`, or the
-    pooling task."""
-    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-32:]
-    old = _body(encode(STATUS))[1:-32]  # every field but the 32 appended
+    tier's counters and the routing counters, speculative decoding's counters, `draining`, the
+    pooling task, or the encoder cache's counters."""
+    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-34:]
+    old = _body(encode(STATUS))[1:-34]  # every field but the 34 appended
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old)], use_bin_type=True)
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in new_fields}
     assert decode(data) == dataclasses.replace(STATUS, **defaults)
     assert decode(data).engine == "0"
     short = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old[:-1])], use_bin_type=True)
-    with pytest.raises(ProtocolError, match="SchedulerStatus expects 50 fields, got 17"):
+    with pytest.raises(ProtocolError, match="SchedulerStatus expects 52 fields, got 17"):
         decode(short)
 
 

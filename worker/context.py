@@ -21,6 +21,9 @@ class AttentionContext:
     kv_splits: int | None = None
     # each token's adapter slot (-1: none; worker/lora.py); None: no adapter in the step
     lora_indices: torch.Tensor | None = None
+    # the step's rows of images whose tokens attend to each other both ways (Gemma 3), as
+    # worker/multimodal.py ImageSpan: attention recomputes them after the causal kernel
+    image_spans: list | None = None
 
 
 _context: AttentionContext | None = None

@@ -28,6 +28,7 @@ from worker.grammar import GrammarState, TokenMask
 from worker.reasoning_gate import gated
 from worker.input_batch import StepTensors
 from worker.model_runner import ModelRunner
+from worker.multimodal import ImageInputs
 from worker.parallel import TensorParallelGroup, set_tp_group
 from worker.pooler import Pooler, pooled_indices, pooling_spans
 from worker.prompt_logprobs import prompt_logprobs, scored_indices, scored_spans
@@ -68,6 +69,9 @@ class Executor:
         self.drafts_on_worker = spec is not None and spec.drafts_on_worker  # a draft model
         # a pooling model's vectors, made where the sampler is (rank 0)
         self.pooler = Pooler(self.runner.model) if self.runner.pooler_config is not None and group.is_first else None
+        vision = getattr(self.runner.model, "vision", None)  # every rank encodes its steps' images
+        self.images = (ImageInputs(vision, self.runner.device, config.mm_encoder_cache_bytes)
+                       if vision is not None else None)
 
     def form_group(self, generation: int) -> None:
         """Join the group's incarnation `generation` (the worker: the plan's epoch), forgetting
@@ -89,6 +93,7 @@ class Executor:
             kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
             pooling_task=runner.pooler_config.task if runner.pooler_config is not None else "",
             encoder=getattr(runner.model, "bidirectional", False),
+            takes_images=getattr(runner.model, "vision", None) is not None,
         )
 
     def reset(self) -> None:
@@ -102,6 +107,8 @@ class Executor:
             self.runner.drafter.reset()
         if self.pooler is not None:
             self.pooler.reset()
+        if self.images is not None:
+            self.images.items.clear()
         if self.sampler is not None:
             self.sampler.token_counts.reset()
             self.grammar.reset()
@@ -137,6 +144,9 @@ class Executor:
             self.runner.drafter.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
         if self.pooler is not None:
             self.pooler.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
+        if self.images is not None:
+            self.images.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
+            self.images.add(plan.new_seqs)
         if self.sampler is not None:
             self._count_tokens(plan, scheduled, feed, feed_tokens)
             self._sync_grammars(plan, scheduled)
@@ -158,7 +168,10 @@ class Executor:
             self._draft(scheduled, tensors)
         scored = scored_indices(spans)
         kept = scored + pooled_indices(pooling)
-        logits = self.runner.forward(tensors, kept) if kept else self.runner.forward(tensors)
+        images = self.images.step(scheduled) if self.images is not None else None
+        if images is not None:
+            step.result.encoder_cache_queries, step.result.encoder_cache_hits = images.cache_queries, images.cache_hits
+        logits = self.runner.forward(tensors, kept, images) if kept or images else self.runner.forward(tensors)
         if self.runner.keeps_hidden:  # EAGLE's next catch-up
             self.runner.drafter.keep(scheduled, self.runner.last_hidden)
         if spans:  # every rank: the scored rows' logits are gathered to rank 0 chunk by chunk

@@ -24,6 +24,7 @@ from worker.input_batch import InputBatch, StepTensors
 from worker.kv_pool import KVPool, allocate_kv_caches
 from worker.loader import load_model, resolve_dtype, resolve_scheme
 from worker.lora import LoRAManager
+from worker.multimodal import StepImages
 from worker.memory_sizing import cuda_graph_bytes, kv_bytes_per_block, num_blocks_that_fit, profile_prefill
 from worker.parallel import get_tp_group
 
@@ -199,24 +200,32 @@ class ModelRunner:
         return self.input_batch.prepare(scheduled, feed, feed_tokens)
 
     @torch.inference_mode()
-    def forward(self, step: StepTensors, kept_indices: list[int] | None = None) -> torch.Tensor | None:
+    def forward(self, step: StepTensors, kept_indices: list[int] | None = None,
+                images: StepImages | None = None) -> torch.Tensor | None:
         """Returns the logits of the sampling positions: [num_sampled, vocab_size] float32 (in a
         tensor-parallel group on rank 0; None on the others). `kept_indices`: flat rows whose
         hidden states are kept (`kept_hidden`): those whose logits prompt logprobs need
         (`scored_logits`), then those pooling requests pool; such a step runs eagerly. Every rank
-        of a group passes the same indices."""
-        if kept_indices:
-            return self.forward_eager(step, torch.tensor(kept_indices, dtype=torch.int64, device=self.device))
+        of a group passes the same indices. `images`: the rows images fill (worker/multimodal.py);
+        such a step runs eagerly too."""
+        if kept_indices or images is not None:
+            kept = torch.tensor(kept_indices, dtype=torch.int64, device=self.device) if kept_indices else None
+            return self.forward_eager(step, kept, images)
         if self.decode_runner is not None and self.decode_runner.can_run(step):
             return self.decode_runner.run(step)
         return self.forward_eager(step)
 
     @torch.inference_mode()
-    def forward_eager(self, step: StepTensors, kept_indices: torch.Tensor | None = None) -> torch.Tensor | None:
+    def forward_eager(self, step: StepTensors, kept_indices: torch.Tensor | None = None,
+                      images: StepImages | None = None) -> torch.Tensor | None:
         """The model on the step's own shapes (prefill, mixed steps, and everything with enforce_eager)."""
         self._aux.clear()
         with attention_context(step.context):
-            hidden = self.model(step.input_ids, step.positions)
+            if images is None:
+                hidden = self.model(step.input_ids, step.positions)
+            else:
+                step.context.image_spans = images.spans
+                hidden = self.model(step.input_ids, step.positions, (images.rows, images.embeddings))
         if self.keeps_hidden:
             self.last_hidden = torch.cat(self._aux, dim=-1) if self._aux else hidden
         self.kept_hidden = None if kept_indices is None else hidden[kept_indices]

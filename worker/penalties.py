@@ -106,7 +106,7 @@ class TokenCounts:
             else:
                 num_prompt = held.num_prompt_tokens
                 if start < num_prompt:
-                    prompt_flat += [base + t for t in token_ids[start:num_prompt]]
+                    prompt_flat += [base + t for t in token_ids[start:num_prompt] if t < self.vocab_size]  # not an image's
                     start = num_prompt
                 if start < end:
                     out_flat += [base + t for t in token_ids[start:end]]

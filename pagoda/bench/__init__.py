@@ -32,6 +32,8 @@ BENCHES = {
                            "sharing system prompts: prefix-cache hit rate and request throughput, in one run"),
     "embed": ("embed", "embedding throughput of the offline engine against sentence-transformers' encode, same "
                        "model, texts and threads, in one run (docs/pooling.md)"),
+    "vision": ("vision", "time to first token of a chat whose image the encoder cache holds against a new image, "
+                         "offline, in one run (docs/vision.md)"),
     "step": ("step", "host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"),
     "structured": ("structured", "JSON-schema constrained decoding: xgrammar vs llguidance, validity, throughput "
                                  "cost"),

@@ -44,7 +44,7 @@ MODELS: tuple[ModelInfo, ...] = (
     ModelInfo("Gemma3ForCausalLM", "gemma3_text", "gemma", "google/gemma-3-1b-it", sliding_window=True,
               notes="text only; local and global layers, two RoPE bases"),
     ModelInfo("Gemma3ForConditionalGeneration", "gemma3", "gemma", "google/gemma-3-4b-it", sliding_window=True,
-              text_only=True, notes="Gemma 3 4B and up, served for text (the vision tower is not loaded)"),
+              text_only=True, notes="Gemma 3 4B and up; images (docs/vision.md)"),
     ModelInfo("Phi3ForCausalLM", "phi3", "llama", "microsoft/Phi-4-mini-instruct", sliding_window=True,
               notes="Phi-3, Phi-3.5, Phi-4(-mini); LongRoPE"),
     ModelInfo("MixtralForCausalLM", "mixtral", "moe", "mistralai/Mixtral-8x7B-Instruct-v0.1", sliding_window=True,
@@ -103,6 +103,8 @@ def text_only_config(config):
         return config
     text = config.get_text_config()
     text.architectures = [info.architecture]
+    if getattr(config, "vision_config", None) is not None:
+        text.multimodal_config = config  # what a vision encoder is built from (worker/models/vision.py)
     return text
 
 

@@ -20,6 +20,7 @@ from worker.models.layers import GemmaRMSNorm, RotaryEmbedding
 from worker.models.llama import DecoderModel, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from worker.models.qwen3 import QKNormAttention
 from worker.models.rope import TransformersRope
+from worker.models.vision import Gemma3VisionEncoder
 
 
 class GemmaAttention(LlamaAttention):
@@ -87,12 +88,11 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """A Gemma 3 checkpoint with a vision tower (4B and up), served for text: its language model
-    (built from the config's text_config, see `text_only_config`), the vision tower and the
-    projector left unread. As transformers' Gemma3ForConditionalGeneration, the final logits are
-    not soft-capped (its released configs set no cap)."""
+    """A Gemma 3 checkpoint with a vision tower (4B and up): its language model (built from the
+    config's text_config, see `text_only_config`) and, where the checkpoint holds them, the SigLIP
+    tower and the projector (worker/models/vision.py). As transformers' Gemma3ForConditionalGeneration,
+    the final logits are not soft-capped (its released configs set no cap)."""
 
-    SKIPPED = (*Gemma3ForCausalLM.SKIPPED, "vision_tower.", "multi_modal_projector.")
     # the Hub's checkpoints name the language model language_model.model.*, transformers 5 saves
     # model.language_model.*
     RENAMES = (("language_model.model.", "model."), ("model.language_model.", "model."),
@@ -101,3 +101,21 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.final_logit_softcap = None
+        self.multimodal_config = getattr(config, "multimodal_config", None)
+
+    def load_weights(self, weights) -> None:
+        vision = {}
+
+        def language_model():
+            for name, tensor in weights:
+                if Gemma3VisionEncoder.owns(name):
+                    vision[name] = tensor.load()
+                else:
+                    yield name, tensor
+
+        super().load_weights(language_model())
+        if vision and self.multimodal_config is not None:
+            with torch.device("cpu"):
+                self.vision = Gemma3VisionEncoder(self.multimodal_config).float()
+            self.vision.load({name: tensor.float() for name, tensor in vision.items()})
+            self.model.max_token_id = self.config.vocab_size - 1

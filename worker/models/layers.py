@@ -41,6 +41,7 @@ from torch import nn
 
 import kernels
 from worker.context import get_context
+from worker.multimodal import attend_within_images
 from worker.models.weights import CheckpointTensor
 from worker.parallel import TensorParallelGroup, divide, get_tp_group
 from worker.quantization.base import LinearMethod, UnquantizedLinearMethod, linear_method_for
@@ -450,6 +451,8 @@ class Attention(nn.Module):
                                     step_cache=ctx.kernel_cache, max_seqlen_k=ctx.max_seqlen_k, kv_splits=ctx.kv_splits,
                                     sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
                                     k_scale=self.k_scale, v_scale=self.v_scale)
+        if ctx.image_spans:
+            attend_within_images(q, o, self.kv_cache, ctx, self)
         return o.reshape(-1, self.num_heads * self.head_dim)
 
 

@@ -124,11 +124,20 @@ class DecoderModel(nn.Module):
         head_dim = head_dim_of(config)
         self.rotary_embs = nn.ModuleDict({key: RotaryEmbedding(head_dim)
                                           for key in dict.fromkeys(layer.rope_key for layer in self.layers)})
+        # a model that takes images: its prompts hold placeholder ids past the vocabulary
+        # (common/multimodal.py), never embedded, and a draft may propose one
+        self.max_token_id: int | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`images`: (rows, embeddings) that replace those rows' token embeddings (an image's encoder output)."""
+        if self.max_token_id is not None:
+            input_ids = input_ids.clamp(max=self.max_token_id)
         h, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:  # a host scalar (capturable), rounded to the dtype as transformers' is
             h = h * _rounded(self.embed_scale, h.dtype)
+        if images is not None:
+            h = h.index_copy(0, images[0], images[1].to(h.dtype))
         for layer in self.layers:
             h, residual = layer(positions, h, residual, self.rotary_embs[layer.rope_key])
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
@@ -171,6 +180,7 @@ class CausalLM(nn.Module):
         scheme = current_quantization()
         self.logits_method = scheme.logits_method() if scheme is not None else None
         self.logits_head: LogitsHead | None = None  # made once loaded (`process_weights_after_loading`)
+        self.vision: nn.Module | None = None  # a vision encoder (worker/models/vision.py), where the model takes images
 
     def build_model(self, config) -> DecoderModel:
         raise NotImplementedError
@@ -212,9 +222,13 @@ class CausalLM(nn.Module):
     def sin_cache(self) -> torch.Tensor:
         return next(iter(self.model.rotary_embs.values())).sin_cache
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]. Returns hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]. Returns hidden states [num_tokens, hidden_size].
+        `images`: rows whose embeddings an image's encoder output replaces (worker/multimodal.py)."""
+        if images is None:
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, images)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_tokens, vocab_size] float32 logits; in a group, on rank 0 (None on the others)."""

@@ -1,0 +1,149 @@
+"""The images of the sequences a worker holds: which rows of a step they fill, their encoder
+outputs (cached by image hash), and attention both ways within an image (docs/vision.md).
+
+A sequence's images come with it in full (`NewSequence.mm_items`) and stay until it is dropped. A
+step that computes some of an image's placeholder positions takes those rows of the image's
+encoder output, computed once per image and kept in an LRU cache of `cache_bytes` keyed by the
+image's hash: the same image in two requests, or twice in one, is encoded once.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.multimodal import unpack_arrays
+from common.plan_state import ScheduledSequence
+from common.protocol import MultiModalItem, NewSequence
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """Rows [row_start, row_stop) of a step: positions from `first_position` of the step's sequence
+    `seq_index`, all inside the image at positions [image_start, image_stop)."""
+
+    row_start: int
+    row_stop: int
+    seq_index: int
+    first_position: int
+    image_start: int
+    image_stop: int
+
+
+@dataclass(slots=True)
+class StepImages:
+    rows: torch.Tensor  # [n] int64: the step's rows an image fills
+    embeddings: torch.Tensor  # [n, hidden_size]
+    spans: list[ImageSpan]  # the rows of images whose tokens attend both ways
+    cache_queries: int  # the images whose encoder outputs it took
+    cache_hits: int  # of them, those the encoder cache held
+
+
+class EncoderCache:
+    """Encoder outputs by image hash, least recently used first out beyond `capacity_bytes`."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.num_bytes = 0
+        self.queries = self.hits = 0
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        self.queries += 1
+        value = self.entries.get(key)
+        if value is None:
+            return None
+        self.hits += 1
+        self.entries.move_to_end(key)
+        return value
+
+    def put(self, key: bytes, value: torch.Tensor) -> None:
+        size = value.numel() * value.element_size()
+        if size > self.capacity_bytes:
+            return
+        self.entries[key] = value
+        self.num_bytes += size
+        while self.num_bytes > self.capacity_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.num_bytes -= old.numel() * old.element_size()
+
+
+class ImageInputs:
+    def __init__(self, encoder: torch.nn.Module, device: torch.device, cache_bytes: int) -> None:
+        self.encoder = encoder
+        self.device = device
+        self.cache = EncoderCache(cache_bytes)
+        self.items: dict[int, list[MultiModalItem]] = {}
+
+    def add(self, new_seqs: Sequence[NewSequence]) -> None:
+        for new in new_seqs:
+            if new.mm_items:
+                self.items[new.seq_id] = new.mm_items
+
+    def forget(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self.items.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def step(self, scheduled: Sequence[ScheduledSequence]) -> StepImages | None:
+        """The rows of this step that images fill, or None when it computes no image position."""
+        if not self.items:
+            return None
+        rows, embeddings, spans, row = [], [], [], 0
+        queries, hits = self.cache.queries, self.cache.hits
+        for index, s in enumerate(scheduled):
+            start, stop = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
+            for item in self.items.get(s.seq_id, ()):
+                lo, hi = max(start, item.offset), min(stop, item.offset + item.length)
+                if lo >= hi:
+                    continue
+                output = self.encode(item)
+                rows.append(torch.arange(row + lo - start, row + hi - start))
+                embeddings.append(output[lo - item.offset:hi - item.offset])
+                if item.bidirectional:
+                    spans.append(ImageSpan(row + lo - start, row + hi - start, index, lo, item.offset,
+                                           item.offset + item.length))
+            row += s.num_scheduled_tokens
+        if not rows:
+            return None
+        return StepImages(torch.cat(rows).to(self.device), torch.cat(embeddings), spans,
+                          self.cache.queries - queries, self.cache.hits - hits)
+
+    def encode(self, item: MultiModalItem) -> torch.Tensor:
+        output = self.cache.get(item.hash)
+        if output is None:
+            output = self.encoder(unpack_arrays(item.data))
+            if output.shape[0] != item.length:
+                raise ValueError(f"an image's encoder output has {output.shape[0]} rows for {item.length} "
+                                 "placeholder tokens")
+            self.cache.put(item.hash, output)
+        return output
+
+
+def attend_within_images(q: torch.Tensor, o: torch.Tensor, kv_cache: torch.Tensor, ctx, attn) -> None:
+    """Recompute, in place in `o` [tokens, heads, head_dim], the rows of `ctx.image_spans`: each
+    attends to its sequence's keys before it and to every key of its image (transformers' Gemma 3
+    mask: causal or the same image, within the sliding window where the layer has one). The step's
+    keys are in the cache already; the scheduler never ends a step inside such an image."""
+    block_size = kv_cache.shape[2]
+    group = attn.num_heads // attn.num_kv_heads
+    for span in ctx.image_spans:
+        keys = torch.arange(span.image_stop, device=q.device)
+        table = ctx.block_tables[span.seq_index].long()
+        blocks, offsets = table[keys // block_size], keys % block_size
+        k = kv_cache[blocks, 0, offsets].float() * attn.k_scale  # [keys, kv_heads, head_dim]
+        v = kv_cache[blocks, 1, offsets].float() * attn.v_scale
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        queries = q[span.row_start:span.row_stop].float()
+        scores = torch.einsum("qhd,khd->hqk", queries, k) * attn.scale
+        if attn.logit_softcap:
+            scores = torch.tanh(scores / attn.logit_softcap) * attn.logit_softcap
+        positions = torch.arange(span.first_position, span.first_position + queries.shape[0], device=q.device)
+        allowed = (keys[None, :] <= positions[:, None]) | (keys[None, :] >= span.image_start)
+        if attn.sliding_window:
+            allowed &= keys[None, :] > positions[:, None] - attn.sliding_window
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+        o[span.row_start:span.row_stop] = out.to(o.dtype)
