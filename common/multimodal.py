@@ -3,13 +3,15 @@
 The gateway's processor expands each image into a run of placeholder tokens and pixel tensors.
 The request carries, per image, a `MultiModalItem`: the run's offset and length, the SHA-256 of the
 processed pixels, and the tensors as raw arrays (never pickled). The run's token ids become
-`placeholder_id(hash)`, an id past every vocabulary that depends only on the image, as SGLang pads
-its multimodal inputs: the prefix cache's block keys, the router's hashes and KV events then tell
-two images apart, and the same image with the same text shares its blocks, with no rule of their
-own. The worker never embeds those ids: the image's encoder output replaces their rows.
+`placeholder_ids(hash, length)`, ids past every vocabulary drawn from the image's hash, one per
+position (61 bits each), as SGLang pads its multimodal inputs: the prefix cache's block keys, the
+router's hashes and KV events then tell two images apart, and the same image with the same text
+shares its blocks, with no rule of their own. The worker never embeds those ids: the image's
+encoder output replaces their rows.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -33,12 +35,15 @@ def image_limit(limit_mm_per_prompt: str | None) -> int:
     return limits.get("image", DEFAULT_IMAGE_LIMIT)
 
 
-PLACEHOLDER_BASE = 1 << 30  # past every vocabulary; ids stay below 2**31
-_PLACEHOLDER_RANGE = 1 << 30
+PLACEHOLDER_BASE = 1 << 62  # past every vocabulary; ids stay int64
+_PLACEHOLDER_RANGE = 1 << 61
 
 
-def placeholder_id(image_hash: bytes) -> int:
-    return PLACEHOLDER_BASE + int.from_bytes(image_hash[:8], "little") % _PLACEHOLDER_RANGE
+def placeholder_ids(image_hash: bytes, length: int) -> list[int]:
+    """The ids of an image's `length` placeholder positions: each a 61-bit draw from the image's
+    hash and the position, so a block holding even one of them tells two images apart."""
+    return [PLACEHOLDER_BASE + int.from_bytes(hashlib.sha256(image_hash + j.to_bytes(4, "little")).digest()[:8],
+                                              "little") % _PLACEHOLDER_RANGE for j in range(length)]
 
 
 def image_hash(arrays: dict[str, np.ndarray]) -> bytes:
@@ -71,11 +76,11 @@ def invalid_items(prompt_token_ids: Sequence[int], items: Sequence[MultiModalIte
         if not (isinstance(item.hash, bytes) and len(item.hash) == 32 and type(item.offset) is int
                 and type(item.length) is int and isinstance(item.data, bytes)):
             return "an image must have a 32-byte hash, an int offset and length, and bytes of data"
-        if item.offset < end or item.length < 1 or item.offset + item.length > len(prompt_token_ids):
+        apart = item.offset > end or (item.offset == end == 0)
+        if not apart or item.length < 1 or item.offset + item.length > len(prompt_token_ids):
             return "the images' placeholder runs must lie in the prompt, in order, apart"
-        placeholder = placeholder_id(item.hash)
-        if any(t != placeholder for t in prompt_token_ids[item.offset:item.offset + item.length]):
-            return "an image's placeholder tokens must be its placeholder id"
+        if prompt_token_ids[item.offset:item.offset + item.length] != placeholder_ids(item.hash, item.length):
+            return "an image's placeholder tokens must be its placeholder ids"
         spans.append((end, item.offset))
         end = item.offset + item.length
     spans.append((end, len(prompt_token_ids)))
@@ -83,6 +88,13 @@ def invalid_items(prompt_token_ids: Sequence[int], items: Sequence[MultiModalIte
         if not all(type(t) is int and 0 <= t < vocab_size for t in prompt_token_ids[start:stop]):
             return f"invalid request: prompt_token_ids must be a list of token ids in [0, {vocab_size})"
     return None
+
+
+def sent_images(items: Sequence[MultiModalItem], num_computed_tokens: int) -> list[MultiModalItem]:
+    """A sequence's images as a plan sends it whole: the pixels only of those it still has
+    positions of to compute (a sample forked after the prompt, a beam, carries none of them)."""
+    return [item if item.offset + item.length > num_computed_tokens else dataclasses.replace(item, data=b"")
+            for item in items]
 
 
 def chunk_end(start: int, n: int, items: Sequence[MultiModalItem]) -> int:

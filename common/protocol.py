@@ -224,7 +224,7 @@ PENDING_TOKEN = -1
 class MultiModalItem:
     """One image of a prompt: its placeholder tokens [offset, offset + length) of the prompt take
     the rows of its encoder output (docs/vision.md). The gateway writes those positions' token ids
-    as `common.multimodal.placeholder_id(hash)`, never a vocabulary id, so the prefix cache's block
+    as `common.multimodal.placeholder_ids(hash, length)`, never vocabulary ids, so the prefix cache's block
     keys and the router's hashes tell two images apart with no rule of their own."""
 
     hash: bytes  # SHA-256 of the processed pixels: the encoder cache's key
@@ -232,6 +232,8 @@ class MultiModalItem:
     length: int
     data: bytes  # the processor's tensors (common.multimodal.pack_arrays)
     bidirectional: bool = False  # its tokens attend to each other both ways (Gemma 3): a chunk never splits it
+    # the placeholders' (t, h, w) layout where the language model rotates them by it (Qwen-VL's M-RoPE)
+    grid: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -362,6 +364,7 @@ class WorkerHello:
     pooling_task: str = ""  # a pooling model's task (common/pooling.py): "embed" or "classify"; "" for generation
     encoder: bool = False  # its layers attend both ways: a prompt is computed whole in one step (no chunks)
     takes_images: bool = False  # it has a vision encoder: requests may carry images (common/multimodal.py)
+    bidirectional_images: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
 
 
 # ----------------------------------------------------------------------------- requests (Redis)
@@ -575,8 +578,8 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # how many, per message
-    SchedulerStatus: 34, RequestEvent: 4, SamplingParams: 6, StepResult: 5, WorkerHello: 6,
-    NewSequence: 2, StepPlan: 1, GenerateRequest: 2, MemorySnapshot: 1, MultiModalItem: 1,
+    SchedulerStatus: 34, RequestEvent: 4, SamplingParams: 6, StepResult: 5, WorkerHello: 7,
+    NewSequence: 2, StepPlan: 1, GenerateRequest: 2, MemorySnapshot: 1, MultiModalItem: 0,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as

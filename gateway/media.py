@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import ipaddress
 import socket
-import urllib.error
+import ssl
+import time
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +29,22 @@ class MediaPolicy:
     allowed_local_media_path: str | None = None  # file:// URLs under this folder; none without it
     allow_private_media_urls: bool = False
     max_image_bytes: int = 20 << 20  # an encoded image (a data: URL's, a file's, a download's)
-    max_image_pixels: int = 1 << 26
+    max_image_pixels: int = 1 << 26  # the images of one prompt, together
     fetch_timeout_s: float = 10.0
 
 
-def load_image(url: str, policy: MediaPolicy):
-    """The image at `url` as a PIL image, decoded whole (RGB conversion is the processor's)."""
+def load_images(urls: list[str], policy: MediaPolicy) -> list:
+    """Each URL's image; together at most `policy.max_image_pixels` (checked before each decodes)."""
+    images, pixels = [], 0
+    for url in urls:
+        images.append(load_image(url, policy, policy.max_image_pixels - pixels))
+        pixels += images[-1].width * images[-1].height
+    return images
+
+
+def load_image(url: str, policy: MediaPolicy, max_pixels: int | None = None):
+    """The image at `url` as a PIL image, decoded whole (RGB conversion is the processor's), of at
+    most `max_pixels` (default: the policy's)."""
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme == "data":
         data = _data_url(url, policy)
@@ -43,24 +54,24 @@ def load_image(url: str, policy: MediaPolicy):
         data = _download(url, policy)
     else:
         raise MediaError("an image_url must be a data:, http(s): or file: URL")
-    return decode_image(data, policy)
+    return decode_image(data, policy.max_image_pixels if max_pixels is None else max_pixels)
 
 
-def decode_image(data: bytes, policy: MediaPolicy):
+def decode_image(data: bytes, max_pixels: int):
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            if image.format not in FORMATS:
-                raise MediaError(f"images must be PNG, JPEG, WebP or GIF, not {image.format}")
-            if image.width * image.height > policy.max_image_pixels:
-                raise MediaError(f"the image has {image.width}x{image.height} pixels, more than "
-                                 f"{policy.max_image_pixels}")
+        with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+            if image.width * image.height > max_pixels:
+                raise MediaError(f"the image has {image.width}x{image.height} pixels, more than the "
+                                 f"{max(max_pixels, 0)} left for this prompt's images")
             image.load()
             return image.copy()
     except MediaError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+    except UnidentifiedImageError:
+        raise MediaError("the image could not be decoded as PNG, JPEG, WebP or GIF") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise MediaError(f"the image could not be decoded: {exc}") from None
 
 
@@ -93,48 +104,85 @@ def _local_file(url: str, policy: MediaPolicy) -> bytes:
     return path.read_bytes()
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):
-        return None  # each hop is checked by `_download` itself
-
-
-_opener = urllib.request.build_opener(_NoRedirects)
-
-
 def _download(url: str, policy: MediaPolicy) -> bytes:
+    """GET `url` from the address its host was checked at (no second lookup for DNS to answer
+    otherwise; no proxy), following redirects by the same rule, within the size and a total deadline."""
+    deadline = time.monotonic() + policy.fetch_timeout_s
     for _ in range(MAX_REDIRECTS + 1):
-        _check_host(url, policy)
+        parts = urllib.parse.urlsplit(url)
+        address = _checked_address(parts, policy)
+        connection = (_PinnedHTTPS if parts.scheme == "https" else _PinnedHTTP)(
+            parts.hostname, parts.port, timeout=policy.fetch_timeout_s, address=address)
         try:
-            with _opener.open(urllib.request.Request(url, headers={"User-Agent": "pagoda"}),
-                              timeout=policy.fetch_timeout_s) as response:
-                data = response.read(policy.max_image_bytes + 1)
-        except urllib.error.HTTPError as exc:
-            if exc.code in (301, 302, 303, 307, 308) and exc.headers.get("Location"):
-                url = urllib.parse.urljoin(url, exc.headers["Location"])
+            connection.request("GET", urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")),
+                               headers={"User-Agent": "pagoda", "Host": parts.netloc})
+            response = connection.getresponse()
+            if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
+                url = urllib.parse.urljoin(url, response.getheader("Location"))
                 continue
-            raise MediaError(f"fetching the image failed: HTTP {exc.code}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise MediaError(f"fetching the image failed: {getattr(exc, 'reason', exc)}") from None
-        if len(data) > policy.max_image_bytes:
-            raise MediaError(f"the image is larger than {policy.max_image_bytes} bytes")
-        return data
+            if response.status != 200:
+                raise MediaError(f"fetching the image failed: HTTP {response.status}")
+            return _read(response, policy, deadline)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise MediaError(f"fetching the image failed: {exc}") from None
+        finally:
+            connection.close()
     raise MediaError(f"fetching the image took more than {MAX_REDIRECTS} redirects")
 
 
-def _check_host(url: str, policy: MediaPolicy) -> None:
-    """Refuse a URL whose host resolves to a private, loopback, link-local or reserved address
-    (unless --allow-private-media-urls): a client must not reach the server's own network."""
-    parts = urllib.parse.urlsplit(url)
+def _read(response, policy: MediaPolicy, deadline: float) -> bytes:
+    chunks, size = [], 0
+    while chunk := response.read(1 << 16):
+        size += len(chunk)
+        if size > policy.max_image_bytes:
+            raise MediaError(f"the image is larger than {policy.max_image_bytes} bytes")
+        if time.monotonic() > deadline:
+            raise MediaError(f"fetching the image took more than {policy.fetch_timeout_s} s (--media-fetch-timeout)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _PinnedHTTP(http.client.HTTPConnection):
+    """A connection to `address`, the host's checked address, whatever its name resolves to now."""
+
+    def __init__(self, host: str, port: int | None, *, address: str, **kwargs) -> None:
+        super().__init__(host, port, **kwargs)
+        self.address = address
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self.address, self.port), self.timeout)
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    def __init__(self, host: str, port: int | None, *, address: str, **kwargs) -> None:
+        super().__init__(host, port, context=ssl.create_default_context(), **kwargs)
+        self.address = address
+
+    def connect(self) -> None:  # the certificate is checked against the host's name
+        sock = socket.create_connection((self.address, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+
+
+def _checked_address(parts: urllib.parse.SplitResult, policy: MediaPolicy) -> str:
+    """The address to fetch from: the host's, refused when any address it resolves to is private,
+    loopback, link-local or reserved (unless --allow-private-media-urls): a client must not reach
+    the server's own network."""
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise MediaError("an image redirect must go to an http(s) URL")
-    if policy.allow_private_media_urls:
-        return
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(parts.hostname, parts.port or 443)}
+        infos = socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80),
+                                   type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
         raise MediaError(f"the image's host {parts.hostname!r} does not resolve") from None
-    for address in addresses:
-        ip = ipaddress.ip_address(address.split("%")[0])
-        if not ip.is_global:
-            raise MediaError(f"the image's host {parts.hostname!r} is a private address "
-                             "(the server allows it with --allow-private-media-urls)")
+    addresses = [info[4][0] for info in infos]
+    if not policy.allow_private_media_urls:
+        for address in addresses:
+            ip = ipaddress.ip_address(address.split("%")[0])
+            if not ip.is_global or any(ip in network for network in _EMBEDS_IPV4):
+                raise MediaError(f"the image's host {parts.hostname!r} is a private address "
+                                 "(the server allows it with --allow-private-media-urls)")
+    return addresses[0]
+
+
+# IPv6 prefixes that carry an IPv4 address (NAT64, 6to4): counted global, they may reach a private one
+_EMBEDS_IPV4 = ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("2002::/16")

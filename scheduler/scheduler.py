@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 
 from common.admission import AdmissionLimits, check_admissible, final_len
 from common.config import EngineConfig
-from common.multimodal import chunk_end
+from common.multimodal import chunk_end, sent_images
 from common.protocol import (
     NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, MultiModalItem, NewSequence, SampledToken, SamplingParams, StepPlan,
     StepResult, WorkerHello, sample_seed,
@@ -158,6 +158,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         rejection = check_admissible(len(prompt), params, self.admission_limits)
         if rejection is not None:
             raise RequestRejected(rejection.message)
+        if mm_items and params.prompt_logprobs is not None:
+            raise RequestRejected("prompt_logprobs cannot score a prompt with images")
         budget = self.config.max_num_batched_tokens
         if any(item.bidirectional and item.length > budget for item in mm_items or ()):
             raise RequestRejected(f"an image of this request takes more tokens than --max-num-batched-tokens "
@@ -460,7 +462,9 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             group.num_cached_tokens = seqs[0].num_computed_tokens  # hits only: nothing ran yet
         if self.sliding_window is not None:  # prefix-cache hits the window already skips
             self._remove_skipped_blocks([group])
-        self._add_to_plan(seqs, self._chunk_sizes(seqs, budget, mm_items=group.mm_items), plan, budget)
+        num_new = self._chunk_sizes(seqs, budget, mm_items=group.mm_items)
+        if num_new is not None:  # (none: a recomputing group's hits end inside an image it cannot finish yet)
+            self._add_to_plan(seqs, num_new, plan, budget)
         self._insert_running(group)
 
     def _final_tokens(self, group: SequenceGroup) -> int:
@@ -614,7 +618,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             params = replace(params, prompt_logprobs=None)
         plan.new_seqs.append(NewSequence(
             seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
-            seq.num_computed_tokens, n, params, num_samples, group.lora_slot, group.mm_items,
+            seq.num_computed_tokens, n, params, num_samples, group.lora_slot,
+            sent_images(group.mm_items, seq.num_computed_tokens),
         ))
         self._held_by_workers.add(seq.seq_id)
         seq.accepted_unsent = []  # in its output

@@ -223,9 +223,12 @@ class SchedulerServer(StepPipeline):
         if invalid is not None:  # the gateway validates; an entry from elsewhere must not reach a worker
             self.stream.finish(arrival, "error", invalid)
             return
+        # how an image's tokens attend is the model's, not the request's to say
+        bidirectional = self.hello.bidirectional_images
+        mm_items = [dataclasses.replace(item, bidirectional=bidirectional) for item in request.mm_items]
         try:
             self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                       lora_request=request.lora_request, mm_items=request.mm_items)
+                                       lora_request=request.lora_request, mm_items=mm_items)
         except RequestRejected as exc:
             self.stream.finish(arrival, "error", str(exc))
             return

@@ -5,6 +5,7 @@ image-aware prefix caching; and every bad image answered with 400."""
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 
@@ -12,12 +13,12 @@ import httpx
 import openai
 import pytest
 
-from common.multimodal import chunk_end, invalid_items, placeholder_id
+from common.multimodal import chunk_end, invalid_items, placeholder_ids
 from common.protocol import MultiModalItem, SamplingParams
 from gateway.media import MediaError, MediaPolicy, load_image
 from tests.families import prompt_text, token_strings
 from tests.stack import Stack, wait_for
-from tests.vision_models import as_urls, data_url, gemma3_vlm, image, reference
+from tests.vision_models import as_urls, data_url, gemma3_vlm, image, qwen2_5_vl, qwen3_vl, qwen_inputs, reference
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAX_TOKENS = 10
@@ -58,18 +59,23 @@ def assert_matches(ref: tuple[list[int], list[float]], tokens: list[int], logpro
 def test_greedy_tokens_equal_transformers(gemma3, max_num_batched_tokens):
     """Whole prompts, and 14-token chunks (the second chat's first image starts at 12: the chunk
     stops before it rather than split tokens that attend to each other both ways)."""
+    directory, _, _, references = gemma3
+    cache = _generate_offline(directory, CHATS, references, max_num_batched_tokens=max_num_batched_tokens)
+    assert cache == (4, 1)  # image(1) twice: encoded once
+
+
+def _generate_offline(directory, chats: dict, references: dict, **config) -> tuple[int, int]:
+    """Every chat through the offline LLM at once, each equal to its reference; the encoder cache's
+    (queries, hits)."""
     from pagoda.offline import LLM
 
-    directory, _, _, references = gemma3
-    llm = LLM(str(directory), device="cpu", dtype="float32", max_num_batched_tokens=max_num_batched_tokens,
-              num_gpu_blocks=64)
+    llm = LLM(str(directory), device="cpu", dtype="float32", num_gpu_blocks=64, **config)
     try:
-        outputs = llm.generate([{"messages": as_urls(chat)} for chat in CHATS.values()],
+        outputs = llm.generate([{"messages": as_urls(chat)} for chat in chats.values()],
                                SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False)
         for out, ref in zip(outputs, references.values(), strict=True):
             assert_matches(ref, out.token_ids, [t[0] for t in out.logprobs])
-        cache = llm.executor.images.cache
-        assert (cache.queries, cache.hits) == (4, 1)  # image(1) twice: encoded once
+        return llm.executor.images.cache.queries, llm.executor.images.cache.hits
     finally:
         llm.close()
 
@@ -87,7 +93,7 @@ def test_a_prompt_holds_each_images_placeholder_ids(gemma3):
     assert items[0].hash != items[1].hash
     expected = list(plain)
     for item in items:
-        expected[item.offset:item.offset + item.length] = [placeholder_id(item.hash)] * item.length
+        expected[item.offset:item.offset + item.length] = placeholder_ids(item.hash, item.length)
     assert ids == expected and plain[12:16] == [513] * 4
     assert invalid_items(ids, items, 515) is None
     assert "placeholder" in invalid_items([*ids[:12], 513, *ids[13:]], items, 515)
@@ -104,7 +110,7 @@ def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways():
 
 
 @pytest.mark.parametrize("url, says", [
-    ("data:image/png;base64,aGVsbG8=", "could not be decoded"),
+    ("data:image/png;base64,aGVsbG8=", "could not be decoded as PNG"),
     ("data:image/png;base64,@@@", "malformed"),
     ("data:image/png,abc", "must be base64"),
     ("ftp://example.com/a.png", "must be a data:"),
@@ -129,6 +135,70 @@ def test_local_files_only_under_the_allowed_folder(tmp_path):
 def _template(chat: list[dict]) -> list[dict]:
     return [{**m, "content": [{"type": "image", "url": data_url(p["image"])} if p["type"] == "image" else p
                               for p in m["content"]]} if isinstance(m["content"], list) else m for m in chat]
+
+
+# ---------------------------------------------------------------------------------------------- Qwen2.5-VL
+QWEN_CHATS = {
+    "one image": [{"role": "user", "content": [
+        {"type": "image", "image": image(1, (60, 45))}, {"type": "text", "text": prompt_text(range(10, 40))}]}],
+    "two images": [{"role": "user", "content": [
+        {"type": "text", "text": prompt_text(range(50, 60))}, {"type": "image", "image": image(1, (60, 45))},
+        {"type": "text", "text": prompt_text(range(60, 75))}, {"type": "image", "image": image(2, (100, 70))},
+        {"type": "text", "text": "w7 w8"}]}],
+    "then a text turn": [
+        {"role": "user", "content": [{"type": "image", "image": image(3, (90, 90))},
+                                     {"type": "text", "text": prompt_text(range(20, 30))}]},
+        {"role": "assistant", "content": "w100 w101 w102"},
+        {"role": "user", "content": prompt_text(range(30, 36))}],
+}
+
+
+# per family: each chat's images' patch counts; the encoder cache's (queries, hits) over the three
+# chats whole and in 7-token chunks (image(1) twice; a cut image's later parts are hits too)
+QWEN_FAMILIES = {
+    "qwen2_5_vl": (qwen2_5_vl, [[16], [16, 32], [36]], (4, 1), (7, 4)),  # 14-pixel patches: 4, 8, 9 tokens
+    "qwen3_vl": (qwen3_vl, [[8], [8, 24], [36]], (4, 1), (6, 3)),  # 16-pixel patches: 2, 6, 9 tokens
+}
+
+
+@pytest.fixture(scope="module", params=list(QWEN_FAMILIES))
+def qwen(request, tmp_path_factory):
+    build, patches, whole, chunked = QWEN_FAMILIES[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    model = build(directory)
+    inputs = functools.partial(qwen_inputs, directory)
+    assert [inputs(chat)["image_grid_thw"].prod(-1).tolist() for chat in QWEN_CHATS.values()] == patches
+    references = {name: reference(model, inputs, chat, MAX_TOKENS) for name, chat in QWEN_CHATS.items()}
+    return directory, model, inputs, references, {2048: whole, 7: chunked}
+
+
+@pytest.mark.parametrize("max_num_batched_tokens, size", [(2048, 1), (7, 1), (7, 2)])
+def test_qwen_vl_greedy_tokens_equal_transformers(qwen, max_num_batched_tokens, size):
+    """M-RoPE positions (each image's grid, the text after it shifted; Qwen3-VL's interleaved, and
+    its deepstack features), whole prompts and 7-token chunks that split images (their encoder
+    output computed once and sliced), at tensor-parallel sizes 1 and 2."""
+    directory, _, _, references, cache_counts = qwen
+    cache = _generate_offline(directory, QWEN_CHATS, references, max_num_batched_tokens=max_num_batched_tokens,
+                              tensor_parallel_size=size)
+    assert cache == cache_counts[max_num_batched_tokens]
+
+
+def test_mrope_positions_follow_transformers_get_rope_index(qwen):
+    """Every position of the two-image chat, from its items, against transformers' own."""
+    from common.models import resolve_model
+    from gateway.multimodal import ImagePrompts
+    from worker.multimodal import mrope_positions
+
+    directory, model, inputs, _, _ = qwen
+    chat = QWEN_CHATS["two images"]
+    ids, items = ImagePrompts.of(resolve_model(str(directory)), MediaPolicy(), 16).encode_chat(
+        _template(chat), None, None, {})
+    ref = inputs(chat)
+    expected, _ = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"], ref["image_grid_thw"])
+    grids = [[int(t), int(h) // 2, int(w) // 2] for t, h, w in ref["image_grid_thw"].tolist()]
+    assert [item.grid for item in items] == grids and grids[1][2] > grids[1][1] > 1
+    assert mrope_positions(items, 0, len(ids)).tolist() == expected[:, 0].tolist()
+    assert mrope_positions(items, 13, 30).tolist() == expected[:, 0, 13:30].tolist()  # a chunk inside
 
 
 # ---------------------------------------------------------------------------------------------- served
@@ -174,11 +244,11 @@ def test_the_same_image_is_encoded_once_and_its_blocks_are_cached(client, stack)
     chat = [{"role": "user", "content": [_image_part(data_url(image(6))), *text]}]
     from_file = [{"role": "user", "content": [_image_part(f"file://{stack.media}/six.png"), {"type": "text", "text": "w3"}]}]
     queries, hits = "pagoda:mm_encoder_cache_queries_total", "pagoda:mm_encoder_cache_hits_total"
-    start = stack.metrics()
+    start = stack.wait_drained(10)  # counts published after the tests before (a status is 0.5 s old at most)
 
     def counted(expected: tuple[int, int]) -> None:
         wait_for(lambda: (stack.metrics()[queries] - start[queries], stack.metrics()[hits] - start[hits]) == expected,
-                 5, f"encoder cache (queries, hits) {expected}")
+                 10, f"encoder cache (queries, hits) {expected}")
 
     first = _chat(client, chat)
     counted((1, 0))
@@ -223,8 +293,10 @@ def _image_part(url: str) -> dict:
 BAD = {
     "undecodable": ([_image_part("data:image/png;base64," + base64.b64encode(b"not an image").decode())],
                     "could not be decoded"),
+    "too large together": ([_image_part(_png(6000, 6000)), _image_part(_png(6000, 6000))], "left for this prompt's images"),
     "not base64": ([_image_part("data:image/png;base64,%%%")], "malformed"),
-    "a BMP": ([_image_part("data:image/bmp;base64,Qk0eAAAAAAAAABoAAAAMAAAAAQABAAEAGAAAAP8A")], "must be PNG"),
+    "a BMP": ([_image_part("data:image/bmp;base64,Qk0eAAAAAAAAABoAAAAMAAAAAQABAAEAGAAAAP8A")],
+              "could not be decoded as PNG, JPEG, WebP or GIF"),
     "too many": ([_image_part(data_url(image(1)))] * 3, "at most 2 images"),
     "too large": ([_image_part(_png(9000, 8000))], "more than"),
     "outside the folder": ([_image_part("file:///etc/hostname")], "outside --allowed-local-media-path"),
@@ -290,3 +362,18 @@ def test_bench_vision_times_a_cached_image_against_a_new_one(gemma3, tmp_path):
     assert result["encoder_cache"] == {"queries": 6, "hits": 3}
     assert result["ratio"] == pytest.approx(result["rows"]["cached_image"]["ttft_ms_median"]
                                             / result["rows"]["new_image"]["ttft_ms_median"], abs=1e-3)
+
+
+def test_qwen_vl_served_greedy_tokens_equal_transformers(qwen):
+    """Through `pagoda up` and the openai SDK (the gateway expands each image's pad token without
+    transformers' processor, which needs torchvision), in 7-token chunks."""
+    stack = Stack("--model", str(qwen[0]), "--num-gpu-blocks", "64", "--max-num-batched-tokens", "7").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+        for name, chat in QWEN_CHATS.items():
+            choice = _chat(client, as_urls(chat)).choices[0]
+            tokens, logprobs = qwen[3][name]  # (directory, model, inputs, references, cache counts)
+            assert [t.token for t in choice.logprobs.content] == token_strings(tokens), name
+            assert max(abs(t.logprob - lp) for t, lp in zip(choice.logprobs.content, logprobs)) < MAX_LOGPROB_ERROR
+    finally:
+        assert stack.stop() == 0

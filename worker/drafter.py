@@ -56,6 +56,7 @@ class DraftModel:
         if draft_vocab != vocab_size:
             raise ValueError(f"the draft model {self.source.name} has a vocabulary of {draft_vocab} tokens, the "
                              f"target {vocab_size}: a draft model must share the target's tokenizer")
+        self.vocab_size = vocab_size
         self.layers = self.model.attention_layers()
         self.max_positions = self.model.max_positions
         log.info("draft model %s loaded (%d layers)", self.source.name, len(self.layers))
@@ -82,7 +83,8 @@ class DraftModel:
         flat index of each one's last token x_L; `ks`: how many drafts each."""
         context = dataclasses.replace(step.context, kernel_cache={}, lora_indices=None)
         with attention_context(context):
-            hidden = self.model(step.input_ids.clamp_min(0), step.positions)  # placeholders: -1
+            # placeholders: -1; an image's placeholder ids (past the vocabulary) embed as the last id
+            hidden = self.model(step.input_ids.clamp(0, self.vocab_size - 1), step.positions)
         device = step.input_ids.device
         drafts = torch.zeros((len(rows), max(ks, default=0)), dtype=torch.int64, device=device)
         if not rows:

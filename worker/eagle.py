@@ -220,6 +220,7 @@ class EagleDrafter:
     def _run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, context: AttentionContext):
         """(the output the logits read, the next pass's hidden input)."""
         with attention_context(context):
+            ids = ids if self.target.model.max_token_id is None else ids.clamp(max=self.target.model.max_token_id)
             return self.head(self.target.model.embed_tokens(ids), hidden.to(self.dtype), positions)
 
     def _greedy(self, out: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,7 @@ class Executor:
             pooling_task=runner.pooler_config.task if runner.pooler_config is not None else "",
             encoder=getattr(runner.model, "bidirectional", False),
             takes_images=getattr(runner.model, "vision", None) is not None,
+            bidirectional_images=getattr(getattr(runner.model, "vision", None), "bidirectional", False),
         )
 
     def reset(self) -> None:

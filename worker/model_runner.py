@@ -225,7 +225,9 @@ class ModelRunner:
                 hidden = self.model(step.input_ids, step.positions)
             else:
                 step.context.image_spans = images.spans
-                hidden = self.model(step.input_ids, step.positions, (images.rows, images.embeddings))
+                positions = step.positions if images.positions is None else images.positions
+                embedded = None if images.rows is None else (images.rows, images.embeddings)
+                hidden = self.model(step.input_ids, positions, embedded)
         if self.keeps_hidden:
             self.last_hidden = torch.cat(self._aux, dim=-1) if self._aux else hidden
         self.kept_hidden = None if kept_indices is None else hidden[kept_indices]

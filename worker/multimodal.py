@@ -12,9 +12,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from common.multimodal import unpack_arrays
+from common.multimodal import image_hash, unpack_arrays
 from common.plan_state import ScheduledSequence
 from common.protocol import MultiModalItem, NewSequence
 
@@ -34,11 +35,13 @@ class ImageSpan:
 
 @dataclass(slots=True)
 class StepImages:
-    rows: torch.Tensor  # [n] int64: the step's rows an image fills
-    embeddings: torch.Tensor  # [n, hidden_size]
+    rows: torch.Tensor | None  # [n] int64: the step's rows an image fills (None: none)
+    embeddings: torch.Tensor | None  # [n, hidden_size]
     spans: list[ImageSpan]  # the rows of images whose tokens attend both ways
     cache_queries: int  # the images whose encoder outputs it took
     cache_hits: int  # of them, those the encoder cache held
+    # M-RoPE: the step's rotary positions, [num_tokens], or [3, num_tokens] where an image's rows are in it
+    positions: torch.Tensor | None = None
 
 
 class EncoderCache:
@@ -73,6 +76,7 @@ class EncoderCache:
 class ImageInputs:
     def __init__(self, encoder: torch.nn.Module, device: torch.device, cache_bytes: int) -> None:
         self.encoder = encoder
+        self.mrope = getattr(encoder, "mrope", False)
         self.device = device
         self.cache = EncoderCache(cache_bytes)
         self.items: dict[int, list[MultiModalItem]] = {}
@@ -88,9 +92,11 @@ class ImageInputs:
 
     @torch.inference_mode()
     def step(self, scheduled: Sequence[ScheduledSequence]) -> StepImages | None:
-        """The rows of this step that images fill, or None when it computes no image position."""
+        """The rows of this step that images fill (and, under M-RoPE, every row's rotary positions),
+        or None when it computes no image position (and no row of a sequence with images)."""
         if not self.items:
             return None
+        mrope = self.mrope and any(s.seq_id in self.items for s in scheduled)
         rows, embeddings, spans, row = [], [], [], 0
         queries, hits = self.cache.queries, self.cache.hits
         for index, s in enumerate(scheduled):
@@ -106,20 +112,61 @@ class ImageInputs:
                     spans.append(ImageSpan(row + lo - start, row + hi - start, index, lo, item.offset,
                                            item.offset + item.length))
             row += s.num_scheduled_tokens
-        if not rows:
+        if not rows and not mrope:
             return None
+        positions = self._mrope_positions(scheduled, bool(rows)) if mrope else None
+        if not rows:
+            return StepImages(None, None, [], 0, 0, positions)
         return StepImages(torch.cat(rows).to(self.device), torch.cat(embeddings), spans,
-                          self.cache.queries - queries, self.cache.hits - hits)
+                          self.cache.queries - queries, self.cache.hits - hits, positions)
+
+    def _mrope_positions(self, scheduled: Sequence[ScheduledSequence], three: bool) -> torch.Tensor:
+        """Every row's M-RoPE positions: [3, num_tokens] where an image's rows are in the step, else
+        [num_tokens] (a text token's three are equal)."""
+        parts = [mrope_positions(self.items.get(s.seq_id, ()), s.num_computed_tokens,
+                                 s.num_computed_tokens + s.num_scheduled_tokens) for s in scheduled]
+        positions = torch.from_numpy(np.concatenate(parts, axis=1))
+        return (positions if three else positions[0]).to(self.device)
 
     def encode(self, item: MultiModalItem) -> torch.Tensor:
         output = self.cache.get(item.hash)
         if output is None:
-            output = self.encoder(unpack_arrays(item.data))
-            if output.shape[0] != item.length:
-                raise ValueError(f"an image's encoder output has {output.shape[0]} rows for {item.length} "
-                                 "placeholder tokens")
+            if not item.data:
+                raise ValueError("a plan computes an image's positions without sending its pixels")
+            arrays = unpack_arrays(item.data)
+            if image_hash(arrays) != item.hash:  # a key that is not its pixels' would poison the cache
+                raise ValueError("an image's hash is not its pixels'")
+            output = self.encoder(arrays)
             self.cache.put(item.hash, output)
+        if output.shape[0] != item.length:
+            raise ValueError(f"an image's encoder output has {output.shape[0]} rows for {item.length} placeholder tokens")
         return output
+
+
+def mrope_positions(items: Sequence[MultiModalItem], start: int, stop: int) -> np.ndarray:
+    """[3, stop - start] M-RoPE positions of a sequence's positions [start, stop), as transformers'
+    Qwen2.5-VL `get_rope_index` numbers them: text goes on by one; an image's (t, h, w) grid of
+    placeholders at c (the text position it starts at) takes (c + t, c + row, c + column), and the
+    text after it goes on from c + max(h, w)."""
+    positions = np.arange(start, stop, dtype=np.int64)
+    out = np.repeat(positions[None], 3, axis=0)
+    delta = 0
+    for item in items:
+        t, h, w = item.grid
+        first, end = item.offset, item.offset + item.length
+        if first >= stop:
+            break
+        inside = (positions >= first) & (positions < end)
+        if inside.any():
+            k = positions[inside] - first
+            c = first + delta
+            out[0, inside] = c + k // (h * w)
+            out[1, inside] = c + k % (h * w) // w
+            out[2, inside] = c + k % w
+        step = max(h, w) - item.length
+        out[:, positions >= end] += step
+        delta += step
+    return out
 
 
 def attend_within_images(q: torch.Tensor, o: torch.Tensor, kv_cache: torch.Tensor, ctx, attn) -> None:
@@ -130,7 +177,9 @@ def attend_within_images(q: torch.Tensor, o: torch.Tensor, kv_cache: torch.Tenso
     block_size = kv_cache.shape[2]
     group = attn.num_heads // attn.num_kv_heads
     for span in ctx.image_spans:
-        keys = torch.arange(span.image_stop, device=q.device)
+        # keys before the first row's window are masked for every row: not read
+        first_key = max(span.first_position - attn.sliding_window + 1, 0) if attn.sliding_window else 0
+        keys = torch.arange(first_key, span.image_stop, device=q.device)
         table = ctx.block_tables[span.seq_index].long()
         blocks, offsets = table[keys // block_size], keys % block_size
         k = kv_cache[blocks, 0, offsets].float() * attn.k_scale  # [keys, kv_heads, head_dim]

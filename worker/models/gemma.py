@@ -20,7 +20,7 @@ from worker.models.layers import GemmaRMSNorm, RotaryEmbedding
 from worker.models.llama import DecoderModel, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from worker.models.qwen3 import QKNormAttention
 from worker.models.rope import TransformersRope
-from worker.models.vision import Gemma3VisionEncoder
+from worker.models.vision import Gemma3VisionEncoder, TakesImages
 
 
 class GemmaAttention(LlamaAttention):
@@ -87,7 +87,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return config.layer_types[layer_idx]  # "sliding_attention" or "full_attention": its rotary frequencies'
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(TakesImages, Gemma3ForCausalLM):
     """A Gemma 3 checkpoint with a vision tower (4B and up): its language model (built from the
     config's text_config, see `text_only_config`) and, where the checkpoint holds them, the SigLIP
     tower and the projector (worker/models/vision.py). As transformers' Gemma3ForConditionalGeneration,
@@ -98,24 +98,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     RENAMES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                ("language_model.lm_head.", "lm_head."))
 
+    vision_class = Gemma3VisionEncoder
+
     def __init__(self, config) -> None:
         super().__init__(config)
         self.final_logit_softcap = None
-        self.multimodal_config = getattr(config, "multimodal_config", None)
-
-    def load_weights(self, weights) -> None:
-        vision = {}
-
-        def language_model():
-            for name, tensor in weights:
-                if Gemma3VisionEncoder.owns(name):
-                    vision[name] = tensor.load()
-                else:
-                    yield name, tensor
-
-        super().load_weights(language_model())
-        if vision and self.multimodal_config is not None:
-            with torch.device("cpu"):
-                self.vision = Gemma3VisionEncoder(self.multimodal_config).float()
-            self.vision.load({name: tensor.float() for name, tensor in vision.items()})
-            self.model.max_token_id = self.config.vocab_size - 1

@@ -137,9 +137,22 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:  # a host scalar (capturable), rounded to the dtype as transformers' is
             h = h * _rounded(self.embed_scale, h.dtype)
         if images is not None:
-            h = h.index_copy(0, images[0], images[1].to(h.dtype))
+            rows, embeddings = images[0], images[1].to(h.dtype)
+            hidden = h.shape[-1]
+            h = h.index_copy(0, rows, embeddings[:, :hidden])
+            if embeddings.shape[-1] > hidden:  # deepstack (Qwen3-VL): a part added after each early layer
+                return self._forward_deepstack(positions, h, rows, embeddings[:, hidden:].split(hidden, dim=-1))
         for layer in self.layers:
             h, residual = layer(positions, h, residual, self.rotary_embs[layer.rope_key])
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
+
+    def _forward_deepstack(self, positions: torch.Tensor, h: torch.Tensor, rows: torch.Tensor,
+                           deepstack: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(positions, h, residual, self.rotary_embs[layer.rope_key])
+            if i < len(deepstack):  # (the layer's output is h + residual: adding to h adds to it)
+                h = h.index_add(0, rows, deepstack[i])
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
 

@@ -13,6 +13,33 @@ import torch
 from torch import nn
 
 
+class TakesImages:
+    """A language model with a vision encoder (mixed in before its family's class): the encoder's
+    tensors are set aside while the language model loads, then `vision_class` is built from the
+    checkpoint's whole config (`multimodal_config`, worker/models/__init__.py) and loads them. A
+    checkpoint without them serves text only."""
+
+    vision_class: type[nn.Module]
+
+    def load_weights(self, weights) -> None:
+        vision = {}
+
+        def language_model():
+            for name, tensor in weights:
+                if self.vision_class.owns(name):
+                    vision[name] = tensor.load()
+                else:
+                    yield name, tensor
+
+        super().load_weights(language_model())
+        config = getattr(self.config, "multimodal_config", None)
+        if vision and config is not None:
+            with torch.device("cpu"):
+                self.vision = self.vision_class(config).float()
+            self.vision.load({name: tensor.float() for name, tensor in vision.items()})
+            self.model.max_token_id = self.config.vocab_size - 1
+
+
 class Gemma3VisionEncoder(nn.Module):
     """Gemma 3's SigLIP tower and multimodal projector (transformers' Gemma3Model.get_image_features):
     each image gives `mm_tokens_per_image` rows; its tokens attend to each other both ways."""
@@ -51,3 +78,55 @@ class Gemma3VisionEncoder(nn.Module):
         pixels = torch.from_numpy(np.array(arrays["pixel_values"])).to(param.device, param.dtype)
         hidden = self.vision_tower(pixel_values=pixels).last_hidden_state
         return self.multi_modal_projector(hidden).reshape(-1, param.shape[1])
+
+
+class Qwen2_5_VLVisionEncoder(nn.Module):
+    """Qwen2.5-VL's vision transformer (window attention, 2D rotary, the patch merger): an image's
+    patches and (t, h, w) grid give t * h * w / merge_size**2 rows. Its placeholders are causal,
+    rotated by M-RoPE (worker/multimodal.py)."""
+
+    bidirectional = False
+    mrope = True
+    PREFIXES = ("model.visual.", "visual.")
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+        self.merge_size = int(config.vision_config.spatial_merge_size)
+
+    @classmethod
+    def owns(cls, name: str) -> bool:
+        return name.startswith(cls.PREFIXES)
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict({"visual." + name.removeprefix("model.").removeprefix("visual."): tensor
+                              for name, tensor in tensors.items()}, strict=True)
+
+    def forward(self, arrays: dict[str, np.ndarray]) -> torch.Tensor:
+        weight = self.visual.patch_embed.proj.weight
+        pixels = torch.from_numpy(np.array(arrays["pixel_values"])).to(weight.device, weight.dtype)
+        grid = torch.from_numpy(np.array(arrays["image_grid_thw"])).to(weight.device)
+        return self.visual(pixels, grid_thw=grid).pooler_output
+
+
+class Qwen3VLVisionEncoder(Qwen2_5_VLVisionEncoder):
+    """Qwen3-VL's vision transformer: as Qwen2.5-VL's, and its deepstack features (from the
+    `deepstack_visual_indexes` blocks, merged alike), one per early language-model layer, which
+    adds them to the image's rows after that layer. They travel as one tensor, [rows, (1 + k) *
+    hidden_size]: the embeddings first, so the encoder cache and a chunk slice them together."""
+
+    def __init__(self, config) -> None:
+        nn.Module.__init__(self)
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        self.visual = Qwen3VLVisionModel._from_config(config.vision_config)
+        self.merge_size = int(config.vision_config.spatial_merge_size)
+
+    def forward(self, arrays: dict[str, np.ndarray]) -> torch.Tensor:
+        weight = self.visual.patch_embed.proj.weight
+        pixels = torch.from_numpy(np.array(arrays["pixel_values"])).to(weight.device, weight.dtype)
+        grid = torch.from_numpy(np.array(arrays["image_grid_thw"])).to(weight.device)
+        out = self.visual(pixels, grid_thw=grid)
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
