@@ -40,10 +40,11 @@ _PLACEHOLDER_RANGE = 1 << 61
 
 
 def placeholder_ids(image_hash: bytes, length: int) -> list[int]:
-    """The ids of an image's `length` placeholder positions: each a 61-bit draw from the image's
-    hash and the position, so a block holding even one of them tells two images apart."""
-    return [PLACEHOLDER_BASE + int.from_bytes(hashlib.sha256(image_hash + j.to_bytes(4, "little")).digest()[:8],
-                                              "little") % _PLACEHOLDER_RANGE for j in range(length)]
+    """The ids of an image's `length` placeholder positions: 61-bit draws from the image's hash
+    (SHAKE-256 of it, 8 bytes a position), so a block holding even one of them tells two images apart."""
+    stream = hashlib.shake_256(image_hash).digest(8 * length)
+    return [PLACEHOLDER_BASE + value % _PLACEHOLDER_RANGE for value in
+            np.frombuffer(stream, dtype="<u8").tolist()]
 
 
 def image_hash(arrays: dict[str, np.ndarray]) -> bytes:
@@ -66,9 +67,11 @@ def unpack_arrays(data: bytes) -> dict[str, np.ndarray]:
     return {name: np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape) for name, (dtype, shape, raw) in packed.items()}
 
 
-def invalid_items(prompt_token_ids: Sequence[int], items: Sequence[MultiModalItem], vocab_size: int) -> str | None:
+def invalid_items(prompt_token_ids: Sequence[int], items: Sequence[MultiModalItem], vocab_size: int,
+                  grids: bool = False) -> str | None:
     """What is wrong with a request's prompt and images (None: nothing): runs in order, inside the
-    prompt, apart; their ids the image's placeholder; every other id in the vocabulary."""
+    prompt, apart; their ids the image's placeholders; every other id in the vocabulary; with
+    `grids` (M-RoPE), each image's (t, h, w) placeholder grid holding its run exactly."""
     if not isinstance(items, list) or not all(isinstance(item, MultiModalItem) for item in items):
         return "mm_items must be a list of MultiModalItem"
     end, spans = 0, []
@@ -79,6 +82,10 @@ def invalid_items(prompt_token_ids: Sequence[int], items: Sequence[MultiModalIte
         apart = item.offset > end or (item.offset == end == 0)
         if not apart or item.length < 1 or item.offset + item.length > len(prompt_token_ids):
             return "the images' placeholder runs must lie in the prompt, in order, apart"
+        if grids and not (isinstance(item.grid, list) and len(item.grid) == 3
+                          and all(type(n) is int and n >= 1 for n in item.grid)
+                          and item.grid[0] * item.grid[1] * item.grid[2] == item.length):
+            return "an image's grid must be three positive ints whose product is its length"
         if prompt_token_ids[item.offset:item.offset + item.length] != placeholder_ids(item.hash, item.length):
             return "an image's placeholder tokens must be its placeholder ids"
         spans.append((end, item.offset))

@@ -363,8 +363,9 @@ class WorkerHello:
     kv_cache_dtype: str = ""  # the KV pools' element type ("bfloat16", "float8_e4m3fn"); kv_bytes_per_block counts it
     pooling_task: str = ""  # a pooling model's task (common/pooling.py): "embed" or "classify"; "" for generation
     encoder: bool = False  # its layers attend both ways: a prompt is computed whole in one step (no chunks)
-    takes_images: bool = False  # it has a vision encoder: requests may carry images (common/multimodal.py)
-    bidirectional_images: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
+    # its vision encoder's images (common/multimodal.py): "" none; "bidirectional" (Gemma 3: an
+    # image's tokens attend to each other both ways); "mrope" (Qwen-VL: causal, each with its grid)
+    images: str = ""
 
 
 # ----------------------------------------------------------------------------- requests (Redis)
@@ -578,7 +579,7 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # how many, per message
-    SchedulerStatus: 34, RequestEvent: 4, SamplingParams: 6, StepResult: 5, WorkerHello: 7,
+    SchedulerStatus: 34, RequestEvent: 4, SamplingParams: 6, StepResult: 5, WorkerHello: 6,
     NewSequence: 2, StepPlan: 1, GenerateRequest: 2, MemorySnapshot: 1, MultiModalItem: 0,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

@@ -109,37 +109,54 @@ def _download(url: str, policy: MediaPolicy) -> bytes:
     otherwise; no proxy), following redirects by the same rule, within the size and a total deadline."""
     deadline = time.monotonic() + policy.fetch_timeout_s
     for _ in range(MAX_REDIRECTS + 1):
-        parts = urllib.parse.urlsplit(url)
-        address = _checked_address(parts, policy)
-        connection = (_PinnedHTTPS if parts.scheme == "https" else _PinnedHTTP)(
-            parts.hostname, parts.port, timeout=policy.fetch_timeout_s, address=address)
         try:
-            connection.request("GET", urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")),
-                               headers={"User-Agent": "pagoda", "Host": parts.netloc})
-            response = connection.getresponse()
-            if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
-                url = urllib.parse.urljoin(url, response.getheader("Location"))
-                continue
-            if response.status != 200:
-                raise MediaError(f"fetching the image failed: HTTP {response.status}")
-            return _read(response, policy, deadline)
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            address = _checked_address(parts, port, policy)
+            host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+            connection = (_PinnedHTTPS if parts.scheme == "https" else _PinnedHTTP)(
+                parts.hostname, port, timeout=_left(deadline, policy), address=address)
+            try:
+                connection.request("GET", urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")),
+                                   headers={"User-Agent": "pagoda",
+                                            "Host": host if parts.port is None else f"{host}:{parts.port}"})
+                sock = connection.sock  # (the connection lets go of it once a response will close)
+                sock.settimeout(_left(deadline, policy))
+                response = connection.getresponse()
+                if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
+                    url = urllib.parse.urljoin(url, response.getheader("Location"))
+                    continue
+                if response.status != 200:
+                    raise MediaError(f"fetching the image failed: HTTP {response.status}")
+                return _read(sock, response, policy, deadline)
+            finally:
+                connection.close()
+        except MediaError:
+            raise
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise MediaError(f"fetching the image failed: {exc}") from None
-        finally:
-            connection.close()
     raise MediaError(f"fetching the image took more than {MAX_REDIRECTS} redirects")
 
 
-def _read(response, policy: MediaPolicy, deadline: float) -> bytes:
+def _left(deadline: float, policy: MediaPolicy) -> float:
+    """Seconds left of the download's one deadline (every connect and read waits at most this)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise MediaError(f"fetching the image took more than {policy.fetch_timeout_s} s (--media-fetch-timeout)")
+    return left
+
+
+def _read(sock: socket.socket, response, policy: MediaPolicy, deadline: float) -> bytes:
     chunks, size = [], 0
-    while chunk := response.read(1 << 16):
+    while True:
+        sock.settimeout(_left(deadline, policy))
+        chunk = response.read1(1 << 16)  # what one receive brings: the deadline is checked between
+        if not chunk:
+            return b"".join(chunks)
         size += len(chunk)
         if size > policy.max_image_bytes:
             raise MediaError(f"the image is larger than {policy.max_image_bytes} bytes")
-        if time.monotonic() > deadline:
-            raise MediaError(f"fetching the image took more than {policy.fetch_timeout_s} s (--media-fetch-timeout)")
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class _PinnedHTTP(http.client.HTTPConnection):
@@ -163,15 +180,14 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
 
 
-def _checked_address(parts: urllib.parse.SplitResult, policy: MediaPolicy) -> str:
+def _checked_address(parts: urllib.parse.SplitResult, port: int, policy: MediaPolicy) -> str:
     """The address to fetch from: the host's, refused when any address it resolves to is private,
     loopback, link-local or reserved (unless --allow-private-media-urls): a client must not reach
     the server's own network."""
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise MediaError("an image redirect must go to an http(s) URL")
     try:
-        infos = socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80),
-                                   type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
         raise MediaError(f"the image's host {parts.hostname!r} does not resolve") from None
     addresses = [info[4][0] for info in infos]

@@ -219,12 +219,12 @@ class SchedulerServer(StepPipeline):
 
     def _admit(self, arrival: Arrival) -> None:
         request = arrival.request
-        invalid = _invalid_request(request, self.hello.vocab_size, self.hello.takes_images)
+        invalid = _invalid_request(request, self.hello.vocab_size, self.hello.images)
         if invalid is not None:  # the gateway validates; an entry from elsewhere must not reach a worker
             self.stream.finish(arrival, "error", invalid)
             return
         # how an image's tokens attend is the model's, not the request's to say
-        bidirectional = self.hello.bidirectional_images
+        bidirectional = self.hello.images == "bidirectional"
         mm_items = [dataclasses.replace(item, bidirectional=bidirectional) for item in request.mm_items]
         try:
             self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.sampling_params,
@@ -362,16 +362,16 @@ def _lost(rank: int) -> str:
     return f"worker rank {rank} disconnected (exited, was killed or stopped answering)"
 
 
-def _invalid_request(request: GenerateRequest, vocab_size: int, takes_images: bool) -> str | None:
+def _invalid_request(request: GenerateRequest, vocab_size: int, images: str) -> str | None:
     """Why a decoded request cannot be served, or None (a badly typed one would break the loop)."""
     if not isinstance(request.sampling_params, SamplingParams):
         return "invalid request: sampling_params is not a SamplingParams"
     ids = request.prompt_token_ids
     if not isinstance(ids, list):
         return f"invalid request: prompt_token_ids must be a list of token ids in [0, {vocab_size})"
-    if request.mm_items and not takes_images:
+    if request.mm_items and not images:
         return "invalid request: this model does not take images"
-    return invalid_items(ids, request.mm_items, vocab_size)
+    return invalid_items(ids, request.mm_items, vocab_size, grids=images == "mrope")
 
 
 def serve(engine_config: EngineConfig, serving: ServingConfig) -> None:

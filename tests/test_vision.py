@@ -5,6 +5,7 @@ image-aware prefix caching; and every bad image answered with 400."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import io
 import json
@@ -12,6 +13,7 @@ import json
 import httpx
 import openai
 import pytest
+import torch
 
 from common.multimodal import chunk_end, invalid_items, placeholder_ids
 from common.protocol import MultiModalItem, SamplingParams
@@ -199,6 +201,74 @@ def test_mrope_positions_follow_transformers_get_rope_index(qwen):
     assert [item.grid for item in items] == grids and grids[1][2] > grids[1][1] > 1
     assert mrope_positions(items, 0, len(ids)).tolist() == expected[:, 0].tolist()
     assert mrope_positions(items, 13, 30).tolist() == expected[:, 0, 13:30].tolist()  # a chunk inside
+    assert invalid_items(ids, items, len(model.model.language_model.embed_tokens.weight), grids=True) is None
+    bad_grid = [dataclasses.replace(items[0], grid=[1, 1, items[0].length + 1]), items[1]]
+    assert "grid" in invalid_items(ids, bad_grid, 10**6, grids=True)
+
+
+def test_the_encoder_cache_keeps_the_newest_output_even_beyond_its_bytes():
+    from worker.multimodal import EncoderCache
+
+    cache = EncoderCache(capacity_bytes=64)
+    cache.put(b"a", torch.zeros(2, 4))  # 32 bytes
+    cache.put(b"b", torch.zeros(2, 4))
+    cache.put(b"c", torch.zeros(8, 4))  # 128 bytes: alone beyond the capacity, kept
+    assert list(cache.entries) == [b"c"] and cache.get(b"c") is not None and cache.get(b"a") is None
+    assert (cache.queries, cache.hits) == (2, 1)
+
+
+def test_downloads_follow_redirects_within_one_deadline_from_the_checked_address():
+    """A local server (allowed with allow_private_media_urls): userinfo kept out of the Host
+    header, a redirect, an IPv6 literal, a 404, and a body trickled past the deadline."""
+    import http.server
+    import socket
+    import threading
+    import time
+
+    buffer = io.BytesIO()
+    image(1).save(buffer, format="PNG")
+    png, hosts = buffer.getvalue(), []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            hosts.append(self.headers["Host"])
+            if self.path == "/redirect":
+                self.send_response(302)
+                self.send_header("Location", "/a.png")
+                self.end_headers()
+                return
+            self.send_response(404 if self.path == "/missing" else 200)
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            for i in range(0, len(png), 64 if self.path == "/slow" else len(png)):
+                self.wfile.write(png[i:i + 64 if self.path == "/slow" else len(png)])
+                self.wfile.flush()
+                time.sleep(0.2 if self.path == "/slow" else 0)
+
+    class IPv6Server(http.server.ThreadingHTTPServer):
+        address_family = socket.AF_INET6
+
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler), IPv6Server(("::1", 0), Handler)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        v4, v6 = (server.server_address[1] for server in servers)
+        policy = MediaPolicy(allow_private_media_urls=True, fetch_timeout_s=1.0)
+        assert load_image(f"http://user:secret@127.0.0.1:{v4}/redirect", policy).size == (40, 30)
+        assert hosts == [f"127.0.0.1:{v4}"] * 2
+        assert load_image(f"http://[::1]:{v6}/a.png", policy).size == (40, 30)
+        with pytest.raises(MediaError, match="HTTP 404"):
+            load_image(f"http://127.0.0.1:{v4}/missing", policy)
+        start = time.monotonic()
+        with pytest.raises(MediaError, match="timed out|--media-fetch-timeout"):
+            load_image(f"http://127.0.0.1:{v4}/slow", policy)  # about 4 s of body: cut at 1 s
+        assert time.monotonic() - start < 1.5
+    finally:
+        for server in servers:
+            server.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------- served
@@ -229,9 +299,14 @@ def _model(client) -> str:
 
 
 def test_served_greedy_tokens_equal_transformers_at_tensor_parallel_size_2(gemma3, client):
-    for name, chat in CHATS.items():
+    _assert_chats(client, CHATS, gemma3[3])
+
+
+def _assert_chats(client, chats: dict, references: dict) -> None:
+    """Each chat through the API equals its reference, token for token (logprobs within 1e-4)."""
+    for name, chat in chats.items():
         choice = _chat(client, as_urls(chat)).choices[0]
-        tokens, logprobs = gemma3[3][name]
+        tokens, logprobs = references[name]
         assert [t.token for t in choice.logprobs.content] == token_strings(tokens), name
         assert max(abs(t.logprob - lp) for t, lp in zip(choice.logprobs.content, logprobs)) < MAX_LOGPROB_ERROR
 
@@ -364,16 +439,21 @@ def test_bench_vision_times_a_cached_image_against_a_new_one(gemma3, tmp_path):
                                             / result["rows"]["new_image"]["ttft_ms_median"], abs=1e-3)
 
 
-def test_qwen_vl_served_greedy_tokens_equal_transformers(qwen):
+@pytest.mark.parametrize("size", [1, 2])
+def test_qwen_vl_served_greedy_tokens_equal_transformers(qwen, size):
     """Through `pagoda up` and the openai SDK (the gateway expands each image's pad token without
-    transformers' processor, which needs torchvision), in 7-token chunks."""
-    stack = Stack("--model", str(qwen[0]), "--num-gpu-blocks", "64", "--max-num-batched-tokens", "7").wait_ready()
+    transformers' processor, which needs torchvision), in 7-token chunks that split images."""
+    _served_matches(qwen[0], QWEN_CHATS, qwen[3], "--max-num-batched-tokens", "7", "--tensor-parallel-size", str(size))
+
+
+def test_gemma3_served_at_tensor_parallel_size_1(gemma3):
+    _served_matches(gemma3[0], CHATS, gemma3[3], "--max-num-batched-tokens", "14")
+
+
+def _served_matches(directory, chats: dict, references: dict, *flags: str) -> None:
+    """Each chat through a stack of `flags` equals its reference."""
+    stack = Stack("--model", str(directory), "--num-gpu-blocks", "64", *flags).wait_ready()
     try:
-        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
-        for name, chat in QWEN_CHATS.items():
-            choice = _chat(client, as_urls(chat)).choices[0]
-            tokens, logprobs = qwen[3][name]  # (directory, model, inputs, references, cache counts)
-            assert [t.token for t in choice.logprobs.content] == token_strings(tokens), name
-            assert max(abs(t.logprob - lp) for t, lp in zip(choice.logprobs.content, logprobs)) < MAX_LOGPROB_ERROR
+        _assert_chats(openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0), chats, references)
     finally:
         assert stack.stop() == 0

@@ -28,7 +28,7 @@ from worker.grammar import GrammarState, TokenMask
 from worker.reasoning_gate import gated
 from worker.input_batch import StepTensors
 from worker.model_runner import ModelRunner
-from worker.multimodal import ImageInputs
+from worker.multimodal import ImageInputs, image_kind
 from worker.parallel import TensorParallelGroup, set_tp_group
 from worker.pooler import Pooler, pooled_indices, pooling_spans
 from worker.prompt_logprobs import prompt_logprobs, scored_indices, scored_spans
@@ -93,8 +93,7 @@ class Executor:
             kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
             pooling_task=runner.pooler_config.task if runner.pooler_config is not None else "",
             encoder=getattr(runner.model, "bidirectional", False),
-            takes_images=getattr(runner.model, "vision", None) is not None,
-            bidirectional_images=getattr(getattr(runner.model, "vision", None), "bidirectional", False),
+            images=image_kind(getattr(runner.model, "vision", None)),
         )
 
     def reset(self) -> None:

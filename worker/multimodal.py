@@ -44,8 +44,16 @@ class StepImages:
     positions: torch.Tensor | None = None
 
 
+def image_kind(encoder) -> str:
+    """What WorkerHello.images says of a model's vision encoder (None: no encoder)."""
+    if encoder is None:
+        return ""
+    return "bidirectional" if encoder.bidirectional else "mrope" if getattr(encoder, "mrope", False) else "causal"
+
+
 class EncoderCache:
-    """Encoder outputs by image hash, least recently used first out beyond `capacity_bytes`."""
+    """Encoder outputs by image hash, least recently used first out beyond `capacity_bytes`; the
+    newest stays even alone beyond it (an image larger than the cache, in chunks, is encoded once)."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
@@ -63,12 +71,9 @@ class EncoderCache:
         return value
 
     def put(self, key: bytes, value: torch.Tensor) -> None:
-        size = value.numel() * value.element_size()
-        if size > self.capacity_bytes:
-            return
         self.entries[key] = value
-        self.num_bytes += size
-        while self.num_bytes > self.capacity_bytes:
+        self.num_bytes += value.numel() * value.element_size()
+        while self.num_bytes > self.capacity_bytes and len(self.entries) > 1:
             _, old = self.entries.popitem(last=False)
             self.num_bytes -= old.numel() * old.element_size()
 
@@ -136,6 +141,8 @@ class ImageInputs:
             arrays = unpack_arrays(item.data)
             if image_hash(arrays) != item.hash:  # a key that is not its pixels' would poison the cache
                 raise ValueError("an image's hash is not its pixels'")
+            if self.mrope and item.grid != self.encoder.placeholder_grid(arrays):
+                raise ValueError("an image's grid is not its pixels'")
             output = self.encoder(arrays)
             self.cache.put(item.hash, output)
         if output.shape[0] != item.length:

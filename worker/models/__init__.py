@@ -109,6 +109,9 @@ def text_only_config(config):
     text.architectures = [info.architecture]
     if getattr(config, "vision_config", None) is not None:
         text.multimodal_config = config  # what a vision encoder is built from (worker/models/vision.py)
+    # transformers 5 keeps a multimodal checkpoint's tying on the outer config (Qwen2.5-VL-3B ties)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
+                                    or getattr(text, "tie_word_embeddings", False))
     return text
 
 

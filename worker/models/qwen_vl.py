@@ -28,13 +28,16 @@ class MRotaryEmbedding(RotaryEmbedding):
         else:
             dims = [d for d, n in enumerate(mrope_section) for _ in range(n)]
         self.frequency_dims = dims  # each frequency's position (a list: buffers of a model built on meta are empty)
+        self._dims: torch.Tensor | None = None  # the same on the positions' device, made at first use
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         if positions.dim() == 1:
             return super().forward(positions, q, k)
         half = self.cos_cache.shape[-1] // 2
         columns = torch.arange(half, device=positions.device)
-        rows = positions[torch.tensor(self.frequency_dims, device=positions.device)].T  # [num_tokens, half]
+        if self._dims is None or self._dims.device != positions.device:
+            self._dims = torch.tensor(self.frequency_dims, device=positions.device)
+        rows = positions[self._dims].T  # [num_tokens, half]: each frequency's position
         cos, sin = self.cos_cache[rows, columns], self.sin_cache[rows, columns]
         for x in (q, k):
             x.copy_(_rotated(x.float(), torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]))

@@ -104,6 +104,11 @@ class Qwen2_5_VLVisionEncoder(nn.Module):
         self.load_state_dict({"visual." + name.removeprefix("model.").removeprefix("visual."): tensor
                               for name, tensor in tensors.items()}, strict=True)
 
+    def placeholder_grid(self, arrays: dict[str, np.ndarray]) -> list[int]:
+        """The (t, h, w) layout of an image's placeholders: its patch grid, merged."""
+        t, h, w = (int(x) for x in np.asarray(arrays["image_grid_thw"]).reshape(-1)[:3])
+        return [t, h // self.merge_size, w // self.merge_size]
+
     def forward(self, arrays: dict[str, np.ndarray]) -> torch.Tensor:
         weight = self.visual.patch_embed.proj.weight
         pixels = torch.from_numpy(np.array(arrays["pixel_values"])).to(weight.device, weight.dtype)
