@@ -7,8 +7,8 @@ The words before the image differ between the two, so the prefix cache cannot se
 blocks: the difference is the encoder alone. Both requests draw one token; the figures are the
 medians over `--rounds` after one warm-up pair, and `ratio` is cached over new.
 
-`--model` is a Gemma 3 checkpoint with its vision tower (`Gemma3ForConditionalGeneration` and its
-processor). `default` makes a random one once under the cache: a SigLIP tower of ViT-B/16's size on
+`--model` is a checkpoint with its vision tower and processor (Gemma 3, Qwen2.5-VL, Qwen3-VL;
+`image_tokens` is reported for Gemma 3's fixed count). `default` makes a random one once under the cache: a SigLIP tower of ViT-B/16's size on
 224x224 images (256 patches, 12 layers of 768) pooled to 64 tokens per image, before a small
 Gemma 3 language model (8 layers of 576) with the default model's tokenizer: its shapes, not its
 answers, are what a benchmark needs.
@@ -112,7 +112,7 @@ def run(args) -> int:
         result = {
             **header("vision", command_words("vision", args), args.device), **model_keys(llm.executor.runner),
             "checkpoint": str(directory), "rounds": args.rounds, "text_words": args.text_words,
-            "image_tokens": llm.executor.images.encoder.tokens_per_image, "rows": rows,
+            "image_tokens": getattr(llm.executor.images.encoder, "tokens_per_image", None), "rows": rows,
             "ratio": round(rows["cached_image"]["ttft_ms_median"] / rows["new_image"]["ttft_ms_median"], 3),
             "encoder_cache": {"queries": cache.queries, "hits": cache.hits},
         }
