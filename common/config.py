@@ -104,6 +104,10 @@ class EngineConfig:
                                        "worker ranks in the group, each holding 1/N of the attention heads and of "
                                        "the MLP (torch.distributed: NCCL on CUDA, gloo on CPU)")
     seed: int = no_flag(0, "seeds dummy weights only; `pagoda generate --seed` is the sampling seed")
+    disable_hybrid_kv_cache_manager: bool = option(
+        False, "--disable-hybrid-kv-cache-manager",
+        "one block table per sequence for every layer even where sliding-window and global layers mix (the uniform "
+        "baseline; by default each kind keeps its own tables and a sliding layer only its window: docs/architecture.md)")
     allocator: str = option("paged", "--allocator",
                             "KV allocation: paged, or an Orca-style contiguous baseline (benchmarks)", choices=ALLOCATORS)
     # LoRA adapters (docs/lora.md)

@@ -23,7 +23,9 @@ the row in `feed` (its index among the scheduled, its draw index in N), whose in
 takes from N's device tokens; `fill` writes N's host tokens over the placeholders once they arrive,
 before the plan after N+1 is applied. With a `sliding_window` W (a model whose every layer attends only to its last W keys)
 the null block may stand for a block no query of the step reads: wholly before position
-first - W + 1, where `first` is the first position the step computes for the sequence.
+first - W + 1, where `first` is the first position the step computes for the sequence. A model with
+KV cache groups (WorkerHello.kv_groups, scheduler/kv_groups.py) has a table per group, all of one
+length, changed at the same offsets; each group's window says where its null entries may stand.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class HeldSequence:
     block_table: list[int]
     sampling_params: SamplingParams
     lora_slot: int = -1  # the adapter slot its tokens use (-1: none)
+    group_tables: list[list[int]] = field(default_factory=list)  # KV cache groups 1..: their tables
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +78,10 @@ class TableChanges:
     # (seq_id, offset, block ids) of held sequences: the table from `offset` on is now these ids
     # (an empty list cuts it at `offset`), in plan order
     written: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # KV cache groups 1.. (WorkerHello.kv_groups): (seq_id, their whole tables) of new sequences and
+    # (seq_id, offset, their block ids from it) of held ones
+    group_new: list[tuple[int, list[list[int]]]] = field(default_factory=list)
+    group_written: list[tuple[int, int, list[list[int]]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -89,6 +96,7 @@ class PlanState:
     placeholders: list[tuple[HeldSequence, int, int]] = field(default_factory=list)  # (held, position, draw index)
     placeholder_step: int | None = None  # the step whose draws the placeholders wait for
     changes: TableChanges = field(default_factory=TableChanges)  # of the last apply
+    group_windows: list[int | None] = field(default_factory=list)  # KV cache groups 1..: each one's window
 
     def reset(self) -> None:
         """Forget every sequence (a new epoch: the scheduler's state was lost)."""
@@ -147,6 +155,8 @@ class PlanState:
             self._check_blocks(plan.step, new.seq_id, new.block_ids, 0, new.num_computed_tokens)
             held = HeldSequence(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                                 new.num_computed_tokens, list(new.block_ids), new.sampling_params, new.lora_slot)
+            if self.group_windows or new.group_block_ids:
+                self._new_group_tables(plan.step, new, held)
             self.seqs[new.seq_id] = held
             added.append((new.seq_id, held.block_table))
             steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples, None))
@@ -164,6 +174,8 @@ class PlanState:
                 del table[offset:]
                 table += new_block_ids
                 written.append((cached.seq_id, offset, new_block_ids))
+                if self.group_windows or cached.group_block_ids:
+                    self._write_group_tables(plan.step, cached, held, offset)
             token_ids = held.token_ids
             if cached.accepted_token_ids:  # drafts its last step verified: their KV is written
                 if held.num_computed_tokens != len(token_ids):
@@ -218,21 +230,53 @@ class PlanState:
             scheduled.append(ScheduledSequence(seq_id, held, start, n, num_samples if end == num_tokens else 0))
         return scheduled
 
+    def _new_group_tables(self, step: int, new, held: HeldSequence) -> None:
+        """A new sequence's tables of KV cache groups 1..: one per group, as long as group 0's."""
+        tables = new.group_block_ids
+        if len(tables) != len(self.group_windows):
+            raise ProtocolError(f"plan step {step} gives sequence {new.seq_id} {len(tables)} KV cache group tables "
+                                f"besides the first, the model has {len(self.group_windows)}")
+        for table, window in zip(tables, self.group_windows):
+            if len(table) != len(new.block_ids):
+                raise ProtocolError(f"plan step {step}: sequence {new.seq_id}'s KV cache group tables differ in length")
+            self._check_blocks(step, new.seq_id, table, 0, new.num_computed_tokens, window)
+        held.group_tables = [list(table) for table in tables]
+        self.changes.group_new.append((new.seq_id, held.group_tables))
+
+    def _write_group_tables(self, step: int, cached, held: HeldSequence, offset: int) -> None:
+        """A held sequence's new block ids in KV cache groups 1.., from group 0's `offset` on."""
+        tails = cached.group_block_ids
+        if len(tails) != len(self.group_windows) or any(len(t) != len(cached.new_block_ids) for t in tails):
+            raise ProtocolError(f"plan step {step} changes sequence {cached.seq_id}'s KV cache group tables "
+                                "unlike its first one")
+        for table, tail, window in zip(held.group_tables, tails, self.group_windows):
+            self._check_blocks(step, cached.seq_id, tail, cached.block_table_offset, held.num_computed_tokens, window)
+            del table[offset:]
+            table += tail
+        self.changes.group_written.append((cached.seq_id, offset, tails))
+
     def check_unshared(self) -> None:
         """For plans of requests that never fork: no block is in two tables, of the entries a
         sequence can still read (those a sliding window skips keep the ids the scheduler has freed)."""
         blocks = [block for held in self.seqs.values()
                   for block in held.block_table[self._skipped(held.num_computed_tokens):]]
+        blocks += [block for held in self.seqs.values()
+                   for table, window in zip(held.group_tables, self.group_windows)
+                   for block in table[self._skipped(held.num_computed_tokens, window):]]
         if len(set(blocks)) != len(blocks):
             raise ProtocolError("a block is held by two sequences")
 
-    def _skipped(self, first: int) -> int:
-        """Leading table entries that no query from position `first` on reads (the sliding window's)."""
-        window = self.sliding_window
+    def _skipped(self, first: int, window: int | None = -1) -> int:
+        """Leading table entries that no query from position `first` on reads (the sliding window's:
+        the model's, else `window`, a KV cache group's)."""
+        window = self.sliding_window if window == -1 else window
         return max(first - window + 1, 0) // self.block_size if window else 0
 
-    def _check_blocks(self, step: int, seq_id: int, block_ids: list[int], offset: int, first: int) -> None:
-        """`block_ids`: table entries from `offset` on of a sequence whose step computes from `first`."""
-        if NULL_BLOCK in block_ids and NULL_BLOCK in block_ids[max(self._skipped(first) - offset, 0):]:
-            window = f" inside its sliding window of {self.sliding_window} tokens" if self.sliding_window else ""
+    def _check_blocks(self, step: int, seq_id: int, block_ids: list[int], offset: int, first: int,
+                      window: int | None = -1) -> None:
+        """`block_ids`: table entries from `offset` on of a sequence whose step computes from `first`
+        (of a KV cache group of `window` where given)."""
+        if NULL_BLOCK in block_ids and NULL_BLOCK in block_ids[max(self._skipped(first, window) - offset, 0):]:
+            window = self.sliding_window if window == -1 else window
+            window = f" inside its sliding window of {window} tokens" if window else ""
             raise ProtocolError(f"plan step {step} gives sequence {seq_id} the null block{window}")

@@ -24,7 +24,8 @@ import msgpack
 # 5: CachedSequence.last_token_id may be PENDING_TOKEN (async scheduling)
 # 6: a StepPlan's cached_seqs and a StepResult's sampled travel as columns (_COLUMNS_OF)
 # 7: CachedSequence.draft_token_ids and accepted_token_ids
-PROTOCOL_VERSION = 7
+# 8: CachedSequence.group_block_ids (KV cache groups)
+PROTOCOL_VERSION = 8
 _EXT_MESSAGE = 1
 
 
@@ -250,6 +251,8 @@ class NewSequence:
     num_samples: int = 1  # tokens drawn if this step computes its last token (best_of for a first token)
     lora_slot: int = -1  # the workers' adapter slot its tokens use (-1: the base model alone)
     mm_items: list[MultiModalItem] = field(default_factory=list)  # its prompt's images, in order
+    # a model with KV cache groups (WorkerHello.kv_groups): the tables of groups 1.. (block_ids is group 0's)
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -269,6 +272,8 @@ class CachedSequence:
     # the drafts the sequence's last verification accepted: appended before last_token_id, their KV
     # already written by that step (counted computed)
     accepted_token_ids: list[int] = field(default_factory=list)
+    # KV cache groups 1.. (WorkerHello.kv_groups): each one's table from block_table_offset on
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -366,6 +371,9 @@ class WorkerHello:
     # its vision encoder's images (common/multimodal.py): "" none; "bidirectional" (Gemma 3: an
     # image's tokens attend to each other both ways); "mrope" (Qwen-VL: causal, each with its grid)
     images: str = ""
+    # its KV cache groups (scheduler/kv_groups.py), each one's sliding window, 0 for global
+    # attention; empty when the model has one group (its sliding_window, if any, is every layer's)
+    kv_groups: list[int] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- requests (Redis)

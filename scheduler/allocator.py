@@ -39,6 +39,8 @@ class PrefixMatch:
 
     hits: list[int] = field(default_factory=list)
     tier_hits: list[int] = field(default_factory=list)
+    # the hits' keys where `hits` leads with null entries (a sliding window's KV cache group)
+    keys: list[bytes] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
@@ -57,6 +59,8 @@ class AppendedSlots(NamedTuple):
 
     first_changed_block: int
     copy_on_write: list[int] | None = None  # [src, dst]: the shared last block, copied before the write
+    # a hybrid model's (scheduler/kv_groups.py): the copies of its later KV cache groups' last blocks
+    other_copies: list[list[int]] | None = None
 
 
 @runtime_checkable
@@ -67,6 +71,7 @@ class Allocator(Protocol):
     enable_cpu_tier: bool  # the prefix cache's CPU tier (--cpu-prefix-cache): off unless the scheduler sets it
     num_cpu_blocks: int  # the swap pool
     num_slots: Mapping[int, int]  # per running or swapped sequence; read only
+    allocates_chunks: bool  # a prompt is allocated its first chunk's slots, not all of them, at admission
 
     @property
     def num_total_blocks(self) -> int: ...  # the device pool less the null block
@@ -79,7 +84,12 @@ class Allocator(Protocol):
 
     def blocks_for(self, num_tokens: int) -> int: ...
 
-    def block_table(self, seq_id: int) -> list[int]: ...
+    # the most tokens one sequence can hold in the pool less the watermark, computing up to step_tokens a step
+    def max_tokens(self, step_tokens: int) -> int: ...
+
+    def block_table(self, seq_id: int) -> list[int]: ...  # the first KV cache group's
+
+    def group_tables(self, seq_id: int) -> list[list[int]]: ...  # one per KV cache group
 
     def num_distinct_blocks(self, seq_ids: Sequence[int]) -> int: ...
 
@@ -145,7 +155,10 @@ class AllocatorBase:
     """The device pool's size and the tables' bookkeeping, the same for every allocator."""
 
     enable_cpu_tier = False  # BlockManager alone has a CPU tier
+    supports_cpu_tier = False
     num_cpu_blocks = 0
+    # a prompt's slots are allocated chunk by chunk, not whole at admission (scheduler/kv_groups.py)
+    allocates_chunks = False
 
     def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]:
         return [], []
@@ -184,8 +197,15 @@ class AllocatorBase:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_tokens(self, step_tokens: int) -> int:
+        return (self.num_total_blocks - self.watermark_blocks) * self.block_size
+
     def block_table(self, seq_id: int) -> list[int]:
         return self.block_tables[seq_id]
+
+    def group_tables(self, seq_id: int) -> list[list[int]]:
+        """The sequence's table in each KV cache group (scheduler/kv_groups.py): one here."""
+        return [self.block_tables[seq_id]]
 
     def num_distinct_blocks(self, seq_ids: Sequence[int]) -> int:
         """Device blocks the sequences hold, a shared one once (what swapping them out moves)."""

@@ -61,6 +61,8 @@ class DecodeFastPath:
                 planning.drafts[seq_id] = drafts
         else:
             plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
+        if self._num_groups > 1:
+            plan.cached_seqs[-1].group_block_ids = [t[first_new:] for t in self.block_manager.group_tables(seq_id)[1:]]
         seq.num_sent_blocks = len(table)
         planning.scheduled[seq_id] = n
         planning.samples[seq_id] = num_draws = n if drafts else num_samples
@@ -81,6 +83,8 @@ class DecodeFastPath:
             return False
         if appended.copy_on_write is not None:
             self._copied_on_write(group, seq_id, appended.copy_on_write, plan)
+            for copy in appended.other_copies or ():
+                self._copied_on_write(group, seq_id, copy, plan)
         if appended.first_changed_block < seq.num_sent_blocks:
             seq.num_sent_blocks = appended.first_changed_block
         return True

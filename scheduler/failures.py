@@ -36,7 +36,8 @@ def device_blocks(block_manager: Allocator, group: SequenceGroup) -> set[int]:
     blocks = set()
     for seq in group.seqs:
         try:
-            blocks.update(block_manager.block_table(seq.seq_id))
+            for table in block_manager.group_tables(seq.seq_id):
+                blocks.update(table)
         except KeyError:
             pass
     return blocks

@@ -51,6 +51,9 @@ def enable_cpu_tier(block_manager: Allocator, costs: PreemptionCosts) -> None:
     """--cpu-prefix-cache: on when there is a swap pool and the cost model says that copying a
     block back beats recomputing its tokens."""
     bm = block_manager
+    if not bm.supports_cpu_tier:
+        log.warning("--cpu-prefix-cache: off (not with KV cache groups)")
+        return
     if not bm.enable_prefix_caching or not bm.num_cpu_blocks:
         log.warning("--cpu-prefix-cache: off (it needs prefix caching and a swap pool)")
         return

@@ -46,7 +46,7 @@ from common.protocol import (
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError, PrefixMatch
 from scheduler.beam import SequenceOps, beam_step
-from scheduler.block_manager import make_allocator
+from scheduler.kv_groups import make_allocator
 from scheduler.decode_fast_path import DecodeFastPath
 from scheduler.failures import FailedRequest, device_blocks, withdraw
 from scheduler.in_flight import PlannedStep, awaits_result, draws_in_flight, take_result
@@ -74,10 +74,13 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
         memory_events: MemoryEventLog | None = None, sliding_window: int | None = None, pooling_task: str = "",
+        kv_groups: list[int] = (),
     ) -> None:
         """`memory_events`: the log of a scheduler this one follows (a worker group restarted, the
         offline LLM reset), whose event ids it goes on from; else a new one. `sliding_window`: the
-        model's every layer attends only to its last `sliding_window` keys (WorkerHello)."""
+        model's every layer attends only to its last `sliding_window` keys (WorkerHello). `kv_groups`:
+        the window of each of its KV cache groups, 0 for global attention (scheduler/kv_groups.py),
+        none for one group."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -85,9 +88,15 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self._beam_ops = SequenceOps(self._fork, self._finish, self._forget)
         self.costs = costs
         self.sliding_window = sliding_window
+        self._windowed = sliding_window is not None or any(kv_groups)  # some table gives blocks back
+        self._num_groups = max(len(kv_groups), 1)
+        if self._num_groups > 1 and config.speculative is not None:
+            raise ValueError("speculative decoding: not with KV cache groups (a model with sliding-window and "
+                             "global layers) yet")
+        self._start_chunks: list[int] = []  # of the waiting group `_can_start` passed: its first chunks
         self.pooling_task = pooling_task  # a pooling model's (WorkerHello): the requests it admits
         self.block_manager: Allocator = make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
-                                                        sliding_window)
+                                                        sliding_window, kv_groups)
         self.waiting: list[SequenceGroup] = []  # arrival order, preempted ones first
         self.running: list[SequenceGroup] = []  # arrival order
         self.swapped: list[SequenceGroup] = []  # arrival order
@@ -117,7 +126,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         costs = PreemptionCosts(hello.kv_bytes_per_block, hello.host_bandwidth, hello.prefill_tokens_per_s)
         return cls(whole_prompts(config, hello.max_model_len) if hello.encoder else config,
                    hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
-                   memory_events, hello.sliding_window, hello.pooling_task)
+                   memory_events, hello.sliding_window, hello.pooling_task, hello.kv_groups)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -175,8 +184,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
     @property
     def max_request_tokens(self) -> int:
         """The most tokens one request may hold: the pool less the watermark `allocate` keeps."""
-        bm = self.block_manager
-        return (bm.num_total_blocks - bm.watermark_blocks) * bm.block_size
+        return self.block_manager.max_tokens(self.config.max_num_batched_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         group = self.groups.get(request_id)
@@ -276,7 +284,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self._to_drop = []
         self._planning = PlannedStep(self.step, planned_at=time.monotonic() if self.speculator is not None else 0.0)
         self._start_plan_events()
-        if self.sliding_window is not None:
+        if self._windowed:
             self._remove_skipped_blocks(self.running)
         if self._in_flight and self.speculator is not None and self._waits_for_drafts():
             # most of the batch drafts next, from tokens not drawn yet: planning ahead
@@ -434,6 +442,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             if sum(bm.blocks_for(seq.num_tokens) for seq in seqs) > bm.num_free_blocks - bm.watermark_blocks:
                 return False
         num_new = self._chunk_sizes(seqs, budget, hits, group.mm_items)
+        self._start_chunks = [n + hit for n, hit in zip(num_new, hits)] if num_new is not None else []
         return num_new is not None and (self.config.enable_chunked_prefill or all(
             n + hit >= s.num_tokens for s, n, hit in zip(seqs, num_new, hits)))
 
@@ -442,8 +451,11 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         having changed nothing, when a lone sequence's blocks would eat into the watermark."""
         bm = self.block_manager
         final_tokens, salt = self._final_tokens(group), group.prefix_salt
+        # a lone prompt's first chunk alone where the allocator grows a prompt chunk by chunk
+        chunked = bm.allocates_chunks and len(seqs) == 1
         for seq, view in zip(seqs, self._prompt_views(group, seqs)):
-            computed = bm.allocate(seq.seq_id, seq.num_tokens, view, final_tokens, salt, match=match,
+            num_slots = min(seq.num_tokens, self._start_chunks[0]) if chunked else seq.num_tokens
+            computed = bm.allocate(seq.seq_id, num_slots, view, final_tokens, salt, match=match,
                                    watermark=len(seqs) == 1)
             if computed is None:
                 if len(seqs) == 1:
@@ -460,9 +472,15 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if group.first_scheduled_time is None:
             group.first_scheduled_time = time.time()
             group.num_cached_tokens = seqs[0].num_computed_tokens  # hits only: nothing ran yet
-        if self.sliding_window is not None:  # prefix-cache hits the window already skips
+        if self._windowed:  # prefix-cache hits the window already skips
             self._remove_skipped_blocks([group])
         num_new = self._chunk_sizes(seqs, budget, mm_items=group.mm_items)
+        if num_new is not None and self.block_manager.allocates_chunks:  # its first chunk's slots
+            extra = self._extra_slots(seqs, num_new)
+            if not self._can_grow(seqs, extra):
+                num_new = None  # it goes on next step
+            else:
+                self._grow(seqs, extra, plan)
         if num_new is not None:  # (none: a recomputing group's hits end inside an image it cannot finish yet)
             self._add_to_plan(seqs, num_new, plan, budget)
         self._insert_running(group)
@@ -534,6 +552,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                 if appended.copy_on_write is not None:
                     group = self._group_of_seq[seq.seq_id]
                     self._copied_on_write(group, seq.seq_id, appended.copy_on_write, plan)
+                    for copy in appended.other_copies or ():
+                        self._copied_on_write(group, seq.seq_id, copy, plan)
                 # a copy-on-write replaced a block the workers hold: they get it again
                 seq.num_sent_blocks = min(seq.num_sent_blocks, appended.first_changed_block)
 
@@ -558,7 +578,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             self.swapped.sort(key=lambda g: g.arrival_time)
             self.num_swap_preemptions += 1
         else:
-            freed = {block for seq in seqs for block in self.block_manager.block_table(seq.seq_id)}
+            freed = {block for seq in seqs for table in self.block_manager.group_tables(seq.seq_id)
+                     for block in table}
             freed.discard(NULL_BLOCK)  # entries outside a sliding window
             freed = sorted(freed)
             self._record("recompute", group, -1, freed)
@@ -598,6 +619,9 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                     seq_id, table[first_new:], first_new, n, last_token_id, num_samples, draft or [],
                     seq.accepted_unsent,
                 ))
+                if self._num_groups > 1:
+                    plan.cached_seqs[-1].group_block_ids = [
+                        t[first_new:] for t in self.block_manager.group_tables(seq_id)[1:]]
                 seq.accepted_unsent = []
                 if draft:
                     self._planning.drafts[seq_id] = draft
@@ -621,6 +645,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             seq.num_computed_tokens, n, params, num_samples, group.lora_slot,
             sent_images(group.mm_items, seq.num_computed_tokens),
         ))
+        if self._num_groups > 1:
+            plan.new_seqs[-1].group_block_ids = [list(t) for t in self.block_manager.group_tables(seq.seq_id)[1:]]
         self._held_by_workers.add(seq.seq_id)
         seq.accepted_unsent = []  # in its output
 

@@ -20,6 +20,7 @@ import torch
 
 from common.protocol import SamplingParams
 from pagoda import cli
+from scheduler.kv_groups import HybridBlockManager
 from tests import families
 from tests.families import FAMILIES, MAX_TOKENS
 from tests.stack import Stack, wait_for
@@ -31,6 +32,11 @@ SMALL_POOL = 24  # blocks of 8 tokens: the 8 prompts need 55, so the batch preem
 # so a decoding sequence gives a block back (scheduler/block_manager.remove_skipped_blocks) for each
 # it takes and the small pool never preempts (the windowed test below preempts mistral's).
 NEVER_PREEMPTED = ("mistral", "mixtral")
+# Windowed and global layers: KV cache groups (scheduler/kv_groups.py), a block of half the layers, so
+# the same bytes hold twice the blocks; the sliding group gives blocks back. In 23 blocks of 8 the
+# batch preempts: computing a whole 82-token sequence in one step takes 11 blocks in each group.
+HYBRID = ("qwen3", "gemma2", "gemma3_text")
+HYBRID_POOL = 23
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +110,9 @@ def test_preemption_by_swap_and_by_recompute_matches_transformers(family, built,
     from pagoda.offline import LLM
 
     directory, reference = built[family]
-    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=SMALL_POOL,
-              num_cpu_blocks=64)
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8,
+              num_gpu_blocks=HYBRID_POOL if family in HYBRID else SMALL_POOL, num_cpu_blocks=64)
+    assert isinstance(llm.scheduler.block_manager, HybridBlockManager) == (family in HYBRID)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
     for mode, budget in (("swap", 2048), ("recompute", 40)):  # recomputing, prompts prefill in chunks of 40 at most
         llm.reset(preemption_mode=mode, max_num_batched_tokens=budget)
@@ -223,12 +230,13 @@ SERVED = [name for name in FAMILIES if name != "mistral"]  # mistral's path is l
 @pytest.mark.slow
 @pytest.mark.parametrize("family", SERVED)
 def test_served_api_matches_transformers(family, built, prompt_ids, redis_url):
-    """`pagoda up --tensor-parallel-size 2` with a small pool preempting by recompute, the 8 prompts
-    at once through the openai client: each choice's tokens are transformers' (their words), its
+    """`pagoda up --tensor-parallel-size 2` with a small pool preempting by recompute (a hybrid's
+    prompts in chunks of 40, as the offline test's), the 8 prompts at once through the openai client: each choice's tokens are transformers' (their words), its
     token_logprobs too."""
     directory, reference = built[family]
     stack = Stack("--model", str(directory), "--redis-url", redis_url, "--tensor-parallel-size", "2",
-                  "--block-size", "8", "--num-gpu-blocks", str(SMALL_POOL), "--preemption-mode", "recompute",
+                  "--block-size", "8", "--num-gpu-blocks", str(HYBRID_POOL if family in HYBRID else SMALL_POOL),
+                  "--preemption-mode", "recompute", *(("--max-num-batched-tokens", "40") if family in HYBRID else ()),
                   "--dtype", "float32").wait_ready()
     try:
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)

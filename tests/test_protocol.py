@@ -231,29 +231,29 @@ def test_openai_api_params_out_of_bounds_name_the_param(params, param):
 
 
 def test_a_wrong_field_count_deep_inside_a_plan_is_a_protocol_error():
-    bad_seqs = [[1], [[]], [0], [1]]  # 4 of 8 columns
+    bad_seqs = [[1], [[]], [0], [1]]  # 4 of 9 columns
     plan = _ext(_tag(StepPlan), 1, 0, [], bad_seqs, [], [], [], [], [])
-    with pytest.raises(ProtocolError, match="CachedSequence expects 8 columns, got 4"):
+    with pytest.raises(ProtocolError, match="CachedSequence expects 9 columns, got 4"):
         decode(msgpack.packb([PROTOCOL_VERSION, plan], use_bin_type=True))
 
 
 def test_the_step_lists_travel_as_columns():
     """A plan's cached sequences and a result's sampled tokens are one list per field, in declaration
-    order, not one extension per element (protocol 6; drafts and accepted drafts since 7)."""
+    order, not one extension per element (protocol 6; drafts and accepted drafts since 7, KV cache groups since 8)."""
     body = _body(encode(PLAN))
-    assert body[4] == [[4, 5], [[11], []], [2, 3], [1, 16], [42, 0], [2, 1], [[], []], [[], []]]
+    assert body[4] == [[4, 5], [[11], []], [2, 3], [1, 16], [42, 0], [2, 1], [[], []], [[], []], [[], []]]
     body = _body(encode(RESULT))
     assert body[3] == [[4, 3], [77, 5], [-0.125, -1.0], [[[77, -0.125], [78, -2.5]], []]]
     empty = _body(encode(StepPlan(1, 0)))
-    assert empty[4] == [[], [], [], [], [], [], [], []]
+    assert empty[4] == [[], [], [], [], [], [], [], [], []]
 
 
 @pytest.mark.parametrize("columns, words", [
-    ([[4, 5], [[11]], [2, 3], [1, 16], [42, 0], [2, 1], [[], []], [[], []]], "columns differ in length"),
-    ([[4], [[11]], [2], [1], [42], [2], [[]], [[]], [9]], "expects 8 columns, got 9"),
-    ([], "expects 8 columns, got 0"),
-    ({"seq_id": [4]}, "expects 8 columns, got dict"),
-    ([4, [[11]], [2], [1], [42], [2], [[]], [[]]], "columns differ in length"),
+    ([[4, 5], [[11]], [2, 3], [1, 16], [42, 0], [2, 1], [[], []], [[], []], [[], []]], "columns differ in length"),
+    ([[4], [[11]], [2], [1], [42], [2], [[]], [[]], [[]], [9]], "expects 9 columns, got 10"),
+    ([], "expects 9 columns, got 0"),
+    ({"seq_id": [4]}, "expects 9 columns, got dict"),
+    ([4, [[11]], [2], [1], [42], [2], [[]], [[]], [[]]], "columns differ in length"),
 ], ids=["ragged", "nine", "none", "map", "scalar"])
 def test_malformed_columns_are_a_protocol_error(columns, words):
     plan = _ext(_tag(StepPlan), 1, 0, [], columns, [], [], [], [], [])
@@ -391,7 +391,7 @@ def test_a_plan_of_protocol_3_without_num_samples_is_refused():
     by its version, and its 5-field CachedSequence by its field count."""
     assert PROTOCOL_VERSION >= 4
     v3_seqs = [[4], [[11]], [2], [1], [42]]  # as columns (protocol 6)
-    with pytest.raises(ProtocolError, match="CachedSequence expects 8 columns, got 5"):
+    with pytest.raises(ProtocolError, match="CachedSequence expects 9 columns, got 5"):
         decode(msgpack.packb([PROTOCOL_VERSION, _ext(_tag(StepPlan), 1, 0, [], v3_seqs, [], [], [], [], [])],
                              use_bin_type=True))
     with pytest.raises(ProtocolError, match=f"protocol version 3 is not {PROTOCOL_VERSION}"):

@@ -24,6 +24,9 @@ class AttentionContext:
     # the step's rows of images whose tokens attend to each other both ways (Gemma 3), as
     # worker/multimodal.py ImageSpan: attention recomputes them after the causal kernel
     image_spans: list | None = None
+    # a model with KV cache groups (worker/kv_groups.py): per group, its (slot_mapping,
+    # block_tables, kernel_cache); group 0's are the fields above. None: one group
+    groups: list[tuple[torch.Tensor, torch.Tensor, dict]] | None = None
 
 
 _context: AttentionContext | None = None

@@ -61,7 +61,10 @@ class Executor:
         self.grammar = (GrammarState(self._load_tokenizer, int(self.runner.hf_config.vocab_size), self.eos_token_ids)
                         if group.is_first else None)
         # a null entry may stand only where the model's window skips (the scheduler frees those blocks)
-        self.state = PlanState(self.runner.block_size, sliding_window=self.runner.sliding_window)
+        groups = self.runner.kv_groups
+        self.state = (PlanState(self.runner.block_size, sliding_window=self.runner.sliding_window) if groups is None
+                      else PlanState(self.runner.block_size, sliding_window=groups.windows[0],
+                                     group_windows=groups.windows[1:]))
         self._in_flight: deque[_InFlight] = deque()  # launched steps not finished yet, oldest first
         self._drawn_tokens: torch.Tensor | None = None  # the last launched step's draws, on the device
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: the tokens' copies to the host
@@ -94,6 +97,7 @@ class Executor:
             pooling_task=runner.pooler_config.task if runner.pooler_config is not None else "",
             encoder=getattr(runner.model, "bidirectional", False),
             images=image_kind(getattr(runner.model, "vision", None)),
+            kv_groups=runner.kv_groups.hello if runner.kv_groups is not None else [],
         )
 
     def reset(self) -> None:

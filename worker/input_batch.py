@@ -10,6 +10,9 @@ reach the mirror as one scatter. Per step (`prepare`) the host lists only per-to
 positions and per-sequence lengths, in one non-blocking copy; the step's block tables and slot
 mapping are gathered on the device from the mirror. Host work grows with what changed and with the
 tokens scheduled, never with batch x context.
+
+A model with G KV cache groups (worker/kv_groups.py) keeps G tables per row: row r's group g is
+table row r * G + g, so the step's tables and slot mapping of each group are gathered alike.
 """
 from __future__ import annotations
 
@@ -87,14 +90,15 @@ class InputBatch:
     """Rows of held sequences; `apply` takes each plan's diffs, `prepare` builds a step's tensors."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
-                 mirror: bool | None = None, enable_lora: bool = False) -> None:
+                 mirror: bool | None = None, enable_lora: bool = False, num_groups: int = 1) -> None:
         self.block_size = block_size
+        self.num_groups = num_groups
         self.enable_lora = enable_lora  # each token's adapter slot goes in the step's context
         self.device = device
         # a device mirror patched by scatter: on CUDA; on CPU only when a test asks for it
         self.mirror = device.type == "cuda" if mirror is None else mirror
         self.rows: dict[int, int] = {}  # seq_id -> row
-        self.num_blocks: list[int] = []  # per row: entries [0, num_blocks) of its table are set
+        self.num_blocks: list[int] = []  # per table row: entries [0, num_blocks) of it are set
         self.free_rows: list[int] = []
         self._staging = _Staging(device)
         self._allocate(max_num_seqs, max_blocks_per_seq)
@@ -104,14 +108,16 @@ class InputBatch:
         return self.block_table.shape[1]
 
     def _allocate(self, num_rows: int, width: int) -> None:
-        """(Re)allocate the table at [num_rows, width], keeping what it holds."""
-        old = getattr(self, "block_table", None)
-        self.block_table = torch.zeros((num_rows, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        """(Re)allocate the table at [num_rows * num_groups, width], keeping what it holds."""
+        old, groups = getattr(self, "block_table", None), self.num_groups
+        self.block_table = torch.zeros((num_rows * groups, width), dtype=torch.int32,
+                                       pin_memory=self.device.type == "cuda")
         if old is not None:
             self.block_table[: old.shape[0], : old.shape[1]] = old
         self._table = self.block_table.numpy()
-        self.free_rows = list(range(num_rows - 1, len(self.num_blocks) - 1, -1)) + self.free_rows
-        self.num_blocks += [0] * (num_rows - len(self.num_blocks))
+        old_rows = len(self.num_blocks) // groups
+        self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
+        self.num_blocks += [0] * ((num_rows - old_rows) * groups)
         # without a mirror (CPU) the device table is the host table; a mirror is copied in full here
         self.block_table_device = self.block_table.to(self.device, copy=True) if self.mirror else self.block_table
         self._dirty: dict[int, int] = {}  # flat entry of the mirror -> its new value (the last write wins)
@@ -129,19 +135,26 @@ class InputBatch:
             row = rows.pop(seq_id, None)
             if row is not None:
                 self.free_rows.append(row)
+        groups = self.num_groups
         for seq_id, block_ids in changes.new:
             if not self.free_rows:
-                self._allocate(2 * self.block_table.shape[0], self.width)
+                self._allocate(2 * self.block_table.shape[0] // groups, self.width)
             row = rows[seq_id] = self.free_rows.pop()
-            self._write(row, 0, block_ids)  # may widen the table (a new free_rows list)
+            self._write(row * groups, 0, block_ids)  # may widen the table (a new free_rows list)
         for seq_id, offset, block_ids in changes.written:
-            self._write(rows[seq_id], offset, block_ids)
+            self._write(rows[seq_id] * groups, offset, block_ids)
+        for seq_id, tables in changes.group_new:
+            for g, block_ids in enumerate(tables, 1):
+                self._write(rows[seq_id] * groups + g, 0, block_ids)
+        for seq_id, offset, tails in changes.group_written:
+            for g, block_ids in enumerate(tails, 1):
+                self._write(rows[seq_id] * groups + g, offset, block_ids)
 
     def _write(self, row: int, offset: int, block_ids: list[int]) -> None:
-        """Row's table becomes its entries [0, offset) then block_ids; entries past it are zeroed."""
+        """Table row `row` becomes its entries [0, offset) then block_ids; entries past it are zeroed."""
         end, old_end = offset + len(block_ids), self.num_blocks[row]
         if end > self.width:
-            self._allocate(self.block_table.shape[0], max(end, 2 * self.width))
+            self._allocate(self.block_table.shape[0] // self.num_groups, max(end, 2 * self.width))
         hi = max(end, old_end)
         values = block_ids + [0] * (hi - end)
         self._table[row, offset:hi] = values
@@ -166,7 +179,8 @@ class InputBatch:
         decode_only = cu_seqlens_q[-1] == len(scheduled)  # one token per row
         logits_indices = _logits_indices(scheduled, cu_seqlens_q, decode_only)
         ids, positions, token_rows, lora = self._flatten(scheduled, table_rows, starts, counts, decode_only)
-        max_blocks = max(map(self.num_blocks.__getitem__, table_rows))
+        groups = self.num_groups
+        max_blocks = max(self.num_blocks[row * groups] for row in table_rows)
         num_tokens, num_seqs, num_dirty = len(ids), len(seq_lens), len(self._dirty)
         fed_at = [cu_seqlens_q[i] for i, _ in feed]  # a fed row computes its one new token only
         fed_from = [draw for _, draw in feed]
@@ -184,14 +198,25 @@ class InputBatch:
         if num_dirty:
             table.view(-1).index_copy_(0, dirty_index, dirty_values.to(torch.int32))
         bs = self.block_size
-        slot_mapping = table[token_rows_t, positions_t // bs].long() * bs + positions_t % bs
+        if groups == 1:
+            slot_mapping = table[token_rows_t, positions_t // bs].long() * bs + positions_t % bs
+            block_tables = table[:, :max_blocks].index_select(0, table_rows_t)
+            group_inputs = None
+        else:
+            group_inputs = [(table[token_rows_t * groups + g, positions_t // bs].long() * bs + positions_t % bs,
+                             table[:, :max_blocks].index_select(0, table_rows_t * groups + g), {})
+                            for g in range(groups)]
+            slot_mapping, block_tables, _ = group_inputs[0]
         context = AttentionContext(
             slot_mapping=slot_mapping,
-            block_tables=table[:, :max_blocks].index_select(0, table_rows_t),
+            block_tables=block_tables,
             seq_lens=seq_lens_t.to(torch.int32),
             cu_seqlens_q=cu_t.to(torch.int32),
             lora_indices=lora_t if lora else None,
         )
+        if group_inputs is not None:
+            group_inputs[0] = (slot_mapping, block_tables, context.kernel_cache)
+            context.groups = group_inputs
         short = num_tokens != num_seqs and max(counts) <= MAX_EXPANDED_QUERY
         return StepTensors(input_ids, positions_t, context, logits_t, table_rows_t, token_rows_t if short else None)
 

@@ -21,6 +21,7 @@ from worker.cuda_graph import DecodeRunner
 from worker.drafter import DraftModel
 from worker.eagle import EagleDrafter
 from worker.input_batch import InputBatch, StepTensors
+from worker.kv_groups import allocate_grouped_caches, kv_cache_groups
 from worker.kv_pool import KVPool, allocate_kv_caches
 from worker.loader import load_model, resolve_dtype, resolve_scheme
 from worker.lora import LoRAManager
@@ -77,7 +78,13 @@ class ModelRunner:
         self.sliding_window = self.model.sliding_window()  # every layer's, or None
         self.block_size = config.block_size
         attn = self.model.attention_layers()[0]
-        self.kv_bytes_per_block = kv_bytes_per_block(len(self.model.attention_layers()), self.block_size,
+        # layers that attend differently (sliding and global) keep a block table each (worker/kv_groups.py)
+        self.kv_groups = (None if self.pooler_config is not None or config.disable_hybrid_kv_cache_manager
+                          else kv_cache_groups(self.model.attention_layers()))
+        self._check_kv_groups(config)
+        layers_per_block = (self.kv_groups.group_size if self.kv_groups is not None
+                            else len(self.model.attention_layers()))
+        self.kv_bytes_per_block = kv_bytes_per_block(layers_per_block, self.block_size,
                                                      attn.num_kv_heads, attn.head_dim, self.kv_cache_dtype)
         self.kv_bytes_per_block += self.draft_kv_bytes_per_block
         kernels.warmup(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
@@ -99,10 +106,16 @@ class ModelRunner:
         layers = [(self.model.attention_layers(), self.kv_cache_dtype)]
         if self.drafter is not None:
             layers.append((self.drafter.layers, self.drafter.kv_cache_dtype))
-        self.pools = [KVPool.on(allocate_kv_caches(attns, self.num_gpu_blocks, self.block_size, dtype, self.device),
-                                self.num_cpu_blocks) for attns, dtype in layers]
+        if self.kv_groups is not None:
+            caches = allocate_grouped_caches(layers[0][0], self.kv_groups, self.num_gpu_blocks, self.block_size,
+                                             self.kv_cache_dtype, self.device)
+            self.pools = [KVPool.on(caches, self.num_cpu_blocks)]
+        else:
+            self.pools = [KVPool.on(allocate_kv_caches(attns, self.num_gpu_blocks, self.block_size, dtype, self.device),
+                                    self.num_cpu_blocks) for attns, dtype in layers]
         self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
-                                      self.block_size, self.device, enable_lora=config.enable_lora)
+                                      self.block_size, self.device, enable_lora=config.enable_lora,
+                                      num_groups=len(self.kv_groups.windows) if self.kv_groups is not None else 1)
         self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
         if config.compile and self.decode_runner is None:
             log.warning("--compile: the decode step runs eagerly (--enforce-eager, a pooling model, or EAGLE)")
@@ -147,8 +160,21 @@ class ModelRunner:
         h, residual = args[1], args[2]  # (positions, h, residual, rotary)
         self._aux.append(h if residual is None else h + residual)
 
+    def _check_kv_groups(self, config: EngineConfig) -> None:
+        if self.kv_groups is None:
+            return
+        if self.drafter is not None or self.keeps_hidden:
+            raise ValueError("speculative decoding with a draft model or EAGLE: not with KV cache groups (a model "
+                             "with sliding-window and global layers) yet")
+        windows = ", ".join(f"{w} tokens" if w else "global" for w in self.kv_groups.windows)
+        log.info("KV cache groups: %d of %d layers each (%s)", len(self.kv_groups.windows), self.kv_groups.group_size,
+                 windows)
+
     def _eager_decode(self) -> bool:
         if self.config.enforce_eager or self.keeps_hidden or self.pooler_config is not None:  # a pooler never decodes
+            return True
+        if self.kv_groups is not None:  # the static decode buffers hold one block table per row
+            log.info("KV cache groups: decode steps run eagerly (no CUDA graphs, no --compile)")
             return True
         if self.device.type == "cuda" and self.world_size > 1:
             # capturing NCCL collectives in CUDA graphs needs more care than it is worth here

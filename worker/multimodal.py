@@ -176,18 +176,20 @@ def mrope_positions(items: Sequence[MultiModalItem], start: int, stop: int) -> n
     return out
 
 
-def attend_within_images(q: torch.Tensor, o: torch.Tensor, kv_cache: torch.Tensor, ctx, attn) -> None:
+def attend_within_images(q: torch.Tensor, o: torch.Tensor, kv_cache: torch.Tensor, ctx, attn,
+                         block_tables: torch.Tensor) -> None:
     """Recompute, in place in `o` [tokens, heads, head_dim], the rows of `ctx.image_spans`: each
     attends to its sequence's keys before it and to every key of its image (transformers' Gemma 3
     mask: causal or the same image, within the sliding window where the layer has one). The step's
-    keys are in the cache already; the scheduler never ends a step inside such an image."""
+    keys are in the cache already; the scheduler never ends a step inside such an image.
+    `block_tables`: the layer's KV cache group's."""
     block_size = kv_cache.shape[2]
     group = attn.num_heads // attn.num_kv_heads
     for span in ctx.image_spans:
         # keys before the first row's window are masked for every row: not read
         first_key = max(span.first_position - attn.sliding_window + 1, 0) if attn.sliding_window else 0
         keys = torch.arange(first_key, span.image_stop, device=q.device)
-        table = ctx.block_tables[span.seq_index].long()
+        table = block_tables[span.seq_index].long()
         blocks, offsets = table[keys // block_size], keys % block_size
         k = kv_cache[blocks, 0, offsets].float() * attn.k_scale  # [keys, kv_heads, head_dim]
         v = kv_cache[blocks, 1, offsets].float() * attn.v_scale

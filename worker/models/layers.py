@@ -428,6 +428,7 @@ class Attention(nn.Module):
         self.logit_softcap = logit_softcap or None
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         self.k_scale, self.v_scale = 1.0, 1.0
+        self.kv_group = 0  # its KV cache group (worker/kv_groups.py): whose block tables it reads
         self.layer_id = next(_layer_ids)  # names the layer to the compiled graphs' attention op
         _attention_layers[self.layer_id] = self
 
@@ -446,13 +447,17 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
-        kernels.write_kv(k, v, self.kv_cache, ctx.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
-        o = kernels.paged_attention(q, self.kv_cache, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale,
-                                    step_cache=ctx.kernel_cache, max_seqlen_k=ctx.max_seqlen_k, kv_splits=ctx.kv_splits,
+        if ctx.groups is None:
+            slot_mapping, block_tables, kernel_cache = ctx.slot_mapping, ctx.block_tables, ctx.kernel_cache
+        else:
+            slot_mapping, block_tables, kernel_cache = ctx.groups[self.kv_group]
+        kernels.write_kv(k, v, self.kv_cache, slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
+        o = kernels.paged_attention(q, self.kv_cache, block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale,
+                                    step_cache=kernel_cache, max_seqlen_k=ctx.max_seqlen_k, kv_splits=ctx.kv_splits,
                                     sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
                                     k_scale=self.k_scale, v_scale=self.v_scale)
         if ctx.image_spans:
-            attend_within_images(q, o, self.kv_cache, ctx, self)
+            attend_within_images(q, o, self.kv_cache, ctx, self, block_tables)
         return o.reshape(-1, self.num_heads * self.head_dim)
 
 
