@@ -87,6 +87,8 @@ class Allocator(Protocol):
     # the most tokens one sequence can hold in the pool less the watermark, computing up to step_tokens a step
     def max_tokens(self, step_tokens: int) -> int: ...
 
+    def max_concurrency(self, num_tokens: int) -> float: ...  # sequences of num_tokens decoding at once, at most
+
     def block_table(self, seq_id: int) -> list[int]: ...  # the first KV cache group's
 
     def group_tables(self, seq_id: int) -> list[list[int]]: ...  # one per KV cache group
@@ -199,6 +201,10 @@ class AllocatorBase:
 
     def max_tokens(self, step_tokens: int) -> int:
         return (self.num_total_blocks - self.watermark_blocks) * self.block_size
+
+    def max_concurrency(self, num_tokens: int) -> float:
+        """Sequences of `num_tokens` the pool holds at once, decoding (vLLM's start-up figure)."""
+        return self.num_total_blocks / max(self.blocks_for(num_tokens), 1)
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.block_tables[seq_id]

@@ -106,6 +106,14 @@ class HybridBlockManager(AllocatorBase):
             lo, hi = (mid, hi) if cost(mid) <= avail else (lo, mid - 1)
         return lo * bs
 
+    def max_concurrency(self, num_tokens: int) -> float:
+        """Sequences of `num_tokens` decoding at once: a sliding group holds its window and the
+        block being filled of each."""
+        num_blocks = -(-num_tokens // self.block_size)
+        per_sequence = sum(num_blocks if not window else min(num_blocks, -(-window // self.block_size) + 1)
+                           for window in self.windows)
+        return self.num_total_blocks / per_sequence
+
     def block_table(self, seq_id: int) -> list[int]:
         return self.groups[0].block_tables[seq_id]
 

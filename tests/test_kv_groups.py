@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from common.plan_state import PlanState
 from common.protocol import CachedSequence, NewSequence, ProtocolError, SamplingParams, StepPlan
 from scheduler.allocator import NULL_BLOCK, AppendedSlots, NoFreeBlocksError
+from scheduler.block_manager import BlockManager
 from scheduler.kv_groups import GroupsMatch, HybridBlockManager
 from tests import families
 from worker.input_batch import InputBatch
@@ -171,6 +172,9 @@ def test_the_longest_sequence_counts_a_sliding_groups_window_and_step_only():
     # each sliding group: (32 + 64) / 16 + 1 = 7 blocks at most; the global group the rest
     assert bm.max_tokens(64) == (100 - 5 * 7) * 16
     assert bm.max_tokens(4096) == 100 // 6 * 16  # a whole sequence computed in one step: every group's
+    # decoding, a sequence of 1,600 tokens holds 100 global blocks and 3 in each sliding group
+    assert bm.max_concurrency(1600) == 100 / (100 + 5 * 3)
+    assert BlockManager(101, 16).max_concurrency(1600) == 1.0
 
 
 # ----------------------------------------------------------------------------- property

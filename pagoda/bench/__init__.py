@@ -32,6 +32,9 @@ BENCHES = {
                            "sharing system prompts: prefix-cache hit rate and request throughput, in one run"),
     "embed": ("embed", "embedding throughput of the offline engine against sentence-transformers' encode, same "
                        "model, texts and threads, in one run (docs/pooling.md)"),
+    "long-context": ("long_context", "4k-token prompts of a Gemma-3-shaped model in one KV budget: KV cache groups "
+                                     "against the uniform allocator, sequences at once and output tokens/s, in one "
+                                     "run (docs/architecture.md)"),
     "vision": ("vision", "time to first token of a chat whose image the encoder cache holds against a new image, "
                          "offline, in one run (docs/vision.md)"),
     "step": ("step", "host side of a decode step: scheduler, wire, worker, sampler; the forward a sleep"),

@@ -40,9 +40,11 @@ MODELS: tuple[ModelInfo, ...] = (
     ModelInfo("Qwen2ForCausalLM", "qwen2", "llama", "Qwen/Qwen2.5-7B-Instruct", sliding_window=True),
     ModelInfo("Qwen3ForCausalLM", "qwen3", "qwen3", "Qwen/Qwen3-8B", sliding_window=True),
     ModelInfo("Gemma2ForCausalLM", "gemma2", "gemma", "google/gemma-2-9b-it", sliding_window=True,
-              notes="local and global layers; attention and final logit soft-capping"),
+              notes="local and global layers, a block table each (a local one keeps its window); attention and "
+                    "final logit soft-capping"),
     ModelInfo("Gemma3ForCausalLM", "gemma3_text", "gemma", "google/gemma-3-1b-it", sliding_window=True,
-              notes="text only; local and global layers, two RoPE bases"),
+              notes="text only; local and global layers, a block table each (a local one keeps its window); two "
+                    "RoPE bases"),
     ModelInfo("Gemma3ForConditionalGeneration", "gemma3", "gemma", "google/gemma-3-4b-it", sliding_window=True,
               text_only=True, notes="Gemma 3 4B and up; images (docs/vision.md)"),
     ModelInfo("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "qwen_vl", "Qwen/Qwen2.5-VL-7B-Instruct",
