@@ -14,7 +14,8 @@ dashboard draws, served at /dashboard/snapshot and written by `pagoda generate -
                  "seq_id": 5, "blocks": [3, 9], "num_blocks": 2}, ...],
      "stats": {...}}                          the gauges named in STATS
 
-`num_slots` is how many slots of the table hold token states or are written this step (the last
+A model with KV cache groups (scheduler/kv_groups.py) has a row per group's table of a sequence, the
+first group's first. `num_slots` is how many slots of the table hold token states or are written this step (the last
 block's filled slots are num_slots - (len(block_table) - 1) * block_size). With a sliding window a
 table's leading entries may hold no block: 0 (the null block) in a GPU table, `num_cpu_blocks` (an
 id past the pool) in a CPU table. An event's `blocks` are

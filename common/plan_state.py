@@ -170,12 +170,17 @@ class PlanState:
             if new_block_ids or cached.block_table_offset < len(table):
                 self._check_blocks(plan.step, cached.seq_id, new_block_ids, cached.block_table_offset,
                                    held.num_computed_tokens)
+                if self.group_windows or cached.group_block_ids:  # checked before any table changes
+                    self._check_group_tails(plan.step, cached, held)
                 offset = min(cached.block_table_offset, len(table))
                 del table[offset:]
                 table += new_block_ids
                 written.append((cached.seq_id, offset, new_block_ids))
-                if self.group_windows or cached.group_block_ids:
-                    self._write_group_tables(plan.step, cached, held, offset)
+                if self.group_windows:
+                    self._write_group_tables(cached, held, offset)
+            elif any(cached.group_block_ids):
+                raise ProtocolError(f"plan step {plan.step} changes sequence {cached.seq_id}'s KV cache group "
+                                    "tables unlike its first one")
             token_ids = held.token_ids
             if cached.accepted_token_ids:  # drafts its last step verified: their KV is written
                 if held.num_computed_tokens != len(token_ids):
@@ -243,17 +248,22 @@ class PlanState:
         held.group_tables = [list(table) for table in tables]
         self.changes.group_new.append((new.seq_id, held.group_tables))
 
-    def _write_group_tables(self, step: int, cached, held: HeldSequence, offset: int) -> None:
-        """A held sequence's new block ids in KV cache groups 1.., from group 0's `offset` on."""
+    def _check_group_tails(self, step: int, cached, held: HeldSequence) -> None:
+        """A held sequence's new block ids in KV cache groups 1..: one tail per group, each as long
+        as group 0's, null only where its window skips."""
         tails = cached.group_block_ids
         if len(tails) != len(self.group_windows) or any(len(t) != len(cached.new_block_ids) for t in tails):
             raise ProtocolError(f"plan step {step} changes sequence {cached.seq_id}'s KV cache group tables "
                                 "unlike its first one")
-        for table, tail, window in zip(held.group_tables, tails, self.group_windows):
+        for tail, window in zip(tails, self.group_windows):
             self._check_blocks(step, cached.seq_id, tail, cached.block_table_offset, held.num_computed_tokens, window)
+
+    def _write_group_tables(self, cached, held: HeldSequence, offset: int) -> None:
+        """A held sequence's new block ids in KV cache groups 1.. (checked), from group 0's `offset` on."""
+        for table, tail in zip(held.group_tables, cached.group_block_ids):
             del table[offset:]
             table += tail
-        self.changes.group_written.append((cached.seq_id, offset, tails))
+        self.changes.group_written.append((cached.seq_id, offset, cached.group_block_ids))
 
     def check_unshared(self) -> None:
         """For plans of requests that never fork: no block is in two tables, of the entries a

@@ -84,8 +84,9 @@ class Allocator(Protocol):
 
     def blocks_for(self, num_tokens: int) -> int: ...
 
-    # the most tokens one sequence can hold in the pool less the watermark, computing up to step_tokens a step
-    def max_tokens(self, step_tokens: int) -> int: ...
+    # the most tokens each of num_seqs sequences can hold in the pool less the watermark, computing up
+    # to step_tokens a step
+    def max_tokens(self, step_tokens: int, num_seqs: int = 1) -> int: ...
 
     def max_concurrency(self, num_tokens: int) -> float: ...  # sequences of num_tokens decoding at once, at most
 
@@ -199,8 +200,8 @@ class AllocatorBase:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def max_tokens(self, step_tokens: int) -> int:
-        return (self.num_total_blocks - self.watermark_blocks) * self.block_size
+    def max_tokens(self, step_tokens: int, num_seqs: int = 1) -> int:
+        return (self.num_total_blocks - self.watermark_blocks) // num_seqs * self.block_size
 
     def max_concurrency(self, num_tokens: int) -> float:
         """Sequences of `num_tokens` the pool holds at once, decoding (vLLM's start-up figure)."""

@@ -69,7 +69,11 @@ class HybridBlockManager(AllocatorBase):
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
 
-    # the pool's counters (scheduler/memory_view.py)
+    # the pool's state and counters (scheduler/memory_view.py)
+    ref_counts = property(lambda self: self.pool.ref_counts)
+    evictable = property(lambda self: self.pool.evictable)
+    cpu_ref_counts = property(lambda self: self.pool.cpu_ref_counts)
+    cpu_evictable = property(lambda self: self.pool.cpu_evictable)
     version = property(lambda self: self.pool.version)
     evicted = property(lambda self: self.pool.evicted)
     num_prefix_evictions = property(lambda self: self.pool.num_prefix_evictions)
@@ -90,15 +94,16 @@ class HybridBlockManager(AllocatorBase):
         """Blocks `num_tokens` slots take in every group, before any window gives one back."""
         return len(self.groups) * -(-num_tokens // self.block_size)
 
-    def max_tokens(self, step_tokens: int) -> int:
-        """The most tokens one sequence can hold in the pool less the watermark, computing up to
-        `step_tokens` a step: a global group holds a block per block_size tokens, a sliding group
-        no more than its window and a step's tokens take."""
+    def max_tokens(self, step_tokens: int, num_seqs: int = 1) -> int:
+        """The most tokens each of `num_seqs` sequences can hold in the pool less the watermark,
+        computing up to `step_tokens` a step: a global group holds a block per block_size tokens, a
+        sliding group no more than its window and two steps' tokens (the chunk planned, and the one
+        in flight whose blocks wait for its result to be cached)."""
         bs, avail = self.block_size, self.num_total_blocks - self.watermark_blocks
-        caps = [-(-(window + step_tokens) // bs) + 1 if window else None for window in self.windows]
+        caps = [-(-(window + 2 * step_tokens) // bs) + 1 if window else None for window in self.windows]
 
         def cost(num_blocks: int) -> int:
-            return sum(num_blocks if cap is None else min(num_blocks, cap) for cap in caps)
+            return num_seqs * sum(num_blocks if cap is None else min(num_blocks, cap) for cap in caps)
 
         lo, hi = 0, avail  # the most blocks per table whose cost fits: a bisection (cost grows with them)
         while lo < hi:
@@ -184,7 +189,8 @@ class HybridBlockManager(AllocatorBase):
         for block in held:  # out of the LRU first: a group's takes must not evict another's hits
             self.pool.hold(block)
         for group, m in zip(self.groups, matches):
-            assert group.allocate(seq_id, num_tokens, salt=salt, match=m) is not None
+            computed = group.allocate(seq_id, num_tokens, salt=salt, match=m)
+            assert computed is not None, "a group found no blocks the whole allocation had counted"
         for block in held:
             self.pool.release(block)
         return match.num_blocks * self.block_size
@@ -215,9 +221,14 @@ class HybridBlockManager(AllocatorBase):
         return released
 
     def truncate(self, seq_id: int, num_slots: int) -> list[int]:
+        if not 0 <= num_slots <= self.num_slots[seq_id]:
+            raise ValueError(f"sequence {seq_id} holds {self.num_slots[seq_id]} slots: cannot keep {num_slots}")
+        keep = -(-num_slots // self.block_size)
         for group in self.groups:  # every group checks before any gives a block back
-            if len(group.seq_keys.get(seq_id, ())) * self.block_size > num_slots:
-                raise ValueError(f"sequence {seq_id}: {num_slots} slots would drop confirmed blocks")
+            table = group.block_tables[seq_id]
+            nulls = table.count(NULL_BLOCK) if table and table[0] == NULL_BLOCK else 0
+            if len(group.seq_keys.get(seq_id, ())) * self.block_size > num_slots or nulls > keep:
+                raise ValueError(f"sequence {seq_id}: {num_slots} slots would drop confirmed or skipped blocks")
         return [block for group in self.groups for block in group.truncate(seq_id, num_slots)]
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -274,9 +285,14 @@ class HybridBlockManager(AllocatorBase):
 
     def check_integrity(self) -> None:
         holders, cpu_holders = None, None
+        owner: dict[int, int] = {}  # device block -> the group whose tables hold it
         for group in self.groups:
             assert group.num_slots == self.num_slots, f"group {group.group}'s tables cover other slots"
             holders, cpu_holders = group.count_holders(holders, cpu_holders)
+            for table in group.block_tables.values():
+                for block in table:
+                    if block != NULL_BLOCK:
+                        assert owner.setdefault(block, group.group) == group.group, f"block {block} in two groups"
         self.pool.check_integrity(holders, cpu_holders)
 
 

@@ -131,14 +131,25 @@ def build_snapshot(scheduler, engine: str = "0", scheduler_id: str = "",
     )
 
 
+def _tables(bm, pool: str = "gpu") -> list[tuple[object, int, list[int]]]:
+    """(key, seq_id, table) of every table in `pool`, of every KV cache group (scheduler/kv_groups.py:
+    a sequence has one per group; the key tells them apart)."""
+    managers = getattr(bm, "groups", None) or [bm]
+    attr = "block_tables" if pool == "gpu" else "cpu_tables"
+    return [((seq_id, g) if g else seq_id, seq_id, table)
+            for g, manager in enumerate(managers) for seq_id, table in getattr(manager, attr, {}).items()]
+
+
 def _sequence_rows(scheduler, tables: PackedTables) -> list[list]:
     """[request_id, seq_id, status, num_tokens, num_slots, pool, block_table] per table, device first,
-    and the LoRA adapter's name after them for a sequence that runs with one."""
+    and the LoRA adapter's name after them for a sequence that runs with one; a model with KV cache
+    groups has a row per group's table, the first group's first."""
     bm, seqs, group_of_seq = scheduler.block_manager, scheduler._seqs, scheduler._group_of_seq
-    held = [("gpu", seq_id, table) for seq_id, table in bm.block_tables.items()]
-    held += [("cpu", seq_id, table) for seq_id, table in getattr(bm, "cpu_tables", {}).items()]
+    held = [("gpu", seq_id, table) for _, seq_id, table in _tables(bm, "gpu")]
+    held += [("cpu", seq_id, table) for _, seq_id, table in _tables(bm, "cpu")]
+    keys = [key for key, _, _ in _tables(bm, "gpu") + _tables(bm, "cpu")]
     rows = []
-    for (pool, seq_id, _), packed in zip(held, tables.pack([(seq_id, table) for _, seq_id, table in held])):
+    for (pool, seq_id, _), packed in zip(held, tables.pack([(key, table) for key, (_, _, table) in zip(keys, held)])):
         num_slots = bm.num_slots[seq_id]
         seq = seqs.get(seq_id)
         if seq is None:  # (not while the scheduler holds the table)
@@ -171,7 +182,7 @@ def _stats(scheduler, ref_counts: list[int], packed: bytes) -> dict:
     held, num_shared = _held_and_shared(ref_counts, packed)
     logical = 0
     last_fill: dict[int, int] = {}
-    for seq_id, table in bm.block_tables.items():
+    for _, seq_id, table in _tables(bm):
         if table:
             logical += len(table) - num_null_entries(table)
             fill = num_slots[seq_id] - (len(table) - 1) * bs
@@ -199,7 +210,7 @@ def status_counters(scheduler) -> dict:
     num_shared = saved = 0
     if ref_counts is not None:
         held, num_shared = _held_and_shared(ref_counts, pack_ints(ref_counts))
-        saved = sum(len(table) - num_null_entries(table) for table in bm.block_tables.values()) - held
+        saved = sum(len(table) - num_null_entries(table) for _, _, table in _tables(bm)) - held
     num_cpu_blocks = getattr(bm, "num_cpu_blocks", 0)
     cpu_usage = 1 - bm.num_free_cpu_blocks / num_cpu_blocks if num_cpu_blocks else 0.0
     return {

@@ -52,7 +52,7 @@ def enable_cpu_tier(block_manager: Allocator, costs: PreemptionCosts) -> None:
     block back beats recomputing its tokens."""
     bm = block_manager
     if not bm.supports_cpu_tier:
-        log.warning("--cpu-prefix-cache: off (not with KV cache groups)")
+        log.warning("--cpu-prefix-cache: off (the paged allocator of one KV cache group alone has it)")
         return
     if not bm.enable_prefix_caching or not bm.num_cpu_blocks:
         log.warning("--cpu-prefix-cache: off (it needs prefix caching and a swap pool)")

@@ -37,7 +37,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from common.admission import AdmissionLimits, check_admissible, final_len
+from common.admission import AdmissionLimits, check_admissible, final_len, num_seqs, sequences_param
 from common.config import EngineConfig
 from common.multimodal import chunk_end, sent_images
 from common.protocol import (
@@ -167,6 +167,13 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         rejection = check_admissible(len(prompt), params, self.admission_limits)
         if rejection is not None:
             raise RequestRejected(rejection.message)
+        seqs = num_seqs(params)
+        if seqs > 1 and self.block_manager.allocates_chunks:  # a window's blocks are each sequence's
+            length = final_len(len(prompt), params, self.max_model_len)
+            if length > self.block_manager.max_tokens(self.config.max_num_batched_tokens, seqs):
+                raise RequestRejected(f"the request's {seqs} sequences of up to {length} tokens need more KV cache "
+                                      "than the server's whole pool; shorten the prompt, lower max_tokens or lower "
+                                      f"{sequences_param(params)}")
         if mm_items and params.prompt_logprobs is not None:
             raise RequestRejected("prompt_logprobs cannot score a prompt with images")
         budget = self.config.max_num_batched_tokens
@@ -435,15 +442,18 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         bm = self.block_manager
         if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
             return False
-        if len(seqs) == 1:
-            hits = [match.num_blocks * bm.block_size if match is not None else 0]
-        else:  # a preempted group recomputing: hits are a bonus, not counted on
-            hits = [0] * len(seqs)
-            if sum(bm.blocks_for(seq.num_tokens) for seq in seqs) > bm.num_free_blocks - bm.watermark_blocks:
-                return False
+        # a preempted group recomputing: hits are a bonus, not counted on
+        hits = [match.num_blocks * bm.block_size if match is not None else 0] if len(seqs) == 1 else [0] * len(seqs)
         num_new = self._chunk_sizes(seqs, budget, hits, group.mm_items)
-        self._start_chunks = [n + hit for n, hit in zip(num_new, hits)] if num_new is not None else []
-        return num_new is not None and (self.config.enable_chunked_prefill or all(
+        if num_new is None:
+            return False
+        # the slots `_allocate` gives each: its first chunk's where the allocator grows prompts chunk by chunk
+        self._start_chunks = ([min(s.num_tokens, n + hit) for s, n, hit in zip(seqs, num_new, hits)]
+                              if bm.allocates_chunks else [s.num_tokens for s in seqs])
+        if len(seqs) > 1 and (sum(map(bm.blocks_for, self._start_chunks))
+                              > bm.num_free_blocks - bm.watermark_blocks):
+            return False
+        return (self.config.enable_chunked_prefill or all(
             n + hit >= s.num_tokens for s, n, hit in zip(seqs, num_new, hits)))
 
     def _allocate(self, group: SequenceGroup, seqs: list[Sequence], match: PrefixMatch | None) -> bool:
@@ -451,10 +461,10 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         having changed nothing, when a lone sequence's blocks would eat into the watermark."""
         bm = self.block_manager
         final_tokens, salt = self._final_tokens(group), group.prefix_salt
-        # a lone prompt's first chunk alone where the allocator grows a prompt chunk by chunk
-        chunked = bm.allocates_chunks and len(seqs) == 1
-        for seq, view in zip(seqs, self._prompt_views(group, seqs)):
-            num_slots = min(seq.num_tokens, self._start_chunks[0]) if chunked else seq.num_tokens
+        for seq, view, num_slots in zip(seqs, self._prompt_views(group, seqs), self._start_chunks):
+            if bm.allocates_chunks and len(seqs) > 1 and view is not None:  # its hits and its first chunk
+                match = bm.match_prefix(view, seq.num_tokens, salt)
+                num_slots = min(seq.num_tokens, match.num_blocks * bm.block_size + num_slots)
             computed = bm.allocate(seq.seq_id, num_slots, view, final_tokens, salt, match=match,
                                    watermark=len(seqs) == 1)
             if computed is None:

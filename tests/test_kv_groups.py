@@ -12,11 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.memory_snapshot import check_snapshot, snapshot_json
 from common.plan_state import PlanState
 from common.protocol import CachedSequence, NewSequence, ProtocolError, SamplingParams, StepPlan
 from scheduler.allocator import NULL_BLOCK, AppendedSlots, NoFreeBlocksError
 from scheduler.block_manager import BlockManager
 from scheduler.kv_groups import GroupsMatch, HybridBlockManager
+from scheduler.memory_view import build_snapshot
 from tests import families
 from worker.input_batch import InputBatch
 from worker.kv_groups import kv_cache_groups
@@ -47,6 +49,13 @@ def test_alternating_layers_make_two_groups_and_uniform_layers_none():
     assert (groups.windows, groups.layer_groups, groups.layer_slots, groups.group_size) == (
         [None, 4096], [1, 0, 1, 0], [0, 0, 1, 1], 2)
     assert kv_cache_groups(layers([None] * 4)) is None and kv_cache_groups(layers([16] * 4)) is None
+
+
+def test_nearly_equal_kinds_make_one_group_each_of_the_larger_size():
+    """12 sliding and 13 global layers: two groups of 13 (the sliding one a layer short), not three."""
+    groups = kv_cache_groups(layers([None] * 13 + [64] * 12))
+    assert (groups.windows, groups.group_size) == ([None, 64], 13)
+    assert groups.layer_groups == [0] * 13 + [1] * 12 and groups.layer_slots == list(range(13)) + list(range(12))
 
 
 def test_layers_of_different_kv_shapes_are_refused():
@@ -153,10 +162,9 @@ def test_every_group_forks_copies_on_write_and_swaps_as_one():
 
 
 def test_a_sequence_grows_only_when_every_group_can():
-    bm = HybridBlockManager(6, 4, [None, 4])  # 5 blocks
-    bm.allocate(1, 8)  # 2 + 2
-    assert not bm.can_append(1, 1) or bm.num_free_blocks >= 2
-    bm.allocate(2, 4)  # 1 + 1: one block left
+    bm = HybridBlockManager(7, 4, [None, 4], watermark=0.0)  # 6 blocks
+    assert bm.allocate(1, 8) == 0 and bm.num_free_blocks == 2  # 2 + 2
+    assert bm.allocate(2, 4) == 0 and bm.num_free_blocks == 0  # 1 + 1
     assert bm.blocks_to_append(1, 1) == 2 and not bm.can_append(1, 1)
     before = [list(t) for t in bm.group_tables(1)], bm.num_free_blocks
     with pytest.raises(NoFreeBlocksError):
@@ -164,14 +172,19 @@ def test_a_sequence_grows_only_when_every_group_can():
     assert ([list(t) for t in bm.group_tables(1)], bm.num_free_blocks) == before
     assert not bm.grow_in_place(1, 1) and bm.num_slots[1] == 8
     assert bm.allocate(3, 4) is None  # needs 2
+    bm.free(2)
+    assert bm.num_free_blocks == 2 and bm.can_append(1, 1)
+    assert bm.append_slot(1, 1) == AppendedSlots(2) and bm.group_tables(1) == [[1, 2, 5], [3, 4, 6]]
     bm.check_integrity()
 
 
 def test_the_longest_sequence_counts_a_sliding_groups_window_and_step_only():
     bm = HybridBlockManager(101, 16, [None, 32, 32, 32, 32, 32], watermark=0.0)
-    # each sliding group: (32 + 64) / 16 + 1 = 7 blocks at most; the global group the rest
-    assert bm.max_tokens(64) == (100 - 5 * 7) * 16
+    # each sliding group: (32 + 2 * 32) / 16 + 1 = 7 blocks at most (a window, the chunk planned and
+    # the one in flight, whose blocks wait for its result); the global group the rest
+    assert bm.max_tokens(32) == (100 - 5 * 7) * 16
     assert bm.max_tokens(4096) == 100 // 6 * 16  # a whole sequence computed in one step: every group's
+    assert bm.max_tokens(32, num_seqs=2) == (50 - 5 * 7) * 16  # each sequence its window's blocks
     # decoding, a sequence of 1,600 tokens holds 100 global blocks and 3 in each sliding group
     assert bm.max_concurrency(1600) == 100 / (100 + 5 * 3)
     assert BlockManager(101, 16).max_concurrency(1600) == 1.0
@@ -328,6 +341,8 @@ def test_eight_long_sequences_run_at_once_in_half_the_bytes_uniform_allocation_n
               num_cpu_blocks=512, preemption_mode="swap")
     bm = llm.scheduler.block_manager
     assert isinstance(bm, HybridBlockManager) and bm.windows == [None] + [WINDOW] * 5
+    decode_runner = llm.executor.runner.decode_runner  # decode steps through its static buffers, per group
+    assert decode_runner is not None and len(decode_runner.group_block_tables) == 5
 
     def windows_hold_their_window(scheduler) -> None:
         for group in scheduler.running:
@@ -340,6 +355,10 @@ def test_eight_long_sequences_run_at_once_in_half_the_bytes_uniform_allocation_n
                     seq.num_computed_tokens, bm.num_slots[seq.seq_id], tables[1])
         counts = bm.group_block_counts()
         assert sum(counts) == bm.num_total_blocks - bm.num_free_blocks
+        # the memory page's snapshot: a row per group's table, every count its holders
+        snapshot = snapshot_json(build_snapshot(scheduler))
+        assert check_snapshot(snapshot) == []
+        assert len(snapshot["sequences"]) == 6 * (len(scheduler.running) + len(scheduler.swapped))
         if scheduler.running and all(len(g.seqs[0].output_token_ids) > 1 for g in scheduler.running):
             assert max(counts[1:]) <= len(scheduler.running) * (WINDOW // BLOCK + 2)
 
@@ -367,3 +386,26 @@ def test_eight_long_sequences_run_at_once_in_half_the_bytes_uniform_allocation_n
     outputs, most = run(uniform, prompts[:SEQS], params)
     assert most == 4 and uniform.scheduler.num_swap_preemptions > 0
     assert [list(o.token_ids) for o in outputs] == reference.token_ids[:SEQS]
+
+
+def test_sampled_and_beam_groups_recomputed_in_a_small_pool_equal_the_uniform_allocators(tmp_path):
+    """The tiny Qwen3 (windowed and global layers): n = 2 seeded samples and beams of 2, preempted by
+    recompute in 48 blocks of half the layers (their sequences come back chunk by chunk in every
+    group), draw what the uniform allocator draws in a pool with room for all; nothing leaks."""
+    from pagoda.offline import LLM
+
+    families.build("qwen3", tmp_path)
+    prompts = families.prompts()
+    sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10)
+    beams = SamplingParams(n=2, beam_width=2, temperature=0, max_tokens=10)
+    results = {}
+    for uniform in (True, False):
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=200 if uniform else 48,
+                  disable_hybrid_kv_cache_manager=uniform, preemption_mode="recompute", max_num_batched_tokens=40)
+        outputs = [llm.generate(prompts, params, use_tqdm=False) for params in (sampled, beams)]
+        results[uniform] = [[list(c.token_ids) for o in out for c in o.outputs] for out in outputs]
+        s = llm.scheduler
+        assert (s.num_recompute_preemptions > 0) != uniform
+        s.block_manager.check_integrity()
+        assert s.block_manager.num_free_blocks == s.block_manager.num_total_blocks
+    assert results[False] == results[True]

@@ -90,13 +90,14 @@ def _record_plans(llm) -> list:
 
 
 def test_swap_preemption_with_adapters_resident_keeps_every_output(llm, tiny):
-    llm.reset(num_gpu_blocks=24, preemption_mode="swap")
+    # (the tiny Qwen3's windowed and global layers: KV cache groups, a block of half the layers)
+    llm.reset(num_gpu_blocks=23, preemption_mode="swap")
     try:
         outputs = _mixed_batch(llm, tiny)
         assert llm.scheduler.num_swap_preemptions > 0
         _check(outputs, tiny)
         bm = llm.scheduler.block_manager
-        assert bm.num_free_blocks == 23 and not bm.block_tables  # no block leaked (cached ones count as free)
+        assert bm.num_free_blocks == 22 and not bm.block_tables  # no block leaked (cached ones count as free)
     finally:
         llm.reset()
 

@@ -19,6 +19,9 @@ row's KV before any row attends, so the row of draft j sees the KV of the tokens
 the chunk. The KV of the context is read once per row instead of once per sequence, which a
 short query can afford; so any step whose sequences each compute at most MAX_EXPANDED_QUERY
 tokens may run this way (`expand_short`: on CUDA, where it puts verify steps in the graphs).
+
+A model with KV cache groups (worker/kv_groups.py) has a slot mapping and block tables per group,
+each in its own static buffers, gathered from its own rows of the persistent table.
 """
 from __future__ import annotations
 
@@ -60,6 +63,12 @@ class DecodeRunner:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)  # one query per row, always
         self.block_tables = torch.zeros((size, self.width), dtype=torch.int32, device=device)
+        # KV cache groups 1..: their slot mappings and block tables
+        self.num_groups = input_batch.num_groups
+        self.group_slot_mappings = [torch.full((size,), -1, dtype=torch.int64, device=device)
+                                    for _ in range(1, self.num_groups)]
+        self.group_block_tables = [torch.zeros((size, self.width), dtype=torch.int32, device=device)
+                                   for _ in range(1, self.num_groups)]
         # each row's adapter slot (-1: none); a graph captured with it runs the LoRA kernels
         self.lora_indices = torch.full((size,), -1, dtype=torch.int64, device=device) if input_batch.enable_lora else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its hidden states)
@@ -99,7 +108,15 @@ class DecodeRunner:
         else:  # batch expansion: a row per token, which sees the KV up to its own position
             torch.add(step.positions[:n], 1, out=self.seq_lens[:n])
             rows = step.token_rows
-        torch.index_select(self.input_batch.block_table_device, 0, rows, out=self.block_tables[:n])
+        table = self.input_batch.block_table_device
+        if self.num_groups == 1:
+            torch.index_select(table, 0, rows, out=self.block_tables[:n])
+        else:  # row r's group g is table row r * G + g
+            rows = rows * self.num_groups
+            torch.index_select(table, 0, rows, out=self.block_tables[:n])
+            for g, (slots, tables) in enumerate(zip(self.group_slot_mappings, self.group_block_tables), 1):
+                slots[:n].copy_(ctx.groups[g][0])
+                torch.index_select(table, 0, rows + g, out=tables[:n])
         if self.lora_indices is not None:
             if ctx.lora_indices is None:
                 self.lora_indices[:n] = -1
@@ -112,6 +129,9 @@ class DecodeRunner:
             self.slot_mapping[n:end] = -1
             self.seq_lens[n:end] = 1
             self.block_tables[n:end] = 0
+            for slots, tables in zip(self.group_slot_mappings, self.group_block_tables):
+                slots[n:end] = -1
+                tables[n:end] = 0
             if self.lora_indices is not None:
                 self.lora_indices[n:end] = -1
         if self._num_dirty <= size:
@@ -125,6 +145,10 @@ class DecodeRunner:
             max_seqlen_k=self.width * self.input_batch.block_size,
             lora_indices=None if self.lora_indices is None else self.lora_indices[:size],
         )
+        if self.num_groups > 1:
+            context.groups = [(context.slot_mapping, context.block_tables, context.kernel_cache)] + [
+                (slots[:size], tables[:size], {})
+                for slots, tables in zip(self.group_slot_mappings, self.group_block_tables)]
         model = self.model if self.compiled is None else self.compiled
         with attention_context(context):
             return model(self.input_ids[:size], self.positions[:size])

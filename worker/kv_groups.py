@@ -2,9 +2,10 @@
 scheduler/kv_groups.py).
 
 Layers are grouped by how they attend (global, or a sliding window of W keys), in layer order,
-`group_size` layers a group: the fewest layers of any kind (vLLM's rule), so Gemma 3's 5 local :
-1 global layers make one global group and five local ones of equal size, the last of a kind
-short when its count does not divide. The pool holds `group_size` cache tensors; the j-th layer of
+`group_size` layers a group: the fewest layers of any kind, or the most where that is under 1.25
+times the fewest (vLLM's rule: 13 global and 12 sliding layers make two groups of 13, not three),
+so Gemma 3's 5 local : 1 global layers make one global group and five local ones of equal size,
+the last of a kind short when its count does not divide (its pages' unused layers are padding). The pool holds `group_size` cache tensors; the j-th layer of
 every group uses tensor j, through its group's block table. A block id therefore names a page of
 `group_size` layers, owned by one group at a time: the scheduler hands each block to one group's
 table, so two groups never write the same page.
@@ -42,7 +43,8 @@ def kv_cache_groups(layers) -> KVGroups | None:
     shapes = {(attn.num_kv_heads, attn.head_dim) for attn in layers}
     if len(shapes) > 1:
         raise ValueError(f"KV cache groups: layers of different KV shapes {sorted(shapes)} cannot share pages")
-    group_size = min(len(members) for members in kinds.values())
+    fewest, most = min(map(len, kinds.values())), max(map(len, kinds.values()))
+    group_size = most if most < 1.25 * fewest else fewest
     windows, layer_groups, layer_slots = [], [0] * len(layers), [0] * len(layers)
     for window in sorted(kinds, key=lambda w: (w is not None, w or 0)):
         members = kinds[window]

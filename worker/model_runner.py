@@ -173,9 +173,6 @@ class ModelRunner:
     def _eager_decode(self) -> bool:
         if self.config.enforce_eager or self.keeps_hidden or self.pooler_config is not None:  # a pooler never decodes
             return True
-        if self.kv_groups is not None:  # the static decode buffers hold one block table per row
-            log.info("KV cache groups: decode steps run eagerly (no CUDA graphs, no --compile)")
-            return True
         if self.device.type == "cuda" and self.world_size > 1:
             # capturing NCCL collectives in CUDA graphs needs more care than it is worth here
             log.info("tensor parallelism on CUDA: decode steps run eagerly (no CUDA graphs)")
