@@ -32,7 +32,7 @@ from scheduler.allocator import NULL_BLOCK, Allocator, AllocatorBase, AppendedSl
 from scheduler.block_manager import BlockManager
 from scheduler.block_pool import BlockPool
 
-__all__ = ["GroupsMatch", "HybridBlockManager", "make_allocator", "window_start"]
+__all__ = ["GroupsMatch", "HybridBlockManager", "make_allocator", "prompts_fit", "window_start"]
 
 
 @dataclass(slots=True)
@@ -56,8 +56,10 @@ class HybridBlockManager(AllocatorBase):
     allocates_chunks = True  # a prompt's slots are allocated chunk by chunk (the Scheduler's `_allocate`)
 
     def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None], watermark: float = 0.01,
-                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False) -> None:
+                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, step_tokens: int = 2048) -> None:
+        """`step_tokens`: the most tokens a step computes (--max-num-batched-tokens)."""
         super().__init__(num_blocks, block_size, watermark)
+        self.step_tokens = step_tokens
         if len(windows) < 2:
             raise ValueError(f"KV cache groups: at least two expected, got {len(windows)}")
         self.windows = list(windows)
@@ -94,21 +96,28 @@ class HybridBlockManager(AllocatorBase):
         """Blocks `num_tokens` slots take in every group, before any window gives one back."""
         return len(self.groups) * -(-num_tokens // self.block_size)
 
+    def blocks_to_hold(self, num_tokens: int, step_tokens: int | None = None) -> int:
+        """The most blocks a sequence of `num_tokens` holds over every group, computing up to
+        `step_tokens` a step (default --max-num-batched-tokens): a global group a block per
+        block_size tokens, a sliding group no more than its window and two steps' tokens (the chunk
+        planned, and the one in flight whose blocks wait for its result to be cached)."""
+        bs, step = self.block_size, self.step_tokens if step_tokens is None else step_tokens
+        num_blocks = -(-num_tokens // bs)
+        return sum(num_blocks if not window else min(num_blocks, -(-(window + 2 * step) // bs) + 1)
+                   for window in self.windows)
+
+    def held_blocks(self, seq_id: int) -> int:
+        """The device blocks the sequence's tables hold, in every group."""
+        return sum(len(table) - table.count(NULL_BLOCK) for table in self.group_tables(seq_id))
+
     def max_tokens(self, step_tokens: int, num_seqs: int = 1) -> int:
         """The most tokens each of `num_seqs` sequences can hold in the pool less the watermark,
-        computing up to `step_tokens` a step: a global group holds a block per block_size tokens, a
-        sliding group no more than its window and two steps' tokens (the chunk planned, and the one
-        in flight whose blocks wait for its result to be cached)."""
+        computing up to `step_tokens` a step (`blocks_to_hold`)."""
         bs, avail = self.block_size, self.num_total_blocks - self.watermark_blocks
-        caps = [-(-(window + 2 * step_tokens) // bs) + 1 if window else None for window in self.windows]
-
-        def cost(num_blocks: int) -> int:
-            return num_seqs * sum(num_blocks if cap is None else min(num_blocks, cap) for cap in caps)
-
-        lo, hi = 0, avail  # the most blocks per table whose cost fits: a bisection (cost grows with them)
+        lo, hi = 0, avail  # the most blocks per table that fit: a bisection (the cost grows with them)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if cost(mid) <= avail else (lo, mid - 1)
+            lo, hi = (mid, hi) if num_seqs * self.blocks_to_hold(mid * bs, step_tokens) <= avail else (lo, mid - 1)
         return lo * bs
 
     def max_concurrency(self, num_tokens: int) -> float:
@@ -296,6 +305,22 @@ class HybridBlockManager(AllocatorBase):
         self.pool.check_integrity(holders, cpu_holders)
 
 
+def prompts_fit(bm: HybridBlockManager, running, seqs, hits: list[int]) -> bool:
+    """Whether a waiting group's prompts (`seqs`, their leading `hits` tokens cached) fit once
+    prefilled, in the pool less the watermark and less what the running prompts still take to
+    finish theirs. Prompts are allocated chunk by chunk: admitted on their first chunk alone, they
+    would preempt each other as they grow (recomputing whole prompts); the uniform allocator takes a
+    prompt's blocks whole at admission instead."""
+    pending = 0
+    for group in running:
+        for seq in group.seqs:
+            if seq.seq_id in bm.block_tables and seq.num_computed_tokens + seq.ahead < seq.num_tokens:
+                pending += max(bm.blocks_to_hold(seq.num_tokens) - bm.held_blocks(seq.seq_id), 0)
+    num_global = sum(1 for window in bm.windows if not window)
+    needed = sum(bm.blocks_to_hold(seq.num_tokens) - hit // bm.block_size * num_global for seq, hit in zip(seqs, hits))
+    return needed + pending <= bm.num_free_blocks - bm.watermark_blocks
+
+
 def make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int, num_cpu_blocks: int,
                    sliding_window: int | None, kv_groups: Sequence[int] = ()) -> Allocator:
     """The paged BlockManager (a HybridBlockManager for a model's KV cache groups, `kv_groups`: each
@@ -305,7 +330,8 @@ def make_allocator(config: EngineConfig, num_gpu_blocks: int, max_model_len: int
         if config.allocator != "paged":
             raise ValueError(f"--allocator {config.allocator}: a model with KV cache groups needs the paged one")
         return HybridBlockManager(num_gpu_blocks, config.block_size, [w or None for w in kv_groups],
-                                  num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=config.enable_prefix_caching)
+                                  num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=config.enable_prefix_caching,
+                                  step_tokens=config.max_num_batched_tokens)
     if config.allocator == "paged":
         return BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
                             enable_prefix_caching=config.enable_prefix_caching, sliding_window=sliding_window)

@@ -46,7 +46,7 @@ from common.protocol import (
 )
 from scheduler.allocator import Allocator, NoFreeBlocksError, PrefixMatch
 from scheduler.beam import SequenceOps, beam_step
-from scheduler.kv_groups import make_allocator
+from scheduler.kv_groups import make_allocator, prompts_fit
 from scheduler.decode_fast_path import DecodeFastPath
 from scheduler.failures import FailedRequest, device_blocks, withdraw
 from scheduler.in_flight import PlannedStep, awaits_result, draws_in_flight, take_result
@@ -452,6 +452,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                               if bm.allocates_chunks else [s.num_tokens for s in seqs])
         if len(seqs) > 1 and (sum(map(bm.blocks_for, self._start_chunks))
                               > bm.num_free_blocks - bm.watermark_blocks):
+            return False
+        if bm.allocates_chunks and not prompts_fit(bm, self.running, seqs, hits):
             return False
         return (self.config.enable_chunked_prefill or all(
             n + hit >= s.num_tokens for s, n, hit in zip(seqs, num_new, hits)))

@@ -38,11 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prompt-tokens", type=int, default=4096)
-    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=128,
+                        help="long enough that the sequences decode side by side: memory, not the prefill's pace, "
+                             "bounds how many run at once")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--kv-cache-gib", type=float, default=0.125,
                         help="the KV pool of both runs (CPU); on CUDA each gets the device's budget")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write the result JSON here")
 
