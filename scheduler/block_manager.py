@@ -44,6 +44,7 @@ from collections.abc import Sequence
 
 from common.block_hash import block_key, lora_salt
 from common.block_hash import salt_lora_id as _salt_lora_id
+from common.kv_capacity import WATERMARK
 from common.kv_events import KVCacheEvent
 from scheduler.allocator import (
     NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, PrefixMatch, num_null_entries,
@@ -56,7 +57,7 @@ __all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key", "lora
 class BlockManager(AllocatorBase):
     supports_cpu_tier = True
     def __init__(
-        self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0,
+        self, num_blocks: int, block_size: int, watermark: float = WATERMARK, num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = False, sliding_window: int | None = None, *, pool: BlockPool | None = None,
         group: int = 0,
     ) -> None:

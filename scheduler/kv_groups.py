@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from common.block_hash import block_key
 from common.config import EngineConfig
+from common.kv_capacity import WATERMARK, blocks_to_hold, tokens_that_fit
 from common.kv_events import KVCacheEvent
 from scheduler.allocator import NULL_BLOCK, Allocator, AllocatorBase, AppendedSlots, NoFreeBlocksError, PrefixMatch
 from scheduler.block_manager import BlockManager
@@ -55,7 +56,7 @@ class HybridBlockManager(AllocatorBase):
     enable_cpu_tier = False
     allocates_chunks = True  # a prompt's slots are allocated chunk by chunk (the Scheduler's `_allocate`)
 
-    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None], watermark: float = 0.01,
+    def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None], watermark: float = WATERMARK,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, step_tokens: int = 2048) -> None:
         """`step_tokens`: the most tokens a step computes (--max-num-batched-tokens)."""
         super().__init__(num_blocks, block_size, watermark)
@@ -98,13 +99,9 @@ class HybridBlockManager(AllocatorBase):
 
     def blocks_to_hold(self, num_tokens: int, step_tokens: int | None = None) -> int:
         """The most blocks a sequence of `num_tokens` holds over every group, computing up to
-        `step_tokens` a step (default --max-num-batched-tokens): a global group a block per
-        block_size tokens, a sliding group no more than its window and two steps' tokens (the chunk
-        planned, and the one in flight whose blocks wait for its result to be cached)."""
-        bs, step = self.block_size, self.step_tokens if step_tokens is None else step_tokens
-        num_blocks = -(-num_tokens // bs)
-        return sum(num_blocks if not window else min(num_blocks, -(-(window + 2 * step) // bs) + 1)
-                   for window in self.windows)
+        `step_tokens` a step (default --max-num-batched-tokens; common/kv_capacity.py)."""
+        return blocks_to_hold(num_tokens, self.block_size, self.windows,
+                              self.step_tokens if step_tokens is None else step_tokens)
 
     def held_blocks(self, seq_id: int) -> int:
         """The device blocks the sequence's tables hold, in every group."""
@@ -113,12 +110,8 @@ class HybridBlockManager(AllocatorBase):
     def max_tokens(self, step_tokens: int, num_seqs: int = 1) -> int:
         """The most tokens each of `num_seqs` sequences can hold in the pool less the watermark,
         computing up to `step_tokens` a step (`blocks_to_hold`)."""
-        bs, avail = self.block_size, self.num_total_blocks - self.watermark_blocks
-        lo, hi = 0, avail  # the most blocks per table that fit: a bisection (the cost grows with them)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if num_seqs * self.blocks_to_hold(mid * bs, step_tokens) <= avail else (lo, mid - 1)
-        return lo * bs
+        return tokens_that_fit(self.num_total_blocks - self.watermark_blocks, self.block_size, self.windows,
+                               step_tokens, num_seqs)
 
     def max_concurrency(self, num_tokens: int) -> float:
         """Sequences of `num_tokens` decoding at once: a sliding group holds its window and the

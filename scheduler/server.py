@@ -61,7 +61,7 @@ class SchedulerServer(StepPipeline):
         self.stream = RequestStream(serving, self.id)
         self.link = WorkerLink(serving.zmq_address, engine_config.tensor_parallel_size)
         self.scheduler: Scheduler | None = None
-        self.hello: WorkerHello | None = None  # rank 0's, of the last group started
+        self.hello: WorkerHello | None = None  # rank 0's with the group's pools and context, of the last group started
         self.group_generation = -1
         self.epoch = int(time.time() * 1000) % (1 << 31)  # a restarted scheduler starts a new epoch
         self.stopping = False
@@ -169,17 +169,19 @@ class SchedulerServer(StepPipeline):
     def _start_group(self) -> None:
         """Every rank said hello: size the scheduler from their capacity (the smallest pool)."""
         hellos = self.link.hellos
-        hello = self.hello = hellos[0]
+        # rank 0's, with the group's pools and context: the least any rank holds (a rank whose pool
+        # holds less may have lowered its default context)
+        hello = self.hello = dataclasses.replace(
+            hellos[0], num_gpu_blocks=min(h.num_gpu_blocks for h in hellos.values()),
+            num_cpu_blocks=min(h.num_cpu_blocks for h in hellos.values()),
+            max_model_len=min(h.max_model_len for h in hellos.values()))
         self.group_generation = self.link.generation
         if hello.block_size != self.engine_config.block_size:
             log.warning("workers use block size %d; the scheduler follows", hello.block_size)
         # async scheduling stays on for a group of ranks: rank 0 broadcasts its sampled ids over
         # the group, so a PENDING_TOKEN means the same token on every rank (worker/executor.py)
         config = self.engine_config.replace(block_size=hello.block_size, max_model_len=hello.max_model_len)
-        self.scheduler = Scheduler.from_hello(config, dataclasses.replace(
-            hello, num_gpu_blocks=min(h.num_gpu_blocks for h in hellos.values()),
-            num_cpu_blocks=min(h.num_cpu_blocks for h in hellos.values()),
-        ), self.memory_events)
+        self.scheduler = Scheduler.from_hello(config, hello, self.memory_events)
         self.scheduler.epoch = self.epoch
         self.scheduler.isolate_failures = True
         if self.serving.kv_events:  # its first batch says AllBlocksCleared: the pool starts empty

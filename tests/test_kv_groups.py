@@ -409,3 +409,31 @@ def test_sampled_and_beam_groups_recomputed_in_a_small_pool_equal_the_uniform_al
         s.block_manager.check_integrity()
         assert s.block_manager.num_free_blocks == s.block_manager.num_total_blocks
     assert results[False] == results[True]
+
+
+def test_without_max_model_len_the_context_is_what_one_sequence_can_hold(tmp_path, caplog):
+    """The tiny Llama's 1,024-token context in 64 blocks of 16 (63 less the null block, no watermark
+    at that size): max_model_len 1,008, with a warning; --max-model-len keeps its own. A Gemma 3 of
+    5 local : 1 global layers (window 32) holds 1,024 in far fewer blocks: each local group only its
+    window and two steps' tokens."""
+    import json
+
+    from common.config import EngineConfig
+    from common.kv_capacity import tokens_that_fit
+    from worker.model_runner import ModelRunner
+
+    tiny = str(families.ROOT / "tests" / "data" / "tiny-llama.json")
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers, K and V, slots, KV heads, head_dim, float32
+    config = EngineConfig(model=f"dummy:{tiny}", device="cpu", dtype="float32", block_size=16,
+                          cpu_kv_cache_gb=64 * block_bytes / (1 << 30))
+    runner = ModelRunner(config)
+    assert (runner.num_gpu_blocks, runner.max_model_len) == (64, 1008)
+    assert "does not fit the KV cache (64 blocks of 16 tokens): max_model_len 1008" in caplog.text
+    assert ModelRunner(config.replace(max_model_len=1024)).max_model_len == 1024
+    gemma = tmp_path / "gemma3.json"
+    gemma.write_text(json.dumps({**families.BASE, **families.FAMILIES["gemma3_text"][2], "model_type": "gemma3_text",
+                                 "num_hidden_layers": 6, "sliding_window": 32, "sliding_window_pattern": 6}))
+    runner = ModelRunner(config.replace(model=f"dummy:{gemma}", max_num_batched_tokens=64,
+                                        cpu_kv_cache_gb=100 * 2 * 16 * 2 * 32 * 4 / (1 << 30)))
+    assert runner.num_gpu_blocks == 100 and runner.kv_groups.windows == [None] + [32] * 5
+    assert runner.max_model_len == tokens_that_fit(99, 16, runner.kv_groups.windows, 64) == (99 - 5 * 11) * 16

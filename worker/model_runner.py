@@ -12,6 +12,7 @@ import torch
 
 import kernels
 from common.config import EngineConfig, hf_overrides
+from common.kv_capacity import available_blocks, tokens_that_fit
 from common.models import resolve_model
 from common.pooling import pooler_config
 from common.plan_state import ScheduledSequence, TableChanges
@@ -98,6 +99,8 @@ class ModelRunner:
         self.num_gpu_blocks = config.num_gpu_blocks or num_blocks_that_fit(
             config, self.device, self.kv_bytes_per_block, int(self.hf_config.vocab_size), self.world_size,
             self.activation_bytes_per_token)
+        if config.max_model_len is None and config.num_gpu_blocks is None:
+            self._fit_context(config)
         self.num_cpu_blocks = (
             config.num_cpu_blocks if config.num_cpu_blocks is not None
             else int(config.swap_space_gb * (1 << 30) // self.kv_bytes_per_block)
@@ -159,6 +162,22 @@ class ModelRunner:
     def _capture_aux(self, layer, args) -> None:
         h, residual = args[1], args[2]  # (positions, h, residual, rotary)
         self._aux.append(h if residual is None else h + residual)
+
+    def _fit_context(self, config: EngineConfig) -> None:
+        """No --max-model-len: the model's context, or the most one sequence can hold in the KV
+        pool the memory gave (common/kv_capacity.py, as the scheduler admits) where that is less."""
+        windows = self.kv_groups.windows if self.kv_groups is not None else [None]
+        fits = tokens_that_fit(available_blocks(self.num_gpu_blocks), self.block_size, windows,
+                               config.max_num_batched_tokens)
+        if fits >= self.max_model_len:
+            return
+        if fits < self.block_size:
+            raise ValueError(f"the KV cache ({self.num_gpu_blocks} blocks of {self.kv_bytes_per_block} bytes) holds "
+                             "no sequence: give it more memory (--gpu-memory-utilization, --cpu-kv-cache-space)")
+        log.warning("the model's context of %d tokens does not fit the KV cache (%d blocks of %d tokens): max_model_len "
+                    "%d, what fits (--max-model-len sets it; more memory fits more)", self.max_model_len,
+                    self.num_gpu_blocks, self.block_size, fits)
+        self.max_model_len = fits
 
     def _check_kv_groups(self, config: EngineConfig) -> None:
         if self.kv_groups is None:
