@@ -45,16 +45,15 @@ from collections.abc import Sequence
 from common.block_hash import block_key, lora_salt
 from common.block_hash import salt_lora_id as _salt_lora_id
 from common.kv_capacity import WATERMARK
-from common.kv_events import KVCacheEvent
 from scheduler.allocator import (
     NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, PrefixMatch, num_null_entries,
 )
-from scheduler.block_pool import BlockPool
+from scheduler.block_pool import BlockPool, PoolView
 
 __all__ = ["NULL_BLOCK", "BlockManager", "NoFreeBlocksError", "block_key", "lora_salt"]
 
 
-class BlockManager(AllocatorBase):
+class BlockManager(PoolView, AllocatorBase):
     supports_cpu_tier = True
     def __init__(
         self, num_blocks: int, block_size: int, watermark: float = WATERMARK, num_cpu_blocks: int = 0,
@@ -77,55 +76,9 @@ class BlockManager(AllocatorBase):
         self.seq_keys: dict[int, list[bytes]] = {}  # keys of each sequence's leading full blocks
         self.seq_salt: dict[int, bytes] = {}  # the salt of each salted sequence (a LoRA adapter's)
 
-    # the pool's state, read (and the CPU tier's switch set) through the manager
-    ref_counts = property(lambda self: self.pool.ref_counts)
-    free_queue = property(lambda self: self.pool.free_queue)
-    evictable = property(lambda self: self.pool.evictable)
-    cached_blocks = property(lambda self: self.pool.cached_blocks)
-    block_key = property(lambda self: self.pool.block_key)
-    block_tokens = property(lambda self: self.pool.block_tokens)
-    cpu_ref_counts = property(lambda self: self.pool.cpu_ref_counts)
-    cpu_free_queue = property(lambda self: self.pool.cpu_free_queue)
-    cpu_cached = property(lambda self: self.pool.cpu_cached)
-    cpu_evictable = property(lambda self: self.pool.cpu_evictable)
-    cpu_block_meta = property(lambda self: self.pool.cpu_block_meta)
-    tier_swap_out = property(lambda self: self.pool.tier_swap_out)
-    tier_swap_in = property(lambda self: self.pool.tier_swap_in)
-    version = property(lambda self: self.pool.version)
-    evicted = property(lambda self: self.pool.evicted)
-    num_prefix_evictions = property(lambda self: self.pool.num_prefix_evictions)
-    num_cpu_tier_hits = property(lambda self: self.pool.num_cpu_tier_hits)
-    num_cpu_tier_stores = property(lambda self: self.pool.num_cpu_tier_stores)
+    # the CPU tier's switch, set through the manager (the scheduler's --cpu-prefix-cache)
     enable_cpu_tier = property(lambda self: self.pool.enable_cpu_tier,
                                lambda self, on: setattr(self.pool, "enable_cpu_tier", on))
-
-    def record_kv_events(self) -> None:
-        """Keep KV events from now on, starting with AllBlocksCleared: this pool starts empty."""
-        self.pool.record_kv_events()
-
-    def kv_snapshot(self) -> list[KVCacheEvent]:
-        return self.pool.kv_snapshot()
-
-    def take_kv_events(self) -> list[KVCacheEvent]:
-        return self.pool.take_kv_events()
-
-    def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]:
-        return self.pool.take_tier_copies()
-
-    # ---------------------------------------------------------------- queries
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks an allocation can take: free ones and evictable cached ones."""
-        return len(self.pool.free_queue) + len(self.pool.evictable)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.pool.evictable)
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        """Swap-pool blocks a swap-out can take: free ones and the tier's."""
-        return self.pool.num_free_cpu_blocks
 
     # ---------------------------------------------------------------- allocate
     def allocate(

@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 
 from common.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
-__all__ = ["BlockPool"]
+__all__ = ["BlockPool", "PoolView"]
 
 
 def _parents_first(entries: list[tuple]) -> list[tuple]:
@@ -295,3 +295,56 @@ class BlockPool:
         assert not reading & (tier | cpu_free), "a block read by a swap-in is free or in the tier"
         in_use = sum(1 for c in self.cpu_ref_counts if c > 0)
         assert len(cpu_free) + len(tier) + len(reading) + in_use == self.num_cpu_blocks, "swap pool leak"
+
+
+class PoolView:
+    """A table manager's view of its `pool` (BlockManager, HybridBlockManager): the pool's state
+    and counters read through the manager, its KV events and tier copies taken through it."""
+
+    pool: BlockPool
+    ref_counts = property(lambda self: self.pool.ref_counts)
+    free_queue = property(lambda self: self.pool.free_queue)
+    evictable = property(lambda self: self.pool.evictable)
+    cached_blocks = property(lambda self: self.pool.cached_blocks)
+    block_key = property(lambda self: self.pool.block_key)
+    block_tokens = property(lambda self: self.pool.block_tokens)
+    cpu_ref_counts = property(lambda self: self.pool.cpu_ref_counts)
+    cpu_free_queue = property(lambda self: self.pool.cpu_free_queue)
+    cpu_cached = property(lambda self: self.pool.cpu_cached)
+    cpu_evictable = property(lambda self: self.pool.cpu_evictable)
+    cpu_block_meta = property(lambda self: self.pool.cpu_block_meta)
+    tier_swap_out = property(lambda self: self.pool.tier_swap_out)
+    tier_swap_in = property(lambda self: self.pool.tier_swap_in)
+    version = property(lambda self: self.pool.version)
+    evicted = property(lambda self: self.pool.evicted)
+    num_prefix_evictions = property(lambda self: self.pool.num_prefix_evictions)
+    num_cpu_tier_hits = property(lambda self: self.pool.num_cpu_tier_hits)
+    num_cpu_tier_stores = property(lambda self: self.pool.num_cpu_tier_stores)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free ones and evictable cached ones."""
+        return len(self.pool.free_queue) + len(self.pool.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.pool.evictable)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        """Swap-pool blocks a swap-out can take: free ones and the tier's."""
+        return self.pool.num_free_cpu_blocks
+
+    def record_kv_events(self) -> None:
+        """Keep KV events from now on, starting with AllBlocksCleared: this pool starts empty."""
+        self.pool.record_kv_events()
+
+    def kv_snapshot(self) -> list[KVCacheEvent]:
+        return self.pool.kv_snapshot()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.pool.take_kv_events()
+
+    def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]:
+        return self.pool.take_tier_copies()
+

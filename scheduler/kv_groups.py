@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from common.block_hash import block_key
 from common.config import EngineConfig
 from common.kv_capacity import WATERMARK, blocks_to_hold, tokens_that_fit
-from common.kv_events import KVCacheEvent
 from scheduler.allocator import NULL_BLOCK, Allocator, AllocatorBase, AppendedSlots, NoFreeBlocksError, PrefixMatch
 from scheduler.block_manager import BlockManager
-from scheduler.block_pool import BlockPool
+from scheduler.block_pool import BlockPool, PoolView
 
 __all__ = ["GroupsMatch", "HybridBlockManager", "make_allocator", "prompts_fit", "window_start"]
 
@@ -48,7 +47,7 @@ def window_start(num_blocks: int, block_size: int, window: int | None) -> int:
     return max(num_blocks * block_size - window + 1, 0) // block_size if window else 0
 
 
-class HybridBlockManager(AllocatorBase):
+class HybridBlockManager(PoolView, AllocatorBase):
     """The Allocator of a model with several KV cache groups: `windows[g]` is group g's sliding
     window (None: global). The first group's tables are `block_tables` (what the memory view
     shows); `group_tables` gives all of a sequence's."""
@@ -71,27 +70,6 @@ class HybridBlockManager(AllocatorBase):
         self.block_tables, self.num_slots, self.cpu_tables = first.block_tables, first.num_slots, first.cpu_tables
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
-
-    # the pool's state and counters (scheduler/memory_view.py)
-    ref_counts = property(lambda self: self.pool.ref_counts)
-    evictable = property(lambda self: self.pool.evictable)
-    cpu_ref_counts = property(lambda self: self.pool.cpu_ref_counts)
-    cpu_evictable = property(lambda self: self.pool.cpu_evictable)
-    version = property(lambda self: self.pool.version)
-    evicted = property(lambda self: self.pool.evicted)
-    num_prefix_evictions = property(lambda self: self.pool.num_prefix_evictions)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.pool.evictable)
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self.pool.num_free_cpu_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks `num_tokens` slots take in every group, before any window gives one back."""
@@ -263,19 +241,7 @@ class HybridBlockManager(AllocatorBase):
             raise NoFreeBlocksError("the device pool cannot hold these sequences")
         return [copy for group in self.groups for copy in group.swap_in(seq_ids)]
 
-    # ---------------------------------------------------------------- events, stats, invariants
-    def record_kv_events(self) -> None:
-        self.pool.record_kv_events()
-
-    def take_kv_events(self) -> list[KVCacheEvent]:
-        return self.pool.take_kv_events()
-
-    def kv_snapshot(self) -> list[KVCacheEvent]:
-        return self.pool.kv_snapshot()
-
-    def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]:
-        return self.pool.take_tier_copies()
-
+    # ---------------------------------------------------------------- stats, invariants
     def sharing_stats(self) -> tuple[int, int]:
         logical = sum(group.sharing_stats()[0] for group in self.groups)
         return logical, self.num_total_blocks - self.num_free_blocks
