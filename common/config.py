@@ -64,7 +64,7 @@ class EngineConfig:
     max_num_batched_tokens: int = option(2048, "--max-num-batched-tokens", "tokens in one step at most")
     max_model_len: int | None = option(None, "--max-model-len",
                                        "context length (default: the model's, or what one sequence can hold in the "
-                                       "KV cache where that is less)")
+                                       "KV cache the memory gives where that is less)")
     enable_chunked_prefill: bool = option(True, "--no-chunked-prefill",
                                           "prefill a prompt in one step (needs --max-num-batched-tokens >= "
                                           "--max-model-len) instead of in chunks")

@@ -477,8 +477,10 @@ class RankProcesses:
     def group_hello(self):
         """Rank 0's hello with the group's pool sizes: the smallest any rank holds."""
         hello = self.executor.hello()
-        num_gpu_blocks, num_cpu_blocks = self.group.min_over_ranks(hello.num_gpu_blocks, hello.num_cpu_blocks)
-        return dataclasses.replace(hello, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+        num_gpu_blocks, num_cpu_blocks, max_model_len = self.group.min_over_ranks(
+            hello.num_gpu_blocks, hello.num_cpu_blocks, hello.max_model_len)
+        return dataclasses.replace(hello, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                                   max_model_len=max_model_len)
 
     def stop(self) -> None:
         self._finalizer()

@@ -347,4 +347,3 @@ class PoolView:
 
     def take_tier_copies(self) -> tuple[list[list[int]], list[list[int]]]:
         return self.pool.take_tier_copies()
-

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 
+from common.kv_capacity import WATERMARK
 from scheduler.allocator import NULL_BLOCK, AllocatorBase, AppendedSlots, NoFreeBlocksError, PrefixMatch
 
 POLICIES = ("max", "pow2", "oracle")
@@ -37,7 +38,7 @@ def next_power_of_two(n: int) -> int:
 
 class ContiguousAllocator(AllocatorBase):
     def __init__(
-        self, num_blocks: int, block_size: int, policy: str, max_model_len: int, watermark: float = 0.01
+        self, num_blocks: int, block_size: int, policy: str, max_model_len: int, watermark: float = WATERMARK
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown contiguous policy {policy!r}: expected one of {', '.join(POLICIES)}")

@@ -89,7 +89,7 @@ class HybridBlockManager(PoolView, AllocatorBase):
         """The most tokens each of `num_seqs` sequences can hold in the pool less the watermark,
         computing up to `step_tokens` a step (`blocks_to_hold`)."""
         return tokens_that_fit(self.num_total_blocks - self.watermark_blocks, self.block_size, self.windows,
-                               step_tokens, num_seqs)
+                               step_tokens, num_seqs)  # (the scheduler's step_tokens: --max-num-batched-tokens)
 
     def max_concurrency(self, num_tokens: int) -> float:
         """Sequences of `num_tokens` decoding at once: a sliding group holds its window and the
@@ -264,19 +264,21 @@ class HybridBlockManager(PoolView, AllocatorBase):
         self.pool.check_integrity(holders, cpu_holders)
 
 
-def prompts_fit(bm: HybridBlockManager, running, seqs, hits: list[int]) -> bool:
-    """Whether a waiting group's prompts (`seqs`, their leading `hits` tokens cached) fit once
+def prompts_fit(bm: HybridBlockManager, running, seqs, match: PrefixMatch | None) -> bool:
+    """Whether a waiting group's prompts (`seqs`; a lone one's prefix-cache hits `match`) fit once
     prefilled, in the pool less the watermark and less what the running prompts still take to
-    finish theirs. Prompts are allocated chunk by chunk: admitted on their first chunk alone, they
-    would preempt each other as they grow (recomputing whole prompts); the uniform allocator takes a
-    prompt's blocks whole at admission instead."""
+    finish theirs (those whose tables do not cover their tokens yet). Prompts are allocated chunk by
+    chunk: admitted on their first chunk alone, they would preempt each other as they grow
+    (recomputing whole prompts); the uniform allocator takes a prompt's blocks whole at admission
+    instead. A hit another table holds costs nothing; a cached one (counted free) costs its block."""
     pending = 0
     for group in running:
         for seq in group.seqs:
-            if seq.seq_id in bm.block_tables and seq.num_computed_tokens + seq.ahead < seq.num_tokens:
+            if seq.seq_id in bm.block_tables and bm.num_slots[seq.seq_id] < seq.num_tokens - 1:
                 pending += max(bm.blocks_to_hold(seq.num_tokens) - bm.held_blocks(seq.seq_id), 0)
-    num_global = sum(1 for window in bm.windows if not window)
-    needed = sum(bm.blocks_to_hold(seq.num_tokens) - hit // bm.block_size * num_global for seq, hit in zip(seqs, hits))
+    needed = sum(bm.blocks_to_hold(seq.num_tokens) for seq in seqs)
+    if isinstance(match, GroupsMatch):
+        needed -= sum(1 for m in match.groups for block in m.hits if block != NULL_BLOCK and bm.ref_counts[block])
     return needed + pending <= bm.num_free_blocks - bm.watermark_blocks
 
 

@@ -438,7 +438,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                    ) -> bool:
         """Whether the waiting group fits this step: sequence slots, its first chunk in the token
         budget (its whole prompt without chunked prefill), a recomputing group's blocks in the pool
-        (a lone sequence's are `_allocate`'s)."""
+        (a lone sequence's are `_allocate`'s); where prompts are allocated chunk by chunk, the
+        blocks they hold once prefilled (scheduler/kv_groups.prompts_fit)."""
         bm = self.block_manager
         if self._num_seq_slots_in_use() + max(group.max_seqs, len(seqs)) > self.config.max_num_seqs:
             return False
@@ -453,7 +454,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if len(seqs) > 1 and (sum(map(bm.blocks_for, self._start_chunks))
                               > bm.num_free_blocks - bm.watermark_blocks):
             return False
-        if bm.allocates_chunks and not prompts_fit(bm, self.running, seqs, hits):
+        if bm.allocates_chunks and not prompts_fit(bm, self.running, seqs, match if len(seqs) == 1 else None):
             return False
         return (self.config.enable_chunked_prefill or all(
             n + hit >= s.num_tokens for s, n, hit in zip(seqs, num_new, hits)))

@@ -17,7 +17,7 @@ from common.plan_state import PlanState
 from common.protocol import CachedSequence, NewSequence, ProtocolError, SamplingParams, StepPlan
 from scheduler.allocator import NULL_BLOCK, AppendedSlots, NoFreeBlocksError
 from scheduler.block_manager import BlockManager
-from scheduler.kv_groups import GroupsMatch, HybridBlockManager
+from scheduler.kv_groups import GroupsMatch, HybridBlockManager, prompts_fit
 from scheduler.memory_view import build_snapshot
 from tests import families
 from worker.input_batch import InputBatch
@@ -188,6 +188,25 @@ def test_the_longest_sequence_counts_a_sliding_groups_window_and_step_only():
     # decoding, a sequence of 1,600 tokens holds 100 global blocks and 3 in each sliding group
     assert bm.max_concurrency(1600) == 100 / (100 + 5 * 3)
     assert BlockManager(101, 16).max_concurrency(1600) == 1.0
+
+
+def test_a_waiting_prompt_starts_once_its_prefilled_blocks_fit():
+    """32 blocks of 4, a window of 8 and steps of 4: a prompt of 41 tokens holds 11 global blocks and
+    at most (8 + 2 * 4) / 4 + 1 = 5 sliding ones once prefilled. With a running 40-token sequence
+    holding 20, it fits only counting its hits, which that sequence holds (10 global blocks, and the
+    2 sliding ones inside the window of position 40); a prompt still prefilling takes its share first."""
+    bm = HybridBlockManager(33, 4, [None, 8], watermark=0.0, enable_prefix_caching=True, step_tokens=4)
+    prompt = list(range(100, 140))
+    bm.allocate(1, 40, prompt)
+    bm.register_computed(1, prompt, 40)
+    running = [SimpleNamespace(seqs=[SimpleNamespace(seq_id=1, num_tokens=40)])]
+    waiting = [SimpleNamespace(num_tokens=41)]
+    match = bm.match_prefix(prompt + [7], 41)
+    assert [len(m.hits) - m.hits.count(NULL_BLOCK) for m in match.groups] == [10, 2] and bm.num_free_blocks == 12
+    assert not prompts_fit(bm, running, waiting, None) and prompts_fit(bm, running, waiting, match)
+    bm.allocate(2, 8)  # a 40-token prompt's first chunk: 2 + 2 blocks, 11 more to hold once prefilled
+    running.append(SimpleNamespace(seqs=[SimpleNamespace(seq_id=2, num_tokens=40)]))
+    assert not prompts_fit(bm, running, waiting, match)
 
 
 # ----------------------------------------------------------------------------- property
@@ -428,6 +447,7 @@ def test_without_max_model_len_the_context_is_what_one_sequence_can_hold(tmp_pat
                           cpu_kv_cache_gb=64 * block_bytes / (1 << 30))
     runner = ModelRunner(config)
     assert (runner.num_gpu_blocks, runner.max_model_len) == (64, 1008)
+    assert runner.model.max_positions == 1008 and runner.model.cos_cache.dtype == torch.float32  # rotary refitted
     assert "does not fit the KV cache (64 blocks of 16 tokens): max_model_len 1008" in caplog.text
     assert ModelRunner(config.replace(max_model_len=1024)).max_model_len == 1024
     gemma = tmp_path / "gemma3.json"

@@ -23,6 +23,7 @@ from worker.drafter import DraftModel
 from worker.eagle import EagleDrafter
 from worker.input_batch import InputBatch, StepTensors
 from worker.kv_groups import allocate_grouped_caches, kv_cache_groups
+from worker.quantization.base import cast_model
 from worker.kv_pool import KVPool, allocate_kv_caches
 from worker.loader import load_model, resolve_dtype, resolve_scheme
 from worker.lora import LoRAManager
@@ -178,6 +179,11 @@ class ModelRunner:
                     "%d, what fits (--max-model-len sets it; more memory fits more)", self.max_model_len,
                     self.num_gpu_blocks, self.block_size, fits)
         self.max_model_len = fits
+        rotary_embs = getattr(getattr(self.model, "model", None), "rotary_embs", None)
+        if rotary_embs is not None:  # the rotary tables of this context, as --max-model-len would make them
+            self.model.init_rope_cache(fits)  # (LongRoPE's factors, dynamic NTK's base follow the length)
+            for rotary in rotary_embs.values():
+                cast_model(rotary, self.dtype, self.device)
 
     def _check_kv_groups(self, config: EngineConfig) -> None:
         if self.kv_groups is None:

@@ -42,7 +42,7 @@ def serve_rank(rank: int, address: str, config_fields: dict, ready, num_threads:
     ready.close()
     executor.form_group(0)
     hello = executor.hello()
-    group.min_over_ranks(hello.num_gpu_blocks, hello.num_cpu_blocks)
+    group.min_over_ranks(hello.num_gpu_blocks, hello.num_cpu_blocks, hello.max_model_len)
     while (data := group.broadcast_bytes(None)) != STOP:
         if data == RESET:
             executor.reset()
