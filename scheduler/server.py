@@ -188,9 +188,10 @@ class SchedulerServer(StepPipeline):
             self.scheduler.block_manager.record_kv_events()
             self._kv_events_run_id = self.stream.redis_run_id
         self._memory_version, self._memory_tables = None, PackedTables()
-        log.info("workers ready: %s, %d KV blocks of %d tokens (%d bytes each), context %d: at most %.2fx "
-                 "sequences of %d tokens at once%s", hello.model, hello.num_gpu_blocks, hello.block_size,
-                 hello.kv_bytes_per_block, hello.max_model_len,
+        log.info("workers ready: %s, %d KV blocks of %d tokens (%d bytes each, %d a token%s), context %d: at most "
+                 "%.2fx sequences of %d tokens at once%s", hello.model, hello.num_gpu_blocks, hello.block_size,
+                 hello.kv_bytes_per_block, hello.kv_bytes_per_block // hello.block_size,
+                 " in each KV cache group" if hello.kv_groups else "", hello.max_model_len,
                  self.scheduler.block_manager.max_concurrency(hello.max_model_len), hello.max_model_len,
                  f"; KV cache groups {hello.kv_groups} (each one's window, 0: global)" if hello.kv_groups else "")
 

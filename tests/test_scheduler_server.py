@@ -50,12 +50,12 @@ class FakeWorker:
 
     def __init__(self, address: str, block_size: int = BLOCK_SIZE, step_delay_s: float = 0.0,
                  rehello_s: float = 2.0, rank: int = 0, world_size: int = 1,
-                 executor: FakeExecutor | None = None) -> None:
+                 executor: FakeExecutor | None = None, kv_groups: tuple[int, ...] = ()) -> None:
         self.address = address
         self.hello = WorkerHello(
             rank=rank, world_size=world_size, device="fake", model="fake-model", num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
             block_size=block_size, max_model_len=MAX_MODEL_LEN, vocab_size=1024, eos_token_ids=[EOS],
-            kv_bytes_per_block=1024, host_bandwidth=1e9, prefill_tokens_per_s=1e5,
+            kv_bytes_per_block=1024, host_bandwidth=1e9, prefill_tokens_per_s=1e5, kv_groups=list(kv_groups),
         )
         self.executor = executor or FakeExecutor(block_size)
         self.step_delay_s = step_delay_s
@@ -402,6 +402,24 @@ def test_the_scheduler_follows_the_workers_block_size(harness):
     assert len(worker.plans[0].new_seqs[0].block_ids) == 2  # 40 tokens in blocks of 32
     harness.wait_until(lambda: harness.status().block_size == 32, 2.0, "the status to show blocks of 32")
     harness.assert_nothing_held()
+
+
+def test_the_start_up_log_gives_the_pool_its_bytes_and_the_most_sequences_at_once(make_harness, caplog):
+    """64 blocks of 16 (63 usable) for a context of 512 (32 blocks): 1.97x; a hybrid's KV cache
+    groups (a global one and a window of 32 tokens) hold a 512-token sequence in 32 + 3 blocks: 1.80x."""
+    caplog.set_level("INFO", logger="scheduler.server")
+    uniform = make_harness()
+    uniform.worker()
+    uniform.wait_ready()
+    assert ("workers ready: fake-model, 64 KV blocks of 16 tokens (1024 bytes each, 64 a token), context 512: at "
+            "most 1.97x sequences of 512 tokens at once") in caplog.text
+    uniform.stop_server()
+    hybrid = make_harness(scheduler_id="hybrid")
+    hybrid.worker(kv_groups=(0, 32))
+    hybrid.wait_ready()
+    assert ("workers ready: fake-model, 64 KV blocks of 16 tokens (1024 bytes each, 64 a token in each KV cache "
+            "group), context 512: at most 1.80x sequences of 512 tokens at once; KV cache groups [0, 32] (each "
+            "one's window, 0: global)") in caplog.text
 
 
 # ----------------------------------------------------------------------------- aborts
