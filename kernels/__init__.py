@@ -67,6 +67,7 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, impl: Impl = None,
     max_seqlen_k: int | None = None, kv_splits: int | None = None, step_cache: dict | None = None,
     sliding_window: int | None = None, logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV: prefill, queries after a
     cached prefix, and decode, mixed in one batch (semantics: `reference.paged_attention`).
@@ -81,20 +82,24 @@ def paged_attention(
     before the mask (None or 0: neither). On CUDA each (window?, soft-cap?) pair is its own
     compiled kernel variant: `warmup` must be told which ones the model runs. An fp8 cache is read
     as `stored * k_scale` and `stored * v_scale` (its own compiled variant); others ignore the scales.
+    `sinks` [num_heads] float32 (gpt-oss): a learned logit per query head in every row's softmax
+    denominator (a key with a zero value; its own compiled variant).
     """
     sliding_window, logit_softcap = _check_masking(sliding_window, logit_softcap)
+    if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks must be float32 [num_heads={query.shape[1]}], not {sinks.dtype} {tuple(sinks.shape)}")
     if _use_triton(query, impl):
         from kernels import triton_attention
 
         return triton_attention.paged_attention(
             query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out,
             max_seqlen_k=max_seqlen_k, kv_splits=kv_splits, sliding_window=sliding_window, logit_softcap=logit_softcap,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, sinks=sinks,
         )
     if impl is None and cpu_ops.takes(query, kv_cache) and (out is None or out.is_contiguous() and out.dtype == query.dtype):
         out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
         cpu_ops.attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
-                          logit_softcap)
+                          logit_softcap, sinks)
         return out
     plan = None
     if step_cache is not None:
@@ -105,7 +110,7 @@ def paged_attention(
                 block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2], sliding_window)
     return reference.paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=out, plan=plan,
                                      sliding_window=sliding_window, logit_softcap=logit_softcap, k_scale=k_scale,
-                                     v_scale=v_scale)
+                                     v_scale=v_scale, sinks=sinks)
 
 
 def copy_blocks(
@@ -143,7 +148,7 @@ def swap_blocks(
 
 def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
            device: torch.device, max_model_len: int,
-           attention_variants: Iterable[tuple[int | None, float | None]] = ((None, None),),
+           attention_variants: Iterable[tuple] = ((None, None),),
            kv_cache_dtype: torch.dtype | None = None) -> int:
     """Compile every Triton kernel variant this model can launch (attention tiles of both phases,
     every split count the heuristic can pick and its reduce, write_kv, copy_blocks) and reserve the
@@ -153,12 +158,12 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
 
     `attention_variants`: the (sliding_window, logit_softcap) pairs the model's layers pass to
     `paged_attention`, values or None, repeats allowed: e.g. {(4096, 50.0), (None, 50.0)} for
-    Gemma 2, {(4096, None)} for Mistral v0.1. The default is one plain variant (no window, no cap).
-    A window's size matters (it bounds the split counts); a cap's value does not. `kv_cache_dtype`:
-    the cache's when it is not `dtype` (fp8).
+    Gemma 2, {(4096, None)} for Mistral v0.1; a third item True where the layers have sinks
+    (gpt-oss: {(128, None, True), (None, None, True)}). The default is one plain variant (no window,
+    no cap). A window's size matters (it bounds the split counts); a cap's value does not.
+    `kv_cache_dtype`: the cache's when it is not `dtype` (fp8).
     """
-    variants = sorted({(window or 0, bool(softcap))
-                       for window, softcap in (_check_masking(*pair) for pair in attention_variants)})
+    variants = sorted({_variant(*variant) for variant in attention_variants})
     if not variants:
         raise ValueError("attention_variants names no variant: pass ((None, None),) for plain attention")
     device = torch.device(device)
@@ -170,9 +175,9 @@ def warmup(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     kv_cache_dtype = kv_cache_dtype or dtype
     kv_dtype_name = "" if kv_cache_dtype == dtype else str(kv_cache_dtype).removeprefix("torch.")
     launches = 0
-    for window, softcap in variants:
+    for window, softcap, sinks in variants:
         shape = AttentionShape(num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, dtype_name,
-                               window > 0, softcap, kv_dtype_name)
+                               window > 0, softcap, kv_dtype_name, sinks)
         launches += triton_attention.warmup(shape, max_model_len, device, sliding_window=window or None)
     return launches + triton_cache.warmup(num_kv_heads, head_dim, block_size, dtype, device, kv_cache_dtype)
 
@@ -310,6 +315,12 @@ def _check_masking(sliding_window: int | None, logit_softcap: float | None) -> t
         raise ValueError(f"sliding_window ({sliding_window}) and logit_softcap ({logit_softcap}) must be positive, "
                          "or None for no window and no soft-cap")
     return sliding_window or None, logit_softcap or None
+
+
+def _variant(sliding_window: int | None, logit_softcap: float | None, sinks: bool = False) -> tuple[int, bool, bool]:
+    """(window or 0, soft-capped?, sinks?): what selects a compiled attention variant."""
+    sliding_window, logit_softcap = _check_masking(sliding_window, logit_softcap)
+    return sliding_window or 0, bool(logit_softcap), bool(sinks)
 
 
 def _check_impl(impl: Impl) -> None:

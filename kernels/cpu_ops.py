@@ -126,12 +126,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 
 def attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               cu_seqlens_q: torch.Tensor, out: torch.Tensor, scale: float, sliding_window: int | None,
-              logit_softcap: float | None) -> None:
+              logit_softcap: float | None, sinks: torch.Tensor | None = None) -> None:
     """`kernels.paged_attention`'s semantics, into `out` (contiguous, the query's dtype)."""
     block_tables, seq_lens, cu_seqlens_q = (t if t.dtype == torch.int32 and t.is_contiguous() else t.int().contiguous()
                                             for t in (block_tables, seq_lens, cu_seqlens_q))
     torch.ops.pagoda_cpu.attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                                   sliding_window or 0, logit_softcap or 0.0)
+                                   sliding_window or 0, logit_softcap or 0.0, sinks)
 
 
 def takes(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -39,6 +39,7 @@ def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None, plan: AttentionPlan | None = None,
     sliding_window: int | None = None, logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV.
 
@@ -55,6 +56,11 @@ def paged_attention(
     plan gathers only the blocks of each row's window) and longer queries run
     `paged_attention_masked`'s loop, both in float32 in transformers' eager order.
 
+    `sinks` [num_heads] (gpt-oss): a learned logit per query head that joins every row's softmax
+    as one more key whose value is zero, so a head may attend to nothing: the probabilities of the
+    real keys sum to less than 1. Computed as transformers' eager attention does (the sink's column
+    concatenated to the scores, the softmax taken, the column dropped).
+
     An fp8 cache is dequantized as it is gathered: K as `stored.float() * k_scale`, V with
     `v_scale` (float32, as every path computes), so the result is attention over the dequantized
     cache. Other caches ignore the scales.
@@ -65,18 +71,18 @@ def paged_attention(
     plan = plan or plan_attention(block_tables, seq_lens, cu_seqlens_q, kv_cache.shape[2], sliding_window)
     assert plan.sliding_window == sliding_window, "a plan is made for one window (a step caches one per window)"
     for bucket in plan.decode_buckets:
-        _decode(query, kv_cache, bucket, scale, out, logit_softcap, scales)
+        _decode(query, kv_cache, bucket, scale, out, logit_softcap, scales, sinks)
     for bucket in plan.chunk_buckets:
-        if logit_softcap:  # the eager order, a row at a time
+        if logit_softcap or sinks is not None:  # the eager order, a row at a time
             for i, start, q_len, seq_len in bucket.prefills:
                 _attend_masked(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, sliding_window,
-                               logit_softcap, scales)
+                               logit_softcap, scales, sinks)
         else:
             _chunks(query, kv_cache, bucket, scale, out, scales)
     for i, start, q_len, seq_len in plan.prefills:
-        if sliding_window or logit_softcap:
+        if sliding_window or logit_softcap or sinks is not None:
             _attend_masked(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, sliding_window,
-                           logit_softcap, scales)
+                           logit_softcap, scales, sinks)
         else:
             _prefill(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, scales)
     return out
@@ -245,12 +251,12 @@ def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int,
 
 
 def _decode(query, kv_cache, bucket: DecodeBucket, scale, out, logit_softcap: float | None = None,
-            scales: tuple[float, float] = (1.0, 1.0)) -> None:
+            scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None) -> None:
     """One bucket's single queries, each KV head's query group taken as a query length.
 
     Slots past a row's context (null-block padding, the tail of a partial block) or before its
     window may hold anything, NaN included: they are masked out and their K and V rows zeroed,
-    since NaN survives a mask and a zero attention weight. A soft-cap runs `_softcapped`, the
+    since NaN survives a mask and a zero attention weight. A soft-cap or sinks run `_eager`, the
     eager order, which scaled_dot_product_attention cannot.
     """
     num_blocks, block_size, num_kv_heads, head_dim = bucket.blocks.shape[1], *kv_cache.shape[2:]
@@ -263,28 +269,42 @@ def _decode(query, kv_cache, bucket: DecodeBucket, scale, out, logit_softcap: fl
     k[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
     v[:, lo:].masked_fill_(bucket.beyond[:, :, None, None], 0)
     q = query[bucket.q_rows].float().view(b, num_kv_heads, -1, head_dim)  # [b, kvh, group, hd]
-    if logit_softcap:
-        o = _softcapped(q, k.float(), v.float(), bucket.mask[:, 0], scale, logit_softcap)
+    if logit_softcap or sinks is not None:
+        o = _eager(q, k.float(), v.float(), bucket.mask[:, 0], scale, logit_softcap, sinks)
     else:
         k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
         o = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=bucket.mask, scale=scale)
     out[bucket.q_rows] = o.reshape(b, -1, head_dim).to(out.dtype)
 
 
-def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                softcap: float) -> torch.Tensor:
-    """Eager attention with a soft-cap (scores, cap, mask, softmax, @ V), one KV head at a time:
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Eager attention (scores, cap, mask, sinks, softmax, @ V), one KV head at a time:
     k[:, :, h] is a strided [b, L, hd] matrix that matmul reads in place, where permuting all of
     K to [b, kvh, L, hd] would copy it (3x slower on CPU).
 
     q: [b, kvh, group, hd]; k, v: [b, L, kvh, hd]; mask: [b, 1, L]. Returns [b, kvh, group, hd].
     """
     out = torch.empty_like(q)
-    for h in range(q.shape[1]):
+    b, num_kv_heads, group = q.shape[:3]
+    head_sinks = None if sinks is None else sinks.float().view(num_kv_heads, group, 1)
+    for h in range(num_kv_heads):
         scores = torch.matmul(q[:, h], k[:, :, h].transpose(1, 2)) * scale  # [b, group, L]
-        scores = torch.tanh(scores / softcap) * softcap
-        out[:, h] = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v[:, :, h])
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[:, h] = torch.matmul(_softmax(scores, None if head_sinks is None else head_sinks[h]), v[:, :, h])
     return out
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; with `sinks` (broadcast to scores[..., :1]) a column of the sink
+    logits joins it and is dropped after (transformers' eager attention of gpt-oss)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    combined = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def _prefill(query, kv_cache, block_table, seq_len, start, q_len, scale, out, scales=(1.0, 1.0)) -> None:
@@ -307,8 +327,9 @@ def paged_attention_masked(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
     sliding_window: int | None = None, logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` with a sliding window and/or logit soft-capping, one sequence at a time
+    """`paged_attention` with a sliding window, logit soft-capping and/or sinks, one sequence at a time
     in float32, as transformers' eager attention computes it (scores, cap, mask, softmax, @ V):
     the plain statement of the semantics (`paged_attention` runs its decodes bucketed).
     """
@@ -318,12 +339,12 @@ def paged_attention_masked(
         start, q_len = starts[i], starts[i + 1] - starts[i]
         if q_len > 0:
             _attend_masked(query, kv_cache, block_tables[i], seq_len, start, q_len, scale, out, sliding_window,
-                           logit_softcap, (k_scale, v_scale))
+                           logit_softcap, (k_scale, v_scale), sinks)
     return out
 
 
 def _attend_masked(query, kv_cache, block_table, seq_len, start, q_len, scale, out, sliding_window,
-                   logit_softcap, scales=(1.0, 1.0)) -> None:
+                   logit_softcap, scales=(1.0, 1.0), sinks: torch.Tensor | None = None) -> None:
     """One sequence's queries under a window and/or a soft-cap. Only the blocks that hold a key
     some query of the sequence sees are gathered:
 
@@ -349,7 +370,7 @@ def _attend_masked(query, kv_cache, block_table, seq_len, start, q_len, scale, o
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     if logit_softcap:
         scores = torch.tanh(scores / logit_softcap) * logit_softcap
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    probs = _softmax(scores.masked_fill(~mask, float("-inf")), None if sinks is None else sinks.float()[:, None, None])
     out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
 
 

@@ -26,6 +26,9 @@ tile of its first query's window:
                                      query's position + 1: each seen by some query of the tile
 
 A soft-cap c (HAS_SOFTCAP) turns each scaled score s into c * tanh(s / c) before the mask.
+Sinks (HAS_SINKS, gpt-oss): a learned logit per query head joins the softmax as a key of value
+zero. The walk starts from it (running max = the sink, running sum = 1) in split 0 only, so under
+split-KV the sink is counted once: split 0's log-sum-exp carries it into the reduce.
 An fp8 cache (KV_FP8) holds K / k_scale and V / v_scale: a tile's K and V are cast to the query's
 dtype as they load (exact: every e4m3 value is a float16 and a bfloat16), k_scale is folded into
 the score's scale on the host and v_scale multiplies the output once, so the walk itself costs
@@ -130,8 +133,9 @@ def _compile_split_variant(shape: AttentionShape, config: TileConfig, device: to
                            device=device)
     ints = torch.zeros(2, dtype=torch.int32, device=device)
     partial = torch.empty(1, dtype=torch.float32, device=device)
+    sinks = torch.zeros(num_heads, dtype=torch.float32, device=device)
     kernel = _attention_kernel.warmup(
-        query, partial, partial, query, kv_cache, ints[:, None], ints, ints,
+        query, partial, partial, query, kv_cache, ints[:, None], ints, ints, sinks,
         1.0, 1.0, 1.0, 1, 1, 1, num_heads, *query.stride()[:2], *query.stride()[:2], *kv_cache.stride()[:4], 1,
         grid=(1,), **_constexprs(shape, config, True), num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -149,7 +153,7 @@ def _constexprs(shape: AttentionShape, config: TileConfig, split_kv: bool) -> di
     return dict(
         GROUP=shape.group, HEAD_DIM=shape.head_dim, HEAD_DIM_P2=head_dim_p2(shape.head_dim),
         BLOCK_SIZE=shape.block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, BLOCK_N=config.block_n,
-        SPLIT_KV=split_kv, HAS_WINDOW=shape.sliding_window, HAS_SOFTCAP=shape.logit_softcap,
+        SPLIT_KV=split_kv, HAS_WINDOW=shape.sliding_window, HAS_SOFTCAP=shape.logit_softcap, HAS_SINKS=shape.sinks,
         KV_FP8=is_fp8(_kv_dtype(shape)), DOT_PRECISION=dot_precision(getattr(torch, shape.dtype)),
     )
 
@@ -159,6 +163,7 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
     max_seqlen_k: int | None = None, kv_splits: int | None = None, config: TileConfig | None = None,
     sliding_window: int | None = None, logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged KV (see kernels.reference).
 
@@ -171,7 +176,8 @@ def paged_attention(
     c > 0: scores become c * tanh(score / c) before the mask (`kernels.paged_attention` checks
     both). Each selects its compiled variant (None or 0: the plain kernel); their values are
     runtime arguments. An fp8 cache (torch.float8_e4m3fn) is read as stored * k_scale (K) and
-    stored * v_scale (V); other caches ignore the scales.
+    stored * v_scale (V); other caches ignore the scales. `sinks` [num_heads] float32: the
+    HAS_SINKS variant.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -183,7 +189,7 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     shape = AttentionShape(num_kv_heads, group, head_dim, block_size, _DTYPE_NAMES[query.dtype],
-                           bool(sliding_window), bool(logit_softcap), _kv_dtype_name(kv_cache, query))
+                           bool(sliding_window), bool(logit_softcap), _kv_dtype_name(kv_cache, query), sinks is not None)
     max_keys = max_seqlen_k or block_tables.shape[1] * block_size
     launch = _plan(query.device, shape, num_tokens, num_seqs, max_keys, config, sliding_window or None)
     cfg, kv_splits = launch.config, kv_splits or launch.kv_splits
@@ -202,7 +208,7 @@ def paged_attention(
         qk_scale, softcap_log2 = scale * math.log2(math.e), 0.0
     _attention_kernel[(num_q_tiles, num_kv_heads, kv_splits)](
         out, o_partial, lse_partial, query, kv_cache, block_tables, seq_lens, cu_seqlens_q,
-        qk_scale, softcap_log2, v_scale, sliding_window or 0, num_seqs, num_tokens, num_heads,
+        o_partial if sinks is None else sinks, qk_scale, softcap_log2, v_scale, sliding_window or 0, num_seqs, num_tokens, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         **_constexprs(shape, cfg, kv_splits > 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -234,7 +240,8 @@ def warmup(shape: AttentionShape, max_model_len: int, device: torch.device, slid
     for launch in launches:
         paged_attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, 1.0, config=launch.config,
                         kv_splits=launch.kv_splits, sliding_window=sliding_window,
-                        logit_softcap=1.0 if shape.logit_softcap else None)
+                        logit_softcap=1.0 if shape.logit_softcap else None,
+                        sinks=torch.zeros(num_heads, dtype=torch.float32, device=device) if shape.sinks else None)
     return len(launches)
 
 
@@ -302,22 +309,24 @@ def _tanh(x):
     do_not_specialize=["sliding_window", "num_seqs", "num_tokens", "stride_q_tok", "stride_q_head", "stride_o_tok",
                        "stride_o_head", "stride_table"],
     do_not_specialize_on_alignment=["out_ptr", "lse_partial_ptr", "query_ptr", "block_tables_ptr", "seq_lens_ptr",
-                                    "cu_seqlens_q_ptr"],
+                                    "cu_seqlens_q_ptr", "sinks_ptr"],
 )
 def _attention_kernel(
     out_ptr, o_partial_ptr, lse_partial_ptr,
-    query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, sinks_ptr,
     qk_scale, softcap_log2, v_scale, sliding_window, num_seqs, num_tokens, num_heads,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_block, stride_kv, stride_slot, stride_head, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """Scores are q.k * qk_scale: in log2 units (qk_scale = scale * log2 e), or with HAS_SOFTCAP
     the capped score's tanh argument (qk_scale = scale / c; then c * log2(e) = softcap_log2 times
     its tanh). With HAS_WINDOW, `sliding_window` >= 1 keys end at each query (its own included).
-    With KV_FP8 the cache holds K / k_scale (k_scale is in qk_scale) and V / v_scale."""
+    With KV_FP8 the cache holds K / k_scale (k_scale is in qk_scale) and V / v_scale. With
+    HAS_SINKS, sinks_ptr holds each query head's sink logit (natural units, float32)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -357,6 +366,10 @@ def _attention_kernel(
     kv_base = kv_cache_ptr + kv_head.to(tl.int64) * stride_head
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scaled scores (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    if HAS_SINKS:  # the sink is the first "key" of split 0: m_i = sink, l_i = exp2(0)
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634  # log2(e)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     for kv_tile in range(tile_lo, tile_hi):
         keys = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions

@@ -178,8 +178,9 @@ def busy_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
 class AttentionShape:
     """What fixes a model's attention kernels: one compiled variant per (config, SPLIT_KV).
 
-    A layer with a sliding window or a logit soft-cap runs its own variant of the kernel (the
-    HAS_WINDOW and HAS_SOFTCAP constexprs); the window's size and the cap are runtime arguments.
+    A layer with a sliding window, a logit soft-cap or sinks runs its own variant of the kernel (the
+    HAS_WINDOW, HAS_SOFTCAP and HAS_SINKS constexprs); the window's size, the cap and the sinks are
+    runtime arguments.
     """
 
     num_kv_heads: int
@@ -190,6 +191,7 @@ class AttentionShape:
     sliding_window: bool = False
     logit_softcap: bool = False
     kv_dtype: str = ""  # the cache's when it differs from dtype: "float8_e4m3fn" (an fp8 KV cache)
+    sinks: bool = False  # a learned logit per head in the softmax (gpt-oss): the HAS_SINKS variant
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +228,8 @@ def variants_of(shape: AttentionShape, launch: Launch) -> set[tuple]:
     options, and the reduce kernel's when the keys are split."""
     c = launch.config
     keys = {("attention", shape.dtype, shape.group, shape.head_dim, shape.block_size, c.block_m, c.block_q, c.block_n,
-             launch.kv_splits > 1, c.num_warps, c.num_stages, shape.sliding_window, shape.logit_softcap, shape.kv_dtype)}
+             launch.kv_splits > 1, c.num_warps, c.num_stages, shape.sliding_window, shape.logit_softcap, shape.kv_dtype,
+             shape.sinks)}
     if launch.kv_splits > 1:
         keys.add(("reduce", shape.dtype, shape.group, shape.head_dim, next_power_of_2(launch.kv_splits)))
     return keys

@@ -304,9 +304,11 @@ def test_end_to_end_write_then_attend_step_by_step():
 # ----------------------------------------------------------------------------- sliding window and soft-cap
 
 
-def _dense_masked(seqs: list[Seq], group: int, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """The oracle with a window and a soft-cap, in float64: query at position p sees keys
-    (p - window, p]; scores become softcap * tanh(score / softcap) before the mask."""
+def _dense_masked(seqs: list[Seq], group: int, scale: float, window: int | None, softcap: float | None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle with a window, a soft-cap and sinks, in float64: query at position p sees keys
+    (p - window, p]; scores become softcap * tanh(score / softcap) before the mask; head h's
+    probabilities are exp(s) / (sum exp(s) + exp(sinks[h]))."""
     outs = []
     for s in seqs:
         q = s.q.double()
@@ -317,7 +319,14 @@ def _dense_masked(seqs: list[Seq], group: int, scale: float, window: int | None,
         q_pos = torch.arange(s.seq_len - s.q_len, s.seq_len)[:, None]
         k_pos = torch.arange(s.seq_len)[None, :]
         hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window else False)
-        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(dim=-1), v))
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            exp = (scores - scores.amax(-1, keepdim=True)).exp()
+            sink = (sinks.double()[:, None] - scores.amax(-1)).exp()  # [h, q]
+            probs = exp / (exp.sum(-1) + sink)[..., None]
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
     return torch.cat(outs)
 
 
@@ -389,6 +398,39 @@ def test_keys_before_the_window_are_never_read(window, softcap, replace_with):
     for out in (loop, _run_masked(case, 0.125, window, softcap)):
         assert not torch.isnan(out).any(), "read a key before the window"
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window, softcap", [(None, None), (23, None), (5, 30.0), (None, 50.0)])
+def test_sinks_join_each_rows_softmax(window, softcap, dtype):
+    """gpt-oss's sinks: a logit per query head in every row's denominator. Sinks from far below to
+    far above the scores: a sink of -1e4 is no sink at all, one of +20 takes most of each row's mass."""
+    case = _build(_mixed_specs(16), group=3, head_dim=64, block_size=16, dtype=dtype, seed=11)
+    num_heads = case.query.shape[1]
+    sinks = torch.tensor([-1e4, -2.0, 0.0, 0.5, 3.0, 20.0][:num_heads], dtype=torch.float32)
+    assert sinks.shape == (num_heads,)
+    expected = _dense_masked(case.seqs, 3, 0.125, window, softcap, sinks)
+    loop = reference.paged_attention_masked(case.query, case.kv_cache, case.block_tables, case.seq_lens,
+                                            case.cu_seqlens_q, 0.125, sliding_window=window, logit_softcap=softcap,
+                                            sinks=sinks)
+    fast = _run_masked(case, 0.125, window, softcap, sinks=sinks)
+    for out in (loop, fast):
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out.double(), expected, **_tol(dtype))
+    # the sink only shrinks a row: -1e4 leaves head 0 as plain attention, +20 leaves head 5 near zero
+    plain = _dense_masked(case.seqs, 3, 0.125, window, softcap)
+    torch.testing.assert_close(expected[:, 0], plain[:, 0], atol=1e-12, rtol=0)
+    assert expected[:, 5].abs().max() < 1e-3 < plain[:, 5].abs().max()
+
+
+def test_sinks_of_the_wrong_shape_or_dtype_are_refused():
+    import kernels
+
+    case = _build([(20, 20)], group=2, head_dim=64, block_size=16, dtype=torch.float32, seed=1)
+    for bad in (torch.zeros(3), torch.zeros(case.query.shape[1], dtype=torch.float16)):
+        with pytest.raises(ValueError, match="sinks must be float32"):
+            kernels.paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q,
+                                    0.125, sinks=bad)
 
 
 def test_windowed_decodes_gather_only_their_windows_and_bucket_by_what_they_see():

@@ -229,22 +229,23 @@ def test_write_then_attend_step_by_step_with_triton_only():
 # ----------------------------------------------------------------------------- sliding window and soft-cap
 
 
-def _expected_masked(case: Case, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+def _expected_masked(case: Case, scale: float, window: int | None, softcap: float | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The plain loop of the masked reference over the same cache, upcast to float32."""
     return reference.paged_attention_masked(case.query.float(), case.kv_cache.float(), case.block_tables,
                                             case.seq_lens, case.cu_seqlens_q, scale, sliding_window=window,
-                                            logit_softcap=softcap)
+                                            logit_softcap=softcap, sinks=sinks)
 
 
 def _attend_masked(case: Case, scale: float, window: int | None, softcap: float | None, *, config=None,
-                   kv_splits: int | None = None) -> torch.Tensor:
+                   kv_splits: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel (a forced tile config when given) into a NaN-poisoned output, every row finite."""
     from kernels import triton_attention
 
     out = torch.full_like(case.query, float("nan"))
     triton_attention.paged_attention(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.cu_seqlens_q,
                                      scale, out=out, config=config, kv_splits=kv_splits, sliding_window=window,
-                                     logit_softcap=softcap)
+                                     logit_softcap=softcap, sinks=sinks)
     assert not torch.isnan(out).any(), "an output element was never written, or a NaN slot was read"
     return out
 
@@ -254,7 +255,8 @@ def _check_masked(case: Case, scale: float, dtype: torch.dtype, window: int | No
     cache_before = case.kv_cache.clone()
     out = _attend_masked(case, scale, window, softcap, **kwargs)
     assert out.dtype == dtype and out.shape == case.query.shape
-    torch.testing.assert_close(out.float(), _expected_masked(case, scale, window, softcap), **tolerance(dtype))
+    expected = _expected_masked(case, scale, window, softcap, kwargs.get("sinks"))
+    torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
     torch.testing.assert_close(case.kv_cache, cache_before, rtol=0, atol=0, equal_nan=True)  # attention only reads
     return out
 
@@ -303,6 +305,29 @@ def test_forced_kv_splits_under_a_window_match_reference(window, softcap, kv_spl
     specs = [(150, 20), (3, 1), (130, 1), (40, 40), (200, 1)]
     _check_masked(_case(specs, group=3, dtype=dtype, seed=kv_splits), 0.125, dtype, window, softcap,
                   kv_splits=kv_splits)
+
+
+def _sinks(num_heads: int) -> torch.Tensor:
+    """From no sink at all (-1e4) to one that takes most of a row's mass."""
+    return torch.linspace(-3.0, 6.0, num_heads).index_fill_(0, torch.tensor([0]), -1e4).float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, softcap", [(None, None), (23, None), (5, 30.0), (None, 50.0)])
+def test_sinks_match_reference(window, softcap, dtype):
+    """gpt-oss's sinks (HAS_SINKS) on a mixed batch, alone and with a window and a soft-cap."""
+    case = _case(_mixed_specs(16), group=2, dtype=dtype, seed=17)
+    _check_masked(case, 0.125, dtype, window, softcap, sinks=_sinks(case.query.shape[1]))
+
+
+@pytest.mark.parametrize("kv_splits", [2, 5])
+@pytest.mark.parametrize("window", [None, 40])
+def test_sinks_are_counted_once_under_split_kv(kv_splits, window):
+    """Split 0 starts from the sink; the other splits do not, so the reduce counts it once, also
+    where split 0 holds no key a row sees (under a window)."""
+    specs = [(150, 20), (3, 1), (130, 1), (40, 40), (200, 1)]
+    case = _case(specs, group=3, dtype=torch.float32, seed=kv_splits)
+    _check_masked(case, 0.125, torch.float32, window, None, kv_splits=kv_splits, sinks=_sinks(case.query.shape[1]))
 
 
 def test_split_count_under_a_window_is_bounded_by_the_windows_span():
@@ -398,8 +423,9 @@ def test_no_window_and_no_softcap_launch_the_plain_variant_with_the_plain_argume
     for args, kw in launched:
         assert kw["HAS_WINDOW"] is False and kw["HAS_SOFTCAP"] is False and kw["KV_FP8"] is False
         assert set(kw) == {"GROUP", "HEAD_DIM", "HEAD_DIM_P2", "BLOCK_SIZE", "BLOCK_M", "BLOCK_Q", "BLOCK_N",
-                           "SPLIT_KV", "HAS_WINDOW", "HAS_SOFTCAP", "KV_FP8", "DOT_PRECISION", "num_warps",
-                           "num_stages"}
+                           "SPLIT_KV", "HAS_WINDOW", "HAS_SOFTCAP", "KV_FP8", "DOT_PRECISION", "HAS_SINKS",
+                           "num_warps", "num_stages"}
+        assert kw["HAS_SINKS"] is False
         assert args[names.index("qk_scale")] == 0.125 * math.log2(math.e)
     launched.clear()
     _attend(case, 0.125, sliding_window=7, logit_softcap=20.0)
@@ -518,36 +544,42 @@ def _compile_for_sm90() -> list[str]:
     done = []
     # (dtype, group, head_dim, decode, split, window, softcap): the plain variants, then the masked
     # ones of the models that need them (Gemma 2: group 2, head_dim 256, both; Mistral: a window);
-    # then an fp8 cache's (KV_FP8: a bfloat16 or float16 query over a float8_e4m3fn cache)
-    for dtype, group, head_dim, decode, split, window, softcap, fp8 in [(*v, False) for v in [
+    # then an fp8 cache's (KV_FP8: a bfloat16 or float16 query over a float8_e4m3fn cache); then
+    # gpt-oss's sinks (group 8, head_dim 64; windowed and global, split and not)
+    for dtype, group, head_dim, decode, split, window, softcap, fp8, sinks in [(*v, False, False) for v in [
         ("bf16", 4, 128, True, False, False, False), ("bf16", 4, 128, True, True, False, False),
         ("bf16", 4, 128, False, False, False, False), ("fp16", 3, 64, False, True, False, False),
         ("fp32", 7, 80, True, True, False, False), ("bf16", 20, 64, True, False, False, False),
         ("bf16", 4, 128, True, True, True, False), ("bf16", 4, 128, False, False, True, False),
         ("fp16", 3, 64, True, False, False, True), ("bf16", 2, 256, True, True, True, True),
         ("bf16", 2, 256, False, False, True, True), ("fp32", 7, 80, False, True, True, True),
-    ]] + [
+    ]] + [(*v, False) for v in [
         ("bf16", 4, 128, True, False, False, False, True), ("bf16", 4, 128, True, True, False, False, True),
         ("bf16", 4, 128, False, False, False, False, True), ("fp16", 2, 256, True, True, True, True, True),
+    ]] + [
+        ("bf16", 8, 64, True, True, True, False, False, True), ("bf16", 8, 64, False, False, False, False, False, True),
+        ("bf16", 8, 64, True, False, False, False, False, True), ("bf16", 8, 64, False, False, True, False, False, True),
     ]:
         cfg = ta.tile_config(1 if decode else 2, 1, group, head_dim)
         ptr = f"*{dtype}"
         kv_ptr = "*fp8e4nv" if fp8 else ptr
         types = {"out_ptr": ptr, "query_ptr": ptr, "kv_cache_ptr": kv_ptr, "o_partial_ptr": "*fp32",
                  "lse_partial_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "cu_seqlens_q_ptr": "*i32", "qk_scale": "fp32", "softcap_log2": "fp32", "v_scale": "fp32"}
+                 "cu_seqlens_q_ptr": "*i32", "sinks_ptr": "*fp32", "qk_scale": "fp32", "softcap_log2": "fp32",
+                 "v_scale": "fp32"}
         p2 = triton.next_power_of_2
         name, kernel = compile_(ta._attention_kernel, types, dict(
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim), BLOCK_SIZE=16, BLOCK_M=cfg.block_m,
             BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, SPLIT_KV=split, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
-            KV_FP8=fp8, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+            KV_FP8=fp8, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", HAS_SINKS=sinks,
         ), cfg.num_warps, cfg.num_stages)
         # a variant without the window or the cap compiles their code away: it never reads the argument
         assert reads(kernel, "qk_scale") and reads(kernel, "stride_table"), "the PTX's params are not the arguments"
         assert (reads(kernel, "sliding_window"), reads(kernel, "softcap_log2")) == (window, softcap), name
         assert reads(kernel, "v_scale") == fp8, name  # a full-precision cache's variant never reads the scale
+        assert reads(kernel, "sinks_ptr") == sinks, name
         done.append(name)
-        if window or softcap or (fp8 and not (decode and not split)):
+        if window or softcap or sinks or (fp8 and not (decode and not split)):
             continue  # the reduce, write_kv and copy_blocks have no masked variants
         if split:
             done.append(compile_(ta._reduce_splits_kernel, types, dict(
@@ -566,8 +598,8 @@ def _compile_for_sm90() -> list[str]:
 def test_every_kernel_compiles_for_hopper_without_a_gpu():
     """The interpreter runs Python, not the compiler: this catches what only compiling would."""
     # 6 plain attention variants, 3 reduces, 6 write_kv, 6 copy_blocks; 6 windowed or soft-capped variants;
-    # 4 over an fp8 cache, with its write_kv and (byte) copy_blocks
-    assert count_compiled_for_sm90("tests.test_kernels_triton", "_compile_for_sm90") == 33
+    # 4 over an fp8 cache, with its write_kv and (byte) copy_blocks; 4 with sinks
+    assert count_compiled_for_sm90("tests.test_kernels_triton", "_compile_for_sm90") == 37
 
 
 # ----------------------------------------------------------------------------- CUDA only

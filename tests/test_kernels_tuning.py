@@ -165,7 +165,7 @@ def test_warmup_covers_every_variant_the_launch_path_picks_under_a_window_or_a_c
         picked |= variants_of(masked, plan_launch(masked, num_tokens, num_seqs, max_seqlen_k, config_of, slots_of,
                                                   sliding_window=window))
     assert picked == warm
-    assert {key[-3:] for key in warm if key[0] == "attention"} == {(masked.sliding_window, masked.logit_softcap, "")}
+    assert {key[-4:] for key in warm if key[0] == "attention"} == {(masked.sliding_window, masked.logit_softcap, "", False)}
 
 
 def test_a_window_bounds_the_split_count_by_its_span():
@@ -191,13 +191,13 @@ def test_warmup_launches_one_per_split_power_of_two_and_phase():
     assert launches == [Launch(decode, s) for s in (1, 2, 4, 8, 16, 32)] + [Launch(prefill, s) for s in (1, 2, 4, 8, 16, 32)]
     short = warmup_launches(shape, 200, config_of, slots_of)  # 13 blocks: 208 keys, 4 tiles, 2 splits at most
     assert short == [Launch(decode, 1), Launch(decode, 2), Launch(prefill, 1), Launch(prefill, 2)]
-    # the attention key ends with (window?, soft-cap?, the cache's dtype if not the query's); the
-    # reduce has no masked variants
+    # the attention key ends with (window?, soft-cap?, the cache's dtype if not the query's, sinks?);
+    # the reduce has no masked variants
     assert variants_of(shape, Launch(decode, 5)) == {
-        ("attention", "bfloat16", 4, 128, 16, 16, 4, 64, True, 4, 2, False, False, ""),
+        ("attention", "bfloat16", 4, 128, 16, 16, 4, 64, True, 4, 2, False, False, "", False),
         ("reduce", "bfloat16", 4, 128, 8)}
     assert variants_of(MASKED_SHAPES[1][0], Launch(decode, 1)) == {
-        ("attention", "bfloat16", 4, 128, 16, 16, 4, 64, False, 4, 2, True, True, "")}
+        ("attention", "bfloat16", 4, 128, 16, 16, 4, 64, False, 4, 2, True, True, "", False)}
 
 
 def test_kernels_warmup_compiles_nothing_off_cuda():
@@ -229,7 +229,8 @@ def test_paged_attention_launches_the_variants_plan_launch_names(monkeypatch):
                     if name == "attention":
                         launched.add((name, "float32", kw["GROUP"], kw["HEAD_DIM"], kw["BLOCK_SIZE"], kw["BLOCK_M"],
                                       kw["BLOCK_Q"], kw["BLOCK_N"], kw["SPLIT_KV"], kw["num_warps"], kw["num_stages"],
-                                      kw["HAS_WINDOW"], kw["HAS_SOFTCAP"], "float8_e4m3fn" if kw["KV_FP8"] else ""))
+                                      kw["HAS_WINDOW"], kw["HAS_SOFTCAP"], "float8_e4m3fn" if kw["KV_FP8"] else "",
+                                      kw["HAS_SINKS"]))
                     else:
                         launched.add((name, "float32", kw["GROUP"], kw["HEAD_DIM"], kw["SPLITS_P2"]))
                     return kernel[grid](*args, **kw)

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -109,9 +110,10 @@ inline V exp_nonpositive(V x) {
   return y * scale;
 }
 
-// Softmax of one row's scores s[0, n) in place.
-inline void softmax(float* s, int64_t n) {
-  float top = -std::numeric_limits<float>::infinity();
+// Softmax of one row's scores s[0, n) in place; `sink` (gpt-oss; -inf: none) is one more logit in
+// the denominator, whose key has a zero value.
+inline void softmax(float* s, int64_t n, float sink = -std::numeric_limits<float>::infinity()) {
+  float top = sink;
   for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
   vfloat total{};
   int64_t j = 0;
@@ -125,6 +127,7 @@ inline void softmax(float* s, int64_t n) {
   for (; j < n; ++j) part[j % LANES] += (s[j] = exp_nonpositive<float, int32_t>(s[j] - top));
   for (int64_t width = LANES / 2; width > 0; width /= 2)
     for (int64_t l = 0; l < width; ++l) part[l] += part[l + width];
+  if (sink > -std::numeric_limits<float>::infinity()) part[0] += exp_nonpositive<float, int32_t>(sink - top);
   const float inverse = 1.f / part[0];
   for (int64_t i = 0; i < n; ++i) s[i] *= inverse;
 }
@@ -202,7 +205,7 @@ inline void weighted_values(const float* const* p, const float* v, int64_t m, in
 template <typename T>
 void attend_tile(const T* query, int64_t qs0, int64_t qs1, const float* keys, const float* values, int64_t base,
                  int64_t r0, int64_t n, int64_t p0, int64_t window, int64_t d, int64_t g, int64_t group, float scale,
-                 float softcap, T* out, int64_t heads, Scratch& w) {
+                 float softcap, const float* sinks, T* out, int64_t heads, Scratch& w) {
   auto first_of = [&](int64_t j) { return window > 0 ? std::max<int64_t>(p0 + j + 1 - window, 0) : int64_t(0); };
   const int64_t stride = (p0 + n - base + LANES - 1) / LANES * LANES;  // one head's scores: s[t - base]
   w.q.resize(d);
@@ -225,7 +228,7 @@ void attend_tile(const T* query, int64_t qs0, int64_t qs1, const float* keys, co
       s += first - base;
       if (softcap > 0.f)
         for (int64_t t = 0; t < m; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
-      softmax(s, m);
+      softmax(s, m, sinks ? sinks[g * group + h] : -std::numeric_limits<float>::infinity());
     }
     const float* v = values + (first - base) * d;
     for (int64_t h0 = 0; h0 < group; h0 += 4) {  // up to 4 heads per pass over V
@@ -253,7 +256,7 @@ inline int64_t zigzag(int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 
 template <typename T>
 void attention_impl(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q, at::Tensor& out, double scale,
-                    int64_t sliding_window, double softcap) {
+                    int64_t sliding_window, double softcap, const float* sinks) {
   const int64_t heads = query.size(1), d = query.size(2);
   const int64_t bs = cache.size(2), kvh = cache.size(3), group = heads / kvh;
   const int64_t num_seqs = seq_lens.size(0), width = block_tables.size(1), num_blocks = cache.size(0);
@@ -309,7 +312,7 @@ void attention_impl(const at::Tensor& query, const at::Tensor& cache, const at::
         values = scratch.values.data();
       }
       attend_tile<T>(q, qs0, qs1, keys, values, first_key(s), r0, n, p0, sliding_window, d, g, group, float(scale),
-                     float(softcap), o, heads, scratch);
+                     float(softcap), sinks, o, heads, scratch);
     }
   });
 }
@@ -319,7 +322,7 @@ void attention_impl(const at::Tensor& query, const at::Tensor& cache, const at::
 // semantics of kernels/reference.py's paged_attention; rows past cu_seqlens_q[-1] are left untouched.
 void attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q, at::Tensor out, double scale,
-               int64_t sliding_window, double logit_softcap) {
+               int64_t sliding_window, double logit_softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == kv_cache.scalar_type(),
               "attention: the query, the cache and the output must share a dtype");
   TORCH_CHECK(query.stride(2) == 1 && out.is_contiguous() && kv_cache.is_contiguous(), "attention: layout");
@@ -328,6 +331,10 @@ void attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Te
                   cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous(),
               "attention: int32 tables, lengths and query offsets");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "attention: heads per KV head");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                         sinks->size(0) == query.size(1)),
+              "attention: sinks are float32 [num_heads]");
+  const float* sink_logits = sinks ? sinks->data_ptr<float>() : nullptr;
   TORCH_CHECK(kv_cache.dim() == 5 && query.dim() == 3 && query.size(2) == kv_cache.size(4) &&
                   out.sizes() == query.sizes() && block_tables.dim() == 2 &&
                   block_tables.size(0) >= seq_lens.size(0) && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
@@ -335,13 +342,13 @@ void attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Te
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
       return attention_impl<float>(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
-                                   logit_softcap);
+                                   logit_softcap, sink_logits);
     case at::kBFloat16:
       return attention_impl<c10::BFloat16>(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                                           sliding_window, logit_softcap);
+                                           sliding_window, logit_softcap, sink_logits);
     case at::kHalf:
       return attention_impl<c10::Half>(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                                       sliding_window, logit_softcap);
+                                       sliding_window, logit_softcap, sink_logits);
     default: TORCH_CHECK(false, "attention: unsupported dtype ", kv_cache.scalar_type());
   }
 }
@@ -351,7 +358,7 @@ void attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Te
 TORCH_LIBRARY(pagoda_cpu, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, "
-        "Tensor(a!) out, float scale, int sliding_window, float logit_softcap) -> ()");
+        "Tensor(a!) out, float scale, int sliding_window, float logit_softcap, Tensor? sinks) -> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
   m.impl("attention", c10::DispatchKey::CPU, &attention);
 }
