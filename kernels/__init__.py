@@ -249,27 +249,33 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def fused_moe(
     hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor, *, activation: str = "silu", impl: Impl = None,
+    topk_ids: torch.Tensor, *, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0, impl: Impl = None,
 ) -> torch.Tensor:
     """The routed experts of a MoE layer: sum over each token's top-k experts e of
-    `weight * w2[e] @ (act(gate_e) * up_e)` with [gate_e; up_e] = w13[e] @ x.
+    `weight * (w2[e] @ act_and_mul(gate_e, up_e) + b2[e])` with [gate_e; up_e] = w13[e] @ x + b13[e].
 
     hidden_states [num_tokens, hidden]; w13 [num_experts, 2 * intermediate, hidden]; w2
     [num_experts, hidden, intermediate]; topk_weights [num_tokens, top_k]; topk_ids [num_tokens,
-    top_k]. CUDA: the fused Triton kernel (tokens grouped by expert, one launch per projection);
-    elsewhere the reference, `kernels.moe.fused_moe_reference`.
+    top_k]; the biases (gpt-oss) [num_experts, 2 * intermediate] and [num_experts, hidden], or
+    None. `activation`: "silu", "gelu_tanh" or gpt-oss's clamped "swigluoai" (`alpha`, `limit`:
+    kernels/moe.py). CUDA: the fused Triton kernel (tokens grouped by expert, one launch per
+    projection); elsewhere the reference, `kernels.moe.fused_moe_reference`.
     """
     from kernels import moe
 
     if _use_triton(hidden_states, impl):
         from kernels import triton_moe
 
-        return triton_moe.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=activation)
-    return moe.fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+        return triton_moe.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=activation,
+                                    w13_bias=w13_bias, w2_bias=w2_bias, alpha=alpha, limit=limit)
+    return moe.fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias=w13_bias,
+                                   w2_bias=w2_bias, alpha=alpha, limit=limit)
 
 
 def warmup_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, *, activation: str = "silu",
-               weights_dtype: torch.dtype = torch.float32) -> int:
+               weights_dtype: torch.dtype = torch.float32, w13_bias: torch.Tensor | None = None,
+               w2_bias: torch.Tensor | None = None) -> int:
     """Compile every variant `fused_moe` can launch for these expert weights (one tiny launch per
     tile config), so that no MoE kernel compiles while serving. CUDA only: returns the number of
     launches, 0 elsewhere."""
@@ -283,7 +289,7 @@ def warmup_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, *, activation: s
     weights = torch.ones((1, top_k), dtype=weights_dtype, device=w13.device)
     configs = triton_moe.all_tile_configs(hidden, w13.shape[1] // 2, w13.dtype)
     for tiles in configs:
-        triton_moe.fused_moe(x, w13, w2, weights, ids, activation, tiles=tiles)
+        triton_moe.fused_moe(x, w13, w2, weights, ids, activation, tiles=tiles, w13_bias=w13_bias, w2_bias=w2_bias)
     return len(configs)
 
 

@@ -26,6 +26,10 @@ Tiles: `tile_configs` picks BLOCK_M by the pairs per expert (T * k / E), and the
 tiles from a small table (vLLM's default config in spirit), clamped to the problem (>= 16 for
 tl.dot). Not tuned on a GPU yet: `pagoda bench kernels --moe` records the config of each row.
 
+Biases (gpt-oss: HAS_BIAS) are added to each GEMM's float32 accumulator before its rounding, the
+down projection's before the routing weight multiplies it. gpt-oss's clamped SwiGLU (SWIGLU_OAI,
+`alpha` and `limit` runtime arguments) is computed in float32 from the rounded gate and up.
+
 Rounding follows the reference (transformers' expert loop), one rounding to the activation dtype
 per op: the gate and up GEMM outputs, the activation, its product with up, the down GEMM output,
 its product with the routing weight. The sum over k accumulates in float32 (torch.sum), where
@@ -40,9 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe import ACTIVATIONS
 from kernels.triton_common import dot_precision
 
-ACTIVATIONS = ("silu", "gelu_tanh")
 SCAN_BLOCK = 1024  # pairs per step of the align kernels' scans
 
 
@@ -188,10 +192,13 @@ def _align_kernel(
 def fused_moe(
     hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, activation: str = "silu", *, tiles: MoeTiles | None = None,
+    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     """hidden_states [T, H]; w13 [E, 2 * I, H] (gate rows over up rows); w2 [E, H, I];
-    topk_weights [T, k] (float32 or the activation dtype); topk_ids [T, k]. Returns [T, H].
-    `tiles` forces a tile config (tests, tuning); by default `tile_configs`'s."""
+    topk_weights [T, k] (float32 or the activation dtype); topk_ids [T, k]; the biases [E, 2 * I]
+    and [E, H] or None. Returns [T, H]. `tiles` forces a tile config (tests, tuning); by default
+    `tile_configs`'s."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
     num_tokens, hidden = hidden_states.shape
@@ -211,18 +218,18 @@ def fused_moe(
     cache13 = torch.empty((num_pairs, intermediate), dtype=dtype, device=device)  # [T * k, I], row = pair
     _launch_gemm(x, w13, cache13, weights, sorted_ids, expert_ids, num_padded, num_pairs, num_m_blocks,
                  intermediate, hidden, top_k, tiles.block_m, tiles.group_m, tiles.gated, gated=True,
-                 activation=activation)
+                 activation=activation, bias=w13_bias, alpha=alpha, limit=limit)
     cache2 = out if top_k == 1 else torch.empty((num_tokens, top_k, hidden), dtype=dtype, device=device)
     _launch_gemm(cache13, w2, cache2, weights, sorted_ids, expert_ids, num_padded, num_pairs, num_m_blocks,
                  hidden, intermediate, 1, tiles.block_m, tiles.group_m, tiles.down, gated=False,
-                 activation=activation)
+                 activation=activation, bias=w2_bias)
     if top_k > 1:
         torch.sum(cache2, dim=1, out=out)  # [T, k, H] -> [T, H]
     return out
 
 
 def launch_variants(hidden: int, intermediate: int, num_experts: int, dtype: torch.dtype,
-                    activation: str = "silu") -> list[tuple[triton.JITFunction, dict, int, int]]:
+                    activation: str = "silu", bias: bool = False) -> list[tuple[triton.JITFunction, dict, int, int]]:
     """Every (kernel, constexprs, num_warps, num_stages) that `fused_moe` can launch for this
     shape and activation: the count kernel, the align kernel of each BLOCK_M, and both GEMMs of
     each tile config (for compiling ahead: tests, a start-up warmup)."""
@@ -230,25 +237,30 @@ def launch_variants(hidden: int, intermediate: int, num_experts: int, dtype: tor
     for tiles in all_tile_configs(hidden, intermediate, dtype):
         variants.append((_align_kernel, _align_constexprs(tiles.block_m, num_experts), 4, 3))
         for gated, tile in ((True, tiles.gated), (False, tiles.down)):
-            consts = _constexprs(gated, activation, tiles.block_m, tiles.group_m, tile, dtype)
+            consts = _constexprs(gated, activation, tiles.block_m, tiles.group_m, tile, dtype, bias)
             variants.append((_moe_gemm_kernel, consts, tile.num_warps, tile.num_stages))
     return variants
 
 
 def _launch_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_pairs, num_m_blocks, n, k, top_k,
-                 block_m, group_m, tile: GemmTile, *, gated: bool, activation: str) -> None:
+                 block_m, group_m, tile: GemmTile, *, gated: bool, activation: str, bias: torch.Tensor | None = None,
+                 alpha: float = 1.702, limit: float = 7.0) -> None:
     grid = (num_m_blocks * triton.cdiv(n, tile.block_n),)
+    if bias is not None:
+        assert bias.shape == (b.shape[0], b.shape[1]) and bias.stride(-1) == 1, "a bias per expert and output row"
     _moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, num_padded, n, k, num_pairs, num_m_blocks, top_k,
-        a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(-2),
-        **_constexprs(gated, activation, block_m, group_m, tile, a.dtype),
+        a, b, c, weights, sorted_ids, expert_ids, num_padded, b if bias is None else bias, n, k, num_pairs,
+        num_m_blocks, top_k, alpha, limit,
+        a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(-2), 0 if bias is None else bias.stride(0),
+        **_constexprs(gated, activation, block_m, group_m, tile, a.dtype, bias is not None),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
 def _constexprs(gated: bool, activation: str, block_m: int, group_m: int, tile: GemmTile,
-                dtype: torch.dtype) -> dict:
+                dtype: torch.dtype, bias: bool = False) -> dict:
     return dict(GATED=gated, GELU_TANH=gated and activation == "gelu_tanh", MUL_ROUTED_WEIGHT=not gated,
+                SWIGLU_OAI=gated and activation == "swigluoai", HAS_BIAS=bias,
                 BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=group_m,
                 DOT_PRECISION=dot_precision(dtype))
 
@@ -266,16 +278,17 @@ def _act(x, GELU_TANH: tl.constexpr):
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks", "top_k"],
             do_not_specialize_on_alignment=["topk_weights_ptr"])
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    N, K, num_pairs, num_m_blocks, top_k,
-    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, bias_ptr,
+    N, K, num_pairs, num_m_blocks, top_k, alpha, limit,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bias_e,
     GATED: tl.constexpr, GELU_TANH: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SWIGLU_OAI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
 ):
     """c[pair, n] = a[pair // top_k] . b[expert, n] over BLOCK_M sorted rows (one expert) x BLOCK_N
-    columns. GATED: b's rows n (gate) and N + n (up) both, c = act(gate) * up. MUL_ROUTED_WEIGHT:
-    c = (a . b) * topk_weights[pair]. a's and c's last dimension is contiguous."""
+    columns (+ bias[expert, n] with HAS_BIAS). GATED: b's rows n (gate) and N + n (up) both,
+    c = act(gate) * up (SWIGLU_OAI: gpt-oss's clamped form, `alpha` and `limit`).
+    MUL_ROUTED_WEIGHT: c = (a . b) * topk_weights[pair]. a's and c's last dimension is contiguous."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n_blocks
@@ -306,8 +319,19 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
     out_type = c_ptr.dtype.element_ty
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias_e
+        acc += tl.load(bias_row + cols % N).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + N + cols % N).to(tl.float32)[None, :]
     acc = acc.to(out_type).to(tl.float32)  # each op rounded to the activation dtype, as the reference
-    if GATED:
+    if SWIGLU_OAI:
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up.to(out_type).to(tl.float32), -limit), limit)
+        scaled = (gate * alpha).to(out_type).to(tl.float32)  # rounded where the reference's ops round
+        glu = (gate * (1.0 / (1.0 + tl.exp(-scaled))).to(out_type).to(tl.float32)).to(out_type).to(tl.float32)
+        acc = (up + 1.0).to(out_type).to(tl.float32) * glu
+    elif GATED:
         act = _act(acc, GELU_TANH).to(out_type).to(tl.float32)
         acc = act * acc_up.to(out_type).to(tl.float32)
     if MUL_ROUTED_WEIGHT:

@@ -211,8 +211,61 @@ def test_triton_fused_moe_takes_no_tokens_and_refuses_an_unknown_activation():
 
     x, w13, w2, weights, ids = moe_inputs(0, 4, 2, 72, 40, torch.float32, DEVICE)
     assert fused_moe(x, w13, w2, weights, ids).shape == (0, 72)
-    with pytest.raises(ValueError, match="activation must be one of silu, gelu_tanh, not 'relu'"):
+    with pytest.raises(ValueError, match="activation must be one of silu, gelu_tanh, swigluoai, not 'relu'"):
         fused_moe(x, w13, w2, weights, ids, activation="relu")
+
+
+def gpt_oss_inputs(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                   device: str = "cpu", seed: int = 0):
+    """`moe_inputs` with gpt-oss's biases, and gate and up outputs large enough that the clamps
+    (limit 7) bite: (x, w13, w2, weights, ids, w13_bias, w2_bias)."""
+    x, w13, w2, weights, ids = moe_inputs(num_tokens, num_experts, top_k, hidden, intermediate, torch.float32,
+                                          seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    w13 = w13 * 6
+    b13, b2 = torch.randn(num_experts, 2 * intermediate, generator=gen), torch.randn(num_experts, hidden, generator=gen)
+    return (*(t.to(device, dtype) for t in (x, w13, w2)), weights.to(device), ids.to(device),
+            b13.to(device, dtype), b2.to(device, dtype))
+
+
+def test_swigluoai_with_biases_is_transformers_gpt_oss_experts():
+    """The reference's clamped SwiGLU with biases, against transformers' GptOssExperts: its
+    interleaved [gate, up] columns ([E, H, 2I]) are our stacked [gate rows | up rows] ([E, 2I, H])."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    e, hidden, inter = 4, 24, 16
+    x, w13, w2, weights, ids, b13, b2 = gpt_oss_inputs(9, e, 2, hidden, inter, torch.float32, seed=5)
+    theirs = GptOssExperts(GptOssConfig(num_local_experts=e, hidden_size=hidden, intermediate_size=inter))
+    interleaved = torch.stack([w13[:, :inter], w13[:, inter:]], dim=2).reshape(e, 2 * inter, hidden)
+    with torch.no_grad():
+        theirs.gate_up_proj.copy_(interleaved.transpose(1, 2))
+        theirs.gate_up_proj_bias.copy_(torch.stack([b13[:, :inter], b13[:, inter:]], dim=2).reshape(e, 2 * inter))
+        theirs.down_proj.copy_(w2.transpose(1, 2))
+        theirs.down_proj_bias.copy_(b2)
+        expected = theirs(x, ids, weights)
+    gate_up = torch.einsum("th,eih->tei", x, w13) + b13  # the clamps bite: gate and up outside [-7, 7]
+    assert (gate_up > 7).any() and (gate_up < -7).any()
+    got = fused_moe_reference(x, w13, w2, weights, ids, "swigluoai", w13_bias=b13, w2_bias=b2)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, fused_moe_reference(x, w13, w2, weights, ids, "swigluoai"), atol=1e-3)
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 4, 2), (7, 8, 4), (64, 8, 2)])
+def test_triton_swigluoai_with_biases_matches_the_reference(num_tokens, num_experts, top_k, dtype):
+    """gpt-oss's experts: biases on both GEMMs (the down one's before the routing weight) and the
+    clamped SwiGLU, at the decode and prefill tiles; and the down bias alone (a rank past the
+    first of a tensor-parallel group adds none)."""
+    x, w13, w2, weights, ids, b13, b2 = gpt_oss_inputs(num_tokens, num_experts, top_k, 72, 40, dtype, DEVICE,
+                                                       seed=num_tokens)
+    weights = weights.to(dtype)  # gpt-oss routes in the activation dtype
+    for biases in ({"w13_bias": b13, "w2_bias": b2}, {"w13_bias": b13, "w2_bias": None}):
+        got = kernels.fused_moe(x, w13, w2, weights, ids, activation="swigluoai", impl="triton", alpha=1.702,
+                                limit=7.0, **biases)
+        torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, weights, ids, "swigluoai", **biases),
+                                   **tolerance(dtype))
 
 
 # ------------------------------------------------------------------------------ sm_90, dispatch
@@ -233,7 +286,7 @@ def _compile_moe_for_sm90() -> list[str]:
 
     def compile_(fn, consts: dict, num_warps: int, num_stages: int, dtype: str) -> str:
         types = {"topk_weights_ptr": "*fp32", "topk_ids_ptr": "*i64", "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}",
-                 "c_ptr": f"*{dtype}"}
+                 "c_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "alpha": "fp32", "limit": "fp32"}
         if fn is tm._moe_gemm_kernel:
             consts = {**consts, "stride_bk": 1}
         sig = {name: "constexpr" if name in consts else types.get(name, "*i32" if name.endswith("_ptr") else "i32")
@@ -247,10 +300,11 @@ def _compile_moe_for_sm90() -> list[str]:
         return f"{fn.__name__} {dtype} {sorted(consts.items())}"
 
     done, seen = [], set()
-    shapes = [("bf16", torch.bfloat16, "silu", None), ("fp32", torch.float32, "silu", 16),
-              ("fp16", torch.float16, "silu", 16), ("bf16", torch.bfloat16, "gelu_tanh", 16)]
-    for name, dtype, activation, only_block_m in shapes:  # Qwen3-30B-A3B's shape: no tile is clamped
-        for fn, consts, num_warps, num_stages in tm.launch_variants(2048, 768, 128, dtype, activation):
+    shapes = [("bf16", torch.bfloat16, "silu", None, False), ("fp32", torch.float32, "silu", 16, False),
+              ("fp16", torch.float16, "silu", 16, False), ("bf16", torch.bfloat16, "gelu_tanh", 16, False),
+              ("bf16", torch.bfloat16, "swigluoai", 16, True)]  # gpt-oss: its SwiGLU and biases
+    for name, dtype, activation, only_block_m, bias in shapes:  # Qwen3-30B-A3B's shape: no tile is clamped
+        for fn, consts, num_warps, num_stages in tm.launch_variants(2048, 768, 128, dtype, activation, bias):
             # the align kernels take no activation tensor: one variant per BLOCK_M whatever the dtype
             key = (fn.__name__, tuple(sorted(consts.items())), name if fn is tm._moe_gemm_kernel else None)
             if key in seen or consts.get("BLOCK_M", only_block_m) != (only_block_m or consts.get("BLOCK_M")):
@@ -265,8 +319,8 @@ def test_every_fused_moe_variant_compiles_for_hopper_without_a_gpu():
     """The interpreter runs Python, not the compiler: this catches what only compiling would, and
     that each variant's tiles fit in shared memory (which only a launch on a GPU would say).
     bf16: count, 4 align and 8 GEMMs; fp32 and fp16 at the decode tiles: 2 each; GeGLU there: 1
-    (its down GEMM is silu's)."""
-    assert count_compiled_for_sm90("tests.test_kernels_moe", "_compile_moe_for_sm90") == 13 + 2 + 2 + 1
+    (its down GEMM is silu's); gpt-oss's there: 2 (its biased down GEMM too)."""
+    assert count_compiled_for_sm90("tests.test_kernels_moe", "_compile_moe_for_sm90") == 13 + 2 + 2 + 1 + 2
 
 
 def test_cpu_dispatch_runs_the_reference_without_importing_triton():
