@@ -23,7 +23,7 @@ ROUTINGS = ("auto", "cache_aware", "pull")  # the gateway's --routing (gateway/r
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 # --quantization (worker/quantization): the checkpoint's own format or none (auto), full precision
 # (none), quantized as it loads (fp8, int4, int8), or a checkpoint format named
-QUANTIZATIONS = ("auto", "none", "fp8", "int4", "int8", "awq", "gptq", "compressed-tensors")
+QUANTIZATIONS = ("auto", "none", "fp8", "int4", "int8", "awq", "gptq", "compressed-tensors", "mxfp4")
 # PAGODA_QUANTIZATION: the default when no flag says (read once, at import; the test suite sets none)
 DEFAULT_QUANTIZATION = os.environ.get("PAGODA_QUANTIZATION") or "auto"
 QUANTIZATION_HELP = ("auto: the checkpoint's format if it is quantized (fp8, compressed-tensors, ...), int4 for a "

@@ -18,6 +18,9 @@ family's real checkpoints have it so):
                  head_dim 32, attention biases (q, k, v and o)
     qwen2_moe    4 experts, top-2, not renormalized, a gated shared expert, q/k/v biases
     mistral      a sliding window on every layer (the windowed-only model)
+    gpt_oss      sliding and full layers alternating, attention sinks, q/k/v/o biases, YaRN; 4 experts,
+                 top-2, a router bias, expert biases and the clamped SwiGLU (its limit low enough to
+                 clamp); the sinks and biases drawn after init, which zeroes the biases
 """
 from __future__ import annotations
 
@@ -57,6 +60,10 @@ FAMILIES = {
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
         norm_topk_prob=False)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=24, swiglu_limit=0.3,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})),
 }
 PROMPT_LENGTHS = [33, 35, 40, 47, 52, 60, 64, 70]  # every one past each window and Phi-3's original context
 MAX_TOKENS = 12
@@ -95,11 +102,27 @@ def build(name: str, directory: Path):
     config = getattr(transformers, config_class)(**{**BASE, **features})
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).eval()
+    if name in AFTER_INIT:
+        AFTER_INIT[name](model)
     model.save_pretrained(directory)
     for file in TOKENIZER.iterdir():
         if file.name != "README.md":
             shutil.copy(file, directory)
     return model
+
+
+def _gpt_oss_after_init(model) -> None:
+    """Sinks of either sign and size, and biases (transformers' init zeroes them)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 2)
+            elif name.endswith(("_proj_bias", "router.bias")):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+
+
+AFTER_INIT = {"gpt_oss": _gpt_oss_after_init}
 
 
 def reference(model, prompt_ids: list[list[int]], max_tokens: int = MAX_TOKENS) -> Reference:

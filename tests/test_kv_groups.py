@@ -1,7 +1,7 @@
 """KV cache groups (scheduler/kv_groups.py, worker/kv_groups.py): a hybrid model's layers grouped by
 how they attend, a block table per group, sliding groups keeping only their window; exact tables,
-the prefix-hit rule per group, a random-operations model, and a Gemma-3-shaped model's capacity
-against the uniform allocator at the same bytes."""
+the prefix-hit rule per group, a random-operations model, and Gemma-3-shaped and gpt-oss-shaped
+models' capacity against the uniform allocator at the same bytes."""
 from __future__ import annotations
 
 import shutil
@@ -407,13 +407,82 @@ def test_eight_long_sequences_run_at_once_in_half_the_bytes_uniform_allocation_n
     assert [list(o.token_ids) for o in outputs] == reference.token_ids[:SEQS]
 
 
-def test_sampled_and_beam_groups_recomputed_in_a_small_pool_equal_the_uniform_allocators(tmp_path):
-    """The tiny Qwen3 (windowed and global layers): n = 2 seeded samples and beams of 2, preempted by
-    recompute in 48 blocks of half the layers (their sequences come back chunk by chunk in every
-    group), draw what the uniform allocator draws in a pool with room for all; nothing leaks."""
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A tiny gpt-oss of 4 layers, sliding (window 32) and full alternating, with sinks and biases
+    (tests/families.py), and 8 prompts of 700 tokens with transformers' greedy continuations; last,
+    a prompt sharing the first one's first 400."""
+    directory = tmp_path_factory.mktemp("gpt-oss-hybrid")
+    config = {**families.FAMILIES["gpt_oss"][2], "sliding_window": WINDOW, "max_position_embeddings": 2048}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(families.FAMILIES, "gpt_oss", (*families.FAMILIES["gpt_oss"][:2], config))
+        model = families.build("gpt_oss", directory)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 512, (PROMPT,), generator=gen).tolist() for _ in range(SEQS)]
+    return directory, prompts, families.reference(model, prompts + [shared(prompts)], GPT_OSS_OUT)
+
+
+GPT_OSS_OUT, GPT_OSS_STEP = 48, 128  # decoding long enough that the first is still running when the last prefills
+
+
+def test_gpt_oss_runs_eight_long_sequences_at_once_where_uniform_allocation_runs_four(gpt_oss):
+    """gpt-oss's layers are half sliding, half full: the full group alone needs half of uniform
+    allocation's bytes (8 * 47 pages of 2 layers for 748 tokens), and the sliding group 4 pages per
+    sequence more decoding (window 32 / 16 + 1, and the block being filled), a prefilling one its
+    window and a chunk of 128 tokens: in 425 pages (with the 1% watermark), 57% of the 376 blocks
+    of 4 layers uniform allocation needs, the 8 run at once with no preemption, the sliding group
+    never holding more than its windows; the uniform allocator in the same bytes (212 blocks) runs
+    4 at once. Tokens and logprobs are transformers' (the sinks in every kernel); a repeated
+    prompt and one sharing a 400-token system prompt hit the prefix cache in both groups."""
     from pagoda.offline import LLM
 
-    families.build("qwen3", tmp_path)
+    directory, prompts, reference = gpt_oss
+    params = SamplingParams(temperature=0, max_tokens=GPT_OSS_OUT, logprobs=0, ignore_eos=True)
+    pages = 425
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=BLOCK, num_gpu_blocks=pages,
+              num_cpu_blocks=512, preemption_mode="swap", max_num_batched_tokens=GPT_OSS_STEP)
+    bm = llm.scheduler.block_manager
+    assert isinstance(bm, HybridBlockManager) and bm.windows == [None, WINDOW]
+    assert all(a.sinks is not None for a in llm.engine.executor.runner.model.attention_layers())
+
+    def sliding_group_holds_windows(scheduler) -> None:
+        counts = bm.group_block_counts()
+        assert sum(counts) == bm.num_total_blocks - bm.num_free_blocks
+        if scheduler.running and all(len(g.seqs[0].output_token_ids) > 1 for g in scheduler.running):
+            assert counts[1] <= len(scheduler.running) * (WINDOW // BLOCK + 2)
+
+    outputs, most = run(llm, prompts[:SEQS], params, sliding_group_holds_windows)
+    assert most == SEQS and llm.scheduler.num_preemptions == 0
+    assert [list(o.token_ids) for o in outputs] == reference.token_ids[:SEQS]
+    for output, theirs in zip(outputs, reference.logprobs):
+        assert [t[0] for t in output.logprobs] == pytest.approx(theirs, abs=1e-4)
+    llm.reset()
+    run(llm, prompts[:1], params)
+    for prompt, hit, theirs in ((prompts[0], (PROMPT - 1) // BLOCK * BLOCK, 0), (shared(prompts), SHARED, SEQS)):
+        llm.scheduler.prefix_cache_hits = 0
+        outputs, _ = run(llm, [prompt], params)
+        assert llm.scheduler.prefix_cache_hits == hit
+        assert list(outputs[0].token_ids) == reference.token_ids[theirs]
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+    uniform = LLM(str(directory), device="cpu", dtype="float32", block_size=BLOCK, num_gpu_blocks=pages // 2,
+                  num_cpu_blocks=512, preemption_mode="swap", disable_hybrid_kv_cache_manager=True,
+                  max_num_batched_tokens=GPT_OSS_STEP)
+    assert uniform.engine.executor.runner.kv_bytes_per_block == 2 * llm.engine.executor.runner.kv_bytes_per_block
+    outputs, most = run(uniform, prompts[:SEQS], params)
+    assert most == 4
+    assert [list(o.token_ids) for o in outputs] == reference.token_ids[:SEQS]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_sampled_and_beam_groups_recomputed_in_a_small_pool_equal_the_uniform_allocators(family, tmp_path):
+    """Tiny models of windowed and global layers (Qwen3; gpt-oss, with sinks and experts): n = 2
+    seeded samples and beams of 2, preempted by recompute in 48 blocks of half the layers (their
+    sequences come back chunk by chunk in every group), draw what the uniform allocator draws in a
+    pool with room for all; nothing leaks."""
+    from pagoda.offline import LLM
+
+    families.build(family, tmp_path)
     prompts = families.prompts()
     sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10)
     beams = SamplingParams(n=2, beam_width=2, temperature=0, max_tokens=10)

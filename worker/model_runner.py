@@ -92,7 +92,8 @@ class ModelRunner:
         kernels.warmup(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                        block_size=self.block_size, dtype=self.dtype, device=self.device,
                        max_model_len=self.max_model_len,  # CUDA: nothing compiles while serving
-                       attention_variants={(a.sliding_window, a.logit_softcap) for a in self.model.attention_layers()},
+                       attention_variants={(a.sliding_window, a.logit_softcap, a.sinks is not None)
+                                           for a in self.model.attention_layers()},
                        kv_cache_dtype=self.kv_cache_dtype)
         self.model.warmup_kernels()  # a family's own (the fused MoE's tiles)
         # (the activations' bytes per token at the peak: measured on CUDA only)
@@ -158,7 +159,8 @@ class ModelRunner:
             kernels.warmup(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
                            block_size=self.config.block_size, dtype=drafter.dtype, device=self.device,
                            max_model_len=self.max_model_len, kv_cache_dtype=drafter.kv_cache_dtype,
-                           attention_variants={(a.sliding_window, a.logit_softcap) for a in drafter.layers})
+                           attention_variants={(a.sliding_window, a.logit_softcap, a.sinks is not None)
+                                               for a in drafter.layers})
 
     def _capture_aux(self, layer, args) -> None:
         h, residual = args[1], args[2]  # (positions, h, residual, rotary)

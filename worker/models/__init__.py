@@ -59,6 +59,10 @@ MODELS: tuple[ModelInfo, ...] = (
               quantization=MOE_QUANTIZATION, notes="with its shared expert"),
     ModelInfo("Qwen3MoeForCausalLM", "qwen3_moe", "moe", "Qwen/Qwen3-30B-A3B", sliding_window=True, moe=True,
               quantization=MOE_QUANTIZATION),
+    ModelInfo("GptOssForCausalLM", "gpt_oss", "gpt_oss", "openai/gpt-oss-20b", sliding_window=True, moe=True,
+              quantization=(*MOE_QUANTIZATION, "mxfp4"),
+              notes="sliding and full layers, a block table each; attention sinks; MXFP4 experts dequantized as "
+                    "they load"),
     ModelInfo("BertModel", "bert", "bert", "BAAI/bge-small-en-v1.5", quantization=(), encoder=True,
               notes="an encoder for pooling: embeddings, and its *ForSequenceClassification cross-encoders"),
     ModelInfo("XLMRobertaModel", "xlm-roberta", "bert", "intfloat/multilingual-e5-small", quantization=(), encoder=True,

@@ -417,7 +417,10 @@ class Attention(nn.Module):
 
     An fp8 cache (`--kv-cache-dtype fp8`) holds K / k_scale and V / v_scale: one float each per
     layer (vLLM's), 1.0 unless the checkpoint gives `...self_attn.{k_proj,attn}.k_scale` and
-    `v_scale` (`load_kv_scale`); a full-precision cache ignores them."""
+    `v_scale` (`load_kv_scale`); a full-precision cache ignores them.
+
+    `sinks` (gpt-oss): a float32 parameter [num_heads] of this rank's heads, a learned logit in
+    each row's softmax (`kernels.paged_attention`); None elsewhere."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
@@ -429,6 +432,7 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         self.k_scale, self.v_scale = 1.0, 1.0
         self.kv_group = 0  # its KV cache group (worker/kv_groups.py): whose block tables it reads
+        self.sinks: nn.Parameter | None = None
         self.layer_id = next(_layer_ids)  # names the layer to the compiled graphs' attention op
         _attention_layers[self.layer_id] = self
 
@@ -455,7 +459,7 @@ class Attention(nn.Module):
         o = kernels.paged_attention(q, self.kv_cache, block_tables, ctx.seq_lens, ctx.cu_seqlens_q, self.scale,
                                     step_cache=kernel_cache, max_seqlen_k=ctx.max_seqlen_k, kv_splits=ctx.kv_splits,
                                     sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-                                    k_scale=self.k_scale, v_scale=self.v_scale)
+                                    k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
         if ctx.image_spans:
             attend_within_images(q, o, self.kv_cache, ctx, self, block_tables)
         return o.reshape(-1, self.num_heads * self.head_dim)

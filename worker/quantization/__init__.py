@@ -6,7 +6,8 @@ the checkpoint's `quantization_config`.
     int4, int8  weight-only, quantized as the checkpoint loads (worker/quantization/weight_only.py)
     auto        the checkpoint's own format when it has one (fp8, compressed-tensors
                 float-quantized; the int4 AWQ, GPTQ and compressed-tensors pack-quantized of
-                worker/quantization/int4_checkpoints.py); the default model's GGUF on the CPU:
+                worker/quantization/int4_checkpoints.py; gpt-oss's MXFP4 experts, dequantized
+                as they load: worker/quantization/mxfp4.py); the default model's GGUF on the CPU:
                 int4, its own width (the GGUF is Q4_1); anything else: none
 
 A checkpoint's format is read from its config (`quantization_config.quant_method`) through
@@ -22,6 +23,7 @@ from worker.quantization.base import (
 )
 from worker.quantization.fp8 import Fp8Config
 from worker.quantization.int4_checkpoints import awq_checkpoint, gptq_checkpoint, pack_quantized_checkpoint
+from worker.quantization.mxfp4 import mxfp4_checkpoint
 from worker.quantization.weight_only import WeightOnlyConfig
 
 __all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "building", "cast_model",
@@ -73,7 +75,9 @@ CHECKPOINT_FORMATS: dict[str, Callable[[dict], QuantizationConfig]] = {
     "compressed-tensors": _compressed_tensors_checkpoint,
     "awq": awq_checkpoint,  # int4 (worker/quantization/int4_checkpoints.py)
     "gptq": gptq_checkpoint,
+    "mxfp4": mxfp4_checkpoint,  # gpt-oss's experts, dequantized as they load (worker/quantization/mxfp4.py)
 }
+MXFP4_MODEL_TYPES = ("gpt_oss",)  # the families whose MXFP4 checkpoints load (their experts' tensors)
 # compressed-tensors formats beyond float-quantized: format -> builder(quantization_config, its group)
 PACKED_FORMATS: dict[str, Callable[[dict, dict], QuantizationConfig]] = {
     "pack-quantized": pack_quantized_checkpoint,  # W4A16
@@ -121,6 +125,9 @@ def resolve_quantization(flag: str, hf_config, source_kind: str, device_type: st
         if method not in CHECKPOINT_FORMATS:
             raise UnsupportedQuantization(f"quantized checkpoints ({method}) are not supported (formats: "
                                           f"{', '.join(CHECKPOINT_FORMATS)})")
+        if method == "mxfp4" and getattr(hf_config, "model_type", None) not in MXFP4_MODEL_TYPES:
+            raise UnsupportedQuantization(f"mxfp4 checkpoints of {getattr(hf_config, 'model_type', None)} models are "
+                                          f"not supported (of {', '.join(MXFP4_MODEL_TYPES)} they are)")
         scheme = CHECKPOINT_FORMATS[method](qc)
         experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
         if experts and not getattr(scheme, "supports_moe", True):

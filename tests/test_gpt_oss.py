@@ -1,0 +1,115 @@
+"""gpt-oss beyond the family tests (tests/test_models.py runs its tiny model through `pagoda
+generate`, preemption, tensor parallelism and the served API; tests/test_kv_groups.py its
+capacity): MXFP4 checkpoints, whose experts dequantize as they load (worker/quantization/mxfp4.py),
+against transformers' own dequantization and, end to end, against transformers running the
+dequantized weights.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.protocol import SamplingParams
+from tests import families
+from worker.quantization import mxfp4
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_dequantize_is_transformers_and_inverts_quantize_on_fp4_grids():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (3, 8, 2), generator=gen, dtype=torch.uint8)
+    ours = mxfp4.dequantize(blocks, scales)  # [E, out, in]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    assert torch.equal(ours, theirs.transpose(1, 2))
+    # values already on a block's FP4 grid come back exactly
+    assert torch.equal(mxfp4.dequantize(*mxfp4.quantize(ours)), ours)
+    # a weight's round trip is within half an FP4 step of its block's scale
+    w = torch.randn(4, 64, generator=gen)
+    error = (mxfp4.dequantize(*mxfp4.quantize(w)) - w).abs()
+    assert error.max() <= w.abs().amax() / 6 * 2 / 2  # the largest step (4 -> 6) over two
+
+
+def test_bad_blocks_and_unpaired_halves_are_refused():
+    with pytest.raises(ValueError, match=r"MXFP4 blocks \[\.\.\., G, 16\] and scales"):
+        mxfp4.dequantize(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="MXFP4 tensors without their other half"):
+        list(mxfp4.pair_mxfp4([("a.experts.down_proj_blocks", mxfp4.Mxfp4Tensor(torch.zeros(1, 1, 1, 16,
+                                                                                           dtype=torch.uint8),
+                                                                               torch.zeros(1, 1, 1,
+                                                                                           dtype=torch.uint8)))]))
+
+
+def _mxfp4_checkpoint(source, target) -> dict:
+    """The tiny gpt-oss at `source` saved at `target` as the released checkpoints are: the experts'
+    weights MXFP4 ([E, out, in / 32, 16] blocks and their scales), the rest as it was. Returns the
+    dequantized experts' weights in transformers' layout, by name."""
+    tensors = load_file(source / "model.safetensors")
+    dequantized = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = tensors.pop(name)  # [E, in, out]
+        blocks, scales = mxfp4.quantize(weight.transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+        dequantized[name] = mxfp4.dequantize(blocks, scales).transpose(1, 2)
+    target.mkdir()
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    for file in source.iterdir():
+        if file.name != "model.safetensors":
+            (target / file.name).write_bytes(file.read_bytes())
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (target / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def test_an_mxfp4_checkpoint_equals_transformers_on_its_dequantized_weights(tmp_path, capsys):
+    """The checkpoint's experts dequantize as they load (`--quantization auto`, or mxfp4 named):
+    greedy tokens equal, logprobs within 1e-4, transformers' model whose experts hold the same
+    dequantized values; in a group of 2 too (each rank dequantizes its experts' slices)."""
+    from pagoda import cli
+    from pagoda.offline import LLM
+
+    model = families.build("gpt_oss", tmp_path / "full")
+    dequantized = _mxfp4_checkpoint(tmp_path / "full", tmp_path / "mxfp4")
+    with torch.no_grad():
+        for name, value in dequantized.items():
+            model.get_parameter(name).copy_(value)
+    prompts = families.prompts()[:4]
+    reference = families.reference(model, prompts)
+    llm = LLM(str(tmp_path / "mxfp4"), device="cpu", dtype="float32", block_size=8, quantization="auto")
+    assert llm.engine.executor.runner.scheme.name == "mxfp4"
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=families.MAX_TOKENS, logprobs=0),
+                           use_tqdm=False)
+    assert [list(o.token_ids) for o in outputs] == reference.token_ids
+    for output, theirs in zip(outputs, reference.logprobs, strict=True):
+        assert [t[0] for t in output.logprobs] == pytest.approx(theirs, abs=1e-4)
+    # the full-precision checkpoint's tokens differ somewhere: the experts did change
+    full = families.reference(families.build("gpt_oss", tmp_path / "again"), prompts)
+    assert full.token_ids != reference.token_ids
+    prompts_file = families.write_prompts(tmp_path / "prompts.jsonl", prompts)
+    argv = ["generate", "--model", str(tmp_path / "mxfp4"), "--prompts-file", str(prompts_file), "--json",
+            "--temperature", "0", "--max-tokens", str(families.MAX_TOKENS), "--device", "cpu", "--dtype", "float32",
+            "--block-size", "8", "--quantization", "mxfp4", "--tensor-parallel-size", "2"]
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    assert [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()] == reference.token_ids
+
+
+def test_mxfp4_is_refused_for_other_families_and_under_another_scheme(tmp_path, capsys):
+    from pagoda import cli
+
+    config = json.loads((families.ROOT / "tests" / "data" / "tiny-llama.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "w5", "--device", "cpu", "--quantization"]
+    assert cli.main([*argv, "auto"]) == 2
+    assert "mxfp4 checkpoints of llama models are not supported (of gpt_oss they are)" in capsys.readouterr().err
+    assert cli.main([*argv, "fp8"]) == 2
+    assert "the checkpoint is quantized (mxfp4): --quantization fp8 cannot run it (use auto or mxfp4" in (
+        capsys.readouterr().err)

@@ -1,0 +1,142 @@
+"""gpt-oss (`GptOssForCausalLM`): the Llama decoder with
+
+- sliding-window (128) and global layers alternating (`layer_types`): a KV cache group each
+  (worker/kv_groups.py), so a sliding layer keeps only its window;
+- attention sinks: a learned logit per head in each row's softmax (`Attention.sinks`), and biases
+  on every attention projection;
+- YaRN RoPE (transformers' rotary module, through `TransformersRope`);
+- a MoE on every layer: a router with a bias whose top-k logits are softmaxed (in the activation
+  dtype), experts with biases and a clamped SwiGLU (`kernels.fused_moe`'s "swigluoai").
+
+Checkpoints hold each layer's experts stacked, as transformers' GptOssExperts: `gate_up_proj`
+[E, hidden, 2 * I] with the gate and up columns interleaved (gate = 0::2, up = 1::2), its bias
+[E, 2 * I] alike, `down_proj` [E, I, hidden] and its bias [E, hidden]. The released checkpoints
+hold the expert weights in MXFP4 instead (`<name>_blocks` and `<name>_scales`, [E, out, in]):
+dequantized as they load (worker/quantization/mxfp4.py), into the same parameters.
+
+Tensor parallelism: attention by heads (each rank its heads' sinks); every expert's intermediate
+split over the ranks (w13 rows, w2 columns, the gate-up bias with them); the down projection's
+bias added by rank 0 only, before the one all-reduce.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from worker.models.layers import ReplicatedLinear, all_reduce, copy_checked, default_weight_loader
+from worker.models.llama import LlamaAttention, LlamaForCausalLM
+from worker.models.weights import CheckpointTensor
+from worker.parallel import divide, get_tp_group
+from worker.quantization import keep_dtype
+from worker.quantization.mxfp4 import pair_mxfp4
+
+
+class GptOssAttention(LlamaAttention):
+    """Llama's attention with a sink logit per query head (float32: the kernels' dtype for it)."""
+
+    def __init__(self, config, layer_idx: int, qkv_bias: bool = False, o_bias: bool = False) -> None:
+        super().__init__(config, layer_idx, qkv_bias=qkv_bias, o_bias=o_bias)
+        shard = self.qkv_proj.shard
+        sinks = keep_dtype(nn.Parameter(torch.zeros(shard.num_heads, dtype=torch.float32), requires_grad=False))
+        sinks.weight_loader = lambda param, loaded, shard_id=None: copy_checked(
+            param.data, loaded.narrow(0, shard.head_start, shard.num_heads).float(), "the attention sinks")
+        self.attn.sinks = sinks
+
+
+class GptOssExperts(nn.Module):
+    """A layer's experts as `kernels.fused_moe` takes them: w13 [E, 2 * I / N, hidden] (this
+    rank's gate rows over its up rows), w2 [E, hidden, I / N], and their biases."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.tp = tp = get_tp_group()
+        num_experts, hidden = config.num_local_experts, config.hidden_size
+        self.num_experts = num_experts
+        self.intermediate = divide(config.intermediate_size, tp.world_size, "the experts' intermediate size")
+        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, self.intermediate), requires_grad=False)
+        self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (the caller all-reduces): the down bias only on rank 0."""
+        return kernels.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, activation="swigluoai",
+                                 w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.tp.is_first else None,
+                                 alpha=self.alpha, limit=self.limit)
+
+    def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
+        """transformers' layout: the weights [E, in, out] (an MXFP4 checkpoint's, dequantized,
+        alike), the biases [E, out]. One expert at a time."""
+        if param is self.w2_bias:
+            return default_weight_loader(param, loaded)
+        size, start = self.intermediate, self.tp.rank * self.intermediate
+        for expert in range(self.num_experts):
+            tensor = loaded.narrow(0, expert, 1)[0]
+            if param is not self.w13_bias:
+                tensor = tensor.transpose(0, 1)  # [out, in]
+            if param is self.w2_weight:  # [hidden, I]: this rank's columns
+                copy_checked(param.data[expert], tensor.narrow(1, start, size), f"expert {expert}'s down projection")
+                continue
+            # [2 * I, ...] interleaved: row 2i is gate i, row 2i + 1 up i
+            gate, up = tensor[0::2], tensor[1::2]
+            what = "gate-up bias" if param is self.w13_bias else "gate-up projection"
+            copy_checked(param.data[expert].narrow(0, 0, size), gate.narrow(0, start, size), f"expert {expert}'s {what}")
+            copy_checked(param.data[expert].narrow(0, size, size), up.narrow(0, start, size), f"expert {expert}'s {what}")
+
+
+class GptOssMoE(nn.Module):
+    """Router and experts of one layer: softmax over the top-k router logits (with its bias), in
+    the activation dtype, as transformers' GptOssTopKRouter."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.top_k = config.num_experts_per_tok
+        self.router = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=True)
+        self.experts = GptOssExperts(config)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        return F.softmax(top, dim=1, dtype=top.dtype), ids
+
+    def warmup(self) -> int:
+        """Compile the fused MoE kernel's variants for this layer's shapes (CUDA, at start-up)."""
+        e = self.experts
+        return kernels.warmup_moe(e.w13_weight, e.w2_weight, self.top_k, activation="swigluoai",
+                                  weights_dtype=e.w13_weight.dtype, w13_bias=e.w13_bias, w2_bias=e.w2_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.tp, self.experts(x, *self.route(x)))
+
+
+# the experts' checkpoint tensors -> our parameters
+_EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight", "gate_up_proj_bias": "w13_bias",
+                   "down_proj_bias": "w2_bias"}
+_EXPERTS = re.compile(r"\.mlp\.experts\.(?P<tensor>\w+)$")
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    attention_class = GptOssAttention
+    RENAMES = ((".self_attn.sinks", ".self_attn.attn.sinks"),)
+
+    def build_mlp(self, config, layer_idx: int) -> nn.Module:
+        return GptOssMoE(config)
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, object]:
+        experts = _EXPERTS.search(name)
+        if experts is None:
+            return super().map_checkpoint_name(name)
+        if experts["tensor"] not in _EXPERT_TENSORS:
+            raise ValueError(f"the checkpoint's {name}: gpt-oss's experts hold no {experts['tensor']!r}")
+        return f"{name[:experts.start()]}.mlp.experts.{_EXPERT_TENSORS[experts['tensor']]}", None
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(pair_mxfp4(weights))
+
+    def warmup_kernels(self) -> None:
+        self.layers[0].mlp.warmup()  # every layer's experts have one shape
