@@ -37,7 +37,8 @@ from kernels.tuning import AttentionShape  # pure Python
 Impl = Literal["triton", "torch"] | None
 
 __all__ = [
-    "BlockSwapper", "copy_blocks", "freeze_workspace", "fused_add_rms_norm", "fused_moe", "gelu_tanh_and_mul",
+    "BlockSwapper", "copy_blocks", "freeze_workspace", "fused_add_rms_norm", "fused_moe", "fused_moe_mxfp4",
+    "gelu_tanh_and_mul",
     "lora_expand", "lora_shrink", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "swap_blocks",
     "warmup", "warmup_moe",
     "write_kv",
@@ -273,23 +274,50 @@ def fused_moe(
                                    w2_bias=w2_bias, alpha=alpha, limit=limit)
 
 
-def warmup_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int, *, activation: str = "silu",
-               weights_dtype: torch.dtype = torch.float32, w13_bias: torch.Tensor | None = None,
-               w2_bias: torch.Tensor | None = None) -> int:
-    """Compile every variant `fused_moe` can launch for these expert weights (one tiny launch per
-    tile config), so that no MoE kernel compiles while serving. CUDA only: returns the number of
-    launches, 0 elsewhere."""
-    if not w13.is_cuda or interpreting():
+def fused_moe_mxfp4(
+    hidden_states: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: str = "swigluoai",
+    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, alpha: float = 1.702,
+    limit: float = 7.0, impl: Impl = None,
+) -> torch.Tensor:
+    """`fused_moe` over MXFP4 experts (gpt-oss's checkpoints, kernels/mxfp4.py): w13 = (blocks
+    [E, 2 * I, H / 2], scales [E, 2 * I, H / 32]) uint8, gate rows over up rows; w2 = (blocks
+    [E, H, I / 2], scales [E, H, I / 32]). CUDA: the fused Triton kernel, decoding each weight tile
+    as it loads; elsewhere the reference over the dequantized weights."""
+    if _use_triton(hidden_states, impl):
+        from kernels import triton_moe
+
+        return triton_moe.fused_moe_mxfp4(hidden_states, w13, w2, topk_weights, topk_ids, activation,
+                                          w13_bias=w13_bias, w2_bias=w2_bias, alpha=alpha, limit=limit)
+    from kernels.mxfp4 import fused_moe_mxfp4_reference
+
+    return fused_moe_mxfp4_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias=w13_bias,
+                                     w2_bias=w2_bias, alpha=alpha, limit=limit)
+
+
+def warmup_moe(w13, w2, top_k: int, *, activation: str = "silu", weights_dtype: torch.dtype = torch.float32,
+               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None) -> int:
+    """Compile every variant `fused_moe` (or, for MXFP4 experts given as (blocks, scales) pairs,
+    `fused_moe_mxfp4`, whose activations are `dtype`) can launch for these expert weights (one tiny
+    launch per tile config), so that no MoE kernel compiles while serving. CUDA only: returns the
+    number of launches, 0 elsewhere."""
+    packed = isinstance(w13, tuple)
+    blocks = w13[0] if packed else w13
+    if not blocks.is_cuda or interpreting():
         return 0
     from kernels import triton_moe
 
-    num_experts, hidden = w13.shape[0], w13.shape[2]
-    x = torch.zeros((1, hidden), dtype=w13.dtype, device=w13.device)
-    ids = (torch.arange(top_k, device=w13.device) % num_experts)[None]
-    weights = torch.ones((1, top_k), dtype=weights_dtype, device=w13.device)
-    configs = triton_moe.all_tile_configs(hidden, w13.shape[1] // 2, w13.dtype)
+    num_experts = blocks.shape[0]
+    hidden, intermediate = (blocks.shape[2] * 2, blocks.shape[1] // 2) if packed else (w13.shape[2], w13.shape[1] // 2)
+    dtype = dtype or w13.dtype
+    x = torch.zeros((1, hidden), dtype=dtype, device=blocks.device)
+    ids = (torch.arange(top_k, device=blocks.device) % num_experts)[None]
+    weights = torch.ones((1, top_k), dtype=weights_dtype, device=blocks.device)
+    configs = triton_moe.all_tile_configs(hidden, intermediate, dtype)
+    run = triton_moe.fused_moe_mxfp4 if packed else triton_moe.fused_moe
     for tiles in configs:
-        triton_moe.fused_moe(x, w13, w2, weights, ids, activation, tiles=tiles, w13_bias=w13_bias, w2_bias=w2_bias)
+        run(x, w13, w2, weights, ids, activation, tiles=tiles, w13_bias=w13_bias, w2_bias=w2_bias)
     return len(configs)
 
 

@@ -26,6 +26,13 @@ Tiles: `tile_configs` picks BLOCK_M by the pairs per expert (T * k / E), and the
 tiles from a small table (vLLM's default config in spirit), clamped to the problem (>= 16 for
 tl.dot). Not tuned on a GPU yet: `pagoda bench kernels --moe` records the config of each row.
 
+MXFP4 experts (gpt-oss's released weights, `fused_moe_mxfp4`): the weights stay packed, blocks
+[E, out, in / 2] uint8 and scales [E, out, in / 32] uint8 (kernels/mxfp4.py), and each B tile is
+decoded in registers as it loads (the e2m1 code's sign, exponent and mantissa bits; the block's
+power of two), cast to the activation dtype (exact), then multiplied as a full-precision tile is:
+the GEMMs read a quarter of bfloat16's weight bytes and round as the reference over the
+dequantized weights does.
+
 Biases (gpt-oss: HAS_BIAS) are added to each GEMM's float32 accumulator before its rounding, the
 down projection's before the routing weight multiplies it. gpt-oss's clamped SwiGLU (SWIGLU_OAI,
 `alpha` and `limit` runtime arguments) is computed in float32 from the rounded gate and up.
@@ -199,13 +206,22 @@ def fused_moe(
     topk_weights [T, k] (float32 or the activation dtype); topk_ids [T, k]; the biases [E, 2 * I]
     and [E, H] or None. Returns [T, H]. `tiles` forces a tile config (tests, tuning); by default
     `tile_configs`'s."""
+    num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
+    hidden = hidden_states.shape[1]
+    assert w13.shape == (num_experts, 2 * intermediate, hidden) and w2.shape == (num_experts, hidden, intermediate)
+    return _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation, tiles, w13_bias, w2_bias, alpha,
+                      limit, None, num_experts, hidden, intermediate)
+
+
+def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation, tiles, w13_bias, w2_bias, alpha, limit,
+               scales: tuple[torch.Tensor, torch.Tensor] | None, num_experts: int, hidden: int,
+               intermediate: int) -> torch.Tensor:
+    """Both GEMMs of `fused_moe` (`scales`: MXFP4 weights' exponents, (w13's, w2's))."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
-    num_tokens, hidden = hidden_states.shape
-    num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
+    num_tokens = hidden_states.shape[0]
     top_k = topk_ids.shape[1]
-    assert w13.shape == (num_experts, 2 * intermediate, hidden) and w2.shape == (num_experts, hidden, intermediate)
-    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
+    assert hidden_states.shape[1] == hidden and topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
     out = torch.empty_like(hidden_states)
     if num_tokens == 0:
         return out
@@ -215,21 +231,43 @@ def fused_moe(
     num_pairs, num_m_blocks = num_tokens * top_k, expert_ids.numel()
     weights = topk_weights.reshape(-1).contiguous()
     device, dtype = x.device, x.dtype
+    s13, s2 = (None, None) if scales is None else scales
     cache13 = torch.empty((num_pairs, intermediate), dtype=dtype, device=device)  # [T * k, I], row = pair
     _launch_gemm(x, w13, cache13, weights, sorted_ids, expert_ids, num_padded, num_pairs, num_m_blocks,
                  intermediate, hidden, top_k, tiles.block_m, tiles.group_m, tiles.gated, gated=True,
-                 activation=activation, bias=w13_bias, alpha=alpha, limit=limit)
+                 activation=activation, bias=w13_bias, alpha=alpha, limit=limit, scales=s13)
     cache2 = out if top_k == 1 else torch.empty((num_tokens, top_k, hidden), dtype=dtype, device=device)
     _launch_gemm(cache13, w2, cache2, weights, sorted_ids, expert_ids, num_padded, num_pairs, num_m_blocks,
                  hidden, intermediate, 1, tiles.block_m, tiles.group_m, tiles.down, gated=False,
-                 activation=activation, bias=w2_bias)
+                 activation=activation, bias=w2_bias, scales=s2)
     if top_k > 1:
         torch.sum(cache2, dim=1, out=out)  # [T, k, H] -> [T, H]
     return out
 
 
+def fused_moe_mxfp4(
+    hidden_states: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "swigluoai", *,
+    tiles: MoeTiles | None = None, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+    alpha: float = 1.702, limit: float = 7.0,
+) -> torch.Tensor:
+    """`fused_moe` over MXFP4 experts: w13 = (blocks [E, 2 * I, H / 2], scales [E, 2 * I, H / 32])
+    (gate rows over up rows), w2 = (blocks [E, H, I / 2], scales [E, H, I / 32]); H and I
+    multiples of 32 (semantics: `kernels.mxfp4.fused_moe_mxfp4_reference`)."""
+    (b13, s13), (b2, s2) = w13, w2
+    num_experts, two_i, hidden = b13.shape[0], b13.shape[1], b13.shape[2] * 2
+    intermediate = two_i // 2
+    assert b13.dtype == s13.dtype == b2.dtype == s2.dtype == torch.uint8, "MXFP4 blocks and scales are uint8"
+    assert s13.shape == (num_experts, two_i, hidden // 32) and b2.shape == (num_experts, hidden, intermediate // 2) \
+        and s2.shape == (num_experts, hidden, intermediate // 32), "MXFP4 experts' shapes"
+    assert b13.stride(-1) == s13.stride(-1) == b2.stride(-1) == s2.stride(-1) == 1
+    return _fused_moe(hidden_states, b13, b2, topk_weights, topk_ids, activation, tiles, w13_bias, w2_bias, alpha,
+                      limit, (s13, s2), num_experts, hidden, intermediate)
+
+
 def launch_variants(hidden: int, intermediate: int, num_experts: int, dtype: torch.dtype,
-                    activation: str = "silu", bias: bool = False) -> list[tuple[triton.JITFunction, dict, int, int]]:
+                    activation: str = "silu", bias: bool = False,
+                    mxfp4: bool = False) -> list[tuple[triton.JITFunction, dict, int, int]]:
     """Every (kernel, constexprs, num_warps, num_stages) that `fused_moe` can launch for this
     shape and activation: the count kernel, the align kernel of each BLOCK_M, and both GEMMs of
     each tile config (for compiling ahead: tests, a start-up warmup)."""
@@ -237,30 +275,32 @@ def launch_variants(hidden: int, intermediate: int, num_experts: int, dtype: tor
     for tiles in all_tile_configs(hidden, intermediate, dtype):
         variants.append((_align_kernel, _align_constexprs(tiles.block_m, num_experts), 4, 3))
         for gated, tile in ((True, tiles.gated), (False, tiles.down)):
-            consts = _constexprs(gated, activation, tiles.block_m, tiles.group_m, tile, dtype, bias)
+            consts = _constexprs(gated, activation, tiles.block_m, tiles.group_m, tile, dtype, bias, mxfp4)
             variants.append((_moe_gemm_kernel, consts, tile.num_warps, tile.num_stages))
     return variants
 
 
 def _launch_gemm(a, b, c, weights, sorted_ids, expert_ids, num_padded, num_pairs, num_m_blocks, n, k, top_k,
                  block_m, group_m, tile: GemmTile, *, gated: bool, activation: str, bias: torch.Tensor | None = None,
-                 alpha: float = 1.702, limit: float = 7.0) -> None:
+                 alpha: float = 1.702, limit: float = 7.0, scales: torch.Tensor | None = None) -> None:
     grid = (num_m_blocks * triton.cdiv(n, tile.block_n),)
     if bias is not None:
         assert bias.shape == (b.shape[0], b.shape[1]) and bias.stride(-1) == 1, "a bias per expert and output row"
+    s = b if scales is None else scales
     _moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, num_padded, b if bias is None else bias, n, k, num_pairs,
+        a, b, c, weights, sorted_ids, expert_ids, num_padded, b if bias is None else bias, s, n, k, num_pairs,
         num_m_blocks, top_k, alpha, limit,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(-2), 0 if bias is None else bias.stride(0),
-        **_constexprs(gated, activation, block_m, group_m, tile, a.dtype, bias is not None),
+        s.stride(0), s.stride(1),
+        **_constexprs(gated, activation, block_m, group_m, tile, a.dtype, bias is not None, scales is not None),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
 def _constexprs(gated: bool, activation: str, block_m: int, group_m: int, tile: GemmTile,
-                dtype: torch.dtype, bias: bool = False) -> dict:
+                dtype: torch.dtype, bias: bool = False, mxfp4: bool = False) -> dict:
     return dict(GATED=gated, GELU_TANH=gated and activation == "gelu_tanh", MUL_ROUTED_WEIGHT=not gated,
-                SWIGLU_OAI=gated and activation == "swigluoai", HAS_BIAS=bias,
+                SWIGLU_OAI=gated and activation == "swigluoai", HAS_BIAS=bias, MXFP4=mxfp4,
                 BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=group_m,
                 DOT_PRECISION=dot_precision(dtype))
 
@@ -275,20 +315,41 @@ def _act(x, GELU_TANH: tl.constexpr):
         return x / (1.0 + tl.exp(-x))
 
 
+@triton.jit
+def _fp4_e2m1(code):
+    """An FP4 (e2m1) code [4 bits] as float32: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
+    exponent = (code >> 1) & 3
+    mantissa = (code & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _mxfp4_tile(rows_ptr, scale_rows_ptr, ks, k_live, dtype: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] weights of the columns `rows_ptr` ([1, BLOCK_N] pointers to each output
+    row's packed bytes) at input positions `ks` [BLOCK_K], decoded to `dtype`."""
+    packed = tl.load(rows_ptr + (ks // 2)[:, None], mask=k_live[:, None], other=0).to(tl.int32)
+    code = (packed >> ((ks % 2) * 4)[:, None]) & 15
+    exponent = tl.load(scale_rows_ptr + (ks // 32)[:, None], mask=k_live[:, None], other=127).to(tl.float32)
+    return (_fp4_e2m1(code) * tl.exp2(exponent - 127.0)).to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks", "top_k"],
             do_not_specialize_on_alignment=["topk_weights_ptr"])
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, bias_ptr, b_scale_ptr,
     N, K, num_pairs, num_m_blocks, top_k, alpha, limit,
-    stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bias_e,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bias_e, stride_se, stride_sn,
     GATED: tl.constexpr, GELU_TANH: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SWIGLU_OAI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+    MXFP4: tl.constexpr = False,
 ):
     """c[pair, n] = a[pair // top_k] . b[expert, n] over BLOCK_M sorted rows (one expert) x BLOCK_N
     columns (+ bias[expert, n] with HAS_BIAS). GATED: b's rows n (gate) and N + n (up) both,
     c = act(gate) * up (SWIGLU_OAI: gpt-oss's clamped form, `alpha` and `limit`).
-    MUL_ROUTED_WEIGHT: c = (a . b) * topk_weights[pair]. a's and c's last dimension is contiguous."""
+    MUL_ROUTED_WEIGHT: c = (a . b) * topk_weights[pair]. a's and c's last dimension is contiguous.
+    MXFP4: b holds packed bytes [E, N, K / 2] and b_scale its exponents [E, N, K / 32]."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n_blocks
@@ -306,15 +367,25 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_am + ks[None, :]  # [BLOCK_M, BLOCK_K]
     # columns past N wrap around (loads need no mask; their results are not stored)
     b_ptrs = b_ptr + expert * stride_be + (cols % N).to(tl.int64)[None, :] * stride_bn + ks[:, None] * stride_bk
+    # MXFP4: each output column's packed row and its scales' row
+    rows = b_ptr + expert * stride_be + (cols % N).to(tl.int64)[None, :] * stride_bn  # [1, BLOCK_N]
+    scale_rows = b_scale_ptr + expert * stride_se + (cols % N).to(tl.int64)[None, :] * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_live = ks < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=live[:, None] & k_live[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_live[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if MXFP4:
+            b = _mxfp4_tile(rows, scale_rows, k * BLOCK_K + ks, k_live, a.dtype)
+        else:
+            b = tl.load(b_ptrs, mask=k_live[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
         if GATED:
-            b_up = tl.load(b_ptrs + N.to(tl.int64) * stride_bn, mask=k_live[:, None], other=0.0)
+            if MXFP4:
+                b_up = _mxfp4_tile(rows + N.to(tl.int64) * stride_bn, scale_rows + N.to(tl.int64) * stride_sn,
+                                   k * BLOCK_K + ks, k_live, a.dtype)
+            else:
+                b_up = tl.load(b_ptrs + N.to(tl.int64) * stride_bn, mask=k_live[:, None], other=0.0)
             acc_up = tl.dot(a, b_up, acc=acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk

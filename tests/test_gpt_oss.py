@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from common.protocol import SamplingParams
 from tests import families
-from worker.quantization import mxfp4
+from kernels import mxfp4
+from worker.quantization.mxfp4 import Mxfp4Tensor, pair_mxfp4
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,7 +41,7 @@ def test_bad_blocks_and_unpaired_halves_are_refused():
     with pytest.raises(ValueError, match=r"MXFP4 blocks \[\.\.\., G, 16\] and scales"):
         mxfp4.dequantize(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8))
     with pytest.raises(ValueError, match="MXFP4 tensors without their other half"):
-        list(mxfp4.pair_mxfp4([("a.experts.down_proj_blocks", mxfp4.Mxfp4Tensor(torch.zeros(1, 1, 1, 16,
+        list(pair_mxfp4([("a.experts.down_proj_blocks", Mxfp4Tensor(torch.zeros(1, 1, 1, 16,
                                                                                            dtype=torch.uint8),
                                                                                torch.zeros(1, 1, 1,
                                                                                            dtype=torch.uint8)))]))
@@ -69,10 +70,12 @@ def _mxfp4_checkpoint(source, target) -> dict:
     return dequantized
 
 
-def test_an_mxfp4_checkpoint_equals_transformers_on_its_dequantized_weights(tmp_path, capsys):
+def test_an_mxfp4_checkpoint_equals_transformers_on_its_dequantized_weights(tmp_path, capsys, monkeypatch):
     """The checkpoint's experts dequantize as they load (`--quantization auto`, or mxfp4 named):
     greedy tokens equal, logprobs within 1e-4, transformers' model whose experts hold the same
-    dequantized values; in a group of 2 too (each rank dequantizes its experts' slices)."""
+    dequantized values; in a group of 2 too (each rank dequantizes its experts' slices); and with
+    the experts kept packed, as on CUDA (here `kernels.fused_moe_mxfp4` runs its reference)."""
+    import worker.quantization.mxfp4
     from pagoda import cli
     from pagoda.offline import LLM
 
@@ -90,6 +93,14 @@ def test_an_mxfp4_checkpoint_equals_transformers_on_its_dequantized_weights(tmp_
     assert [list(o.token_ids) for o in outputs] == reference.token_ids
     for output, theirs in zip(outputs, reference.logprobs, strict=True):
         assert [t[0] for t in output.logprobs] == pytest.approx(theirs, abs=1e-4)
+    monkeypatch.setattr(worker.quantization.mxfp4, "PACKED_DEVICES", ("cuda", "cpu"))
+    packed = LLM(str(tmp_path / "mxfp4"), device="cpu", dtype="float32", block_size=8, quantization="auto")
+    runner = packed.engine.executor.runner
+    assert runner.scheme.packed and runner.model.layers[0].mlp.experts.packed
+    outputs = packed.generate(prompts, SamplingParams(temperature=0, max_tokens=families.MAX_TOKENS, logprobs=0),
+                              use_tqdm=False)
+    assert [list(o.token_ids) for o in outputs] == reference.token_ids
+    monkeypatch.undo()
     # the full-precision checkpoint's tokens differ somewhere: the experts did change
     full = families.reference(families.build("gpt_oss", tmp_path / "again"), prompts)
     assert full.token_ids != reference.token_ids
@@ -113,3 +124,65 @@ def test_mxfp4_is_refused_for_other_families_and_under_another_scheme(tmp_path, 
     assert cli.main([*argv, "fp8"]) == 2
     assert "the checkpoint is quantized (mxfp4): --quantization fp8 cannot run it (use auto or mxfp4" in (
         capsys.readouterr().err)
+
+
+def _experts(config, rank: int, world_size: int, packed: bool, tensors: dict):
+    """GptOssExperts as rank `rank` of `world_size` builds and loads them: packed (an MXFP4
+    checkpoint on CUDA) from the blocks and scales, else dequantized from the paired tensors."""
+    from types import SimpleNamespace
+
+    from worker.models.gpt_oss import GptOssExperts
+    from worker.models.weights import in_memory
+    from worker.parallel import get_tp_group, set_tp_group
+    from worker.quantization import building
+    from worker.quantization.mxfp4 import Mxfp4Config
+
+    saved = get_tp_group()
+    set_tp_group(SimpleNamespace(rank=rank, world_size=world_size, is_first=rank == 0))
+    try:
+        with building(Mxfp4Config(packed=packed)):
+            experts = GptOssExperts(config)
+        weights = in_memory(tensors.items())
+        names = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight", "gate_up_proj_bias": "w13_bias",
+                 "down_proj_bias": "w2_bias", "gate_up_proj_blocks": "w13_blocks", "gate_up_proj_scales": "w13_scales",
+                 "down_proj_blocks": "w2_blocks", "down_proj_scales": "w2_scales"}
+        for name, tensor in (weights if packed else pair_mxfp4(weights)):
+            param = getattr(experts, names[name])
+            experts.weight_loader(param, tensor)
+    finally:
+        set_tp_group(saved)
+    return experts
+
+
+def test_packed_mxfp4_experts_shard_over_ranks_as_the_dequantized_ones_do():
+    """Where the experts stay MXFP4 (CUDA), each rank loads its de-interleaved gate and up rows and
+    its 32-value groups of the down projection's inputs; summed over a group of 2 (the down bias
+    from rank 0 alone) the partial outputs are the dequantized experts' of one rank, exactly (the
+    same float32 values; off CUDA `kernels.fused_moe_mxfp4` runs the reference)."""
+    from transformers import GptOssConfig
+
+    e, hidden, inter = 4, 64, 64
+    config = GptOssConfig(num_local_experts=e, hidden_size=hidden, intermediate_size=inter, swiglu_limit=0.5)
+    gen = torch.Generator().manual_seed(3)
+    gate_up, down = torch.randn(e, hidden, 2 * inter, generator=gen) * 0.2, torch.randn(e, inter, hidden, generator=gen)
+    tensors = {"gate_up_proj_bias": torch.randn(e, 2 * inter, generator=gen) * 0.1,
+               "down_proj_bias": torch.randn(e, hidden, generator=gen) * 0.1}
+    for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4.quantize(weight.transpose(1, 2))
+    x = torch.randn(6, hidden, generator=gen)
+    weights, ids = torch.rand(6, 2, generator=gen), torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(6)])
+    whole = _experts(config, 0, 1, False, tensors)
+    assert whole.w13_weight.shape == (e, 2 * inter, hidden) and not whole.packed
+    expected = whole(x, weights, ids)
+    parts = [_experts(config, rank, 2, True, tensors) for rank in (0, 1)]
+    assert all(p.packed and p.w13_blocks.shape == (e, inter, hidden // 2) and p.w2_scales.shape == (e, hidden, 1)
+               for p in parts)
+    for rank, part in enumerate(parts):  # each rank's dequantized blocks are its slice of the whole
+        rows = torch.cat([torch.arange(rank * 32, rank * 32 + 32), inter + torch.arange(rank * 32, rank * 32 + 32)])
+        assert torch.equal(mxfp4.dequantize(part.w13_blocks, part.w13_scales), whole.w13_weight[:, rows])
+        assert torch.equal(mxfp4.dequantize(part.w2_blocks, part.w2_scales),
+                           whole.w2_weight[:, :, rank * 32:rank * 32 + 32])
+    torch.testing.assert_close(parts[0](x, weights, ids) + parts[1](x, weights, ids), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"each rank's intermediate size \(16\) and the hidden size \(64\) must be "
+                                         "multiples of 32"):
+        _experts(GptOssConfig(num_local_experts=e, hidden_size=hidden, intermediate_size=32), 0, 2, True, tensors)

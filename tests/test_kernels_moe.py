@@ -268,6 +268,45 @@ def test_triton_swigluoai_with_biases_matches_the_reference(num_tokens, num_expe
                                    **tolerance(dtype))
 
 
+def mxfp4_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[tuple, tuple]:
+    """The experts' weights as MXFP4 (blocks [E, out, in / 2], scales [E, out, in / 32])."""
+    from kernels.mxfp4 import quantize
+
+    return tuple((blocks.flatten(-2).contiguous(), scales) for blocks, scales in (quantize(w.float()) for w in (w13, w2)))
+
+
+@triton_test
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 4, 2), (7, 8, 4), (64, 8, 2)])
+def test_triton_mxfp4_experts_match_the_reference_over_their_dequantized_weights(num_tokens, num_experts, top_k,
+                                                                                dtype):
+    """The packed weights decoded tile by tile in the GEMMs (hidden 96, intermediate 64: 3 and 2
+    scale blocks a row, neither a multiple of every K tile), gpt-oss's SwiGLU and biases, and silu
+    without biases; against `fused_moe_mxfp4_reference` (the dequantized weights' reference)."""
+    from kernels.mxfp4 import dequantize, fused_moe_mxfp4_reference
+
+    x, w13, w2, weights, ids, b13, b2 = gpt_oss_inputs(num_tokens, num_experts, top_k, 96, 64, dtype, DEVICE,
+                                                       seed=num_tokens + 3)
+    q13, q2 = mxfp4_experts(w13.cpu(), w2.cpu())
+    assert torch.equal(dequantize(*q13), dequantize(*mxfp4_experts(dequantize(*q13), w2.cpu())[0]))  # on the grid
+    q13, q2 = tuple(t.to(DEVICE) for t in q13), tuple(t.to(DEVICE) for t in q2)
+    weights = weights.to(dtype)
+    for activation, biases in (("swigluoai", {"w13_bias": b13, "w2_bias": b2}), ("silu", {})):
+        got = kernels.fused_moe_mxfp4(x, q13, q2, weights, ids, activation=activation, impl="triton", **biases)
+        expected = fused_moe_mxfp4_reference(x, q13, q2, weights, ids, activation, **biases)
+        assert got.dtype == dtype and not torch.isnan(got).any()
+        torch.testing.assert_close(got, expected, **tolerance(dtype))
+
+
+def test_mxfp4_dispatch_off_cuda_is_the_reference():
+    from kernels.mxfp4 import fused_moe_mxfp4_reference
+
+    x, w13, w2, weights, ids, b13, b2 = gpt_oss_inputs(5, 4, 2, 64, 32, torch.float32, seed=2)
+    q13, q2 = mxfp4_experts(w13, w2)
+    got = kernels.fused_moe_mxfp4(x, q13, q2, weights, ids, w13_bias=b13, w2_bias=b2)
+    assert torch.equal(got, fused_moe_mxfp4_reference(x, q13, q2, weights, ids, w13_bias=b13, w2_bias=b2))
+
+
 # ------------------------------------------------------------------------------ sm_90, dispatch
 
 
@@ -286,7 +325,10 @@ def _compile_moe_for_sm90() -> list[str]:
 
     def compile_(fn, consts: dict, num_warps: int, num_stages: int, dtype: str) -> str:
         types = {"topk_weights_ptr": "*fp32", "topk_ids_ptr": "*i64", "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}",
-                 "c_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "alpha": "fp32", "limit": "fp32"}
+                 "c_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "alpha": "fp32", "limit": "fp32",
+                 "b_scale_ptr": "*u8"}
+        if consts.get("MXFP4"):
+            types["b_ptr"] = "*u8"
         if fn is tm._moe_gemm_kernel:
             consts = {**consts, "stride_bk": 1}
         sig = {name: "constexpr" if name in consts else types.get(name, "*i32" if name.endswith("_ptr") else "i32")
@@ -303,8 +345,10 @@ def _compile_moe_for_sm90() -> list[str]:
     shapes = [("bf16", torch.bfloat16, "silu", None, False), ("fp32", torch.float32, "silu", 16, False),
               ("fp16", torch.float16, "silu", 16, False), ("bf16", torch.bfloat16, "gelu_tanh", 16, False),
               ("bf16", torch.bfloat16, "swigluoai", 16, True)]  # gpt-oss: its SwiGLU and biases
-    for name, dtype, activation, only_block_m, bias in shapes:  # Qwen3-30B-A3B's shape: no tile is clamped
-        for fn, consts, num_warps, num_stages in tm.launch_variants(2048, 768, 128, dtype, activation, bias):
+    shapes = [(*shape, False) for shape in shapes] + [
+        ("bf16", torch.bfloat16, "swigluoai", None, True, True)]  # gpt-oss's MXFP4 experts, every tile config
+    for name, dtype, activation, only_block_m, bias, packed in shapes:  # Qwen3-30B-A3B's shape: no tile clamped
+        for fn, consts, num_warps, num_stages in tm.launch_variants(2048, 768, 128, dtype, activation, bias, packed):
             # the align kernels take no activation tensor: one variant per BLOCK_M whatever the dtype
             key = (fn.__name__, tuple(sorted(consts.items())), name if fn is tm._moe_gemm_kernel else None)
             if key in seen or consts.get("BLOCK_M", only_block_m) != (only_block_m or consts.get("BLOCK_M")):
@@ -319,8 +363,9 @@ def test_every_fused_moe_variant_compiles_for_hopper_without_a_gpu():
     """The interpreter runs Python, not the compiler: this catches what only compiling would, and
     that each variant's tiles fit in shared memory (which only a launch on a GPU would say).
     bf16: count, 4 align and 8 GEMMs; fp32 and fp16 at the decode tiles: 2 each; GeGLU there: 1
-    (its down GEMM is silu's); gpt-oss's there: 2 (its biased down GEMM too)."""
-    assert count_compiled_for_sm90("tests.test_kernels_moe", "_compile_moe_for_sm90") == 13 + 2 + 2 + 1 + 2
+    (its down GEMM is silu's); gpt-oss's there: 2 (its biased down GEMM too); its MXFP4 GEMMs at
+    every tile config: 8."""
+    assert count_compiled_for_sm90("tests.test_kernels_moe", "_compile_moe_for_sm90") == 13 + 2 + 2 + 1 + 2 + 8
 
 
 def test_cpu_dispatch_runs_the_reference_without_importing_triton():

@@ -12,7 +12,9 @@ Checkpoints hold each layer's experts stacked, as transformers' GptOssExperts: `
 [E, hidden, 2 * I] with the gate and up columns interleaved (gate = 0::2, up = 1::2), its bias
 [E, 2 * I] alike, `down_proj` [E, I, hidden] and its bias [E, hidden]. The released checkpoints
 hold the expert weights in MXFP4 instead (`<name>_blocks` and `<name>_scales`, [E, out, in]):
-dequantized as they load (worker/quantization/mxfp4.py), into the same parameters.
+dequantized as they load (worker/quantization/mxfp4.py) into the same parameters, except on CUDA,
+where they stay packed ([E, out, in / 2] blocks and [E, out, in / 32] scales, this rank's rows or
+columns) for `kernels.fused_moe_mxfp4`.
 
 Tensor parallelism: attention by heads (each rank its heads' sinks); every expert's intermediate
 split over the ranks (w13 rows, w2 columns, the gate-up bias with them); the down projection's
@@ -31,8 +33,8 @@ from worker.models.layers import ReplicatedLinear, all_reduce, copy_checked, def
 from worker.models.llama import LlamaAttention, LlamaForCausalLM
 from worker.models.weights import CheckpointTensor
 from worker.parallel import divide, get_tp_group
-from worker.quantization import keep_dtype
-from worker.quantization.mxfp4 import pair_mxfp4
+from worker.quantization import current_config, frozen, keep_dtype
+from worker.quantization.mxfp4 import Mxfp4Config, pair_mxfp4
 
 
 class GptOssAttention(LlamaAttention):
@@ -49,37 +51,61 @@ class GptOssAttention(LlamaAttention):
 
 class GptOssExperts(nn.Module):
     """A layer's experts as `kernels.fused_moe` takes them: w13 [E, 2 * I / N, hidden] (this
-    rank's gate rows over its up rows), w2 [E, hidden, I / N], and their biases."""
+    rank's gate rows over its up rows), w2 [E, hidden, I / N], and their biases; or, packed
+    (an MXFP4 checkpoint on CUDA), each weight's blocks and scales in that layout
+    (`kernels.fused_moe_mxfp4`)."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.tp = tp = get_tp_group()
         num_experts, hidden = config.num_local_experts, config.hidden_size
         self.num_experts = num_experts
-        self.intermediate = divide(config.intermediate_size, tp.world_size, "the experts' intermediate size")
+        self.intermediate = size = divide(config.intermediate_size, tp.world_size, "the experts' intermediate size")
         self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden), requires_grad=False)
-        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, self.intermediate), requires_grad=False)
+        scheme = current_config()
+        self.packed = isinstance(scheme, Mxfp4Config) and scheme.packed
+        if self.packed:
+            if size % 32 or hidden % 32:
+                raise ValueError(f"MXFP4 experts: each rank's intermediate size ({size}) and the hidden size "
+                                 f"({hidden}) must be multiples of 32")
+            for name, rows, cols in (("w13", 2 * size, hidden), ("w2", hidden, size)):
+                setattr(self, f"{name}_blocks", frozen(torch.empty(num_experts, rows, cols // 2, dtype=torch.uint8)))
+                setattr(self, f"{name}_scales", frozen(torch.empty(num_experts, rows, cols // 32, dtype=torch.uint8)))
+        else:
+            self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, size), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * size), requires_grad=False)
         self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (the caller all-reduces): the down bias only on rank 0."""
-        return kernels.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, activation="swigluoai",
-                                 w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.tp.is_first else None,
-                                 alpha=self.alpha, limit=self.limit)
+        kwargs = dict(activation="swigluoai", w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.tp.is_first else None,
+                      alpha=self.alpha, limit=self.limit)
+        if self.packed:
+            return kernels.fused_moe_mxfp4(x, (self.w13_blocks, self.w13_scales), (self.w2_blocks, self.w2_scales),
+                                           topk_weights, topk_ids, **kwargs)
+        return kernels.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, **kwargs)
+
+    def weights(self) -> tuple:
+        """(w13, w2) as the kernels take them."""
+        if self.packed:
+            return (self.w13_blocks, self.w13_scales), (self.w2_blocks, self.w2_scales)
+        return self.w13_weight, self.w2_weight
 
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
         """transformers' layout: the weights [E, in, out] (an MXFP4 checkpoint's, dequantized,
-        alike), the biases [E, out]. One expert at a time."""
+        alike), the biases [E, out]; packed, the checkpoint's blocks [E, out, in / 32, 16] and
+        scales [E, out, in / 32]. One expert at a time."""
         if param is self.w2_bias:
             return default_weight_loader(param, loaded)
+        if self.packed and param is not self.w13_bias:
+            return self._load_packed(param, loaded)
         size, start = self.intermediate, self.tp.rank * self.intermediate
         for expert in range(self.num_experts):
             tensor = loaded.narrow(0, expert, 1)[0]
             if param is not self.w13_bias:
                 tensor = tensor.transpose(0, 1)  # [out, in]
-            if param is self.w2_weight:  # [hidden, I]: this rank's columns
+            if param is getattr(self, "w2_weight", None):  # [hidden, I]: this rank's columns
                 copy_checked(param.data[expert], tensor.narrow(1, start, size), f"expert {expert}'s down projection")
                 continue
             # [2 * I, ...] interleaved: row 2i is gate i, row 2i + 1 up i
@@ -87,6 +113,21 @@ class GptOssExperts(nn.Module):
             what = "gate-up bias" if param is self.w13_bias else "gate-up projection"
             copy_checked(param.data[expert].narrow(0, 0, size), gate.narrow(0, start, size), f"expert {expert}'s {what}")
             copy_checked(param.data[expert].narrow(0, size, size), up.narrow(0, start, size), f"expert {expert}'s {what}")
+
+    def _load_packed(self, param: torch.Tensor, loaded: CheckpointTensor) -> None:
+        """This rank's rows (w13: gate rows then up rows, de-interleaved) or 32-value groups of
+        input columns (w2) of an MXFP4 checkpoint's blocks or scales."""
+        size, start = self.intermediate, self.tp.rank * self.intermediate
+        what = "blocks" if param is self.w13_blocks or param is self.w2_blocks else "scales"
+        for expert in range(self.num_experts):
+            tensor = loaded.narrow(0, expert, 1)[0]  # [out, G, 16] or [out, G]
+            if param is self.w2_blocks or param is self.w2_scales:
+                part = tensor.narrow(1, start // 32, size // 32)
+                copy_checked(param.data[expert], part.reshape(part.shape[0], -1), f"expert {expert}'s down {what}")
+                continue
+            rows = tensor.reshape(tensor.shape[0], -1)
+            gate, up = rows[0::2].narrow(0, start, size), rows[1::2].narrow(0, start, size)
+            copy_checked(param.data[expert], torch.cat([gate, up]), f"expert {expert}'s gate-up {what}")
 
 
 class GptOssMoE(nn.Module):
@@ -107,16 +148,17 @@ class GptOssMoE(nn.Module):
     def warmup(self) -> int:
         """Compile the fused MoE kernel's variants for this layer's shapes (CUDA, at start-up)."""
         e = self.experts
-        return kernels.warmup_moe(e.w13_weight, e.w2_weight, self.top_k, activation="swigluoai",
-                                  weights_dtype=e.w13_weight.dtype, w13_bias=e.w13_bias, w2_bias=e.w2_bias)
+        return kernels.warmup_moe(*e.weights(), self.top_k, activation="swigluoai", weights_dtype=e.w13_bias.dtype,
+                                  w13_bias=e.w13_bias, w2_bias=e.w2_bias, dtype=e.w13_bias.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.tp, self.experts(x, *self.route(x)))
 
 
-# the experts' checkpoint tensors -> our parameters
+# the experts' checkpoint tensors -> our parameters (an MXFP4 checkpoint's blocks and scales: packed)
 _EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight", "gate_up_proj_bias": "w13_bias",
-                   "down_proj_bias": "w2_bias"}
+                   "down_proj_bias": "w2_bias", "gate_up_proj_blocks": "w13_blocks", "gate_up_proj_scales": "w13_scales",
+                   "down_proj_blocks": "w2_blocks", "down_proj_scales": "w2_scales"}
 _EXPERTS = re.compile(r"\.mlp\.experts\.(?P<tensor>\w+)$")
 
 
@@ -136,7 +178,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return f"{name[:experts.start()]}.mlp.experts.{_EXPERT_TENSORS[experts['tensor']]}", None
 
     def load_weights(self, weights) -> None:
-        super().load_weights(pair_mxfp4(weights))
+        """An MXFP4 checkpoint's blocks and scales load as they are where the experts are packed,
+        else paired and dequantized."""
+        super().load_weights(weights if self.layers[0].mlp.experts.packed else pair_mxfp4(weights))
 
     def warmup_kernels(self) -> None:
         self.layers[0].mlp.warmup()  # every layer's experts have one shape

@@ -23,7 +23,7 @@ from worker.quantization.base import (
 )
 from worker.quantization.fp8 import Fp8Config
 from worker.quantization.int4_checkpoints import awq_checkpoint, gptq_checkpoint, pack_quantized_checkpoint
-from worker.quantization.mxfp4 import mxfp4_checkpoint
+from worker.quantization.mxfp4 import Mxfp4Config, mxfp4_checkpoint
 from worker.quantization.weight_only import WeightOnlyConfig
 
 __all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "building", "cast_model",
@@ -129,6 +129,8 @@ def resolve_quantization(flag: str, hf_config, source_kind: str, device_type: st
             raise UnsupportedQuantization(f"mxfp4 checkpoints of {getattr(hf_config, 'model_type', None)} models are "
                                           f"not supported (of {', '.join(MXFP4_MODEL_TYPES)} they are)")
         scheme = CHECKPOINT_FORMATS[method](qc)
+        if isinstance(scheme, Mxfp4Config):
+            scheme = scheme.for_device(device_type)
         experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
         if experts and not getattr(scheme, "supports_moe", True):
             raise UnsupportedQuantization(f"{method} checkpoints of mixture-of-experts models ({experts} experts) are "

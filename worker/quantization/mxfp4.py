@@ -6,10 +6,13 @@ A weight [..., out, in] is stored as
     <name>_blocks  [..., out, in / 32, 16] uint8   two FP4 (e2m1) codes a byte, the low nibble first
     <name>_scales  [..., out, in / 32]     uint8   each 32-value block's power of two, biased by 127
 
-and a value is FP4_VALUES[code] * 2 ** (scale - 127) (transformers' `convert_moe_packed_tensors`).
-Here the experts are dequantized as the checkpoint loads, one expert at a time, into the model's
-dtype (every MXFP4 value is exact in bfloat16), so the model runs the experts of a full-precision
-checkpoint (`kernels.fused_moe`). The layers the format leaves unquantized load as they are.
+and a value is FP4_VALUES[code] * 2 ** (scale - 127) (transformers' `convert_moe_packed_tensors`;
+kernels/mxfp4.py decodes it).
+On CUDA the experts stay packed (their blocks and scales, this rank's rows or columns), and
+`kernels.fused_moe_mxfp4` decodes each weight tile in the GEMM. Elsewhere they are dequantized as
+the checkpoint loads, one expert at a time, into the model's dtype (every MXFP4 value is exact in
+bfloat16), and the model runs the experts of a full-precision checkpoint (`kernels.fused_moe`).
+The layers the format leaves unquantized load as they are.
 """
 from __future__ import annotations
 
@@ -17,56 +20,36 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from kernels.mxfp4 import BLOCK, dequantize
 from worker.models.weights import CheckpointTensor
 from worker.quantization.base import QuantizationConfig
 
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-BLOCK = 32  # values per scale
 SUFFIXES = ("_blocks", "_scales")
 
 
+PACKED_DEVICES = ("cuda",)  # where the experts stay MXFP4 (the Triton kernel decodes them as it multiplies)
+
+
 class Mxfp4Config(QuantizationConfig):
-    """An MXFP4 checkpoint: its experts dequantized as they load; its linear layers (attention,
-    router, logits) are full precision in the checkpoint, and run so."""
+    """An MXFP4 checkpoint: on CUDA its experts stay packed (`packed`: kernels.fused_moe_mxfp4
+    reads a quarter of bfloat16's bytes); elsewhere they are dequantized as they load. Its linear
+    layers (attention, router, logits) are full precision in the checkpoint, and run so."""
 
     name = "mxfp4"
     supports_moe = True
 
+    def __init__(self, packed: bool = False) -> None:
+        self.packed = packed
+
     def describe(self) -> str:
-        return "mxfp4 (the checkpoint's experts, dequantized as they load)"
+        return "mxfp4 (the checkpoint's experts, " + ("packed)" if self.packed else "dequantized as they load)")
+
+    def for_device(self, device_type: str) -> Mxfp4Config:
+        return Mxfp4Config(packed=device_type in PACKED_DEVICES)
 
 
 def mxfp4_checkpoint(qc: dict) -> Mxfp4Config:
     return Mxfp4Config()
-
-
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[..., G, 16] uint8 codes and [..., G] uint8 exponents -> [..., G * 32] values."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
-            or blocks.shape[-1] != BLOCK // 2:
-        raise ValueError(f"MXFP4 blocks [..., G, 16] and scales [..., G], both uint8: got {blocks.dtype} "
-                         f"{tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
-    values = torch.ldexp(values.flatten(-2), scales.to(torch.int32)[..., None] - 127)  # [..., G, 32]
-    return values.flatten(-2).to(dtype)
-
-
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., K] (K a multiple of 32) -> (blocks, scales): each block's scale the least power of
-    two that brings its largest magnitude within FP4's 6, each value the nearest FP4 code (a
-    checkpoint writer's; the tests build MXFP4 checkpoints with it)."""
-    *lead, k = weight.shape
-    if k % BLOCK:
-        raise ValueError(f"MXFP4 quantizes rows of a multiple of {BLOCK} values, not {k}")
-    w = weight.float().reshape(*lead, k // BLOCK, BLOCK)
-    top = w.abs().amax(-1).clamp(min=2.0**-126)
-    exponent = torch.ceil(torch.log2(top / 6.0)).clamp(-127, 127)
-    scaled = w / torch.ldexp(torch.ones_like(exponent), exponent.int())[..., None]
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exponent + 127).to(torch.uint8)
 
 
 class Mxfp4Tensor:
