@@ -7,6 +7,11 @@ beside `content`, streamed as `delta.reasoning_content` and `delta.reasoning`.
     qwen3         [<think>] reasoning </think> answer  all reasoning, unless chat_template_kwargs
                   (or reasoning <tool_call><function=   says enable_thinking: false (then all answer)
                   ...: the call is the answer)
+    openai_gptoss harmony (gpt-oss, gateway/harmony.py):  what the analysis messages said (the
+                  the analysis channel's messages, then   answer: none)
+                  a final message (its body is the
+                  answer) or a tool call's (the answer
+                  from its header on, for the tool parser)
 
 Before the first end tag everything is reasoning, whether or not the output opened the block
 (its first opening tag is dropped); after it, everything is the answer. A prompt that already
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.config import REASONING_PARSERS
+from gateway import harmony
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +117,39 @@ class ThinkParser:
         return reasoning.replace(self.start, "", 1)
 
 
+@dataclass(frozen=True, slots=True)
+class HarmonyParser:
+    """gpt-oss's harmony messages (gateway/harmony.py). `end`: the tokens the thinking budget
+    forces (and the structured-output gate waits for) close the analysis and open the final message."""
+
+    tags = harmony.TAGS
+    end = harmony.END + harmony.START + "assistant" + harmony.CHANNEL + "final" + harmony.MESSAGE
+
+    def thinking(self, prompt_tail: str, template_kwargs: Mapping[str, Any]) -> bool:
+        return True  # every gpt-oss turn opens with a channel: one that is not analysis is the answer
+
+    def scan(self, text: str, final: bool) -> ReasoningScan:
+        is_harmony = harmony.is_harmony(text)
+        if is_harmony is False or (is_harmony is None and final):
+            return ReasoningScan("", 0)
+        if is_harmony is None:
+            return ReasoningScan("", None)
+        reasoning = []
+        for message in harmony.messages(text):
+            if message.channel != "analysis":
+                final_body = message.channel == "final" and message.recipient is None
+                return ReasoningScan("".join(reasoning), message.body_start if final_body else message.header_start)
+            body = text[message.body_start:message.body_end]
+            if not message.closed and not final:  # hold back what could still be a tag
+                body = body[:len(body) - max(_partial_suffix(body, tag) for tag in harmony.BODY_ENDS)]
+            reasoning.append(body)
+        return ReasoningScan("".join(reasoning), None)
+
+
 PARSERS: dict[str, ReasoningParser] = {
     "deepseek_r1": ThinkParser(),
     "qwen3": ThinkParser(switch="enable_thinking", implicit_end=("<tool_call>", "<function")),
+    "openai_gptoss": HarmonyParser(),
 }
 assert set(PARSERS) == set(REASONING_PARSERS)
 

@@ -13,6 +13,9 @@ and into streamed deltas.
                         [TOOL_CALLS]NAME[ARGS]{...} once per call
     pythonic            [f(a=1), g(b="x")], the whole output (inside <|python_start|>   at the end
                         ... <|python_end|> or not)
+    openai              gpt-oss's harmony: a message <|start|>assistant<|channel|>      when its body ends
+                        commentary to=functions.NAME ...<|message|>{...}, after the
+                        reasoning parser (openai_gptoss) took the analysis
 
 What every free-output format shares: text before the first call is the content (text after the
 calls is dropped); a call whose function is not among the request's tools is no call, and is
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.config import TOOL_CALL_PARSERS
+from gateway import harmony
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's: what follows is a call
@@ -401,6 +405,30 @@ def _python_call(node: ast.expr) -> Call | None:
         return None
 
 
+# ----------------------------------------------------------------------------- harmony
+
+@dataclass(frozen=True, slots=True)
+class HarmonyToolParser:
+    """gpt-oss (gateway/harmony.py): content, then from the first harmony header on, messages; each
+    addressed `to=functions.NAME` is a call of NAME with its body's JSON object as arguments, once
+    its body ends (<|call|> is EOS: at the end of the output). The answer reaches it after
+    --reasoning-parser openai_gptoss took the analysis messages out."""
+
+    tools: Tools | None = None
+    tags = harmony.TAGS
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return _content_then_calls(text, final, harmony.HEADERS, self._calls)
+
+    def _calls(self, text: str, start: int, final: bool) -> tuple[list[Call], None]:
+        calls: list[Call | None] = []
+        for message in harmony.messages(text, start):
+            if message.recipient is not None and (message.closed or final):
+                arguments = load_json(text[message.body_start:message.body_end])
+                calls.append(Call(message.recipient, _dumps(arguments)) if isinstance(arguments, dict) else None)
+        return _calls_of(self.tools, calls), None
+
+
 # ----------------------------------------------------------------------------- the grammar's
 
 @dataclass(frozen=True, slots=True)
@@ -437,7 +465,7 @@ class NamedParser:
 
 PARSERS: dict[str, Callable[[Tools], ToolParser]] = {
     "hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
-    "mistral": MistralParser, "pythonic": PythonicParser,
+    "mistral": MistralParser, "pythonic": PythonicParser, "openai": HarmonyToolParser,
 }
 
 
@@ -446,6 +474,8 @@ def detect_tool_call_format(template: str) -> str | None:
     also names <tool_call>, so it is asked first)."""
     if QWEN_FUNCTION in template and QWEN_PARAMETER in template:
         return "qwen3_coder"
+    if harmony.CHANNEL in template and "to=functions." in template:
+        return "openai"
     if HERMES_START in template:
         return "hermes"
     if MISTRAL_CALLS in template:

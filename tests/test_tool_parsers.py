@@ -277,7 +277,7 @@ def test_enable_auto_tool_choice_refuses_to_start_without_a_format(tokenizer):
         Gateway(GatewayConfig(enable_auto_tool_choice=True), tokenizer)  # the default model's template has none
     assert str(error.value) == AUTO_TOOL_CHOICE_NEEDS_A_FORMAT == (
         "--enable-auto-tool-choice needs a tool-call format, and the chat template teaches none that "
-        "--tool-call-parser auto recognizes: pass --tool-call-parser hermes|llama3_json|qwen3_coder|mistral|pythonic, "
+        "--tool-call-parser auto recognizes: pass --tool-call-parser hermes|llama3_json|qwen3_coder|mistral|pythonic|openai, "
         "or a --chat-template FILE that has one")
     gateway = Gateway(GatewayConfig(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder"), tokenizer)
     assert gateway.encoder.tool_call_format == "qwen3_coder"
