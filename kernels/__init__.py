@@ -38,7 +38,7 @@ Impl = Literal["triton", "torch"] | None
 
 __all__ = [
     "BlockSwapper", "copy_blocks", "freeze_workspace", "fused_add_rms_norm", "fused_moe", "fused_moe_mxfp4",
-    "gelu_tanh_and_mul",
+    "gated_delta_rule", "gelu_tanh_and_mul",
     "lora_expand", "lora_shrink", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "swap_blocks",
     "warmup", "warmup_moe",
     "write_kv",
@@ -295,6 +295,26 @@ def fused_moe_mxfp4(
                                      w2_bias=w2_bias, alpha=alpha, limit=limit)
 
 
+def gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+    state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, *, use_qk_l2norm: bool = True, impl: Impl = None,
+) -> torch.Tensor:
+    """The gated delta rule (Gated DeltaNet's linear attention) over a step's sequences, each from
+    its state slot (or zeros where `fresh`), the slots left holding their final states
+    (semantics: `kernels.gated_delta`). q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv];
+    cu_seqlens [B + 1]; state [num_slots, Hv, Dk, Dv] float32; slots [B]; fresh [B] bool.
+    CUDA: the Triton recurrent kernel; elsewhere the reference (a prompt chunked as transformers'
+    prefill, a decode stepped)."""
+    if _use_triton(q, impl):
+        from kernels import triton_gated_delta
+
+        return triton_gated_delta.gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, slots, fresh,
+                                                   use_qk_l2norm=use_qk_l2norm)
+    from kernels.gated_delta import gated_delta_rule_reference
+
+    return gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, state, slots, fresh, use_qk_l2norm=use_qk_l2norm)
+
+
 def warmup_moe(w13, w2, top_k: int, *, activation: str = "silu", weights_dtype: torch.dtype = torch.float32,
                w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> int:
@@ -310,6 +330,8 @@ def warmup_moe(w13, w2, top_k: int, *, activation: str = "silu", weights_dtype: 
 
     num_experts = blocks.shape[0]
     hidden, intermediate = (blocks.shape[2] * 2, blocks.shape[1] // 2) if packed else (w13.shape[2], w13.shape[1] // 2)
+    if dtype is None and packed:
+        raise ValueError("warmup_moe of MXFP4 experts needs the activations' dtype")
     dtype = dtype or w13.dtype
     x = torch.zeros((1, hidden), dtype=dtype, device=blocks.device)
     ids = (torch.arange(top_k, device=blocks.device) % num_experts)[None]

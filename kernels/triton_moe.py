@@ -317,10 +317,12 @@ def _act(x, GELU_TANH: tl.constexpr):
 
 @triton.jit
 def _fp4_e2m1(code):
-    """An FP4 (e2m1) code [4 bits] as float32: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
+    """An FP4 (e2m1) code [4 bits, int32] as float32, exactly: sign bit 3, exponent e bits 2-1
+    (bias 1), mantissa m bit 0; |value| = m / 2 for e = 0, else (2 + m) * 2^e / 4."""
     exponent = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+    mantissa = code & 1
+    quarters = tl.where(exponent == 0, 2 * mantissa, (2 + mantissa) << exponent)
+    magnitude = quarters.to(tl.float32) * 0.25
     return tl.where((code & 8) != 0, -magnitude, magnitude)
 
 
@@ -330,8 +332,10 @@ def _mxfp4_tile(rows_ptr, scale_rows_ptr, ks, k_live, dtype: tl.constexpr):
     row's packed bytes) at input positions `ks` [BLOCK_K], decoded to `dtype`."""
     packed = tl.load(rows_ptr + (ks // 2)[:, None], mask=k_live[:, None], other=0).to(tl.int32)
     code = (packed >> ((ks % 2) * 4)[:, None]) & 15
-    exponent = tl.load(scale_rows_ptr + (ks // 32)[:, None], mask=k_live[:, None], other=127).to(tl.float32)
-    return (_fp4_e2m1(code) * tl.exp2(exponent - 127.0)).to(dtype)
+    exponent = tl.load(scale_rows_ptr + (ks // 32)[:, None], mask=k_live[:, None], other=127).to(tl.int32)
+    # 2^(e - 127) exactly: e as a float32's exponent bits (e = 0, 2^-127, would be subnormal: 0 here)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    return (_fp4_e2m1(code) * scale).to(dtype)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks", "top_k"],

@@ -131,7 +131,7 @@ def _experts(config, rank: int, world_size: int, packed: bool, tensors: dict):
     checkpoint on CUDA) from the blocks and scales, else dequantized from the paired tensors."""
     from types import SimpleNamespace
 
-    from worker.models.gpt_oss import GptOssExperts
+    from worker.models.gpt_oss import CHECKPOINT, GptOssExperts
     from worker.models.weights import in_memory
     from worker.parallel import get_tp_group, set_tp_group
     from worker.quantization import building
@@ -146,9 +146,9 @@ def _experts(config, rank: int, world_size: int, packed: bool, tensors: dict):
         names = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight", "gate_up_proj_bias": "w13_bias",
                  "down_proj_bias": "w2_bias", "gate_up_proj_blocks": "w13_blocks", "gate_up_proj_scales": "w13_scales",
                  "down_proj_blocks": "w2_blocks", "down_proj_scales": "w2_scales"}
-        for name, tensor in (weights if packed else pair_mxfp4(weights)):
+        for name, tensor in (weights if experts.packed else pair_mxfp4(weights)):
             param = getattr(experts, names[name])
-            experts.weight_loader(param, tensor)
+            experts.weight_loader(param, tensor, CHECKPOINT)
     finally:
         set_tp_group(saved)
     return experts
@@ -183,6 +183,32 @@ def test_packed_mxfp4_experts_shard_over_ranks_as_the_dequantized_ones_do():
         assert torch.equal(mxfp4.dequantize(part.w2_blocks, part.w2_scales),
                            whole.w2_weight[:, :, rank * 32:rank * 32 + 32])
     torch.testing.assert_close(parts[0](x, weights, ids) + parts[1](x, weights, ids), expected, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"each rank's intermediate size \(16\) and the hidden size \(64\) must be "
-                                         "multiples of 32"):
-        _experts(GptOssConfig(num_local_experts=e, hidden_size=hidden, intermediate_size=32), 0, 2, True, tensors)
+    # a rank's share of 16 inputs is no whole 32-value group (gpt-oss at 4 and 8 ranks): dequantized instead
+    config = GptOssConfig(num_local_experts=e, hidden_size=hidden, intermediate_size=32, swiglu_limit=0.5)
+    small = {name: t for name, t in tensors.items() if "bias" in name}
+    small["gate_up_proj_bias"] = small["gate_up_proj_bias"][:, :64]
+    for name, weight in (("gate_up_proj", gate_up[:, :, :64]), ("down_proj", down[:, :32])):
+        small[f"{name}_blocks"], small[f"{name}_scales"] = mxfp4.quantize(weight.transpose(1, 2))
+    whole = _experts(config, 0, 1, False, small)
+    parts = [_experts(config, rank, 2, True, small) for rank in (0, 1)]
+    assert not any(p.packed for p in parts) and parts[1].w2_weight.shape == (e, hidden, 16)
+    torch.testing.assert_close(parts[0](x, weights, ids) + parts[1](x, weights, ids), whole(x, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_random_weights_in_a_group_of_two_are_the_group_of_ones(tmp_path):
+    """`dummy:CONFIG.json` (the benchmarks' models): each rank takes its slices of the weights a
+    group of one draws, the experts' from our stacked layout; greedy tokens are the same."""
+    from transformers import GptOssConfig
+
+    from pagoda.offline import LLM
+
+    config = GptOssConfig(**{**families.BASE, **families.FAMILIES["gpt_oss"][2]})
+    (tmp_path / "gpt-oss.json").write_text(config.to_json_string())
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = []
+    for size in (1, 2):
+        llm = LLM(f"dummy:{tmp_path / 'gpt-oss.json'}", device="cpu", dtype="float32", tensor_parallel_size=size)
+        outputs.append([list(o.token_ids) for o in llm.generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)])
+        llm.close()
+    assert outputs[0] == outputs[1] and len(outputs[0][0]) == 6

@@ -346,7 +346,8 @@ def _compile_moe_for_sm90() -> list[str]:
               ("fp16", torch.float16, "silu", 16, False), ("bf16", torch.bfloat16, "gelu_tanh", 16, False),
               ("bf16", torch.bfloat16, "swigluoai", 16, True)]  # gpt-oss: its SwiGLU and biases
     shapes = [(*shape, False) for shape in shapes] + [
-        ("bf16", torch.bfloat16, "swigluoai", None, True, True)]  # gpt-oss's MXFP4 experts, every tile config
+        ("bf16", torch.bfloat16, "swigluoai", None, True, True),  # gpt-oss's MXFP4 experts, every tile config
+        ("bf16", torch.bfloat16, "swigluoai", 16, False, True)]  # a rank past the first: no biases
     for name, dtype, activation, only_block_m, bias, packed in shapes:  # Qwen3-30B-A3B's shape: no tile clamped
         for fn, consts, num_warps, num_stages in tm.launch_variants(2048, 768, 128, dtype, activation, bias, packed):
             # the align kernels take no activation tensor: one variant per BLOCK_M whatever the dtype
@@ -364,8 +365,8 @@ def test_every_fused_moe_variant_compiles_for_hopper_without_a_gpu():
     that each variant's tiles fit in shared memory (which only a launch on a GPU would say).
     bf16: count, 4 align and 8 GEMMs; fp32 and fp16 at the decode tiles: 2 each; GeGLU there: 1
     (its down GEMM is silu's); gpt-oss's there: 2 (its biased down GEMM too); its MXFP4 GEMMs at
-    every tile config: 8."""
-    assert count_compiled_for_sm90("tests.test_kernels_moe", "_compile_moe_for_sm90") == 13 + 2 + 2 + 1 + 2 + 8
+    every tile config: 8, and without biases at the decode tiles: 2."""
+    assert count_compiled_for_sm90("tests.test_kernels_moe", "_compile_moe_for_sm90") == 13 + 2 + 2 + 1 + 2 + 8 + 2
 
 
 def test_cpu_dispatch_runs_the_reference_without_importing_triton():

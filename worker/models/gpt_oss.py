@@ -63,11 +63,10 @@ class GptOssExperts(nn.Module):
         self.intermediate = size = divide(config.intermediate_size, tp.world_size, "the experts' intermediate size")
         self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
         scheme = current_config()
-        self.packed = isinstance(scheme, Mxfp4Config) and scheme.packed
+        # packed where each rank's share of the down projection's inputs is whole 32-value groups
+        # (gpt-oss's 2880 at 1 and 2 ranks); else dequantized as they load
+        self.packed = isinstance(scheme, Mxfp4Config) and scheme.packed and size % 32 == 0 and hidden % 32 == 0
         if self.packed:
-            if size % 32 or hidden % 32:
-                raise ValueError(f"MXFP4 experts: each rank's intermediate size ({size}) and the hidden size "
-                                 f"({hidden}) must be multiples of 32")
             for name, rows, cols in (("w13", 2 * size, hidden), ("w2", hidden, size)):
                 setattr(self, f"{name}_blocks", frozen(torch.empty(num_experts, rows, cols // 2, dtype=torch.uint8)))
                 setattr(self, f"{name}_scales", frozen(torch.empty(num_experts, rows, cols // 32, dtype=torch.uint8)))
@@ -92,12 +91,18 @@ class GptOssExperts(nn.Module):
             return (self.w13_blocks, self.w13_scales), (self.w2_blocks, self.w2_scales)
         return self.w13_weight, self.w2_weight
 
+    def shard_ids(self, param: torch.Tensor) -> set:
+        return {CHECKPOINT}
+
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor, shard_id=None) -> None:
-        """transformers' layout: the weights [E, in, out] (an MXFP4 checkpoint's, dequantized,
-        alike), the biases [E, out]; packed, the checkpoint's blocks [E, out, in / 32, 16] and
-        scales [E, out, in / 32]. One expert at a time."""
+        """`shard_id` CHECKPOINT: transformers' layout, the weights [E, in, out] (an MXFP4
+        checkpoint's, dequantized, alike) with gate and up interleaved, the biases [E, out]; packed,
+        the checkpoint's blocks [E, out, in / 32, 16] and scales [E, out, in / 32]. None: ours whole
+        (a group of one's dummy weights). One expert at a time."""
         if param is self.w2_bias:
             return default_weight_loader(param, loaded)
+        if shard_id is None:
+            return self._load_ours(param, loaded)
         if self.packed and param is not self.w13_bias:
             return self._load_packed(param, loaded)
         size, start = self.intermediate, self.tp.rank * self.intermediate
@@ -113,6 +118,20 @@ class GptOssExperts(nn.Module):
             what = "gate-up bias" if param is self.w13_bias else "gate-up projection"
             copy_checked(param.data[expert].narrow(0, 0, size), gate.narrow(0, start, size), f"expert {expert}'s {what}")
             copy_checked(param.data[expert].narrow(0, size, size), up.narrow(0, start, size), f"expert {expert}'s {what}")
+
+    def _load_ours(self, param: torch.Tensor, loaded: CheckpointTensor) -> None:
+        """This rank's part of our stacked layout whole: w13's gate rows [start, start + size) and
+        up rows after the whole gate's, w2's input columns."""
+        size, start = self.intermediate, self.tp.rank * self.intermediate
+        full = loaded.shape[1] // 2
+        for expert in range(self.num_experts):
+            tensor = loaded.narrow(0, expert, 1)[0]
+            if param is getattr(self, "w2_weight", None):
+                copy_checked(param.data[expert], tensor.narrow(1, start, size), f"expert {expert}'s down projection")
+                continue
+            for i in range(2):
+                copy_checked(param.data[expert].narrow(0, i * size, size), tensor.narrow(0, i * full + start, size),
+                             f"expert {expert}'s gate-up rows")
 
     def _load_packed(self, param: torch.Tensor, loaded: CheckpointTensor) -> None:
         """This rank's rows (w13: gate rows then up rows, de-interleaved) or 32-value groups of
@@ -147,14 +166,16 @@ class GptOssMoE(nn.Module):
 
     def warmup(self) -> int:
         """Compile the fused MoE kernel's variants for this layer's shapes (CUDA, at start-up)."""
-        e = self.experts
+        e = self.experts  # (ranks past the first add no down bias: their launches are the variant without)
         return kernels.warmup_moe(*e.weights(), self.top_k, activation="swigluoai", weights_dtype=e.w13_bias.dtype,
-                                  w13_bias=e.w13_bias, w2_bias=e.w2_bias, dtype=e.w13_bias.dtype)
+                                  w13_bias=e.w13_bias, w2_bias=e.w2_bias if e.tp.is_first else None,
+                                  dtype=e.w13_bias.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.tp, self.experts(x, *self.route(x)))
 
 
+CHECKPOINT = "checkpoint"  # the experts' shard id for a checkpoint's tensor (transformers' layout)
 # the experts' checkpoint tensors -> our parameters (an MXFP4 checkpoint's blocks and scales: packed)
 _EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight", "gate_up_proj_bias": "w13_bias",
                    "down_proj_bias": "w2_bias", "gate_up_proj_blocks": "w13_blocks", "gate_up_proj_scales": "w13_scales",
@@ -173,9 +194,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
         experts = _EXPERTS.search(name)
         if experts is None:
             return super().map_checkpoint_name(name)
+        if experts["tensor"] in _EXPERT_TENSORS.values():  # our own name: a group of one's dummy weights
+            return name, None
         if experts["tensor"] not in _EXPERT_TENSORS:
             raise ValueError(f"the checkpoint's {name}: gpt-oss's experts hold no {experts['tensor']!r}")
-        return f"{name[:experts.start()]}.mlp.experts.{_EXPERT_TENSORS[experts['tensor']]}", None
+        return f"{name[:experts.start()]}.mlp.experts.{_EXPERT_TENSORS[experts['tensor']]}", CHECKPOINT
 
     def load_weights(self, weights) -> None:
         """An MXFP4 checkpoint's blocks and scales load as they are where the experts are packed,

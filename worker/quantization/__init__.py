@@ -129,8 +129,8 @@ def resolve_quantization(flag: str, hf_config, source_kind: str, device_type: st
             raise UnsupportedQuantization(f"mxfp4 checkpoints of {getattr(hf_config, 'model_type', None)} models are "
                                           f"not supported (of {', '.join(MXFP4_MODEL_TYPES)} they are)")
         scheme = CHECKPOINT_FORMATS[method](qc)
-        if isinstance(scheme, Mxfp4Config):
-            scheme = scheme.for_device(device_type)
+        if isinstance(scheme, Mxfp4Config):  # (random weights are drawn in full precision: never packed)
+            scheme = scheme.for_device(device_type if source_kind != "dummy" else "cpu")
         experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
         if experts and not getattr(scheme, "supports_moe", True):
             raise UnsupportedQuantization(f"{method} checkpoints of mixture-of-experts models ({experts} experts) are "
