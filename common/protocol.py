@@ -25,7 +25,8 @@ import msgpack
 # 6: a StepPlan's cached_seqs and a StepResult's sampled travel as columns (_COLUMNS_OF)
 # 7: CachedSequence.draft_token_ids and accepted_token_ids
 # 8: CachedSequence.group_block_ids (KV cache groups)
-PROTOCOL_VERSION = 8
+# 9: WorkerHello.recurrent_state (linear-attention layers' state, held by the worker per sequence)
+PROTOCOL_VERSION = 9
 _EXT_MESSAGE = 1
 
 
@@ -374,6 +375,10 @@ class WorkerHello:
     # its KV cache groups (scheduler/kv_groups.py), each one's sliding window, 0 for global
     # attention; empty when the model has one group (its sliding_window, if any, is every layer's)
     kv_groups: list[int] = field(default_factory=list)
+    # its linear-attention layers keep a recurrent state per sequence (Qwen3-Next; worker/recurrent_state.py),
+    # which the worker holds while it holds the sequence: a sequence continues only where it left off
+    # (no swap, no prefix-cache hit, no fork: scheduler/preemption.py's `recurrent`)
+    recurrent_state: bool = False
 
 
 # ----------------------------------------------------------------------------- requests (Redis)

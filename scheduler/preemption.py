@@ -73,3 +73,11 @@ def whole_prompts(config: EngineConfig, max_model_len: int) -> EngineConfig:
     cache (its layers never write the KV blocks they hold)."""
     return config.replace(enable_chunked_prefill=False, enable_prefix_caching=False, cpu_prefix_cache=False,
                           max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len))
+
+
+def recurrent(config: EngineConfig) -> EngineConfig:
+    """A model whose layers keep a recurrent state per sequence (WorkerHello.recurrent_state): the
+    worker holds a sequence's state while it holds the sequence, so a preempted one recomputes (a
+    swapped one would come back without it) and no prompt starts from cached blocks (their state
+    is not cached)."""
+    return config.replace(preemption_mode="recompute", enable_prefix_caching=False, cpu_prefix_cache=False)

@@ -53,7 +53,7 @@ from scheduler.in_flight import PlannedStep, awaits_result, draws_in_flight, tak
 from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
-from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode, whole_prompts
+from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode, recurrent, whole_prompts
 from scheduler.prefix_wait import ComputingPrefixes, lone_prompt_match
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 from scheduler.speculation import DraftSteps
@@ -74,13 +74,14 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
         memory_events: MemoryEventLog | None = None, sliding_window: int | None = None, pooling_task: str = "",
-        kv_groups: list[int] = (),
+        kv_groups: list[int] = (), recurrent_state: bool = False,
     ) -> None:
         """`memory_events`: the log of a scheduler this one follows (a worker group restarted, the
         offline LLM reset), whose event ids it goes on from; else a new one. `sliding_window`: the
         model's every layer attends only to its last `sliding_window` keys (WorkerHello). `kv_groups`:
         the window of each of its KV cache groups, 0 for global attention (scheduler/kv_groups.py),
-        none for one group."""
+        none for one group. `recurrent_state`: the model keeps a state per sequence (WorkerHello):
+        a request of several sequences (n, best_of, beams: forks) is refused."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -93,6 +94,9 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if self._num_groups > 1 and config.speculative is not None:
             raise ValueError("speculative decoding: not with KV cache groups (a model with sliding-window and "
                              "global layers) yet")
+        self.recurrent_state = recurrent_state
+        if recurrent_state and config.speculative is not None:
+            raise ValueError("speculative decoding: not with a model whose layers keep a recurrent state yet")
         self._start_chunks: list[int] = []  # of the waiting group `_can_start` passed: its first chunks
         self.pooling_task = pooling_task  # a pooling model's (WorkerHello): the requests it admits
         self.block_manager: Allocator = make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
@@ -124,9 +128,12 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
     def from_hello(cls, config: EngineConfig, hello: WorkerHello,
                    memory_events: MemoryEventLog | None = None) -> Scheduler:
         costs = PreemptionCosts(hello.kv_bytes_per_block, hello.host_bandwidth, hello.prefill_tokens_per_s)
-        return cls(whole_prompts(config, hello.max_model_len) if hello.encoder else config,
-                   hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
-                   memory_events, hello.sliding_window, hello.pooling_task, hello.kv_groups)
+        if hello.encoder:
+            config = whole_prompts(config, hello.max_model_len)
+        if hello.recurrent_state:
+            config = recurrent(config)
+        return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
+                   memory_events, hello.sliding_window, hello.pooling_task, hello.kv_groups, hello.recurrent_state)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -168,6 +175,9 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if rejection is not None:
             raise RequestRejected(rejection.message)
         seqs = num_seqs(params)
+        if seqs > 1 and self.recurrent_state:
+            raise RequestRejected(f"this model's layers keep a recurrent state per sequence: requests of one sequence "
+                                  f"only (this one asks for {seqs}: n, best_of or beam search)")
         if seqs > 1 and self.block_manager.allocates_chunks:  # a window's blocks are each sequence's
             length = final_len(len(prompt), params, self.max_model_len)
             if length > self.block_manager.max_tokens(self.config.max_num_batched_tokens, seqs):

@@ -27,6 +27,10 @@ class AttentionContext:
     # a model with KV cache groups (worker/kv_groups.py): per group, its (slot_mapping,
     # block_tables, kernel_cache); group 0's are the fields above. None: one group
     groups: list[tuple[torch.Tensor, torch.Tensor, dict]] | None = None
+    # a model with recurrent state (worker/recurrent_state.py): each sequence's slot [num_seqs] int64,
+    # and whether it starts from zeros (its step starts at token 0) [num_seqs] bool; None: none
+    state_slots: torch.Tensor | None = None
+    state_fresh: torch.Tensor | None = None
 
 
 _context: AttentionContext | None = None

@@ -98,6 +98,7 @@ class Executor:
             encoder=getattr(runner.model, "bidirectional", False),
             images=image_kind(getattr(runner.model, "vision", None)),
             kv_groups=runner.kv_groups.hello if runner.kv_groups is not None else [],
+            recurrent_state=runner.recurrent is not None,
         )
 
     def reset(self) -> None:

@@ -94,6 +94,7 @@ class InputBatch:
         self.block_size = block_size
         self.num_groups = num_groups
         self.enable_lora = enable_lora  # each token's adapter slot goes in the step's context
+        self.recurrent = False  # each sequence's state slot (its row) goes in the step's context
         self.device = device
         # a device mirror patched by scatter: on CUDA; on CPU only when a test asks for it
         self.mirror = device.type == "cuda" if mirror is None else mirror
@@ -106,6 +107,10 @@ class InputBatch:
     @property
     def width(self) -> int:
         return self.block_table.shape[1]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.num_blocks) // self.num_groups
 
     def _allocate(self, num_rows: int, width: int) -> None:
         """(Re)allocate the table at [num_rows * num_groups, width], keeping what it holds."""
@@ -184,14 +189,15 @@ class InputBatch:
         num_tokens, num_seqs, num_dirty = len(ids), len(seq_lens), len(self._dirty)
         fed_at = [cu_seqlens_q[i] for i, _ in feed]  # a fed row computes its one new token only
         fed_from = [draw for _, draw in feed]
+        fresh = [int(start == 0) for start in starts] if self.recurrent else []
         flat = self._staging.to_device(ids + positions + token_rows + seq_lens + cu_seqlens_q + table_rows
                                        + logits_indices + list(self._dirty) + list(self._dirty.values())
-                                       + fed_at + fed_from + lora)
+                                       + fed_at + fed_from + lora + fresh)
         self._dirty = {}
         sizes = (num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs, len(logits_indices),
-                 num_dirty, num_dirty, len(feed), len(feed), len(lora))
+                 num_dirty, num_dirty, len(feed), len(feed), len(lora), len(fresh))
         (input_ids, positions_t, token_rows_t, seq_lens_t, cu_t, table_rows_t, logits_t,
-         dirty_index, dirty_values, fed_at_t, fed_from_t, lora_t) = flat.split(sizes)
+         dirty_index, dirty_values, fed_at_t, fed_from_t, lora_t, fresh_t) = flat.split(sizes)
         if feed:
             input_ids.index_copy_(0, fed_at_t, feed_tokens.index_select(0, fed_from_t))
         table = self.block_table_device
@@ -217,6 +223,8 @@ class InputBatch:
         if group_inputs is not None:
             group_inputs[0] = (slot_mapping, block_tables, context.kernel_cache)
             context.groups = group_inputs
+        if self.recurrent:
+            context.state_slots, context.state_fresh = table_rows_t, fresh_t.bool()
         short = num_tokens != num_seqs and max(counts) <= MAX_EXPANDED_QUERY
         return StepTensors(input_ids, positions_t, context, logits_t, table_rows_t, token_rows_t if short else None)
 

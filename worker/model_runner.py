@@ -22,6 +22,7 @@ from worker.cuda_graph import DecodeRunner
 from worker.drafter import DraftModel
 from worker.eagle import EagleDrafter
 from worker.input_batch import InputBatch, StepTensors
+from worker.recurrent_state import RecurrentState
 from worker.kv_groups import allocate_grouped_caches, kv_cache_groups
 from worker.quantization.base import cast_model
 from worker.kv_pool import KVPool, allocate_kv_caches
@@ -96,6 +97,8 @@ class ModelRunner:
                                            for a in self.model.attention_layers()},
                        kv_cache_dtype=self.kv_cache_dtype)
         self.model.warmup_kernels()  # a family's own (the fused MoE's tiles)
+        # linear-attention layers' state, a slot per held sequence (before the profile run and the pool's sizing)
+        self.recurrent = RecurrentState.of(self.model, config.max_num_seqs, self.dtype, self.device)
         # (the activations' bytes per token at the peak: measured on CUDA only)
         self.prefill_tokens_per_s, self.activation_bytes_per_token = profile_prefill(self)
         self.num_gpu_blocks = config.num_gpu_blocks or num_blocks_that_fit(
@@ -121,6 +124,7 @@ class ModelRunner:
         self.input_batch = InputBatch(config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                       self.block_size, self.device, enable_lora=config.enable_lora,
                                       num_groups=len(self.kv_groups.windows) if self.kv_groups is not None else 1)
+        self.input_batch.recurrent = self.recurrent is not None
         self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
         if config.compile and self.decode_runner is None:
             log.warning("--compile: the decode step runs eagerly (--enforce-eager, a pooling model, or EAGLE)")
@@ -200,6 +204,9 @@ class ModelRunner:
     def _eager_decode(self) -> bool:
         if self.config.enforce_eager or self.keeps_hidden or self.pooler_config is not None:  # a pooler never decodes
             return True
+        if self.recurrent is not None:
+            log.info("a model with recurrent state: decode steps run eagerly (no CUDA graphs, no --compile)")
+            return True
         if self.device.type == "cuda" and self.world_size > 1:
             # capturing NCCL collectives in CUDA graphs needs more care than it is worth here
             log.info("tensor parallelism on CUDA: decode steps run eagerly (no CUDA graphs)")
@@ -247,6 +254,8 @@ class ModelRunner:
                 feed_tokens: torch.Tensor | None = None) -> StepTensors:
         """The step's tensors from the persistent input rows (worker/input_batch.py); `feed`: rows
         whose input id is the step before's draw, still on the device."""
+        if self.recurrent is not None:
+            self.recurrent.ensure(self.input_batch.num_rows)  # a slot per row, as the rows grow
         return self.input_batch.prepare(scheduled, feed, feed_tokens)
 
     @torch.inference_mode()
