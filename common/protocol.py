@@ -25,7 +25,8 @@ import msgpack
 # 6: a StepPlan's cached_seqs and a StepResult's sampled travel as columns (_COLUMNS_OF)
 # 7: CachedSequence.draft_token_ids and accepted_token_ids
 # 8: CachedSequence.group_block_ids (KV cache groups)
-# 9: WorkerHello.recurrent_state (linear-attention layers' state, held by the worker per sequence)
+# 9: WorkerHello.recurrent_state; StepPlan.state_forks and state_swapped_out (linear-attention
+#    layers' state, held by the worker per sequence)
 PROTOCOL_VERSION = 9
 _EXT_MESSAGE = 1
 
@@ -291,6 +292,12 @@ class StepPlan:
     # adapters to load before the step: [[slot, LoRARequest], ...] (a slot no sequence of
     # the step or of a step in flight uses; the scheduler pins an adapter while it runs)
     lora_loads: list[list] = field(default_factory=list)
+    # a model with recurrent state (WorkerHello.recurrent_state; worker/recurrent_state.py): [parent,
+    # child] sequences forked since the last plan (the child starts from the parent's state as it is
+    # before this plan), and the sequences this plan swaps out (the worker keeps their state until
+    # they come back)
+    state_forks: list[list[int]] = field(default_factory=list)
+    state_swapped_out: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -376,8 +383,8 @@ class WorkerHello:
     # attention; empty when the model has one group (its sliding_window, if any, is every layer's)
     kv_groups: list[int] = field(default_factory=list)
     # its linear-attention layers keep a recurrent state per sequence (Qwen3-Next; worker/recurrent_state.py),
-    # which the worker holds while it holds the sequence: a sequence continues only where it left off
-    # (no swap, no prefix-cache hit, no fork: scheduler/preemption.py's `recurrent`)
+    # which the worker holds with the sequence (StepPlan.state_forks, state_swapped_out): no prompt
+    # starts from cached blocks (scheduler/preemption.py's `recurrent`)
     recurrent_state: bool = False
 
 

@@ -77,7 +77,7 @@ def whole_prompts(config: EngineConfig, max_model_len: int) -> EngineConfig:
 
 def recurrent(config: EngineConfig) -> EngineConfig:
     """A model whose layers keep a recurrent state per sequence (WorkerHello.recurrent_state): the
-    worker holds a sequence's state while it holds the sequence, so a preempted one recomputes (a
-    swapped one would come back without it) and no prompt starts from cached blocks (their state
-    is not cached)."""
-    return config.replace(preemption_mode="recompute", enable_prefix_caching=False, cpu_prefix_cache=False)
+    worker holds a sequence's state, forked and swapped with it (StepPlan.state_forks,
+    state_swapped_out), but not the state at a cached block's end: no prompt starts from cached
+    blocks."""
+    return config.replace(enable_prefix_caching=False, cpu_prefix_cache=False)

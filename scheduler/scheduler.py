@@ -81,7 +81,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         model's every layer attends only to its last `sliding_window` keys (WorkerHello). `kv_groups`:
         the window of each of its KV cache groups, 0 for global attention (scheduler/kv_groups.py),
         none for one group. `recurrent_state`: the model keeps a state per sequence (WorkerHello):
-        a request of several sequences (n, best_of, beams: forks) is refused."""
+        the plans say which sequences fork and which swap out (the workers' states follow them)."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -95,6 +95,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             raise ValueError("speculative decoding: not with KV cache groups (a model with sliding-window and "
                              "global layers) yet")
         self.recurrent_state = recurrent_state
+        self._state_forks: list[list[int]] = []  # [parent, child] since the last plan (recurrent state)
         if recurrent_state and config.speculative is not None:
             raise ValueError("speculative decoding: not with a model whose layers keep a recurrent state yet")
         self._start_chunks: list[int] = []  # of the waiting group `_can_start` passed: its first chunks
@@ -175,9 +176,6 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if rejection is not None:
             raise RequestRejected(rejection.message)
         seqs = num_seqs(params)
-        if seqs > 1 and self.recurrent_state:
-            raise RequestRejected(f"this model's layers keep a recurrent state per sequence: requests of one sequence "
-                                  f"only (this one asks for {seqs}: n, best_of or beam search)")
         if seqs > 1 and self.block_manager.allocates_chunks:  # a window's blocks are each sequence's
             length = final_len(len(prompt), params, self.max_model_len)
             if length > self.block_manager.max_tokens(self.config.max_num_batched_tokens, seqs):
@@ -297,8 +295,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         most = 1 if self.config.async_scheduling else 0
         assert len(self._in_flight) <= most, f"schedule() called with {len(self._in_flight)} results outstanding"
         self.step += 1
-        plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop)
-        self._to_drop = []
+        plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop, state_forks=self._state_forks)
+        self._to_drop, self._state_forks = [], []
         self._planning = PlannedStep(self.step, planned_at=time.monotonic() if self.speculator is not None else 0.0)
         self._start_plan_events()
         if self._windowed:
@@ -583,10 +581,12 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
     # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
         seqs = group.seqs_with(SequenceStatus.RUNNING)
+        held = []
         for seq in seqs:
             if seq.seq_id in self._held_by_workers:  # its table changes: the workers drop it
                 self._held_by_workers.discard(seq.seq_id)
                 plan.preempted_seq_ids.append(seq.seq_id)
+                held.append(seq.seq_id)
             seq.num_sent_blocks = 0
         if group.lora_slot >= 0:
             self.lora_slots.unpin(group)
@@ -594,6 +594,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                            recompute_only=group.sampling_params.pooling is not None) == "swap":
             copies = self.block_manager.swap_out([seq.seq_id for seq in seqs])
             plan.blocks_to_swap_out.extend(copies)
+            if self.recurrent_state:  # the workers keep their states for when they come back
+                plan.state_swapped_out.extend(held)
             self._count_swap_out(group, copies)
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
@@ -811,6 +813,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             SequenceStatus.RUNNING,
         )
         self.block_manager.fork(parent.seq_id, child.seq_id)
+        if self.recurrent_state:
+            self._state_forks.append([parent.seq_id, child.seq_id])
         shared = self.block_manager.block_table(child.seq_id)
         self._record("fork", group, child.seq_id, [block for block in shared if block != NULL_BLOCK])
         self._seqs[child.seq_id] = child

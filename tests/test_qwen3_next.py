@@ -1,12 +1,14 @@
 """Qwen3-Next (worker/models/qwen3_next.py): a tiny random model of 3 Gated DeltaNet layers and one
 gated full-attention layer, each with a MoE and its shared expert, equal to transformers in float32
-(greedy tokens exactly, logprobs within 1e-4) through `pagoda generate`, with chunked prefill, and
-preempted in a small pool (by recompute: a sequence's recurrent state lives in the worker's slot,
-worker/recurrent_state.py); what the scheduler does for such a model (WorkerHello.recurrent_state);
-and the served API (slow)."""
+(greedy tokens exactly, logprobs within 1e-4) through `pagoda generate`, with chunked prefill,
+preempted in a small pool by recompute (a sequence's recurrent state lives in the worker's slot,
+worker/recurrent_state.py) and preempted by swap (the state waits in host memory), n > 1 samples
+and beams (each child from its parent's state); in a tensor-parallel group of two; and the served
+API in a group of two (slow)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -58,45 +60,87 @@ def test_generate_matches_transformers(qwen3_next, tmp_path, capsys):
     matches(reference, [r["token_ids"] for r in results], [[t[0] for t in r["logprobs"]] for r in results])
 
 
-def test_chunked_prefill_and_preemption_recompute_from_the_first_token(qwen3_next):
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_chunked_prefill_and_preemption_carry_the_state(qwen3_next, mode):
     """16-token chunks carry each sequence's state from chunk to chunk; in 24 blocks of 8 the batch
-    preempts, and asked to swap the engine recomputes (a swapped sequence would come back without
-    its state); no block leaks. Prefix caching is off: the same prompts again hit nothing, and
-    every token is still transformers'."""
+    preempts: a swapped sequence's state waits in host memory and comes back with it, a recomputed
+    one starts again from zeros; no block leaks. Prefix caching is off: the same prompts again hit
+    nothing, and every token is still transformers'."""
     from pagoda.offline import LLM
 
     directory, prompts, reference = qwen3_next
     llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=24, num_cpu_blocks=32,
-              preemption_mode="swap", max_num_batched_tokens=16)
+              preemption_mode=mode, max_num_batched_tokens=16)
     s = llm.scheduler
-    assert s.recurrent_state and s.config.preemption_mode == "recompute" and not s.block_manager.enable_prefix_caching
+    assert s.recurrent_state and not s.block_manager.enable_prefix_caching
     params = SamplingParams(temperature=0, max_tokens=families.MAX_TOKENS, logprobs=0)
     for _ in range(2):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         matches(reference, [list(o.token_ids) for o in outputs], [[t[0] for t in o.logprobs] for o in outputs])
-        assert s.num_recompute_preemptions > 0 and s.num_swap_preemptions == 0 and s.prefix_cache_hits == 0
+        assert (s.num_swap_preemptions if mode == "swap" else s.num_recompute_preemptions) > 0
+        assert s.num_preemptions == (s.num_swap_preemptions if mode == "swap" else s.num_recompute_preemptions)
+        assert s.prefix_cache_hits == 0
         s.block_manager.check_integrity()
         assert s.block_manager.num_free_blocks == s.block_manager.num_total_blocks
-    assert llm.executor.runner.recurrent.num_slots >= 8  # a slot per held sequence
+    recurrent = llm.executor.runner.recurrent
+    assert recurrent.num_slots >= 8 and recurrent.swapped == {}  # a slot per held sequence; nothing left behind
 
 
-def test_a_request_of_several_sequences_is_refused_by_name(qwen3_next):
+def test_parallel_samples_fork_the_state(qwen3_next):
+    """n = 3 seeded samples fork from the prompt's sequence after its first draw: each child starts
+    from its parent's state, and draws what a lone request seeded as that sample draws."""
     from pagoda.offline import LLM
-    from scheduler.scheduler import RequestRejected
+    from common.protocol import sample_seed
 
     directory, prompts, _ = qwen3_next
     llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8)
-    for params in (SamplingParams(n=2, temperature=1.0), SamplingParams(n=2, beam_width=2, temperature=0)):
-        with pytest.raises(RequestRejected, match="this model's layers keep a recurrent state per sequence: requests "
-                                                  "of one sequence only"):
-            llm.generate(prompts[:1], params, use_tqdm=False)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=7, n=3, ignore_eos=True)
+    [grouped] = llm.generate(prompts[:1], params, use_tqdm=False)
+    assert len({tuple(s.token_ids) for s in grouped.outputs}) == 3
+    for i, sample in enumerate(grouped.outputs):
+        alone = SamplingParams(temperature=1.0, max_tokens=8, seed=sample_seed(7, i), ignore_eos=True)
+        assert llm.generate(prompts[:1], alone, use_tqdm=False)[0].token_ids == sample.token_ids
 
 
-def test_tensor_parallelism_is_refused_by_name(qwen3_next, capsys):
-    directory, _, _ = qwen3_next
-    argv = ["generate", "--model", str(directory), "--prompt", "w5", "--device", "cpu", "--tensor-parallel-size", "2"]
-    assert cli.main(argv) != 0
-    assert "Qwen3-Next: tensor parallelism is not supported yet" in capsys.readouterr().err
+def test_beam_search_equals_transformers(qwen3_next):
+    """Beams fork and are freed every step, each child from its parent's state."""
+    import transformers
+
+    from pagoda.offline import LLM
+
+    directory, prompts, _ = qwen3_next
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=8, beam_width=2, n=2)
+    for prompt, out in zip(prompts[:2], llm.generate(prompts[:2], params, use_tqdm=False)):
+        with torch.inference_mode():
+            hf = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, num_beams=2,
+                                num_return_sequences=2, return_dict_in_generate=True, output_logits=True,
+                                eos_token_id=2, pad_token_id=0)
+        lengths = (hf.beam_indices != -1).sum(dim=1).tolist()
+        expected = [hf.sequences[i, len(prompt):len(prompt) + lengths[i]].tolist() for i in range(2)]
+        assert [sample.token_ids for sample in out.outputs] == expected
+    bm = llm.scheduler.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_a_group_of_two_matches_transformers_swapping(qwen3_next, tmp_path, capsys, monkeypatch):
+    """Each rank holds its key heads (with their value heads) of every linear-attention layer, their
+    state, and their share of the attention heads and experts; swapped in a small pool."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    directory, prompts, reference = qwen3_next
+    prompts_file = families.write_prompts(tmp_path / "prompts.jsonl", prompts)
+    argv = ["generate", "--model", str(directory), "--prompts-file", str(prompts_file), "--json", "--temperature", "0",
+            "--max-tokens", str(families.MAX_TOKENS), "--logprobs", "0", "--device", "cpu", "--dtype", "float32",
+            "--block-size", "8", "--tensor-parallel-size", "2", "--num-gpu-blocks", "24", "--preemption-mode", "swap",
+            "--max-num-batched-tokens", "16"]
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    results = [json.loads(line) for line in captured.out.splitlines()]
+    matches(reference, [r["token_ids"] for r in results], [[t[0] for t in r["logprobs"]] for r in results])
+    assert re.search(r"[1-9]\d* preemptions \([1-9]\d* swap, 0 recompute\)", captured.err), captured.err
 
 
 @pytest.mark.slow
@@ -106,8 +150,8 @@ def test_served_api_matches_transformers(qwen3_next, redis_url):
     from tests.stack import Stack
 
     directory, prompts, reference = qwen3_next
-    stack = Stack("--model", str(directory), "--redis-url", redis_url, "--block-size", "8", "--num-gpu-blocks", "24",
-                  "--dtype", "float32").wait_ready()
+    stack = Stack("--model", str(directory), "--redis-url", redis_url, "--tensor-parallel-size", "2", "--block-size",
+                  "8", "--num-gpu-blocks", "24", "--preemption-mode", "recompute", "--dtype", "float32").wait_ready()
     try:
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         response = client.completions.create(model=directory.name, prompt=[families.prompt_text(p) for p in prompts],

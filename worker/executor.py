@@ -144,7 +144,11 @@ class Executor:
         scheduled = self.state.apply(plan)
         feed = self.state.feed
         feed_tokens = self._drawn_tokens if feed else None
+        recurrent = self.runner.recurrent
+        forks = recurrent.before(plan, self.runner.input_batch.rows) if recurrent is not None else None
         self.runner.update_inputs(self.state.changes)
+        if recurrent is not None:
+            recurrent.after(plan, self.runner.input_batch.rows, forks)
         if self.runner.drafter is not None and (plan.finished_seq_ids or plan.preempted_seq_ids):
             self.runner.drafter.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
         if self.pooler is not None:

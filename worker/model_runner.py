@@ -249,6 +249,8 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.input_batch.reset()
+        if self.recurrent is not None:
+            self.recurrent.swapped.clear()
 
     def prepare(self, scheduled: list[ScheduledSequence], feed: list[tuple[int, int]] = (),
                 feed_tokens: torch.Tensor | None = None) -> StepTensors:

@@ -14,7 +14,10 @@ Both the convolution's last inputs and the rule's state [v heads, k dim, v dim] 
 to the next: they live in slots the worker holds per sequence (worker/recurrent_state.py), read
 through the step's context (`state_slots`, `state_fresh`).
 
-Tensor parallelism is not supported yet (the linear-attention layers are not sharded).
+Tensor parallelism: full attention by heads as Llama's; Gated DeltaNet by key heads, each rank
+holding its key heads with their value heads (their rows of in_proj_qkvz and in_proj_ba, which the
+checkpoint lays out per key head; their q, k and v channels of the convolution; their dt_bias and
+A_log; out_proj's matching input columns, all-reduced) and their state; the MoE as Qwen2-MoE's.
 """
 from __future__ import annotations
 
@@ -28,12 +31,12 @@ import kernels
 from kernels.gated_delta import causal_conv1d_reference
 from worker.context import get_context
 from worker.models.layers import (
-    Attention, ColumnParallelLinear, GemmaRMSNorm, ReplicatedLinear, RotaryEmbedding, RowParallelLinear,
+    Attention, ColumnParallelLinear, GemmaRMSNorm, RotaryEmbedding, RowParallelLinear, copy_checked,
 )
 from worker.models.llama import DecoderModel, head_dim_of
 from worker.models.moe import Qwen2MoeForCausalLM
 from worker.models.rope import TransformersRope
-from worker.parallel import get_tp_group
+from worker.parallel import divide, get_tp_group
 
 
 class Qwen3NextAttention(nn.Module):
@@ -47,7 +50,9 @@ class Qwen3NextAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * hd, config.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
-        self.attn = Attention(heads, kv_heads, hd, hd**-0.5)
+        n = get_tp_group().world_size
+        self.attn = Attention(divide(heads, n, "the attention heads"), divide(kv_heads, n, "the key-value heads"), hd,
+                              hd**-0.5)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         q, gate = self.q_proj(h).view(h.shape[0], -1, 2 * self.head_dim).chunk(2, dim=-1)
@@ -80,7 +85,10 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.tp = tp = get_tp_group()
+        # this rank's key heads, each with its value heads
+        self.num_k_heads = divide(config.linear_num_key_heads, tp.world_size, "the linear-attention key heads")
+        self.num_v_heads = self.num_k_heads * (config.linear_num_value_heads // config.linear_num_key_heads)
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim, self.value_dim = self.head_k_dim * self.num_k_heads, self.head_v_dim * self.num_v_heads
         self.kernel_size = config.linear_conv_kernel_dim
@@ -88,14 +96,32 @@ class GatedDeltaNet(nn.Module):
         self.activation = config.hidden_act
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False)
         self.conv1d.weight.requires_grad_(False)
-        self.in_proj_qkvz = ReplicatedLinear(config.hidden_size, 2 * self.key_dim + 2 * self.value_dim)
-        self.in_proj_ba = ReplicatedLinear(config.hidden_size, 2 * self.num_v_heads)
+        self.conv1d.weight.weight_loader = self._load_conv
+        world = tp.world_size
+        self.in_proj_qkvz = ColumnParallelLinear(config.hidden_size, world * (2 * self.key_dim + 2 * self.value_dim))
+        self.in_proj_ba = ColumnParallelLinear(config.hidden_size, world * 2 * self.num_v_heads)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
+        for param in (self.dt_bias, self.A_log):
+            param.weight_loader = self._load_heads
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = ReplicatedLinear(self.value_dim, config.hidden_size)
+        self.out_proj = RowParallelLinear(world * self.value_dim, config.hidden_size)
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+
+    def _load_heads(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        """dt_bias, A_log [value heads]: this rank's."""
+        rows = self.num_v_heads
+        copy_checked(param.data, loaded.narrow(0, self.tp.rank * rows, rows), "a linear-attention layer's heads")
+
+    def _load_conv(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        """The convolution's [q | k | v] channels: this rank's of each part."""
+        rank, world = self.tp.rank, self.tp.world_size
+        target = source = 0
+        for size in (self.key_dim, self.key_dim, self.value_dim):
+            copy_checked(param.data.narrow(0, target, size), loaded.narrow(0, source + rank * size, size),
+                         "the convolution's channels")
+            target, source = target + size, source + size * world
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One slot's conv state and delta-rule state shapes."""
@@ -160,12 +186,6 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     rotary_class = functools.partial(TransformersRope, partial_default=True)
     qkv_bias = False
     STACKED_PARAMS = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
-
-    def __init__(self, config) -> None:
-        if get_tp_group().world_size > 1:
-            raise ValueError("Qwen3-Next: tensor parallelism is not supported yet (its linear-attention layers are "
-                             "not sharded); serve it with --tensor-parallel-size 1")
-        super().__init__(config)
 
     def build_model(self, config) -> DecoderModel:
         layers = (Qwen3NextDecoderLayer(config, i, self.build_mlp(config, i)) for i in range(config.num_hidden_layers))
