@@ -342,6 +342,27 @@ def run(llm, prompts: list[list[int]], params: SamplingParams, check=None) -> tu
     return [outputs[str(i)] for i in range(len(prompts))], most
 
 
+def run_all_at_once_then_hit_the_prefix_cache(llm, prompts, params, reference, check) -> None:
+    """The 8 prompts run at once with no preemption (`check` after every step), their tokens and
+    logprobs transformers'; then, afresh (the crowded pool evicted), a repeated prompt hits every
+    full block but its last token's, and one sharing the first's first 400 tokens hits those: in
+    every group, a sliding one holding only its window before the hit."""
+    outputs, most = run(llm, prompts[:SEQS], params, check)
+    assert most == SEQS and llm.scheduler.num_preemptions == 0
+    assert [list(o.token_ids) for o in outputs] == reference.token_ids[:SEQS]
+    for output, theirs in zip(outputs, reference.logprobs):
+        assert [t[0] for t in output.logprobs] == pytest.approx(theirs, abs=1e-4)
+    llm.reset()
+    run(llm, prompts[:1], params)
+    for prompt, hit, theirs in ((prompts[0], (PROMPT - 1) // BLOCK * BLOCK, 0), (shared(prompts), SHARED, SEQS)):
+        llm.scheduler.prefix_cache_hits = 0
+        outputs, _ = run(llm, [prompt], params)
+        assert llm.scheduler.prefix_cache_hits == hit
+        assert list(outputs[0].token_ids) == reference.token_ids[theirs]
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
 def test_eight_long_sequences_run_at_once_in_half_the_bytes_uniform_allocation_needs(gemma3):
     """Uniform allocation: 8 sequences of 716 tokens need 8 * 45 blocks of 16 tokens over all 6
     layers. In half those bytes (180 such blocks; 1080 of one layer's, the groups' page), the
@@ -381,22 +402,7 @@ def test_eight_long_sequences_run_at_once_in_half_the_bytes_uniform_allocation_n
         if scheduler.running and all(len(g.seqs[0].output_token_ids) > 1 for g in scheduler.running):
             assert max(counts[1:]) <= len(scheduler.running) * (WINDOW // BLOCK + 2)
 
-    outputs, most = run(llm, prompts[:SEQS], params, windows_hold_their_window)
-    assert most == SEQS and llm.scheduler.num_preemptions == 0
-    assert [list(o.token_ids) for o in outputs] == reference.token_ids[:SEQS]
-    for output, theirs in zip(outputs, reference.logprobs):
-        assert [t[0] for t in output.logprobs] == pytest.approx(theirs, abs=1e-4)
-    # a repeated prompt, then one sharing its first 400 tokens: hits in every group, a sliding one
-    # holding only its window before the hit (the pool was crowded above: evictions; start afresh)
-    llm.reset()
-    run(llm, prompts[:1], params)
-    for prompt, hit, theirs in ((prompts[0], (PROMPT - 1) // BLOCK * BLOCK, 0), (shared(prompts), SHARED, SEQS)):
-        llm.scheduler.prefix_cache_hits = 0
-        outputs, _ = run(llm, [prompt], params)
-        assert llm.scheduler.prefix_cache_hits == hit
-        assert list(outputs[0].token_ids) == reference.token_ids[theirs]
-    bm = llm.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_total_blocks
+    run_all_at_once_then_hit_the_prefix_cache(llm, prompts, params, reference, windows_hold_their_window)
 
     uniform = LLM(str(directory), device="cpu", dtype="float32", block_size=BLOCK, num_gpu_blocks=uniform_blocks // 2,
                   num_cpu_blocks=512, preemption_mode="swap", disable_hybrid_kv_cache_manager=True)
@@ -451,19 +457,7 @@ def test_gpt_oss_runs_eight_long_sequences_at_once_where_uniform_allocation_runs
         if scheduler.running and all(len(g.seqs[0].output_token_ids) > 1 for g in scheduler.running):
             assert counts[1] <= len(scheduler.running) * (WINDOW // BLOCK + 2)
 
-    outputs, most = run(llm, prompts[:SEQS], params, sliding_group_holds_windows)
-    assert most == SEQS and llm.scheduler.num_preemptions == 0
-    assert [list(o.token_ids) for o in outputs] == reference.token_ids[:SEQS]
-    for output, theirs in zip(outputs, reference.logprobs):
-        assert [t[0] for t in output.logprobs] == pytest.approx(theirs, abs=1e-4)
-    llm.reset()
-    run(llm, prompts[:1], params)
-    for prompt, hit, theirs in ((prompts[0], (PROMPT - 1) // BLOCK * BLOCK, 0), (shared(prompts), SHARED, SEQS)):
-        llm.scheduler.prefix_cache_hits = 0
-        outputs, _ = run(llm, [prompt], params)
-        assert llm.scheduler.prefix_cache_hits == hit
-        assert list(outputs[0].token_ids) == reference.token_ids[theirs]
-    assert bm.num_free_blocks == bm.num_total_blocks
+    run_all_at_once_then_hit_the_prefix_cache(llm, prompts, params, reference, sliding_group_holds_windows)
 
     uniform = LLM(str(directory), device="cpu", dtype="float32", block_size=BLOCK, num_gpu_blocks=pages // 2,
                   num_cpu_blocks=512, preemption_mode="swap", disable_hybrid_kv_cache_manager=True,
