@@ -25,8 +25,8 @@ import msgpack
 # 6: a StepPlan's cached_seqs and a StepResult's sampled travel as columns (_COLUMNS_OF)
 # 7: CachedSequence.draft_token_ids and accepted_token_ids
 # 8: CachedSequence.group_block_ids (KV cache groups)
-# 9: WorkerHello.recurrent_state; StepPlan.state_forks and state_swapped_out (linear-attention
-#    layers' state, held by the worker per sequence)
+# 9: WorkerHello.recurrent_state and state_checkpoints; StepPlan.state_forks, state_swapped_out and
+#    state_saves; NewSequence.state_checkpoint (linear-attention layers' state, held by the worker)
 PROTOCOL_VERSION = 9
 _EXT_MESSAGE = 1
 
@@ -255,6 +255,9 @@ class NewSequence:
     mm_items: list[MultiModalItem] = field(default_factory=list)  # its prompt's images, in order
     # a model with KV cache groups (WorkerHello.kv_groups): the tables of groups 1.. (block_ids is group 0's)
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # a model with recurrent state whose prefix-cache hit ends at a block with a saved state: the
+    # checkpoint slot it starts from (scheduler/state_cache.py); -1: none
+    state_checkpoint: int = -1
 
 
 @dataclass(slots=True)
@@ -298,6 +301,9 @@ class StepPlan:
     # they come back)
     state_forks: list[list[int]] = field(default_factory=list)
     state_swapped_out: list[int] = field(default_factory=list)
+    # [seq_id, position, slot]: save the sequence's state after its first `position` tokens (a block
+    # boundary this step passes) into checkpoint slot `slot` (scheduler/state_cache.py)
+    state_saves: list[list[int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -383,9 +389,9 @@ class WorkerHello:
     # attention; empty when the model has one group (its sliding_window, if any, is every layer's)
     kv_groups: list[int] = field(default_factory=list)
     # its linear-attention layers keep a recurrent state per sequence (Qwen3-Next; worker/recurrent_state.py),
-    # which the worker holds with the sequence (StepPlan.state_forks, state_swapped_out): no prompt
-    # starts from cached blocks (scheduler/preemption.py's `recurrent`)
+    # which the worker holds with the sequence (StepPlan.state_forks, state_swapped_out, state_saves)
     recurrent_state: bool = False
+    state_checkpoints: int = 0  # its checkpoint slots for the states at cached blocks' ends (prefix caching)
 
 
 # ----------------------------------------------------------------------------- requests (Redis)
@@ -599,8 +605,8 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # how many, per message
-    SchedulerStatus: 34, RequestEvent: 4, SamplingParams: 6, StepResult: 5, WorkerHello: 6,
-    NewSequence: 2, StepPlan: 1, GenerateRequest: 2, MemorySnapshot: 1, MultiModalItem: 0,
+    SchedulerStatus: 34, RequestEvent: 4, SamplingParams: 6, StepResult: 5, WorkerHello: 8,
+    NewSequence: 3, StepPlan: 4, GenerateRequest: 2, MemorySnapshot: 1, MultiModalItem: 0,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields
 # List fields of the hot messages (one entry per sequence of a step, or per memory event) travel as

@@ -12,9 +12,11 @@ The model writes messages, each a header then a body:
 
 (the chat template ends the prompt with `<|start|>assistant`, so the first header has no start;
 a header may name its recipient before the channel, `<|start|>assistant to=functions.NAME<|channel|>...`).
-The reasoning is the analysis messages' bodies, joined; the answer starts at the first message of
-another channel: after the final message's header (its body is the content), or at a tool call's
-header, which the tool parser reads. An output with no harmony header at all is the answer.
+The reasoning is the analysis messages' bodies, one a line; the answer starts at the first message
+of another channel, or with a recipient (a call, from any channel): after the final message's
+header (its body is the content), or at a tool call's header, which the tool parser reads. An
+output with no harmony header at all is the answer. Served with --tool-call-parser openai (named,
+or detected from the template), the reasoning parser comes too (gateway/tokenizer.py).
 
 The `openai-harmony` package is the field's renderer and parser of this format, over the token ids
 of gpt-oss's own vocabulary (o200k_harmony, which it downloads on first use); reading the decoded

@@ -7,8 +7,8 @@ beside `content`, streamed as `delta.reasoning_content` and `delta.reasoning`.
     qwen3         [<think>] reasoning </think> answer  all reasoning, unless chat_template_kwargs
                   (or reasoning <tool_call><function=   says enable_thinking: false (then all answer)
                   ...: the call is the answer)
-    openai_gptoss harmony (gpt-oss, gateway/harmony.py):  what the analysis messages said (the
-                  the analysis channel's messages, then   answer: none)
+    openai_gptoss harmony (gpt-oss, gateway/harmony.py):  what the analysis messages said, each
+                  the analysis channel's messages, then   on its own line (the answer: none)
                   a final message (its body is the
                   answer) or a tool call's (the answer
                   from its header on, for the tool parser)
@@ -136,14 +136,14 @@ class HarmonyParser:
             return ReasoningScan("", None)
         reasoning = []
         for message in harmony.messages(text):
-            if message.channel != "analysis":
+            if message.channel != "analysis" or message.recipient is not None:  # (a call from any channel)
                 final_body = message.channel == "final" and message.recipient is None
-                return ReasoningScan("".join(reasoning), message.body_start if final_body else message.header_start)
+                return ReasoningScan("\n".join(reasoning), message.body_start if final_body else message.header_start)
             body = text[message.body_start:message.body_end]
             if not message.closed and not final:  # hold back what could still be a tag
                 body = body[:len(body) - max(_partial_suffix(body, tag) for tag in harmony.BODY_ENDS)]
             reasoning.append(body)
-        return ReasoningScan("".join(reasoning), None)
+        return ReasoningScan("\n".join(reasoning), None)
 
 
 PARSERS: dict[str, ReasoningParser] = {

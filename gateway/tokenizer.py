@@ -21,7 +21,7 @@ class PromptEncoder:
     names the format of the calls the template's model makes under tool_choice "auto";
     `chat_template_kwargs` are the template's variables a request's own override
     (--default-chat-template-kwargs); `reasoning_parser` (--reasoning-parser) names the format of
-    the model's thinking.
+    the model's thinking (gpt-oss's harmony calls, `openai`, bring its `openai_gptoss`).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None,
@@ -35,6 +35,10 @@ class PromptEncoder:
         self.chat_template = chat_template
         self.tool_call_format = tool_call_format(tool_call_parser, self.template_text)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        # harmony's calls come after its analysis messages: its tool parser reads the answer the
+        # reasoning parser leaves, so the one comes with the other
+        if reasoning_parser is None and self.tool_call_format == "openai":
+            reasoning_parser = "openai_gptoss"
         self.reasoning_parser = find_reasoning_parser(reasoning_parser)
         self.images = None  # a model that takes images: its gateway.multimodal.ImagePrompts
 

@@ -68,7 +68,7 @@ def _prepare(q, k, v, g, beta, use_qk_l2norm):
 def _recurrent(q, k, v, g, beta, initial, use_qk_l2norm):
     q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
     heads, length, dk = k.shape
-    s = torch.zeros(heads, dk, v.shape[-1]) if initial is None else initial.to(torch.float32)
+    s = torch.zeros(heads, dk, v.shape[-1], device=v.device) if initial is None else initial.to(torch.float32)
     out = torch.empty_like(v)
     for t in range(length):
         s = s * g[:, t].exp()[:, None, None]
@@ -96,7 +96,7 @@ def _chunked(q, k, v, g, beta, initial, use_qk_l2norm, chunk: int = CHUNK):
     intra = (q @ k.transpose(-1, -2)) * decay
     new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    s = torch.zeros(heads, dk, v.shape[-1]) if initial is None else initial.to(torch.float32)
+    s = torch.zeros(heads, dk, v.shape[-1], device=v.device) if initial is None else initial.to(torch.float32)
     out = torch.zeros_like(new_values)
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]

@@ -40,7 +40,7 @@ Swapped-out sequences come first: a swap-out evicts tier blocks as it needs them
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from common.block_hash import block_key, lora_salt
 from common.block_hash import salt_lora_id as _salt_lora_id
@@ -75,6 +75,9 @@ class BlockManager(PoolView, AllocatorBase):
         self.enable_prefix_caching = enable_prefix_caching
         self.seq_keys: dict[int, list[bytes]] = {}  # keys of each sequence's leading full blocks
         self.seq_salt: dict[int, bytes] = {}  # the salt of each salted sequence (a LoRA adapter's)
+        # how many of a match's leading hits a sequence can start after (None: all): a model with
+        # recurrent state only after a block whose state is saved (scheduler/state_cache.py)
+        self.hit_filter: Callable[[list[int]], int] | None = None
 
     # the CPU tier's switch, set through the manager (the scheduler's --cpu-prefix-cache)
     enable_cpu_tier = property(lambda self: self.pool.enable_cpu_tier,
@@ -282,6 +285,8 @@ class BlockManager(PoolView, AllocatorBase):
             if cpu is None or self.pool.cpu_block_meta[cpu][0] != tokens:
                 break
             tier_hits.append(cpu)
+        if self.hit_filter is not None:  # (a model with recurrent state: no CPU tier)
+            del hits[self.hit_filter(hits):]
         return match
 
     def _root(self, salt: bytes | None) -> bytes | None:

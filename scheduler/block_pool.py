@@ -17,6 +17,7 @@ hash prompts as the first group does, and a hybrid model's other groups chain th
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from common.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
@@ -66,6 +67,8 @@ class BlockPool:
         self.evicted: list[int] = []
         # KV events for routers (common/kv_events.py), taken by the scheduler server; None: not kept
         self.kv_events: list[KVCacheEvent] | None = None
+        # called with each block handed to a new owner (scheduler/state_cache.py forgets its state)
+        self.on_take: Callable[[int], None] | None = None
         # the CPU tier of the prefix registry (scheduler/block_manager.py); off until the scheduler
         # finds that copying a block beats recomputing it
         self.enable_cpu_tier = False
@@ -158,6 +161,8 @@ class BlockPool:
             self.evicted.append(block)
         assert self.ref_counts[block] == 0
         self.ref_counts[block] = 1
+        if self.on_take is not None:
+            self.on_take(block)
         return block
 
     def hold(self, block: int) -> None:

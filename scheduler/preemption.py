@@ -75,9 +75,11 @@ def whole_prompts(config: EngineConfig, max_model_len: int) -> EngineConfig:
                           max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len))
 
 
-def recurrent(config: EngineConfig) -> EngineConfig:
+def recurrent(config: EngineConfig, state_checkpoints: int) -> EngineConfig:
     """A model whose layers keep a recurrent state per sequence (WorkerHello.recurrent_state): the
     worker holds a sequence's state, forked and swapped with it (StepPlan.state_forks,
-    state_swapped_out), but not the state at a cached block's end: no prompt starts from cached
-    blocks."""
-    return config.replace(enable_prefix_caching=False, cpu_prefix_cache=False)
+    state_swapped_out); a prefix-cache hit needs the state at its end, saved in one of the workers'
+    `state_checkpoints` slots (scheduler/state_cache.py): without any, no prefix caching. No CPU
+    tier (its blocks would come back without their states)."""
+    return config.replace(enable_prefix_caching=config.enable_prefix_caching and state_checkpoints > 0,
+                          cpu_prefix_cache=False)

@@ -54,6 +54,7 @@ from scheduler.lora_slots import LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
 from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode, recurrent, whole_prompts
+from scheduler.state_cache import StateCheckpoints
 from scheduler.prefix_wait import ComputingPrefixes, lone_prompt_match
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 from scheduler.speculation import DraftSteps
@@ -74,14 +75,16 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
         memory_events: MemoryEventLog | None = None, sliding_window: int | None = None, pooling_task: str = "",
-        kv_groups: list[int] = (), recurrent_state: bool = False,
+        kv_groups: list[int] = (), recurrent_state: bool = False, state_checkpoints: int = 0,
     ) -> None:
         """`memory_events`: the log of a scheduler this one follows (a worker group restarted, the
         offline LLM reset), whose event ids it goes on from; else a new one. `sliding_window`: the
         model's every layer attends only to its last `sliding_window` keys (WorkerHello). `kv_groups`:
         the window of each of its KV cache groups, 0 for global attention (scheduler/kv_groups.py),
         none for one group. `recurrent_state`: the model keeps a state per sequence (WorkerHello):
-        the plans say which sequences fork and which swap out (the workers' states follow them)."""
+        the plans say which sequences fork and which swap out (the workers' states follow them);
+        with prefix caching, where the states at blocks' ends are saved, in the workers'
+        `state_checkpoints` slots (scheduler/state_cache.py)."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -96,6 +99,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                              "global layers) yet")
         self.recurrent_state = recurrent_state
         self._state_forks: list[list[int]] = []  # [parent, child] since the last plan (recurrent state)
+        # sequences the workers keep a state for but do not hold (forked or swapped out, not sent since)
+        self._state_kept: set[int] = set()
         if recurrent_state and config.speculative is not None:
             raise ValueError("speculative decoding: not with a model whose layers keep a recurrent state yet")
         self._start_chunks: list[int] = []  # of the waiting group `_can_start` passed: its first chunks
@@ -123,6 +128,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         if config.cpu_prefix_cache:
             enable_cpu_tier(self.block_manager, costs)
+        self.state_checkpoints = self._init_state_checkpoints(state_checkpoints)
+        self._state_restores: dict[int, int] = {}  # admitted sequences' checkpoint slots, until sent
         self._init_drafts(config)
 
     @classmethod
@@ -132,9 +139,19 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if hello.encoder:
             config = whole_prompts(config, hello.max_model_len)
         if hello.recurrent_state:
-            config = recurrent(config)
+            config = recurrent(config, hello.state_checkpoints)
         return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
-                   memory_events, hello.sliding_window, hello.pooling_task, hello.kv_groups, hello.recurrent_state)
+                   memory_events, hello.sliding_window, hello.pooling_task, hello.kv_groups, hello.recurrent_state,
+                   hello.state_checkpoints)
+
+    def _init_state_checkpoints(self, capacity: int) -> StateCheckpoints | None:
+        """A model with recurrent state, under prefix caching: where its states at blocks' ends are
+        saved (one KV cache group: hybrids of windows and state are not served yet)."""
+        if not (self.recurrent_state and self.block_manager.enable_prefix_caching):
+            return None
+        if self._num_groups > 1:
+            raise ValueError("prefix caching of a model with recurrent state and KV cache groups: not yet")
+        return StateCheckpoints.attach(self.block_manager, capacity)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -502,6 +519,12 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                 num_new = None  # it goes on next step
             else:
                 self._grow(seqs, extra, plan)
+        if self.state_checkpoints is not None:  # a hit starts from the state saved at its end
+            bm, bs = self.block_manager, self.block_manager.block_size
+            for seq in seqs:
+                if seq.num_computed_tokens:
+                    self._state_restores[seq.seq_id] = self.state_checkpoints.slot(
+                        bm.block_table(seq.seq_id)[seq.num_computed_tokens // bs - 1])
         if num_new is not None:  # (none: a recomputing group's hits end inside an image it cannot finish yet)
             self._add_to_plan(seqs, num_new, plan, budget)
         self._insert_running(group)
@@ -596,6 +619,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             plan.blocks_to_swap_out.extend(copies)
             if self.recurrent_state:  # the workers keep their states for when they come back
                 plan.state_swapped_out.extend(held)
+                self._state_kept.update(held)
             self._count_swap_out(group, copies)
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
@@ -653,6 +677,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                     num_samples = n
             else:
                 self._send_new(group, seq, n, table, num_samples, plan)
+            if self.state_checkpoints is not None:
+                self._save_states(seq, n, table, plan)
             seq.num_sent_blocks = len(table)
             scheduled[seq_id] = n
             samples[seq_id] = num_samples
@@ -672,8 +698,19 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         ))
         if self._num_groups > 1:
             plan.new_seqs[-1].group_block_ids = [list(t) for t in self.block_manager.group_tables(seq.seq_id)[1:]]
+        plan.new_seqs[-1].state_checkpoint = self._state_restores.pop(seq.seq_id, -1)
+        self._state_kept.discard(seq.seq_id)
         self._held_by_workers.add(seq.seq_id)
         seq.accepted_unsent = []  # in its output
+
+    def _save_states(self, seq: Sequence, n: int, table: list[int], plan: StepPlan) -> None:
+        """The state at each block boundary the sequence's `n` tokens of this step pass, saved into
+        a checkpoint slot keyed by the block that boundary ends (scheduler/state_cache.py)."""
+        bs, start = self.block_manager.block_size, seq.num_computed_tokens + seq.ahead
+        for boundary in range(start // bs + 1, (start + n) // bs + 1):
+            slot = self.state_checkpoints.save(table[boundary - 1])
+            if slot is not None:
+                plan.state_saves.append([seq.seq_id, boundary * bs, slot])
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestOutput]:
@@ -813,8 +850,9 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             SequenceStatus.RUNNING,
         )
         self.block_manager.fork(parent.seq_id, child.seq_id)
-        if self.recurrent_state:
+        if self.recurrent_state:  # the workers keep the parent's state for the child until it is sent
             self._state_forks.append([parent.seq_id, child.seq_id])
+            self._state_kept.add(child.seq_id)
         shared = self.block_manager.block_table(child.seq_id)
         self._record("fork", group, child.seq_id, [block for block in shared if block != NULL_BLOCK])
         self._seqs[child.seq_id] = child
@@ -849,9 +887,18 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if seq.seq_id in self._held_by_workers:
             self._held_by_workers.discard(seq.seq_id)
             self._to_drop.append(seq.seq_id)
+        self._drop_kept_state(seq)
         seq.status = status
 
+    def _drop_kept_state(self, seq: Sequence) -> None:
+        """A sequence ending while the workers keep its state (forked or swapped out, unsent): they drop it."""
+        if seq.seq_id in self._state_kept:
+            self._state_kept.discard(seq.seq_id)
+            self._to_drop.append(seq.seq_id)
+        self._state_restores.pop(seq.seq_id, None)
+
     def _forget(self, seq: Sequence) -> None:
+        self._drop_kept_state(seq)
         self._seqs.pop(seq.seq_id, None)
         self._group_of_seq.pop(seq.seq_id, None)
 

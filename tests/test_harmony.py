@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import scripted
+from tests import families
 from gateway.reasoning import PARSERS, ReasoningStream
 from gateway.tool_parsers import Call, HarmonyToolParser, detect_tool_call_format
 from gateway.tools import ToolCallStream
@@ -26,6 +27,11 @@ SCRIPTS = {
     "plain": ["Just", " an answer."],
     # thinking that never ends (cut by max_tokens, or it stops)
     "muse": ["<|channel|>analysis<|message|>Musing", " on", " and on."],
+    # two analysis messages (one a line), then the answer
+    "twice": ["<|channel|>analysis<|message|>First.<|end|><|start|>assistant<|channel|>analysis<|message|>Second.",
+              "<|end|><|start|>assistant<|channel|>final<|message|>Done."],
+    # a call made from the analysis channel: the answer, for the tool parser
+    "hasty": ["<|channel|>analysis to=functions.get_weather<|message|>", '{"city": "Oslo"}'],
 }
 SPECIAL = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
 EXPECTED = {  # (reasoning, the answer's text) as the reasoning parser splits the output
@@ -36,6 +42,8 @@ EXPECTED = {  # (reasoning, the answer's text) as the reasoning parser splits th
     "direct": (None, "Hi there."),
     "plain": (None, "Just an answer."),
     "muse": ("Musing on and on.", ""),
+    "twice": ("First.\nSecond.", "Done."),
+    "hasty": (None, scripted.text(SCRIPTS, "hasty")),
 }
 TEXTS = {cue: scripted.text(SCRIPTS, cue) for cue in SCRIPTS}
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -78,6 +86,7 @@ def test_the_thinking_budget_forces_the_close_of_the_analysis_and_the_final_head
 
 @pytest.mark.parametrize("cue, content, calls", [
     ("weather", None, [Call("get_weather", '{"city": "Paris"}')]),
+    ("hasty", None, [Call("get_weather", '{"city": "Oslo"}')]),
     ("flight", scripted.text(SCRIPTS, "flight"), []),  # book_flight is not declared: no call, all content
     ("ponder", None, []),
 ])
@@ -93,8 +102,21 @@ def test_the_tool_parser_reads_the_answer(cue, content, calls):
     assert parser.scan(answer[:-3], False).calls == []
 
 
-def test_auto_detects_harmony_from_the_template():
-    assert detect_tool_call_format("<|start|>assistant<|channel|>commentary to=functions.{{ name }}") == "openai"
+def test_auto_detects_harmony_from_the_template_and_brings_its_reasoning_parser():
+    """The tool parser reads the answer the reasoning parser leaves: without it, the analysis
+    messages and the tags would be content."""
+    from transformers import AutoTokenizer
+
+    from gateway.reasoning import HarmonyParser
+    from gateway.tokenizer import PromptEncoder
+
+    template = "<|start|>assistant<|channel|>commentary to=functions.{{ name }}"
+    assert detect_tool_call_format(template) == "openai"
+    tokenizer = AutoTokenizer.from_pretrained(families.TOKENIZER)
+    assert isinstance(PromptEncoder(tokenizer, template).reasoning_parser, HarmonyParser)
+    assert isinstance(PromptEncoder(tokenizer, None, "openai").reasoning_parser, HarmonyParser)
+    assert PromptEncoder(tokenizer, None, "openai", reasoning_parser="qwen3").reasoning_parser is PARSERS["qwen3"]
+    assert PromptEncoder(tokenizer, None, "hermes").reasoning_parser is None
 
 
 # ----------------------------------------------------------------------------- served

@@ -64,26 +64,55 @@ def test_generate_matches_transformers(qwen3_next, tmp_path, capsys):
 def test_chunked_prefill_and_preemption_carry_the_state(qwen3_next, mode):
     """16-token chunks carry each sequence's state from chunk to chunk; in 24 blocks of 8 the batch
     preempts: a swapped sequence's state waits in host memory and comes back with it, a recomputed
-    one starts again from zeros; no block leaks. Prefix caching is off: the same prompts again hit
-    nothing, and every token is still transformers'."""
+    one starts again from zeros (or from a prefix-cache hit's saved state); no block leaks. The same
+    prompts again, every token is still transformers'."""
     from pagoda.offline import LLM
 
     directory, prompts, reference = qwen3_next
     llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=24, num_cpu_blocks=32,
               preemption_mode=mode, max_num_batched_tokens=16)
     s = llm.scheduler
-    assert s.recurrent_state and not s.block_manager.enable_prefix_caching
+    assert s.recurrent_state and s.block_manager.enable_prefix_caching and s.state_checkpoints is not None
     params = SamplingParams(temperature=0, max_tokens=families.MAX_TOKENS, logprobs=0)
     for _ in range(2):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         matches(reference, [list(o.token_ids) for o in outputs], [[t[0] for t in o.logprobs] for o in outputs])
         assert (s.num_swap_preemptions if mode == "swap" else s.num_recompute_preemptions) > 0
         assert s.num_preemptions == (s.num_swap_preemptions if mode == "swap" else s.num_recompute_preemptions)
-        assert s.prefix_cache_hits == 0
         s.block_manager.check_integrity()
         assert s.block_manager.num_free_blocks == s.block_manager.num_total_blocks
     recurrent = llm.executor.runner.recurrent
-    assert recurrent.num_slots >= 8 and recurrent.swapped == {}  # a slot per held sequence; nothing left behind
+    assert recurrent.num_slots >= 8 and recurrent.kept == {}  # a slot per held sequence; nothing left behind
+
+
+def test_prefix_cache_hits_start_from_the_state_saved_at_their_end(qwen3_next):
+    """Each step saves the state at every block boundary it passes, keyed by that block: a repeated
+    prompt hits every full block but its last token's, one sharing the first 60 tokens hits the 56
+    of its whole blocks, each starting from the state saved there; tokens and logprobs are
+    transformers'. With 4 checkpoint slots (--max-num-seqs 4) only the latest 4 blocks' states stay:
+    the repeated prompt still hits, the shared one's hit shrinks to nothing (its block's state is
+    gone), and it computes everything, still exactly."""
+    import transformers
+
+    from pagoda.offline import LLM
+
+    directory, _, _ = qwen3_next
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    first, other = (torch.randint(4, 512, (100,), generator=gen).tolist() for _ in range(2))
+    shared = first[:60] + other[60:]
+    reference = families.reference(model, [first, shared])
+    params = SamplingParams(temperature=0, max_tokens=families.MAX_TOKENS, logprobs=0)
+    for max_num_seqs, hits in ((128, (0, 96, 56)), (4, (0, 96, 0))):
+        llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, max_num_seqs=max_num_seqs)
+        assert llm.scheduler.state_checkpoints.capacity == max_num_seqs
+        for prompt, hit, theirs in zip((first, first, shared), hits, (0, 0, 1)):
+            llm.scheduler.prefix_cache_hits = 0
+            [out] = llm.generate([prompt], params, use_tqdm=False)
+            assert llm.scheduler.prefix_cache_hits == hit
+            assert list(out.token_ids) == reference.token_ids[theirs]
+            assert [t[0] for t in out.logprobs] == pytest.approx(reference.logprobs[theirs], abs=1e-4)
+        llm.close()
 
 
 def test_parallel_samples_fork_the_state(qwen3_next):
@@ -100,6 +129,51 @@ def test_parallel_samples_fork_the_state(qwen3_next):
     for i, sample in enumerate(grouped.outputs):
         alone = SamplingParams(temperature=1.0, max_tokens=8, seed=sample_seed(7, i), ignore_eos=True)
         assert llm.generate(prompts[:1], alone, use_tqdm=False)[0].token_ids == sample.token_ids
+
+
+def test_forked_children_sent_late_start_from_their_parents_state(qwen3_next):
+    """Greedy samples (n of 1 to 3) of six prompts in 8-token steps: a child forked after its
+    prompt's first draw often waits steps for the budget before it is first sent, and the workers
+    keep its parent's state for it until then. Every sample is transformers' greedy continuation."""
+    import random
+
+    import transformers
+
+    from pagoda.offline import LLM
+
+    directory, _, _ = qwen3_next
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    rnd = random.Random(37)
+    prompts = [list(range(100 + 50 * i, 100 + 50 * i + rnd.randint(3, 30))) for i in range(6)]
+    counts = [rnd.choice([1, 2, 3]) for _ in prompts]
+    reference = families.reference(model, prompts, 8)
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=8, max_num_seqs=32)
+    params = [SamplingParams(temperature=0, n=n, max_tokens=8, ignore_eos=True) for n in counts]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [[list(c.token_ids) for c in o.outputs] for o in outputs] == [
+        [t] * n for t, n in zip(reference.token_ids, counts)]
+    assert llm.executor.runner.recurrent.kept == {}
+
+
+def test_a_request_aborted_while_swapped_out_leaves_no_state_behind(qwen3_next):
+    from pagoda.offline import LLM
+
+    directory, _, _ = qwen3_next
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=8, num_cpu_blocks=64,
+              preemption_mode="swap")
+    engine, recurrent = llm.engine, llm.executor.runner.recurrent
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(100 + 50 * i, 112 + 50 * i)),
+                           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while not engine.scheduler.swapped:
+        engine.step()
+    assert recurrent.kept  # the swapped-out sequences' states, in host memory
+    for group in list(engine.scheduler.swapped):
+        engine.abort_request(group.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # the plan that tells the workers
+    assert recurrent.kept == {}
 
 
 def test_beam_search_equals_transformers(qwen3_next):

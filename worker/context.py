@@ -31,6 +31,9 @@ class AttentionContext:
     # and whether it starts from zeros (its step starts at token 0) [num_seqs] bool; None: none
     state_slots: torch.Tensor | None = None
     state_fresh: torch.Tensor | None = None
+    # states to save mid-step for prefix caching: (sequence index, tokens into its step, checkpoint
+    # slot), each sequence's in order (worker/recurrent_state.py); None: none
+    state_saves: list[tuple[int, int, int]] | None = None
 
 
 _context: AttentionContext | None = None

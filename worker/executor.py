@@ -99,6 +99,7 @@ class Executor:
             images=image_kind(getattr(runner.model, "vision", None)),
             kv_groups=runner.kv_groups.hello if runner.kv_groups is not None else [],
             recurrent_state=runner.recurrent is not None,
+            state_checkpoints=runner.recurrent.checkpoints if runner.recurrent is not None else 0,
         )
 
     def reset(self) -> None:
@@ -145,10 +146,11 @@ class Executor:
         feed = self.state.feed
         feed_tokens = self._drawn_tokens if feed else None
         recurrent = self.runner.recurrent
-        forks = recurrent.before(plan, self.runner.input_batch.rows) if recurrent is not None else None
+        if recurrent is not None:
+            recurrent.before(plan, self.runner.input_batch.rows)
         self.runner.update_inputs(self.state.changes)
         if recurrent is not None:
-            recurrent.after(plan, self.runner.input_batch.rows, forks)
+            recurrent.after(plan, self.runner.input_batch.rows)
         if self.runner.drafter is not None and (plan.finished_seq_ids or plan.preempted_seq_ids):
             self.runner.drafter.forget(plan.finished_seq_ids + plan.preempted_seq_ids)
         if self.pooler is not None:

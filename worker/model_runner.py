@@ -98,7 +98,8 @@ class ModelRunner:
                        kv_cache_dtype=self.kv_cache_dtype)
         self.model.warmup_kernels()  # a family's own (the fused MoE's tiles)
         # linear-attention layers' state, a slot per held sequence (before the profile run and the pool's sizing)
-        self.recurrent = RecurrentState.of(self.model, config.max_num_seqs, self.dtype, self.device)
+        self.recurrent = RecurrentState.of(self.model, config.max_num_seqs, self.dtype, self.device,
+                                           checkpoints=config.max_num_seqs if config.enable_prefix_caching else 0)
         # (the activations' bytes per token at the peak: measured on CUDA only)
         self.prefill_tokens_per_s, self.activation_bytes_per_token = profile_prefill(self)
         self.num_gpu_blocks = config.num_gpu_blocks or num_blocks_that_fit(
@@ -250,15 +251,18 @@ class ModelRunner:
     def reset(self) -> None:
         self.input_batch.reset()
         if self.recurrent is not None:
-            self.recurrent.swapped.clear()
+            self.recurrent.kept.clear()
 
     def prepare(self, scheduled: list[ScheduledSequence], feed: list[tuple[int, int]] = (),
                 feed_tokens: torch.Tensor | None = None) -> StepTensors:
         """The step's tensors from the persistent input rows (worker/input_batch.py); `feed`: rows
         whose input id is the step before's draw, still on the device."""
-        if self.recurrent is not None:
-            self.recurrent.ensure(self.input_batch.num_rows)  # a slot per row, as the rows grow
-        return self.input_batch.prepare(scheduled, feed, feed_tokens)
+        if self.recurrent is None:
+            return self.input_batch.prepare(scheduled, feed, feed_tokens)
+        self.recurrent.ensure(self.input_batch.num_rows)  # a slot per row, as the rows grow
+        step = self.input_batch.prepare(scheduled, feed, feed_tokens)
+        step.context.state_saves = self.recurrent.saves_of(scheduled)
+        return step
 
     @torch.inference_mode()
     def forward(self, step: StepTensors, kept_indices: list[int] | None = None,

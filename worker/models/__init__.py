@@ -61,8 +61,8 @@ MODELS: tuple[ModelInfo, ...] = (
               quantization=MOE_QUANTIZATION),
     ModelInfo("Qwen3NextForCausalLM", "qwen3_next", "qwen3_next", "Qwen/Qwen3-Next-80B-A3B-Instruct", moe=True,
               quantization=MOE_QUANTIZATION,
-              notes="Gated DeltaNet and gated attention 3 : 1, a recurrent state per sequence (no prefix caching "
-                    "yet)"),
+              notes="Gated DeltaNet and gated attention 3 : 1, a recurrent state per sequence (saved at block "
+                    "boundaries for prefix caching)"),
     ModelInfo("GptOssForCausalLM", "gpt_oss", "gpt_oss", "openai/gpt-oss-20b", sliding_window=True, moe=True,
               quantization=(*MOE_QUANTIZATION, "mxfp4"),
               notes="sliding and full layers, a block table each; attention sinks; MXFP4 experts dequantized as "

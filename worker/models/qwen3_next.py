@@ -37,6 +37,7 @@ from worker.models.llama import DecoderModel, head_dim_of
 from worker.models.moe import Qwen2MoeForCausalLM
 from worker.models.rope import TransformersRope
 from worker.parallel import divide, get_tp_group
+from worker.recurrent_state import state_waves
 
 
 class Qwen3NextAttention(nn.Module):
@@ -108,6 +109,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(world * self.value_dim, config.hidden_size)
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        self.conv_checkpoints: torch.Tensor | None = None  # prefix caching's saved states (the same shapes)
+        self.ssm_checkpoints: torch.Tensor | None = None
 
     def _load_heads(self, param: torch.Tensor, loaded, shard_id=None) -> None:
         """dt_bias, A_log [value heads]: this rank's."""
@@ -139,22 +142,36 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
-        num_seqs = ctx.cu_seqlens_q.shape[0] - 1
+        num_seqs, t = ctx.cu_seqlens_q.shape[0] - 1, h.shape[0]
         slots = ctx.state_slots if ctx.state_slots is not None else torch.arange(num_seqs, device=h.device)
         fresh = ctx.state_fresh if ctx.state_fresh is not None else torch.ones(num_seqs, dtype=torch.bool,
                                                                                device=h.device)
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(h), self.in_proj_ba(h))
-        mixed = causal_conv1d_reference(torch.cat([q, k, v], dim=-1), self.conv1d.weight[:, 0], ctx.cu_seqlens_q,
-                                        self.conv_state, slots, fresh, self.activation)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        t = h.shape[0]
+        mixed = torch.cat([q, k, v], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o = kernels.gated_delta_rule(q.reshape(t, -1, self.head_k_dim), k.reshape(t, -1, self.head_k_dim),
-                                     v.reshape(t, -1, self.head_v_dim), g, beta, ctx.cu_seqlens_q, self.ssm_state,
-                                     slots, fresh)
+        if not ctx.state_saves:
+            o = self._mix(mixed, g, beta, ctx.cu_seqlens_q, slots, fresh)
+        else:  # states saved mid-step (prefix caching): the tokens in waves, cut at the saves
+            o = mixed.new_empty(t, self.num_v_heads, self.head_v_dim)
+            for rows, cu, index, wave_fresh, saves in state_waves(ctx):
+                o[rows] = self._mix(mixed[rows], g[rows], beta[rows], cu, slots[index], wave_fresh)
+                for i, checkpoint in saves:
+                    self.conv_checkpoints[checkpoint] = self.conv_state[slots[i]]
+                    self.ssm_checkpoints[checkpoint] = self.ssm_state[slots[i]]
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(t, -1))
+
+    def _mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+             slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """The convolution and the delta rule over sequences continuing from their slots: [tokens, v heads, v dim]."""
+        t = mixed.shape[0]
+        x = causal_conv1d_reference(mixed, self.conv1d.weight[:, 0], cu_seqlens, self.conv_state, slots, fresh,
+                                    self.activation)
+        q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return kernels.gated_delta_rule(q.reshape(t, -1, self.head_k_dim), k.reshape(t, -1, self.head_k_dim),
+                                        v.reshape(t, -1, self.head_v_dim), g, beta, cu_seqlens, self.ssm_state, slots,
+                                        fresh)
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -186,6 +203,7 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     rotary_class = functools.partial(TransformersRope, partial_default=True)
     qkv_bias = False
     STACKED_PARAMS = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+    SKIPPED = (*Qwen2MoeForCausalLM.SKIPPED, "mtp.")  # the multi-token-prediction head (unused, as in transformers)
 
     def build_model(self, config) -> DecoderModel:
         layers = (Qwen3NextDecoderLayer(config, i, self.build_mlp(config, i)) for i in range(config.num_hidden_layers))
