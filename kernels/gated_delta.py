@@ -38,7 +38,10 @@ def gated_delta_rule_reference(
     """q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv] (float32 or the activation dtype);
     cu_seqlens [B + 1]; state [num_slots, Hv, Dk, Dv] float32, updated in place; slots [B] each
     sequence's slot; fresh [B] bool, start from zeros. Returns o [T, Hv, Dv] in v's dtype.
-    `chunked`: a sequence of more than one token runs the chunked form (a decode always steps)."""
+    `chunked`: a sequence of more than one token runs the chunked form (a decode always steps).
+    Every sequence has a token at least; a decode step (one token each) runs batched, with no host sync."""
+    if q.shape[0] == slots.shape[0]:
+        return _decode(q, k, v, g, beta, state, slots, fresh, use_qk_l2norm)
     out = torch.empty_like(v)
     starts, slot_ids, fresh_flags = cu_seqlens.tolist(), slots.tolist(), fresh.tolist()
     for i, slot in enumerate(slot_ids):
@@ -51,6 +54,24 @@ def gated_delta_rule_reference(
         out[lo:hi] = o.to(out.dtype)
         state[slot] = final
     return out
+
+
+def _decode(q, k, v, g, beta, state, slots, fresh, use_qk_l2norm) -> torch.Tensor:
+    """One token of every sequence: `_recurrent`'s step, batched over the sequences."""
+    num_k_heads, num_v_heads = k.shape[1], v.shape[1]
+    if num_k_heads != num_v_heads:
+        q, k = (x.repeat_interleave(num_v_heads // num_k_heads, dim=1) for x in (q, k))
+    q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    s = state[slots].masked_fill(fresh[:, None, None, None], 0)  # [B, Hv, Dk, Dv]
+    s = s * g.exp()[:, :, None, None]
+    kv_mem = (s * k[..., None]).sum(dim=-2)
+    delta = (v - kv_mem) * beta[..., None]
+    s = s + k[..., None] * delta[:, :, None, :]
+    state[slots] = s
+    return (s * q[..., None]).sum(dim=-2).to(v.dtype)
 
 
 def _prepare(q, k, v, g, beta, use_qk_l2norm):
@@ -114,9 +135,16 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: t
     after its slot's last K - 1 inputs (zeros when `fresh`), which it then holds.
 
     x [T, C]; weight [C, K]; conv_state [num_slots, C, K - 1] (updated in place). Returns [T, C]
-    (silu'd with activation "silu"), as transformers' causal_conv1d_fn / causal_conv1d_update."""
-    out = torch.empty_like(x)
+    (silu'd with activation "silu"), as transformers' causal_conv1d_fn / causal_conv1d_update. A
+    decode step (one token a sequence) runs batched, with no host sync."""
     width = weight.shape[1]
+    if x.shape[0] == slots.shape[0]:
+        before = conv_state[slots].masked_fill(fresh[:, None, None], 0).to(weight.dtype)  # [B, C, K - 1]
+        window = torch.cat([before, x[:, :, None].to(weight.dtype)], dim=-1)  # [B, C, K]
+        y = F.conv1d(window, weight[:, None, :], groups=window.shape[1])[:, :, 0]
+        conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+        return (F.silu(y) if activation == "silu" else y).to(x.dtype)
+    out = torch.empty_like(x)
     starts, slot_ids, fresh_flags = cu_seqlens.tolist(), slots.tolist(), fresh.tolist()
     for i, slot in enumerate(slot_ids):
         lo, hi = starts[i], starts[i + 1]

@@ -56,6 +56,30 @@ def test_a_prompt_is_transformers_chunked_prefill_and_a_decode_its_recurrent_ste
     assert torch.equal(state[1], before[1])  # a slot no sequence names is untouched
 
 
+def test_a_decode_step_runs_batched_as_each_sequence_steps_alone():
+    """One token a sequence (every engine decode step): the rule and the convolution run batched
+    with no host sync, equal to each sequence's own step (some from zeros, some from their slots)."""
+    q, k, v, g, beta, cu = inputs([1] * 5, seed=4)
+    state, conv_state = torch.randn(7, HV, DK, DV) * 0.1, torch.randn(7, 6, 3)
+    slots, fresh = torch.tensor([6, 0, 3, 2, 5]), torch.tensor([False, True, False, True, False])
+    from kernels.gated_delta import _recurrent
+
+    batched_state = state.clone()
+    batched = gated_delta_rule_reference(q, k, v, g, beta, cu, batched_state, slots, fresh)
+    for i, slot in enumerate(slots.tolist()):  # the token-by-token form, a sequence at a time
+        o, final = _recurrent(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1],
+                              None if fresh[i] else state[slot], True)
+        torch.testing.assert_close(batched[i], o[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(batched_state[slot], final, atol=1e-6, rtol=1e-6)
+    x, weight = torch.randn(5, 6), torch.randn(6, 4)
+    batched_conv = conv_state.clone()
+    y = causal_conv1d_reference(x, weight, cu, batched_conv, slots, fresh)
+    for i, slot in enumerate(slots.tolist()):
+        window = torch.cat([torch.zeros(6, 3) if fresh[i] else conv_state[slot], x[i, :, None]], dim=-1)
+        torch.testing.assert_close(y[i], torch.nn.functional.silu((window * weight).sum(-1)), atol=1e-6, rtol=1e-6)
+        assert torch.equal(batched_conv[slot], window[:, 1:])
+
+
 def test_chunks_continuing_from_the_slot_equal_the_prompt_whole():
     q, k, v, g, beta, _ = inputs([90], seed=1)
     whole_state, parts_state = torch.zeros(1, HV, DK, DV), torch.zeros(1, HV, DK, DV)
