@@ -69,6 +69,7 @@ from common.models import resolve_model
 from common.protocol import SamplingParams, StepPlan, decode, encode
 from pagoda.bench.common import command_words, header, names, numbers, write_result
 from pagoda.bench.timing import median_ms
+from scheduler.preemption import recurrent
 from scheduler.scheduler import Scheduler
 
 SAMPLINGS = ("greedy", "random")
@@ -391,7 +392,12 @@ def serve_row(socket: zmq.Socket, row: dict) -> None:
     try:
         socket.send_multipart([READY, pack({
             "num_gpu_blocks": runner.num_gpu_blocks, "max_model_len": runner.max_model_len,
-            "eos_token_ids": executor.eos_token_ids, "vocab_size": int(runner.hf_config.vocab_size)})])
+            "eos_token_ids": executor.eos_token_ids, "vocab_size": int(runner.hf_config.vocab_size),
+            # how its memory is paged (WorkerHello's): windows, KV cache groups, recurrent state
+            "sliding_window": runner.sliding_window,
+            "kv_groups": runner.kv_groups.hello if runner.kv_groups is not None else [],
+            "recurrent_state": runner.recurrent is not None,
+            "state_checkpoints": runner.recurrent.checkpoints if runner.recurrent is not None else 0})])
         server = RowServer(socket, executor, clock, profile=row["profile_path"] is not None)
         server.serve()
         runner.forward.check_untouched()
@@ -563,7 +569,11 @@ def measure(spec: RowSpec, model_path: Path, profile_prefix: Path | None = None,
     config = engine_config(spec, model_path)
     profile_path = f"{profile_prefix}-worker.pstats" if profile_prefix is not None else None
     hello = worker.start_row(spec, model_path, profile_path)
-    scheduler = Scheduler(config, hello["num_gpu_blocks"], hello["max_model_len"], hello["eos_token_ids"])
+    if hello["recurrent_state"]:
+        config = recurrent(config, hello["state_checkpoints"])
+    scheduler = Scheduler(config, hello["num_gpu_blocks"], hello["max_model_len"], hello["eos_token_ids"],
+                          sliding_window=hello["sliding_window"], kv_groups=hello["kv_groups"],
+                          recurrent_state=hello["recurrent_state"], state_checkpoints=hello["state_checkpoints"])
     if spec.gc_freeze:
         freeze_startup_heap("bench scheduler")  # as scheduler/server.py does before it serves
     loop = None
