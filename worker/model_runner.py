@@ -100,6 +100,10 @@ class ModelRunner:
         # linear-attention layers' state, a slot per held sequence (before the profile run and the pool's sizing)
         self.recurrent = RecurrentState.of(self.model, config.max_num_seqs, self.dtype, self.device,
                                            checkpoints=config.max_num_seqs if config.enable_prefix_caching else 0)
+        if self.recurrent is not None:
+            log.info("recurrent state: %d slots and %d prefix-cache checkpoints (--max-num-seqs each), %.1f MiB",
+                     self.recurrent.num_slots, self.recurrent.checkpoints,
+                     (self.recurrent.num_slots + self.recurrent.checkpoints) * self.recurrent.bytes_per_slot / (1 << 20))
         # (the activations' bytes per token at the peak: measured on CUDA only)
         self.prefill_tokens_per_s, self.activation_bytes_per_token = profile_prefill(self)
         self.num_gpu_blocks = config.num_gpu_blocks or num_blocks_that_fit(
