@@ -28,6 +28,7 @@ def withdraw(plan: StepPlan, seq_ids: set[int], owned: set[int]) -> set[int]:
     plan.cached_seqs = [s for s in plan.cached_seqs if s.seq_id not in seq_ids]
     plan.blocks_to_swap_in = [op for op in plan.blocks_to_swap_in if op[1] not in owned]
     plan.blocks_to_copy = [op for op in plan.blocks_to_copy if op[1] not in owned]
+    plan.state_saves = [op for op in plan.state_saves if op[0] not in seq_ids]
     return sent_new
 
 

@@ -129,7 +129,6 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if config.cpu_prefix_cache:
             enable_cpu_tier(self.block_manager, costs)
         self.state_checkpoints = self._init_state_checkpoints(state_checkpoints)
-        self._state_restores: dict[int, int] = {}  # admitted sequences' checkpoint slots, until sent
         self._init_drafts(config)
 
     @classmethod
@@ -314,6 +313,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self.step += 1
         plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop, state_forks=self._state_forks)
         self._to_drop, self._state_forks = [], []
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.new_plan()
         self._planning = PlannedStep(self.step, planned_at=time.monotonic() if self.speculator is not None else 0.0)
         self._start_plan_events()
         if self._windowed:
@@ -523,8 +524,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             bm, bs = self.block_manager, self.block_manager.block_size
             for seq in seqs:
                 if seq.num_computed_tokens:
-                    self._state_restores[seq.seq_id] = self.state_checkpoints.slot(
-                        bm.block_table(seq.seq_id)[seq.num_computed_tokens // bs - 1])
+                    self.state_checkpoints.restore(seq.seq_id,
+                                                   bm.block_table(seq.seq_id)[seq.num_computed_tokens // bs - 1])
         if num_new is not None:  # (none: a recomputing group's hits end inside an image it cannot finish yet)
             self._add_to_plan(seqs, num_new, plan, budget)
         self._insert_running(group)
@@ -635,6 +636,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             for seq in seqs:
                 self.block_manager.free(seq.seq_id)
                 seq.reset_for_recompute()
+                if self.state_checkpoints is not None:  # it starts again, maybe from another hit
+                    self.state_checkpoints.cancel(seq.seq_id)
             if group.beam is not None:
                 group.beam.pending.clear()  # those beams sample again after recomputing
             self.waiting.insert(0, group)
@@ -698,19 +701,25 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         ))
         if self._num_groups > 1:
             plan.new_seqs[-1].group_block_ids = [list(t) for t in self.block_manager.group_tables(seq.seq_id)[1:]]
-        plan.new_seqs[-1].state_checkpoint = self._state_restores.pop(seq.seq_id, -1)
+        if self.state_checkpoints is not None:
+            plan.new_seqs[-1].state_checkpoint = self.state_checkpoints.sent(seq.seq_id)
         self._state_kept.discard(seq.seq_id)
         self._held_by_workers.add(seq.seq_id)
         seq.accepted_unsent = []  # in its output
 
     def _save_states(self, seq: Sequence, n: int, table: list[int], plan: StepPlan) -> None:
         """The state at each block boundary the sequence's `n` tokens of this step pass, saved into
-        a checkpoint slot keyed by the block that boundary ends (scheduler/state_cache.py)."""
+        a checkpoint slot keyed by the block that boundary ends (scheduler/state_cache.py); the
+        latest first, so that where the slots run out the longest hits are kept."""
         bs, start = self.block_manager.block_size, seq.num_computed_tokens + seq.ahead
-        for boundary in range(start // bs + 1, (start + n) // bs + 1):
+        saved = []
+        for boundary in reversed(range(start // bs + 1, (start + n) // bs + 1)):
             slot = self.state_checkpoints.save(table[boundary - 1])
             if slot is not None:
-                plan.state_saves.append([seq.seq_id, boundary * bs, slot])
+                saved.append([seq.seq_id, boundary * bs, slot])
+        saved.reverse()
+        self.state_checkpoints.touch([slot for _, _, slot in saved])  # the latest most recently used
+        plan.state_saves += saved
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestOutput]:
@@ -895,7 +904,8 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         if seq.seq_id in self._state_kept:
             self._state_kept.discard(seq.seq_id)
             self._to_drop.append(seq.seq_id)
-        self._state_restores.pop(seq.seq_id, None)
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.cancel(seq.seq_id)
 
     def _forget(self, seq: Sequence) -> None:
         self._drop_kept_state(seq)

@@ -115,6 +115,72 @@ def test_prefix_cache_hits_start_from_the_state_saved_at_their_end(qwen3_next):
         llm.close()
 
 
+def test_checkpoint_slots_are_given_once_a_plan_and_never_while_a_restore_waits():
+    """The workers write a plan's saves in their own order (wave by wave): a slot given twice in
+    one plan could end up holding either state; and a slot an admitted sequence will start from
+    must keep its state until that sequence is sent. A save with no slot left is skipped (a hit
+    then stops short of that block); a failed group's saves leave the plan with it."""
+    from common.protocol import StepPlan
+    from scheduler.failures import withdraw
+    from scheduler.state_cache import StateCheckpoints
+
+    c = StateCheckpoints(2)
+    assert (c.save(10), c.save(11), c.save(12)) == (0, 1, None)  # both slots given in this plan
+    assert c.usable([10, 11, 12]) == 2 and c.usable([12]) == 0
+    c.new_plan()
+    c.restore(7, 10)  # sequence 7 will start from block 10's state, in slot 0
+    assert c.save(12) == 1  # the least recently used slot not being restored from: block 11's
+    assert c.usable([10, 11]) == 1 and c.usable([10, 11, 12]) == 3
+    c.new_plan()
+    assert c.save(13) == 1 and c.save(14) is None  # slot 0 waits for sequence 7, slot 1 is this plan's
+    assert c.sent(7) == 0 and c.sent(7) == -1
+    c.new_plan()
+    assert c.save(14) == 0  # sent: free to reuse
+    c.forget(14)
+    assert c.usable([10, 14]) == 0 and c.save(15) == 0  # a block handed out again lost its slot
+    plan = StepPlan(1, 0, state_saves=[[1, 8, 0], [2, 16, 1]])
+    withdraw(plan, {1}, set())
+    assert plan.state_saves == [[2, 16, 1]]
+
+
+def test_more_saves_than_slots_in_one_step_stay_exact(qwen3_next):
+    """Two prompts prefilled in one step pass 7 block boundaries with 2 checkpoint slots: 5 saves
+    are skipped, and a later prompt sharing the second's first 16 tokens computes what no kept
+    state covers; its tokens are transformers'."""
+    import transformers
+
+    from pagoda.offline import LLM
+
+    directory, _, _ = qwen3_next
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(5)
+    first, second = torch.randint(4, 512, (41,), generator=gen).tolist(), torch.randint(4, 512, (17,), generator=gen).tolist()
+    third = second[:16] + torch.randint(4, 512, (5,), generator=gen).tolist()
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8, max_num_seqs=2)
+    llm.generate([first, second], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    [out] = llm.generate([third], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert list(out.token_ids) == families.reference(model, [third], 8).token_ids[0]
+
+
+def test_a_lone_decoding_sequence_saves_the_blocks_its_output_fills(qwen3_next):
+    """The decode fast path saves too: a follow-up prompt holding a 20-token prompt and its 30
+    outputs hits every full block but its last token's, and its next token is transformers'."""
+    import transformers
+
+    from pagoda.offline import LLM
+
+    directory, _, _ = qwen3_next
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = torch.randint(4, 512, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    llm = LLM(str(directory), device="cpu", dtype="float32", block_size=8)
+    [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    follow = prompt + list(out.token_ids) + [7, 8, 9, 10, 11]
+    llm.scheduler.prefix_cache_hits = 0
+    [again] = llm.generate([follow], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert llm.scheduler.prefix_cache_hits == 48
+    assert list(again.token_ids) == families.reference(model, [follow], 1).token_ids[0]
+
+
 def test_parallel_samples_fork_the_state(qwen3_next):
     """n = 3 seeded samples fork from the prompt's sequence after its first draw: each child starts
     from its parent's state, and draws what a lone request seeded as that sample draws."""

@@ -76,6 +76,8 @@ class RecurrentState:
         self.saves = plan.state_saves
         for seq in plan.new_seqs:
             kept = self.kept.pop(seq.seq_id, None)
+            if seq.state_checkpoint >= 0 or seq.num_computed_tokens == 0:
+                kept = None  # recomputed since it was kept: from a prefix-cache hit, or from zeros
             if kept is None and seq.state_checkpoint >= 0:
                 kept = [ckpt[seq.state_checkpoint] for layer in self.layers
                         for ckpt in (layer.conv_checkpoints, layer.ssm_checkpoints)]
