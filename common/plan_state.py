@@ -144,23 +144,10 @@ class PlanState:
         placeholders = self.placeholders
         dropped = plan.finished_seq_ids + plan.preempted_seq_ids
         self.changes = TableChanges(dropped)
-        added, written = self.changes.new, self.changes.written
+        written, seqs = self.changes.written, self.seqs
         for seq_id in dropped:
-            self.seqs.pop(seq_id, None)
-        steps = []
-        for new in plan.new_seqs:
-            if new.seq_id in self.seqs:
-                raise ProtocolError(
-                    f"plan step {plan.step} sends sequence {new.seq_id} in full, which this worker holds")
-            self._check_blocks(plan.step, new.seq_id, new.block_ids, 0, new.num_computed_tokens)
-            held = HeldSequence(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
-                                new.num_computed_tokens, list(new.block_ids), new.sampling_params, new.lora_slot)
-            if self.group_windows or new.group_block_ids:
-                self._new_group_tables(plan.step, new, held)
-            self.seqs[new.seq_id] = held
-            added.append((new.seq_id, held.block_table))
-            steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples, None))
-        seqs = self.seqs
+            seqs.pop(seq_id, None)
+        steps = self._add_new(plan, self.changes.new)
         for cached in plan.cached_seqs:  # the hot loop of a decode step: kept free of calls
             held = seqs.get(cached.seq_id)
             if held is None:
@@ -206,6 +193,24 @@ class PlanState:
         if self.placeholders:
             self.placeholder_step = self.drawn_step
         return self._schedule(plan.step, steps)
+
+    def _add_new(self, plan: StepPlan, added: list[tuple[int, list[int]]]
+                 ) -> list[tuple[int, HeldSequence, int, int, list[int] | None]]:
+        """Hold the sequences the plan sends whole; returns their steps, in plan order."""
+        steps = []
+        for new in plan.new_seqs:
+            if new.seq_id in self.seqs:
+                raise ProtocolError(
+                    f"plan step {plan.step} sends sequence {new.seq_id} in full, which this worker holds")
+            self._check_blocks(plan.step, new.seq_id, new.block_ids, 0, new.num_computed_tokens)
+            held = HeldSequence(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
+                                new.num_computed_tokens, list(new.block_ids), new.sampling_params, new.lora_slot)
+            if self.group_windows or new.group_block_ids:
+                self._new_group_tables(plan.step, new, held)
+            self.seqs[new.seq_id] = held
+            added.append((new.seq_id, held.block_table))
+            steps.append((new.seq_id, held, new.num_scheduled_tokens, new.num_samples, None))
+        return steps
 
     def _schedule(self, step: int, steps: list[tuple[int, HeldSequence, int, int, list[int] | None]]
                   ) -> list[ScheduledSequence]:

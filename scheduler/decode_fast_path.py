@@ -61,10 +61,7 @@ class DecodeFastPath:
                 planning.drafts[seq_id] = drafts
         else:
             plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
-        if self._num_groups > 1:
-            plan.cached_seqs[-1].group_block_ids = [t[first_new:] for t in self.block_manager.group_tables(seq_id)[1:]]
-        if self.state_checkpoints is not None:
-            self._save_states(seq, n, table, plan)
+        self._plan_hybrid(plan.cached_seqs[-1], seq, n, table, first_new, plan)
         seq.num_sent_blocks = len(table)
         planning.scheduled[seq_id] = n
         planning.samples[seq_id] = num_draws = n if drafts else num_samples

@@ -11,6 +11,7 @@ another adapter.
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -112,3 +113,23 @@ class LoRASlots:
         assert sorted(slots + self.free) == list(range(self.max_loras)), "a slot lost or counted twice"
         assert set(self.pins) | set(self.idle) == set(self.slot_of) and not set(self.pins) & set(self.idle)
         assert all(count > 0 for count in self.pins.values())
+
+
+class LoRAPins:
+    """A base of Scheduler over its `lora_slots` (None without --enable-lora), groups and queues."""
+
+    def _pin_lora(self, group: SequenceGroup, plan: StepPlan) -> bool:
+        """False when the group's adapter waits for a slot; no adapter: True."""
+        return group.lora is None or self.lora_slots.pin(group, plan)
+
+    def lora_status(self) -> dict:
+        if self.lora_slots is None:
+            return {}
+        return self.lora_slots.status(itertools.chain(self.waiting, self.swapped))
+
+    def _fail_lora_slot(self, slot: int, message: str) -> None:
+        """The workers could not load the adapter of `slot`: the requests pinning it fail (and only
+        they), and the slot is empty again (a later request of that adapter loads it anew)."""
+        for group in [g for g in self.groups.values() if g.lora_slot == slot]:
+            self._fail(group, RuntimeError(message))
+        self.lora_slots.invalidate(slot)

@@ -18,17 +18,11 @@ finishes on its own, and `abort_sequence` ends one alone), or the beams of a bea
 With `async_scheduling` the next plan is made while the last one's result is outstanding
 (in_flight.py: the plans in flight, and which sequences run ahead of them).
 
-With a `sliding_window` W (a model whose every layer attends only to its last W keys), each
-plan starts by giving back, for every running sequence whose next position to compute is c, the
-blocks wholly before c - W + 1 (`_remove_skipped_blocks`; a prefix-cache hit past the window too,
-at admission); then tables grow for the step: decoding, a sequence holds at most
-W / block_size + 1 blocks. A prompt, or a recompute, still takes blocks for all its tokens at
-admission and gives them back as its chunks go on.
-
 Beside the loop, in this package: the request outputs (outputs.py), in-batch prefix caching
 (prefix_wait.py), failure isolation (failures.py); and, bases of Scheduler over its state, the
-decode fast path (decode_fast_path.py), the speculative steps (speculation.py) and the counters
-and memory events (step_counters.py).
+decode fast path (decode_fast_path.py), the speculative steps (speculation.py), the counters
+and memory events (step_counters.py), and sliding windows, KV cache groups and recurrent state
+(hybrid_memory.py).
 """
 from __future__ import annotations
 
@@ -37,32 +31,28 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from common.admission import AdmissionLimits, check_admissible, final_len, num_seqs, sequences_param
 from common.config import EngineConfig
 from common.multimodal import chunk_end, sent_images
 from common.protocol import (
     NULL_BLOCK, PENDING_TOKEN, CachedSequence, LoRARequest, MultiModalItem, NewSequence, SampledToken, SamplingParams, StepPlan,
     StepResult, WorkerHello, sample_seed,
 )
+from scheduler.admission import RequestAdmission, RequestRejected
 from scheduler.allocator import Allocator, NoFreeBlocksError, PrefixMatch
 from scheduler.beam import SequenceOps, beam_step
 from scheduler.kv_groups import make_allocator, prompts_fit
 from scheduler.decode_fast_path import DecodeFastPath
+from scheduler.hybrid_memory import HybridMemory
 from scheduler.failures import FailedRequest, device_blocks, withdraw
 from scheduler.in_flight import PlannedStep, awaits_result, draws_in_flight, take_result
-from scheduler.lora_slots import LoRASlots
+from scheduler.lora_slots import LoRAPins, LoRASlots
 from scheduler.memory_view import MemoryEventLog
 from scheduler.outputs import collect_prompt_logprobs, request_output, samples_by_seq, stream_output
 from scheduler.preemption import PreemptionCosts, enable_cpu_tier, preemption_mode, recurrent, whole_prompts
-from scheduler.state_cache import StateCheckpoints
 from scheduler.prefix_wait import ComputingPrefixes, lone_prompt_match
 from scheduler.sequence import BeamState, RequestOutput, Sequence, SequenceGroup, SequenceStatus, TokenView
 from scheduler.speculation import DraftSteps
 from scheduler.step_counters import StepCounters
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served (too long for the context or for the whole pool)."""
 
 
 @dataclass(slots=True)
@@ -70,7 +60,7 @@ class _Budget:
     tokens: int
 
 
-class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
+class Scheduler(RequestAdmission, LoRAPins, DecodeFastPath, DraftSteps, HybridMemory, StepCounters):
     def __init__(
         self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, eos_token_ids: list[int],
         num_cpu_blocks: int = 0, costs: PreemptionCosts = PreemptionCosts(),
@@ -91,18 +81,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self.num_eos_token_ids = len(eos_token_ids)
         self._beam_ops = SequenceOps(self._fork, self._finish, self._forget)
         self.costs = costs
-        self.sliding_window = sliding_window
-        self._windowed = sliding_window is not None or any(kv_groups)  # some table gives blocks back
-        self._num_groups = max(len(kv_groups), 1)
-        if self._num_groups > 1 and config.speculative is not None:
-            raise ValueError("speculative decoding: not with KV cache groups (a model with sliding-window and "
-                             "global layers) yet")
-        self.recurrent_state = recurrent_state
-        self._state_forks: list[list[int]] = []  # [parent, child] since the last plan (recurrent state)
-        # sequences the workers keep a state for but do not hold (forked or swapped out, not sent since)
-        self._state_kept: set[int] = set()
-        if recurrent_state and config.speculative is not None:
-            raise ValueError("speculative decoding: not with a model whose layers keep a recurrent state yet")
+        self._init_hybrid(config, sliding_window, kv_groups, recurrent_state)
         self._start_chunks: list[int] = []  # of the waiting group `_can_start` passed: its first chunks
         self.pooling_task = pooling_task  # a pooling model's (WorkerHello): the requests it admits
         self.block_manager: Allocator = make_allocator(config, num_gpu_blocks, max_model_len, num_cpu_blocks,
@@ -128,7 +107,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         if config.cpu_prefix_cache:
             enable_cpu_tier(self.block_manager, costs)
-        self.state_checkpoints = self._init_state_checkpoints(state_checkpoints)
+        self._init_state_checkpoints(state_checkpoints)
         self._init_drafts(config)
 
     @classmethod
@@ -142,15 +121,6 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         return cls(config, hello.num_gpu_blocks, hello.max_model_len, hello.eos_token_ids, hello.num_cpu_blocks, costs,
                    memory_events, hello.sliding_window, hello.pooling_task, hello.kv_groups, hello.recurrent_state,
                    hello.state_checkpoints)
-
-    def _init_state_checkpoints(self, capacity: int) -> StateCheckpoints | None:
-        """A model with recurrent state, under prefix caching: where its states at blocks' ends are
-        saved (one KV cache group: hybrids of windows and state are not served yet)."""
-        if not (self.recurrent_state and self.block_manager.enable_prefix_caching):
-            return None
-        if self._num_groups > 1:
-            raise ValueError("prefix caching of a model with recurrent state and KV cache groups: not yet")
-        return StateCheckpoints.attach(self.block_manager, capacity)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -181,42 +151,6 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         self.waiting.append(group)
         return group
 
-    def _max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        return final_len(num_prompt_tokens, params, self.max_model_len) - num_prompt_tokens
-
-    def _check_admissible(self, request_id: str, prompt: list[int], params: SamplingParams,
-                          mm_items: list[MultiModalItem] | None = None) -> None:
-        if request_id in self.groups:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        rejection = check_admissible(len(prompt), params, self.admission_limits)
-        if rejection is not None:
-            raise RequestRejected(rejection.message)
-        seqs = num_seqs(params)
-        if seqs > 1 and self.block_manager.allocates_chunks:  # a window's blocks are each sequence's
-            length = final_len(len(prompt), params, self.max_model_len)
-            if length > self.block_manager.max_tokens(self.config.max_num_batched_tokens, seqs):
-                raise RequestRejected(f"the request's {seqs} sequences of up to {length} tokens need more KV cache "
-                                      "than the server's whole pool; shorten the prompt, lower max_tokens or lower "
-                                      f"{sequences_param(params)}")
-        if mm_items and params.prompt_logprobs is not None:
-            raise RequestRejected("prompt_logprobs cannot score a prompt with images")
-        budget = self.config.max_num_batched_tokens
-        if any(item.bidirectional and item.length > budget for item in mm_items or ()):
-            raise RequestRejected(f"an image of this request takes more tokens than --max-num-batched-tokens "
-                                  f"({budget}), and its tokens must be computed in one step")
-
-    @property
-    def admission_limits(self) -> AdmissionLimits:
-        config = self.config
-        return AdmissionLimits(self.max_model_len, self.block_manager.block_size, self.max_request_tokens,
-                               config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-                               self.pooling_task)
-
-    @property
-    def max_request_tokens(self) -> int:
-        """The most tokens one request may hold: the pool less the watermark `allocate` keeps."""
-        return self.block_manager.max_tokens(self.config.max_num_batched_tokens)
-
     def abort_request(self, request_id: str) -> bool:
         group = self.groups.get(request_id)
         if group is None:
@@ -226,22 +160,6 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
         self._retire(group)
         return True
-
-    def _pin_lora(self, group: SequenceGroup, plan: StepPlan) -> bool:
-        """False when the group's adapter waits for a slot; no adapter: True."""
-        return group.lora is None or self.lora_slots.pin(group, plan)
-
-    def lora_status(self) -> dict:
-        if self.lora_slots is None:
-            return {}
-        return self.lora_slots.status(itertools.chain(self.waiting, self.swapped))
-
-    def _fail_lora_slot(self, slot: int, message: str) -> None:
-        """The workers could not load the adapter of `slot`: the requests pinning it fail (and only
-        they), and the slot is empty again (a later request of that adapter loads it anew)."""
-        for group in [g for g in self.groups.values() if g.lora_slot == slot]:
-            self._fail(group, RuntimeError(message))
-        self.lora_slots.invalidate(slot)
 
     def abort_sequence(self, request_id: str, index: int) -> bool:
         """End sample `index` of a request that streams its samples (a stop string the gateway
@@ -311,14 +229,11 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         most = 1 if self.config.async_scheduling else 0
         assert len(self._in_flight) <= most, f"schedule() called with {len(self._in_flight)} results outstanding"
         self.step += 1
-        plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop, state_forks=self._state_forks)
-        self._to_drop, self._state_forks = [], []
-        if self.state_checkpoints is not None:
-            self.state_checkpoints.new_plan()
+        plan = StepPlan(self.step, self.epoch, finished_seq_ids=self._to_drop)
+        self._to_drop = []
         self._planning = PlannedStep(self.step, planned_at=time.monotonic() if self.speculator is not None else 0.0)
         self._start_plan_events()
-        if self._windowed:
-            self._remove_skipped_blocks(self.running)
+        self._start_hybrid_plan(plan)
         if self._in_flight and self.speculator is not None and self._waits_for_drafts():
             # most of the batch drafts next, from tokens not drawn yet: planning ahead
             # would run the rest alone, and the two halves would take turns, a step each
@@ -520,18 +435,10 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                 num_new = None  # it goes on next step
             else:
                 self._grow(seqs, extra, plan)
-        if self.state_checkpoints is not None:  # a hit starts from the state saved at its end
-            bm, bs = self.block_manager, self.block_manager.block_size
-            for seq in seqs:
-                if seq.num_computed_tokens:
-                    self.state_checkpoints.restore(seq.seq_id,
-                                                   bm.block_table(seq.seq_id)[seq.num_computed_tokens // bs - 1])
+        self._restore_states(seqs)
         if num_new is not None:  # (none: a recomputing group's hits end inside an image it cannot finish yet)
             self._add_to_plan(seqs, num_new, plan, budget)
         self._insert_running(group)
-
-    def _final_tokens(self, group: SequenceGroup) -> int:
-        return final_len(len(group.prompt_token_ids), group.sampling_params, self.max_model_len)
 
     def _insert_running(self, group: SequenceGroup) -> None:
         self.running.append(group)
@@ -564,22 +471,6 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         """Slots each sequence's table must grow by for its `num_new` tokens (0 or less: none)."""
         num_slots = self.block_manager.num_slots
         return [seq.num_computed_tokens + seq.ahead + n - num_slots[seq.seq_id] for seq, n in zip(seqs, num_new)]
-
-    def _remove_skipped_blocks(self, groups: list[SequenceGroup]) -> None:
-        """Give back the blocks wholly outside the sliding window of each running sequence's first
-        position still to compute, counting the tokens of the plan in flight: no query of this plan
-        or a later one reads them. The plan in flight may, but the worker runs it before this plan,
-        the first that can hand them out again (as for a sequence freed in `update`). The workers
-        are not told: they never read those entries, and a table sent whole carries the null block.
-        Done for every running group before any table grows, so a victim is never swapped or
-        preempted for blocks the window frees; a swapped group comes back as it left."""
-        bm, running = self.block_manager, SequenceStatus.RUNNING
-        for group in groups:
-            for seq in group.seqs:
-                if seq.status is running:
-                    released = bm.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens + seq.ahead)
-                    if released:
-                        self._left_window += released
 
     def _can_grow(self, seqs: list[Sequence], extra: list[int]) -> bool:
         """`extra`: from `_extra_slots`."""
@@ -618,9 +509,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                            recompute_only=group.sampling_params.pooling is not None) == "swap":
             copies = self.block_manager.swap_out([seq.seq_id for seq in seqs])
             plan.blocks_to_swap_out.extend(copies)
-            if self.recurrent_state:  # the workers keep their states for when they come back
-                plan.state_swapped_out.extend(held)
-                self._state_kept.update(held)
+            self._keep_swapped_states(held, plan)
             self._count_swap_out(group, copies)
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
@@ -636,8 +525,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             for seq in seqs:
                 self.block_manager.free(seq.seq_id)
                 seq.reset_for_recompute()
-                if self.state_checkpoints is not None:  # it starts again, maybe from another hit
-                    self.state_checkpoints.cancel(seq.seq_id)
+                self._cancel_restore(seq)
             if group.beam is not None:
                 group.beam.pending.clear()  # those beams sample again after recomputing
             self.waiting.insert(0, group)
@@ -671,17 +559,13 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
                     seq_id, table[first_new:], first_new, n, last_token_id, num_samples, draft or [],
                     seq.accepted_unsent,
                 ))
-                if self._num_groups > 1:
-                    plan.cached_seqs[-1].group_block_ids = [
-                        t[first_new:] for t in self.block_manager.group_tables(seq_id)[1:]]
+                self._plan_hybrid(plan.cached_seqs[-1], seq, n, table, first_new, plan)
                 seq.accepted_unsent = []
                 if draft:
                     self._planning.drafts[seq_id] = draft
                     num_samples = n
             else:
                 self._send_new(group, seq, n, table, num_samples, plan)
-            if self.state_checkpoints is not None:
-                self._save_states(seq, n, table, plan)
             seq.num_sent_blocks = len(table)
             scheduled[seq_id] = n
             samples[seq_id] = num_samples
@@ -694,32 +578,16 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
         params = seq.sampling_params
         if params.prompt_logprobs is not None and not group.needs_prompt_logprobs:  # a recompute: scored
             params = replace(params, prompt_logprobs=None)
-        plan.new_seqs.append(NewSequence(
+        entry = NewSequence(
             seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), list(table),
             seq.num_computed_tokens, n, params, num_samples, group.lora_slot,
             sent_images(group.mm_items, seq.num_computed_tokens),
-        ))
-        if self._num_groups > 1:
-            plan.new_seqs[-1].group_block_ids = [list(t) for t in self.block_manager.group_tables(seq.seq_id)[1:]]
-        if self.state_checkpoints is not None:
-            plan.new_seqs[-1].state_checkpoint = self.state_checkpoints.sent(seq.seq_id)
-        self._state_kept.discard(seq.seq_id)
+        )
+        plan.new_seqs.append(entry)
+        self._sent_whole(entry, seq)
+        self._plan_hybrid(entry, seq, n, table, 0, plan)
         self._held_by_workers.add(seq.seq_id)
         seq.accepted_unsent = []  # in its output
-
-    def _save_states(self, seq: Sequence, n: int, table: list[int], plan: StepPlan) -> None:
-        """The state at each block boundary the sequence's `n` tokens of this step pass, saved into
-        a checkpoint slot keyed by the block that boundary ends (scheduler/state_cache.py); the
-        latest first, so that where the slots run out the longest hits are kept."""
-        bs, start = self.block_manager.block_size, seq.num_computed_tokens + seq.ahead
-        saved = []
-        for boundary in reversed(range(start // bs + 1, (start + n) // bs + 1)):
-            slot = self.state_checkpoints.save(table[boundary - 1])
-            if slot is not None:
-                saved.append([seq.seq_id, boundary * bs, slot])
-        saved.reverse()
-        self.state_checkpoints.touch([slot for _, _, slot in saved])  # the latest most recently used
-        plan.state_saves += saved
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestOutput]:
@@ -859,9 +727,7 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             SequenceStatus.RUNNING,
         )
         self.block_manager.fork(parent.seq_id, child.seq_id)
-        if self.recurrent_state:  # the workers keep the parent's state for the child until it is sent
-            self._state_forks.append([parent.seq_id, child.seq_id])
-            self._state_kept.add(child.seq_id)
+        self._fork_state(parent, child)
         shared = self.block_manager.block_table(child.seq_id)
         self._record("fork", group, child.seq_id, [block for block in shared if block != NULL_BLOCK])
         self._seqs[child.seq_id] = child
@@ -898,14 +764,6 @@ class Scheduler(DecodeFastPath, DraftSteps, StepCounters):
             self._to_drop.append(seq.seq_id)
         self._drop_kept_state(seq)
         seq.status = status
-
-    def _drop_kept_state(self, seq: Sequence) -> None:
-        """A sequence ending while the workers keep its state (forked or swapped out, unsent): they drop it."""
-        if seq.seq_id in self._state_kept:
-            self._state_kept.discard(seq.seq_id)
-            self._to_drop.append(seq.seq_id)
-        if self.state_checkpoints is not None:
-            self.state_checkpoints.cancel(seq.seq_id)
 
     def _forget(self, seq: Sequence) -> None:
         self._drop_kept_state(seq)

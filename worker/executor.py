@@ -145,6 +145,26 @@ class Executor:
         scheduled = self.state.apply(plan)
         feed = self.state.feed
         feed_tokens = self._drawn_tokens if feed else None
+        self._apply(plan, scheduled, feed, feed_tokens)
+        lora_errors = self.runner.load_loras(plan.lora_loads) if plan.lora_loads else []
+        # swap-out first: a block leaving for the swap pool may be reused by this very step
+        self.runner.swap_out(plan.blocks_to_swap_out)
+        self.runner.swap_in(plan.blocks_to_swap_in)
+        self.runner.copy_blocks(plan.blocks_to_copy)
+        step = _InFlight(StepResult(plan.step, plan.epoch, lora_errors=lora_errors))
+        self._in_flight.append(step)
+        sampling = [s for s in scheduled if s.num_samples]
+        self.state.record_draws(plan.step, [s.seq_id for s in sampling for _ in range(s.num_draws)])
+        self._drawn_tokens = None
+        if not scheduled:
+            return
+        logits = self._forward(step, scheduled, feed, feed_tokens)
+        if sampling:
+            self._sample(step, sampling, logits)
+
+    def _apply(self, plan: StepPlan, scheduled: list[ScheduledSequence], feed: list[tuple[int, int]],
+               feed_tokens: torch.Tensor | None) -> None:
+        """The plan's changes to the input batch and to every per-sequence record beside it."""
         recurrent = self.runner.recurrent
         if recurrent is not None:
             recurrent.before(plan, self.runner.input_batch.rows)
@@ -161,18 +181,11 @@ class Executor:
         if self.sampler is not None:
             self._count_tokens(plan, scheduled, feed, feed_tokens)
             self._sync_grammars(plan, scheduled)
-        lora_errors = self.runner.load_loras(plan.lora_loads) if plan.lora_loads else []
-        # swap-out first: a block leaving for the swap pool may be reused by this very step
-        self.runner.swap_out(plan.blocks_to_swap_out)
-        self.runner.swap_in(plan.blocks_to_swap_in)
-        self.runner.copy_blocks(plan.blocks_to_copy)
-        step = _InFlight(StepResult(plan.step, plan.epoch, lora_errors=lora_errors))
-        self._in_flight.append(step)
-        sampling = [s for s in scheduled if s.num_samples]
-        self.state.record_draws(plan.step, [s.seq_id for s in sampling for _ in range(s.num_draws)])
-        self._drawn_tokens = None
-        if not scheduled:
-            return
+
+    def _forward(self, step: _InFlight, scheduled: list[ScheduledSequence], feed: list[tuple[int, int]],
+                 feed_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """Queue the step's forward; its prompt logprobs and pooled vectors go into its result.
+        Returns the logits of the rows that sample."""
         tensors, spans = self.runner.prepare(scheduled, feed, feed_tokens), scored_spans(scheduled)
         pooling = pooling_spans(scheduled) if self.runner.pooler_config is not None else []
         if self.drafts_on_worker:
@@ -191,8 +204,10 @@ class Executor:
         if pooling and self.pooler is not None:
             step.result.pooled = self.pooler.pool(self.runner.kept_hidden[len(scored):] if kept else None, pooling)
         self.runner.kept_hidden = None
-        if not sampling:
-            return
+        return logits
+
+    def _sample(self, step: _InFlight, sampling: list[ScheduledSequence], logits: torch.Tensor | None) -> None:
+        """Queue the draws (rank 0), or take rank 0's by broadcast; they stay on the device."""
         step.sampling = sampling
         step.speculative = logits is not None and logits.shape[0] > len(sampling)  # rows of drafts
         if self.sampler is None:  # rank > 0: rank 0's draws, for the next plan's PENDING_TOKENs

@@ -54,6 +54,19 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
+        self._load(config, rank)
+        self._warm_up_layers(config)
+        # (the activations' bytes per token at the peak: measured on CUDA only)
+        self.prefill_tokens_per_s, self.activation_bytes_per_token = profile_prefill(self)
+        self._allocate_pools(config)
+        self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
+        if config.compile and self.decode_runner is None:
+            log.warning("--compile: the decode step runs eagerly (--enforce-eager, a pooling model, or EAGLE)")
+        # the last forward's rows that prompt logprobs score, then those pooling requests pool
+        self.kept_hidden: torch.Tensor | None = None
+
+    def _load(self, config: EngineConfig, rank: int) -> None:
+        """The model (and a draft, and adapter slots) on this rank's device."""
         self.device = resolve_device(config.device, rank)
         self.world_size = get_tp_group().world_size
         if self.device.type == "cuda" and self.world_size > 1:
@@ -78,6 +91,10 @@ class ModelRunner:
                                  self.device) if config.enable_lora else None)
         if self.lora is not None:
             self.lora.warmup()  # CUDA: no LoRA kernel compiles while serving
+
+    def _warm_up_layers(self, config: EngineConfig) -> None:
+        """The KV cache's layout (groups, bytes per block), the kernels compiled for its layers'
+        variants, and the linear-attention layers' state: all before the profile run."""
         self.sliding_window = self.model.sliding_window()  # every layer's, or None
         self.block_size = config.block_size
         attn = self.model.attention_layers()[0]
@@ -104,8 +121,9 @@ class ModelRunner:
             log.info("recurrent state: %d slots and %d prefix-cache checkpoints (--max-num-seqs each), %.1f MiB",
                      self.recurrent.num_slots, self.recurrent.checkpoints,
                      (self.recurrent.num_slots + self.recurrent.checkpoints) * self.recurrent.bytes_per_slot / (1 << 20))
-        # (the activations' bytes per token at the peak: measured on CUDA only)
-        self.prefill_tokens_per_s, self.activation_bytes_per_token = profile_prefill(self)
+
+    def _allocate_pools(self, config: EngineConfig) -> None:
+        """The KV pools sized by the profile run, and the input batch over them."""
         self.num_gpu_blocks = config.num_gpu_blocks or num_blocks_that_fit(
             config, self.device, self.kv_bytes_per_block, int(self.hf_config.vocab_size), self.world_size,
             self.activation_bytes_per_token)
@@ -130,11 +148,6 @@ class ModelRunner:
                                       self.block_size, self.device, enable_lora=config.enable_lora,
                                       num_groups=len(self.kv_groups.windows) if self.kv_groups is not None else 1)
         self.input_batch.recurrent = self.recurrent is not None
-        self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
-        if config.compile and self.decode_runner is None:
-            log.warning("--compile: the decode step runs eagerly (--enforce-eager, a pooling model, or EAGLE)")
-        # the last forward's rows that prompt logprobs score, then those pooling requests pool
-        self.kept_hidden: torch.Tensor | None = None
 
     def _load_drafter(self, config: EngineConfig, rank: int) -> DraftModel | None:
         self.draft_kv_bytes_per_block = 0

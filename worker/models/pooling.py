@@ -21,6 +21,15 @@ from worker.models.layers import ScoreHead
 _OWN_PREFIXES = ("model.", "lm_head.", "score.")
 
 
+@torch.no_grad()
+def score_from_rows(negative: torch.Tensor, positive: torch.Tensor, device: torch.device) -> nn.Linear:
+    """vLLM's two-way softmax conversion: sigmoid((w_pos - w_neg) . h) is the positive token's
+    probability of the two (a softmax over their logits)."""
+    score = ScoreHead(negative.shape[0], 1, bias=False, device=device)
+    score.weight.copy_((positive - negative).to(device)[None])
+    return score
+
+
 @functools.cache
 def pooling_model(cls: type, pooler: PoolerConfig) -> type:
     """`cls` (a causal family class) with the pooling head `pooler` asks for."""
@@ -52,21 +61,12 @@ def pooling_model(cls: type, pooler: PoolerConfig) -> type:
                     yield name, tensor
 
             super().load_weights(watched(weights))
-            self.score = self._score_from_rows(*rows)
-
-        @torch.no_grad()
-        def _score_from_rows(self, negative: torch.Tensor, positive: torch.Tensor) -> nn.Linear:
-            """vLLM's two-way softmax conversion: sigmoid((w_pos - w_neg) . h) is the positive
-            token's probability of the two (a softmax over their logits)."""
-            device = self.model.norm.weight.device
-            score = ScoreHead(negative.shape[0], 1, bias=False, device=device)
-            score.weight.copy_((positive - negative).to(device)[None])
-            return score
+            self.score = score_from_rows(*rows, self.model.norm.weight.device)
 
         def _dummy_score(self) -> nn.Linear:
             """Random weights, one rank: the rows as drawn."""
             head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-            return self._score_from_rows(*(head.weight[token].float() for token in self.from_tokens))
+            return score_from_rows(*(head.weight[token].float() for token in self.from_tokens), self.model.norm.weight.device)
 
         def rename(self, name: str) -> str:
             name = super().rename(name)
