@@ -20,9 +20,9 @@ With `async_scheduling` the next plan is made while the last one's result is out
 
 Beside the loop, in this package: the request outputs (outputs.py), in-batch prefix caching
 (prefix_wait.py), failure isolation (failures.py); and, bases of Scheduler over its state, the
-decode fast path (decode_fast_path.py), the speculative steps (speculation.py), the counters
-and memory events (step_counters.py), and sliding windows, KV cache groups and recurrent state
-(hybrid_memory.py).
+admission checks (admission.py), LoRA pinning (lora_slots.py), the decode fast path
+(decode_fast_path.py), the speculative steps (speculation.py), sliding windows, KV cache groups
+and recurrent state (hybrid_memory.py), and the counters and memory events (step_counters.py).
 """
 from __future__ import annotations
 

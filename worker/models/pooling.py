@@ -66,7 +66,8 @@ def pooling_model(cls: type, pooler: PoolerConfig) -> type:
         def _dummy_score(self) -> nn.Linear:
             """Random weights, one rank: the rows as drawn."""
             head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-            return score_from_rows(*(head.weight[token].float() for token in self.from_tokens), self.model.norm.weight.device)
+            rows = (head.weight[token].float() for token in self.from_tokens)
+            return score_from_rows(*rows, self.model.norm.weight.device)
 
         def rename(self, name: str) -> str:
             name = super().rename(name)
