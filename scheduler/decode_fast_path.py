@@ -61,7 +61,8 @@ class DecodeFastPath:
                 planning.drafts[seq_id] = drafts
         else:
             plan.cached_seqs.append(CachedSequence(seq_id, table[first_new:], first_new, 1, last_token_id, num_samples))
-        self._plan_hybrid(plan.cached_seqs[-1], seq, n, table, first_new, plan)
+        if self._hybrid_entries:
+            self._plan_hybrid(plan.cached_seqs[-1], seq, n, table, first_new, plan)
         seq.num_sent_blocks = len(table)
         planning.scheduled[seq_id] = n
         planning.samples[seq_id] = num_draws = n if drafts else num_samples

@@ -32,6 +32,7 @@ class HybridMemory:
         self.sliding_window = sliding_window
         self._windowed = sliding_window is not None or any(kv_groups)  # some table gives blocks back
         self._num_groups = max(len(kv_groups), 1)
+        self._hybrid_entries = self._num_groups > 1  # plan entries carry more than a table (`_plan_hybrid`)
         if self._num_groups > 1 and config.speculative is not None:
             raise ValueError("speculative decoding: not with KV cache groups (a model with sliding-window and "
                              "global layers) yet")
@@ -51,6 +52,7 @@ class HybridMemory:
         if self._num_groups > 1:
             raise ValueError("prefix caching of a model with recurrent state and KV cache groups: not yet")
         self.state_checkpoints = StateCheckpoints.attach(self.block_manager, capacity)
+        self._hybrid_entries = True
 
     def _start_hybrid_plan(self, plan: StepPlan) -> None:
         plan.state_forks, self._state_forks = self._state_forks, []
@@ -78,7 +80,8 @@ class HybridMemory:
     def _plan_hybrid(self, entry: NewSequence | CachedSequence, seq: Sequence, n: int, table: list[int],
                      first_block: int, plan: StepPlan) -> None:
         """What a sequence's plan entry carries beyond its table: its other KV cache groups' tables
-        from `first_block`, and the states its `n` tokens save."""
+        from `first_block`, and the states its `n` tokens save. Called only with `_hybrid_entries`
+        (a test kept on the decode path instead of a call per sequence)."""
         if self._num_groups > 1:
             entry.group_block_ids = [t[first_block:] for t in self.block_manager.group_tables(seq.seq_id)[1:]]
         if self.state_checkpoints is not None:

@@ -559,7 +559,8 @@ class Scheduler(RequestAdmission, LoRAPins, DecodeFastPath, DraftSteps, HybridMe
                     seq_id, table[first_new:], first_new, n, last_token_id, num_samples, draft or [],
                     seq.accepted_unsent,
                 ))
-                self._plan_hybrid(plan.cached_seqs[-1], seq, n, table, first_new, plan)
+                if self._hybrid_entries:
+                    self._plan_hybrid(plan.cached_seqs[-1], seq, n, table, first_new, plan)
                 seq.accepted_unsent = []
                 if draft:
                     self._planning.drafts[seq_id] = draft
@@ -585,7 +586,8 @@ class Scheduler(RequestAdmission, LoRAPins, DecodeFastPath, DraftSteps, HybridMe
         )
         plan.new_seqs.append(entry)
         self._sent_whole(entry, seq)
-        self._plan_hybrid(entry, seq, n, table, 0, plan)
+        if self._hybrid_entries:
+            self._plan_hybrid(entry, seq, n, table, 0, plan)
         self._held_by_workers.add(seq.seq_id)
         seq.accepted_unsent = []  # in its output
 
