@@ -356,6 +356,7 @@ class StepResult:
     # images the step needed, and of them those the encoder cache held (worker/multimodal.py)
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
+    recompiles: int = 0  # graphs the compiled CPU decode step compiled while serving, since the last step
 
 
 @dataclass(slots=True)
@@ -531,6 +532,7 @@ class SchedulerStatus:
     pooling_task: str = ""  # WorkerHello.pooling_task: what its engine serves (common/admission.py)
     mm_encoder_cache_queries_total: int = 0  # images a step needed encoded (StepResult.encoder_cache_queries)
     mm_encoder_cache_hits_total: int = 0
+    compiled_step_recompiles_total: int = 0  # StepResult.recompiles, summed (0 without --compile)
 
 
 # vLLM's `iteration_tokens_total` buckets
@@ -605,7 +607,7 @@ _FIELDS_OF = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _ME
 # Fields appended to a message within a protocol version, each with a default: a peer that predates
 # them sends the message without them (a status key written by an older scheduler still decodes).
 _ADDED_FIELDS: dict[type, int] = {  # how many, per message
-    SchedulerStatus: 34, RequestEvent: 4, SamplingParams: 6, StepResult: 5, WorkerHello: 8,
+    SchedulerStatus: 35, RequestEvent: 4, SamplingParams: 6, StepResult: 6, WorkerHello: 8,
     NewSequence: 3, StepPlan: 4, GenerateRequest: 2, MemorySnapshot: 1, MultiModalItem: 0,
 }
 _VALUES_OF = {cls: operator.attrgetter(*names) for cls, names in _FIELDS_OF.items()}  # each has 2+ fields

@@ -605,6 +605,7 @@ class Scheduler(RequestAdmission, LoRAPins, DecodeFastPath, DraftSteps, HybridMe
             self._fail_lora_slot(slot, message)
         if result.encoder_cache_queries:
             self._count_encoder_cache(result)
+        self.compiled_step_recompiles += result.recompiles
         touched: dict[str, SequenceGroup] = {}
         new_counts: dict[int, int] = {}
         if self.speculator is not None:

@@ -30,6 +30,7 @@ class StepCounters:
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # per bucket, the last +Inf
         self.iteration_tokens_sum = 0
         self.mm_encoder_cache_queries = self.mm_encoder_cache_hits = 0
+        self.compiled_step_recompiles = 0
         self._start_plan_events()
 
     def make_stats(self) -> dict:
@@ -43,6 +44,7 @@ class StepCounters:
             **status_counters(self), **self.lora_status(), **spec_counters(self.speculator),
             "mm_encoder_cache_queries_total": self.mm_encoder_cache_queries,
             "mm_encoder_cache_hits_total": self.mm_encoder_cache_hits,
+            "compiled_step_recompiles_total": self.compiled_step_recompiles,
         }
 
     def _count_encoder_cache(self, result: StepResult) -> None:

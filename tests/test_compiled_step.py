@@ -3,7 +3,8 @@
 A tiny Llama under int4 in bfloat16 (the default model's path: the packed GEMMs inside the graph)
 serves requests that join and leave a running batch over hundreds of decode steps: its greedy
 tokens equal the eager step's, warm-up compiles two graphs (batch 1, and one dynamic in the batch
-for every other bucket), and nothing compiles after it.
+for every other bucket), and nothing compiles after it; a recompile forced after it is counted
+for /metrics.
 """
 from __future__ import annotations
 
@@ -43,12 +44,27 @@ def test_the_compiled_step_gives_the_eager_tokens_and_never_recompiles(tiny):
             results = llm.generate(prompts, params, use_tqdm=False)
             outputs[compile] = [r.outputs[0].token_ids for r in results]
             compiled = runner.compiled
+            if compile:
+                counted = [llm.engine.scheduler.make_stats()["compiled_step_recompiles_total"]]
+                counted += _count_a_forced_recompile(llm)
         finally:
             llm.close()
     assert len(calls) >= 500 and set(calls) == {1, 2, 4, 6}  # decode steps, by bucket
-    assert compiled is not None and (compiled.compiles, compiled.recompiles) == (2, 0)
+    assert compiled is not None and (compiled.compiles, compiled.recompiles) == (3, 1)  # one forced after
+    assert counted == [0, 1]  # /metrics' pagoda:compiled_step_recompiles_total, before and after it
     assert [len(o) for o in outputs[True]] == [p.max_tokens for p in params]
     assert outputs[True] == outputs[False]
+
+
+def _count_a_forced_recompile(llm: LLM) -> list[int]:
+    """Dynamo's caches dropped (as a failed guard would): the next decode step compiles again, and the
+    scheduler counts it from that step's result."""
+    import torch
+
+    torch._dynamo.reset()
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                 use_tqdm=False)
+    return [llm.engine.scheduler.make_stats()["compiled_step_recompiles_total"]]
 
 
 def test_a_model_that_does_not_compile_runs_eagerly_after_a_warning(tmp_path, caplog):

@@ -1127,7 +1127,8 @@ def test_logit_bias_keys_name_each_token_once_and_max_tokens_0_is_for_completion
 def test_metrics_label_each_engine_groups_series_and_every_series_with_the_model_name(client, fake, gateway):
     """One sample per engine group (schedulers sharing an engine id summed), `model_name` on every series."""
     fake.publish("fake-2", engine="1", num_running=4, num_waiting=1, num_gpu_blocks=192, kv_cache_usage=0.5,
-                 num_preemptions_total=2, prefix_cache_queries_total=5, prefix_cache_hits_total=1)
+                 num_preemptions_total=2, prefix_cache_queries_total=5, prefix_cache_hits_total=1,
+                 compiled_step_recompiles_total=1)
     fake.publish("fake-3", engine="1", num_running=2, num_waiting=0, num_gpu_blocks=64, kv_cache_usage=0.0,
                  num_preemptions_total=1, prefix_cache_queries_total=0, prefix_cache_hits_total=0)
     try:
@@ -1148,6 +1149,7 @@ def test_metrics_label_each_engine_groups_series_and_every_series_with_the_model
         "num_requests_running": (1, 4 + 2), "num_requests_waiting": (2, 1), "num_requests_swapped": (0, 0),
         "kv_cache_usage_perc": (0.25, (0.5 * 192 + 0.0 * 64) / (192 + 64)), "num_preemptions_total": (3, 2 + 1),
         "prefix_cache_queries_total": (10, 5), "prefix_cache_hits_total": (4, 1),
+        "compiled_step_recompiles_total": (0, 1),
     }
     for name, (engine_0, engine_1) in expected.items():
         assert {key: v for key, v in values.items() if key.startswith(f"pagoda:{name}{{")} == {

@@ -72,7 +72,7 @@ MESSAGES = [
     MultiModalItem(b"h" * 32, 1, 2, b"\x81\xa1a\x90", True),
     GenerateRequest("cmpl-5", [1, 2, 3], SamplingParams(), "r", 1.0, None, [MultiModalItem(b"i" * 32, 1, 2, b"")]),
     StepPlan(19, 2, [dataclasses.replace(NEW_SEQ, mm_items=[MultiModalItem(b"i" * 32, 1, 2, b"px")])]),
-    StepResult(5, 0, encoder_cache_queries=2, encoder_cache_hits=1),
+    StepResult(5, 0, encoder_cache_queries=2, encoder_cache_hits=1), StepResult(6, 0, recompiles=1),
     dataclasses.replace(STATUS, running_lora_adapters=["sql"], waiting_lora_adapters=["chat", "sql"], max_loras=4,
                         num_lora_loads_total=3, num_lora_evictions_total=1),
     # pooling: a request's params, a worker's vector, the event that carries it
@@ -177,15 +177,15 @@ def test_a_status_from_a_scheduler_before_the_engine_field_decodes_with_the_defa
     """A scheduler from before data parallelism (no `engine`), the memory counters, the KV cache dtype
     and block bytes, the waiting tokens, LoRA adapters, the prefill rate (--ttft-slo-ms), the CPU
     tier's counters and the routing counters, speculative decoding's counters, `draining`, the
-    pooling task, or the encoder cache's counters."""
-    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-34:]
-    old = _body(encode(STATUS))[1:-34]  # every field but the 34 appended
+    pooling task, the encoder cache's counters, or the compiled step's recompiles."""
+    new_fields = [f for f in dataclasses.fields(SchedulerStatus)][-35:]
+    old = _body(encode(STATUS))[1:-35]  # every field but the 35 appended
     data = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old)], use_bin_type=True)
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in new_fields}
     assert decode(data) == dataclasses.replace(STATUS, **defaults)
     assert decode(data).engine == "0"
     short = msgpack.packb([PROTOCOL_VERSION, _ext(_tag(SchedulerStatus), *old[:-1])], use_bin_type=True)
-    with pytest.raises(ProtocolError, match="SchedulerStatus expects 52 fields, got 17"):
+    with pytest.raises(ProtocolError, match="SchedulerStatus expects 53 fields, got 17"):
         decode(short)
 
 

@@ -40,6 +40,7 @@ class CompiledModel:
         self.model = model
         self.compiles = 0  # graphs compiled (warm-up's included)
         self.recompiles = 0  # graphs compiled after warm-up
+        self._reported = 0  # of them, those `take_recompiles` returned
         self.warm = False
         self._compiled = torch.compile(model, backend=self._backend, fullgraph=True)
 
@@ -57,6 +58,11 @@ class CompiledModel:
                         "changed", self.recompiles)
         with config.patch(emulate_precision_casts=True):
             return compile_fx(graph, example_inputs)
+
+    def take_recompiles(self) -> int:
+        """The recompiles since the last call (StepResult.recompiles, counted in /metrics)."""
+        new, self._reported = self.recompiles - self._reported, self.recompiles
+        return new
 
     def warm_up(self, forward, buckets: list[int]) -> None:
         """Compile over the buckets (`forward(size)` runs the model at that size), logging each compile."""

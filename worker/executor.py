@@ -159,6 +159,7 @@ class Executor:
         if not scheduled:
             return
         logits = self._forward(step, scheduled, feed, feed_tokens)
+        step.result.recompiles = self.runner.take_recompiles()
         if sampling:
             self._sample(step, sampling, logits)
 

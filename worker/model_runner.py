@@ -231,6 +231,11 @@ class ModelRunner:
             return True
         return False
 
+    def take_recompiles(self) -> int:
+        """Graphs the compiled CPU decode step compiled while serving since the last call."""
+        runner = self.decode_runner
+        return 0 if runner is None or runner.compiled is None else runner.compiled.take_recompiles()
+
     def _start_decode_runner(self) -> DecodeRunner:
         """The static decode buffers; on CUDA their graphs, captured now that the KV pool exists."""
         # verify steps join the graphs by batch expansion on CUDA; on CPU the chunk
