@@ -1,7 +1,9 @@
 """`pagoda bench quality` through the CLI on a tiny random Llama (seed 0, float32, CPU) with the
 512-word tokenizer of tests/data/tiny-tokenizer: the perplexity the engine's prompt logprobs give
 equals transformers' own over the same windows, full precision agrees with itself exactly, and the
-JSON has its documented fields. One run (scheme none) serves every check; never timings."""
+JSON has its documented fields; of two questions, the one whose accepted answer is a word of
+transformers' own greedy answer counts as answered. One run (scheme none) serves every check; never
+timings."""
 import json
 import math
 import shutil
@@ -10,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda.bench.quality import DEFAULT_TEXT, agreement, greedy_prompts, read_text, table, windows
+from pagoda.bench.quality import (
+    DEFAULT_QUESTIONS, DEFAULT_TEXT, agreement, answered, greedy_prompts, read_questions, read_text, table, windows,
+)
 from pagoda.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +24,8 @@ TOKENIZER = ROOT / "tests" / "data" / "tiny-tokenizer"
 TEXT_IDS = torch.randint(4, 512, (150,), generator=torch.Generator().manual_seed(0)).tolist()
 WINDOW, STRIDE, NUM_WINDOWS = 48, 40, 3
 ROW_FIELDS = ["scheme", "quantization", "dtype", "kv_cache_dtype", "mean_nll", "perplexity", "perplexity_ratio", "scored_tokens",
-              "greedy_identical", "greedy_identical_share", "agreement", "goal_max_ratio", "goal_met", "load_s",
+              "greedy_identical", "greedy_identical_share", "agreement", "goal_max_ratio", "goal_met", "factual_correct",
+              "factual_share", "load_s",
               "score_s", "prompt_tokens_per_s", "generate_s", "output_tokens_per_s"]
 
 
@@ -38,17 +43,38 @@ def tiny_model(tmp_path_factory, one_torch_thread):
     return directory, model
 
 
+QUESTIONS = ["w20 w21 w22?", "w30 w31?"]
+ANSWER_TOKENS = 5
+
+
+def transformers_answer(directory: Path, model, question: str) -> str:
+    """transformers' greedy answer to the question as a chat message, as the engine renders it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=ANSWER_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
 @pytest.fixture(scope="module")
 def result(tiny_model, tmp_path_factory):
-    directory, _ = tiny_model
+    directory, model = tiny_model
     tmp = tmp_path_factory.mktemp("quality")
+    words = transformers_answer(directory, model, QUESTIONS[0]).split()
+    assert words, "transformers' answer has no word"
+    questions = tmp / "questions.jsonl"  # the first's answer: a word of transformers' own; the second's: none
+    questions.write_text(json.dumps({"question": QUESTIONS[0], "answers": ["w9999", words[-1]]}) + "\n"
+                         + json.dumps({"question": QUESTIONS[1], "answers": ["w9999"]}) + "\n")
     text = tmp / "text.txt"
     text.write_text("# a header line, skipped\n" + " ".join(f"w{i}" for i in TEXT_IDS) + "\n")
     out = tmp / "quality.json"
     assert main(["bench", "quality", "--model", str(directory), "--schemes", "none", "--text", str(text),
                  "--window", str(WINDOW), "--stride", str(STRIDE), "--num-windows", str(NUM_WINDOWS),
                  "--num-prompts", "4", "--prompt-len", "8", "--max-tokens", "6", "--device", "cpu",
-                 "--output", str(out)]) == 0
+                 "--questions", str(questions), "--answer-tokens", str(ANSWER_TOKENS), "--output", str(out)]) == 0
     return json.loads(out.read_text())
 
 
@@ -78,7 +104,7 @@ def test_result_has_the_documented_fields(result, tiny_model):
     assert list(result)[:5] == ["benchmark", "command", "commit", "date", "device"]
     assert result["benchmark"] == "quality" and result["command"].startswith("pagoda bench quality --model ")
     assert list(result)[5:] == ["model", "text", "window", "stride", "num_windows", "scored_tokens", "greedy",
-                                "goals", "rows"]
+                                "goals", "factual", "rows"]
     assert result["model"] == tiny_model[0].name
     assert result["text"]["tokens"] == len(TEXT_IDS) and len(result["text"]["sha256"]) == 64
     assert (result["window"], result["stride"], result["num_windows"]) == (WINDOW, STRIDE, NUM_WINDOWS)
@@ -87,6 +113,21 @@ def test_result_has_the_documented_fields(result, tiny_model):
                                "fp8": {"max_perplexity_ratio": 1.02}}
     assert [list(row) for row in result["rows"]] == [ROW_FIELDS]
     assert result["rows"][0]["goal_max_ratio"] is None and result["rows"][0]["goal_met"] is None
+    assert result["factual"]["num_questions"] == 2 and result["factual"]["answer_tokens"] == ANSWER_TOKENS
+    assert (result["rows"][0]["factual_correct"], result["rows"][0]["factual_share"]) == (1, 0.5)
+
+
+def test_an_answer_counts_as_a_whole_word_in_any_case():
+    assert answered("A week has 7 days.", ["seven", "7"]) and answered("PARIS!", ["Paris"])
+    assert answered("It absorbs carbon dioxide, mostly", ["carbon dioxide"])
+    assert not answered("It has 17 legs", ["7"]) and not answered("Parisian", ["Paris"])
+    assert not answered("at 100.5 degrees", ["100"]) and not answered("-18.0 C", ["0"])
+
+
+def test_the_shipped_questions_each_have_answers():
+    questions = read_questions(DEFAULT_QUESTIONS)
+    assert len(questions) == 16 and all(q["question"].endswith("?") and q["answers"] for q in questions)
+    assert answered("The capital of France is Paris.", questions[0]["answers"])
 
 
 def test_windows_prompts_and_agreement():
@@ -112,6 +153,6 @@ def test_the_shipped_text_is_public_domain_and_long_enough():
 def test_table_counts_prompts_even_when_none_is_identical():
     row = {"scheme": "int4", "dtype": "bfloat16", "perplexity": 2.0, "perplexity_ratio": 1.01, "goal_max_ratio": 1.05,
            "goal_met": True, "greedy_identical": 0, "greedy_identical_share": 0.0, "agreement": 0.25,
-           "prompt_tokens_per_s": 100.0, "output_tokens_per_s": 10.0}
-    assert table([row], 16).splitlines()[2] == ("| int4 | bfloat16 | 2.0000 | 1.0100 | <= 1.05 met | 0/16 | 0.250 | "
+           "factual_correct": 10, "prompt_tokens_per_s": 100.0, "output_tokens_per_s": 10.0}
+    assert table([row], 16).splitlines()[2] == ("| int4 | bfloat16 | 2.0000 | 1.0100 | <= 1.05 met | 0/16 | 0.250 | 10 | "
                                                 "100 | 10.0 |")

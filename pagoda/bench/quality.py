@@ -20,6 +20,11 @@ beginning with '#' skipped), tokenized once with the model's own tokenizer (no s
                    The `none` row compares a second generation of that same engine with the first: 1.0
                    unless the serving path is not deterministic.
 
+    factual        `--questions` (default benchmarks/data/factual-questions.jsonl: 16 short questions,
+                   each with its accepted answers), each asked as a chat message and answered with
+                   `--answer-tokens` greedy tokens: correct when an accepted answer stands in the
+                   text as a whole word, any case. `--questions ''` skips it.
+
 Each row also has the scheme as the worker describes it, the activation dtype, the load time and
 two throughputs, from the same runs (noisy on a shared CPU): prompt tokens/s of the scoring pass
 and output tokens/s of the greedy batch.
@@ -30,15 +35,18 @@ greedy {num_prompts, prompt_len, max_tokens}, goals (the issue's: perplexity wit
 precision for int4 and int8, 2% for fp8), and rows: one per scheme, in `--schemes` order, with
 scheme, quantization, dtype, kv_cache_dtype, mean_nll, perplexity, perplexity_ratio (to none's; null without a none
 row), scored_tokens, greedy_identical (prompts), greedy_identical_share, agreement,
-goal_max_ratio and goal_met (null for a scheme without a goal), load_s, score_s,
-prompt_tokens_per_s, generate_s, output_tokens_per_s.
+goal_max_ratio and goal_met (null for a scheme without a goal), factual_correct and
+factual_share (null without questions), load_s, score_s, prompt_tokens_per_s, generate_s,
+output_tokens_per_s; and factual {path, num_questions, answer_tokens} (null without questions).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import hashlib
+import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +56,7 @@ from common.protocol import SamplingParams
 from pagoda.bench.common import ROOT, command_words, device_description, header, log, names, write_result
 
 DEFAULT_TEXT = ROOT / "benchmarks" / "data" / "alice-in-wonderland-ch1-3.txt"
+DEFAULT_QUESTIONS = ROOT / "benchmarks" / "data" / "factual-questions.jsonl"
 DEFAULT_SCHEMES = "none,int4,int8,fp8"
 REFERENCE = "none"
 # the issue's accuracy goals: perplexity on the shipped text at most this many times full precision's
@@ -135,6 +144,28 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
             "agreement": math.fsum(fractions) / len(fractions)}
 
 
+def read_questions(path: str | Path) -> list[dict]:
+    """[{question, answers}] of a JSON-lines file."""
+    questions = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for q in questions:
+        if not isinstance(q.get("question"), str) or not q.get("answers"):
+            raise ValueError(f"{path}: each line needs a question and its answers (got {q!r})")
+    return questions
+
+
+def answered(text: str, answers: list[str]) -> bool:
+    """Whether an accepted answer stands in `text` as a whole word (or words), any case: "7" in "7
+    days" but not in "17", "100" not in "100.5"."""
+    return any(re.search(rf"(?<![\w.]){re.escape(a)}(?![\w]|\.\d)", text, re.IGNORECASE) for a in answers)
+
+
+def factual(llm, questions: list[dict], max_tokens: int) -> list[bool]:
+    """Each question asked as a chat message, answered greedily: whether the answer holds one it accepts."""
+    prompts = [{"messages": [{"role": "user", "content": q["question"]}]} for q in questions]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [answered(o.outputs[0].text, q["answers"]) for o, q in zip(outputs, questions)]
+
+
 def load(args, scheme: str):
     from pagoda.offline import LLM
 
@@ -145,7 +176,7 @@ def load(args, scheme: str):
 
 
 def measure(args, scheme: str, wins: list[Window], prompts: list[list[int]],
-            reference: list[list[int]] | None) -> tuple[dict, list[list[int]], str]:
+            reference: list[list[int]] | None, questions: list[dict] = ()) -> tuple[dict, list[list[int]], str]:
     """One scheme's row (without the ratio to none's), its greedy outputs and the engine's device."""
     t0 = time.perf_counter()
     llm = load(args, scheme)
@@ -160,6 +191,7 @@ def measure(args, scheme: str, wins: list[Window], prompts: list[list[int]],
         generate_s = time.perf_counter() - t0
         if reference is None and scheme == REFERENCE:  # the none row: a second run against the first
             reference, outputs = outputs, greedy(llm, prompts, args.max_tokens)
+        correct = sum(factual(llm, questions, args.answer_tokens)) if questions else None
         row = {
             "scheme": scheme,
             "quantization": runner.scheme.describe() if runner.scheme is not None else "none",
@@ -170,10 +202,11 @@ def measure(args, scheme: str, wins: list[Window], prompts: list[list[int]],
             **(agreement(outputs, reference) if reference is not None else
                {"greedy_identical": None, "greedy_identical_share": None, "agreement": None}),
             "goal_max_ratio": GOAL_MAX_PERPLEXITY_RATIO.get(scheme), "goal_met": None,
+            "factual_correct": correct, "factual_share": None if correct is None else correct / len(questions),
             "load_s": load_s, "score_s": score_s, "prompt_tokens_per_s": sum(len(w.ids) for w in wins) / score_s,
             "generate_s": generate_s, "output_tokens_per_s": len(prompts) * args.max_tokens / generate_s,
         }
-        log(f"{scheme}: perplexity {row['perplexity']:.4f}, agreement {row['agreement']}, "
+        log(f"{scheme}: perplexity {row['perplexity']:.4f}, agreement {row['agreement']}, factual {correct}, "
             f"load {load_s:.1f} s, scoring {score_s:.1f} s, greedy {generate_s:.1f} s")
         return row, reference if scheme == REFERENCE else outputs, str(runner.device)
     finally:
@@ -196,15 +229,16 @@ def table(rows: list[dict], num_prompts: int) -> str:
     def f(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    lines = ["| scheme | dtype | perplexity | ratio to none | goal | greedy identical | agreement | "
+    lines = ["| scheme | dtype | perplexity | ratio to none | goal | greedy identical | agreement | factual | "
              "prompt tok/s | output tok/s |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         met = "" if r["goal_met"] is None else (" met" if r["goal_met"] else " MISSED")
         goal = "-" if r["goal_max_ratio"] is None else f"<= {r['goal_max_ratio']:.2f}{met}"
         identical = "-" if r["greedy_identical"] is None else f"{r['greedy_identical']}/{num_prompts}"
         lines.append(f"| {r['scheme']} | {r['dtype']} | {r['perplexity']:.4f} | {f(r['perplexity_ratio'], '.4f')} | "
-                     f"{goal} | {identical} | {f(r['agreement'], '.3f')} | {r['prompt_tokens_per_s']:.0f} | "
+                     f"{goal} | {identical} | {f(r['agreement'], '.3f')} | {f(r.get('factual_correct'), 'd')} | "
+                     f"{r['prompt_tokens_per_s']:.0f} | "
                      f"{r['output_tokens_per_s']:.1f} |")
     return "\n".join(lines)
 
@@ -222,6 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=16, help="greedy prompts, evenly spaced over the scored text")
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens of each greedy prompt")
     parser.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt (EOS ignored)")
+    parser.add_argument("--questions", help="short questions asked as chat messages, JSON lines of {question, answers} "
+                                            "(default: benchmarks/data/factual-questions.jsonl; '': none)")
+    parser.add_argument("--answer-tokens", type=int, default=32, help="greedy tokens of each answer")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="activations (auto: each scheme's own)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="every scheme's KV cache: auto or fp8 (compare two runs)")
@@ -251,6 +288,8 @@ def run(args) -> int:
     wins = windows(ids, args.window, stride, args.num_windows)
     covered = ids[:wins[-1].start + args.window]
     prompts = greedy_prompts(covered, args.num_prompts, args.prompt_len)
+    questions_path = DEFAULT_QUESTIONS if args.questions is None else args.questions
+    questions = read_questions(questions_path) if questions_path else []
     result = {
         **header("quality", command_words("quality", args)),  # the device: once an engine has one
         "model": source.name,
@@ -260,6 +299,9 @@ def run(args) -> int:
         "window": args.window, "stride": stride, "num_windows": len(wins), "scored_tokens": None,
         "greedy": {"num_prompts": len(prompts), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
         "goals": {s: {"max_perplexity_ratio": g} for s, g in GOAL_MAX_PERPLEXITY_RATIO.items()},
+        "factual": {"path": str(Path(questions_path).resolve().relative_to(ROOT))
+                    if Path(questions_path).resolve().is_relative_to(ROOT) else str(questions_path), "num_questions": len(questions), "answer_tokens": args.answer_tokens}
+        if questions else None,
         "rows": [],
     }
     # the reference first: every other scheme's greedy outputs are compared with none's
@@ -269,7 +311,7 @@ def run(args) -> int:
     if REFERENCE not in schemes:
         reference = _reference_outputs(args, prompts)
     for scheme in order:
-        row, outputs, device = measure(args, scheme, wins, prompts, reference)
+        row, outputs, device = measure(args, scheme, wins, prompts, reference, questions)
         if scheme == REFERENCE:
             reference = outputs
         rows[scheme] = row
