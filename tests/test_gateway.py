@@ -1126,13 +1126,15 @@ def test_logit_bias_keys_name_each_token_once_and_max_tokens_0_is_for_completion
 
 def test_metrics_label_each_engine_groups_series_and_every_series_with_the_model_name(client, fake, gateway):
     """One sample per engine group (schedulers sharing an engine id summed), `model_name` on every series."""
+    # the request first, while engine 0's fake scheduler is the only one (fake-2 and fake-3 answer nothing)
+    r = client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 3})
+    assert r.status_code == 200, r.text
     fake.publish("fake-2", engine="1", num_running=4, num_waiting=1, num_gpu_blocks=192, kv_cache_usage=0.5,
                  num_preemptions_total=2, prefix_cache_queries_total=5, prefix_cache_hits_total=1,
                  compiled_step_recompiles_total=1)
     fake.publish("fake-3", engine="1", num_running=2, num_waiting=0, num_gpu_blocks=64, kv_cache_usage=0.0,
                  num_preemptions_total=1, prefix_cache_queries_total=0, prefix_cache_hits_total=0)
     try:
-        client.post("/v1/completions", json={"prompt": HELLO, "max_tokens": 3})
         r = client.get("/metrics")
     finally:
         fake.redis.delete(streams.status_key("fake-2"), streams.status_key("fake-3"))
