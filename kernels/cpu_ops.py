@@ -134,6 +134,31 @@ def attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
                                    sliding_window or 0, logit_softcap or 0.0, sinks)
 
 
+def step_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, step_cache: dict) -> tuple[torch.Tensor, ...]:
+    """A step's metadata in the operators' dtypes (slots int64, the rest int32, contiguous), converted
+    once per step for every layer (kept in the step's kernel cache)."""
+    metadata = step_cache.get("cpu_ops")
+    if metadata is None:
+        metadata = step_cache["cpu_ops"] = (
+            slot_mapping.long().contiguous(),
+            *(t.int().contiguous() for t in (block_tables, seq_lens, cu_seqlens_q)))
+    return metadata
+
+
+def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     metadata: tuple[torch.Tensor, ...], scale: float, sliding_window: int | None,
+                     logit_softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """`write_kv` then `attention` over `step_metadata`'s tensors, with no checks: the compiled
+    decode step's attention, where the Python around the two operators was most of its cost."""
+    slot_mapping, block_tables, seq_lens, cu_seqlens_q = metadata
+    torch.ops.pagoda_cpu.write_kv(key, value, kv_cache, slot_mapping)
+    out = torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.pagoda_cpu.attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                                   sliding_window or 0, logit_softcap or 0.0, sinks)
+    return out
+
+
 def takes(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the operators take these tensors (CPU, one floating dtype, not an fp8 cache; rows of
     contiguous head dims)."""

@@ -191,10 +191,10 @@ def pytest_xdist_make_scheduler(config, log):
 # speculative 81, then 72 and below, down to 25 s for the last named here).
 LONGEST_FIRST = ("test_parity.py", "test_kernels_triton.py", "test_load.py", "test_models.py", "test_dashboard.py",
                  "test_e2e.py", "test_openai_api.py", "test_data_parallel.py", "test_faults.py", "test_speculative.py",
-                 "test_sharing.py", "test_vision.py", "test_pooling.py", "test_batch_invariance.py", "test_lora.py",
-                 "test_bench_step.py", "test_rank_loss.py", "test_scheduler_server.py", "test_bench_serving.py",
+                 "test_sharing.py", "test_vision.py", "test_compiled_step.py", "test_pooling.py", "test_batch_invariance.py",
+                 "test_lora.py", "test_bench_step.py", "test_rank_loss.py", "test_scheduler_server.py", "test_bench_serving.py",
                  "test_qwen3_next.py", "test_gateway.py", "test_speculative_draft.py", "test_bad_input.py",
-                 "test_compiled_step.py", "test_async_scheduling.py", "test_kernels_moe.py")
+                 "test_async_scheduling.py", "test_kernels_moe.py")
 
 
 def _longest_first(items) -> None:

@@ -4,7 +4,7 @@ A tiny Llama under int4 in bfloat16 (the default model's path: the packed GEMMs 
 serves requests that join and leave a running batch over hundreds of decode steps: its greedy
 tokens equal the eager step's, warm-up compiles two graphs (batch 1, and one dynamic in the batch
 for every other bucket), and nothing compiles after it; a recompile forced after it is counted
-for /metrics.
+for /metrics. A restart loads the saved graphs and compiles nothing.
 """
 from __future__ import annotations
 
@@ -29,13 +29,28 @@ def _workload(seed: int = 0) -> tuple[list[dict], list[SamplingParams]]:
     return prompts, params
 
 
-def test_the_compiled_step_gives_the_eager_tokens_and_never_recompiles(tiny):
+def _tiny_llm(directory, compile: bool) -> LLM:
+    return LLM(str(directory), skip_tokenizer_init=True, device="cpu", dtype="bfloat16", quantization="int4",
+               max_num_seqs=6, compile=compile)
+
+
+def test_the_compiled_step_gives_the_eager_tokens_and_never_recompiles(tiny, tmp_path, monkeypatch):
+    from common.models import cache_root
+
+    for shared in ("cpu_kernels", "inductor"):  # built by earlier tests; the traced graphs are not
+        (cache_root() / shared).mkdir(parents=True, exist_ok=True)
+        (tmp_path / shared).symlink_to(cache_root() / shared, target_is_directory=True)
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
+    from kernels import cpu_ops
+
+    direct = []  # the graphs' attention straight to the C++ operators, once per layer and step
+    write_and_attend = cpu_ops.write_and_attend
+    monkeypatch.setattr(cpu_ops, "write_and_attend", lambda *args: direct.append(1) or write_and_attend(*args))
     directory, _ = tiny
     prompts, params = _workload()
     outputs = {}
     for compile in (False, True):
-        llm = LLM(str(directory), skip_tokenizer_init=True, device="cpu", dtype="bfloat16", quantization="int4",
-                  max_num_seqs=6, compile=compile)
+        llm = _tiny_llm(directory, compile)
         try:
             runner = llm.executor.runner.decode_runner
             calls = []
@@ -50,18 +65,77 @@ def test_the_compiled_step_gives_the_eager_tokens_and_never_recompiles(tiny):
         finally:
             llm.close()
     assert len(calls) >= 500 and set(calls) == {1, 2, 4, 6}  # decode steps, by bucket
+    assert len(direct) >= 500 * 2  # the tiny Llama's two layers
     assert compiled is not None and (compiled.compiles, compiled.recompiles) == (3, 1)  # one forced after
     assert counted == [0, 1]  # /metrics' pagoda:compiled_step_recompiles_total, before and after it
     assert [len(o) for o in outputs[True]] == [p.max_tokens for p in params]
     assert outputs[True] == outputs[False]
+    assert [p.name for p in (tmp_path / "compiled_step").iterdir()] == [compiled.path.name]
+    # in new processes: the first traces and saves both graphs, the second loads them and compiles nothing
+    first, second = (_run_alone(directory, prompts[:8], params[:8]) for _ in range(2))
+    assert first == {"compiles": 2, "loaded": 0, "tokens": outputs[False][:8]}
+    assert second == {"compiles": 0, "loaded": 2, "tokens": outputs[False][:8]}
+    assert len(list((tmp_path / "compiled_step").iterdir())) == 2
+
+
+_ALONE = """
+import json, sys
+from common.protocol import SamplingParams
+from tests.test_compiled_step import _tiny_llm
+directory, prompts, max_tokens = json.loads(sys.argv[1])
+llm = _tiny_llm(directory, True)
+compiled = llm.executor.runner.decode_runner.compiled
+loaded = len(compiled._graphs) if compiled.compiles == 0 else 0
+results = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
+                       use_tqdm=False)
+print(json.dumps({"compiles": compiled.compiles, "loaded": loaded, "tokens": [r.outputs[0].token_ids for r in results]}))
+"""
+
+
+def _run_alone(directory, prompts, params) -> dict:
+    """The model compiled in a process of its own, as `pagoda up` starts it: its layers' ids (which
+    name each layer to a graph's attention op) are those of every restart, not this process's."""
+    import json
+    import subprocess
+    import sys
+
+    args = json.dumps([str(directory), prompts, [p.max_tokens for p in params]])
+    done = subprocess.run([sys.executable, "-c", _ALONE, args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_saved_graphs_are_named_by_the_model_they_were_traced_from(tiny):
+    """Another layer id in the attention op, another shape or dtype: another file."""
+    import torch
+
+    from worker.compiled_step import artifact_key
+
+    directory, _ = tiny
+    llm = _tiny_llm(directory, False)
+    try:
+        model = llm.executor.runner.model
+        key = artifact_key(model)
+        assert artifact_key(model) == key
+        attention = next(m for m in model.modules() if type(m).__name__ == "Attention")
+        attention.layer_id += 1000
+        assert artifact_key(model) != key
+        attention.layer_id -= 1000
+        norm = next(m for m in model.modules() if hasattr(m, "weight") and m.weight.ndim == 1)
+        weight = norm.weight
+        norm.weight = torch.nn.Parameter(weight.float(), requires_grad=False)
+        assert artifact_key(model) != key
+        norm.weight = weight
+        assert artifact_key(model) == key
+    finally:
+        llm.close()
 
 
 def _count_a_forced_recompile(llm: LLM) -> list[int]:
-    """Dynamo's caches dropped (as a failed guard would): the next decode step compiles again, and the
-    scheduler counts it from that step's result."""
-    import torch
-
-    torch._dynamo.reset()
+    """The compiled graphs dropped (as a failed guard would): the next decode step compiles again, and
+    the scheduler counts it from that step's result."""
+    llm.executor.runner.decode_runner.compiled._graphs.clear()
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                  use_tqdm=False)
     return [llm.engine.scheduler.make_stats()["compiled_step_recompiles_total"]]
@@ -90,3 +164,48 @@ def test_a_model_that_does_not_compile_runs_eagerly_after_a_warning(tmp_path, ca
     assert tokens[0] == tokens[1] and len(tokens[0]) == 5
     assert [r.message.split(":")[0] for r in caplog.records] == ["--compile"]
     assert "this model did not compile" in caplog.records[0].message
+
+
+class _Toy(__import__("torch").nn.Module):
+    """A model as the compiled step calls it, `model(input_ids, positions)`, with no attention."""
+
+    def __init__(self) -> None:
+        import torch
+
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids, positions):
+        return self.embed(input_ids) * (positions[:, None] + 1)
+
+
+def test_a_torn_saved_file_is_replaced_and_its_graphs_compiled_again(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    import worker.compiled_step
+    from worker.compiled_step import CompiledModel
+
+    monkeypatch.setattr(worker.compiled_step, "cache_root", lambda: tmp_path)
+    toy = _Toy().eval()
+    ids, positions = torch.arange(4), torch.arange(4)
+    want = toy(ids, positions)
+
+    def run(compiled):
+        with torch.inference_mode():
+            compiled.warm_up(lambda size: compiled(ids[:size], positions[:size]), [1, 2, 4])
+            return compiled(ids, positions)
+
+    first = CompiledModel(toy)
+    first.path.parent.mkdir(parents=True)
+    first.path.write_bytes(b"\x92\x01")  # a file cut short
+    with caplog.at_level(logging.WARNING, logger="worker.compiled_step"):
+        assert torch.equal(run(first), want)
+    assert "could not use the compiled CPU decode step saved in" in caplog.text
+    assert (first.compiles, first.recompiles) == (2, 0)
+
+    again = CompiledModel(toy)  # the file the first wrote: both graphs load
+    assert again.path == first.path
+    assert torch.equal(run(again), want)
+    assert (again.compiles, sorted(again._graphs)) == (0, [False, True])

@@ -157,8 +157,8 @@ class DecodeRunner:
     def compile(self) -> None:
         """CPU: run the model of every bucket through torch.compile (worker/compiled_step.py),
         compiling now over every bucket."""
-        self.compiled = CompiledModel(self.model)
         try:
+            self.compiled = CompiledModel(self.model)
             self.compiled.warm_up(self._forward, self.buckets)
         except Exception as exc:  # a model torch.compile cannot take whole (the CPU MoE's host sync)
             self.compiled = None

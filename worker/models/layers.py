@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import cpu_ops
 from worker.context import get_context
 from worker.multimodal import attend_within_images
 from worker.models.weights import CheckpointTensor
@@ -449,6 +450,19 @@ class Attention(nn.Module):
             return torch.ops.pagoda.attention(q, k, v, self.layer_id)
         return self.attend(q, k, v)
 
+    def attend_compiled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`attend` from a compiled graph: straight to the C++ operators where they take this layer
+        and the step (one cache group, no images), else `attend`."""
+        ctx = get_context()
+        if (ctx.groups is not None or ctx.image_spans or not cpu_ops.takes(q, self.kv_cache)
+                or k.dtype != q.dtype or v.dtype != q.dtype or k.stride(-1) != 1 or v.stride(-1) != 1):
+            return self.attend(q, k, v)
+        metadata = cpu_ops.step_metadata(ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,
+                                         ctx.kernel_cache)
+        o = cpu_ops.write_and_attend(q, k, v, self.kv_cache, metadata, self.scale, self.sliding_window,
+                                     self.logit_softcap, self.sinks)
+        return o.view(-1, self.num_heads * self.head_dim)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         if ctx.groups is None:
@@ -472,7 +486,7 @@ _layer_ids = itertools.count()
 _attention_layers: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
 _ops = torch.library.Library("pagoda", "FRAGMENT")
 _ops.define("attention(Tensor q, Tensor k, Tensor v, int layer_id) -> Tensor")
-_ops.impl("attention", lambda q, k, v, layer_id: _attention_layers[layer_id].attend(q, k, v),
+_ops.impl("attention", lambda q, k, v, layer_id: _attention_layers[layer_id].attend_compiled(q, k, v),
           "CompositeExplicitAutograd")
 torch.library.register_fake("pagoda::attention", lambda q, k, v, layer_id: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]),
                             lib=_ops)
