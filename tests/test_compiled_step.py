@@ -107,7 +107,8 @@ def _run_alone(directory, prompts, params) -> dict:
 
 
 def test_the_saved_graphs_are_named_by_the_model_they_were_traced_from(tiny):
-    """Another layer id in the attention op, another shape or dtype: another file."""
+    """Another layer id in the attention op, another shape or dtype, another tensor-parallel size:
+    another file; another port of the tensor-parallel group's store: the same one."""
     import torch
 
     from worker.compiled_step import artifact_key
@@ -128,6 +129,11 @@ def test_the_saved_graphs_are_named_by_the_model_they_were_traced_from(tiny):
         assert artifact_key(model) != key
         norm.weight = weight
         assert artifact_key(model) == key
+        group = next(m.tp for m in model.modules() if getattr(m, "tp", None) is not None)
+        group.port += 1  # where this process's group listens: picked at each start
+        assert artifact_key(model) == key
+        group.world_size += 1
+        assert artifact_key(model) != key
     finally:
         llm.close()
 

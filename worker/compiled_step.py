@@ -53,6 +53,9 @@ _INDUCTOR_CONFIG = {
 }
 _TRACED_PACKAGES = ("common", "kernels", "worker")  # the code a trace runs through
 _READ_WHEN_RUN = {"kv_cache"}  # module attributes the graph does not hold
+# fields of an object a module holds that name this process, not what it computes (a tensor-parallel
+# group's address: its store's port is picked at each start)
+_PER_PROCESS = {"host", "port", "timeout", "generation", "group", "cpu_group", "_store"}
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -204,7 +207,8 @@ def _describe(value, depth: int = 0) -> str:
         return "{" + ",".join(f"{k!r}:{_describe(v, depth)}" for k, v in sorted(value.items(), key=str)) + "}"
     if isinstance(value, torch.nn.Module) or depth > 0 or not hasattr(value, "__dict__"):
         return _describe(type(value))
-    return _describe(type(value)) + _describe(vars(value), depth + 1)  # a config object: its fields
+    fields = {k: v for k, v in vars(value).items() if k not in _PER_PROCESS}
+    return _describe(type(value)) + _describe(fields, depth + 1)  # a config object: its fields
 
 
 @functools.cache
