@@ -116,7 +116,7 @@ def default_llm():
 # The modules that share one `pagoda up` of the default model (the `default_stack` fixture), in the
 # order they run, one after the other from where the first of them would run.
 DEFAULT_STACK_FLAGS = ("--num-gpu-blocks", "2048", "--num-cpu-blocks", "256")
-DEFAULT_STACK_MODULES = ("test_dashboard.py", "test_e2e.py", "test_openai_api.py")
+DEFAULT_STACK_MODULES = ("test_dashboard.py", "test_e2e.py", "test_openai_api.py", "test_bench_peer.py")
 
 
 class _SharedStack:

@@ -23,7 +23,7 @@ COUNTING = {"One": [" two,", " three,", " four."]}
 @pytest.fixture(scope="module")
 def stack(default_stack):
     """The `pagoda up` of the default model (--num-gpu-blocks 2048 --num-cpu-blocks 256) that
-    tests/test_dashboard.py, tests/test_openai_api.py and tests/test_e2e.py share (tests/conftest.py)."""
+    the modules of tests/conftest.py's DEFAULT_STACK_MODULES share."""
     return default_stack
 
 

@@ -48,6 +48,8 @@ BENCHES = {
                            "logprobs, greedy agreement with full precision"),
     "verify": ("verify", "a speculative verify step (a token and k drafts per sequence) against a decode step, in "
                          "the model runner: CUDA graphs on CUDA (docs/speculative.md)"),
+    "peer": ("peer", "Pagoda against llama.cpp's llama-server on the same GGUF and the same streamed workloads, "
+                     "in turn in one run: output tokens/s at 1, 4 and 16 streams, a long prompt's TTFT"),
     "speculative": ("speculative", "output tokens/s through the served API with --speculative-config against "
                                    "without, in one run: acceptance rate, speedup, identical outputs "
                                    "(docs/speculative.md)"),
