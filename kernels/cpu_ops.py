@@ -30,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
 # -fopenmp: at::parallel_for runs on torch's OpenMP pool only where _OPENMP is defined (the library
 # then needs libgomp.so.1, which the rpath finds beside libtorch: torch's own, not a second runtime)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w"]
@@ -74,9 +74,9 @@ def _build() -> Path:
     torch_dir = Path(torch.__file__).parent
     torch_lib, include = torch_dir / "lib", torch_dir / "include"
     command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-               f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", str(SOURCE),
+               f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", *map(str, SOURCES),
                f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *command, _compiler_id(compiler), torch.__version__,
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), *command, _compiler_id(compiler), torch.__version__,
                                     _cpu_id()]).encode())
     root = _cache_root() / "cpu_kernels"
     library = root / f"cpu_attention-{key.hexdigest()[:16]}.so"
@@ -156,6 +156,14 @@ def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.pagoda_cpu.attention(query, kv_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
                                    sliding_window or 0, logit_softcap or 0.0, sinks)
+    return out
+
+
+def int8_logits(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 [rows, n] = (x @ q.T) * scales (+ bias), every product and sum in float32: the
+    int8 logits head (`csrc/cpu_linear.cpp`). x [rows, k] bfloat16 or float32, q [n, k] int8."""
+    out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
+    torch.ops.pagoda_cpu.int8_logits(x, q, scales, bias, out)
     return out
 
 

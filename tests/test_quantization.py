@@ -225,21 +225,53 @@ def test_a_prompt_in_chunks_under_int4_gives_the_tokens_of_one_chunk():
     assert [o.outputs[0].token_ids for o in llm.generate(questions, greedy, use_tqdm=False)] == alone
 
 
-def test_the_int8_logits_head_recomputes_each_rows_best_logits_in_float32():
-    """The packed kernel's logits are bfloat16; the REFINED_LOGITS best of each row by them become
-    the float32 products of the same int8 weights and scales, so tokens that tie in bfloat16 are
-    told apart (greedy took the lower id); the others stay as the kernel gave them."""
-    from worker.quantization.weight_only import REFINED_LOGITS, Int8LogitsMethod
+def _int8_head(vocab: int = 512, hidden: int = 64):
+    from worker.quantization.weight_only import Int8LogitsMethod
 
     torch.manual_seed(0)
     method = Int8LogitsMethod()
-    layer = _Layer(torch.randn(512, 64, dtype=torch.bfloat16))
+    layer = _Layer(torch.randn(vocab, hidden, dtype=torch.bfloat16))
     method.process_weights_after_loading(layer)
+    return method, layer
+
+
+def test_the_int8_logits_head_computes_every_logit_in_float32_whatever_the_batch():
+    """On the CPU the C++ kernel gives every logit as the float32 product of the int8 weights and
+    scales (torch's int8 kernel rounds them to bfloat16), the same bits for a row alone or in any
+    batch; a hidden size that is not a whole number of vectors (72) is padded."""
+    from kernels import cpu_ops
+
+    assert cpu_ops.available()
+    for hidden in (64, 72):
+        method, layer = _int8_head(509, hidden)
+        q, scales = layer.packed
+        x = torch.randn(40, hidden, dtype=torch.bfloat16)
+        bias = torch.randn(509, dtype=torch.bfloat16)
+        for b in (None, bias):
+            logits = method.apply(layer, x, b)
+            exact = (x.double() @ q.double().t()) * scales.double() + (0 if b is None else b.double())
+            assert logits.dtype == torch.float32 and logits.shape == (40, 509)
+            assert torch.allclose(logits.double(), exact, rtol=1e-6, atol=1e-4)
+            assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+            for rows in (slice(0, 1), slice(3, 4), slice(5, 12), slice(39, 40)):
+                assert torch.equal(method.apply(layer, x[rows], b), logits[rows])
+        if hidden == 64:  # (torch's int8 kernel takes no hidden size of 72)
+            rounded = torch._weight_int8pack_mm(x, q, scales).float()
+            assert not torch.equal(method.apply(layer, x, None), rounded)  # bfloat16's steps are gone
+
+
+def test_without_the_cpu_kernels_the_int8_logits_head_recomputes_each_rows_best_logits_in_float32():
+    """torch's kernel's logits are bfloat16; the REFINED_LOGITS best of each row by them become
+    the float32 products of the same int8 weights and scales, so tokens that tie in bfloat16 are
+    told apart (greedy took the lower id); the others stay as the kernel gave them."""
+    from worker.quantization.weight_only import REFINED_LOGITS
+
+    method, layer = _int8_head()
     q, scales = layer.packed
     x = torch.randn(40, 64, dtype=torch.bfloat16)
     bias = torch.randn(512, dtype=torch.bfloat16)
     for b in (None, bias):
-        logits = method.apply(layer, x, b)
+        logits = method.refined(layer, x, b)
         exact = (x.float() @ q.float().t()) * scales.float() + (0 if b is None else b.float())
         rounded = torch._weight_int8pack_mm(x, q, scales)
         rounded = (rounded if b is None else rounded + b).float()

@@ -18,10 +18,12 @@ whatever its number of rows: a row's output is then the same whatever else share
 prompt whole or in chunks, alone or in a batch, read from the prefix cache or computed). Every
 other device or dtype, and a layer the kernels do not take, multiplies by the dequantized weight.
 
-The int8 logits head's kernel rounds each logit to bfloat16, a step of 0.125 at a logit of 20:
-the best tokens of a row often tie, and a tie goes to the lowest token id. `Int8LogitsMethod`
-computes the `REFINED_LOGITS` best of each row again in float32 from the same int8 weights and
-scales, so greedy decoding picks by float32 logits, as llama.cpp's do.
+torch's int8 kernel rounds each logit to bfloat16, a step of 0.125 at a logit of 20: the best
+tokens of a row often tie, and a tie goes to the lowest token id. The int8 logits head
+(`Int8LogitsMethod`) computes every logit in float32 from the int8 weights instead, with the C++
+kernel of `kernels/csrc/cpu_linear.cpp` (which also reads the 28 MB head once per step, not once a
+row), so greedy decoding picks by float32 logits, as llama.cpp's does; without the C++ kernels it
+computes each row's `REFINED_LOGITS` best again in float32.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_ops
 from worker.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 
 INT4_GROUP_SIZE = 32  # Q4_1's block
@@ -143,18 +146,27 @@ class Int8LinearMethod(_WeightOnlyMethod):
 
 
 class Int8LogitsMethod(Int8LinearMethod):
-    """The int8 logits head: float32 logits, each row's `REFINED_LOGITS` best (by the packed
-    kernel's bfloat16 logits) computed again in float32 from the int8 weights and scales; the
-    others as the kernel gave them."""
+    """The int8 logits head, float32 logits. On the CPU every logit is the float32 product of the
+    int8 weights (`kernels.cpu_ops.int8_logits`, which reads the weights once for all of a step's
+    rows); without the C++ kernels, the packed kernel's bfloat16 logits with each row's
+    `REFINED_LOGITS` best computed again in float32 from the same weights and scales."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        logits = super().apply(layer, x, bias).float()
         if layer.packed is None or x.shape[0] == 0:
-            return logits
+            return super().apply(layer, x, bias).float()
+        q, scales = layer.packed
+        if x.dim() == 2 and x.stride(-1) == 1 and cpu_ops.available():
+            return cpu_ops.int8_logits(x, q, scales, None if bias is None else bias.to(scales.dtype).contiguous())
+        return self.refined(layer, x, bias)
+
+    def refined(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The packed kernel's logits, each row's `REFINED_LOGITS` best again in float32."""
+        logits = super().apply(layer, x, bias).float()
         q, scales = layer.packed
         best = logits.topk(min(REFINED_LOGITS, logits.shape[1]), dim=-1).indices  # [rows, REFINED_LOGITS]
         exact = torch.einsum("rk,rjk->rj", x.float(), q[best].float()) * scales.float()[best]
         return logits.scatter_(1, best, exact if bias is None else exact + bias.float()[best])
+
 
 class WeightOnlyConfig(QuantizationConfig):
     """`int4` / `int8`: every linear layer so quantized; the logits head int8 (llama.cpp's GGUFs
