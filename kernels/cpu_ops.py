@@ -62,6 +62,8 @@ def _load() -> bool:
         log.warning("the CPU attention kernels could not be built, so the torch reference runs instead "
                     "(slower decode on the CPU): %s", exc)
         return False
+    torch.library.register_fake("pagoda_cpu::layer_attention",
+                                lambda q, k, v, layer_id: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
     return True
 
 
@@ -167,9 +169,44 @@ def int8_logits(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     return out
 
 
+# The compiled decode step's attention straight from the graph (`csrc/cpu_attention.cpp`'s
+# `layer_attention`): each layer's cache registered under its layer id, the step's metadata set
+# once per step.
+
+
+def register_layer(layer_id: int, kv_cache: torch.Tensor | None, scale: float, sliding_window: int | None,
+                   logit_softcap: float | None, sinks: torch.Tensor | None) -> None:
+    """A layer's KV cache and constants for `layer_attention`, or none (the cache None, or one the
+    operators do not take: the Python operator then serves the layer)."""
+    if kv_cache is None or not takes_cache(kv_cache) or (sinks is not None and sinks.dtype != torch.float32) \
+            or not available():
+        unregister_layer(layer_id)
+        return
+    torch.ops.pagoda_cpu.register_layer(layer_id, kv_cache, scale, sliding_window or 0, logit_softcap or 0.0,
+                                        None if sinks is None else sinks.detach().contiguous())
+
+
+def unregister_layer(layer_id: int) -> None:
+    if _available:  # (not loading the library for it)
+        torch.ops.pagoda_cpu.unregister_layer(layer_id)
+
+
+def set_step(metadata: tuple[torch.Tensor, ...], simple: bool) -> None:
+    """The step `layer_attention` serves: `step_metadata`'s tensors; `simple` False (KV cache
+    groups, image spans) sends every layer to the Python operator."""
+    torch.ops.pagoda_cpu.set_step(*metadata, simple)
+
+
+def clear_step() -> None:
+    torch.ops.pagoda_cpu.clear_step()
+
+
 def takes(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the operators take these tensors (CPU, one floating dtype, not an fp8 cache; rows of
     contiguous head dims)."""
-    return (kv_cache.device.type == "cpu" and query.dtype == kv_cache.dtype and query.stride(-1) == 1
-            and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_cache.is_contiguous()
-            and available())
+    return query.dtype == kv_cache.dtype and query.stride(-1) == 1 and takes_cache(kv_cache) and available()
+
+
+def takes_cache(kv_cache: torch.Tensor) -> bool:
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and kv_cache.is_contiguous())

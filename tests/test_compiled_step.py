@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.protocol import SamplingParams
 from pagoda.offline import LLM
@@ -43,9 +44,6 @@ def test_the_compiled_step_gives_the_eager_tokens_and_never_recompiles(tiny, tmp
     monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
     from kernels import cpu_ops
 
-    direct = []  # the graphs' attention straight to the C++ operators, once per layer and step
-    write_and_attend = cpu_ops.write_and_attend
-    monkeypatch.setattr(cpu_ops, "write_and_attend", lambda *args: direct.append(1) or write_and_attend(*args))
     directory, _ = tiny
     prompts, params = _workload()
     outputs = {}
@@ -56,8 +54,10 @@ def test_the_compiled_step_gives_the_eager_tokens_and_never_recompiles(tiny, tmp
             calls = []
             forward = runner._forward
             runner._forward = lambda size: calls.append(size) or forward(size)
+            before = torch.ops.pagoda_cpu.layer_attention_counts() if cpu_ops.available() else None
             results = llm.generate(prompts, params, use_tqdm=False)
             outputs[compile] = [r.outputs[0].token_ids for r in results]
+            served, handed_back = (a - b for a, b in zip(torch.ops.pagoda_cpu.layer_attention_counts(), before))
             compiled = runner.compiled
             if compile:
                 counted = [llm.engine.scheduler.make_stats()["compiled_step_recompiles_total"]]
@@ -65,7 +65,8 @@ def test_the_compiled_step_gives_the_eager_tokens_and_never_recompiles(tiny, tmp
         finally:
             llm.close()
     assert len(calls) >= 500 and set(calls) == {1, 2, 4, 6}  # decode steps, by bucket
-    assert len(direct) >= 500 * 2  # the tiny Llama's two layers
+    # the graphs' attention in C++ once per layer and step (the tiny Llama's two), never in Python
+    assert served >= 500 * 2 and handed_back == 0
     assert compiled is not None and (compiled.compiles, compiled.recompiles) == (3, 1)  # one forced after
     assert counted == [0, 1]  # /metrics' pagoda:compiled_step_recompiles_total, before and after it
     assert [len(o) for o in outputs[True]] == [p.max_tokens for p in params]
@@ -215,3 +216,45 @@ def test_a_torn_saved_file_is_replaced_and_its_graphs_compiled_again(tmp_path, m
     assert again.path == first.path
     assert torch.equal(run(again), want)
     assert (again.compiles, sorted(again._graphs)) == (0, [False, True])
+
+
+def test_the_graphs_attention_runs_in_cpp_and_hands_a_step_it_does_not_take_to_python():
+    """`pagoda_cpu::layer_attention` (the op a compiled graph calls) writes K and V into the layer's
+    registered cache and attends, as the layer's own `attend` does; a step whose metadata says it is
+    not simple (KV cache groups, image spans) and a layer with no cache registered go to the Python
+    operator, with the same result."""
+    from kernels import cpu_ops
+    from worker.context import AttentionContext, attention_context
+    from worker.models.layers import Attention
+
+    assert cpu_ops.available()
+    torch.manual_seed(0)
+    attn = Attention(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+    q, k, v = (torch.randn(3, n, 16, dtype=torch.bfloat16) for n in (4, 2, 2))
+    ctx = AttentionContext(slot_mapping=torch.tensor([5, 17, 18]),
+                           block_tables=torch.tensor([[0, 0], [1, 2]], dtype=torch.int32),
+                           seq_lens=torch.tensor([6, 19], dtype=torch.int32),
+                           cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32))
+    first = torch.randn(4, 2, 16, 2, 16, dtype=torch.bfloat16)  # [num_blocks, 2, block_size, kv heads, head dim]
+
+    def run(how: str):
+        attn.kv_cache = first.clone()
+        if how == "unregistered":
+            cpu_ops.unregister_layer(attn.layer_id)
+        with attention_context(ctx):
+            if how == "eager":
+                return attn.attend(q, k, v), attn.kv_cache
+            cpu_ops.set_step(cpu_ops.step_metadata(ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,
+                                                   ctx.kernel_cache), simple=how != "not simple")
+            try:
+                return torch.ops.pagoda_cpu.layer_attention(q, k, v, attn.layer_id), attn.kv_cache
+            finally:
+                cpu_ops.clear_step()
+
+    want, cache = run("eager")
+    for how, counted in (("simple", [1, 0]), ("not simple", [0, 1]), ("unregistered", [0, 1])):
+        before = torch.ops.pagoda_cpu.layer_attention_counts()
+        out, written = run(how)
+        assert torch.equal(out, want) and torch.equal(written, cache), how
+        assert [a - b for a, b in zip(torch.ops.pagoda_cpu.layer_attention_counts(), before)] == counted, how
+    attn.kv_cache = None  # unregisters: the C++ side holds no reference to the cache

@@ -28,6 +28,7 @@ cost about 0.8 ms a step.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import hashlib
@@ -42,6 +43,8 @@ import msgpack
 import torch
 
 from common.models import cache_root
+from kernels import cpu_ops
+from worker.context import current_context
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +55,28 @@ _INDUCTOR_CONFIG = {
     "alignment_asserts": False,
 }
 _TRACED_PACKAGES = ("common", "kernels", "worker")  # the code a trace runs through
-_READ_WHEN_RUN = {"kv_cache"}  # module attributes the graph does not hold
+_READ_WHEN_RUN = {"_kv_cache"}  # module attributes the graph does not hold
 # fields of an object a module holds that name this process, not what it computes (a tensor-parallel
 # group's address: its store's port is picked at each start)
 _PER_PROCESS = {"host", "port", "timeout", "generation", "group", "cpu_group", "_store"}
 _ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def _attention_step():
+    """The step's attention metadata handed to the graph's C++ attention (`cpu_ops.set_step`) for
+    the call, converted once for every layer."""
+    ctx = current_context()
+    if ctx is None or not cpu_ops.available():  # (a model without attention runs outside a step)
+        yield
+        return
+    metadata = cpu_ops.step_metadata(ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.cu_seqlens_q,
+                                     ctx.kernel_cache)
+    cpu_ops.set_step(metadata, simple=ctx.groups is None and not ctx.image_spans)
+    try:
+        yield
+    finally:
+        cpu_ops.clear_step()
 
 
 class CompiledModel:
@@ -77,7 +97,8 @@ class CompiledModel:
         graph = self._graphs.get(many)
         if graph is None or not graph.guard_check(self.model, input_ids, positions):
             graph = self._compile(many, input_ids, positions)
-        return graph(self.model, input_ids, positions)
+        with _attention_step():
+            return graph(self.model, input_ids, positions)
 
     def _compile(self, many: bool, input_ids: torch.Tensor, positions: torch.Tensor):
         from torch._dynamo.aot_compile import aot_compile_fullgraph

@@ -39,6 +39,11 @@ class AttentionContext:
 _context: AttentionContext | None = None
 
 
+def current_context() -> AttentionContext | None:
+    """The step's context, None outside a step."""
+    return _context
+
+
 def get_context() -> AttentionContext:
     assert _context is not None, "attention ran outside a step"
     return _context

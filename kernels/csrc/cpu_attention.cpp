@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -353,6 +355,74 @@ void attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Te
   }
 }
 
+// The compiled decode step's attention with no Python in it: each attention layer registers its
+// KV cache and constants under its layer id (`register_layer`, when the cache is set), the step's
+// metadata is set once per step (`set_step`), and the graph's `layer_attention(q, k, v, id)` writes
+// K and V and attends. A step the operators do not take (KV cache groups, image spans: `simple`
+// false), a layer not registered, or tensors of another dtype or layout go to the Python operator
+// `pagoda::attention` (worker/models/layers.py), which does the same through `attend`. Called from
+// one thread of one process (the worker's), as the model is.
+struct Layer {
+  at::Tensor cache;
+  double scale;
+  int64_t window;
+  double softcap;
+  std::optional<at::Tensor> sinks;
+};
+
+struct Step {
+  at::Tensor slots, tables, lens, starts;
+  bool simple = false;
+};
+
+std::unordered_map<int64_t, Layer>& layers() {
+  static std::unordered_map<int64_t, Layer> registry;
+  return registry;
+}
+
+Step& step() {
+  static Step current;
+  return current;
+}
+
+int64_t served = 0, handed_back = 0;  // layer_attention's calls: in C++, and to the Python operator
+
+std::vector<int64_t> layer_attention_counts() { return {served, handed_back}; }
+
+void register_layer(int64_t id, at::Tensor cache, double scale, int64_t window, double softcap,
+                    std::optional<at::Tensor> sinks) {
+  layers()[id] = Layer{std::move(cache), scale, window, softcap, std::move(sinks)};
+}
+
+void unregister_layer(int64_t id) { layers().erase(id); }
+
+void set_step(at::Tensor slots, at::Tensor tables, at::Tensor lens, at::Tensor starts, bool simple) {
+  step() = Step{std::move(slots), std::move(tables), std::move(lens), std::move(starts), simple};
+}
+
+void clear_step() { step() = Step{}; }
+
+at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t id) {
+  const auto found = layers().find(id);
+  const Step& current = step();
+  if (!current.simple || found == layers().end() || q.scalar_type() != found->second.cache.scalar_type() ||
+      k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type() || q.dim() != 3 || k.dim() != 3 ||
+      v.dim() != 3 || q.stride(2) != 1 || k.stride(2) != 1 || v.stride(2) != 1) {
+    static const auto python = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("pagoda::attention", "")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+    ++handed_back;
+    return python.call(q, k, v, id);
+  }
+  ++served;
+  const Layer& layer = found->second;
+  write_kv(k, v, layer.cache, current.slots);
+  at::Tensor out = q.new_empty(q.sizes());
+  attention(q, layer.cache, current.tables, current.lens, current.starts, out, layer.scale, layer.window,
+            layer.softcap, layer.sinks);
+  return out.view({q.size(0), q.size(1) * q.size(2)});
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagoda_cpu, m) {
@@ -361,4 +431,12 @@ TORCH_LIBRARY(pagoda_cpu, m) {
         "Tensor(a!) out, float scale, int sliding_window, float logit_softcap, Tensor? sinks) -> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
   m.impl("attention", c10::DispatchKey::CPU, &attention);
+  m.def("register_layer(int id, Tensor cache, float scale, int window, float softcap, Tensor? sinks) -> ()",
+        &register_layer);
+  m.def("unregister_layer(int id) -> ()", &unregister_layer);
+  m.def("set_step(Tensor slots, Tensor tables, Tensor lens, Tensor starts, bool simple) -> ()", &set_step);
+  m.def("clear_step() -> ()", &clear_step);
+  m.def("layer_attention_counts() -> int[]", &layer_attention_counts);
+  m.def("layer_attention(Tensor q, Tensor k, Tensor v, int id) -> Tensor");
+  m.impl("layer_attention", c10::DispatchKey::CPU, &layer_attention);
 }

@@ -430,12 +430,27 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window or None
         self.logit_softcap = logit_softcap or None
-        self.kv_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         self.k_scale, self.v_scale = 1.0, 1.0
         self.kv_group = 0  # its KV cache group (worker/kv_groups.py): whose block tables it reads
         self.sinks: nn.Parameter | None = None
         self.layer_id = next(_layer_ids)  # names the layer to the compiled graphs' attention op
         _attention_layers[self.layer_id] = self
+        weakref.finalize(self, cpu_ops.unregister_layer, self.layer_id)
+        self.kv_cache = None
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        """[num_blocks, 2, block_size, num_kv_heads, head_dim]; setting it registers it with the
+        compiled step's C++ attention (`kernels.cpu_ops.register_layer`) where that takes it."""
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: torch.Tensor | None) -> None:
+        self._kv_cache = cache
+        if cache is not None and cache.device.type == "cpu":
+            cpu_ops.register_layer(self.layer_id, cache, self.scale, self.sliding_window, self.logit_softcap, self.sinks)
+        else:
+            cpu_ops.unregister_layer(self.layer_id)
 
     def load_kv_scale(self, which: str, tensor: torch.Tensor) -> None:
         """A checkpoint's k_scale or v_scale: one positive value (per tensor, as vLLM's fp8 checkpoints)."""
@@ -447,6 +462,8 @@ class Attention(nn.Module):
         """q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim];
         returns [num_tokens, num_heads * head_dim]."""
         if torch.compiler.is_compiling():  # one opaque node (worker/compiled_step.py)
+            if q.device.type == "cpu" and cpu_ops.available():  # C++, the Python operator where it does not take the step
+                return torch.ops.pagoda_cpu.layer_attention(q, k, v, self.layer_id)
             return torch.ops.pagoda.attention(q, k, v, self.layer_id)
         return self.attend(q, k, v)
 
