@@ -35,6 +35,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp
 # then needs libgomp.so.1, which the rpath finds beside libtorch: torch's own, not a second runtime)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w"]
 _available: bool | None = None
+_loaded = False  # the library is loaded (whatever `_available` says)
 _lock = threading.Lock()
 
 
@@ -62,6 +63,8 @@ def _load() -> bool:
         log.warning("the CPU attention kernels could not be built, so the torch reference runs instead "
                     "(slower decode on the CPU): %s", exc)
         return False
+    global _loaded
+    _loaded = True
     torch.library.register_fake("pagoda_cpu::layer_attention",
                                 lambda q, k, v, layer_id: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
     return True
@@ -187,7 +190,7 @@ def register_layer(layer_id: int, kv_cache: torch.Tensor | None, scale: float, s
 
 
 def unregister_layer(layer_id: int) -> None:
-    if _available:  # (not loading the library for it)
+    if _loaded:  # (not loading the library for it)
         torch.ops.pagoda_cpu.unregister_layer(layer_id)
 
 

@@ -108,10 +108,10 @@ def _run_alone(directory, prompts, params) -> dict:
 
 
 def test_the_saved_graphs_are_named_by_the_model_they_were_traced_from(tiny):
-    """Another layer id in the attention op, another shape or dtype, another tensor-parallel size:
-    another file; another port of the tensor-parallel group's store: the same one."""
-    import torch
-
+    """Another layer id in the attention op, another shape or dtype, another tensor-parallel size,
+    the C++ operators loaded or not: another file; another port of the tensor-parallel group's
+    store: the same one."""
+    from kernels import cpu_ops
     from worker.compiled_step import artifact_key
 
     directory, _ = tiny
@@ -135,6 +135,11 @@ def test_the_saved_graphs_are_named_by_the_model_they_were_traced_from(tiny):
         assert artifact_key(model) == key
         group.world_size += 1
         assert artifact_key(model) != key
+        group.world_size -= 1
+        assert artifact_key(model) == key
+        with pytest.MonkeyPatch.context() as patch:  # a graph traced with the C++ operators calls them
+            patch.setattr(cpu_ops, "_available", False)
+            assert artifact_key(model) != key
     finally:
         llm.close()
 

@@ -247,7 +247,7 @@ def test_the_int8_logits_head_computes_every_logit_in_float32_whatever_the_batch
         q, scales = layer.packed
         x = torch.randn(40, hidden, dtype=torch.bfloat16)
         bias = torch.randn(509, dtype=torch.bfloat16)
-        for b in (None, bias):
+        for b in (None, bias, torch.randn(509)):  # a float32 bias is added unrounded
             logits = method.apply(layer, x, b)
             exact = (x.double() @ q.double().t()) * scales.double() + (0 if b is None else b.double())
             assert logits.dtype == torch.float32 and logits.shape == (40, 509)

@@ -198,11 +198,11 @@ def artifact_key(model: torch.nn.Module) -> str:
     the source of the packages it runs through, and the model itself: each module's type, its
     attributes (a layer's id in the attention op, its scale, window, eps, activation function) and
     the shapes, strides and dtypes of its tensors. Not its KV cache, which the attention op reads
-    when it runs (and whose size changes with the memory free at start-up)."""
-    from kernels.cpu_ops import _cpu_id
-
-    h = hashlib.sha256("\0".join([torch.__version__, sys.version, _cpu_id(), _source_digest(),
-                                  str(torch.get_num_threads()), str(torch.get_default_dtype())]).encode())
+    when it runs (and whose size changes with the memory free at start-up). And whether the C++
+    attention operators are loaded: a graph traced with them calls them."""
+    h = hashlib.sha256("\0".join([torch.__version__, sys.version, cpu_ops._cpu_id(), _source_digest(),
+                                  str(torch.get_num_threads()), str(torch.get_default_dtype()),
+                                  str(cpu_ops.available())]).encode())
     for name, module in model.named_modules():
         h.update(f"\0{name}:{_describe(type(module))}".encode())
         for attr, value in sorted(vars(module).items()):

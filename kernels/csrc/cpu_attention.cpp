@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <unordered_map>
@@ -360,8 +361,9 @@ void attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Te
 // metadata is set once per step (`set_step`), and the graph's `layer_attention(q, k, v, id)` writes
 // K and V and attends. A step the operators do not take (KV cache groups, image spans: `simple`
 // false), a layer not registered, or tensors of another dtype or layout go to the Python operator
-// `pagoda::attention` (worker/models/layers.py), which does the same through `attend`. Called from
-// one thread of one process (the worker's), as the model is.
+// `pagoda::attention` (worker/models/layers.py), which does the same through `attend`. The step is
+// the model's thread's; the registry is locked, since a layer collected or given a cache on another
+// thread changes it while the model's thread may be reading it (torch.ops calls release the GIL).
 struct Layer {
   at::Tensor cache;
   double scale;
@@ -380,6 +382,19 @@ std::unordered_map<int64_t, Layer>& layers() {
   return registry;
 }
 
+std::mutex& layers_lock() {
+  static std::mutex lock;
+  return lock;
+}
+
+// The layer's registration, copied (its tensors shared) under the lock; nullopt: none.
+std::optional<Layer> find_layer(int64_t id) {
+  std::lock_guard<std::mutex> guard(layers_lock());
+  const auto found = layers().find(id);
+  if (found == layers().end()) return std::nullopt;
+  return found->second;
+}
+
 Step& step() {
   static Step current;
   return current;
@@ -391,10 +406,19 @@ std::vector<int64_t> layer_attention_counts() { return {served, handed_back}; }
 
 void register_layer(int64_t id, at::Tensor cache, double scale, int64_t window, double softcap,
                     std::optional<at::Tensor> sinks) {
-  layers()[id] = Layer{std::move(cache), scale, window, softcap, std::move(sinks)};
+  Layer layer{std::move(cache), scale, window, softcap, std::move(sinks)};
+  std::lock_guard<std::mutex> guard(layers_lock());
+  layers()[id] = std::move(layer);
 }
 
-void unregister_layer(int64_t id) { layers().erase(id); }
+void unregister_layer(int64_t id) {
+  std::optional<Layer> gone;  // its tensors released after the lock
+  std::lock_guard<std::mutex> guard(layers_lock());
+  const auto found = layers().find(id);
+  if (found == layers().end()) return;
+  gone = std::move(found->second);
+  layers().erase(found);
+}
 
 void set_step(at::Tensor slots, at::Tensor tables, at::Tensor lens, at::Tensor starts, bool simple) {
   step() = Step{std::move(slots), std::move(tables), std::move(lens), std::move(starts), simple};
@@ -403,9 +427,9 @@ void set_step(at::Tensor slots, at::Tensor tables, at::Tensor lens, at::Tensor s
 void clear_step() { step() = Step{}; }
 
 at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t id) {
-  const auto found = layers().find(id);
+  const std::optional<Layer> found = find_layer(id);
   const Step& current = step();
-  if (!current.simple || found == layers().end() || q.scalar_type() != found->second.cache.scalar_type() ||
+  if (!current.simple || !found || q.scalar_type() != found->cache.scalar_type() ||
       k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type() || q.dim() != 3 || k.dim() != 3 ||
       v.dim() != 3 || q.stride(2) != 1 || k.stride(2) != 1 || v.stride(2) != 1) {
     static const auto python = c10::Dispatcher::singleton()
@@ -415,7 +439,7 @@ at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     return python.call(q, k, v, id);
   }
   ++served;
-  const Layer& layer = found->second;
+  const Layer& layer = *found;
   write_kv(k, v, layer.cache, current.slots);
   at::Tensor out = q.new_empty(q.sizes());
   attention(q, layer.cache, current.tables, current.lens, current.starts, out, layer.scale, layer.window,

@@ -156,7 +156,9 @@ class Int8LogitsMethod(Int8LinearMethod):
             return super().apply(layer, x, bias).float()
         q, scales = layer.packed
         if x.dim() == 2 and x.stride(-1) == 1 and cpu_ops.available():
-            return cpu_ops.int8_logits(x, q, scales, None if bias is None else bias.to(scales.dtype).contiguous())
+            if bias is not None and bias.dtype != scales.dtype:  # (bfloat16 scales widen exactly)
+                scales, bias = scales.float(), bias.float()
+            return cpu_ops.int8_logits(x, q, scales, None if bias is None else bias.contiguous())
         return self.refined(layer, x, bias)
 
     def refined(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
