@@ -172,6 +172,34 @@ def int8_logits(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     return out
 
 
+def int4_takes(n: int, k: int, group_size: int) -> bool:
+    """Whether `int4_mm` serves a layer of this shape: the operators loaded and built with
+    AVX512_BF16, 16 | n, and groups of a multiple of 8 columns that divide k."""
+    return n % 16 == 0 and group_size > 0 and group_size % 8 == 0 and k % group_size == 0 and available() \
+        and torch.ops.pagoda_cpu.int4_supported()
+
+
+def int4_pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_mm`'s layout (`csrc/cpu_linear.cpp`) of q [n, k] in 0..15 and its groups' scales and
+    zeros [n, k / group_size] (w = (q - 8) * scale + zero): (weights [n / 16, 8k] uint8, scales and
+    zeros [n / 16, groups, 2, 16] bfloat16). In each 64-byte chunk of 16 rows x 8 columns, word i
+    holds q[i // 2][8c + 2j + i % 2] as its nibble j."""
+    n, k = q.shape
+    v = q.to(torch.int32).view(n // 16, 16, k // 8, 4, 2).permute(0, 2, 1, 4, 3)  # block, chunk, row, i % 2, j
+    words = v[..., 0] | (v[..., 1] << 4) | (v[..., 2] << 8) | (v[..., 3] << 12)
+    weights = words.to(torch.int16).contiguous().view(torch.uint8).reshape(n // 16, 8 * k)
+    groups = scales.shape[1]
+    per_block = [t.to(torch.bfloat16).view(n // 16, 16, groups).transpose(1, 2) for t in (scales, zeros)]
+    return weights, torch.stack(per_block, 2).contiguous()
+
+
+def int4_mm(x: torch.Tensor, weights: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """bfloat16 [m, n] = x [m, k] times the `int4_pack`ed weight, transposed."""
+    out = torch.empty(x.shape[0], weights.shape[0] * 16, dtype=torch.bfloat16)
+    torch.ops.pagoda_cpu.int4_mm(x.contiguous(), weights, scales_and_zeros, group_size, out)
+    return out
+
+
 # The compiled decode step's attention straight from the graph (`csrc/cpu_attention.cpp`'s
 # `layer_attention`): each layer's cache registered under its layer id, the step's metadata set
 # once per step.

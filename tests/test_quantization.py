@@ -260,6 +260,31 @@ def test_the_int8_logits_head_computes_every_logit_in_float32_whatever_the_batch
             assert not torch.equal(method.apply(layer, x, None), rounded)  # bfloat16's steps are gone
 
 
+def test_the_cpu_int4_kernel_is_the_dequantized_weight_whatever_the_batch():
+    """Where the CPU has AVX512_BF16 the int4 layers run the C++ kernel: its products are those of
+    the dequantized weight to within a bfloat16 step (float32 sums of the unrounded (q - 8) * scale +
+    zero, the output rounded to bfloat16 once), and a row gives the
+    same bits alone or in any batch (tiles of 4 rows and the 1-3 left over). Groups of 32 and of a
+    whole row of 40; one block of 16 outputs and several."""
+    from kernels import cpu_ops
+
+    if not (cpu_ops.available() and torch.ops.pagoda_cpu.int4_supported()):
+        pytest.skip("the C++ int4 kernel needs AVX512_BF16 (torch's kernel serves here)")
+    torch.manual_seed(0)
+    for n, k in ((16, 64), (96, 128), (48, 40)):
+        layer = _Layer(torch.randn(n, k, dtype=torch.bfloat16) * 0.05)
+        method = Int4LinearMethod()
+        method.process_weights_after_loading(layer)
+        assert layer.packed.kernel == "pagoda" and layer.group_size == (32 if k % 32 == 0 else k)
+        x = torch.randn(23, k, dtype=torch.bfloat16)
+        y = method.apply(layer, x, None)
+        exact = x.double() @ layer.weight.double().t()
+        assert y.dtype == torch.bfloat16 and y.shape == (23, n)
+        assert torch.allclose(y.double(), exact, rtol=2 ** -7, atol=4e-3)
+        for rows in (slice(0, 1), slice(1, 3), slice(4, 7), slice(2, 10), slice(22, 23)):
+            assert torch.equal(method.apply(layer, x[rows], None), y[rows])
+
+
 def test_without_the_cpu_kernels_the_int8_logits_head_recomputes_each_rows_best_logits_in_float32():
     """torch's kernel's logits are bfloat16; the REFINED_LOGITS best of each row by them become
     the float32 products of the same int8 weights and scales, so tokens that tie in bfloat16 are
@@ -285,10 +310,11 @@ def test_without_the_cpu_kernels_the_int8_logits_head_recomputes_each_rows_best_
 
 
 def test_a_shape_the_cpu_int4_kernel_does_not_take_serves_the_dequantized_weight():
-    """torch's packing wants N a multiple of 16 and a group of 32-256: 24 outputs, or 48 inputs
-    (one group of the whole row), keep no packed weight and run the dense one at every step."""
+    """Both packed kernels want N a multiple of 16; torch's a group of 32-256, the C++ one a group
+    of a multiple of 8 columns: 24 outputs, or 44 inputs (one group of the whole row), keep no
+    packed weight and run the dense one at every step."""
     torch.manual_seed(0)
-    for shape in ((24, 64), (32, 48)):
+    for shape in ((24, 64), (32, 44)):
         layer = _Layer(torch.randn(*shape, dtype=torch.bfloat16))
         Int4LinearMethod().process_weights_after_loading(layer)
         assert layer.packed is None

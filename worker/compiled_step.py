@@ -4,7 +4,7 @@ one Inductor graph.
 On a small CPU a decode step at a small batch is mostly per-op overhead: each layer is a few
 dozen aten ops from Python (norms, rotary, residual adds, casts, the activation), each costing
 microseconds around very little arithmetic. `torch.compile`'s Dynamo and Inductor (its C++
-backend) fuse those into a few loops per layer. The linear layers stay torch's kernels (the packed
+backend) fuse those into a few loops per layer. The linear layers stay opaque kernels (the packed
 int4/int8 GEMMs on the CPU), and attention stays one opaque op, `pagoda::attention`
 (worker/models/layers.py), which writes the KV cache and attends from the step's metadata (the
 attention context) when it runs: the graph holds no batch, and the KV pool is never copied.

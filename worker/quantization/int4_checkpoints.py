@@ -31,7 +31,7 @@ words of one packed along K, K/g groups), except where every rank needs every gr
 of a fused layer (GPTQ's is: they share the input, hence its Hessian and order).
 
 Serving (the same as `--quantization int4`, worker/quantization/weight_only.py): on the CPU with
-bfloat16 activations torch's packed int4 kernels for every step (tinygemm's w = (q - 8) * scale +
+bfloat16 activations a packed int4 kernel for every step (tinygemm's w = (q - 8) * scale +
 zero: scale = s, zero = (8 - z) * s; an act-order layer's inputs permuted once so its groups are
 contiguous, the activations gathered by the same permutation), else the dequantized weight. On CUDA the Triton dequantize-GEMM of kernels/triton_int4.py over the packed
 weight (no dense copy).
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.quantization.base import LinearMethod, QuantizationConfig, UnsupportedQuantization, frozen
-from worker.quantization.weight_only import int4_packable, int4_packed_mm, pack_int4_for_cpu
+from worker.quantization.weight_only import int4_packed_mm, pack_int4_for_cpu
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble i holds column AWQ_ORDER[i]
 PACK = 8  # int4 values per int32
@@ -218,7 +218,7 @@ class Int4CheckpointMethod(LinearMethod):
 def prepare_int4(layer: nn.Module, weight: Int4Weight, dtype: torch.dtype) -> None:
     """The serving form of an int4 weight (module docstring): `layer.triton` on CUDA; elsewhere
     `layer.weight`, the dequantized weight, and `layer.packed` (with `layer.perm` and
-    `layer.group_size`) where torch's CPU kernels run."""
+    `layer.group_size`) where a packed CPU kernel takes the shape."""
     layer.triton = layer.packed = layer.perm = None
     n, k = weight.q.shape
     if weight.q.is_cuda:
@@ -231,14 +231,13 @@ def prepare_int4(layer: nn.Module, weight: Int4Weight, dtype: torch.dtype) -> No
     if dtype != torch.bfloat16 or weight.q.device.type != "cpu" or groups is None:
         return
     perm, size = groups
-    if not int4_packable(n, k, size):
-        return
     q, zeros, scales = weight.q, weight.zeros.float(), weight.scales.float()
     if perm is not None:
         q = q[:, perm]
     tiny_zeros = (8 - zeros) * scales  # tinygemm's: w = (q - 8) * scale + zero
-    layer.packed = pack_int4_for_cpu(q, scales.t(), tiny_zeros.t())
-    layer.perm, layer.group_size = perm, size
+    layer.packed = pack_int4_for_cpu(q, scales.t(), tiny_zeros.t(), size)
+    if layer.packed is not None:
+        layer.perm, layer.group_size = perm, size
 
 
 def int4_apply(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -12,11 +12,13 @@ The weights are rounded to the model's dtype first (scales and zeros too), and
 `dequantize_*` gives exactly the values the layer computes with: a model whose linear weights are
 replaced by them is this scheme's reference.
 
-On the CPU with bfloat16 activations every step runs torch's packed kernels
-(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`: they read 1/4 and 1/2 of the bf16 bytes),
-whatever its number of rows: a row's output is then the same whatever else shares the step (a
-prompt whole or in chunks, alone or in a batch, read from the prefix cache or computed). Every
-other device or dtype, and a layer the kernels do not take, multiplies by the dequantized weight.
+On the CPU with bfloat16 activations every step runs a packed kernel, whatever its number of
+rows: for int4 the C++ kernel of `kernels/csrc/cpu_linear.cpp` where the CPU has AVX512_BF16 (it
+widens a block of weights once for up to 4 rows; 1.3-1.6x torch's speed from 2 rows up, about
+equal at 1), else torch's `_weight_int4pack_mm_for_cpu`; for int8 torch's `_weight_int8pack_mm`.
+They read 1/4 and 1/2 of the bf16 bytes. A row's output is then the same whatever else shares the
+step (a prompt whole or in chunks, alone or in a batch, read from the prefix cache or computed).
+Every other device or dtype, and a layer no kernel takes, multiplies by the dequantized weight.
 
 torch's int8 kernel rounds each logit to bfloat16, a step of 0.125 at a logit of 20: the best
 tokens of a row often tie, and a tie goes to the lowest token id. The int8 logits head
@@ -26,6 +28,8 @@ row), so greedy decoding picks by float32 logits, as llama.cpp's does; without t
 computes each row's `REFINED_LOGITS` best again in float32.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,18 +65,33 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     return w.view(n, k).to(dtype)
 
 
-def pack_int4_for_cpu(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's CPU int4 layout (tinygemm's convention, w = (q - 8) * scale + zero) of q [N, K]
-    int32 in 0..15 and its groups' scales and zeros [N, K/g]: (packed weight, scales_and_zeros
-    [K/g, N, 2] bfloat16)."""
+class Int4Packed(NamedTuple):
+    """A CPU int4 weight in a packed kernel's layout: `kernel` "pagoda" (`cpu_ops.int4_mm`, where
+    the C++ operators have AVX512_BF16) or "torch" (`_weight_int4pack_mm_for_cpu`)."""
+    kernel: str
+    weight: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+
+def pack_int4_for_cpu(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Packed | None:
+    """q [N, K] int32 in 0..15 and its groups' scales and zeros [N, K/g] (tinygemm's convention,
+    w = (q - 8) * scale + zero) for the first packed kernel that takes the shape; None where neither
+    does (the dequantized weight then serves every step)."""
+    n, k = q.shape
+    if cpu_ops.int4_takes(n, k, group_size):
+        return Int4Packed("pagoda", *cpu_ops.int4_pack(q, scales, zeros))
+    if not int4_packable(n, k, group_size):
+        return None
     scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).to(torch.bfloat16).contiguous()
-    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1), scales_and_zeros
+    return Int4Packed("torch", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1),
+                      scales_and_zeros)
 
 
-def int4_packed_mm(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], group_size: int) -> torch.Tensor:
+def int4_packed_mm(x: torch.Tensor, packed: Int4Packed, group_size: int) -> torch.Tensor:
     """x [M, K] bfloat16 times a `pack_int4_for_cpu` weight, transposed: [M, N]."""
-    weight, scales_and_zeros = packed
-    return torch._weight_int4pack_mm_for_cpu(x, weight, group_size, scales_and_zeros)
+    if packed.kernel == "pagoda":
+        return cpu_ops.int4_mm(x, packed.weight, packed.scales_and_zeros, group_size)
+    return torch._weight_int4pack_mm_for_cpu(x, packed.weight, group_size, packed.scales_and_zeros)
 
 
 CPU_INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
@@ -126,8 +145,7 @@ class Int4LinearMethod(_WeightOnlyMethod):
     def quantize(self, layer: nn.Module, weight: torch.Tensor):
         layer.group_size = int4_group_size(weight.shape[1], self.group_size)
         q, scales, zeros = quantize_int4(weight, layer.group_size)
-        packable = _packed_kernels(weight) and int4_packable(*weight.shape, layer.group_size)
-        packed = pack_int4_for_cpu(q, scales, zeros) if packable else None
+        packed = pack_int4_for_cpu(q, scales, zeros, layer.group_size) if _packed_kernels(weight) else None
         return dequantize_int4(q, scales, zeros, weight.dtype), packed
 
     def packed_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
