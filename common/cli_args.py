@@ -9,7 +9,8 @@ so `config_from_args(cls, parse(config_to_argv(config))) == config`. A field no 
 says why with `no_flag(default, why)`; tests/test_cli.py fails for a field that does neither.
 
 A bool field is a switch that turns its default around (`--no-prefix-caching` sets
-`enable_prefix_caching=False`). A field whose flag has an `env` default reads that variable when
+`enable_prefix_caching=False`); one whose default is None (auto: the program decides) takes both
+`--flag` and `--no-flag` (`--compile`, `--no-compile`). A field whose flag has an `env` default reads that variable when
 the flag is absent, else the field's default.
 """
 from __future__ import annotations
@@ -49,8 +50,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, exclude: Collect
             continue
         meta, value_type = f.metadata, _value_type(types[f.name])
         if value_type is bool:
-            parser.add_argument(meta["flag"], *meta.get("aliases", ()), dest=f.name, help=meta["help"],
-                                action="store_false" if f.default else "store_true")
+            action = argparse.BooleanOptionalAction if f.default is None else \
+                "store_false" if f.default else "store_true"
+            parser.add_argument(meta["flag"], *meta.get("aliases", ()), dest=f.name, help=meta["help"], action=action)
             continue
         if value_type is tuple:  # repeatable, each taking one or more values (vLLM's --lora-modules)
             parser.add_argument(meta["flag"], *meta.get("aliases", ()), dest=f.name, nargs="+", action=_Extend,
@@ -84,12 +86,17 @@ def config_to_argv(config, exclude: Collection[str] = ()) -> list[str]:
             continue
         if _value_type(types[f.name]) is bool:
             if value != f.default:
-                argv.append(f.metadata["flag"])
+                argv.append(f.metadata["flag"] if value or f.default is not None else _negated(f.metadata["flag"]))
         elif _value_type(types[f.name]) is tuple:
             argv += [f"{f.metadata['flag']}={item}" for item in value]
         else:
             argv.append(f"{f.metadata['flag']}={value}")  # '=': a value may start with '-'
     return argv
+
+
+def _negated(flag: str) -> str:
+    """An auto bool's off switch: `--no-compile` for `--compile` (argparse.BooleanOptionalAction's)."""
+    return "--no-" + flag[2:]
 
 
 class _Extend(argparse.Action):

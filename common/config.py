@@ -96,9 +96,11 @@ class EngineConfig:
                                   "(auto: the cheaper by measured rates)", choices=PREEMPTION_MODES)
     enforce_eager: bool = option(False, "--enforce-eager",
                                  "run decode steps eagerly: no CUDA graphs (on CPU: no padded static decode buffers)")
-    compile: bool = option(False, "--compile",
-                           "CPU: compile the decode step with torch.compile (Inductor's C++ backend) at start-up; "
-                           "its caches live under $PAGODA_CACHE/inductor")
+    # None: auto, on where it measured faster (the CPU, one rank, no LoRA) unless PAGODA_COMPILE=0
+    compile: bool | None = option(None, "--compile",
+                                  "CPU: compile the decode step with torch.compile (Inductor's C++ backend) at "
+                                  "start-up, saved under $PAGODA_CACHE (default: on for one CPU rank without LoRA, "
+                                  "unless PAGODA_COMPILE=0; --no-compile: eager)")
     async_scheduling: bool = option(True, "--no-async-scheduling",
                                     "plan each step only after the previous one's result (by default the scheduler "
                                     "plans step N+1 while step N runs)")

@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # --quantization's default for every config the tests build (in process and in the processes they
 # start): full precision, the transformers parity guard. Quantized runs say so explicitly.
 os.environ["PAGODA_QUANTIZATION"] = "none"
+os.environ["PAGODA_COMPILE"] = "0"  # the decode step eager unless a test asks (--compile): compiling takes minutes
 
 
 def _has_cuda() -> bool:

@@ -263,3 +263,31 @@ def test_the_graphs_attention_runs_in_cpp_and_hands_a_step_it_does_not_take_to_p
         assert torch.equal(out, want) and torch.equal(written, cache), how
         assert [a - b for a, b in zip(torch.ops.pagoda_cpu.layer_attention_counts(), before)] == counted, how
     attn.kv_cache = None  # unregisters: the C++ side holds no reference to the cache
+
+
+@pytest.mark.parametrize("compile, env, device, ranks, lora, compiled, warned", [
+    (None, None, "cpu", 1, None, True, False),  # the default: on for one CPU rank
+    (None, "0", "cpu", 1, None, False, False),  # PAGODA_COMPILE=0 (this suite's default)
+    (False, None, "cpu", 1, None, False, False),  # --no-compile
+    (True, "0", "cpu", 1, None, True, False),  # --compile, whatever the environment
+    (None, None, "cuda", 1, None, False, False),  # CUDA graphs instead, quietly
+    (True, None, "cuda", 1, None, False, True),  # asked for: says why not
+    (None, None, "cpu", 2, None, False, False),  # tensor parallelism
+    (True, None, "cpu", 1, object(), False, True),  # LoRA
+])
+def test_the_decode_step_compiles_by_default_on_one_cpu_rank(compile, env, device, ranks, lora, compiled, warned,
+                                                               monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from common.config import EngineConfig
+    from worker.model_runner import ModelRunner
+
+    if env is None:
+        monkeypatch.delenv("PAGODA_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("PAGODA_COMPILE", env)
+    runner = SimpleNamespace(config=EngineConfig(compile=compile), device=torch.device(device), world_size=ranks,
+                             lora=lora)
+    with caplog.at_level("WARNING", logger="worker.model_runner"):
+        assert ModelRunner._compilable(runner) is compiled
+    assert ("--compile: the decode step runs eagerly" in caplog.text) is warned

@@ -7,6 +7,7 @@ CUDA) unless `enforce_eager`; other steps run the model eagerly on the step's ow
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -60,7 +61,7 @@ class ModelRunner:
         self.prefill_tokens_per_s, self.activation_bytes_per_token = profile_prefill(self)
         self._allocate_pools(config)
         self.decode_runner = None if self._eager_decode() else self._start_decode_runner()
-        if config.compile and self.decode_runner is None:
+        if config.compile and self.decode_runner is None:  # (auto stays quiet)
             log.warning("--compile: the decode step runs eagerly (--enforce-eager, a pooling model, or EAGLE)")
         # the last forward's rows that prompt logprobs score, then those pooling requests pool
         self.kept_hidden: torch.Tensor | None = None
@@ -242,7 +243,7 @@ class ModelRunner:
         # path's batched attention is the faster of the two
         runner = DecodeRunner(self.model, self.input_batch, self.config.max_num_seqs, self.device,
                               expand_short=self.device.type == "cuda")
-        if self.config.compile and self._compilable():
+        if self._compilable():
             runner.compile()
         if self.device.type == "cuda":
             runner.capture()
@@ -254,10 +255,14 @@ class ModelRunner:
         return runner
 
     def _compilable(self) -> bool:
+        """Whether the decode step is compiled: `--compile`, or by default (auto) on one CPU rank
+        without LoRA unless PAGODA_COMPILE=0 (the test suite's; a test about compiling asks)."""
+        if self.config.compile is False or (self.config.compile is None and os.environ.get("PAGODA_COMPILE") == "0"):
+            return False
         why = ("on CUDA the decode step runs as CUDA graphs" if self.device.type == "cuda"
                else "tensor parallelism" if self.world_size > 1
                else "LoRA adapters" if self.lora is not None else None)
-        if why:
+        if why and self.config.compile:
             log.warning("--compile: the decode step runs eagerly (%s)", why)
         return why is None
 

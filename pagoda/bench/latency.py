@@ -183,7 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="worker ranks (ranks 1..N-1 as processes)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    parser.add_argument("--compile", action="store_true", help="CPU: the decode step compiled (torch.compile)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="CPU: the decode step compiled (torch.compile); default: as `pagoda up` (on for one CPU rank)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="the serial loop: each step's tokens read back before the next step is planned")
     parser.add_argument("--seed", type=int, default=0, help="the random prompts (and dummy weights)")
@@ -214,13 +215,15 @@ def run(args) -> int:
                              f"model's context ({llm.config.max_model_len} tokens)")
         vocab_size = int(runner.hf_config.vocab_size)
         result = {
-            **header("latency", command_words("latency", args), str(runner.device)),
+            # (a false switch is left out of the command: --no-compile is written here)
+            **header("latency", command_words("latency", args) + (" --no-compile" if args.compile is False else ""),
+                     str(runner.device)),
             **model_keys(runner),
             "kv_cache_dtype": args.kv_cache_dtype,
             "tensor_parallel_size": args.tensor_parallel_size,
             "async_scheduling": not args.no_async_scheduling,
             "enforce_eager": args.enforce_eager,
-            "compile": args.compile,
+            "compile": runner.decode_runner is not None and runner.decode_runner.compiled is not None,
             "cpu_attention_kernels": cpu_attention_kernels(runner),
             "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": args.seed,
             "goal": None,  # from the batch-1 row, once measured
