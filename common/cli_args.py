@@ -77,7 +77,8 @@ def config_from_args(cls: type, namespace: argparse.Namespace):
 
 def config_to_argv(config, exclude: Collection[str] = ()) -> list[str]:
     """The flags that make `config_from_args` rebuild `config` (fields in `exclude` or without a
-    flag aside). Every value is written, so a child never falls back on its environment."""
+    flag aside). Every value is written, so a child never falls back on its environment, except an
+    auto bool's None (no flag: the child decides, as `--compile`'s PAGODA_COMPILE)."""
     types = typing.get_type_hints(type(config))
     argv = []
     for f in flag_fields(type(config)):

@@ -156,7 +156,7 @@ ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[list[SchedulerStatus]], flo
      _summed("mm_encoder_cache_queries_total")),
     (CounterMetricFamily, "pagoda:mm_encoder_cache_hits", "Of them, images the encoder cache held.",
      _summed("mm_encoder_cache_hits_total")),
-    (CounterMetricFamily, "pagoda:compiled_step_recompiles", "Graphs the compiled CPU decode step (--compile) "
+    (CounterMetricFamily, "pagoda:compiled_step_recompiles", "Graphs the compiled CPU decode step "
      "compiled while serving, after its warm-up: each one is a stall (docs/kernels.md).",
      _summed("compiled_step_recompiles_total")),
 )

@@ -291,3 +291,25 @@ def test_the_decode_step_compiles_by_default_on_one_cpu_rank(compile, env, devic
     with caplog.at_level("WARNING", logger="worker.model_runner"):
         assert ModelRunner._compilable(runner) is compiled
     assert ("--compile: the decode step runs eagerly" in caplog.text) is warned
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_a_model_that_does_not_compile_runs_eagerly_warning_only_where_compile_was_asked(explicit, caplog):
+    """The CPU MoE loop cannot be traced whole: under `--compile` a warning says so; under the
+    default a line at info (no warning on every start of such a model)."""
+    from types import SimpleNamespace
+
+    from worker.cuda_graph import DecodeRunner
+
+    def forward(size):
+        raise RuntimeError("data-dependent routing read on the host")
+
+    runner = SimpleNamespace(model=torch.nn.Linear(4, 4), buckets=[1, 2], _forward=forward, compiled=None)
+    with caplog.at_level("INFO", logger="worker.cuda_graph"):
+        DecodeRunner.compile(runner, explicit=explicit)
+    assert runner.compiled is None
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert [r.getMessage() for r in warnings] == (
+        ["--compile: the decode step runs eagerly, this model did not compile: data-dependent routing read on "
+         "the host"] if explicit else [])
+    assert "runs eagerly" in caplog.text

@@ -3,7 +3,7 @@
 A decode-only step (every sequence computes one token) is copied into buffers that never move,
 padded up to the next bucket, and run at the bucket's size: on CUDA by replaying the graph
 captured for that bucket at start-up, on CPU by running the model on the same buffers (so the
-CPU tests check this path), compiled by torch.compile with `--compile` (worker/compiled_step.py). Every shape a kernel sees is fixed per bucket: B tokens, B sequences,
+CPU tests check this path), compiled by torch.compile by default (worker/compiled_step.py; `--no-compile`: eager). Every shape a kernel sees is fixed per bucket: B tokens, B sequences,
 block tables [B, max_model_len / block_size], `max_seqlen_k` = that width in tokens, so the
 Triton launch (grid and split count) is the same at capture and at every replay.
 
@@ -154,16 +154,20 @@ class DecodeRunner:
             return model(self.input_ids[:size], self.positions[:size])
 
     @torch.inference_mode()
-    def compile(self) -> None:
+    def compile(self, explicit: bool = True) -> None:
         """CPU: run the model of every bucket through torch.compile (worker/compiled_step.py),
-        compiling now over every bucket."""
+        compiling now over every bucket. A model it cannot take runs eagerly: a warning where
+        `--compile` asked (`explicit`), else a line at info (the default's)."""
         try:
             self.compiled = CompiledModel(self.model)
             self.compiled.warm_up(self._forward, self.buckets)
         except Exception as exc:  # a model torch.compile cannot take whole (the CPU MoE's host sync)
             self.compiled = None
-            log.warning("--compile: the decode step runs eagerly, this model did not compile: %s",
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if explicit:
+                log.warning("--compile: the decode step runs eagerly, this model did not compile: %s", why)
+            else:
+                log.info("the decode step runs eagerly: this model did not compile (%s)", why)
 
     @torch.inference_mode()
     def capture(self) -> None:

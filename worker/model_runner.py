@@ -244,7 +244,7 @@ class ModelRunner:
         runner = DecodeRunner(self.model, self.input_batch, self.config.max_num_seqs, self.device,
                               expand_short=self.device.type == "cuda")
         if self._compilable():
-            runner.compile()
+            runner.compile(explicit=self.config.compile is True)
         if self.device.type == "cuda":
             runner.capture()
             bound = cuda_graph_bytes(self.config.max_num_seqs, self.activation_bytes_per_token, len(runner.buckets))

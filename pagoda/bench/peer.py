@@ -2,7 +2,7 @@
 under the same client workloads in one run, in turn.
 
     pagoda bench peer --llama-server ~/llama.cpp/build/bin/llama-server --output out.json
-    pagoda bench peer --llama-server PATH --pagoda-flags="--compile"   # more `pagoda up` flags (write the =)
+    pagoda bench peer --llama-server PATH --pagoda-flags="--no-compile"   # more `pagoda up` flags (write the =)
     pagoda bench peer --pagoda-url http://127.0.0.1:8000 --peer-url http://127.0.0.1:8080   # two servers already up
 
 Both servers stay up for the whole run, each idle while the other serves (the result reports the
@@ -199,7 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                "(docs/benchmarks.md says how to build it)")
     parser.add_argument("--peer-url", help="instead: a peer OpenAI-compatible server already up")
     parser.add_argument("--pagoda-url", help="a Pagoda gateway already up (default: `pagoda up` is started)")
-    parser.add_argument("--pagoda-flags", default="", help="more `pagoda up` flags, one string, after an = (--pagoda-flags=\"--compile\")")
+    parser.add_argument("--pagoda-flags", default="", help="more `pagoda up` flags, one string, after an = (--pagoda-flags=\"--no-compile\")")
     parser.add_argument("--gguf", help="the GGUF file both serve (default: the default model's)")
     parser.add_argument("--threads", type=int, default=2, help="llama-server's -t")
     parser.add_argument("--concurrency", default="1,4,16", help="streams at once, one workload each (comma-separated)")
